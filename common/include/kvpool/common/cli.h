@@ -1,0 +1,45 @@
+// kvpool/common/cli.h — the one flag convention shared by every kvpool binary.
+//
+// Hyphenated long flags, `--help` with defaults, `--version`, and `--config FILE` (YAML whose
+// keys are the flag names without dashes; flags given on the command line win). Exit codes:
+// 0 success, 1 usage error, 2 runtime error.
+//
+//   int main(int argc, char** argv) {
+//     CLI::App app{"kvpool-server — the KV-cache pool"};
+//     kvpool::cli::Setup(app, "kvpool-server");
+//     std::string listen = "127.0.0.1:7070";
+//     app.add_option("--listen", listen, "gRPC address")->capture_default_str();
+//     KVPOOL_CLI_PARSE(app, argc, argv);   // returns 0/1 from main on --help/--version/errors
+//     ...
+//   }
+//
+// CLI11 is a header-only Debian package; this header is included only by binaries' main files.
+#pragma once
+
+#include <string>
+
+#include <CLI/CLI.hpp>
+
+namespace kvpool::cli {
+
+inline constexpr int kExitOk = 0;
+inline constexpr int kExitUsage = 1;
+inline constexpr int kExitRuntime = 2;
+
+// The project version string ("0.1.0 (git abcdef0)").
+std::string VersionString();
+
+// Adds --version, --config FILE (YAML) and --log-level to `app`, and shows defaults in --help.
+void Setup(CLI::App& app, const std::string& program_name);
+
+// Parses; on --help/--version prints and returns kExitOk, on a usage error prints a one-line
+// message and returns kExitUsage; returns -1 when the program should continue.
+int Parse(CLI::App& app, int argc, char** argv);
+
+}  // namespace kvpool::cli
+
+#define KVPOOL_CLI_PARSE(app, argc, argv)                          \
+  do {                                                             \
+    int kvpool_cli_rc_ = ::kvpool::cli::Parse((app), (argc), (argv)); \
+    if (kvpool_cli_rc_ >= 0) return kvpool_cli_rc_;                \
+  } while (0)

@@ -1,0 +1,106 @@
+#include "kvpool/common/cli.h"
+
+#include <iostream>
+#include <sstream>
+
+#include <yaml-cpp/yaml.h>
+
+#include "kvpool/common/log.h"
+#include "kvpool/common/version.h"
+
+namespace kvpool::cli {
+namespace {
+
+// Reads a flat (or nested: "section.key") YAML map into CLI11 config items. Sequences become
+// multiple inputs. Keys are flag names without the leading dashes.
+class YamlConfig : public CLI::Config {
+ public:
+  std::string to_config(const CLI::App* app, bool default_also, bool,
+                        std::string) const override {
+    YAML::Emitter out;
+    out << YAML::BeginMap;
+    for (const CLI::Option* opt : app->get_options()) {
+      if (opt->get_lnames().empty() || !opt->get_configurable()) continue;
+      const std::string& name = opt->get_lnames().front();
+      std::string value = opt->results().empty() ? (default_also ? opt->get_default_str() : "")
+                                                 : opt->results().front();
+      if (value.empty()) continue;
+      out << YAML::Key << name << YAML::Value << value;
+    }
+    out << YAML::EndMap;
+    return out.c_str();
+  }
+
+  std::vector<CLI::ConfigItem> from_config(std::istream& input) const override {
+    std::vector<CLI::ConfigItem> items;
+    YAML::Node root;
+    try {
+      root = YAML::Load(input);
+    } catch (const YAML::Exception& e) {
+      throw CLI::ConversionError("config file is not valid YAML: " + std::string(e.what()));
+    }
+    if (root.IsNull()) return items;
+    if (!root.IsMap()) throw CLI::ConversionError("config file must be a YAML map of flag: value");
+    Walk(root, {}, items);
+    return items;
+  }
+
+ private:
+  static void Walk(const YAML::Node& node, std::vector<std::string> parents,
+                   std::vector<CLI::ConfigItem>& items) {
+    for (const auto& kv : node) {
+      const std::string key = kv.first.as<std::string>();
+      const YAML::Node& v = kv.second;
+      if (v.IsMap()) {
+        auto p = parents;
+        p.push_back(key);
+        Walk(v, p, items);
+        continue;
+      }
+      CLI::ConfigItem item;
+      item.parents = parents;
+      item.name = key;
+      if (v.IsSequence()) {
+        for (const auto& e : v) item.inputs.push_back(e.as<std::string>());
+      } else if (!v.IsNull()) {
+        item.inputs.push_back(v.as<std::string>());
+      }
+      items.push_back(std::move(item));
+    }
+  }
+};
+
+}  // namespace
+
+std::string VersionString() { return std::string(kVersion) + " (git " + kGitSha + ")"; }
+
+void Setup(CLI::App& app, const std::string& program_name) {
+  app.name(program_name);
+  app.option_defaults()->always_capture_default();
+  app.set_version_flag("--version", program_name + " " + VersionString());
+  app.config_formatter(std::make_shared<YamlConfig>());
+  app.set_config("--config", "", "YAML file whose keys are flag names; explicit flags win");
+  app.add_option_function<std::string>(
+         "--log-level",
+         [](const std::string& lvl) {
+           if (!SetLogLevel(lvl)) throw CLI::ValidationError("--log-level", "unknown level " + lvl);
+         },
+         "trace|debug|info|warn|error|off")
+      ->default_str("info");
+}
+
+int Parse(CLI::App& app, int argc, char** argv) {
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::Success& e) {
+    app.exit(e);
+    return kExitOk;
+  } catch (const CLI::ParseError& e) {
+    std::cerr << app.get_name() << ": " << e.what() << "\n";
+    std::cerr << "Run with --help for more information.\n";
+    return kExitUsage;
+  }
+  return -1;
+}
+
+}  // namespace kvpool::cli

@@ -1,0 +1,6 @@
+import sys
+
+
+def test_python_env_is_the_build_venv():
+    # The tooling venv lives in the build tree (scripts/setup.sh creates it).
+    assert "venv" in sys.prefix
