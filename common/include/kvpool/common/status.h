@@ -44,7 +44,10 @@ namespace kvpool {
 // Prefixes the message of a non-OK status with `context` ("context: message"), keeping the code.
 inline absl::Status Annotate(const absl::Status& s, std::string_view context) {
   if (s.ok()) return s;
-  return absl::Status(s.code(), absl::StrCat(context, ": ", s.message()));
+  // Debian's Abseil has its own string_view (ABSL_OPTION_USE_STD_STRING_VIEW 0), so a
+  // std::string_view must be converted before it meets absl::StrCat.
+  return absl::Status(s.code(), absl::StrCat(absl::string_view(context.data(), context.size()),
+                                             ": ", s.message()));
 }
 
 }  // namespace kvpool
