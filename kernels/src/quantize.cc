@@ -1,0 +1,389 @@
+// Scalar OSCAR quantizer and the run-time dispatch (see kvpool/kernels/quantize.h).
+#include "kvpool/kernels/quantize.h"
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "kvpool/kernels/numeric.h"
+#include "quantize_internal.h"
+
+namespace kvpool {
+
+bool CpuHasAvx2() {
+#if defined(__x86_64__) || defined(__i386__)
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                          __builtin_cpu_supports("f16c");
+  return has;
+#else
+  return false;
+#endif
+}
+
+KernelIsa ResolveIsa(KernelIsa isa) {
+  if (isa == KernelIsa::kScalar) return KernelIsa::kScalar;
+  return CpuHasAvx2() ? KernelIsa::kAvx2 : KernelIsa::kScalar;
+}
+
+const char* IsaName(KernelIsa isa) {
+  switch (isa) {
+    case KernelIsa::kAuto:
+      return "auto";
+    case KernelIsa::kScalar:
+      return "scalar";
+    case KernelIsa::kAvx2:
+      return "avx2";
+  }
+  return "unknown";
+}
+
+absl::Status ValidateHeadDim(uint32_t head_dim, const char* field) {
+  if (head_dim < 8 || head_dim > kMaxHeadDim || (head_dim & (head_dim - 1)) != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, " must be a power of two in [8, ", kMaxHeadDim, "], got ", head_dim));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateClipRatio(float ratio, const char* field) {
+  if (!(ratio >= 0.0f && ratio <= 1.0f)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, " must be 0 (disabled) or in (0, 1], got ", ratio));
+  }
+  return absl::OkStatus();
+}
+
+uint32_t ClipIndex(float ratio, uint32_t d) {
+  double v = std::floor(static_cast<double>(ratio) * static_cast<double>(d));
+  if (v < 0) v = 0;
+  if (v > d - 1) v = d - 1;
+  return static_cast<uint32_t>(v);
+}
+
+float ClipThreshold(const float* x, uint32_t d, float ratio) {
+  if (!(ratio > 0.0f)) return INFINITY;
+  std::vector<float> mag(d);
+  for (uint32_t j = 0; j < d; ++j) mag[j] = std::fabs(x[j]);
+  return internal::KthLargest(mag.data(), d, d - ClipIndex(ratio, d));
+}
+
+namespace internal {
+
+float KthLargest(float* a, uint32_t d, uint32_t k) {
+  if (k <= 32) {
+    // Sorted (descending) top-k insertion; the k-th largest is a value of the multiset, so
+    // every selection algorithm returns the same number.
+    float top[33];
+    uint32_t c = 0;
+    for (uint32_t j = 0; j < d; ++j) {
+      const float v = a[j];
+      if (c == k && !(v > top[k - 1])) continue;
+      uint32_t pos = c < k ? c : k - 1;
+      while (pos > 0 && top[pos - 1] < v) {
+        top[pos] = top[pos - 1];
+        --pos;
+      }
+      top[pos] = v;
+      if (c < k) ++c;
+    }
+    return top[k - 1];
+  }
+  std::nth_element(a, a + (d - k), a + d);
+  return a[d - k];
+}
+
+namespace {
+
+inline float Fp16Bits(uint16_t h) { return Fp16ToFp32(h); }
+
+}  // namespace
+
+RowQuantStatus QuantizeRowScalar(const float* x, uint32_t d, float ratio, uint8_t* codes,
+                                 uint16_t* params) {
+  const uint32_t G = std::min<uint32_t>(d, 128);
+  const uint32_t ng = d / G;
+  float mag[kMaxHeadDim];
+  for (uint32_t j = 0; j < d; ++j) {
+    if (!std::isfinite(x[j])) {
+      std::fill(codes, codes + d / 4, 0);
+      std::fill(params, params + 2 * ng, 0);
+      return RowQuantStatus::kNonFinite;
+    }
+    mag[j] = std::fabs(x[j]);
+  }
+  float tau = INFINITY;
+  if (ratio > 0.0f) tau = KthLargest(mag, d, d - ClipIndex(ratio, d));
+  float xc[kMaxHeadDim];
+  for (uint32_t j = 0; j < d; ++j) xc[j] = std::min(std::max(x[j], -tau), tau);
+
+  uint8_t code[kMaxHeadDim];
+  for (uint32_t g = 0; g < ng; ++g) {
+    const float* v = xc + g * G;
+    float mn = v[0], mx = v[0];
+    for (uint32_t j = 1; j < G; ++j) {
+      mn = std::min(mn, v[j]);
+      mx = std::max(mx, v[j]);
+    }
+    mn += 0.0f;  // -0 -> +0 (both paths store the same mn16 bits)
+    mx += 0.0f;
+    const uint16_t mn16 = Fp32ToFp16(mn, RoundMode::kDown);
+    uint16_t scale16 = 0;
+    if (mx > kFp16Max || Fp16IsNonFinite(mn16)) {
+      std::fill(codes, codes + d / 4, 0);
+      std::fill(params, params + 2 * ng, 0);
+      return RowQuantStatus::kFp16Overflow;
+    }
+    const float mn16f = Fp16Bits(mn16);
+    if (mx != mn) {
+      const float s = (mx - mn16f) / 3.0f;
+      scale16 = Fp32ToFp16(s, RoundMode::kUp);
+      if (Fp16IsNonFinite(scale16)) {
+        std::fill(codes, codes + d / 4, 0);
+        std::fill(params, params + 2 * ng, 0);
+        return RowQuantStatus::kFp16Overflow;
+      }
+    }
+    params[2 * g] = scale16;
+    params[2 * g + 1] = mn16;
+    uint8_t* c = code + g * G;
+    if (scale16 == 0) {
+      std::fill(c, c + G, 0);
+      continue;
+    }
+    const float sc = Fp16Bits(scale16);
+    for (uint32_t j = 0; j < G; ++j) {
+      const float t = (v[j] - mn16f) / sc;
+      const float fl = std::floor(t);
+      float q = fl + ((t - fl) >= 0.5f ? 1.0f : 0.0f);
+      q = std::min(std::max(q, 0.0f), 3.0f);
+      c[j] = static_cast<uint8_t>(q);
+    }
+  }
+  PackCodes(code, d, codes);
+  return RowQuantStatus::kOk;
+}
+
+void RotateRowsScalar(const float* x, uint64_t n, uint32_t d, const float* rotation, float* out) {
+  for (uint64_t r = 0; r < n; ++r) {
+    const float* xr = x + r * d;
+    float* o = out + r * d;
+    std::fill(o, o + d, 0.0f);
+    for (uint32_t i = 0; i < d; ++i) {
+      const float xi = xr[i];
+      const float* row = rotation + static_cast<uint64_t>(i) * d;
+      for (uint32_t j = 0; j < d; ++j) o[j] = std::fma(xi, row[j], o[j]);
+    }
+  }
+}
+
+}  // namespace internal
+
+RowQuantStatus QuantizeRow(const float* x, uint32_t d, float ratio, uint8_t* codes,
+                           uint16_t* params, KernelIsa isa) {
+  if (ResolveIsa(isa) == KernelIsa::kAvx2) {
+    return internal::QuantizeRowAvx2(x, d, ratio, codes, params);
+  }
+  return internal::QuantizeRowScalar(x, d, ratio, codes, params);
+}
+
+namespace {
+
+absl::Status NonFiniteError(const float* row, uint64_t r, uint32_t d) {
+  for (uint32_t j = 0; j < d; ++j) {
+    if (!std::isfinite(row[j])) {
+      return absl::InvalidArgumentError(absl::StrCat("row ", r, " element ", j, " is ",
+                                                     std::isnan(row[j]) ? "nan" : "inf",
+                                                     " (NaN/Inf are refused, FORMAT.md §2.5)"));
+    }
+  }
+  return absl::InvalidArgumentError(absl::StrCat("row ", r, " is not finite"));
+}
+
+uint32_t CountOverflowGroups(const float* row, uint32_t d) {
+  // Overflow is decided per row on the clipped values; count the groups whose raw values
+  // reach beyond fp16 as the event count (at least one per overflowing row).
+  const uint32_t G = std::min<uint32_t>(d, 128);
+  uint32_t n = 0;
+  for (uint32_t g = 0; g < d / G; ++g) {
+    for (uint32_t j = 0; j < G; ++j) {
+      if (std::fabs(row[g * G + j]) > kFp16Max) {
+        ++n;
+        break;
+      }
+    }
+  }
+  return n == 0 ? 1 : n;
+}
+
+}  // namespace
+
+absl::Status QuantizeRows(const float* x, uint64_t n, uint32_t d, float ratio, uint8_t* codes,
+                          uint16_t* params, QuantizeRowsResult* result, KernelIsa isa) {
+  if (auto s = ValidateHeadDim(d); !s.ok()) return s;
+  if (auto s = ValidateClipRatio(ratio); !s.ok()) return s;
+  const KernelIsa use = ResolveIsa(isa);
+  const uint32_t ng = d / std::min<uint32_t>(d, 128);
+  QuantizeRowsResult local;
+  for (uint64_t r = 0; r < n; ++r) {
+    const float* row = x + r * d;
+    RowQuantStatus s = QuantizeRow(row, d, ratio, codes + r * (d / 4), params + r * 2 * ng, use);
+    if (s == RowQuantStatus::kNonFinite) return NonFiniteError(row, r, d);
+    if (s == RowQuantStatus::kFp16Overflow) {
+      ++local.overflow_rows;
+      local.overflow_groups += CountOverflowGroups(row, d);
+      if (local.first_overflow_row < 0) local.first_overflow_row = static_cast<int64_t>(r);
+    }
+  }
+  if (result) *result = local;
+  return absl::OkStatus();
+}
+
+namespace {
+
+void WidenBf16(const uint16_t* x, uint64_t count, float* out, KernelIsa use) {
+  if (use == KernelIsa::kAvx2) {
+    internal::Bf16ToFp32RowsAvx2(x, count, out);
+    return;
+  }
+  for (uint64_t i = 0; i < count; ++i) out[i] = Bf16ToFp32(x[i]);
+}
+
+}  // namespace
+
+absl::Status QuantizeRowsBf16(const uint16_t* x, uint64_t n, uint32_t d, float ratio,
+                              uint8_t* codes, uint16_t* params, QuantizeRowsResult* result,
+                              KernelIsa isa) {
+  if (auto s = ValidateHeadDim(d); !s.ok()) return s;
+  if (auto s = ValidateClipRatio(ratio); !s.ok()) return s;
+  const KernelIsa use = ResolveIsa(isa);
+  const uint32_t ng = d / std::min<uint32_t>(d, 128);
+  QuantizeRowsResult local;
+  float row[kMaxHeadDim];
+  for (uint64_t r = 0; r < n; ++r) {
+    WidenBf16(x + r * d, d, row, use);
+    RowQuantStatus s = QuantizeRow(row, d, ratio, codes + r * (d / 4), params + r * 2 * ng, use);
+    if (s == RowQuantStatus::kNonFinite) return NonFiniteError(row, r, d);
+    if (s == RowQuantStatus::kFp16Overflow) {
+      ++local.overflow_rows;
+      local.overflow_groups += CountOverflowGroups(row, d);
+      if (local.first_overflow_row < 0) local.first_overflow_row = static_cast<int64_t>(r);
+    }
+  }
+  if (result) *result = local;
+  return absl::OkStatus();
+}
+
+void DequantizeRow(const uint8_t* codes, const uint16_t* params, uint32_t d, float* out) {
+  const uint32_t G = std::min<uint32_t>(d, 128);
+  const uint32_t q = d / 4;
+  for (uint32_t j = 0; j < d; ++j) {
+    const uint32_t quarter = j / q;
+    const uint32_t c = (codes[j % q] >> (2 * quarter)) & 3u;
+    const uint32_t g = j / G;
+    const float scale = Fp16ToFp32(params[2 * g]);
+    const float mn = Fp16ToFp32(params[2 * g + 1]);
+    out[j] = mn + static_cast<float>(c) * scale;
+  }
+}
+
+void PackCodes(const uint8_t* codes, uint32_t d, uint8_t* packed) {
+  const uint32_t q = d / 4;
+  for (uint32_t b = 0; b < q; ++b) {
+    packed[b] =
+        static_cast<uint8_t>((codes[b] & 3u) | ((codes[b + q] & 3u) << 2) |
+                             ((codes[b + 2 * q] & 3u) << 4) | ((codes[b + 3 * q] & 3u) << 6));
+  }
+}
+
+void UnpackCodes(const uint8_t* packed, uint32_t d, uint8_t* codes) {
+  const uint32_t q = d / 4;
+  for (uint32_t b = 0; b < q; ++b) {
+    for (uint32_t k = 0; k < 4; ++k) codes[b + k * q] = (packed[b] >> (2 * k)) & 3u;
+  }
+}
+
+void RotateRows(const float* x, uint64_t n, uint32_t d, const float* rotation, float* out,
+                KernelIsa isa) {
+  if (ResolveIsa(isa) == KernelIsa::kAvx2) {
+    internal::RotateRowsAvx2(x, n, d, rotation, out);
+  } else {
+    internal::RotateRowsScalar(x, n, d, rotation, out);
+  }
+}
+
+void RotateRowsBf16(const uint16_t* x, uint64_t n, uint32_t d, const float* rotation, float* out,
+                    KernelIsa isa) {
+  const KernelIsa use = ResolveIsa(isa);
+  std::vector<float> wide(static_cast<size_t>(n) * d);
+  WidenBf16(x, n * d, wide.data(), use);
+  RotateRows(wide.data(), n, d, rotation, out, use);
+}
+
+void RotateRowsTransposed(const float* x, uint64_t n, uint32_t d, const float* rotation,
+                          float* out) {
+  for (uint64_t r = 0; r < n; ++r) {
+    const float* xr = x + r * d;
+    for (uint32_t i = 0; i < d; ++i) {
+      const float* row = rotation + static_cast<uint64_t>(i) * d;
+      float acc = 0.0f;
+      for (uint32_t j = 0; j < d; ++j) acc = std::fma(xr[j], row[j], acc);
+      out[r * d + i] = acc;
+    }
+  }
+}
+
+absl::Status RotateQuantizeRowsBf16(const uint16_t* x, uint64_t n, uint32_t d,
+                                    const float* rotation, float ratio, uint16_t* rotated_bf16,
+                                    uint8_t* codes, uint16_t* params, QuantizeRowsResult* result,
+                                    KernelIsa isa) {
+  if (auto s = ValidateHeadDim(d); !s.ok()) return s;
+  if (auto s = ValidateClipRatio(ratio); !s.ok()) return s;
+  const KernelIsa use = ResolveIsa(isa);
+  const uint32_t ng = d / std::min<uint32_t>(d, 128);
+  constexpr uint64_t kTile = 16;  // rows per tile: keeps the fp32 tiles in L1
+  float wide[kTile * 128 > kMaxHeadDim ? kTile * 128 : kMaxHeadDim];
+  float rot[kTile * 128 > kMaxHeadDim ? kTile * 128 : kMaxHeadDim];
+  uint16_t rb[kTile * 128 > kMaxHeadDim ? kTile * 128 : kMaxHeadDim];
+  const uint64_t tile = std::max<uint64_t>(1, (kTile * 128) / d);
+  QuantizeRowsResult local;
+  for (uint64_t r0 = 0; r0 < n; r0 += tile) {
+    const uint64_t nr = std::min(tile, n - r0);
+    WidenBf16(x + r0 * d, nr * d, wide, use);
+    RotateRows(wide, nr, d, rotation, rot, use);
+    uint16_t* dst = rotated_bf16 ? rotated_bf16 + r0 * d : rb;
+    if (use == KernelIsa::kAvx2) {
+      internal::Fp32ToBf16RowsAvx2(rot, nr * d, dst);
+      internal::Bf16ToFp32RowsAvx2(dst, nr * d, rot);
+    } else {
+      for (uint64_t i = 0; i < nr * d; ++i) {
+        dst[i] = Fp32ToBf16(rot[i]);
+        rot[i] = Bf16ToFp32(dst[i]);
+      }
+    }
+    for (uint64_t k = 0; k < nr; ++k) {
+      const uint64_t r = r0 + k;
+      const float* row = rot + k * d;
+      RowQuantStatus s = QuantizeRow(row, d, ratio, codes + r * (d / 4), params + r * 2 * ng, use);
+      if (s == RowQuantStatus::kNonFinite) {
+        // Name the input element when the input itself is bad, else the rotated one.
+        std::vector<float> in(d);
+        for (uint32_t j = 0; j < d; ++j) in[j] = Bf16ToFp32(x[r * d + j]);
+        for (uint32_t j = 0; j < d; ++j) {
+          if (!std::isfinite(in[j])) return NonFiniteError(in.data(), r, d);
+        }
+        return absl::InvalidArgumentError(absl::StrCat(
+            "row ", r, " is finite but its rotation overflows to inf/nan (input too large)"));
+      }
+      if (s == RowQuantStatus::kFp16Overflow) {
+        ++local.overflow_rows;
+        local.overflow_groups += CountOverflowGroups(row, d);
+        if (local.first_overflow_row < 0) local.first_overflow_row = static_cast<int64_t>(r);
+      }
+    }
+  }
+  if (result) *result = local;
+  return absl::OkStatus();
+}
+
+}  // namespace kvpool

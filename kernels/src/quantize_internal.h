@@ -1,0 +1,26 @@
+// Internal entry points of the quantizer's two implementations (not installed).
+#pragma once
+
+#include <cstdint>
+
+#include "kvpool/kernels/quantize.h"
+
+namespace kvpool::internal {
+
+// Threshold selection helper shared by both paths: the k-th largest of a[0..d) (k >= 1),
+// a holds magnitudes (non-negative, finite). May reorder `a`.
+float KthLargest(float* a, uint32_t d, uint32_t k);
+
+RowQuantStatus QuantizeRowScalar(const float* x, uint32_t d, float ratio, uint8_t* codes,
+                                 uint16_t* params);
+void RotateRowsScalar(const float* x, uint64_t n, uint32_t d, const float* rotation, float* out);
+
+// Defined in quantize_avx2.cc (compiled for AVX2/FMA/F16C through a target pragma); call
+// only when CpuHasAvx2().
+RowQuantStatus QuantizeRowAvx2(const float* x, uint32_t d, float ratio, uint8_t* codes,
+                               uint16_t* params);
+void RotateRowsAvx2(const float* x, uint64_t n, uint32_t d, const float* rotation, float* out);
+void Bf16ToFp32RowsAvx2(const uint16_t* x, uint64_t count, float* out);
+void Fp32ToBf16RowsAvx2(const float* x, uint64_t count, uint16_t* out);
+
+}  // namespace kvpool::internal

@@ -1,0 +1,354 @@
+// Tests of the OSCAR INT2 quantizer (kvpool/kernels/quantize.h) against FORMAT.md §2.
+#include "kvpool/kernels/quantize.h"
+
+#include <algorithm>
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "kvpool/kernels/numeric.h"
+
+namespace kvpool {
+namespace {
+
+// The reference implementation's exact-arithmetic quantizer (fp64, unrounded mn and scale,
+// round half up), FORMAT.md §2.3 before our fp16 decision. Returns codes.
+std::vector<uint8_t> ExactReferenceCodes(const std::vector<float>& x) {
+  double mn = x[0], mx = x[0];
+  for (float v : x) {
+    mn = std::min<double>(mn, v);
+    mx = std::max<double>(mx, v);
+  }
+  const double scale = std::max(mx - mn, 1e-8) / 3.0;
+  std::vector<uint8_t> c;
+  for (float v : x) {
+    double q = std::floor((v - mn) / scale + 0.5);
+    c.push_back(static_cast<uint8_t>(std::clamp(q, 0.0, 3.0)));
+  }
+  return c;
+}
+
+std::vector<KernelIsa> Isas() {
+  std::vector<KernelIsa> v = {KernelIsa::kScalar};
+  if (CpuHasAvx2()) v.push_back(KernelIsa::kAvx2);
+  return v;
+}
+
+TEST(QuantizeTest, WorkedExampleFormat24) {
+  const std::vector<float> x = {-1, 0, 0.5, 2, -0.5, 1, 1.5, -2};
+  for (KernelIsa isa : Isas()) {
+    uint8_t packed[2];
+    uint16_t params[2];
+    ASSERT_EQ(QuantizeRow(x.data(), 8, 0.0f, packed, params, isa), RowQuantStatus::kOk);
+    EXPECT_EQ(packed[0], 0xD9) << IsaName(isa);
+    EXPECT_EQ(packed[1], 0x2D) << IsaName(isa);
+    EXPECT_EQ(params[0], 0x3D56);  // scale16 = fp16↑(4/3) = 1.333984375
+    EXPECT_EQ(params[1], 0xC000);  // mn16 = −2
+    uint8_t codes[8];
+    UnpackCodes(packed, 8, codes);
+    const std::vector<uint8_t> expect = {1, 1, 2, 3, 1, 2, 3, 0};
+    EXPECT_EQ(std::vector<uint8_t>(codes, codes + 8), expect);
+    float deq[8];
+    DequantizeRow(packed, params, 8, deq);
+    for (int j = 0; j < 8; ++j) EXPECT_EQ(deq[j], -2.0f + expect[j] * 1.333984375f);
+  }
+  // The exact-arithmetic reference puts x = 0 on the tie 1.5 -> 2: bytes [0xD9, 0x2E].
+  std::vector<uint8_t> ref = ExactReferenceCodes(x);
+  EXPECT_EQ(ref, (std::vector<uint8_t>{1, 2, 2, 3, 1, 2, 3, 0}));
+  uint8_t ref_packed[2];
+  PackCodes(ref.data(), 8, ref_packed);
+  EXPECT_EQ(ref_packed[0], 0xD9);
+  EXPECT_EQ(ref_packed[1], 0x2E);
+}
+
+TEST(QuantizeTest, PackUnpackRoundTripAndBitOrder) {
+  std::mt19937 rng(1);
+  for (uint32_t d : {8u, 16u, 64u, 128u, 256u}) {
+    std::vector<uint8_t> c(d), back(d), packed(d / 4);
+    for (auto& v : c) v = rng() & 3;
+    PackCodes(c.data(), d, packed.data());
+    for (uint32_t b = 0; b < d / 4; ++b) {
+      for (uint32_t k = 0; k < 4; ++k) {
+        ASSERT_EQ((packed[b] >> (2 * k)) & 3, c[b + k * d / 4]);
+      }
+    }
+    UnpackCodes(packed.data(), d, back.data());
+    EXPECT_EQ(c, back);
+  }
+}
+
+TEST(QuantizeTest, ClipIndexAndThreshold) {
+  EXPECT_EQ(ClipIndex(0.96f, 128), 122u);
+  EXPECT_EQ(ClipIndex(0.92f, 128), 117u);
+  EXPECT_EQ(ClipIndex(1.0f, 128), 127u);
+  std::vector<float> x(128);
+  for (int j = 0; j < 128; ++j) x[j] = (j % 2 ? -1.0f : 1.0f) * static_cast<float>(j + 1);
+  std::shuffle(x.begin(), x.end(), std::mt19937(3));
+  EXPECT_EQ(ClipThreshold(x.data(), 128, 0.96f), 123.0f);  // K: 5 largest (124..128) clipped
+  EXPECT_EQ(ClipThreshold(x.data(), 128, 0.92f), 118.0f);  // V: 10 largest clipped
+  EXPECT_TRUE(std::isinf(ClipThreshold(x.data(), 128, 0.0f)));
+  // Count clipped elements through the quantizer's dequantized output: with clipping, the
+  // largest reconstructed magnitude cannot exceed τ + scale/2.
+  for (KernelIsa isa : Isas()) {
+    uint8_t codes[32];
+    uint16_t params[2];
+    ASSERT_EQ(QuantizeRow(x.data(), 128, 0.96f, codes, params, isa), RowQuantStatus::kOk);
+    float deq[128];
+    DequantizeRow(codes, params, 128, deq);
+    const float scale = Fp16ToFp32(params[0]);
+    for (float v : deq) EXPECT_LE(std::fabs(v), 123.0f + scale / 2 + 1e-3f);
+  }
+}
+
+// Random rows of many shapes and distributions.
+std::vector<float> RandomRow(std::mt19937& rng, uint32_t d, int kind) {
+  std::vector<float> x(d);
+  std::normal_distribution<float> n01(0, 1);
+  std::uniform_real_distribution<float> u(-1, 1);
+  for (uint32_t j = 0; j < d; ++j) {
+    switch (kind % 7) {
+      case 0:
+        x[j] = n01(rng);
+        break;
+      case 1:  // heavy tail / outliers
+        x[j] = n01(rng) * (rng() % 16 == 0 ? 40.0f : 1.0f);
+        break;
+      case 2:  // tiny magnitudes (fp16 subnormal range)
+        x[j] = n01(rng) * 1e-6f;
+        break;
+      case 3:  // many duplicates / ties
+        x[j] = static_cast<float>(static_cast<int>(rng() % 5) - 2) * 0.25f;
+        break;
+      case 4:  // large but within fp16
+        x[j] = u(rng) * 20000.0f;
+        break;
+      case 5:  // positive offset
+        x[j] = 3.0f + u(rng);
+        break;
+      default:  // with zeros and signed zeros
+        x[j] = rng() % 3 == 0 ? (rng() % 2 ? -0.0f : 0.0f) : n01(rng);
+        break;
+    }
+  }
+  return x;
+}
+
+TEST(QuantizeTest, Avx2BitIdenticalToScalarManyShapes) {
+  if (!CpuHasAvx2()) GTEST_SKIP() << "CPU without AVX2/FMA/F16C: only the scalar path exists";
+  std::mt19937 rng(42);
+  uint64_t rows = 0;
+  for (uint32_t d : {8u, 16u, 32u, 64u, 128u, 256u, 512u, 1024u}) {
+    const uint32_t ng = d / std::min(d, 128u);
+    for (float ratio : {0.0f, 0.96f, 0.92f, 0.5f, 1.0f, 0.05f, 0.999f}) {
+      for (int kind = 0; kind < 7; ++kind) {
+        for (int rep = 0; rep < 20; ++rep) {
+          auto x = RandomRow(rng, d, kind);
+          std::vector<uint8_t> c1(d / 4), c2(d / 4);
+          std::vector<uint16_t> p1(2 * ng), p2(2 * ng);
+          auto s1 = QuantizeRow(x.data(), d, ratio, c1.data(), p1.data(), KernelIsa::kScalar);
+          auto s2 = QuantizeRow(x.data(), d, ratio, c2.data(), p2.data(), KernelIsa::kAvx2);
+          ASSERT_EQ(s1, s2) << d << " " << ratio << " " << kind;
+          ASSERT_EQ(c1, c2) << d << " " << ratio << " " << kind;
+          ASSERT_EQ(p1, p2) << d << " " << ratio << " " << kind;
+          ++rows;
+        }
+      }
+    }
+  }
+  EXPECT_EQ(rows, 8u * 7 * 7 * 20);
+}
+
+TEST(QuantizeTest, DequantErrorWithinHalfScaleOnNonClippedElements) {
+  std::mt19937 rng(7);
+  for (KernelIsa isa : Isas()) {
+    for (uint32_t d : {8u, 64u, 128u, 256u}) {
+      const uint32_t G = std::min(d, 128u);
+      for (float ratio : {0.0f, 0.96f, 0.92f}) {
+        for (int kind = 0; kind < 7; ++kind) {
+          for (int rep = 0; rep < 30; ++rep) {
+            auto x = RandomRow(rng, d, kind);
+            std::vector<uint8_t> c(d / 4);
+            std::vector<uint16_t> p(2 * d / G);
+            ASSERT_EQ(QuantizeRow(x.data(), d, ratio, c.data(), p.data(), isa),
+                      RowQuantStatus::kOk);
+            std::vector<float> deq(d);
+            DequantizeRow(c.data(), p.data(), d, deq.data());
+            const float tau = ClipThreshold(x.data(), d, ratio);
+            for (uint32_t j = 0; j < d; ++j) {
+              if (std::fabs(x[j]) > tau) continue;  // clipped element
+              const uint32_t g = j / G;
+              const float scale = Fp16ToFp32(p[2 * g]);
+              const float mn = Fp16ToFp32(p[2 * g + 1]);
+              if (scale == 0.0f) {
+                // degenerate group: dequantizes to fp16↓(value)
+                ASSERT_EQ(deq[j], mn);
+                continue;
+              }
+              // scale16/2, plus the fp32 rounding of the quotient (a few ulps of the level)
+              const double slack =
+                  4.0 * std::ldexp(1.0, std::ilogb(std::fabs(mn) + 3.0 * scale) - 23);
+              ASSERT_LE(std::fabs(static_cast<double>(deq[j]) - x[j]), scale / 2.0 + slack)
+                  << "d=" << d << " j=" << j << " kind=" << kind;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(QuantizeTest, DegenerateRows) {
+  for (KernelIsa isa : Isas()) {
+    for (uint32_t d : {8u, 128u, 256u}) {
+      const uint32_t ng = d / std::min(d, 128u);
+      std::vector<uint8_t> c(d / 4, 0xff);
+      std::vector<uint16_t> p(2 * ng, 0xffff);
+      std::vector<float> deq(d);
+      // all-zero -> exactly zero, zero params
+      std::vector<float> zero(d, 0.0f);
+      ASSERT_EQ(QuantizeRow(zero.data(), d, 0.96f, c.data(), p.data(), isa), RowQuantStatus::kOk);
+      DequantizeRow(c.data(), p.data(), d, deq.data());
+      for (float v : deq) ASSERT_EQ(v, 0.0f);
+      for (uint16_t v : p) ASSERT_EQ(v, 0);
+      // all-equal representable -> exact
+      std::vector<float> eq(d, 1.5f);
+      ASSERT_EQ(QuantizeRow(eq.data(), d, 0.96f, c.data(), p.data(), isa), RowQuantStatus::kOk);
+      DequantizeRow(c.data(), p.data(), d, deq.data());
+      for (float v : deq) ASSERT_EQ(v, 1.5f);
+      // all-equal not representable -> fp16 rounded down
+      std::vector<float> tenth(d, 0.1f);
+      ASSERT_EQ(QuantizeRow(tenth.data(), d, 0.0f, c.data(), p.data(), isa), RowQuantStatus::kOk);
+      DequantizeRow(c.data(), p.data(), d, deq.data());
+      const float down = Fp16ToFp32(Fp32ToFp16(0.1f, RoundMode::kDown));
+      EXPECT_LT(down, 0.1f);
+      for (float v : deq) ASSERT_EQ(v, down);
+    }
+  }
+}
+
+TEST(QuantizeTest, NonFiniteRefusedAndNamed) {
+  for (KernelIsa isa : Isas()) {
+    std::vector<float> x(128, 1.0f);
+    uint8_t c[64];
+    uint16_t p[4];
+    x[17] = NAN;
+    EXPECT_EQ(QuantizeRow(x.data(), 128, 0.96f, c, p, isa), RowQuantStatus::kNonFinite);
+    x[17] = -INFINITY;
+    EXPECT_EQ(QuantizeRow(x.data(), 128, 0.96f, c, p, isa), RowQuantStatus::kNonFinite);
+    std::vector<float> rows(4 * 128, 0.5f);
+    rows[3 * 128 + 17] = NAN;
+    std::vector<uint8_t> codes(4 * 32);
+    std::vector<uint16_t> params(4 * 2);
+    absl::Status s =
+        QuantizeRows(rows.data(), 4, 128, 0.96f, codes.data(), params.data(), nullptr, isa);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(s.message().find("row 3 element 17 is nan"), std::string::npos) << s;
+  }
+}
+
+TEST(QuantizeTest, Fp16OverflowIsCountedNotStored) {
+  for (KernelIsa isa : Isas()) {
+    std::vector<float> rows(3 * 128, 0.5f);
+    for (int j = 0; j < 128; ++j) rows[128 + j] = j * 1000.0f;  // row 1 reaches 127000 > 65504
+    rows[2 * 128 + 5] = -70000.0f;                              // row 2: min below -65504
+    std::vector<uint8_t> codes(3 * 32, 0xaa);
+    std::vector<uint16_t> params(3 * 2, 0xaaaa);
+    QuantizeRowsResult r;
+    // ratio 0: no clipping, so the outliers survive
+    ASSERT_TRUE(QuantizeRows(rows.data(), 3, 128, 0.0f, codes.data(), params.data(), &r, isa).ok());
+    EXPECT_EQ(r.overflow_rows, 2u);
+    EXPECT_EQ(r.overflow_groups, 2u);
+    EXPECT_EQ(r.first_overflow_row, 1);
+    for (int j = 32; j < 96; ++j) EXPECT_EQ(codes[j], 0);
+    for (int j = 2; j < 6; ++j) EXPECT_EQ(params[j], 0);
+    // with K clipping the 5 largest of row 2 (only one outlier) the row fits again
+    ASSERT_TRUE(
+        QuantizeRows(rows.data(), 3, 128, 0.96f, codes.data(), params.data(), &r, isa).ok());
+    EXPECT_EQ(r.overflow_rows, 1u);
+  }
+}
+
+TEST(QuantizeTest, BadArgumentsNamed) {
+  std::vector<float> x(16, 0.0f);
+  uint8_t c[8];
+  uint16_t p[2];
+  absl::Status s = QuantizeRows(x.data(), 1, 12, 0.96f, c, p, nullptr);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("head_dim"), std::string::npos);
+  s = QuantizeRows(x.data(), 1, 16, 1.5f, c, p, nullptr);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("clip_ratio"), std::string::npos);
+  s = QuantizeRows(x.data(), 1, 16, NAN, c, p, nullptr);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ValidateHeadDim(4).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ValidateHeadDim(2048).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(ValidateHeadDim(128).ok());
+}
+
+std::vector<float> RandomOrthogonalish(std::mt19937& rng, uint32_t d) {
+  std::vector<float> r(d * d);
+  std::normal_distribution<float> n01(0, 1.0f / std::sqrt(static_cast<float>(d)));
+  for (auto& v : r) v = n01(rng);
+  return r;
+}
+
+TEST(QuantizeTest, RotationAvx2BitIdenticalAndAccurate) {
+  std::mt19937 rng(5);
+  for (uint32_t d : {8u, 16u, 64u, 128u, 256u}) {
+    for (uint64_t n : {1ull, 2ull, 5ull, 6ull, 13ull, 16ull}) {
+      auto R = RandomOrthogonalish(rng, d);
+      std::vector<float> x(n * d);
+      std::normal_distribution<float> n01(0, 1);
+      for (auto& v : x) v = n01(rng);
+      std::vector<float> a(n * d), b(n * d);
+      RotateRows(x.data(), n, d, R.data(), a.data(), KernelIsa::kScalar);
+      if (CpuHasAvx2()) {
+        RotateRows(x.data(), n, d, R.data(), b.data(), KernelIsa::kAvx2);
+        ASSERT_EQ(a, b) << d << " " << n;
+      }
+      for (uint64_t r = 0; r < n; ++r) {
+        for (uint32_t j = 0; j < d; ++j) {
+          double ref = 0, mag = 0;
+          for (uint32_t i = 0; i < d; ++i) {
+            ref += static_cast<double>(x[r * d + i]) * R[i * d + j];
+            mag += std::fabs(static_cast<double>(x[r * d + i]) * R[i * d + j]);
+          }
+          ASSERT_NEAR(a[r * d + j], ref, 1e-6 * mag + 1e-30);
+        }
+      }
+    }
+  }
+}
+
+TEST(QuantizeTest, FusedRotateQuantizeMatchesSteps) {
+  std::mt19937 rng(9);
+  const uint32_t d = 128;
+  const uint64_t n = 37;
+  auto R = RandomOrthogonalish(rng, d);
+  std::vector<uint16_t> x(n * d);
+  std::normal_distribution<float> n01(0, 2);
+  for (auto& v : x) v = Fp32ToBf16(n01(rng));
+  for (KernelIsa isa : Isas()) {
+    std::vector<uint16_t> rot_bf16(n * d);
+    std::vector<uint8_t> codes(n * d / 4), codes2(n * d / 4);
+    std::vector<uint16_t> params(n * 2), params2(n * 2);
+    ASSERT_TRUE(RotateQuantizeRowsBf16(x.data(), n, d, R.data(), 0.96f, rot_bf16.data(),
+                                       codes.data(), params.data(), nullptr, isa)
+                    .ok());
+    std::vector<float> rot(n * d);
+    RotateRowsBf16(x.data(), n, d, R.data(), rot.data(), KernelIsa::kScalar);
+    std::vector<uint16_t> expect_bf16(n * d);
+    for (size_t i = 0; i < rot.size(); ++i) expect_bf16[i] = Fp32ToBf16(rot[i]);
+    ASSERT_EQ(rot_bf16, expect_bf16);
+    ASSERT_TRUE(QuantizeRowsBf16(expect_bf16.data(), n, d, 0.96f, codes2.data(), params2.data(),
+                                 nullptr, KernelIsa::kScalar)
+                    .ok());
+    EXPECT_EQ(codes, codes2);
+    EXPECT_EQ(params, params2);
+  }
+}
+
+}  // namespace
+}  // namespace kvpool
