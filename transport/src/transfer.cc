@@ -1,0 +1,110 @@
+// Transfer bookkeeping shared by every Transport implementation.
+#include <limits>
+#include <utility>
+
+#include "kvpool/transport/transport.h"
+
+namespace kvpool::transport {
+
+Transfer::Transfer(TransferRequest request)
+    : request_(std::move(request)),
+      item_status_(request_.ops.size(), absl::CancelledError("not attempted")) {}
+
+absl::Status Transfer::status() const {
+  switch (state()) {
+    case TransferState::kDone:
+      return absl::OkStatus();
+    case TransferState::kFailed: {
+      std::lock_guard<std::mutex> lock(mu_);
+      return first_error_;
+    }
+    default:
+      return absl::UnknownError("in progress");
+  }
+}
+
+std::vector<absl::Status> Transfer::item_status() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return item_status_;
+}
+
+absl::Status Transfer::Wait(absl::Time deadline) const {
+  if (state() == TransferState::kPrepared) {
+    return absl::FailedPreconditionError("transfer was not posted");
+  }
+  std::unique_lock<std::mutex> lock(mu_);
+  auto finished = [this] {
+    TransferState s = state_.load(std::memory_order_acquire);
+    return s == TransferState::kDone || s == TransferState::kFailed;
+  };
+  while (!finished()) {
+    if (deadline == absl::InfiniteFuture()) {
+      cv_.wait(lock);
+    } else {
+      absl::Duration left = deadline - absl::Now();
+      if (left <= absl::ZeroDuration()) {
+        return absl::DeadlineExceededError("transfer still in progress at its deadline");
+      }
+      cv_.wait_for(lock, absl::ToChronoNanoseconds(left));
+    }
+  }
+  if (state_.load(std::memory_order_acquire) == TransferState::kDone) return absl::OkStatus();
+  return first_error_;
+}
+
+bool Transfer::BeginPost() {
+  TransferState expected = TransferState::kPrepared;
+  return state_.compare_exchange_strong(expected, TransferState::kInProgress,
+                                        std::memory_order_acq_rel);
+}
+
+void Transfer::MarkPosted(size_t pending) {
+  std::lock_guard<std::mutex> lock(mu_);
+  pending_ = pending;
+  if (pending == 0) {
+    // Nothing was handed to the network (every op skipped): finish now.
+    if (first_error_.ok()) first_error_ = absl::CancelledError("transfer cancelled");
+    state_.store(TransferState::kFailed, std::memory_order_release);
+    cv_.notify_all();
+  }
+}
+
+void Transfer::CompleteOne(size_t index, absl::Status status) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (index != std::numeric_limits<size_t>::max() && index < item_status_.size()) {
+    item_status_[index] = status;
+  } else if (!status.ok()) {
+    // A failed flush fails every op that had reported local completion.
+    for (auto& s : item_status_) {
+      if (s.ok()) s = status;
+    }
+  }
+  if (!status.ok() && first_error_.ok()) first_error_ = std::move(status);
+  if (pending_ > 0) --pending_;
+  if (pending_ == 0) {
+    if (first_error_.ok() && cancelled()) {
+      for (const auto& s : item_status_) {
+        if (!s.ok()) {
+          first_error_ = absl::CancelledError("transfer cancelled");
+          break;
+        }
+      }
+    }
+    state_.store(first_error_.ok() ? TransferState::kDone : TransferState::kFailed,
+                 std::memory_order_release);
+    cv_.notify_all();
+  }
+}
+
+absl::Status Transport::Execute(TransferRequest request, absl::Time deadline) {
+  auto prepared = Prepare(std::move(request));
+  if (!prepared.ok()) return prepared.status();
+  std::shared_ptr<Transfer> transfer = *std::move(prepared);
+  absl::Status posted = Post(transfer);
+  if (!posted.ok()) return posted;
+  absl::Status waited = transfer->Wait(deadline);
+  if (absl::IsDeadlineExceeded(waited)) transfer->Cancel();
+  return waited;
+}
+
+}  // namespace kvpool::transport

@@ -1,0 +1,212 @@
+// RAII wrappers of UCX handles (see ucx_handles.h).
+#include "ucx_handles.h"
+
+#include <chrono>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "kvpool/common/log.h"
+
+namespace kvpool::transport::internal {
+
+absl::Status FromUcs(ucs_status_t status, const char* what) {
+  if (status == UCS_OK) return absl::OkStatus();
+  std::string msg = absl::StrCat(what, ": ", ucs_status_string(status));
+  switch (status) {
+    case UCS_ERR_UNREACHABLE:
+    case UCS_ERR_CONNECTION_RESET:
+    case UCS_ERR_ENDPOINT_TIMEOUT:
+    case UCS_ERR_NOT_CONNECTED:
+    case UCS_ERR_REJECTED:
+    case UCS_ERR_IO_ERROR:
+    case UCS_ERR_TIMED_OUT:
+    case UCS_ERR_SOME_CONNECTS_FAILED:
+    case UCS_ERR_ALREADY_EXISTS:
+      return absl::UnavailableError(msg);
+    case UCS_ERR_CANCELED:
+      return absl::CancelledError(msg);
+    case UCS_ERR_INVALID_PARAM:
+    case UCS_ERR_INVALID_ADDR:
+      return absl::InvalidArgumentError(msg);
+    case UCS_ERR_NO_MEMORY:
+    case UCS_ERR_NO_RESOURCE:
+      return absl::ResourceExhaustedError(msg);
+    default:
+      return absl::InternalError(msg);
+  }
+}
+
+// ---- UcxConfig ----
+absl::StatusOr<std::unique_ptr<UcxConfig>> UcxConfig::Create(const std::string& tls) {
+  ucp_config_t* config = nullptr;
+  ucs_status_t st = ucp_config_read(nullptr, nullptr, &config);
+  if (st != UCS_OK) return FromUcs(st, "ucp_config_read");
+  auto out = std::unique_ptr<UcxConfig>(new UcxConfig(config));
+  if (!tls.empty()) {
+    st = ucp_config_modify(config, "TLS", tls.c_str());
+    if (st != UCS_OK) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tls: UCX rejected \"", tls, "\": ", ucs_status_string(st)));
+    }
+  }
+  return out;
+}
+
+UcxConfig::~UcxConfig() { ucp_config_release(config_); }
+
+// ---- UcxContext ----
+absl::StatusOr<std::unique_ptr<UcxContext>> UcxContext::Create(const UcxConfig& config) {
+  ucp_params_t params;
+  std::memset(&params, 0, sizeof(params));
+  params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
+  params.features = UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP;
+  params.mt_workers_shared = 0;
+  ucp_context_h context = nullptr;
+  ucs_status_t st = ucp_init(&params, config.get(), &context);
+  if (st != UCS_OK) return FromUcs(st, "ucp_init");
+  return std::unique_ptr<UcxContext>(new UcxContext(context));
+}
+
+UcxContext::~UcxContext() { ucp_cleanup(context_); }
+
+bool UcxContext::SupportsCuda() const {
+  ucp_context_attr_t attr;
+  std::memset(&attr, 0, sizeof(attr));
+  attr.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES;
+  if (ucp_context_query(context_, &attr) != UCS_OK) return false;
+  return (attr.memory_types & UCS_BIT(UCS_MEMORY_TYPE_CUDA)) != 0;
+}
+
+// ---- UcxWorker ----
+absl::StatusOr<std::unique_ptr<UcxWorker>> UcxWorker::Create(const UcxContext& context) {
+  ucp_worker_params_t params;
+  std::memset(&params, 0, sizeof(params));
+  params.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+  params.thread_mode = UCS_THREAD_MODE_SINGLE;
+  ucp_worker_h worker = nullptr;
+  ucs_status_t st = ucp_worker_create(context.get(), &params, &worker);
+  if (st != UCS_OK) return FromUcs(st, "ucp_worker_create");
+  ucp_address_t* addr = nullptr;
+  size_t addr_len = 0;
+  st = ucp_worker_get_address(worker, &addr, &addr_len);
+  if (st != UCS_OK) {
+    ucp_worker_destroy(worker);
+    return FromUcs(st, "ucp_worker_get_address");
+  }
+  std::string address(reinterpret_cast<const char*>(addr), addr_len);
+  ucp_worker_release_address(worker, addr);
+  int fd = -1;
+  st = ucp_worker_get_efd(worker, &fd);
+  if (st != UCS_OK) {
+    ucp_worker_destroy(worker);
+    return FromUcs(st, "ucp_worker_get_efd");
+  }
+  return std::unique_ptr<UcxWorker>(new UcxWorker(worker, std::move(address), fd));
+}
+
+UcxWorker::~UcxWorker() { ucp_worker_destroy(worker_); }
+
+// ---- UcxEndpoint ----
+namespace {
+void EndpointErrorCallback(void* arg, ucp_ep_h /*ep*/, ucs_status_t status) {
+  auto* health = static_cast<EndpointHealth*>(arg);
+  health->ucs_status.store(static_cast<int>(status), std::memory_order_relaxed);
+  health->failed.store(true, std::memory_order_release);
+  KVPOOL_LOG_DEBUG("transport: endpoint failed: {}", ucs_status_string(status));
+}
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<UcxEndpoint>> UcxEndpoint::Create(const UcxWorker& worker,
+                                                                 std::string_view peer_address,
+                                                                 EndpointHealth* health,
+                                                                 bool* peer_mode_supported) {
+  ucp_ep_params_t params;
+  std::memset(&params, 0, sizeof(params));
+  params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                      UCP_EP_PARAM_FIELD_ERR_HANDLER;
+  params.address = reinterpret_cast<const ucp_address_t*>(peer_address.data());
+  params.err_mode = *peer_mode_supported ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
+  health->failure_detection = *peer_mode_supported;
+  params.err_handler.cb = &EndpointErrorCallback;
+  params.err_handler.arg = health;
+  ucp_ep_h ep = nullptr;
+  ucs_status_t st = ucp_ep_create(worker.get(), &params, &ep);
+  if (st == UCS_ERR_UNREACHABLE && *peer_mode_supported) {
+    // UCX 1.13's shared-memory transports (posix, sysv, cma) have no peer failure handler, so
+    // with UCP_ERR_HANDLING_MODE_PEER no lane qualifies. Connect without failure detection;
+    // the control plane (gRPC) then detects a dead peer and the owner disconnects.
+    params.err_mode = UCP_ERR_HANDLING_MODE_NONE;
+    st = ucp_ep_create(worker.get(), &params, &ep);
+    if (st == UCS_OK) {
+      health->failure_detection = false;
+      *peer_mode_supported = false;  // remembered: later connects skip the failing attempt
+    }
+  }
+  if (st != UCS_OK) {
+    absl::Status s = FromUcs(st, "ucp_ep_create");
+    if (absl::IsInternal(s)) s = absl::UnavailableError(s.message());
+    return s;
+  }
+  return std::unique_ptr<UcxEndpoint>(new UcxEndpoint(worker.get(), ep, health));
+}
+
+UcxEndpoint::~UcxEndpoint() {
+  ucp_request_param_t param;
+  std::memset(&param, 0, sizeof(param));
+  if (health_->failed.load(std::memory_order_acquire)) {
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    param.flags = UCP_EP_CLOSE_FLAG_FORCE;
+  }
+  ucs_status_ptr_t req = ucp_ep_close_nbx(ep_, &param);
+  if (req == nullptr || UCS_PTR_IS_ERR(req)) return;
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+  while (ucp_request_check_status(req) == UCS_INPROGRESS &&
+         std::chrono::steady_clock::now() < deadline) {
+    ucp_worker_progress(worker_);
+  }
+  if (ucp_request_check_status(req) == UCS_INPROGRESS) {
+    KVPOOL_LOG_WARN("transport: endpoint close did not finish within 1 s; abandoning it");
+  }
+  ucp_request_free(req);
+}
+
+// ---- UcxMemHandle ----
+absl::StatusOr<std::unique_ptr<UcxMemHandle>> UcxMemHandle::Create(const UcxContext& context,
+                                                                   void* addr, size_t length) {
+  ucp_mem_map_params_t params;
+  std::memset(&params, 0, sizeof(params));
+  params.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
+  params.address = addr;
+  params.length = length;
+  ucp_mem_h memh = nullptr;
+  ucs_status_t st = ucp_mem_map(context.get(), &params, &memh);
+  if (st != UCS_OK) return FromUcs(st, "ucp_mem_map");
+  void* rkey_buf = nullptr;
+  size_t rkey_len = 0;
+  st = ucp_rkey_pack(context.get(), memh, &rkey_buf, &rkey_len);
+  if (st != UCS_OK) {
+    ucp_mem_unmap(context.get(), memh);
+    return FromUcs(st, "ucp_rkey_pack");
+  }
+  std::string packed(static_cast<const char*>(rkey_buf), rkey_len);
+  ucp_rkey_buffer_release(rkey_buf);
+  return std::unique_ptr<UcxMemHandle>(new UcxMemHandle(context.get(), memh, std::move(packed)));
+}
+
+UcxMemHandle::~UcxMemHandle() { ucp_mem_unmap(context_, memh_); }
+
+// ---- UcxRkey ----
+absl::StatusOr<std::unique_ptr<UcxRkey>> UcxRkey::Create(const UcxEndpoint& ep,
+                                                         std::string_view packed) {
+  ucp_rkey_h rkey = nullptr;
+  ucs_status_t st = ucp_ep_rkey_unpack(ep.get(), packed.data(), &rkey);
+  if (st != UCS_OK) {
+    absl::Status s = FromUcs(st, "ucp_ep_rkey_unpack");
+    return absl::InvalidArgumentError(absl::StrCat("packed_rkey: ", s.message()));
+  }
+  return std::unique_ptr<UcxRkey>(new UcxRkey(rkey));
+}
+
+UcxRkey::~UcxRkey() { ucp_rkey_destroy(rkey_); }
+
+}  // namespace kvpool::transport::internal

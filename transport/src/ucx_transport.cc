@@ -1,0 +1,588 @@
+// The UCX implementation of Transport (see ucx_transport.h and transport.h).
+//
+// Structure: UcxCore owns the UCX handles (config → context → worker, declared in that order so
+// they are destroyed in reverse) and the owner thread. Every UCX call runs on the owner thread:
+// public methods enqueue closures (and wait for them when they need a result). MemoryRegions
+// hold a reference to the core so that a region outliving the Transport façade is still
+// deregistered before the context is destroyed.
+#include "kvpool/transport/ucx_transport.h"
+
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <deque>
+#include <functional>
+#include <future>
+#include <limits>
+#include <map>
+#include <thread>
+#include <utility>
+
+#include <ucp/api/ucp.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "envelope.h"
+#include "kvpool/common/log.h"
+#include "kvpool/common/status.h"
+#include "ucx_handles.h"
+#include "validate.h"
+
+namespace kvpool::transport {
+namespace {
+
+using internal::EndpointHealth;
+using internal::FromUcs;
+using internal::UcxConfig;
+using internal::UcxContext;
+using internal::UcxEndpoint;
+using internal::UcxMemHandle;
+using internal::UcxRkey;
+using internal::UcxWorker;
+
+class UcxCore;
+
+// Completion context of one posted UCX request; lives in its InFlight record.
+struct OpContext {
+  UcxCore* core;
+  Transfer* transfer;
+  size_t index;  // op index, or SIZE_MAX for the flush of a put
+};
+
+// A posted transfer: keeps the Transfer (and through it the local region) alive while UCX may
+// still write into it. Never moved once requests point into `contexts`.
+struct InFlight {
+  std::shared_ptr<Transfer> transfer;
+  std::vector<OpContext> contexts;
+  size_t outstanding = 0;
+};
+
+// One UCX endpoint and the health record its error callback writes into. Shared by every
+// EndpointId connected to the same peer address: UCX 1.13 asserts when one worker opens two
+// TCP endpoints to the same peer worker, so a worker keeps one UCX endpoint per peer.
+// Declaration order = destruction in reverse: the endpoint closes before its health goes.
+struct Connection {
+  std::shared_ptr<EndpointHealth> health;
+  std::unique_ptr<UcxEndpoint> endpoint;
+};
+
+// Owner-thread-only state of one EndpointId: remote keys are destroyed before the connection
+// reference is dropped (reverse declaration order).
+struct EndpointEntry {
+  std::shared_ptr<Connection> connection;
+  std::map<uint64_t, std::unique_ptr<UcxRkey>> rkeys;
+};
+
+class UcxCore : public std::enable_shared_from_this<UcxCore> {
+ public:
+  static absl::StatusOr<std::shared_ptr<UcxCore>> Create(const UcxOptions& options) {
+    auto core = std::shared_ptr<UcxCore>(new UcxCore(options));
+    KVPOOL_ASSIGN_OR_RETURN(core->config_, UcxConfig::Create(options.tls));
+    KVPOOL_ASSIGN_OR_RETURN(core->context_, UcxContext::Create(*core->config_));
+    KVPOOL_ASSIGN_OR_RETURN(core->worker_, UcxWorker::Create(*core->context_));
+    core->wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (core->wake_fd_ < 0) return absl::InternalError("eventfd failed");
+    core->sealed_address_ = internal::Seal('A', core->worker_->address());
+    core->cuda_ = core->context_->SupportsCuda();
+    core->owner_ = std::thread([c = core.get()] { c->Loop(); });
+    core->owner_id_ = core->owner_.get_id();
+    return core;
+  }
+
+  ~UcxCore() {
+    {
+      absl::MutexLock lock(&mu_);
+      stop_ = true;
+    }
+    Wake();
+    if (owner_.joinable()) owner_.join();
+    if (wake_fd_ >= 0) close(wake_fd_);
+    // worker_, context_, config_ are destroyed after this body, in reverse declaration order.
+  }
+
+  const std::string& sealed_address() const { return sealed_address_; }
+  bool cuda() const { return cuda_; }
+  const UcxOptions& options() const { return options_; }
+
+  // Runs `fn` on the owner thread (inline when already there) and returns its result.
+  template <typename T>
+  T RunSync(std::function<T()> fn) {
+    if (std::this_thread::get_id() == owner_id_) return fn();
+    auto task = std::make_shared<std::packaged_task<T()>>(std::move(fn));
+    std::future<T> result = task->get_future();
+    Enqueue([task] { (*task)(); });
+    return result.get();
+  }
+
+  void Enqueue(std::function<void()> fn) {
+    {
+      absl::MutexLock lock(&mu_);
+      queue_.push_back(std::move(fn));
+    }
+    Wake();
+  }
+
+  // ---- called on the owner thread ----
+  absl::StatusOr<std::unique_ptr<UcxMemHandle>> MapMemory(void* addr, size_t len) {
+    return UcxMemHandle::Create(*context_, addr, len);
+  }
+
+  absl::StatusOr<EndpointId> Connect(std::string payload) {
+    if (shutting_down_) return absl::UnavailableError("transport is shutting down");
+    std::shared_ptr<Connection> conn;
+    auto found = connections_.find(payload);
+    if (found != connections_.end()) conn = found->second.lock();
+    if (conn == nullptr || conn->health->failed.load()) {
+      conn = std::make_shared<Connection>();
+      conn->health = std::make_shared<EndpointHealth>();
+      KVPOOL_ASSIGN_OR_RETURN(
+          conn->endpoint,
+          UcxEndpoint::Create(*worker_, payload, conn->health.get(), &peer_mode_supported_));
+      connections_[payload] = conn;
+    }
+    const uint64_t id = next_id_++;
+    {
+      absl::MutexLock lock(&mu_);
+      health_[id] = conn->health;
+    }
+    endpoints_.emplace(id, EndpointEntry{std::move(conn), {}});
+    return EndpointId{id};
+  }
+
+  absl::Status Disconnect(EndpointId id) {
+    auto it = endpoints_.find(id.value);
+    if (it == endpoints_.end()) return absl::NotFoundError("endpoint: unknown or disconnected");
+    {
+      absl::MutexLock lock(&mu_);
+      health_.erase(id.value);
+      for (const auto& [rk, unused] : it->second.rkeys) rkey_endpoint_.erase(rk);
+    }
+    endpoints_.erase(it);  // rkeys, then the connection (closed when this was its last user)
+    for (auto c = connections_.begin(); c != connections_.end();) {
+      c = c->second.expired() ? connections_.erase(c) : std::next(c);
+    }
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<RemoteKeyId> Unpack(EndpointId id, std::string payload) {
+    auto it = endpoints_.find(id.value);
+    if (it == endpoints_.end()) return absl::NotFoundError("endpoint: unknown or disconnected");
+    if (it->second.connection->health->failed.load()) {
+      return absl::UnavailableError("endpoint: peer failed");
+    }
+    KVPOOL_ASSIGN_OR_RETURN(auto rkey, UcxRkey::Create(*it->second.connection->endpoint, payload));
+    const uint64_t rid = next_id_++;
+    it->second.rkeys.emplace(rid, std::move(rkey));
+    absl::MutexLock lock(&mu_);
+    rkey_endpoint_[rid] = id.value;
+    return RemoteKeyId{rid};
+  }
+
+  // Thread-safe reads of endpoint state.
+  absl::Status EndpointStatus(EndpointId id) const {
+    absl::MutexLock lock(&mu_);
+    auto it = health_.find(id.value);
+    if (it == health_.end()) return absl::NotFoundError("endpoint: unknown or disconnected");
+    if (it->second->failed.load(std::memory_order_acquire)) {
+      return absl::UnavailableError(absl::StrCat(
+          "endpoint: peer failed (",
+          ucs_status_string(static_cast<ucs_status_t>(it->second->ucs_status.load())), ")"));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status CheckKey(EndpointId ep, RemoteKeyId rk) const {
+    absl::MutexLock lock(&mu_);
+    auto it = rkey_endpoint_.find(rk.value);
+    if (it == rkey_endpoint_.end()) return absl::NotFoundError("remote_key: unknown or released");
+    if (it->second != ep.value) {
+      return absl::InvalidArgumentError("remote_key: belongs to another endpoint");
+    }
+    return absl::OkStatus();
+  }
+
+  void PostOnOwner(std::shared_ptr<Transfer> transfer, ucp_mem_h local_memh);
+
+  bool OnOwnerThread() const { return std::this_thread::get_id() == owner_id_; }
+
+ private:
+  explicit UcxCore(const UcxOptions& options) : options_(options) {}
+
+  static void OpCallback(void* request, ucs_status_t status, void* user_data) {
+    auto* ctx = static_cast<OpContext*>(user_data);
+    ucp_request_free(request);
+    ctx->core->FinishOp(ctx, status);
+  }
+
+  void FinishOp(OpContext* ctx, ucs_status_t status) {
+    Transfer* t = ctx->transfer;
+    absl::Status s = FromUcs(
+        status, ctx->index == std::numeric_limits<size_t>::max() ? "ucp_ep_flush_nbx" : "rma op");
+    auto it = inflight_.find(t);
+    if (!s.ok() && it != inflight_.end()) {
+      // A failed peer turns every error into UNAVAILABLE (retryable), whatever UCX says.
+      absl::MutexLock lock(&mu_);
+      auto h = health_.find(t->request().endpoint.value);
+      if (h == health_.end() || h->second->failed.load()) {
+        s = absl::UnavailableError(absl::StrCat("endpoint failed: ", s.message()));
+      }
+    }
+    t->CompleteOne(ctx->index, s);
+    if (it != inflight_.end() && --it->second->outstanding == 0) inflight_.erase(it);
+  }
+
+  void Wake() {
+    uint64_t one = 1;
+    ssize_t n = write(wake_fd_, &one, sizeof(one));
+    (void)n;
+  }
+
+  void Loop();
+  void RunQueued();
+
+ public:
+  // Owner thread: refuses new work, lets in-flight transfers finish (bounded), closes every
+  // endpoint (remote keys first). Idempotent.
+  void Shutdown();
+
+ private:
+  UcxOptions options_;
+  // ---- UCX handles, in construction order (destroyed in reverse) ----
+  std::unique_ptr<UcxConfig> config_;
+  std::unique_ptr<UcxContext> context_;
+  std::unique_ptr<UcxWorker> worker_;
+  // ---- owner-thread-only state (destroyed by Shutdown on the owner thread) ----
+  std::map<std::string, std::weak_ptr<Connection>> connections_;  // peer address → connection
+  std::map<uint64_t, EndpointEntry> endpoints_;
+  std::map<Transfer*, std::unique_ptr<InFlight>> inflight_;
+  uint64_t next_id_ = 1;
+  bool shutting_down_ = false;
+  bool peer_mode_supported_ = true;  // see UcxEndpoint::Create
+  // ---- shared state ----
+  mutable absl::Mutex mu_;  // guards queue_, stop_, health_, rkey_endpoint_; never held in UCX
+  std::deque<std::function<void()>> queue_ ABSL_GUARDED_BY(mu_);
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::map<uint64_t, std::shared_ptr<EndpointHealth>> health_ ABSL_GUARDED_BY(mu_);
+  std::map<uint64_t, uint64_t> rkey_endpoint_ ABSL_GUARDED_BY(mu_);  // rkey id → endpoint id
+  std::string sealed_address_;
+  bool cuda_ = false;
+  int wake_fd_ = -1;
+  std::thread::id owner_id_;
+  std::thread owner_;
+};
+
+void UcxCore::PostOnOwner(std::shared_ptr<Transfer> transfer, ucp_mem_h local_memh) {
+  const TransferRequest& req = transfer->request();
+  auto fail_all = [&](absl::Status s) {
+    transfer->MarkPosted(1);
+    transfer->CompleteOne(std::numeric_limits<size_t>::max(), s);
+  };
+  auto ep_it = endpoints_.find(req.endpoint.value);
+  if (shutting_down_) return fail_all(absl::UnavailableError("transport is shutting down"));
+  if (ep_it == endpoints_.end()) return fail_all(absl::NotFoundError("endpoint: disconnected"));
+  if (ep_it->second.connection->health->failed.load()) {
+    return fail_all(absl::UnavailableError("endpoint: peer failed"));
+  }
+  auto rk_it = ep_it->second.rkeys.find(req.remote_key.value);
+  if (rk_it == ep_it->second.rkeys.end()) {
+    return fail_all(absl::NotFoundError("remote_key: released"));
+  }
+  ucp_ep_h ep = ep_it->second.connection->endpoint->get();
+  ucp_rkey_h rkey = rk_it->second->get();
+
+  auto record = std::make_unique<InFlight>();
+  record->transfer = transfer;
+  record->contexts.reserve(req.ops.size() + 1);
+  const bool is_put = req.kind == TransferKind::kPut;
+  uint8_t* base = req.local->data();
+
+  // Post every op (ops skipped by cancellation stay CANCELLED). Immediate completions and
+  // immediate errors are recorded after MarkPosted, below.
+  std::vector<std::pair<size_t, absl::Status>> immediate;
+  size_t posted_requests = 0;
+  for (size_t i = 0; i < req.ops.size(); ++i) {
+    if (transfer->cancelled()) break;
+    const TransferOp& op = req.ops[i];
+    record->contexts.push_back(OpContext{this, transfer.get(), i});
+    ucp_request_param_t param;
+    std::memset(&param, 0, sizeof(param));
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    param.cb.send = &UcxCore::OpCallback;
+    param.user_data = &record->contexts.back();
+    if (local_memh != nullptr) {
+      param.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+      param.memh = local_memh;
+    }
+    ucs_status_ptr_t r =
+        is_put ? ucp_put_nbx(ep, base + op.local_offset, op.length, op.remote_addr, rkey, &param)
+               : ucp_get_nbx(ep, base + op.local_offset, op.length, op.remote_addr, rkey, &param);
+    if (r == nullptr) {
+      immediate.emplace_back(i, absl::OkStatus());
+    } else if (UCS_PTR_IS_ERR(r)) {
+      immediate.emplace_back(i, FromUcs(UCS_PTR_STATUS(r), is_put ? "ucp_put_nbx" : "ucp_get_nbx"));
+    } else {
+      ++posted_requests;
+    }
+  }
+  const size_t attempted = record->contexts.size();
+  bool flush_pending = false;
+  absl::Status flush_status;
+  if (is_put && attempted > 0) {
+    // Puts are complete only when remotely visible: flush the endpoint after them.
+    record->contexts.push_back(OpContext{this, transfer.get(), std::numeric_limits<size_t>::max()});
+    ucp_request_param_t param;
+    std::memset(&param, 0, sizeof(param));
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    param.cb.send = &UcxCore::OpCallback;
+    param.user_data = &record->contexts.back();
+    ucs_status_ptr_t r = ucp_ep_flush_nbx(ep, &param);
+    if (r == nullptr) {
+      flush_status = absl::OkStatus();
+    } else if (UCS_PTR_IS_ERR(r)) {
+      flush_status = FromUcs(UCS_PTR_STATUS(r), "ucp_ep_flush_nbx");
+    } else {
+      flush_pending = true;
+      ++posted_requests;
+    }
+  }
+  const size_t total = attempted + ((is_put && attempted > 0) ? 1 : 0);
+  transfer->MarkPosted(total);
+  if (posted_requests > 0) {
+    record->outstanding = posted_requests;
+    inflight_.emplace(transfer.get(), std::move(record));
+  }
+  for (auto& [i, s] : immediate) transfer->CompleteOne(i, std::move(s));
+  if (is_put && attempted > 0 && !flush_pending) {
+    transfer->CompleteOne(std::numeric_limits<size_t>::max(), flush_status);
+  }
+}
+
+void UcxCore::RunQueued() {
+  std::deque<std::function<void()>> batch;
+  {
+    absl::MutexLock lock(&mu_);
+    batch.swap(queue_);
+  }
+  for (auto& fn : batch) fn();
+}
+
+void UcxCore::Shutdown() {
+  if (shutting_down_) return;
+  shutting_down_ = true;
+  RunQueued();
+  // Let in-flight transfers finish (bounded), then close every endpoint; ops still in flight
+  // complete with errors while the endpoints close.
+  auto deadline = absl::Now() + absl::Seconds(2);
+  while (!inflight_.empty() && absl::Now() < deadline) ucp_worker_progress(worker_->get());
+  {
+    absl::MutexLock lock(&mu_);
+    health_.clear();
+    rkey_endpoint_.clear();
+  }
+  for (auto& [id, entry] : endpoints_) entry.connection->health->failed.store(true);
+  endpoints_.clear();
+  connections_.clear();
+  deadline = absl::Now() + absl::Seconds(2);
+  while (!inflight_.empty() && absl::Now() < deadline) ucp_worker_progress(worker_->get());
+  for (auto& [t, record] : inflight_) {
+    KVPOOL_LOG_WARN("transport: abandoning a transfer still in flight at shutdown");
+    t->CompleteOne(std::numeric_limits<size_t>::max(),
+                   absl::UnavailableError("transport shut down"));
+  }
+  inflight_.clear();
+  RunQueued();
+}
+
+void UcxCore::Loop() {
+  ucp_worker_h w = worker_->get();
+  absl::Time last_activity = absl::Now();
+  while (true) {
+    bool stop = false;
+    bool have_work = false;
+    {
+      absl::MutexLock lock(&mu_);
+      stop = stop_;
+      have_work = !queue_.empty();
+    }
+    if (stop) break;
+    if (have_work) RunQueued();
+    unsigned progressed = 0;
+    while (ucp_worker_progress(w) != 0) ++progressed;
+    if (have_work || progressed > 0) {
+      last_activity = absl::Now();
+      continue;
+    }
+    if (!inflight_.empty() || absl::Now() - last_activity < options_.busy_poll) continue;
+    ucs_status_t st = ucp_worker_arm(w);
+    if (st == UCS_ERR_BUSY) continue;
+    pollfd fds[2] = {{worker_->event_fd(), POLLIN, 0}, {wake_fd_, POLLIN, 0}};
+    poll(fds, 2, 100);
+    if (fds[1].revents & POLLIN) {
+      uint64_t v;
+      ssize_t n = read(wake_fd_, &v, sizeof(v));
+      (void)n;
+    }
+    last_activity = absl::Now();
+  }
+  Shutdown();
+}
+
+// ---- MemoryRegion ----
+class UcxRegion final : public MemoryRegion {
+ public:
+  UcxRegion(std::shared_ptr<UcxCore> core, uint8_t* data, size_t size, bool owned,
+            std::unique_ptr<UcxMemHandle> memh)
+      : core_(std::move(core)),
+        data_(data),
+        size_(size),
+        owned_(owned),
+        memh_(std::move(memh)),
+        sealed_rkey_(internal::Seal('R', memh_->packed_rkey())) {}
+
+  ~UcxRegion() override {
+    // Deregister on the owner thread, then free what we allocated.
+    std::shared_ptr<UcxMemHandle> memh(std::move(memh_));
+    core_->RunSync<int>([memh]() mutable {
+      memh.reset();
+      return 0;
+    });
+    if (owned_) munmap(data_, size_);
+  }
+
+  uint8_t* data() const override { return data_; }
+  size_t size() const override { return size_; }
+  const std::string& packed_rkey() const override { return sealed_rkey_; }
+  ucp_mem_h memh() const { return memh_->get(); }
+
+ private:
+  std::shared_ptr<UcxCore> core_;
+  uint8_t* data_;
+  size_t size_;
+  bool owned_;
+  std::unique_ptr<UcxMemHandle> memh_;
+  std::string sealed_rkey_;
+};
+
+// ---- the Transport façade ----
+class UcxTransport final : public Transport {
+ public:
+  explicit UcxTransport(std::shared_ptr<UcxCore> core) : core_(std::move(core)) {}
+  ~UcxTransport() override {
+    // Close endpoints now; the core (and its thread) lives on while regions reference it.
+    core_->RunSync<int>([c = core_.get()] {
+      c->Shutdown();
+      return 0;
+    });
+  }
+
+  std::string Name() const override {
+    return absl::StrCat("ucx(", core_->options().tls.empty() ? "default" : core_->options().tls,
+                        ")");
+  }
+  std::string WorkerAddress() const override { return core_->sealed_address(); }
+  bool SupportsCudaMemory() const override { return core_->cuda(); }
+
+  absl::StatusOr<std::shared_ptr<MemoryRegion>> RegisterMemory(void* addr, size_t length) override {
+    if (addr == nullptr) return absl::InvalidArgumentError("addr: null");
+    if (length == 0) return absl::InvalidArgumentError("length: zero");
+    return Map(static_cast<uint8_t*>(addr), length, /*owned=*/false);
+  }
+
+  absl::StatusOr<std::shared_ptr<MemoryRegion>> AllocateMemory(size_t length) override {
+    if (length == 0) return absl::InvalidArgumentError("length: zero");
+    void* p = mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("length: cannot allocate ", length, " bytes: ", std::strerror(errno)));
+    }
+    if (core_->options().lock_memory && mlock(p, length) != 0) {
+      static std::once_flag once;
+      std::call_once(once, [] {
+        KVPOOL_LOG_WARN("transport: mlock failed ({}); memory is registered but not locked",
+                        std::strerror(errno));
+      });
+    }
+    auto region = Map(static_cast<uint8_t*>(p), length, /*owned=*/true);
+    if (!region.ok()) munmap(p, length);
+    return region;
+  }
+
+  absl::StatusOr<EndpointId> Connect(std::string_view peer_worker_address) override {
+    KVPOOL_ASSIGN_OR_RETURN(std::string_view payload,
+                            internal::Unseal('A', peer_worker_address, "peer_worker_address"));
+    std::string copy(payload);  // aligned copy for UCX
+    return core_->RunSync<absl::StatusOr<EndpointId>>(
+        [c = core_.get(), copy = std::move(copy)] { return c->Connect(copy); });
+  }
+
+  absl::Status EndpointStatus(EndpointId endpoint) const override {
+    return core_->EndpointStatus(endpoint);
+  }
+
+  absl::Status Disconnect(EndpointId endpoint) override {
+    return core_->RunSync<absl::Status>(
+        [c = core_.get(), endpoint] { return c->Disconnect(endpoint); });
+  }
+
+  absl::StatusOr<RemoteKeyId> UnpackRemoteKey(EndpointId endpoint,
+                                              std::string_view packed_rkey) override {
+    KVPOOL_ASSIGN_OR_RETURN(std::string_view payload,
+                            internal::Unseal('R', packed_rkey, "packed_rkey"));
+    std::string copy(payload);
+    return core_->RunSync<absl::StatusOr<RemoteKeyId>>(
+        [c = core_.get(), endpoint, copy = std::move(copy)] { return c->Unpack(endpoint, copy); });
+  }
+
+  absl::StatusOr<std::shared_ptr<Transfer>> Prepare(TransferRequest request) override {
+    KVPOOL_RETURN_IF_ERROR(internal::ValidateRequestShape(request));
+    if (dynamic_cast<UcxRegion*>(request.local.get()) == nullptr) {
+      return absl::InvalidArgumentError("local: region was not registered by a UCX transport");
+    }
+    KVPOOL_RETURN_IF_ERROR(core_->EndpointStatus(request.endpoint));
+    KVPOOL_RETURN_IF_ERROR(core_->CheckKey(request.endpoint, request.remote_key));
+    return std::make_shared<Transfer>(std::move(request));
+  }
+
+  absl::Status Post(const std::shared_ptr<Transfer>& transfer) override {
+    if (transfer == nullptr) return absl::InvalidArgumentError("transfer: null");
+    KVPOOL_RETURN_IF_ERROR(core_->EndpointStatus(transfer->request().endpoint));
+    if (!transfer->BeginPost()) return absl::FailedPreconditionError("transfer: already posted");
+    auto* region = static_cast<UcxRegion*>(transfer->request().local.get());
+    ucp_mem_h memh = region->memh();
+    if (core_->OnOwnerThread()) {
+      core_->PostOnOwner(transfer, memh);
+    } else {
+      core_->Enqueue([c = core_.get(), transfer, memh] { c->PostOnOwner(transfer, memh); });
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  absl::StatusOr<std::shared_ptr<MemoryRegion>> Map(uint8_t* data, size_t length, bool owned) {
+    auto memh = core_->RunSync<absl::StatusOr<std::unique_ptr<UcxMemHandle>>>(
+        [c = core_.get(), data, length] { return c->MapMemory(data, length); });
+    if (!memh.ok()) return memh.status();
+    return std::shared_ptr<MemoryRegion>(
+        std::make_shared<UcxRegion>(core_, data, length, owned, *std::move(memh)));
+  }
+
+  std::shared_ptr<UcxCore> core_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Transport>> CreateUcxTransport(const UcxOptions& options) {
+  KVPOOL_ASSIGN_OR_RETURN(auto core, UcxCore::Create(options));
+  return std::unique_ptr<Transport>(new UcxTransport(std::move(core)));
+}
+
+std::string UcxVersion() {
+  unsigned major = 0, minor = 0, release = 0;
+  ucp_get_version(&major, &minor, &release);
+  return absl::StrCat(major, ".", minor, ".", release);
+}
+
+}  // namespace kvpool::transport
