@@ -1,0 +1,100 @@
+// kvpool-engine — runs the reference Llama engine on a GGUF model.
+//
+//   kvpool-engine generate --model stories260K-f32.gguf [--prompt TEXT] [--max-tokens N]
+//                          [--temperature T] [--top-p P] [--seed S]
+//
+// Standard output carries only the generated text (streamed as it is produced, then a
+// newline); logs and statistics (tokens/second) go to standard error. With no prompt generation
+// starts from BOS; temperature 0 is greedy. Exit codes: 0 ok, 1 usage error, 2 runtime error
+// (missing or corrupted model, prompt longer than the context, out-of-range numbers), with one
+// line on standard error naming the problem.
+#include <cmath>
+#include <cstdio>
+#include <iostream>
+#include <string>
+
+#include "kvpool/common/cli.h"
+#include "kvpool/common/log.h"
+#include "kvpool/engine/engine.h"
+
+namespace {
+
+int Fail(const std::string& message) {
+  std::cerr << "kvpool-engine: " << message << "\n";
+  return kvpool::cli::kExitRuntime;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"kvpool-engine — the reference Llama engine (float32, CPU) on a GGUF model"};
+  kvpool::cli::Setup(app, "kvpool-engine");
+  app.require_subcommand(1);
+  CLI::App* gen = app.add_subcommand("generate", "generate text from a prompt (or from BOS)");
+  std::string model;
+  std::string prompt;
+  int max_tokens = 256;
+  float temperature = 0.0f;
+  float top_p = 1.0f;
+  uint64_t seed = 0;
+  gen->add_option("--model", model, "path of the GGUF model file")->required();
+  gen->add_option("--prompt", prompt, "text to continue; empty starts from BOS");
+  gen->add_option("--max-tokens", max_tokens, "tokens to generate at most")->capture_default_str();
+  gen->add_option("--temperature", temperature, "sampling temperature; 0 = greedy")
+      ->capture_default_str();
+  gen->add_option("--top-p", top_p, "nucleus sampling mass in (0, 1]; 1 = off")
+      ->capture_default_str();
+  gen->add_option("--seed", seed, "random seed for sampling")->capture_default_str();
+  KVPOOL_CLI_PARSE(app, argc, argv);
+
+  if (max_tokens < 0) return Fail("--max-tokens " + std::to_string(max_tokens) + " must be >= 0");
+  kvpool::engine::GenerateOptions options;
+  options.max_tokens = max_tokens;
+  options.sampling = {.temperature = temperature, .top_p = top_p, .seed = seed};
+  if (auto s = kvpool::engine::Sampler::Validate(options.sampling); !s.ok()) {
+    return Fail(std::string(temperature < 0 || !std::isfinite(temperature) ? "--temperature: "
+                                                                           : "--top-p: ") +
+                std::string(s.message()));
+  }
+
+  auto engine = kvpool::engine::Engine::Create(model);
+  if (!engine.ok()) return Fail("cannot load model: " + std::string(engine.status().message()));
+  const auto& cfg = (*engine)->config();
+  const auto& tok = (*engine)->tokenizer();
+  const std::vector<int> tokens = tok.Encode(prompt, /*add_bos=*/true);
+  if (static_cast<int>(tokens.size()) > cfg.context_length) {
+    return Fail("--prompt is " + std::to_string(tokens.size()) +
+                " tokens long; the model's context holds " + std::to_string(cfg.context_length));
+  }
+  KVPOOL_LOG_INFO(
+      "model {}: {} layers, dim {}, {} heads ({} KV heads, head_dim {}), ffn {}, "
+      "vocab {}, context {}",
+      model, cfg.n_layers, cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim,
+      cfg.vocab_size, cfg.context_length);
+
+  auto cache = (*engine)->NewCache();
+  if (!cache.ok()) return Fail(std::string(cache.status().message()));
+
+  int prev = tokens.back();
+  auto result = (*engine)->Generate(tokens, options, **cache, [&](int t) {
+    const std::string piece = tok.DecodeNext(prev, t);
+    std::fwrite(piece.data(), 1, piece.size(), stdout);
+    std::fflush(stdout);
+    prev = t;
+    return true;
+  });
+  std::fputc('\n', stdout);
+  std::fflush(stdout);
+  if (!result.ok()) return Fail(std::string(result.status().message()));
+
+  const double n = static_cast<double>(result->tokens.size());
+  KVPOOL_LOG_INFO("prefill: {} tokens in {:.3f} ms", result->prompt_tokens,
+                  result->prefill_seconds * 1e3);
+  KVPOOL_LOG_INFO("generated {} tokens in {:.3f} s: {:.1f} tok/s{}", result->tokens.size(),
+                  result->decode_seconds,
+                  result->decode_seconds > 0 ? n / result->decode_seconds : 0.0,
+                  result->stopped_at_eos ? " (stopped at end of sequence)"
+                  : result->context_full ? " (context full)"
+                                         : "");
+  return kvpool::cli::kExitOk;
+}

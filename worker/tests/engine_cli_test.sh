@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# CLI contract of kvpool-engine: exit codes (0 ok / 1 usage / 2 runtime) and one-line messages
+# naming the problem. Usage: engine_cli_test.sh PATH_TO_kvpool-engine PATH_TO_MODEL
+set -uo pipefail
+BIN="$1"
+MODEL="$2"
+TMP="$(mktemp -d)"
+trap 'rm -rf "$TMP"' EXIT
+failures=0
+
+# expect NAME WANT_RC NEEDLE -- ARGS...: runs the binary, checks the exit code and that stderr
+# has exactly one line (for runtime errors) containing NEEDLE.
+expect() {
+  local name="$1" want="$2" needle="$3"
+  shift 4
+  "$BIN" "$@" >"$TMP/out" 2>"$TMP/err"
+  local rc=$?
+  local ok=1
+  if [[ $rc -ne $want ]]; then ok=0; fi
+  if ! grep -qF -- "$needle" "$TMP/err" "$TMP/out"; then ok=0; fi
+  if [[ $want -eq 2 && $(wc -l <"$TMP/err") -ne 1 ]]; then ok=0; fi
+  if [[ $ok -eq 1 ]]; then
+    echo "PASS $name (rc $rc)"
+  else
+    echo "FAIL $name: rc $rc (want $want), wanted '$needle'; stderr:"
+    cat "$TMP/err"
+    failures=$((failures + 1))
+  fi
+}
+
+head -c 5000 "$MODEL" >"$TMP/truncated.gguf"
+{ printf 'XGUF'; tail -c +5 "$MODEL"; } >"$TMP/badmagic.gguf"
+long_prompt="$(printf 'elephant %.0s' $(seq 1 600))"
+
+expect missing-file 2 "/nonexistent/model.gguf" -- generate --model /nonexistent/model.gguf
+expect truncated-gguf 2 "truncated.gguf" -- generate --model "$TMP/truncated.gguf"
+expect bad-magic 2 "bad magic" -- generate --model "$TMP/badmagic.gguf"
+expect prompt-too-long 2 "context holds 512" -- generate --model "$MODEL" --prompt "$long_prompt"
+expect bad-top-p 2 "--top-p" -- generate --model "$MODEL" --top-p 2
+expect bad-temperature 2 "--temperature" -- generate --model "$MODEL" --temperature -1
+expect bad-max-tokens 2 "--max-tokens" -- generate --model "$MODEL" --max-tokens -3
+expect non-number 1 "max-tokens" -- generate --model "$MODEL" --max-tokens abc
+expect no-subcommand 1 "subcommand" --
+expect no-model 1 "--model" -- generate
+expect help 0 "--max-tokens" -- generate --help
+expect greedy 0 "Once upon a time, there was a little girl named Lily." -- \
+  generate --model "$MODEL" --max-tokens 30
+if ! grep -qF "tok/s" "$TMP/err"; then
+  echo "FAIL greedy: no tok/s on stderr"
+  failures=$((failures + 1))
+fi
+if grep -qF "tok/s" "$TMP/out"; then
+  echo "FAIL greedy: statistics leaked to stdout"
+  failures=$((failures + 1))
+fi
+expect prompt 0 "tok/s" -- generate --model "$MODEL" --prompt "Once upon a time" \
+  --max-tokens 5 --temperature 0.8 --top-p 0.9 --seed 3
+
+echo "$failures failure(s)"
+[[ $failures -eq 0 ]]
