@@ -1,0 +1,317 @@
+// kvpool/client/client.h — the C++ client of the kvpool pool: registration, two-phase puts
+// streamed per layer, lookups, leases, and fetches straight into caller-registered buffers.
+//
+// Control calls go over gRPC (kvpool.v1.KvPool); KV bytes move over the data plane
+// (kvpool/transport, UCX RMA): puts write un-rotated BF16 block forms into the pool's staging
+// memory, fetches read stored forms into the caller's page pools and verify their xxh3.
+//
+//   ClientOptions o; o.server = "127.0.0.1:7070"; o.ucx_tls = "tcp";
+//   KVPOOL_ASSIGN_OR_RETURN(auto client, Client::Create(o));
+//   KVPOOL_ASSIGN_OR_RETURN(ModelInfo info, client->RegisterModel(spec));
+//   // prefill: put a sequence layer by layer
+//   KVPOOL_ASSIGN_OR_RETURN(auto put, client->BeginPut(tokens));
+//   for (uint32_t l = 0; l < L; ++l) KVPOOL_RETURN_IF_ERROR(put->WriteLayer(l, k[l], v[l]));
+//   KVPOOL_ASSIGN_OR_RETURN(PutResult r, put->Commit());
+//   // decode: lease the longest prefix and fetch it into page pools
+//   KVPOOL_ASSIGN_OR_RETURN(Lease lease, client->Acquire(tokens));
+//   KVPOOL_ASSIGN_OR_RETURN(FetchResult f, client->Fetch(lease, plan));
+//   KVPOOL_RETURN_IF_ERROR(client->Release(lease));
+//
+// Statuses (canonical, STYLE.md): NOT_FOUND absent key/put/lease; RESOURCE_EXHAUSTED pool
+// full; UNAVAILABLE server down or restarted (retry: the client reconnects and re-registers on
+// the next call); DEADLINE_EXCEEDED; CANCELLED (CallOptions::cancel); FAILED_PRECONDITION
+// incompatible registration; DATA_LOSS checksum mismatch; INVALID_ARGUMENT names the field.
+//
+// Threading: a Client is thread-safe; calls from many threads proceed in parallel (no lock is
+// held across a gRPC or UCX call). A PutSession belongs to one thread at a time.
+//
+// Server restarts: every remote address and key is tied to the pool's epoch (its incarnation
+// id). After a restart the client drops its UCX endpoint (and with it every unpacked remote
+// key), reconnects and re-registers; leases and puts of the old epoch fail with UNAVAILABLE and
+// are never used against the new process.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "kvpool/common/keys.h"
+#include "kvpool/kernels/block_format.h"
+#include "kvpool/transport/transport.h"
+
+namespace kvpool::client {
+
+// Cancels the calls it is attached to (gRPC calls in flight and transfers not yet complete).
+// Thread-safe; one token may be shared by many calls. Once cancelled it stays cancelled.
+class CancelToken {
+ public:
+  void Cancel();
+  bool cancelled() const { return cancelled_.load(std::memory_order_acquire); }
+
+  // ---- used by the client ----
+  // Registers a cancel action; runs it at once when already cancelled. Returns an id for
+  // Remove.
+  uint64_t Add(std::function<void()> on_cancel);
+  void Remove(uint64_t id);
+
+ private:
+  std::atomic<bool> cancelled_{false};
+  std::mutex mu_;
+  uint64_t next_ = 1;
+  std::vector<std::pair<uint64_t, std::function<void()>>> actions_;
+};
+
+// Per-call options. A call that does not finish by `deadline` returns DEADLINE_EXCEEDED.
+struct CallOptions {
+  // Absolute deadline; InfiniteFuture() means "the client's default timeout from now".
+  absl::Time deadline = absl::InfiniteFuture();
+  std::shared_ptr<CancelToken> cancel;  // optional
+};
+
+// How the client reaches the pool.
+struct ClientOptions {
+  std::string server = "127.0.0.1:7070";  // gRPC "HOST:PORT" of the pool
+  // UCX_TLS for this client's data plane ("" = environment/UCX default). Must share a
+  // transport with the pool's (e.g. both "tcp", or both "posix,cma" on one host).
+  std::string ucx_tls;
+  // Timeout of calls whose CallOptions have no deadline. Default 10 s.
+  absl::Duration default_timeout = absl::Seconds(10);
+  // Refuse K/V holding NaN or ±Inf before sending them (INVALID_ARGUMENT naming the layer and
+  // token). The pool refuses them too; checking here saves the transfer. Default true.
+  bool check_finite = true;
+  // Creates the data plane. Default (null): transport::CreateUcxTransport({.tls = ucx_tls}).
+  // Tests pass a FakeFabric transport.
+  std::function<absl::StatusOr<std::unique_ptr<transport::Transport>>()> transport_factory;
+};
+
+// What RegisterModel needs: docs/KEYS.md namespace fields plus the recipe and rotation file.
+struct ModelSpec {
+  std::string tenant = "default";
+  std::string model_id;
+  std::string revision;
+  uint32_t num_layers = 0;
+  uint32_t num_kv_heads = 0;
+  uint32_t head_dim = 0;
+  uint32_t page_size = 16;
+  uint32_t sink_tokens = 64;     // S, multiple of page_size
+  uint32_t recent_tokens = 256;  // W
+  float clip_ratio_k = 0.96f;
+  float clip_ratio_v = 0.92f;
+  std::string history_precision = "int2";  // "int2" or "bf16"
+  std::optional<TensorParallelShard> tensor_parallel;
+  // Exactly one of: the rotation file's bytes (safetensors), or a path the pool can read.
+  std::string rotation_file;
+  std::string rotation_path;
+};
+
+// The registration as the pool confirmed it.
+struct ModelInfo {
+  Digest namespace_id{};  // key(-1); block keys chain from it
+  Digest rotation_id{};
+  bool created = false;
+  uint64_t pool_epoch = 0;
+  uint64_t bf16_form_bytes = 0;
+  uint64_t int2_form_bytes = 0;
+  uint32_t sink_blocks = 0;
+  uint32_t recent_blocks = 0;
+  BlockGeometry geometry;
+};
+
+enum class Form { kBf16, kInt2 };
+
+// ---- put ----
+
+struct PutResult {
+  uint32_t num_blocks = 0;      // full blocks of the put
+  uint32_t blocks_written = 0;  // blocks whose bytes were sent (the rest already existed)
+  uint64_t bytes_written = 0;   // staging bytes sent over the data plane
+};
+
+// One open two-phase put. Write every layer once, in order 0..L-1 (the checksum of each block
+// form is streamed layer by layer), then Commit. Destroying an
+// uncommitted session aborts it (best effort). Not thread-safe; movable only via unique_ptr.
+class PutSession {
+ public:
+  virtual ~PutSession() = default;
+  // Sends layer `layer` of the sequence: `k` and `v` are [num_tokens][num_kv_heads][head_dim]
+  // bf16 (uint16 bit patterns), un-rotated (post-RoPE, as the engine has them), with
+  // num_tokens >= num_blocks * page_size (extra tokens are ignored). The bytes are copied
+  // before return; the transfer proceeds in the background.
+  // Errors: INVALID_ARGUMENT ("layer", "k", "v" sizes; non-finite values naming layer/token),
+  // FAILED_PRECONDITION (layer out of order, session finished), UNAVAILABLE (data plane).
+  virtual absl::Status WriteLayer(uint32_t layer, absl::Span<const uint16_t> k,
+                                  absl::Span<const uint16_t> v) = 0;
+  // Waits for every layer's transfer, sends checksums, commits. On failure the put is aborted.
+  // Errors: FAILED_PRECONDITION (a layer missing), DATA_LOSS, UNAVAILABLE, DEADLINE_EXCEEDED,
+  // plus the pool's refusals (e.g. INVALID_ARGUMENT for NaN/Inf found at commit).
+  virtual absl::StatusOr<PutResult> Commit() = 0;
+  // Drops the put; nothing becomes visible. Idempotent.
+  virtual absl::Status Abort() = 0;
+  // Full blocks this put covers and how many need writing (the rest already exist).
+  virtual uint32_t num_blocks() const = 0;
+  virtual uint32_t blocks_to_write() const = 0;
+};
+
+// ---- lookup and leases ----
+
+struct BlockInfo {
+  BlockKey key{};
+  bool sink = false;
+  bool has_bf16 = false;
+  bool has_int2 = false;
+};
+
+struct LookupResult {
+  uint32_t num_blocks = 0;        // leading blocks held
+  std::vector<BlockInfo> blocks;  // one per held block
+};
+
+struct FormLocation {
+  uint64_t remote_addr = 0;
+  std::string rkey;  // packed remote key
+  uint64_t size = 0;
+  uint64_t generation = 0;
+  uint64_t xxh3 = 0;
+};
+
+struct LeasedBlock {
+  uint32_t index = 0;
+  BlockKey key{};
+  bool sink = false;
+  std::optional<FormLocation> bf16;
+  std::optional<FormLocation> int2;
+};
+
+struct Lease {
+  uint64_t id = 0;  // 0 when nothing was held (no lease taken)
+  uint64_t pool_epoch = 0;
+  absl::Time expires;  // local estimate (call start + lease_ms)
+  std::vector<LeasedBlock> blocks;
+};
+
+// ---- fetch ----
+
+// A caller-registered buffer of pages of one form (RegisterBuffer). Page p occupies
+// [p * page_stride, p * page_stride + form_bytes) of the region.
+struct PagePool {
+  std::shared_ptr<transport::MemoryRegion> region;
+  uint64_t page_stride = 0;  // bytes >= the form's bytes
+};
+
+// Where to put a lease's blocks.
+struct FetchPlan {
+  PagePool* bf16_pool = nullptr;  // required when any block is fetched in BF16
+  PagePool* int2_pool = nullptr;  // required when any block is fetched in INT2
+  // Page ids to fill, consumed in block order from each list (must be long enough).
+  std::vector<int32_t> bf16_pages;
+  std::vector<int32_t> int2_pages;
+  uint32_t max_blocks = 0;  // 0 = every leased block
+  // When some block of the recent window (the last recent_blocks leased blocks) has no BF16
+  // form: true → fetch the whole window as INT2 (history); false → stop before the window
+  // (num_blocks < leased, the caller recomputes the window). Default false (FORMAT.md §3).
+  bool accept_int2_window = false;
+};
+
+// CSR page table of one segment for one request (docs/BLOCK_FORMAT.md "Page tables").
+struct SegmentTable {
+  std::vector<int32_t> indptr{0};      // [batch + 1]
+  std::vector<int32_t> indices;        // [nnz] page ids in token order
+  std::vector<int32_t> last_page_len;  // [batch]
+};
+
+struct PageTables {
+  SegmentTable sink;     // BF16 pages
+  SegmentTable history;  // INT2 pages
+  SegmentTable recent;   // BF16 pages
+};
+
+struct FetchResult {
+  uint32_t num_blocks = 0;                 // leading blocks fetched and verified
+  std::vector<absl::Status> block_status;  // one per block considered, in order
+  std::vector<Form> forms;                 // form fetched per block (num_blocks entries)
+  std::vector<int32_t> pages;              // page id per block (num_blocks entries)
+  PageTables tables;                       // batch of one
+  uint64_t bytes = 0;                      // bytes moved
+};
+
+// Concatenates the page tables of several requests into one batch (request order).
+PageTables MergePageTables(absl::Span<const PageTables* const> per_request);
+
+class Client {
+ public:
+  // Creates the data plane and the gRPC channel (no RPC yet). Errors: INVALID_ARGUMENT
+  // ("server"), INTERNAL (UCX).
+  static absl::StatusOr<std::unique_ptr<Client>> Create(const ClientOptions& options);
+  virtual ~Client() = default;
+
+  // Registers (or re-attaches to) the model; the client remembers it and re-registers after a
+  // pool restart. Connects the data plane to the pool's worker. Errors: FAILED_PRECONDITION
+  // (differing registration; the message lists the fields), INVALID_ARGUMENT (spec fields).
+  virtual absl::StatusOr<ModelInfo> RegisterModel(const ModelSpec& spec,
+                                                  const CallOptions& call = {}) = 0;
+  // The current registration (after RegisterModel). FAILED_PRECONDITION before.
+  virtual absl::StatusOr<ModelInfo> model() const = 0;
+
+  // Block keys of the full blocks of `tokens` (docs/KEYS.md), from the registered namespace.
+  virtual absl::StatusOr<std::vector<BlockKey>> Keys(absl::Span<const uint32_t> tokens) const = 0;
+
+  // Starts a put of the full blocks of `tokens` (the partial tail is not stored).
+  // Errors: INVALID_ARGUMENT ("tokens": fewer than page_size), RESOURCE_EXHAUSTED, UNAVAILABLE.
+  virtual absl::StatusOr<std::unique_ptr<PutSession>> BeginPut(absl::Span<const uint32_t> tokens,
+                                                               const CallOptions& call = {}) = 0;
+
+  // Convenience: BeginPut + WriteLayer for every layer (k[l], v[l]) + Commit.
+  virtual absl::StatusOr<PutResult> Put(absl::Span<const uint32_t> tokens,
+                                        absl::Span<const absl::Span<const uint16_t>> k,
+                                        absl::Span<const absl::Span<const uint16_t>> v,
+                                        const CallOptions& call = {}) = 0;
+
+  // Longest held prefix of `tokens` and its forms. Side-effect free.
+  virtual absl::StatusOr<LookupResult> Lookup(absl::Span<const uint32_t> tokens,
+                                              const CallOptions& call = {}) = 0;
+
+  // Leases the longest held prefix (at most max_blocks when > 0) for `lease_ms` (0 = the
+  // pool's default). A lease with id 0 means nothing is held.
+  virtual absl::StatusOr<Lease> Acquire(absl::Span<const uint32_t> tokens, uint32_t max_blocks = 0,
+                                        uint32_t lease_ms = 0, const CallOptions& call = {}) = 0;
+  virtual absl::Status Renew(Lease& lease, uint32_t lease_ms = 0, const CallOptions& call = {}) = 0;
+  // NOT_FOUND: the lease had expired (bytes read under it must be discarded).
+  virtual absl::Status Release(const Lease& lease, const CallOptions& call = {}) = 0;
+
+  // Registers caller memory as a fetch destination (pinned host memory for UCX).
+  virtual absl::StatusOr<std::shared_ptr<transport::MemoryRegion>> RegisterBuffer(
+      void* addr, size_t length) = 0;
+
+  // Reads the leased blocks into the plan's page pools (UCX RMA get), verifies each block's
+  // xxh3 (DATA_LOSS in its block_status) and builds the page tables. num_blocks counts the
+  // leading blocks that all verified. Errors for the whole call: INVALID_ARGUMENT (plan:
+  // missing pool, too few pages, page_stride too small or region too small, naming the
+  // field), UNAVAILABLE (lease from another pool epoch or data plane down),
+  // FAILED_PRECONDITION (lease expired locally), DEADLINE_EXCEEDED, CANCELLED.
+  virtual absl::StatusOr<FetchResult> Fetch(const Lease& lease, const FetchPlan& plan,
+                                            const CallOptions& call = {}) = 0;
+
+  // Deletes blocks; one status per key.
+  virtual absl::StatusOr<std::vector<absl::Status>> Delete(absl::Span<const BlockKey> keys,
+                                                           const CallOptions& call = {}) = 0;
+
+  // The data plane (for callers that manage their own buffers).
+  virtual transport::Transport& transport() = 0;
+};
+
+// Packs one layer of an engine's K/V ([tokens][H][d] bf16) into the BF16 block-form slice of
+// block `block` (docs/BLOCK_FORMAT.md: per head K[P][d] then V[P][d]); `out` must hold
+// H * 4 * P * d bytes. Exposed for tests and benchmarks.
+void PackLayerSlice(const BlockGeometry& g, uint32_t block, const uint16_t* k, const uint16_t* v,
+                    uint8_t* out);
+
+}  // namespace kvpool::client

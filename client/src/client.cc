@@ -1,0 +1,958 @@
+// The kvpool C++ client (see client.h). gRPC and protobuf appear only in this file.
+#include "kvpool/client/client.h"
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <utility>
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "kvpool/common/checksum.h"
+#include "kvpool/common/log.h"
+#include "kvpool/common/status.h"
+#include "kvpool/transport/ucx_transport.h"
+#include "kvpool/v1/pool.grpc.pb.h"
+#include "kvpool/v1/pool.pb.h"
+
+namespace kvpool::client {
+
+// ---- CancelToken ----
+void CancelToken::Cancel() {
+  std::vector<std::function<void()>> run;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (cancelled_.exchange(true)) return;
+    for (auto& [id, fn] : actions_) run.push_back(std::move(fn));
+    actions_.clear();
+  }
+  for (auto& fn : run) fn();
+}
+
+uint64_t CancelToken::Add(std::function<void()> on_cancel) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!cancelled()) {
+      actions_.emplace_back(next_, std::move(on_cancel));
+      return next_++;
+    }
+  }
+  on_cancel();
+  return 0;
+}
+
+void CancelToken::Remove(uint64_t id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  actions_.erase(std::remove_if(actions_.begin(), actions_.end(),
+                                [id](const auto& a) { return a.first == id; }),
+                 actions_.end());
+}
+
+// ---- packing ----
+void PackLayerSlice(const BlockGeometry& g, uint32_t block, const uint16_t* k, const uint16_t* v,
+                    uint8_t* out) {
+  const uint32_t P = g.page_size, H = g.num_kv_heads, d = g.head_dim;
+  const size_t row_bytes = size_t(d) * 2;
+  for (uint32_t h = 0; h < H; ++h) {
+    uint8_t* chunk = out + size_t(h) * g.Bf16ChunkBytes();
+    uint8_t* vrows = chunk + g.Bf16VOffset();
+    for (uint32_t t = 0; t < P; ++t) {
+      const size_t src = (size_t(block) * P + t) * H * d + size_t(h) * d;
+      std::memcpy(chunk + t * row_bytes, k + src, row_bytes);
+      std::memcpy(vrows + t * row_bytes, v + src, row_bytes);
+    }
+  }
+}
+
+PageTables MergePageTables(absl::Span<const PageTables* const> per_request) {
+  PageTables out;
+  auto append = [](SegmentTable& dst, const SegmentTable& src) {
+    for (size_t b = 0; b + 1 < src.indptr.size(); ++b) {
+      for (int32_t i = src.indptr[b]; i < src.indptr[b + 1]; ++i)
+        dst.indices.push_back(src.indices[i]);
+      dst.indptr.push_back(static_cast<int32_t>(dst.indices.size()));
+      dst.last_page_len.push_back(src.last_page_len[b]);
+    }
+  };
+  for (const PageTables* t : per_request) {
+    append(out.sink, t->sink);
+    append(out.history, t->history);
+    append(out.recent, t->recent);
+  }
+  return out;
+}
+
+namespace {
+
+namespace pb = ::kvpool::v1;
+using transport::EndpointId;
+using transport::RemoteKeyId;
+using transport::Transfer;
+using transport::TransferKind;
+using transport::TransferOp;
+using transport::TransferRequest;
+
+absl::Status FromGrpc(const grpc::Status& s) {
+  if (s.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
+}
+
+bool Bf16Finite(uint16_t x) { return (x & 0x7F80u) != 0x7F80u; }
+
+std::string HexPrefix(const Digest& d) { return ToHex(d).substr(0, 12); }
+
+class ClientImpl;
+
+// Everything a call needs from the connection, captured under the client's lock.
+struct ConnSnapshot {
+  uint64_t epoch = 0;
+  EndpointId endpoint;
+  Digest namespace_id{};
+  BlockGeometry geometry;
+  ModelInfo info;
+  bool bf16_history = false;
+};
+
+class PutSessionImpl final : public PutSession {
+ public:
+  struct Block {
+    uint32_t index;
+    uint64_t staging_addr;
+    RemoteKeyId rkey;
+  };
+
+  PutSessionImpl(ClientImpl* client, ConnSnapshot conn, uint64_t put_id, uint32_t num_blocks,
+                 std::vector<Block> writes, absl::Time deadline,
+                 std::shared_ptr<CancelToken> cancel)
+      : client_(client),
+        conn_(std::move(conn)),
+        put_id_(put_id),
+        num_blocks_(num_blocks),
+        writes_(std::move(writes)),
+        deadline_(deadline),
+        cancel_(std::move(cancel)) {
+    for (size_t i = 0; i < writes_.size(); ++i) hashes_.push_back(std::make_unique<Xxh3Stream>());
+  }
+  ~PutSessionImpl() override {
+    if (!finished_) (void)Abort();
+  }
+
+  absl::Status WriteLayer(uint32_t layer, absl::Span<const uint16_t> k,
+                          absl::Span<const uint16_t> v) override;
+  absl::StatusOr<PutResult> Commit() override;
+  absl::Status Abort() override;
+  uint32_t num_blocks() const override { return num_blocks_; }
+  uint32_t blocks_to_write() const override { return static_cast<uint32_t>(writes_.size()); }
+
+ private:
+  absl::Status WaitSlot(int slot);
+
+  ClientImpl* client_;
+  ConnSnapshot conn_;
+  uint64_t put_id_;
+  uint32_t num_blocks_;
+  std::vector<Block> writes_;
+  absl::Time deadline_;
+  std::shared_ptr<CancelToken> cancel_;
+  std::vector<std::unique_ptr<Xxh3Stream>> hashes_;
+  // Double-buffered layer staging: slot s holds writes_.size() layer slices.
+  std::shared_ptr<transport::MemoryRegion> slots_[2];
+  std::vector<std::shared_ptr<Transfer>> inflight_[2];
+  uint32_t next_layer_ = 0;
+  uint64_t bytes_written_ = 0;
+  bool finished_ = false;
+};
+
+class ClientImpl final : public Client {
+ public:
+  ClientImpl(ClientOptions options, std::unique_ptr<transport::Transport> transport,
+             std::shared_ptr<grpc::Channel> channel)
+      : options_(std::move(options)),
+        transport_(std::move(transport)),
+        channel_(std::move(channel)),
+        stub_(pb::KvPool::NewStub(channel_)) {}
+
+  ~ClientImpl() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (endpoint_.value != 0) (void)transport_->Disconnect(endpoint_);
+  }
+
+  // ---- call plumbing ----
+  absl::Time Deadline(const CallOptions& call) const {
+    return call.deadline == absl::InfiniteFuture() ? absl::Now() + options_.default_timeout
+                                                   : call.deadline;
+  }
+
+  // Runs one unary RPC with the call's deadline and cancellation.
+  template <typename Req, typename Resp, typename Fn>
+  absl::Status Rpc(const CallOptions& call, absl::Time deadline, Fn fn, const Req& req,
+                   Resp* resp) {
+    if (call.cancel && call.cancel->cancelled()) return absl::CancelledError("call cancelled");
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(deadline));
+    uint64_t cancel_id = 0;
+    if (call.cancel) cancel_id = call.cancel->Add([&ctx] { ctx.TryCancel(); });
+    grpc::Status s = (stub_.get()->*fn)(&ctx, req, resp);
+    if (call.cancel && cancel_id != 0) call.cancel->Remove(cancel_id);
+    absl::Status out = FromGrpc(s);
+    if (absl::IsUnavailable(out)) MarkStale("gRPC UNAVAILABLE");
+    return out;
+  }
+
+  void MarkStale(const char* why) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!stale_) KVPOOL_LOG_DEBUG("client: connection marked stale ({})", why);
+    stale_ = true;
+  }
+
+  // A NOT_FOUND for a namespace/put/lease may mean the pool restarted (it forgot everything):
+  // probe the epoch with Stats. Restart → UNAVAILABLE (and reconnect on the next call).
+  absl::Status CheckRestart(absl::Status s, uint64_t epoch, absl::Time deadline) {
+    if (!absl::IsNotFound(s)) return s;
+    pb::StatsRequest req;
+    pb::StatsResponse resp;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(std::max(deadline, absl::Now() + absl::Seconds(1))));
+    grpc::Status gs = stub_->Stats(&ctx, req, &resp);
+    if (!gs.ok()) {
+      MarkStale("stats probe failed");
+      return absl::UnavailableError(absl::StrCat("pool unreachable: ", gs.error_message()));
+    }
+    if (resp.pool_epoch() != epoch) {
+      MarkStale("pool epoch changed");
+      return absl::UnavailableError(
+          absl::StrCat("pool restarted (epoch ", epoch, " → ", resp.pool_epoch(),
+                       "); the client reconnects on the next call: ", s.message()));
+    }
+    return s;
+  }
+
+  // Returns the current connection, reconnecting (re-registering) first when stale.
+  absl::StatusOr<ConnSnapshot> Conn(const CallOptions& call, absl::Time deadline) {
+    bool stale;
+    std::optional<ModelSpec> spec;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!spec_) return absl::FailedPreconditionError("model: RegisterModel first");
+      stale = stale_;
+      if (stale) spec = spec_;
+    }
+    if (stale) {
+      auto r = DoRegister(*spec, call, deadline);
+      if (!r.ok()) {
+        if (absl::IsUnavailable(r.status()) || absl::IsDeadlineExceeded(r.status())) {
+          return absl::UnavailableError(
+              absl::StrCat("pool unavailable (reconnecting): ", r.status().message()));
+        }
+        return r.status();
+      }
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!info_) return absl::UnavailableError("not connected");
+    ConnSnapshot c;
+    c.epoch = info_->pool_epoch;
+    c.endpoint = endpoint_;
+    c.namespace_id = info_->namespace_id;
+    c.geometry = info_->geometry;
+    c.info = *info_;
+    c.bf16_history = spec_->history_precision == "bf16";
+    return c;
+  }
+
+  // The unpacked key for `packed` on the current endpoint (cached per epoch).
+  absl::StatusOr<RemoteKeyId> Key(const ConnSnapshot& c, const std::string& packed) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!info_ || info_->pool_epoch != c.epoch || endpoint_.value != c.endpoint.value) {
+        return absl::UnavailableError("pool restarted: remote key of a previous epoch");
+      }
+      auto it = rkeys_.find(packed);
+      if (it != rkeys_.end()) return it->second;
+    }
+    KVPOOL_ASSIGN_OR_RETURN(RemoteKeyId id, transport_->UnpackRemoteKey(c.endpoint, packed));
+    std::lock_guard<std::mutex> lock(mu_);
+    if (endpoint_.value != c.endpoint.value) {
+      return absl::UnavailableError("pool restarted while unpacking a remote key");
+    }
+    rkeys_.emplace(packed, id);
+    return id;
+  }
+
+  absl::StatusOr<ModelInfo> DoRegister(const ModelSpec& spec, const CallOptions& call,
+                                       absl::Time deadline) {
+    pb::RegisterModelRequest req;
+    req.mutable_identity()->set_tenant(spec.tenant);
+    req.mutable_identity()->set_model_id(spec.model_id);
+    req.mutable_identity()->set_revision(spec.revision);
+    req.mutable_geometry()->set_num_layers(spec.num_layers);
+    req.mutable_geometry()->set_num_kv_heads(spec.num_kv_heads);
+    req.mutable_geometry()->set_head_dim(spec.head_dim);
+    req.mutable_geometry()->set_dtype(pb::KV_DTYPE_BF16);
+    req.set_page_size(spec.page_size);
+    auto* r = req.mutable_recipe();
+    r->set_sink_tokens(spec.sink_tokens);
+    r->set_recent_tokens(spec.recent_tokens);
+    r->set_clip_ratio_k(spec.clip_ratio_k);
+    r->set_clip_ratio_v(spec.clip_ratio_v);
+    if (spec.history_precision == "int2") {
+      r->set_history_precision(pb::HISTORY_PRECISION_INT2);
+    } else if (spec.history_precision == "bf16") {
+      r->set_history_precision(pb::HISTORY_PRECISION_BF16);
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "history_precision: \"", spec.history_precision, "\" is not \"int2\" or \"bf16\""));
+    }
+    r->set_block_format_version(1);
+    if (spec.tensor_parallel) {
+      req.mutable_tensor_parallel()->set_rank(spec.tensor_parallel->rank);
+      req.mutable_tensor_parallel()->set_size(spec.tensor_parallel->size);
+    }
+    if (!spec.rotation_file.empty() == !spec.rotation_path.empty()) {
+      return absl::InvalidArgumentError("rotation_file/rotation_path: give exactly one of them");
+    }
+    if (!spec.rotation_file.empty()) {
+      req.set_rotation_file(spec.rotation_file);
+    } else {
+      req.set_rotation_path(spec.rotation_path);
+    }
+    pb::RegisterModelResponse resp;
+    KVPOOL_RETURN_IF_ERROR(Rpc(call, deadline, &pb::KvPool::Stub::RegisterModel, req, &resp));
+
+    ModelInfo info;
+    KVPOOL_ASSIGN_OR_RETURN(info.namespace_id,
+                            DigestFromBytes(resp.namespace_id(), "namespace_id"));
+    KVPOOL_ASSIGN_OR_RETURN(info.rotation_id, DigestFromBytes(resp.rotation_id(), "rotation_id"));
+    info.created = resp.created();
+    info.pool_epoch = resp.pool_epoch();
+    info.bf16_form_bytes = resp.bf16_form_bytes();
+    info.int2_form_bytes = resp.int2_form_bytes();
+    info.sink_blocks = resp.sink_blocks();
+    info.recent_blocks = resp.recent_blocks();
+    info.geometry =
+        BlockGeometry{spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.page_size};
+    if (info.bf16_form_bytes != info.geometry.Bf16FormBytes()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("bf16_form_bytes: pool says ", info.bf16_form_bytes,
+                       ", kvpool-block-v1 says ", info.geometry.Bf16FormBytes()));
+    }
+
+    // Connect the data plane to this pool incarnation, unless already connected to it.
+    EndpointId old;
+    bool need_connect;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      need_connect = !info_ || info_->pool_epoch != info.pool_epoch || endpoint_.value == 0 ||
+                     worker_address_ != resp.ucx_worker_address();
+    }
+    EndpointId fresh;
+    if (need_connect) {
+      if (resp.ucx_worker_address().empty()) {
+        return absl::FailedPreconditionError(
+            "ucx_worker_address: the pool has no UCX data plane (started with --data-plane none?)");
+      }
+      KVPOOL_ASSIGN_OR_RETURN(fresh, transport_->Connect(resp.ucx_worker_address()));
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (need_connect) {
+        old = endpoint_;
+        endpoint_ = fresh;
+        rkeys_.clear();  // keys of the old endpoint die with it
+        worker_address_ = resp.ucx_worker_address();
+      }
+      spec_ = spec;
+      info_ = info;
+      stale_ = false;
+    }
+    if (old.value != 0) (void)transport_->Disconnect(old);  // drops every stale remote key
+    return info;
+  }
+
+  // ---- Client ----
+  absl::StatusOr<ModelInfo> RegisterModel(const ModelSpec& spec, const CallOptions& call) override {
+    return DoRegister(spec, call, Deadline(call));
+  }
+
+  absl::StatusOr<ModelInfo> model() const override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!info_) return absl::FailedPreconditionError("model: RegisterModel first");
+    return *info_;
+  }
+
+  absl::StatusOr<std::vector<BlockKey>> Keys(absl::Span<const uint32_t> tokens) const override {
+    KVPOOL_ASSIGN_OR_RETURN(ModelInfo info, model());
+    return ChainKeys(info.namespace_id, tokens, info.geometry.page_size);
+  }
+
+  absl::StatusOr<std::unique_ptr<PutSession>> BeginPut(absl::Span<const uint32_t> tokens,
+                                                       const CallOptions& call) override {
+    const absl::Time deadline = Deadline(call);
+    KVPOOL_ASSIGN_OR_RETURN(ConnSnapshot c, Conn(call, deadline));
+    const uint32_t P = c.geometry.page_size;
+    if (tokens.size() < P) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tokens: ", tokens.size(), " tokens hold no full block of ", P));
+    }
+    const uint32_t num_blocks = static_cast<uint32_t>(tokens.size() / P);
+    pb::BeginPutRequest req;
+    req.set_namespace_id(DigestBytes(c.namespace_id));
+    req.mutable_token_ids()->Add(tokens.begin(), tokens.end());
+    req.set_num_blocks(num_blocks);
+    pb::BeginPutResponse resp;
+    absl::Status s = Rpc(call, deadline, &pb::KvPool::Stub::BeginPut, req, &resp);
+    if (!s.ok()) return CheckRestart(s, c.epoch, deadline);
+    if (resp.pool_epoch() != c.epoch) {
+      MarkStale("epoch changed at BeginPut");
+      return absl::UnavailableError("pool restarted; retry");
+    }
+    std::vector<PutSessionImpl::Block> writes;
+    absl::Status bad;
+    for (const auto& b : resp.blocks()) {
+      if (b.action() != pb::PUT_BLOCK_ACTION_WRITE) continue;
+      if (b.size() != c.info.bf16_form_bytes || b.index() >= num_blocks) {
+        bad = absl::InternalError(
+            absl::StrCat("pool returned a malformed staging block ", b.index()));
+        break;
+      }
+      auto key = Key(c, b.rkey());
+      if (!key.ok()) {
+        bad = key.status();
+        break;
+      }
+      writes.push_back({b.index(), b.staging_addr(), *key});
+    }
+    auto session = std::make_unique<PutSessionImpl>(this, c, resp.put_id(), num_blocks,
+                                                    std::move(writes), deadline, call.cancel);
+    if (!bad.ok()) return bad;  // the session's destructor aborts the put
+    return std::unique_ptr<PutSession>(std::move(session));
+  }
+
+  absl::StatusOr<PutResult> Put(absl::Span<const uint32_t> tokens,
+                                absl::Span<const absl::Span<const uint16_t>> k,
+                                absl::Span<const absl::Span<const uint16_t>> v,
+                                const CallOptions& call) override {
+    KVPOOL_ASSIGN_OR_RETURN(ModelInfo info, model());
+    if (k.size() != info.geometry.num_layers) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("k: ", k.size(), " layers, model has ", info.geometry.num_layers));
+    }
+    if (v.size() != info.geometry.num_layers) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("v: ", v.size(), " layers, model has ", info.geometry.num_layers));
+    }
+    CallOptions c = call;
+    c.deadline = Deadline(call);
+    KVPOOL_ASSIGN_OR_RETURN(auto put, BeginPut(tokens, c));
+    for (uint32_t l = 0; l < info.geometry.num_layers; ++l) {
+      absl::Status s = put->WriteLayer(l, k[l], v[l]);
+      if (!s.ok()) {
+        (void)put->Abort();
+        return s;
+      }
+    }
+    return put->Commit();
+  }
+
+  absl::StatusOr<LookupResult> Lookup(absl::Span<const uint32_t> tokens,
+                                      const CallOptions& call) override {
+    const absl::Time deadline = Deadline(call);
+    KVPOOL_ASSIGN_OR_RETURN(ConnSnapshot c, Conn(call, deadline));
+    pb::LookupRequest req;
+    req.set_namespace_id(DigestBytes(c.namespace_id));
+    req.mutable_token_ids()->Add(tokens.begin(), tokens.end());
+    pb::LookupResponse resp;
+    absl::Status s = Rpc(call, deadline, &pb::KvPool::Stub::Lookup, req, &resp);
+    if (!s.ok()) return CheckRestart(s, c.epoch, deadline);
+    LookupResult out;
+    out.num_blocks = resp.num_blocks();
+    for (const auto& b : resp.blocks()) {
+      BlockInfo bi;
+      KVPOOL_ASSIGN_OR_RETURN(bi.key, DigestFromBytes(b.key(), "blocks.key"));
+      bi.sink = b.sink();
+      for (int f : b.forms()) {
+        if (f == pb::FORM_BF16) bi.has_bf16 = true;
+        if (f == pb::FORM_INT2) bi.has_int2 = true;
+      }
+      out.blocks.push_back(bi);
+    }
+    return out;
+  }
+
+  absl::StatusOr<Lease> Acquire(absl::Span<const uint32_t> tokens, uint32_t max_blocks,
+                                uint32_t lease_ms, const CallOptions& call) override {
+    const absl::Time deadline = Deadline(call);
+    KVPOOL_ASSIGN_OR_RETURN(ConnSnapshot c, Conn(call, deadline));
+    pb::AcquireRequest req;
+    req.set_namespace_id(DigestBytes(c.namespace_id));
+    req.mutable_token_ids()->Add(tokens.begin(), tokens.end());
+    req.set_max_blocks(max_blocks);
+    req.set_lease_ms(lease_ms);
+    pb::AcquireResponse resp;
+    const absl::Time start = absl::Now();
+    absl::Status s = Rpc(call, deadline, &pb::KvPool::Stub::Acquire, req, &resp);
+    if (!s.ok()) return CheckRestart(s, c.epoch, deadline);
+    Lease lease;
+    lease.id = resp.lease_id();
+    lease.pool_epoch = resp.pool_epoch();
+    lease.expires = start + absl::Milliseconds(resp.lease_ms());
+    if (lease.pool_epoch != c.epoch) {
+      MarkStale("epoch changed at Acquire");
+      return absl::UnavailableError("pool restarted; retry");
+    }
+    for (const auto& b : resp.blocks()) {
+      LeasedBlock lb;
+      lb.index = b.index();
+      KVPOOL_ASSIGN_OR_RETURN(lb.key, DigestFromBytes(b.key(), "blocks.key"));
+      lb.sink = b.sink();
+      for (const auto& f : b.forms()) {
+        FormLocation loc{f.remote_addr(), f.rkey(), f.size(), f.generation(), f.xxh3()};
+        if (f.form() == pb::FORM_BF16) lb.bf16 = loc;
+        if (f.form() == pb::FORM_INT2) lb.int2 = loc;
+      }
+      lease.blocks.push_back(std::move(lb));
+    }
+    return lease;
+  }
+
+  absl::Status Renew(Lease& lease, uint32_t lease_ms, const CallOptions& call) override {
+    const absl::Time deadline = Deadline(call);
+    pb::RenewRequest req;
+    req.set_lease_id(lease.id);
+    req.set_lease_ms(lease_ms);
+    pb::RenewResponse resp;
+    const absl::Time start = absl::Now();
+    absl::Status s = Rpc(call, deadline, &pb::KvPool::Stub::Renew, req, &resp);
+    if (!s.ok()) return CheckRestart(s, lease.pool_epoch, deadline);
+    lease.expires = start + absl::Milliseconds(resp.lease_ms());
+    return absl::OkStatus();
+  }
+
+  absl::Status Release(const Lease& lease, const CallOptions& call) override {
+    if (lease.id == 0) return absl::OkStatus();
+    const absl::Time deadline = Deadline(call);
+    pb::ReleaseRequest req;
+    req.set_lease_id(lease.id);
+    pb::ReleaseResponse resp;
+    absl::Status s = Rpc(call, deadline, &pb::KvPool::Stub::Release, req, &resp);
+    if (!s.ok()) return CheckRestart(s, lease.pool_epoch, deadline);
+    return s;
+  }
+
+  absl::StatusOr<std::shared_ptr<transport::MemoryRegion>> RegisterBuffer(void* addr,
+                                                                          size_t length) override {
+    return transport_->RegisterMemory(addr, length);
+  }
+
+  absl::StatusOr<FetchResult> Fetch(const Lease& lease, const FetchPlan& plan,
+                                    const CallOptions& call) override;
+
+  absl::StatusOr<std::vector<absl::Status>> Delete(absl::Span<const BlockKey> keys,
+                                                   const CallOptions& call) override {
+    const absl::Time deadline = Deadline(call);
+    KVPOOL_ASSIGN_OR_RETURN(ConnSnapshot c, Conn(call, deadline));
+    pb::DeleteRequest req;
+    req.set_namespace_id(DigestBytes(c.namespace_id));
+    for (const auto& k : keys) req.add_keys(DigestBytes(k));
+    pb::DeleteResponse resp;
+    absl::Status s = Rpc(call, deadline, &pb::KvPool::Stub::Delete, req, &resp);
+    if (!s.ok()) return CheckRestart(s, c.epoch, deadline);
+    std::vector<absl::Status> out;
+    for (const auto& r : resp.results()) {
+      out.emplace_back(static_cast<absl::StatusCode>(r.code()), r.message());
+    }
+    if (out.size() != keys.size()) {
+      return absl::InternalError(
+          absl::StrCat("pool returned ", out.size(), " results for ", keys.size(), " keys"));
+    }
+    return out;
+  }
+
+  transport::Transport& transport() override { return *transport_; }
+
+  // ---- for PutSessionImpl ----
+  absl::Status CommitRpc(const ConnSnapshot& c, uint64_t put_id,
+                         const std::vector<std::pair<uint32_t, uint64_t>>& sums,
+                         absl::Time deadline, const std::shared_ptr<CancelToken>& cancel,
+                         pb::CommitPutResponse* resp) {
+    pb::CommitPutRequest req;
+    req.set_namespace_id(DigestBytes(c.namespace_id));
+    req.set_put_id(put_id);
+    for (const auto& [index, sum] : sums) {
+      auto* cs = req.add_checksums();
+      cs->set_index(index);
+      cs->set_xxh3(sum);
+    }
+    CallOptions call{deadline, cancel};
+    absl::Status s = Rpc(call, deadline, &pb::KvPool::Stub::CommitPut, req, resp);
+    if (!s.ok()) return CheckRestart(s, c.epoch, deadline);
+    return s;
+  }
+
+  absl::Status AbortRpc(const ConnSnapshot& c, uint64_t put_id) {
+    pb::AbortPutRequest req;
+    req.set_namespace_id(DigestBytes(c.namespace_id));
+    req.set_put_id(put_id);
+    pb::AbortPutResponse resp;
+    return Rpc(CallOptions{}, absl::Now() + absl::Seconds(2), &pb::KvPool::Stub::AbortPut, req,
+               &resp);
+  }
+
+  const ClientOptions& options() const { return options_; }
+
+ private:
+  ClientOptions options_;
+  std::unique_ptr<transport::Transport> transport_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<pb::KvPool::Stub> stub_;
+
+  mutable std::mutex mu_;  // guards everything below; never held across gRPC or UCX calls
+  std::optional<ModelSpec> spec_;
+  std::optional<ModelInfo> info_;
+  EndpointId endpoint_;
+  std::string worker_address_;
+  std::map<std::string, RemoteKeyId> rkeys_;  // packed key → unpacked on endpoint_
+  bool stale_ = false;
+};
+
+// ---- PutSessionImpl ----
+absl::Status PutSessionImpl::WaitSlot(int slot) {
+  absl::Status first;
+  for (auto& t : inflight_[slot]) {
+    absl::Status s = t->Wait(deadline_);
+    if (absl::IsDeadlineExceeded(s)) t->Cancel();
+    if (!s.ok() && first.ok()) first = s;
+  }
+  inflight_[slot].clear();
+  return first;
+}
+
+absl::Status PutSessionImpl::WriteLayer(uint32_t layer, absl::Span<const uint16_t> k,
+                                        absl::Span<const uint16_t> v) {
+  if (finished_) return absl::FailedPreconditionError("put: already committed or aborted");
+  const BlockGeometry& g = conn_.geometry;
+  if (layer >= g.num_layers) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer: ", layer, " >= num_layers ", g.num_layers));
+  }
+  if (layer != next_layer_) {
+    return absl::FailedPreconditionError(absl::StrCat("layer: expected layer ", next_layer_,
+                                                      ", got ", layer,
+                                                      " (layers are written once, in order)"));
+  }
+  const size_t need = size_t(num_blocks_) * g.page_size * g.num_kv_heads * g.head_dim;
+  if (k.size() < need) {
+    return absl::InvalidArgumentError(absl::StrCat("k: ", k.size(), " elements, need at least ",
+                                                   need, " ([tokens][heads][head_dim])"));
+  }
+  if (v.size() < need) {
+    return absl::InvalidArgumentError(absl::StrCat("v: ", v.size(), " elements, need at least ",
+                                                   need, " ([tokens][heads][head_dim])"));
+  }
+  if (cancel_ && cancel_->cancelled()) return absl::CancelledError("put cancelled");
+  const size_t row = size_t(g.num_kv_heads) * g.head_dim;
+  if (client_->options().check_finite) {
+    for (const auto& w : writes_) {
+      for (uint32_t t = 0; t < g.page_size; ++t) {
+        const size_t base = (size_t(w.index) * g.page_size + t) * row;
+        for (size_t j = 0; j < row; ++j) {
+          if (!Bf16Finite(k[base + j]) || !Bf16Finite(v[base + j])) {
+            return absl::InvalidArgumentError(
+                absl::StrCat(!Bf16Finite(k[base + j]) ? "k" : "v", ": NaN or Inf at layer ", layer,
+                             ", token ", size_t(w.index) * g.page_size + t));
+          }
+        }
+      }
+    }
+  }
+  ++next_layer_;
+  if (writes_.empty()) return absl::OkStatus();
+
+  const uint64_t slice = g.Bf16LayerBytes();
+  const int slot = layer % 2;
+  KVPOOL_RETURN_IF_ERROR(WaitSlot(slot));
+  if (slots_[slot] == nullptr) {
+    KVPOOL_ASSIGN_OR_RETURN(slots_[slot],
+                            client_->transport().AllocateMemory(slice * writes_.size()));
+  }
+  uint8_t* buf = slots_[slot]->data();
+  // Ops grouped by remote key (normally one: the pool's arena).
+  std::map<uint64_t, std::vector<TransferOp>> by_key;
+  for (size_t i = 0; i < writes_.size(); ++i) {
+    uint8_t* out = buf + i * slice;
+    PackLayerSlice(g, writes_[i].index, k.data(), v.data(), out);
+    hashes_[i]->Update(out, slice);
+    by_key[writes_[i].rkey.value].push_back(
+        TransferOp{i * slice, writes_[i].staging_addr + layer * slice, slice});
+  }
+  for (auto& [key, ops] : by_key) {
+    TransferRequest req{TransferKind::kPut, conn_.endpoint, RemoteKeyId{key}, slots_[slot],
+                        std::move(ops)};
+    KVPOOL_ASSIGN_OR_RETURN(auto t, client_->transport().Prepare(std::move(req)));
+    KVPOOL_RETURN_IF_ERROR(client_->transport().Post(t));
+    inflight_[slot].push_back(std::move(t));
+  }
+  bytes_written_ += slice * writes_.size();
+  return absl::OkStatus();
+}
+
+absl::StatusOr<PutResult> PutSessionImpl::Commit() {
+  if (finished_) return absl::FailedPreconditionError("put: already committed or aborted");
+  if (next_layer_ != conn_.geometry.num_layers) {
+    (void)Abort();
+    return absl::FailedPreconditionError(absl::StrCat(
+        "put: ", next_layer_, " of ", conn_.geometry.num_layers, " layers written; aborted"));
+  }
+  absl::Status s0 = WaitSlot(0);
+  absl::Status s1 = WaitSlot(1);
+  if (!s0.ok() || !s1.ok()) {
+    (void)Abort();
+    return !s0.ok() ? s0 : s1;
+  }
+  std::vector<std::pair<uint32_t, uint64_t>> sums;
+  for (size_t i = 0; i < writes_.size(); ++i)
+    sums.emplace_back(writes_[i].index, hashes_[i]->Digest());
+  pb::CommitPutResponse resp;
+  absl::Status s = client_->CommitRpc(conn_, put_id_, sums, deadline_, cancel_, &resp);
+  if (!s.ok()) {
+    (void)Abort();
+    return s;
+  }
+  finished_ = true;
+  PutResult r;
+  r.num_blocks = num_blocks_;
+  r.blocks_written = static_cast<uint32_t>(writes_.size());
+  r.bytes_written = bytes_written_;
+  return r;
+}
+
+absl::Status PutSessionImpl::Abort() {
+  if (finished_) return absl::OkStatus();
+  finished_ = true;
+  // Never let the pool reuse staging that a transfer of ours may still write: wait (bounded).
+  for (int s = 0; s < 2; ++s) {
+    for (auto& t : inflight_[s]) {
+      t->Cancel();
+      (void)t->Wait(absl::Now() + absl::Seconds(5));
+    }
+    inflight_[s].clear();
+  }
+  absl::Status s = client_->AbortRpc(conn_, put_id_);
+  if (absl::IsNotFound(s)) return absl::OkStatus();  // already gone (committed/expired/restart)
+  return s;
+}
+
+// ---- Fetch ----
+absl::StatusOr<FetchResult> ClientImpl::Fetch(const Lease& lease, const FetchPlan& plan,
+                                              const CallOptions& call) {
+  const absl::Time deadline = Deadline(call);
+  ConnSnapshot c;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!info_) return absl::FailedPreconditionError("model: RegisterModel first");
+    c.epoch = info_->pool_epoch;
+    c.endpoint = endpoint_;
+    c.geometry = info_->geometry;
+    c.info = *info_;
+    c.bf16_history = spec_->history_precision == "bf16";
+  }
+  if (lease.pool_epoch != c.epoch) {
+    return absl::UnavailableError(absl::StrCat("lease: from pool epoch ", lease.pool_epoch,
+                                               ", the pool is now at epoch ", c.epoch,
+                                               " (re-acquire)"));
+  }
+  if (absl::Now() >= lease.expires) {
+    return absl::FailedPreconditionError("lease: expired (renew or re-acquire)");
+  }
+  const uint32_t P = c.geometry.page_size;
+  uint32_t n = static_cast<uint32_t>(lease.blocks.size());
+  if (plan.max_blocks > 0) n = std::min(n, plan.max_blocks);
+
+  // Segments: [0, sink_end) sink BF16; [sink_end, hist_end) INT2; [hist_end, n) BF16.
+  uint32_t sink_end = 0;
+  while (sink_end < n && lease.blocks[sink_end].sink) ++sink_end;
+  uint32_t hist_end = sink_end;
+  if (c.bf16_history) {
+    hist_end = sink_end;
+  } else {
+    const uint32_t window = std::min(c.info.recent_blocks, n - sink_end);
+    hist_end = n - window;
+    bool window_bf16 = true;
+    for (uint32_t i = hist_end; i < n; ++i) window_bf16 &= lease.blocks[i].bf16.has_value();
+    if (!window_bf16) {
+      if (plan.accept_int2_window) {
+        hist_end = n;
+      } else {
+        n = hist_end;  // the caller recomputes the window
+      }
+    }
+  }
+
+  FetchResult out;
+  struct Item {
+    uint32_t block;
+    Form form;
+    int32_t page;
+    const FormLocation* loc;
+    uint64_t local_offset;
+  };
+  std::vector<Item> items;
+  size_t next_bf16 = 0, next_int2 = 0;
+  for (uint32_t i = 0; i < n; ++i) {
+    const LeasedBlock& b = lease.blocks[i];
+    const bool int2 = i >= sink_end && i < hist_end;
+    const FormLocation* loc = int2 ? (b.int2 ? &*b.int2 : nullptr) : (b.bf16 ? &*b.bf16 : nullptr);
+    const PagePool* pool = int2 ? plan.int2_pool : plan.bf16_pool;
+    const char* pool_name = int2 ? "int2_pool" : "bf16_pool";
+    if (loc == nullptr) {
+      out.block_status.push_back(absl::NotFoundError(
+          absl::StrCat("block ", i, ": no ", int2 ? "INT2" : "BF16", " form leased")));
+      n = i;
+      break;
+    }
+    if (pool == nullptr || pool->region == nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("plan.", pool_name, ": required for block ", i));
+    }
+    const uint64_t form_bytes = int2 ? c.geometry.Int2FormBytes() : c.geometry.Bf16FormBytes();
+    if (loc->size != form_bytes) {
+      out.block_status.push_back(absl::DataLossError(absl::StrCat(
+          "block ", i, ": leased form of ", loc->size, " bytes, expected ", form_bytes)));
+      n = i;
+      break;
+    }
+    if (pool->page_stride < form_bytes) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "plan.", pool_name, ".page_stride: ", pool->page_stride, " < form bytes ", form_bytes));
+    }
+    const std::vector<int32_t>& pages = int2 ? plan.int2_pages : plan.bf16_pages;
+    size_t& next = int2 ? next_int2 : next_bf16;
+    if (next >= pages.size()) {
+      return absl::InvalidArgumentError(absl::StrCat("plan.", int2 ? "int2_pages" : "bf16_pages",
+                                                     ": too few pages for block ", i));
+    }
+    const int32_t page = pages[next++];
+    if (page < 0 || (uint64_t(page) * pool->page_stride + form_bytes) > pool->region->size()) {
+      return absl::InvalidArgumentError(absl::StrCat("plan.", int2 ? "int2_pages" : "bf16_pages",
+                                                     ": page ", page, " lies outside ", pool_name,
+                                                     "'s region"));
+    }
+    items.push_back(
+        {i, int2 ? Form::kInt2 : Form::kBf16, page, loc, uint64_t(page) * pool->page_stride});
+    out.block_status.push_back(absl::OkStatus());
+  }
+
+  // One transfer per (pool, remote key), all posted before waiting.
+  struct Group {
+    std::shared_ptr<transport::MemoryRegion> region;
+    RemoteKeyId key;
+    std::vector<TransferOp> ops;
+    std::vector<size_t> items;
+  };
+  std::map<std::pair<int, uint64_t>, Group> groups;
+  for (size_t j = 0; j < items.size(); ++j) {
+    const Item& it = items[j];
+    KVPOOL_ASSIGN_OR_RETURN(RemoteKeyId key, Key(c, it.loc->rkey));
+    const PagePool* pool = it.form == Form::kInt2 ? plan.int2_pool : plan.bf16_pool;
+    Group& g = groups[{static_cast<int>(it.form), key.value}];
+    g.region = pool->region;
+    g.key = key;
+    g.ops.push_back({it.local_offset, it.loc->remote_addr, it.loc->size});
+    g.items.push_back(j);
+  }
+  std::vector<std::pair<std::shared_ptr<Transfer>, const Group*>> transfers;
+  for (auto& [gk, g] : groups) {
+    KVPOOL_ASSIGN_OR_RETURN(
+        auto t, transport_->Prepare({TransferKind::kGet, c.endpoint, g.key, g.region, g.ops}));
+    KVPOOL_RETURN_IF_ERROR(transport_->Post(t));
+    transfers.emplace_back(std::move(t), &g);
+  }
+  uint64_t cancel_id = 0;
+  if (call.cancel) {
+    std::vector<std::shared_ptr<Transfer>> ts;
+    for (auto& [t, g] : transfers) ts.push_back(t);
+    cancel_id = call.cancel->Add([ts] {
+      for (auto& t : ts) t->Cancel();
+    });
+  }
+  absl::Status whole;
+  for (auto& [t, g] : transfers) {
+    absl::Status s = t->Wait(deadline);
+    if (absl::IsDeadlineExceeded(s)) {
+      for (auto& [t2, g2] : transfers) t2->Cancel();
+      whole = s;
+      break;
+    }
+    auto per_op = t->item_status();
+    for (size_t k = 0; k < g->items.size(); ++k) {
+      const Item& it = items[g->items[k]];
+      if (!per_op[k].ok()) out.block_status[it.block] = per_op[k];
+    }
+  }
+  if (call.cancel && cancel_id != 0) call.cancel->Remove(cancel_id);
+  if (!whole.ok()) {
+    // Destinations may still be written by ops in flight; wait for them (bounded) so the
+    // caller can reuse its pages.
+    for (auto& [t, g] : transfers) (void)t->Wait(absl::Now() + absl::Seconds(5));
+    return whole;
+  }
+  if (call.cancel && call.cancel->cancelled()) return absl::CancelledError("fetch cancelled");
+
+  // Verify checksums (fail closed: a slot reused under us would not match).
+  for (const Item& it : items) {
+    if (!out.block_status[it.block].ok()) continue;
+    const PagePool* pool = it.form == Form::kInt2 ? plan.int2_pool : plan.bf16_pool;
+    const uint64_t got = Xxh3(pool->region->data() + it.local_offset, it.loc->size);
+    if (got != it.loc->xxh3) {
+      out.block_status[it.block] = absl::DataLossError(
+          absl::StrCat("block ", it.block, " (", HexPrefix(lease.blocks[it.block].key), "): xxh3 ",
+                       got, " != leased ", it.loc->xxh3));
+    }
+    out.bytes += it.loc->size;
+  }
+  if (absl::Now() >= lease.expires) {
+    return absl::FailedPreconditionError(
+        "lease: expired during the fetch; the bytes may have been reused and were discarded");
+  }
+  uint32_t ok_prefix = 0;
+  while (ok_prefix < items.size() && out.block_status[ok_prefix].ok()) ++ok_prefix;
+  out.num_blocks = ok_prefix;
+  for (uint32_t i = 0; i < ok_prefix; ++i) {
+    out.forms.push_back(items[i].form);
+    out.pages.push_back(items[i].page);
+  }
+  auto seg = [&](SegmentTable& t, uint32_t from, uint32_t to) {
+    for (uint32_t i = from; i < std::min(to, ok_prefix); ++i) t.indices.push_back(items[i].page);
+    t.indptr.push_back(static_cast<int32_t>(t.indices.size()));
+    t.last_page_len.push_back(static_cast<int32_t>(P));
+  };
+  seg(out.tables.sink, 0, sink_end);
+  seg(out.tables.history, sink_end, hist_end);
+  seg(out.tables.recent, hist_end, n);
+  return out;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Client>> Client::Create(const ClientOptions& options) {
+  if (options.server.empty()) return absl::InvalidArgumentError("server: empty");
+  std::unique_ptr<transport::Transport> t;
+  if (options.transport_factory) {
+    KVPOOL_ASSIGN_OR_RETURN(t, options.transport_factory());
+  } else {
+    KVPOOL_ASSIGN_OR_RETURN(t, transport::CreateUcxTransport({.tls = options.ucx_tls}));
+  }
+  grpc::ChannelArguments args;
+  // Reconnect quickly after a pool restart (gRPC's default backoff grows to minutes).
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+  args.SetMaxReceiveMessageSize(64 << 20);
+  args.SetMaxSendMessageSize(256 << 20);  // rotation files travel once per model
+  auto channel =
+      grpc::CreateCustomChannel(options.server, grpc::InsecureChannelCredentials(), args);
+  return std::unique_ptr<Client>(new ClientImpl(options, std::move(t), std::move(channel)));
+}
+
+}  // namespace kvpool::client
