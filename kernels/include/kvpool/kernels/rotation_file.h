@@ -1,0 +1,69 @@
+// kvpool/kernels/rotation_file.h — rotation files (safetensors, FORMAT.md §4).
+//
+// Tensors (all F32, little-endian):
+//   layers.{i}.k.rotation     [d, d] (format_version 1) or [H_kv, d, d] (format_version 2)
+//   layers.{i}.v.rotation     same
+//   layers.{i}.k.eigenvalues  [d] or [H_kv, d]   (optional: present for all or for none)
+//   layers.{i}.v.eigenvalues  same
+// `__metadata__` (all strings): format = "kvpool-rotations", format_version ("1" | "2"),
+// objective, composition, model_name, head_dim, num_layers, num_kv_heads, clip_ratio_k,
+// clip_ratio_v (shortest round-trip decimal of the fp32 value), source_hash.
+//
+// The rotation id — part of every block key (docs/KEYS.md) — is the SHA-256 of the file bytes.
+// Serialization is deterministic (same RotationSet -> same bytes -> same id).
+//
+//   KVPOOL_ASSIGN_OR_RETURN(RotationSet rot, ReadRotationFile(path));
+//   KVPOOL_RETURN_IF_ERROR(CheckRotationsMatch(rot, {.model_name = "m", .head_dim = 128,
+//                                                    .num_layers = 36, .num_kv_heads = 8}));
+//   Digest id = rot.rotation_id();   // via RotationIdFromHex
+//
+// Thread-safety: free functions, reentrant.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "kvpool/kernels/rotation.h"
+
+namespace kvpool {
+
+inline constexpr char kRotationFileFormat[] = "kvpool-rotations";
+
+// The file bytes of `rot`. Sets nothing; see WriteRotationFile for the id.
+std::string SerializeRotations(const RotationSet& rot);
+
+// Writes the file and records its id in `*rot` (rotation_id_hex). INTERNAL on I/O errors.
+absl::Status WriteRotationFile(RotationSet* rot, const std::string& path);
+
+// Parses and validates file bytes: safetensors validity (common/safetensors.h), metadata
+// fields present and well-formed, every expected tensor present with the exact dtype/shape,
+// finite values. INVALID_ARGUMENT naming the field/tensor; DATA_LOSS for truncated files.
+// The returned set carries rotation_id_hex = SHA-256(bytes).
+absl::StatusOr<RotationSet> ParseRotations(const std::string& bytes);
+// Reads `path` (NOT_FOUND when missing) and parses it.
+absl::StatusOr<RotationSet> ReadRotationFile(const std::string& path);
+
+// Lower-case hex SHA-256 of `bytes`.
+std::string Sha256Hex(const std::string& bytes);
+// 32 raw bytes from a 64-character hex id; INVALID_ARGUMENT otherwise.
+absl::StatusOr<std::array<uint8_t, 32>> RotationIdFromHex(const std::string& hex);
+
+// What the registered model expects of a rotation file.
+struct ExpectedRotationModel {
+  std::string model_name;  // empty: not checked
+  uint32_t head_dim = 0;
+  uint32_t num_layers = 0;
+  uint32_t num_kv_heads = 0;
+  std::optional<float> clip_ratio_k;  // checked when set
+  std::optional<float> clip_ratio_v;
+};
+
+// OK when every field matches; otherwise FAILED_PRECONDITION listing every mismatching field
+// ("rotation file does not match the model: head_dim 64 != 128; num_layers 4 != 36").
+absl::Status CheckRotationsMatch(const RotationSet& rot, const ExpectedRotationModel& expected);
+
+}  // namespace kvpool
