@@ -1,0 +1,557 @@
+// MixedKvCache: OSCAR mixed-precision paged KV cache (see the header and docs/WORKER.md).
+#include "kvpool/worker/mixed_kv_cache.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "kvpool/common/status.h"
+#include "kvpool/kernels/numeric.h"
+#include "kvpool/kernels/quantize.h"
+
+namespace kvpool::worker {
+
+const char* HistoryPrecisionName(HistoryPrecision p) {
+  return p == HistoryPrecision::kBf16 ? "bf16" : "int2";
+}
+
+absl::StatusOr<HistoryPrecision> ParseHistoryPrecision(const std::string& name, const char* field) {
+  if (name == "int2") return HistoryPrecision::kInt2;
+  if (name == "bf16") return HistoryPrecision::kBf16;
+  return absl::InvalidArgumentError(
+      absl::StrCat(field, " '", name, "' must be \"int2\" or \"bf16\""));
+}
+
+// ---- segment attention ---------------------------------------------------------------------
+
+void AttentionPartial(const float* q, const float* keys, const float* values, int n, int d,
+                      int stride, float* out, float* lse) {
+  std::fill(out, out + d, 0.0f);
+  if (n <= 0) {
+    *lse = -std::numeric_limits<float>::infinity();
+    return;
+  }
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  float m = -std::numeric_limits<float>::infinity();
+  // Two passes over the keys (scores are recomputed rather than stored: n is small here and
+  // this keeps the function allocation-free).
+  for (int t = 0; t < n; ++t) {
+    const float* k = keys + static_cast<size_t>(t) * stride;
+    float dot = 0.0f;
+    for (int i = 0; i < d; ++i) dot += q[i] * k[i];
+    m = std::max(m, dot * scale);
+  }
+  float sum = 0.0f;
+  for (int t = 0; t < n; ++t) {
+    const float* k = keys + static_cast<size_t>(t) * stride;
+    const float* v = values + static_cast<size_t>(t) * stride;
+    float dot = 0.0f;
+    for (int i = 0; i < d; ++i) dot += q[i] * k[i];
+    const float p = std::exp(dot * scale - m);
+    sum += p;
+    for (int i = 0; i < d; ++i) out[i] += p * v[i];
+  }
+  const float inv = 1.0f / sum;
+  for (int i = 0; i < d; ++i) out[i] *= inv;
+  *lse = m + std::log(sum);
+}
+
+void MergePartial(float* o_a, float* lse_a, const float* o_b, float lse_b, int d) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  if (lse_b == kNegInf) return;
+  if (*lse_a == kNegInf) {
+    std::copy(o_b, o_b + d, o_a);
+    *lse_a = lse_b;
+    return;
+  }
+  const float m = std::max(*lse_a, lse_b);
+  const float wa = std::exp(*lse_a - m);
+  const float wb = std::exp(lse_b - m);
+  const float inv = 1.0f / (wa + wb);
+  for (int i = 0; i < d; ++i) o_a[i] = (wa * o_a[i] + wb * o_b[i]) * inv;
+  *lse_a = m + std::log(wa + wb);
+}
+
+// ---- construction ----------------------------------------------------------------------------
+
+namespace {
+bool IsPow2(int x) { return x > 0 && (x & (x - 1)) == 0; }
+}  // namespace
+
+MixedKvCache::MixedKvCache(int n_layers, const engine::AttentionShape& shape,
+                           std::shared_ptr<const RotationSet> rotations,
+                           const MixedCacheOptions& options)
+    : shape_(shape),
+      n_layers_(n_layers),
+      options_(options),
+      geometry_{.num_layers = static_cast<uint32_t>(n_layers),
+                .num_kv_heads = static_cast<uint32_t>(shape.n_kv_heads),
+                .head_dim = static_cast<uint32_t>(shape.head_dim),
+                .page_size = static_cast<uint32_t>(options.page_size)},
+      rotations_(std::move(rotations)),
+      sink_blocks_(options.sink_tokens / options.page_size),
+      recent_blocks_((options.recent_tokens + options.page_size - 1) / options.page_size),
+      length_(n_layers, 0) {
+  const size_t mirror = static_cast<size_t>(n_layers) * options.capacity * shape.kv_dim();
+  mirror_k_.assign(mirror, 0.0f);
+  mirror_v_.assign(mirror, 0.0f);
+  const int d = shape.head_dim;
+  row_bf16_.resize(d);
+  codes_scratch_.resize(static_cast<size_t>(options.page_size) * d / 4);
+  params_scratch_.resize(static_cast<size_t>(options.page_size) * 2 * geometry_.GroupsPerRow());
+  q_rot_.resize(d);
+  o_seg_.resize(d);
+  o_acc_.resize(d);
+}
+
+absl::StatusOr<std::unique_ptr<MixedKvCache>> MixedKvCache::Create(
+    int n_layers, const engine::AttentionShape& shape, std::shared_ptr<const RotationSet> rotations,
+    const MixedCacheOptions& options) {
+  if (n_layers < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("n_layers ", n_layers, " must be >= 1"));
+  }
+  if (shape.n_heads < 1 || shape.n_kv_heads < 1 || shape.n_heads % shape.n_kv_heads != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("shape.n_heads ", shape.n_heads,
+                                                   " must be a positive multiple of n_kv_heads ",
+                                                   shape.n_kv_heads));
+  }
+  KVPOOL_RETURN_IF_ERROR(
+      ValidateHeadDim(static_cast<uint32_t>(std::max(shape.head_dim, 0)), "shape.head_dim"));
+  if (!IsPow2(options.page_size)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("page_size ", options.page_size, " must be a power of two"));
+  }
+  if (options.sink_tokens < 0 || options.sink_tokens % options.page_size != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("sink_tokens ", options.sink_tokens,
+                                                   " must be a non-negative multiple of page_size ",
+                                                   options.page_size));
+  }
+  if (options.recent_tokens < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("recent_tokens ", options.recent_tokens, " must be >= 0"));
+  }
+  if (options.capacity < 1 || options.capacity > (1 << 20)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("capacity ", options.capacity, " must be in [1, 2^20]"));
+  }
+  KVPOOL_RETURN_IF_ERROR(ValidateClipRatio(options.clip_ratio_k, "clip_ratio_k"));
+  KVPOOL_RETURN_IF_ERROR(ValidateClipRatio(options.clip_ratio_v, "clip_ratio_v"));
+  if (rotations == nullptr) return absl::InvalidArgumentError("rotations is null");
+  if (rotations->num_layers() != static_cast<uint32_t>(n_layers) ||
+      rotations->head_dim() != static_cast<uint32_t>(shape.head_dim) ||
+      rotations->num_kv_heads() != static_cast<uint32_t>(shape.n_kv_heads)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("rotation set (num_layers ", rotations->num_layers(), ", num_kv_heads ",
+                     rotations->num_kv_heads(), ", head_dim ", rotations->head_dim(),
+                     ") does not match the model (num_layers ", n_layers, ", num_kv_heads ",
+                     shape.n_kv_heads, ", head_dim ", shape.head_dim, ")"));
+  }
+  return std::unique_ptr<MixedKvCache>(
+      new MixedKvCache(n_layers, shape, std::move(rotations), options));
+}
+
+// ---- geometry helpers ------------------------------------------------------------------------
+
+int MixedKvCache::RecentStartBlock(int length) const {
+  const int full = length / options_.page_size;
+  return std::min(full, std::max(sink_blocks_, full - recent_blocks_));
+}
+
+Segment MixedKvCache::SegmentOf(int block, int length) const {
+  const int full = length / options_.page_size;
+  if (block < sink_blocks_ && block < full) return Segment::kSink;
+  if (block >= RecentStartBlock(length)) return Segment::kRecent;
+  return Segment::kHistory;
+}
+
+absl::Status MixedKvCache::CheckLayer(int layer) const {
+  if (layer < 0 || layer >= n_layers_) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer ", layer, " outside [0, ", n_layers_, ")"));
+  }
+  return absl::OkStatus();
+}
+
+int MixedKvCache::Length(int layer) const {
+  return layer < 0 || layer >= n_layers_ ? 0 : length_[layer];
+}
+
+MixedKvCache::Block& MixedKvCache::EnsureBlock(int b) {
+  while (static_cast<int>(blocks_.size()) <= b) {
+    Block blk;
+    blk.has_bf16.assign(n_layers_, 0);
+    blk.has_int2.assign(n_layers_, 0);
+    blk.int2_fail.assign(n_layers_, 0);
+    blocks_.push_back(std::move(blk));
+  }
+  return blocks_[b];
+}
+
+const uint8_t* MixedKvCache::Bf16Form(int block) const {
+  if (block < 0 || block >= static_cast<int>(blocks_.size())) return nullptr;
+  return blocks_[block].bf16.empty() ? nullptr : blocks_[block].bf16.data();
+}
+
+const uint8_t* MixedKvCache::Int2Form(int block) const {
+  if (block < 0 || block >= static_cast<int>(blocks_.size())) return nullptr;
+  return blocks_[block].int2.empty() ? nullptr : blocks_[block].int2.data();
+}
+
+bool MixedKvCache::HasBf16Form(int block) const {
+  if (block < 0 || block >= static_cast<int>(blocks_.size())) return false;
+  const auto& v = blocks_[block].has_bf16;
+  return std::all_of(v.begin(), v.end(), [](uint8_t x) { return x != 0; });
+}
+
+bool MixedKvCache::HasInt2Form(int block) const {
+  if (block < 0 || block >= static_cast<int>(blocks_.size())) return false;
+  const auto& v = blocks_[block].has_int2;
+  return std::all_of(v.begin(), v.end(), [](uint8_t x) { return x != 0; });
+}
+
+// ---- forms and mirror ------------------------------------------------------------------------
+
+void MixedKvCache::DemoteChunk(int b, int layer) {
+  Block& blk = blocks_[b];
+  if (blk.has_int2[layer] || blk.int2_fail[layer]) return;
+  if (blk.int2.empty()) blk.int2.assign(geometry_.Int2FormBytes(), 0);
+  const uint32_t P = geometry_.page_size;
+  const uint32_t d = geometry_.head_dim;
+  uint64_t overflow = 0;
+  for (uint32_t h = 0; h < geometry_.num_kv_heads; ++h) {
+    const uint8_t* chunk = blk.bf16.data() + geometry_.Bf16ChunkOffset(layer, h);
+    uint8_t* q = blk.int2.data() + geometry_.Int2ChunkOffset(layer, h);
+    for (int kv = 0; kv < 2; ++kv) {
+      const auto* rows =
+          reinterpret_cast<const uint16_t*>(chunk + (kv ? geometry_.Bf16VOffset() : 0));
+      uint8_t* codes = q + (kv ? geometry_.Int2VCodesOffset() : geometry_.Int2KCodesOffset());
+      auto* params = reinterpret_cast<uint16_t*>(
+          q + (kv ? geometry_.Int2VParamsOffset() : geometry_.Int2KParamsOffset()));
+      QuantizeRowsResult r;
+      // The rows are finite bf16 values written by Append/LoadBlocks, so the only possible
+      // non-OK outcome is the fp16 overflow counted in r.
+      absl::Status s = QuantizeRowsBf16(
+          rows, P, d, kv ? options_.clip_ratio_v : options_.clip_ratio_k, codes, params, &r);
+      if (!s.ok()) r.overflow_rows = std::max<uint64_t>(r.overflow_rows, 1);
+      overflow += r.overflow_rows;
+    }
+  }
+  if (overflow > 0) {
+    blk.int2_fail[layer] = 1;
+    ++stats_.int2_overflow_chunks;
+  } else {
+    blk.has_int2[layer] = 1;
+    ++stats_.demoted_chunks;
+  }
+}
+
+bool MixedKvCache::UsesInt2(int b, int layer) const {
+  if (options_.history != HistoryPrecision::kInt2) return false;
+  if (SegmentOf(b, length_[layer]) != Segment::kHistory) return false;
+  const Block& blk = blocks_[b];
+  if (blk.has_int2[layer]) return true;
+  return !blk.has_bf16[layer];  // no BF16 to fall back to: the caller reports the gap
+}
+
+void MixedKvCache::MirrorFromBf16(int b, int layer) {
+  const Block& blk = blocks_[b];
+  const int P = options_.page_size;
+  const int d = shape_.head_dim;
+  const int kv_dim = shape_.kv_dim();
+  const int rows = std::min(P, length_[layer] - b * P);
+  for (int h = 0; h < shape_.n_kv_heads; ++h) {
+    const uint8_t* chunk = blk.bf16.data() + geometry_.Bf16ChunkOffset(layer, h);
+    const auto* k = reinterpret_cast<const uint16_t*>(chunk);
+    const auto* v = reinterpret_cast<const uint16_t*>(chunk + geometry_.Bf16VOffset());
+    for (int t = 0; t < rows; ++t) {
+      const size_t m =
+          (static_cast<size_t>(layer) * options_.capacity + b * P + t) * kv_dim + h * d;
+      for (int j = 0; j < d; ++j) {
+        mirror_k_[m + j] = Bf16ToFp32(k[t * d + j]);
+        mirror_v_[m + j] = Bf16ToFp32(v[t * d + j]);
+      }
+    }
+  }
+}
+
+void MixedKvCache::MirrorFromInt2(int b, int layer) {
+  const Block& blk = blocks_[b];
+  const int P = options_.page_size;
+  const int d = shape_.head_dim;
+  const int kv_dim = shape_.kv_dim();
+  const uint64_t code_row = geometry_.CodeRowBytes();
+  const uint64_t param_row = geometry_.ParamRowBytes();
+  const int rows = std::min(P, length_[layer] - b * P);
+  for (int h = 0; h < shape_.n_kv_heads; ++h) {
+    const uint8_t* q = blk.int2.data() + geometry_.Int2ChunkOffset(layer, h);
+    for (int t = 0; t < rows; ++t) {
+      const size_t m =
+          (static_cast<size_t>(layer) * options_.capacity + b * P + t) * kv_dim + h * d;
+      DequantizeRow(
+          q + geometry_.Int2KCodesOffset() + t * code_row,
+          reinterpret_cast<const uint16_t*>(q + geometry_.Int2KParamsOffset() + t * param_row), d,
+          &mirror_k_[m]);
+      DequantizeRow(
+          q + geometry_.Int2VCodesOffset() + t * code_row,
+          reinterpret_cast<const uint16_t*>(q + geometry_.Int2VParamsOffset() + t * param_row), d,
+          &mirror_v_[m]);
+    }
+  }
+}
+
+absl::Status MixedKvCache::RefreshMirror(int b, int layer) {
+  if (b * options_.page_size >= length_[layer]) return absl::OkStatus();
+  const Block& blk = blocks_[b];
+  if (UsesInt2(b, layer)) {
+    if (!blk.has_int2[layer]) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "block ", b, " layer ", layer, " is history but has neither an INT2 nor a BF16 form"));
+    }
+    MirrorFromInt2(b, layer);
+    return absl::OkStatus();
+  }
+  if (!blk.has_bf16[layer]) {
+    const char* seg = SegmentOf(b, length_[layer]) == Segment::kSink     ? "sink"
+                      : SegmentOf(b, length_[layer]) == Segment::kRecent ? "recent"
+                                                                         : "bf16 history";
+    return absl::FailedPreconditionError(
+        absl::StrCat("block ", b, " layer ", layer, " is ", seg, " but has no BF16 form"));
+  }
+  MirrorFromBf16(b, layer);
+  return absl::OkStatus();
+}
+
+// ---- KvCacheView ------------------------------------------------------------------------------
+
+absl::Status MixedKvCache::Append(int layer, int pos, absl::Span<const float> k,
+                                  absl::Span<const float> v) {
+  KVPOOL_RETURN_IF_ERROR(CheckLayer(layer));
+  const int kv_dim = shape_.kv_dim();
+  if (k.size() != static_cast<size_t>(kv_dim) || v.size() != static_cast<size_t>(kv_dim)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("k/v have ", k.size(), "/", v.size(), " floats; expected H_kv*d = ", kv_dim));
+  }
+  if (pos < 0 || pos > length_[layer]) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("pos ", pos, " outside [0, ", length_[layer], "] for layer ", layer));
+  }
+  if (pos >= options_.capacity) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("pos ", pos, " reaches the cache capacity of ", options_.capacity));
+  }
+  for (int j = 0; j < kv_dim; ++j) {
+    if (!std::isfinite(k[j]) || !std::isfinite(v[j])) {
+      return absl::InvalidArgumentError(absl::StrCat("layer ", layer, " pos ", pos, " element ", j,
+                                                     " of ", std::isfinite(k[j]) ? "v" : "k",
+                                                     " is not finite"));
+    }
+  }
+  const int P = options_.page_size;
+  const int b = pos / P;
+  const int t = pos % P;
+
+  if (pos < length_[layer]) {
+    // Truncate: rows >= pos of this layer are dropped. Check first, then mutate.
+    const int first = RecentStartBlock(pos);
+    for (int bb = first; bb <= b && bb < static_cast<int>(blocks_.size()); ++bb) {
+      if (bb * P >= pos) break;
+      if (!blocks_[bb].has_bf16[layer]) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("truncating layer ", layer, " to ", pos, " would put block ", bb,
+                         " (no BF16 form, fetched INT2-only) back into the recent window"));
+      }
+    }
+    for (int bb = b; bb < static_cast<int>(blocks_.size()); ++bb) {
+      blocks_[bb].has_int2[layer] = 0;
+      blocks_[bb].int2_fail[layer] = 0;
+      if (bb > b || t == 0) blocks_[bb].has_bf16[layer] = 0;
+    }
+    length_[layer] = pos;
+    for (int bb = first; bb < b; ++bb) KVPOOL_RETURN_IF_ERROR(RefreshMirror(bb, layer));
+  }
+
+  Block& blk = EnsureBlock(b);
+  if (blk.bf16.empty()) blk.bf16.assign(geometry_.Bf16FormBytes(), 0);
+  if (t == 0) {
+    blk.has_int2[layer] = 0;
+    blk.int2_fail[layer] = 0;
+  }
+  const int d = shape_.head_dim;
+  for (int h = 0; h < shape_.n_kv_heads; ++h) {
+    uint8_t* chunk = blk.bf16.data() + geometry_.Bf16ChunkOffset(layer, h);
+    for (int kv = 0; kv < 2; ++kv) {
+      const float* src = (kv ? v.data() : k.data()) + h * d;
+      for (int j = 0; j < d; ++j) row_bf16_[j] = Fp32ToBf16(src[j]);  // what a client sends
+      auto* dst = reinterpret_cast<uint16_t*>(chunk + (kv ? geometry_.Bf16VOffset() : 0)) + t * d;
+      const float* rot = rotations_->Matrix(kv ? KvKind::kValue : KvKind::kKey, layer, h);
+      absl::Status s = RotateQuantizeRowsBf16(
+          row_bf16_.data(), 1, d, rot, kv ? options_.clip_ratio_v : options_.clip_ratio_k, dst,
+          codes_scratch_.data(), params_scratch_.data(), nullptr);
+      if (!s.ok()) {
+        return Annotate(s,
+                        absl::StrCat("layer ", layer, " pos ", pos, " head ", h, kv ? " v" : " k"));
+      }
+      float* mirror = (kv ? mirror_v_ : mirror_k_).data() +
+                      (static_cast<size_t>(layer) * options_.capacity + pos) * shape_.kv_dim() +
+                      h * d;
+      for (int j = 0; j < d; ++j) mirror[j] = Bf16ToFp32(dst[j]);
+    }
+  }
+  blk.has_bf16[layer] = 1;
+  length_[layer] = pos + 1;
+
+  // Block-granular demotion: completing a block moves the window by one block.
+  if ((pos + 1) % P == 0) {
+    const int leaving = RecentStartBlock(pos + 1) - 1;
+    if (leaving >= 0 && SegmentOf(leaving, pos + 1) == Segment::kHistory &&
+        options_.history == HistoryPrecision::kInt2) {
+      DemoteChunk(leaving, layer);
+      KVPOOL_RETURN_IF_ERROR(RefreshMirror(leaving, layer));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status MixedKvCache::Attend(int layer, int pos, absl::Span<const float> q,
+                                  absl::Span<float> out) {
+  KVPOOL_RETURN_IF_ERROR(CheckLayer(layer));
+  if (pos < 0 || pos >= length_[layer]) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("pos ", pos, " outside [0, ", length_[layer], ") for layer ", layer));
+  }
+  if (q.size() != static_cast<size_t>(shape_.q_dim()) ||
+      out.size() != static_cast<size_t>(shape_.q_dim())) {
+    return absl::InvalidArgumentError(absl::StrCat("q/out have ", q.size(), "/", out.size(),
+                                                   " floats; expected H_q*d = ", shape_.q_dim()));
+  }
+  const int P = options_.page_size;
+  const int n = pos + 1;
+  const int d = shape_.head_dim;
+  const int kv_dim = shape_.kv_dim();
+  const int group = shape_.n_heads / shape_.n_kv_heads;
+  const int sink_end = std::min(sink_blocks_, n / P) * P;
+  const int recent_start = RecentStartBlock(n) * P;
+  const int ranges[3][2] = {{0, sink_end}, {sink_end, recent_start}, {recent_start, n}};
+  const float* base_k = mirror_k_.data() + static_cast<size_t>(layer) * options_.capacity * kv_dim;
+  const float* base_v = mirror_v_.data() + static_cast<size_t>(layer) * options_.capacity * kv_dim;
+  for (int i = 0; i < shape_.n_heads; ++i) {
+    const int kvh = i / group;
+    RotateRows(q.data() + i * d, 1, d, rotations_->Matrix(KvKind::kKey, layer, kvh), q_rot_.data());
+    float lse_acc = -std::numeric_limits<float>::infinity();
+    std::fill(o_acc_.begin(), o_acc_.end(), 0.0f);
+    for (const auto& r : ranges) {
+      float lse;
+      AttentionPartial(q_rot_.data(), base_k + static_cast<size_t>(r[0]) * kv_dim + kvh * d,
+                       base_v + static_cast<size_t>(r[0]) * kv_dim + kvh * d, r[1] - r[0], d,
+                       kv_dim, o_seg_.data(), &lse);
+      MergePartial(o_acc_.data(), &lse_acc, o_seg_.data(), lse, d);
+    }
+    RotateRowsTransposed(o_acc_.data(), 1, d, rotations_->Matrix(KvKind::kValue, layer, kvh),
+                         out.data() + i * d);
+  }
+  return absl::OkStatus();
+}
+
+// ---- pool integration -------------------------------------------------------------------------
+
+absl::Status MixedKvCache::LoadBlocks(absl::Span<const BlockForms> blocks) {
+  const int P = options_.page_size;
+  const int len0 = length_[0];
+  for (int l = 0; l < n_layers_; ++l) {
+    if (length_[l] != len0) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("LoadBlocks: layers hold different lengths (layer 0: ", len0, ", layer ", l,
+                       ": ", length_[l], ")"));
+    }
+  }
+  if (len0 % P != 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "LoadBlocks: the cache ends in a partial block (", len0, " tokens, page_size ", P, ")"));
+  }
+  const int b0 = len0 / P;
+  const int n = static_cast<int>(blocks.size());
+  const int final_len = (b0 + n) * P;
+  if (final_len > options_.capacity) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "LoadBlocks: ", final_len, " tokens exceed the capacity of ", options_.capacity));
+  }
+  const bool int2_mode = options_.history == HistoryPrecision::kInt2;
+  for (int i = 0; i < n; ++i) {
+    const int b = b0 + i;
+    if (blocks[i].bf16 == nullptr && blocks[i].int2 == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("blocks[", i, "] has no form"));
+    }
+    const Segment seg = SegmentOf(b, final_len);
+    const bool needs_bf16 = seg != Segment::kHistory || !int2_mode;
+    if (needs_bf16 && blocks[i].bf16 == nullptr) {
+      return absl::FailedPreconditionError(absl::StrCat("block ", b, " is in the ",
+                                                        seg == Segment::kSink     ? "sink"
+                                                        : seg == Segment::kRecent ? "recent window"
+                                                                                  : "history",
+                                                        " but was given no BF16 form"));
+    }
+  }
+  // Existing blocks that become bf16 history keep their BF16 forms (they were appended or
+  // loaded with one), so no check is needed for them.
+  for (int i = 0; i < n; ++i) {
+    Block& blk = EnsureBlock(b0 + i);
+    if (blocks[i].bf16 != nullptr) {
+      blk.bf16.assign(blocks[i].bf16, blocks[i].bf16 + geometry_.Bf16FormBytes());
+      std::fill(blk.has_bf16.begin(), blk.has_bf16.end(), 1);
+    } else {
+      blk.bf16.clear();
+      std::fill(blk.has_bf16.begin(), blk.has_bf16.end(), 0);
+    }
+    if (blocks[i].int2 != nullptr) {
+      blk.int2.assign(blocks[i].int2, blocks[i].int2 + geometry_.Int2FormBytes());
+      std::fill(blk.has_int2.begin(), blk.has_int2.end(), 1);
+    } else {
+      blk.int2.clear();
+      std::fill(blk.has_int2.begin(), blk.has_int2.end(), 0);
+    }
+    std::fill(blk.int2_fail.begin(), blk.int2_fail.end(), 0);
+  }
+  stats_.loaded_blocks += n;
+  for (int l = 0; l < n_layers_; ++l) {
+    length_[l] = final_len;
+    for (int b = 0; b < b0 + n; ++b) {
+      if (int2_mode && SegmentOf(b, final_len) == Segment::kHistory && blocks_[b].has_bf16[l]) {
+        DemoteChunk(b, l);
+      }
+      KVPOOL_RETURN_IF_ERROR(RefreshMirror(b, l));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status MixedKvCache::set_history_precision(HistoryPrecision p) {
+  if (p == HistoryPrecision::kBf16) {
+    for (int l = 0; l < n_layers_; ++l) {
+      const int nb = (length_[l] + options_.page_size - 1) / options_.page_size;
+      for (int b = 0; b < nb; ++b) {
+        if (SegmentOf(b, length_[l]) == Segment::kHistory && !blocks_[b].has_bf16[l]) {
+          return absl::FailedPreconditionError(
+              absl::StrCat("history precision bf16 needs block ", b, " layer ", l,
+                           " in BF16, but it was fetched INT2-only"));
+        }
+      }
+    }
+  }
+  options_.history = p;
+  for (int l = 0; l < n_layers_; ++l) {
+    const int nb = (length_[l] + options_.page_size - 1) / options_.page_size;
+    for (int b = 0; b < nb; ++b) {
+      if (p == HistoryPrecision::kInt2 && SegmentOf(b, length_[l]) == Segment::kHistory &&
+          blocks_[b].has_bf16[l]) {
+        DemoteChunk(b, l);
+      }
+      KVPOOL_RETURN_IF_ERROR(RefreshMirror(b, l));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace kvpool::worker
