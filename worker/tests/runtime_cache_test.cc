@@ -8,6 +8,7 @@
 
 #include "gtest/gtest.h"
 #include "kvpool/engine/engine.h"
+#include "kvpool/kernels/attention.h"
 #include "kvpool/kernels/numeric.h"
 #include "kvpool/kernels/quantize.h"
 #include "kvpool/kernels/rotation.h"
@@ -90,38 +91,6 @@ void Fill(engine::KvCacheView& cache, int n, uint32_t seed, int start = 0) {
                       .ok());
     }
   }
-}
-
-// ---- attention partials ---------------------------------------------------------------------
-
-TEST(AttentionPartialTest, MergedSplitsEqualWholeAndEmptySegmentsAreNeutral) {
-  const int d = 8, n = 37;
-  auto q = RandomRows(1, d, 1);
-  auto k = RandomRows(n, d, 2);
-  auto v = RandomRows(n, d, 3);
-  std::vector<float> whole(d), acc(d, 0.0f), part(d);
-  float lse_whole, lse_acc = -INFINITY, lse;
-  AttentionPartial(q.data(), k.data(), v.data(), n, d, d, whole.data(), &lse_whole);
-  const int cuts[] = {0, 0, 5, 5, 30, 37, 37};  // includes empty segments
-  for (int i = 0; i + 1 < 7; ++i) {
-    AttentionPartial(q.data(), k.data() + cuts[i] * d, v.data() + cuts[i] * d,
-                     cuts[i + 1] - cuts[i], d, d, part.data(), &lse);
-    if (cuts[i + 1] == cuts[i]) {
-      EXPECT_EQ(lse, -INFINITY);
-    }
-    MergePartial(acc.data(), &lse_acc, part.data(), lse, d);
-  }
-  EXPECT_NEAR(lse_acc, lse_whole, 1e-5);
-  for (int i = 0; i < d; ++i) {
-    EXPECT_FALSE(std::isnan(acc[i]));
-    EXPECT_NEAR(acc[i], whole[i], 1e-5) << i;
-  }
-  // Merging two empties stays empty, no NaN.
-  std::vector<float> e1(d, 0.0f), e2(d, 0.0f);
-  float l1 = -INFINITY;
-  MergePartial(e1.data(), &l1, e2.data(), -INFINITY, d);
-  EXPECT_EQ(l1, -INFINITY);
-  for (float x : e1) EXPECT_EQ(x, 0.0f);
 }
 
 // ---- validation --------------------------------------------------------------------------------
@@ -398,6 +367,30 @@ TEST(MixedKvCacheTest, TruncationRewritesTheTail) {
   ASSERT_TRUE(c->LoadBlocks(forms).ok());
   std::vector<float> row(kShape.kv_dim(), 0.25f);
   EXPECT_EQ(c->Append(0, 20, row, row).code(), absl::StatusCode::kFailedPrecondition);
+}
+
+// Attend is the kernels' reference decode attention over the cache's own pages.
+TEST(MixedKvCacheTest, AttendEqualsReferenceDecodeAttentionOverThePages) {
+  auto rot = MakeRotations(kLayers, 4, 8, true, 12);
+  auto c =
+      MixedKvCache::Create(kLayers, kShape, rot, Opts(HistoryPrecision::kInt2, 16, 32)).value();
+  const int n = 101;  // sink 0, history 1..3, recent 4..5 + partial 6 (5 tokens)
+  Fill(*c, n, 40);
+  SegmentView sink{SegmentForm::kBf16, {c->Bf16Form(0)}, 16};
+  SegmentView hist{SegmentForm::kInt2, {c->Int2Form(1), c->Int2Form(2), c->Int2Form(3)}, 16};
+  SegmentView recent{SegmentForm::kBf16, {c->Bf16Form(4), c->Bf16Form(5), c->Bf16Form(6)}, 5};
+  auto q = RandomRows(1, kShape.q_dim(), 41);
+  std::vector<float> a(kShape.q_dim()), b(kShape.q_dim()), lse(kShape.n_heads);
+  for (int l = 0; l < kLayers; ++l) {
+    DecodeAttentionParams p{.geometry = c->geometry(),
+                            .layer = static_cast<uint32_t>(l),
+                            .num_q_heads = 8,
+                            .softmax_scale = 1.0f / std::sqrt(8.0f)};
+    ASSERT_TRUE(
+        ReferenceDecodeAttention(p, *rot, q.data(), sink, hist, recent, b.data(), lse.data()).ok());
+    ASSERT_TRUE(c->Attend(l, n - 1, q, absl::MakeSpan(a)).ok());
+    EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * 4), 0) << "layer " << l;
+  }
 }
 
 // ---- the real model ----------------------------------------------------------------------------

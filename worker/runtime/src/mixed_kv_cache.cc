@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kvpool/common/status.h"
+#include "kvpool/kernels/attention.h"
 #include "kvpool/kernels/numeric.h"
 #include "kvpool/kernels/quantize.h"
 
@@ -23,56 +24,6 @@ absl::StatusOr<HistoryPrecision> ParseHistoryPrecision(const std::string& name, 
   if (name == "bf16") return HistoryPrecision::kBf16;
   return absl::InvalidArgumentError(
       absl::StrCat(field, " '", name, "' must be \"int2\" or \"bf16\""));
-}
-
-// ---- segment attention ---------------------------------------------------------------------
-
-void AttentionPartial(const float* q, const float* keys, const float* values, int n, int d,
-                      int stride, float* out, float* lse) {
-  std::fill(out, out + d, 0.0f);
-  if (n <= 0) {
-    *lse = -std::numeric_limits<float>::infinity();
-    return;
-  }
-  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-  float m = -std::numeric_limits<float>::infinity();
-  // Two passes over the keys (scores are recomputed rather than stored: n is small here and
-  // this keeps the function allocation-free).
-  for (int t = 0; t < n; ++t) {
-    const float* k = keys + static_cast<size_t>(t) * stride;
-    float dot = 0.0f;
-    for (int i = 0; i < d; ++i) dot += q[i] * k[i];
-    m = std::max(m, dot * scale);
-  }
-  float sum = 0.0f;
-  for (int t = 0; t < n; ++t) {
-    const float* k = keys + static_cast<size_t>(t) * stride;
-    const float* v = values + static_cast<size_t>(t) * stride;
-    float dot = 0.0f;
-    for (int i = 0; i < d; ++i) dot += q[i] * k[i];
-    const float p = std::exp(dot * scale - m);
-    sum += p;
-    for (int i = 0; i < d; ++i) out[i] += p * v[i];
-  }
-  const float inv = 1.0f / sum;
-  for (int i = 0; i < d; ++i) out[i] *= inv;
-  *lse = m + std::log(sum);
-}
-
-void MergePartial(float* o_a, float* lse_a, const float* o_b, float lse_b, int d) {
-  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-  if (lse_b == kNegInf) return;
-  if (*lse_a == kNegInf) {
-    std::copy(o_b, o_b + d, o_a);
-    *lse_a = lse_b;
-    return;
-  }
-  const float m = std::max(*lse_a, lse_b);
-  const float wa = std::exp(*lse_a - m);
-  const float wb = std::exp(lse_b - m);
-  const float inv = 1.0f / (wa + wb);
-  for (int i = 0; i < d; ++i) o_a[i] = (wa * o_a[i] + wb * o_b[i]) * inv;
-  *lse_a = m + std::log(wa + wb);
 }
 
 // ---- construction ----------------------------------------------------------------------------
@@ -95,16 +46,16 @@ MixedKvCache::MixedKvCache(int n_layers, const engine::AttentionShape& shape,
       sink_blocks_(options.sink_tokens / options.page_size),
       recent_blocks_((options.recent_tokens + options.page_size - 1) / options.page_size),
       length_(n_layers, 0) {
-  const size_t mirror = static_cast<size_t>(n_layers) * options.capacity * shape.kv_dim();
-  mirror_k_.assign(mirror, 0.0f);
-  mirror_v_.assign(mirror, 0.0f);
   const int d = shape.head_dim;
   row_bf16_.resize(d);
   codes_scratch_.resize(static_cast<size_t>(options.page_size) * d / 4);
   params_scratch_.resize(static_cast<size_t>(options.page_size) * 2 * geometry_.GroupsPerRow());
-  q_rot_.resize(d);
-  o_seg_.resize(d);
-  o_acc_.resize(d);
+  const size_t q_dim = static_cast<size_t>(shape.q_dim());
+  q_rot_.resize(q_dim);
+  acc_.resize(q_dim);
+  part_.resize(q_dim);
+  acc_lse_.resize(shape.n_heads);
+  part_lse_.resize(shape.n_heads);
 }
 
 absl::StatusOr<std::unique_ptr<MixedKvCache>> MixedKvCache::Create(
@@ -212,7 +163,7 @@ bool MixedKvCache::HasInt2Form(int block) const {
   return std::all_of(v.begin(), v.end(), [](uint8_t x) { return x != 0; });
 }
 
-// ---- forms and mirror ------------------------------------------------------------------------
+// ---- forms ------------------------------------------------------------------------------
 
 void MixedKvCache::DemoteChunk(int b, int layer) {
   Block& blk = blocks_[b];
@@ -253,56 +204,10 @@ bool MixedKvCache::UsesInt2(int b, int layer) const {
   if (SegmentOf(b, length_[layer]) != Segment::kHistory) return false;
   const Block& blk = blocks_[b];
   if (blk.has_int2[layer]) return true;
-  return !blk.has_bf16[layer];  // no BF16 to fall back to: the caller reports the gap
+  return !blk.has_bf16[layer];  // no BF16 to fall back to: CheckForms reports the gap
 }
 
-void MixedKvCache::MirrorFromBf16(int b, int layer) {
-  const Block& blk = blocks_[b];
-  const int P = options_.page_size;
-  const int d = shape_.head_dim;
-  const int kv_dim = shape_.kv_dim();
-  const int rows = std::min(P, length_[layer] - b * P);
-  for (int h = 0; h < shape_.n_kv_heads; ++h) {
-    const uint8_t* chunk = blk.bf16.data() + geometry_.Bf16ChunkOffset(layer, h);
-    const auto* k = reinterpret_cast<const uint16_t*>(chunk);
-    const auto* v = reinterpret_cast<const uint16_t*>(chunk + geometry_.Bf16VOffset());
-    for (int t = 0; t < rows; ++t) {
-      const size_t m =
-          (static_cast<size_t>(layer) * options_.capacity + b * P + t) * kv_dim + h * d;
-      for (int j = 0; j < d; ++j) {
-        mirror_k_[m + j] = Bf16ToFp32(k[t * d + j]);
-        mirror_v_[m + j] = Bf16ToFp32(v[t * d + j]);
-      }
-    }
-  }
-}
-
-void MixedKvCache::MirrorFromInt2(int b, int layer) {
-  const Block& blk = blocks_[b];
-  const int P = options_.page_size;
-  const int d = shape_.head_dim;
-  const int kv_dim = shape_.kv_dim();
-  const uint64_t code_row = geometry_.CodeRowBytes();
-  const uint64_t param_row = geometry_.ParamRowBytes();
-  const int rows = std::min(P, length_[layer] - b * P);
-  for (int h = 0; h < shape_.n_kv_heads; ++h) {
-    const uint8_t* q = blk.int2.data() + geometry_.Int2ChunkOffset(layer, h);
-    for (int t = 0; t < rows; ++t) {
-      const size_t m =
-          (static_cast<size_t>(layer) * options_.capacity + b * P + t) * kv_dim + h * d;
-      DequantizeRow(
-          q + geometry_.Int2KCodesOffset() + t * code_row,
-          reinterpret_cast<const uint16_t*>(q + geometry_.Int2KParamsOffset() + t * param_row), d,
-          &mirror_k_[m]);
-      DequantizeRow(
-          q + geometry_.Int2VCodesOffset() + t * code_row,
-          reinterpret_cast<const uint16_t*>(q + geometry_.Int2VParamsOffset() + t * param_row), d,
-          &mirror_v_[m]);
-    }
-  }
-}
-
-absl::Status MixedKvCache::RefreshMirror(int b, int layer) {
+absl::Status MixedKvCache::CheckForms(int b, int layer) const {
   if (b * options_.page_size >= length_[layer]) return absl::OkStatus();
   const Block& blk = blocks_[b];
   if (UsesInt2(b, layer)) {
@@ -310,17 +215,16 @@ absl::Status MixedKvCache::RefreshMirror(int b, int layer) {
       return absl::FailedPreconditionError(absl::StrCat(
           "block ", b, " layer ", layer, " is history but has neither an INT2 nor a BF16 form"));
     }
-    MirrorFromInt2(b, layer);
     return absl::OkStatus();
   }
   if (!blk.has_bf16[layer]) {
-    const char* seg = SegmentOf(b, length_[layer]) == Segment::kSink     ? "sink"
-                      : SegmentOf(b, length_[layer]) == Segment::kRecent ? "recent"
-                                                                         : "bf16 history";
+    const Segment seg = SegmentOf(b, length_[layer]);
+    const char* name = seg == Segment::kSink     ? "sink"
+                       : seg == Segment::kRecent ? "recent"
+                                                 : "bf16 history";
     return absl::FailedPreconditionError(
-        absl::StrCat("block ", b, " layer ", layer, " is ", seg, " but has no BF16 form"));
+        absl::StrCat("block ", b, " layer ", layer, " is ", name, " but has no BF16 form"));
   }
-  MirrorFromBf16(b, layer);
   return absl::OkStatus();
 }
 
@@ -370,7 +274,7 @@ absl::Status MixedKvCache::Append(int layer, int pos, absl::Span<const float> k,
       if (bb > b || t == 0) blocks_[bb].has_bf16[layer] = 0;
     }
     length_[layer] = pos;
-    for (int bb = first; bb < b; ++bb) KVPOOL_RETURN_IF_ERROR(RefreshMirror(bb, layer));
+    for (int bb = first; bb < b; ++bb) KVPOOL_RETURN_IF_ERROR(CheckForms(bb, layer));
   }
 
   Block& blk = EnsureBlock(b);
@@ -394,10 +298,6 @@ absl::Status MixedKvCache::Append(int layer, int pos, absl::Span<const float> k,
         return Annotate(s,
                         absl::StrCat("layer ", layer, " pos ", pos, " head ", h, kv ? " v" : " k"));
       }
-      float* mirror = (kv ? mirror_v_ : mirror_k_).data() +
-                      (static_cast<size_t>(layer) * options_.capacity + pos) * shape_.kv_dim() +
-                      h * d;
-      for (int j = 0; j < d; ++j) mirror[j] = Bf16ToFp32(dst[j]);
     }
   }
   blk.has_bf16[layer] = 1;
@@ -409,7 +309,7 @@ absl::Status MixedKvCache::Append(int layer, int pos, absl::Span<const float> k,
     if (leaving >= 0 && SegmentOf(leaving, pos + 1) == Segment::kHistory &&
         options_.history == HistoryPrecision::kInt2) {
       DemoteChunk(leaving, layer);
-      KVPOOL_RETURN_IF_ERROR(RefreshMirror(leaving, layer));
+      KVPOOL_RETURN_IF_ERROR(CheckForms(leaving, layer));
     }
   }
   return absl::OkStatus();
@@ -429,28 +329,56 @@ absl::Status MixedKvCache::Attend(int layer, int pos, absl::Span<const float> q,
   }
   const int P = options_.page_size;
   const int n = pos + 1;
-  const int d = shape_.head_dim;
-  const int kv_dim = shape_.kv_dim();
-  const int group = shape_.n_heads / shape_.n_kv_heads;
-  const int sink_end = std::min(sink_blocks_, n / P) * P;
-  const int recent_start = RecentStartBlock(n) * P;
-  const int ranges[3][2] = {{0, sink_end}, {sink_end, recent_start}, {recent_start, n}};
-  const float* base_k = mirror_k_.data() + static_cast<size_t>(layer) * options_.capacity * kv_dim;
-  const float* base_v = mirror_v_.data() + static_cast<size_t>(layer) * options_.capacity * kv_dim;
-  for (int i = 0; i < shape_.n_heads; ++i) {
-    const int kvh = i / group;
-    RotateRows(q.data() + i * d, 1, d, rotations_->Matrix(KvKind::kKey, layer, kvh), q_rot_.data());
-    float lse_acc = -std::numeric_limits<float>::infinity();
-    std::fill(o_acc_.begin(), o_acc_.end(), 0.0f);
-    for (const auto& r : ranges) {
-      float lse;
-      AttentionPartial(q_rot_.data(), base_k + static_cast<size_t>(r[0]) * kv_dim + kvh * d,
-                       base_v + static_cast<size_t>(r[0]) * kv_dim + kvh * d, r[1] - r[0], d,
-                       kv_dim, o_seg_.data(), &lse);
-      MergePartial(o_acc_.data(), &lse_acc, o_seg_.data(), lse, d);
+  const uint32_t d = geometry_.head_dim;
+  const uint32_t hq = static_cast<uint32_t>(shape_.n_heads);
+  const uint32_t group = hq / geometry_.num_kv_heads;
+  const int sink_end = std::min(sink_blocks_, n / P);
+  const int recent_start = RecentStartBlock(n);
+  const int last_block = (n - 1) / P;
+
+  // Segments in token order: sink, history (split into runs of one form: a single run unless a
+  // block kept BF16 after an fp16 overflow), recent. Only the very last page can be partial.
+  std::vector<SegmentView> segments;
+  int prev_kind = -1;
+  for (int b = 0; b <= last_block; ++b) {
+    const int seg = b < sink_end ? 0 : b < recent_start ? 1 : 2;
+    SegmentForm form = SegmentForm::kBf16;
+    if (seg == 1) {
+      KVPOOL_RETURN_IF_ERROR(CheckForms(b, layer));
+      if (UsesInt2(b, layer)) form = SegmentForm::kInt2;
+    } else if (!blocks_[b].has_bf16[layer]) {
+      return absl::FailedPreconditionError(absl::StrCat("block ", b, " layer ", layer, " is ",
+                                                        seg == 0 ? "sink" : "recent",
+                                                        " but has no BF16 form"));
     }
-    RotateRowsTransposed(o_acc_.data(), 1, d, rotations_->Matrix(KvKind::kValue, layer, kvh),
-                         out.data() + i * d);
+    const int kind = seg * 2 + (form == SegmentForm::kInt2 ? 1 : 0);
+    if (kind != prev_kind) segments.push_back(SegmentView{form, {}, 0});
+    prev_kind = kind;
+    const Block& blk = blocks_[b];
+    segments.back().pages.push_back(form == SegmentForm::kInt2 ? blk.int2.data() : blk.bf16.data());
+    segments.back().last_page_len = static_cast<uint32_t>(std::min(P, n - b * P));
+  }
+
+  // The reference decode attention's steps (kvpool/kernels/attention.h), over these segments.
+  DecodeAttentionParams params{.geometry = geometry_,
+                               .layer = static_cast<uint32_t>(layer),
+                               .num_q_heads = hq,
+                               .softmax_scale = 1.0f / std::sqrt(static_cast<float>(d))};
+  for (uint32_t i = 0; i < hq; ++i) {
+    RotateRows(q.data() + uint64_t{i} * d, 1, d, rotations_->Matrix(KvKind::kKey, layer, i / group),
+               q_rot_.data() + uint64_t{i} * d, KernelIsa::kScalar);
+  }
+  std::fill(acc_.begin(), acc_.end(), 0.0f);
+  std::fill(acc_lse_.begin(), acc_lse_.end(), -std::numeric_limits<float>::infinity());
+  for (const SegmentView& seg : segments) {
+    KVPOOL_RETURN_IF_ERROR(
+        AttendSegment(params, seg, q_rot_.data(), part_.data(), part_lse_.data()));
+    MergeAttentionStates(hq, d, acc_.data(), acc_lse_.data(), part_.data(), part_lse_.data());
+  }
+  for (uint32_t i = 0; i < hq; ++i) {
+    RotateRowsTransposed(acc_.data() + uint64_t{i} * d, 1, d,
+                         rotations_->Matrix(KvKind::kValue, layer, i / group),
+                         out.data() + uint64_t{i} * d);
   }
   return absl::OkStatus();
 }
@@ -521,7 +449,7 @@ absl::Status MixedKvCache::LoadBlocks(absl::Span<const BlockForms> blocks) {
       if (int2_mode && SegmentOf(b, final_len) == Segment::kHistory && blocks_[b].has_bf16[l]) {
         DemoteChunk(b, l);
       }
-      KVPOOL_RETURN_IF_ERROR(RefreshMirror(b, l));
+      KVPOOL_RETURN_IF_ERROR(CheckForms(b, l));
     }
   }
   return absl::OkStatus();
@@ -548,7 +476,7 @@ absl::Status MixedKvCache::set_history_precision(HistoryPrecision p) {
           blocks_[b].has_bf16[l]) {
         DemoteChunk(b, l);
       }
-      KVPOOL_RETURN_IF_ERROR(RefreshMirror(b, l));
+      KVPOOL_RETURN_IF_ERROR(CheckForms(b, l));
     }
   }
   return absl::OkStatus();

@@ -18,13 +18,12 @@
 // Blocks fetched from the pool (LoadBlocks) carry the same bytes, so a cache filled from the
 // pool and a cache that computed the same tokens locally attend identically.
 //
-// Attend (FORMAT.md §3, the LSE merge): q̃_i = q_i·R_K(⌊i/g⌋); the three segments (sink,
-// history, recent) each yield a partial (õ, lse) with softmax(q̃·k̃ᵀ/√d) over the segment's
-// dequantized rows; partials merge associatively (empty segments contribute nothing); the
-// output is rotated back, out_i = õ_i·R_V(⌊i/g⌋)ᵀ. The CPU reference keeps an fp32 mirror of
-// each block's attended values (BF16 widened or INT2 dequantized, x̂ = min16 + code·scale16), so
-// attention never re-dequantizes a block; the mirror is refreshed whenever a block's form
-// changes.
+// Attend is the kernels library's reference mixed-precision decode attention
+// (kvpool/kernels/attention.h, FORMAT.md §3) run directly over the cache's pages:
+// q̃_i = q_i·R_K(⌊i/g⌋); sink, history and recent segments each give a partial (õ, lse) over
+// their pages (BF16 widened, INT2 dequantized x̂ = min16 + code·scale16); the partials merge with
+// the associative LSE merge (empty segments contribute nothing); out_i = õ_i·R_V(⌊i/g⌋)ᵀ.
+// Pages are read in place — nothing is dequantized into a staging buffer.
 //
 //   KVPOOL_ASSIGN_OR_RETURN(auto cache, MixedKvCache::Create(L, shape, rotations, options));
 //   engine->Prefill(tokens, 0, *cache);             // engine::Engine from kvpool/engine/engine.h
@@ -169,12 +168,9 @@ class MixedKvCache : public engine::KvCacheView {
   Block& EnsureBlock(int b);
   // Quantizes block b's layer-l BF16 chunk into its INT2 form (no-op when present).
   void DemoteChunk(int b, int layer);
-  // Rewrites the fp32 mirror of block b, layer l (rows [0, rows)) from the form its segment
-  // uses at the layer's current length. FAILED_PRECONDITION when that form is missing.
-  absl::Status RefreshMirror(int b, int layer);
-  // Fills the mirror rows of (b, layer) from a form.
-  void MirrorFromBf16(int b, int layer);
-  void MirrorFromInt2(int b, int layer);
+  // FAILED_PRECONDITION (naming block, layer and segment) when the form that block b's segment
+  // reads at the layer's current length is missing.
+  absl::Status CheckForms(int b, int layer) const;
   // True when (b, layer) is attended from its INT2 form at the layer's current length.
   bool UsesInt2(int b, int layer) const;
 
@@ -185,31 +181,14 @@ class MixedKvCache : public engine::KvCacheView {
   std::shared_ptr<const RotationSet> rotations_;
   int sink_blocks_;
   int recent_blocks_;
-  std::vector<int> length_;      // [L]
-  std::vector<Block> blocks_;    // grown on demand, up to ceil(capacity / P)
-  std::vector<float> mirror_k_;  // [L][capacity][H_kv·d] attended fp32 values (rotated)
-  std::vector<float> mirror_v_;
+  std::vector<int> length_;    // [L]
+  std::vector<Block> blocks_;  // grown on demand, up to ceil(capacity / P)
   MixedCacheStats stats_;
   // Scratch.
   std::vector<uint16_t> row_bf16_;
   std::vector<uint8_t> codes_scratch_;
   std::vector<uint16_t> params_scratch_;
-  std::vector<float> q_rot_, o_seg_, o_acc_;
+  std::vector<float> q_rot_, acc_, acc_lse_, part_, part_lse_;
 };
-
-// ---- segment attention (CPU reference) --------------------------------------------------------
-
-// One segment's attention partial for a single query head (FORMAT.md §3): over rows t in [0, n)
-// of `keys`/`values` (row t at keys + t·stride, d floats), s_t = (q·k_t)/√d, m = max s_t,
-// out = Σ exp(s_t − m)·v_t / Σ exp(s_t − m), *lse = m + ln Σ exp(s_t − m). fp32 throughout.
-// n == 0 gives out = 0 and *lse = −inf (contributes nothing to a merge).
-void AttentionPartial(const float* q, const float* keys, const float* values, int n, int d,
-                      int stride, float* out, float* lse);
-
-// Merges partial (o_b, lse_b) into (o_a, lse_a) in place (associative LSE merge):
-//   m = max(lse_a, lse_b); w_a = exp(lse_a − m), w_b = exp(lse_b − m);
-//   o_a ← (w_a·o_a + w_b·o_b)/(w_a + w_b); lse_a ← m + ln(w_a + w_b).
-// A partial with lse = −inf is an empty segment: it leaves the other unchanged (no NaN).
-void MergePartial(float* o_a, float* lse_a, const float* o_b, float lse_b, int d);
 
 }  // namespace kvpool::worker
