@@ -1,0 +1,903 @@
+// paged_decode.cu — mixed-precision paged decode attention (see paged_decode.h, docs/KERNELS.md).
+//
+// Three kernels per call:
+//   1. QRotateKernel  q̃ = q·R_K · sm_scale·log2(e), fp32, into the workspace.
+//   2. DecodeKernel<kInt2, D, NT>  one CTA = (split of one segment, KV head [, head chunk],
+//      request). 4 warps; each warp streams 16-token tiles of its pages through a private
+//      cp.async ring in shared memory, computes S = K·q̃ᵀ (tokens = M, heads = N, head_dim = K)
+//      and Oᵀ += Vᵀ·P (head_dim = M, heads = N, tokens = K) with mma.sync m16n8k16, and keeps
+//      an online softmax. The 4 warps' states are combined in shared memory and written as one
+//      partial (output normalized by its own sum, log2-sum-exp) per (request, q head, split).
+//      INT2 tiles: codes become fp16 by LOP3 with 0x6400 and one HSUB2 (exact: code·4^k for
+//      quarter k); 4^-k is folded into q̃ (keys) or applied once to the accumulator (values);
+//      the per-token (scale, min) enter as s = scale·(q̃·c) + min·Σq̃ and P' = p·scale plus a
+//      per-head Σ p·min term (FORMAT.md §2.8). The head_dim permutation implied by the packed
+//      byte order is absorbed into the q̃ fragments (any permutation of the reduction index
+//      leaves a dot product unchanged) and into the output index map.
+//   3. MergeKernel  LSE-merges the partials of every split and segment (empty ones carry
+//      lse = -inf and contribute nothing) and applies R_Vᵀ.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+#include "device_utils.cuh"
+#include "kvpool/kernels/block_format.h"
+#include "kvpool/kernels/cuda/paged_decode.h"
+
+namespace kvpool::cuda {
+namespace detail {
+namespace {
+
+constexpr int kWarps = 4;
+constexpr int kThreads = 32 * kWarps;
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+struct SegArgs {
+  const int32_t* indptr;
+  const int32_t* indices;
+  const int32_t* last_len;
+  const uint8_t* base;
+  uint64_t page_stride;
+  int32_t num_splits;
+  int32_t pages_per_split;
+  int32_t split_offset;  // index of this segment's first split among the request's partials
+};
+
+struct AttnArgs {
+  int32_t num_q_heads;
+  int32_t group;
+  int32_t head_chunks;
+  int32_t page_size;
+  int32_t s_total;
+  const float* q_rot;  // [B][Hq][D]
+  float* part_o;       // [B][Hq][S][D]
+  float* part_lse;     // [B][Hq][S], log2 units
+  SegArgs seg0;
+  SegArgs seg1;  // BF16 kernel only: the recent segment (seg0 = sink)
+};
+
+template <bool kInt2, int D>
+struct TileCfg {
+  static constexpr int kNG = (D == 256) ? 2 : 1;               // INT2 groups per row
+  static constexpr int kCodeRow = D / 4;                       // bytes of codes per row
+  static constexpr int kInt2Tile = 32 * kCodeRow + 128 * kNG;  // 16 tokens, K+V+params
+  static constexpr int kBf16Tile = 64 * D;                     // 16 tokens, K+V bf16
+  static constexpr int kTile = kInt2 ? kInt2Tile : kBf16Tile;
+  static constexpr int kStages = kInt2 ? (D == 64 ? 8 : (D == 128 ? 6 : 4)) : (D == 256 ? 2 : 3);
+  __host__ __device__ static constexpr uint64_t ChunkBytes(int page_size) {
+    return kInt2 ? uint64_t(page_size) * (D / 2 + 8 * kNG) : 4ull * page_size * D;
+  }
+};
+
+template <bool kInt2, int D, int NT>
+constexpr int DecodeSmemBytes() {
+  using C = TileCfg<kInt2, D>;
+  constexpr int ring = kWarps * C::kStages * C::kTile;
+  constexpr int combine = kWarps * 8 * NT * (D + 2) * 4;
+  return ring > combine ? ring : combine;
+}
+
+// Head-dim index held by accumulator row r (0: row g, 1: row g+8) of m-tile mt, for lane group
+// g, in the Oᵀ = Vᵀ·P product. INT2: dims follow the packed byte order (quarter k of byte
+// g·D/32 + i); BF16: natural order.
+template <bool kInt2, int D>
+__device__ __forceinline__ int OutDim(int mt, int r, int g) {
+  if constexpr (kInt2) {
+    const int idx = 2 * mt + r;
+    const int i = idx >> 2, k = idx & 3;
+    return g * (D / 32) + i + (D / 4) * k;
+  } else {
+    return 16 * mt + 8 * r + g;
+  }
+}
+template <bool kInt2, int D>
+__device__ __forceinline__ float OutQuarterScale(int mt, int r) {
+  if constexpr (kInt2) {
+    const int k = (2 * mt + r) & 3;
+    return 1.f / float(1 << (2 * k));
+  } else {
+    return 1.f;
+  }
+}
+
+template <bool kInt2, int D, int NT>
+__global__ void __launch_bounds__(kThreads) DecodeKernel(const AttnArgs a) {
+  using C = TileCfg<kInt2, D>;
+  constexpr int kNG = C::kNG;
+  constexpr int kN = 8 * NT;
+  constexpr int kSteps = D / 16;  // k-steps of q·kᵀ, and m-tiles of Vᵀ·P
+  constexpr int kMt = D / 16;
+  extern __shared__ __align__(128) uint8_t smem[];
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, tig = lane & 3;
+
+  int sx = blockIdx.x;
+  const bool second = (!kInt2) && sx >= a.seg0.num_splits;
+  if (second) sx -= a.seg0.num_splits;
+  const SegArgs seg = second ? a.seg1 : a.seg0;
+  const int b = blockIdx.z;
+  const int kvh = blockIdx.y / a.head_chunks;
+  const int chunk = blockIdx.y % a.head_chunks;
+  const int h_first = kvh * a.group + chunk * kN;  // first q head of this CTA
+  const int nh = min(kN, a.group - chunk * kN);    // real heads (rest is padding)
+  const int page_size = a.page_size;
+  const int tiles_per_page = page_size >> 4;
+
+  int pbeg = 0, npg = 0, last_len = 0;
+  if (seg.indptr != nullptr) {
+    pbeg = seg.indptr[b];
+    npg = seg.indptr[b + 1] - pbeg;
+    if (npg > 0) last_len = min(max(seg.last_len[b], 0), page_size);
+  }
+  const int p0 = sx * seg.pages_per_split;
+  const int p1 = min(npg, p0 + seg.pages_per_split);
+  const bool overflow = (sx == seg.num_splits - 1) && npg > p1;
+  const int ntiles = max(0, p1 - p0) * tiles_per_page;
+  const int my_tiles = ntiles > warp ? (ntiles - warp + kWarps - 1) / kWarps : 0;
+  const uint64_t chunk_bytes = C::ChunkBytes(page_size);
+
+  // ---- q fragments (B operand of S = K·q̃ᵀ) ----
+  uint32_t qb[kSteps][NT][2];
+  // BF16 path: q̃ = hi + lo, both bf16 (two MMAs), so q̃ keeps ~16 significant bits.
+  uint32_t qlo[kInt2 ? 1 : kSteps][NT][2];
+  float sqv[kNG][NT][2];  // INT2: Σ q̃ over each group, for heads 8nt + 2tig + e
+  {
+    float sqh[kNG][NT];
+#pragma unroll
+    for (int grp = 0; grp < kNG; ++grp)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) sqh[grp][nt] = 0.f;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const int hl = 8 * nt + g;
+      const float* qh = a.q_rot + (size_t(b) * a.num_q_heads + h_first + hl) * D;
+      const bool real = hl < nh;
+#pragma unroll
+      for (int s = 0; s < kSteps; ++s) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          float v[2];
+          int dims[2];
+          float qscale = 1.f;
+          if constexpr (kInt2) {
+            constexpr int kKW = D / 64;
+            const int k = s / kKW, w = s % kKW;
+            qscale = 1.f / float(1 << (2 * k));
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+              dims[e] = tig * (D / 16) + 4 * w + half + 2 * e + (D / 4) * k;
+          } else {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) dims[e] = 16 * s + 8 * half + 2 * tig + e;
+          }
+#pragma unroll
+          for (int e = 0; e < 2; ++e) v[e] = real ? qh[dims[e]] * qscale : 0.f;
+          if constexpr (kInt2) {
+            qb[s][nt][half] = PackHalf2(v[0], v[1]);
+            const __half2 hq = *reinterpret_cast<const __half2*>(&qb[s][nt][half]);
+            const int grp = (kNG == 2) ? (s / (D / 64)) / 2 : 0;
+            sqh[grp][nt] += (__low2float(hq) + __high2float(hq)) / qscale;
+          } else {
+            qb[s][nt][half] = PackBf162(v[0], v[1]);
+            const __nv_bfloat162 hi = *reinterpret_cast<const __nv_bfloat162*>(&qb[s][nt][half]);
+            qlo[s][nt][half] = PackBf162(v[0] - __low2float(hi), v[1] - __high2float(hi));
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int grp = 0; grp < kNG; ++grp)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        float x = sqh[grp][nt];
+        x += __shfl_xor_sync(0xffffffffu, x, 1);
+        x += __shfl_xor_sync(0xffffffffu, x, 2);
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+          sqv[grp][nt][e] = __shfl_sync(0xffffffffu, x, (2 * tig + e) * 4);
+      }
+  }
+
+  // ---- per-warp cp.async ring ----
+  uint8_t* ring = smem + warp * C::kStages * C::kTile;
+  auto tile_valid = [&](int t) -> int {  // valid tokens of this warp's t-th tile
+    const int tile = warp + t * kWarps;
+    const int gp = p0 + tile / tiles_per_page;
+    const int sub = tile % tiles_per_page;
+    const int n = (gp == npg - 1) ? last_len - 16 * sub : 16;
+    return min(max(n, 0), 16);
+  };
+  auto issue = [&](int t) {
+    if (t < my_tiles) {
+      const int tile = warp + t * kWarps;
+      const int gp = p0 + tile / tiles_per_page;
+      const int sub = tile % tiles_per_page;
+      const int page = seg.indices[pbeg + gp];
+      const uint8_t* src =
+          seg.base + uint64_t(page) * seg.page_stride + uint64_t(kvh) * chunk_bytes;
+      uint8_t* dst = ring + (t % C::kStages) * C::kTile;
+      const int valid = tile_valid(t);
+      if constexpr (kInt2) {
+        constexpr int kCR = C::kCodeRow;
+        constexpr int kPieces = D / 2 + 8 * kNG;
+        const uint64_t code_part = uint64_t(page_size) * kCR;
+        const uint64_t par_part = uint64_t(page_size) * 4 * kNG;
+        for (int p = lane; p < kPieces; p += 32) {
+          uint64_t off;
+          if (p < D / 4) {
+            off = uint64_t(sub) * 16 * kCR + 16 * p;
+          } else if (p < D / 2) {
+            off = code_part + uint64_t(sub) * 16 * kCR + 16 * (p - D / 4);
+          } else if (p < D / 2 + 4 * kNG) {
+            off = 2 * code_part + uint64_t(sub) * 64 * kNG + 16 * (p - D / 2);
+          } else {
+            off = 2 * code_part + par_part + uint64_t(sub) * 64 * kNG + 16 * (p - D / 2 - 4 * kNG);
+          }
+          CpAsync16(dst + 16 * p, src + off);
+        }
+      } else {
+        constexpr int kRowPieces = D / 8;  // 16-byte pieces per bf16 row
+        const uint64_t v_part = 2ull * page_size * D;
+        for (int p = lane; p < 32 * kRowPieces; p += 32) {
+          const int kv = p / (16 * kRowPieces);
+          const int rp = p % (16 * kRowPieces);
+          const int row = rp / kRowPieces, c = rp % kRowPieces;
+          const uint64_t off = kv * v_part + (uint64_t(sub) * 16 + row) * 2 * D + 16 * c;
+          uint8_t* d = dst + kv * 32 * D + row * 2 * D + 16 * (c ^ (row & 7));
+          CpAsync16(d, src + off, row < valid);
+        }
+      }
+    }
+    CpAsyncCommit();
+  };
+
+  float acc[kMt][NT][4];
+#pragma unroll
+  for (int mt = 0; mt < kMt; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) acc[mt][nt][j] = 0.f;
+  float m_run[NT][2], l_run[NT][2], mn_run[NT][kNG][2];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      m_run[nt][e] = -INFINITY;
+      l_run[nt][e] = 0.f;
+#pragma unroll
+      for (int grp = 0; grp < kNG; ++grp) mn_run[nt][grp][e] = 0.f;
+    }
+
+#pragma unroll
+  for (int t = 0; t < C::kStages - 1; ++t) issue(t);
+
+  for (int t = 0; t < my_tiles; ++t) {
+    issue(t + C::kStages - 1);
+    CpAsyncWait<C::kStages - 1>();
+    __syncwarp();
+    const uint8_t* st = ring + (t % C::kStages) * C::kTile;
+    const int valid = tile_valid(t);
+    const bool vg = g < valid, vg8 = g + 8 < valid;
+
+    // ---- S = K·q̃ᵀ ----
+    float logit[NT][4];
+    float kscale[2][kNG], kmin[2][kNG], vscale[2][kNG], vmin[2][kNG];
+    if constexpr (kInt2) {
+      constexpr int kCR = C::kCodeRow;
+      constexpr int kKW = D / 64;
+      const uint32_t* kp = reinterpret_cast<const uint32_t*>(st + 32 * kCR);
+      const uint32_t* vp = kp + 16 * kNG;
+#pragma unroll
+      for (int grp = 0; grp < kNG; ++grp) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int row = g + 8 * r;
+          const uint32_t kpr = kp[row * kNG + grp], vpr = vp[row * kNG + grp];
+          const __half2 kh = *reinterpret_cast<const __half2*>(&kpr);
+          const __half2 vh = *reinterpret_cast<const __half2*>(&vpr);
+          kscale[r][grp] = __low2float(kh);
+          kmin[r][grp] = __high2float(kh);
+          vscale[r][grp] = __low2float(vh);
+          vmin[r][grp] = __high2float(vh);
+        }
+      }
+      uint32_t kw[2][kKW];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const uint8_t* rowp = st + (g + 8 * r) * kCR + tig * (D / 16);
+        if constexpr (kKW == 1) {
+          kw[r][0] = *reinterpret_cast<const uint32_t*>(rowp);
+        } else if constexpr (kKW == 2) {
+          const uint2 x = *reinterpret_cast<const uint2*>(rowp);
+          kw[r][0] = x.x;
+          kw[r][1] = x.y;
+        } else {
+          const uint4 x = *reinterpret_cast<const uint4*>(rowp);
+          kw[r][0] = x.x;
+          kw[r][1] = x.y;
+          kw[r][2] = x.z;
+          kw[r][3] = x.w;
+        }
+      }
+      float s[kNG][NT][4];
+#pragma unroll
+      for (int grp = 0; grp < kNG; ++grp)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+          for (int j = 0; j < 4; ++j) s[grp][nt][j] = 0.f;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const uint32_t mask = 0x00030003u << (2 * k);
+        const int grp = (kNG == 2) ? k / 2 : 0;
+#pragma unroll
+        for (int w = 0; w < kKW; ++w) {
+          const int step = k * kKW + w;
+          const uint32_t a0 = CodesToHalf2(kw[0][w], mask);
+          const uint32_t a1 = CodesToHalf2(kw[1][w], mask);
+          const uint32_t a2 = CodesToHalf2(kw[0][w] >> 8, mask);
+          const uint32_t a3 = CodesToHalf2(kw[1][w] >> 8, mask);
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt)
+            MmaF16(s[grp][nt], a0, a1, a2, a3, qb[step][nt][0], qb[step][nt][1]);
+        }
+      }
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int r = j >> 1, e = j & 1;
+          float x = 0.f;
+#pragma unroll
+          for (int grp = 0; grp < kNG; ++grp)
+            x += kscale[r][grp] * s[grp][nt][j] + kmin[r][grp] * sqv[grp][nt][e];
+          logit[nt][j] = (r == 0 ? vg : vg8) ? x : -INFINITY;
+        }
+    } else {
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) logit[nt][j] = 0.f;
+      const int q4 = lane >> 3, r8 = lane & 7;
+#pragma unroll
+      for (int s = 0; s < kSteps; ++s) {
+        const int row = r8 + 8 * (q4 & 1);
+        const int c = 2 * s + (q4 >> 1);
+        uint32_t af[4];
+        LdMatrixX4(af, st + row * 2 * D + 16 * (c ^ (row & 7)));
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          MmaBf16(logit[nt], af[0], af[1], af[2], af[3], qb[s][nt][0], qb[s][nt][1]);
+          MmaBf16(logit[nt], af[0], af[1], af[2], af[3], qlo[s][nt][0], qlo[s][nt][1]);
+        }
+      }
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+          if (!((j >> 1) == 0 ? vg : vg8)) logit[nt][j] = -INFINITY;
+    }
+
+    // ---- online softmax ----
+    float p[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float tmax = fmaxf(logit[nt][e], logit[nt][2 + e]);
+        tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 4));
+        tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 8));
+        tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 16));
+        const float m_new = fmaxf(m_run[nt][e], tmax);
+        const float m_safe = (m_new == -INFINITY) ? 0.f : m_new;
+        const float alpha = exp2f(m_run[nt][e] - m_safe);
+        m_run[nt][e] = m_new;
+        p[nt][e] = exp2f(logit[nt][e] - m_safe);
+        p[nt][2 + e] = exp2f(logit[nt][2 + e] - m_safe);
+        l_run[nt][e] = l_run[nt][e] * alpha + p[nt][e] + p[nt][2 + e];
+        if constexpr (kInt2) {
+#pragma unroll
+          for (int grp = 0; grp < kNG; ++grp)
+            mn_run[nt][grp][e] = mn_run[nt][grp][e] * alpha + (vg ? p[nt][e] * vmin[0][grp] : 0.f) +
+                                 (vg8 ? p[nt][2 + e] * vmin[1][grp] : 0.f);
+        }
+#pragma unroll
+        for (int mt = 0; mt < kMt; ++mt) {
+          acc[mt][nt][e] *= alpha;
+          acc[mt][nt][2 + e] *= alpha;
+        }
+      }
+
+    // ---- Oᵀ += Vᵀ·P ----
+    if constexpr (kInt2) {
+      constexpr int kCR = C::kCodeRow;
+      constexpr int kVB = D / 32;  // bytes per row for this lane group
+      uint32_t pb[kNG][NT][2];
+#pragma unroll
+      for (int grp = 0; grp < kNG; ++grp)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          const float p0v = vg ? p[nt][0] * vscale[0][grp] : 0.f;
+          const float p1v = vg ? p[nt][1] * vscale[0][grp] : 0.f;
+          const float p2v = vg8 ? p[nt][2] * vscale[1][grp] : 0.f;
+          const float p3v = vg8 ? p[nt][3] * vscale[1][grp] : 0.f;
+          pb[grp][nt][0] = MovMatrixTrans(PackHalf2(p0v, p1v));
+          pb[grp][nt][1] = MovMatrixTrans(PackHalf2(p2v, p3v));
+        }
+      const uint8_t* vc = st + 16 * kCR;
+      constexpr int kVW = (kVB + 3) / 4;
+      uint32_t vw[4][kVW];
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int row = 2 * tig + (q & 1) + 8 * (q >> 1);
+        const uint8_t* rp = vc + row * kCR + g * kVB;
+        if constexpr (kVB == 2) {
+          vw[q][0] = *reinterpret_cast<const uint16_t*>(rp);
+        } else if constexpr (kVB == 4) {
+          vw[q][0] = *reinterpret_cast<const uint32_t*>(rp);
+        } else {
+          const uint2 x = *reinterpret_cast<const uint2*>(rp);
+          vw[q][0] = x.x;
+          vw[q][1] = x.y;
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < kVB; ++i) {
+        const int wi = i >> 2, bs = i & 3;
+        const uint32_t sel = bs | (bs << 4) | ((4 + bs) << 8) | ((4 + bs) << 12);
+        const uint32_t x0 = Prmt(vw[0][wi], vw[1][wi], sel);
+        const uint32_t x1 = Prmt(vw[2][wi], vw[3][wi], sel);
+#pragma unroll
+        for (int kk = 0; kk < 2; ++kk) {
+          const int k0 = 2 * kk;  // quarters k0 (row g) and k0+1 (row g+8)
+          const int mt = (i * 4 + k0) >> 1;
+          const uint32_t m0 = 0x00030003u << (2 * k0), m1 = 0x00030003u << (2 * k0 + 2);
+          const uint32_t a0 = CodesToHalf2(x0, m0);
+          const uint32_t a1 = CodesToHalf2(x0, m1);
+          const uint32_t a2 = CodesToHalf2(x1, m0);
+          const uint32_t a3 = CodesToHalf2(x1, m1);
+          const int grp = (kNG == 2) ? (k0 >> 1) : 0;
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt)
+            MmaF16(acc[mt][nt], a0, a1, a2, a3, pb[grp][nt][0], pb[grp][nt][1]);
+        }
+      }
+    } else {
+      uint32_t pb[NT][2];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        pb[nt][0] = MovMatrixTrans(PackBf162(p[nt][0], p[nt][1]));
+        pb[nt][1] = MovMatrixTrans(PackBf162(p[nt][2], p[nt][3]));
+      }
+      const uint8_t* vt = st + 32 * D;
+      const int q4 = lane >> 3, r8 = lane & 7;
+#pragma unroll
+      for (int mt = 0; mt < kMt; ++mt) {
+        const int row = r8 + 8 * (q4 >> 1);
+        const int c = 2 * mt + (q4 & 1);
+        uint32_t af[4];
+        LdMatrixX4Trans(af, vt + row * 2 * D + 16 * (c ^ (row & 7)));
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+          MmaBf16(acc[mt][nt], af[0], af[1], af[2], af[3], pb[nt][0], pb[nt][1]);
+      }
+    }
+    __syncwarp();
+  }
+  CpAsyncWait<0>();
+
+  // ---- reduce per-lane partial sums over the 8 lane groups ----
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+#pragma unroll
+      for (int o = 4; o < 32; o <<= 1) {
+        l_run[nt][e] += __shfl_xor_sync(0xffffffffu, l_run[nt][e], o);
+#pragma unroll
+        for (int grp = 0; grp < kNG; ++grp)
+          mn_run[nt][grp][e] += __shfl_xor_sync(0xffffffffu, mn_run[nt][grp][e], o);
+      }
+    }
+
+  // ---- combine the warps in shared memory ----
+  __syncthreads();                             // every warp is done with its ring
+  float* cm = reinterpret_cast<float*>(smem);  // [kWarps][kN]
+  float* cl = cm + kWarps * kN;                // [kWarps][kN]
+  float* co = cl + kWarps * kN;                // [kWarps][kN][D]
+  if (g == 0) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        cm[warp * kN + 8 * nt + 2 * tig + e] = m_run[nt][e];
+        cl[warp * kN + 8 * nt + 2 * tig + e] = l_run[nt][e];
+      }
+  }
+#pragma unroll
+  for (int mt = 0; mt < kMt; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int r = j >> 1, e = j & 1;
+        const int dim = OutDim<kInt2, D>(mt, r, g);
+        float o = acc[mt][nt][j] * OutQuarterScale<kInt2, D>(mt, r);
+        if constexpr (kInt2) {
+          const int grp = (kNG == 2) ? (dim >= 128) : 0;
+          o += mn_run[nt][grp][e];
+        }
+        co[(warp * kN + 8 * nt + 2 * tig + e) * D + dim] = o;
+      }
+  __syncthreads();
+  const int split = seg.split_offset + sx;
+  for (int idx = threadIdx.x; idx < nh * D; idx += kThreads) {
+    const int h = idx / D, dim = idx % D;
+    float mx = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, cm[w * kN + h]);
+    const float ms = (mx == -INFINITY) ? 0.f : mx;
+    float l = 0.f, o = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const float f = exp2f(cm[w * kN + h] - ms);
+      l += cl[w * kN + h] * f;
+      o += co[(w * kN + h) * D + dim] * f;
+    }
+    const size_t row = (size_t(b) * a.num_q_heads + h_first + h) * a.s_total + split;
+    a.part_o[row * D + dim] = l > 0.f ? o / l : 0.f;
+    if (dim == 0) a.part_lse[row] = overflow ? NAN : (l > 0.f ? ms + log2f(l) : -INFINITY);
+  }
+}
+
+// q̃[b, i, :] = q[b, i, :]·R_K(kvh) · scale; grid (H_kv, B), block D threads.
+template <int D>
+__global__ void __launch_bounds__(D)
+    QRotateKernel(const uint16_t* __restrict__ q, const float* __restrict__ rk,
+                  int64_t r_head_stride, int num_q_heads, int group, float scale,
+                  float* __restrict__ q_rot) {
+  __shared__ float qs[16][D];
+  const int kvh = blockIdx.x, b = blockIdx.y, j = threadIdx.x;
+  const size_t row0 = size_t(b) * num_q_heads + size_t(kvh) * group;
+  for (int h = 0; h < group; ++h) qs[h][j] = Bf16BitsToFloat(q[(row0 + h) * D + j]);
+  __syncthreads();
+  float acc[16];
+#pragma unroll
+  for (int h = 0; h < 16; ++h) acc[h] = 0.f;
+  if (rk == nullptr) {
+#pragma unroll
+    for (int h = 0; h < 16; ++h) acc[h] = h < group ? qs[h][j] : 0.f;
+  } else {
+    const float* r = rk + kvh * r_head_stride;
+    for (int i = 0; i < D; ++i) {
+      const float rij = r[size_t(i) * D + j];
+#pragma unroll
+      for (int h = 0; h < 16; ++h) acc[h] = fmaf(qs[h][i], rij, acc[h]);
+    }
+  }
+#pragma unroll
+  for (int h = 0; h < 16; ++h)
+    if (h < group) q_rot[(row0 + h) * D + j] = acc[h] * scale;
+}
+
+// out[b, i, :] = (LSE-merge over splits of part_o)·R_Vᵀ; grid (H_kv, B), block D threads.
+template <int D>
+__global__ void __launch_bounds__(D)
+    MergeKernel(const float* __restrict__ part_o, const float* __restrict__ part_lse, int s_total,
+                const float* __restrict__ rv, int64_t r_head_stride, int num_q_heads, int group,
+                uint16_t* __restrict__ out, float* __restrict__ lse_out) {
+  __shared__ float os[16][D];
+  const int kvh = blockIdx.x, b = blockIdx.y, j = threadIdx.x;
+  const size_t row0 = size_t(b) * num_q_heads + size_t(kvh) * group;
+  for (int h = 0; h < group; ++h) {
+    const size_t row = row0 + h;
+    const float* ls = part_lse + row * s_total;
+    float mx = -INFINITY;
+    bool nan = false;
+    for (int s = 0; s < s_total; ++s) {
+      const float v = ls[s];
+      nan |= isnan(v);
+      mx = fmaxf(mx, v);
+    }
+    float l = 0.f, o = 0.f;
+    if (mx != -INFINITY) {
+      for (int s = 0; s < s_total; ++s) {
+        const float f = exp2f(ls[s] - mx);
+        l += f;
+        o += f * part_o[(row * s_total + s) * D + j];
+      }
+    }
+    os[h][j] = nan ? NAN : (l > 0.f ? o / l : 0.f);
+    if (j == 0 && lse_out != nullptr)
+      lse_out[row] = nan ? NAN : (l > 0.f ? (mx + log2f(l)) * kLn2 : -INFINITY);
+  }
+  __syncthreads();
+  float acc[16];
+  if (rv == nullptr) {
+#pragma unroll
+    for (int h = 0; h < 16; ++h) acc[h] = h < group ? os[h][j] : 0.f;
+  } else {
+#pragma unroll
+    for (int h = 0; h < 16; ++h) acc[h] = 0.f;
+    const float4* r = reinterpret_cast<const float4*>(rv + kvh * r_head_stride + size_t(j) * D);
+    for (int i4 = 0; i4 < D / 4; ++i4) {
+      const float4 rr = r[i4];
+#pragma unroll
+      for (int h = 0; h < 16; ++h) {
+        if (h < group) {
+          acc[h] = fmaf(os[h][4 * i4 + 0], rr.x, acc[h]);
+          acc[h] = fmaf(os[h][4 * i4 + 1], rr.y, acc[h]);
+          acc[h] = fmaf(os[h][4 * i4 + 2], rr.z, acc[h]);
+          acc[h] = fmaf(os[h][4 * i4 + 3], rr.w, acc[h]);
+        }
+      }
+    }
+  }
+  for (int h = 0; h < group; ++h) {
+    const __nv_bfloat16 v = __float2bfloat16_rn(acc[h]);
+    out[(row0 + h) * D + j] = *reinterpret_cast<const uint16_t*>(&v);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Host side: validation, split planning, dispatch.
+
+struct SegPlan {
+  int32_t splits = 0;
+  int32_t pps = 1;  // pages per split
+};
+
+struct Plan {
+  int nt = 1;
+  int head_chunks = 1;
+  SegPlan sink, history, recent;
+  int s_total = 0;
+  size_t off_q = 0, off_o = 0, off_lse = 0, total = 0;
+};
+
+size_t AlignUp(size_t x) { return (x + 255) & ~size_t(255); }
+
+bool SegmentUsed(const SegmentTable& t) { return t.max_pages > 0; }
+
+KernelStatus Validate(const PagedDecodeParams& p) {
+  using E = KernelError;
+  auto bad = [](std::string m) { return KernelStatus::Error(E::kInvalidArgument, std::move(m)); };
+  if (p.batch < 1 || p.batch > 65535)
+    return bad("batch must be in 1..65535, got " + std::to_string(p.batch));
+  if (p.num_kv_heads < 1) return bad("num_kv_heads must be >= 1");
+  if (p.num_q_heads < 1 || p.num_q_heads % p.num_kv_heads != 0)
+    return bad("num_q_heads must be a positive multiple of num_kv_heads");
+  const int group = p.num_q_heads / p.num_kv_heads;
+  if (group > 16)
+    return KernelStatus::Error(
+        E::kUnsupported,
+        "GQA group (num_q_heads/num_kv_heads) must be 1..16, got " + std::to_string(group));
+  if (p.head_dim != 64 && p.head_dim != 128 && p.head_dim != 256)
+    return KernelStatus::Error(
+        E::kUnsupported, "head_dim must be 64, 128 or 256, got " + std::to_string(p.head_dim));
+  if (p.page_size != 16 && p.page_size != 64)
+    return KernelStatus::Error(E::kUnsupported,
+                               "page_size must be 16 or 64, got " + std::to_string(p.page_size));
+  if (!(p.sm_scale > 0.f) || !std::isfinite(p.sm_scale))
+    return bad("sm_scale must be finite and > 0");
+  if (p.q == nullptr) return bad("q is null");
+  if (p.out == nullptr) return bad("out is null");
+  BlockGeometry geo{1, uint32_t(p.num_kv_heads), uint32_t(p.head_dim), uint32_t(p.page_size)};
+  struct Item {
+    const char* name;
+    const SegmentTable* t;
+    const PagePool* pool;
+    uint64_t chunk;
+  } items[3] = {{"sink", &p.sink, &p.bf16_pool, geo.Bf16ChunkBytes()},
+                {"history", &p.history, &p.int2_pool, geo.Int2ChunkBytes()},
+                {"recent", &p.recent, &p.bf16_pool, geo.Bf16ChunkBytes()}};
+  for (const Item& it : items) {
+    const std::string n = it.name;
+    if (it.t->max_pages < 0) return bad(n + ".max_pages must be >= 0");
+    if (!SegmentUsed(*it.t)) continue;
+    if (it.t->indptr == nullptr) return bad(n + ".indptr is null");
+    if (it.t->indices == nullptr) return bad(n + ".indices is null");
+    if (it.t->last_page_len == nullptr) return bad(n + ".last_page_len is null");
+    const std::string pn = (it.pool == &p.int2_pool) ? "int2_pool" : "bf16_pool";
+    if (it.pool->base == nullptr) return bad(pn + ".base is null");
+    if (reinterpret_cast<uintptr_t>(it.pool->base) % 16 != 0)
+      return bad(pn + ".base must be 16-byte aligned");
+    if (it.pool->page_stride_bytes % 16 != 0)
+      return bad(pn + ".page_stride_bytes must be a multiple of 16");
+    if (it.pool->page_stride_bytes < it.chunk * uint64_t(p.num_kv_heads))
+      return bad(pn + ".page_stride_bytes is smaller than one page of all KV heads (" +
+                 std::to_string(it.chunk * p.num_kv_heads) + " bytes)");
+  }
+  return KernelStatus::Ok();
+}
+
+SegPlan PlanSegment(const SegmentTable& t, int page_size, int64_t base_ctas, int64_t target) {
+  SegPlan sp;
+  if (!SegmentUsed(t)) return sp;
+  const int min_pps = page_size == 16 ? 16 : 4;  // >= 4 tiles per warp
+  const int64_t want = std::max<int64_t>(1, (target + base_ctas - 1) / base_ctas);
+  const int64_t max_splits = std::max<int64_t>(1, (t.max_pages + min_pps - 1) / min_pps);
+  const int64_t splits = std::min(want, max_splits);
+  sp.pps = int32_t((t.max_pages + splits - 1) / splits);
+  sp.splits = int32_t((t.max_pages + sp.pps - 1) / sp.pps);
+  return sp;
+}
+
+KernelStatus MakePlan(const PagedDecodeParams& p, Plan* plan) {
+  KernelStatus st = Validate(p);
+  if (!st.ok()) return st;
+  const int group = p.num_q_heads / p.num_kv_heads;
+  plan->nt = (group > 8 && p.head_dim <= 128) ? 2 : 1;
+  plan->head_chunks = (group + 8 * plan->nt - 1) / (8 * plan->nt);
+  int64_t target = p.target_ctas;
+  if (target <= 0) {
+    int dev = 0, sms = 132;
+    if (cudaGetDevice(&dev) == cudaSuccess) {
+      if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
+        sms = 132;
+    }
+    cudaGetLastError();
+    target = 4LL * sms;
+  }
+  const int64_t base = int64_t(p.batch) * p.num_kv_heads * plan->head_chunks;
+  plan->sink = PlanSegment(p.sink, p.page_size, base, target);
+  plan->history = PlanSegment(p.history, p.page_size, base, target);
+  plan->recent = PlanSegment(p.recent, p.page_size, base, target);
+  plan->s_total = plan->sink.splits + plan->history.splits + plan->recent.splits;
+  const size_t rows = size_t(p.batch) * p.num_q_heads;
+  plan->off_q = 0;
+  plan->off_o = AlignUp(rows * p.head_dim * sizeof(float));
+  plan->off_lse = plan->off_o + AlignUp(rows * plan->s_total * p.head_dim * sizeof(float));
+  plan->total = plan->off_lse + AlignUp(rows * plan->s_total * sizeof(float));
+  return KernelStatus::Ok();
+}
+
+KernelStatus LaunchError(const char* what) {
+  const cudaError_t e = cudaGetLastError();
+  if (e == cudaSuccess) return KernelStatus::Ok();
+  return KernelStatus::Error(KernelError::kLaunchFailed,
+                             std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+template <bool kInt2, int D, int NT>
+KernelStatus LaunchDecodeKernel(const AttnArgs& args, dim3 grid, cudaStream_t stream) {
+  constexpr int smem = DecodeSmemBytes<kInt2, D, NT>();
+  auto kernel = DecodeKernel<kInt2, D, NT>;
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) !=
+      cudaSuccess)
+    return LaunchError("cudaFuncSetAttribute(DecodeKernel)");
+  kernel<<<grid, kThreads, smem, stream>>>(args);
+  return LaunchError(kInt2 ? "DecodeKernel<int2>" : "DecodeKernel<bf16>");
+}
+
+template <bool kInt2>
+KernelStatus DispatchDecode(int d, int nt, const AttnArgs& args, dim3 grid, cudaStream_t stream) {
+  if (d == 64)
+    return nt == 2 ? LaunchDecodeKernel<kInt2, 64, 2>(args, grid, stream)
+                   : LaunchDecodeKernel<kInt2, 64, 1>(args, grid, stream);
+  if (d == 128)
+    return nt == 2 ? LaunchDecodeKernel<kInt2, 128, 2>(args, grid, stream)
+                   : LaunchDecodeKernel<kInt2, 128, 1>(args, grid, stream);
+  return LaunchDecodeKernel<kInt2, 256, 1>(args, grid, stream);
+}
+
+SegArgs MakeSeg(const SegmentTable& t, const PagePool& pool, const SegPlan& sp, int offset) {
+  SegArgs s{};
+  if (sp.splits > 0) {
+    s.indptr = t.indptr;
+    s.indices = t.indices;
+    s.last_len = t.last_page_len;
+    s.base = static_cast<const uint8_t*>(pool.base);
+    s.page_stride = pool.page_stride_bytes;
+  }
+  s.num_splits = sp.splits;
+  s.pages_per_split = sp.pps;
+  s.split_offset = offset;
+  return s;
+}
+
+}  // namespace
+}  // namespace detail
+
+const char* KernelErrorName(KernelError code) {
+  switch (code) {
+    case KernelError::kOk:
+      return "ok";
+    case KernelError::kInvalidArgument:
+      return "invalid_argument";
+    case KernelError::kUnsupported:
+      return "unsupported";
+    case KernelError::kWorkspaceTooSmall:
+      return "workspace_too_small";
+    case KernelError::kLaunchFailed:
+      return "launch_failed";
+  }
+  return "unknown";
+}
+
+KernelStatus PagedDecodeWorkspaceBytes(const PagedDecodeParams& params, size_t* bytes) {
+  if (bytes == nullptr)
+    return KernelStatus::Error(KernelError::kInvalidArgument, "bytes (output pointer) is null");
+  detail::Plan plan;
+  KernelStatus st = detail::MakePlan(params, &plan);
+  if (!st.ok()) return st;
+  *bytes = plan.total;
+  return KernelStatus::Ok();
+}
+
+KernelStatus LaunchPagedDecode(const PagedDecodeParams& p, Stream stream_handle) {
+  using namespace detail;
+  Plan plan;
+  KernelStatus st = MakePlan(p, &plan);
+  if (!st.ok()) return st;
+  if (p.workspace == nullptr || reinterpret_cast<uintptr_t>(p.workspace) % 256 != 0)
+    return KernelStatus::Error(KernelError::kInvalidArgument,
+                               "workspace must be non-null and 256-byte aligned");
+  if (p.workspace_bytes < plan.total)
+    return KernelStatus::Error(KernelError::kWorkspaceTooSmall,
+                               "workspace_bytes " + std::to_string(p.workspace_bytes) + " < " +
+                                   std::to_string(plan.total) + " needed");
+  cudaStream_t stream = reinterpret_cast<cudaStream_t>(stream_handle);
+  cudaGetLastError();  // clear stale errors so they are not blamed on these launches
+  uint8_t* ws = static_cast<uint8_t*>(p.workspace);
+  float* q_rot = reinterpret_cast<float*>(ws + plan.off_q);
+  float* part_o = reinterpret_cast<float*>(ws + plan.off_o);
+  float* part_lse = reinterpret_cast<float*>(ws + plan.off_lse);
+  const int d = p.head_dim;
+  const int group = p.num_q_heads / p.num_kv_heads;
+  const int64_t rstride = p.rotation_per_head ? int64_t(d) * d : 0;
+  const dim3 hb(p.num_kv_heads, p.batch);
+  const float qscale = p.sm_scale * kLog2e;
+  if (d == 64)
+    QRotateKernel<64>
+        <<<hb, 64, 0, stream>>>(p.q, p.rotation_k, rstride, p.num_q_heads, group, qscale, q_rot);
+  else if (d == 128)
+    QRotateKernel<128>
+        <<<hb, 128, 0, stream>>>(p.q, p.rotation_k, rstride, p.num_q_heads, group, qscale, q_rot);
+  else
+    QRotateKernel<256>
+        <<<hb, 256, 0, stream>>>(p.q, p.rotation_k, rstride, p.num_q_heads, group, qscale, q_rot);
+  st = LaunchError("QRotateKernel");
+  if (!st.ok()) return st;
+
+  AttnArgs args{};
+  args.num_q_heads = p.num_q_heads;
+  args.group = group;
+  args.head_chunks = plan.head_chunks;
+  args.page_size = p.page_size;
+  args.s_total = plan.s_total;
+  args.q_rot = q_rot;
+  args.part_o = part_o;
+  args.part_lse = part_lse;
+  const int y = p.num_kv_heads * plan.head_chunks;
+  if (plan.sink.splits + plan.recent.splits > 0) {
+    args.seg0 = MakeSeg(p.sink, p.bf16_pool, plan.sink, 0);
+    args.seg1 = MakeSeg(p.recent, p.bf16_pool, plan.recent, plan.sink.splits + plan.history.splits);
+    st = DispatchDecode<false>(d, plan.nt, args,
+                               dim3(plan.sink.splits + plan.recent.splits, y, p.batch), stream);
+    if (!st.ok()) return st;
+  }
+  if (plan.history.splits > 0) {
+    args.seg0 = MakeSeg(p.history, p.int2_pool, plan.history, plan.sink.splits);
+    args.seg1 = SegArgs{};
+    st = DispatchDecode<true>(d, plan.nt, args, dim3(plan.history.splits, y, p.batch), stream);
+    if (!st.ok()) return st;
+  }
+  if (d == 64)
+    MergeKernel<64><<<hb, 64, 0, stream>>>(part_o, part_lse, plan.s_total, p.rotation_v, rstride,
+                                           p.num_q_heads, group, p.out, p.lse);
+  else if (d == 128)
+    MergeKernel<128><<<hb, 128, 0, stream>>>(part_o, part_lse, plan.s_total, p.rotation_v, rstride,
+                                             p.num_q_heads, group, p.out, p.lse);
+  else
+    MergeKernel<256><<<hb, 256, 0, stream>>>(part_o, part_lse, plan.s_total, p.rotation_v, rstride,
+                                             p.num_q_heads, group, p.out, p.lse);
+  return LaunchError("MergeKernel");
+}
+
+}  // namespace kvpool::cuda

@@ -1,0 +1,660 @@
+// GPU tests of the write kernels (LaunchQuantizeWrite, LaunchRotateWriteBf16, LaunchDemote)
+// against the shared CPU quantizer (kvpool/kernels/quantize.h), plus one end-to-end check at
+// production shape: write, demote as decode proceeds, attend, compare step by step with the
+// CPU path. Label gpu; skipped when no device is present.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "cuda_test_util.h"
+#include "kvpool/kernels/block_format.h"
+#include "kvpool/kernels/cuda/kv_write.h"
+#include "kvpool/kernels/cuda/paged_decode.h"
+#include "kvpool/kernels/numeric.h"
+#include "kvpool/kernels/quantize.h"
+
+namespace kvpool::cuda::testing {
+namespace {
+
+#define SKIP_WITHOUT_GPU() \
+  if (!HaveGpu()) GTEST_SKIP() << "no CUDA device"
+
+struct WriteSetup {
+  int n = 0, h = 0, d = 0, page = 16;
+  int64_t page_offset = 0;
+  std::vector<uint16_t> k, v;  // [n][h][d] bf16
+  std::vector<int32_t> dst_page, dst_slot;
+  int num_pages = 0;
+};
+
+WriteSetup MakeSetup(int n, int h, int d, int page, uint64_t seed, int64_t page_offset = 0) {
+  WriteSetup s;
+  s.n = n;
+  s.h = h;
+  s.d = d;
+  s.page = page;
+  s.page_offset = page_offset;
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<double> nd(0.0, 1.0);
+  std::uniform_real_distribution<double> ud(0.0, 1.0);
+  s.k.resize(size_t(n) * h * d);
+  s.v.resize(s.k.size());
+  for (size_t i = 0; i < s.k.size(); ++i) {
+    // heavy-ish tails so that clipping matters
+    const double sk = ud(rng) < 0.02 ? 8.0 : 1.0, sv = ud(rng) < 0.02 ? 6.0 : 1.0;
+    s.k[i] = ToBf16(nd(rng) * sk + 0.3);
+    s.v[i] = ToBf16(nd(rng) * sv);
+  }
+  s.num_pages = (n + page - 1) / page;
+  std::vector<int32_t> perm(s.num_pages);
+  std::iota(perm.begin(), perm.end(), 0);
+  std::shuffle(perm.begin(), perm.end(), rng);
+  for (int t = 0; t < n; ++t) {
+    s.dst_page.push_back(int32_t(perm[t / page] + page_offset));
+    s.dst_slot.push_back(t % page);
+  }
+  return s;
+}
+
+// CPU expectation for one row (rotated values as fp32).
+void CpuQuantRow(const std::vector<float>& x, float ratio, std::vector<uint8_t>* codes,
+                 std::vector<uint16_t>* params, RowQuantStatus* st) {
+  const int d = int(x.size());
+  codes->assign(d / 4, 0);
+  params->assign(2 * (d / std::min(d, 128)), 0);
+  *st = QuantizeRow(x.data(), uint32_t(d), ratio, codes->data(), params->data());
+}
+
+struct Int2Row {
+  std::vector<uint8_t> codes;
+  std::vector<uint16_t> params;
+};
+
+Int2Row ReadInt2Row(const std::vector<uint8_t>& pool, const BlockGeometry& geo, int64_t page,
+                    int slot, int head, int kv) {
+  const uint64_t base = uint64_t(page) * geo.Int2LayerBytes() + geo.Int2ChunkOffset(0, head);
+  const int d = int(geo.head_dim), ng = int(geo.GroupsPerRow()), P = int(geo.page_size);
+  Int2Row r;
+  const uint8_t* c = pool.data() + base + (kv ? geo.Int2VCodesOffset() : 0) + slot * d / 4;
+  r.codes.assign(c, c + d / 4);
+  const uint16_t* p = reinterpret_cast<const uint16_t*>(
+      pool.data() + base + (kv ? geo.Int2VParamsOffset() : geo.Int2KParamsOffset()) +
+      slot * 4 * ng);
+  r.params.assign(p, p + 2 * ng);
+  (void)P;
+  return r;
+}
+
+TEST(KvWrite, QuantizeOnlyMatchesCpuBitForBit) {
+  SKIP_WITHOUT_GPU();
+  for (int d : {64, 128, 256}) {
+    for (int page : {16, 64}) {
+      const int n = 1000 + d / 64;  // odd counts: partial chunks and pages
+      WriteSetup s = MakeSetup(n, 3, d, page, 10 + d + page);
+      const BlockGeometry geo{1, uint32_t(s.h), uint32_t(d), uint32_t(page)};
+      DeviceBuffer dk, dv, dp, ds, flags(size_t(n) * s.h * 2), bad(4);
+      Upload(dk, s.k);
+      Upload(dv, s.v);
+      Upload(dp, s.dst_page);
+      Upload(ds, s.dst_slot);
+      DeviceBuffer pool(size_t(s.num_pages) * geo.Int2LayerBytes());
+      cudaMemset(pool.get(), 0xa5, pool.bytes());  // poison
+      cudaMemset(flags.get(), 0x77, flags.bytes());
+      cudaMemset(bad.get(), 0, 4);
+      KvWriteParams p;
+      p.num_tokens = n;
+      p.num_kv_heads = s.h;
+      p.head_dim = d;
+      p.page_size = page;
+      p.k = dk.as<uint16_t>();
+      p.v = dv.as<uint16_t>();
+      p.dst_page = dp.as<int32_t>();
+      p.dst_slot = ds.as<int32_t>();
+      p.dst = {pool.get(), geo.Int2LayerBytes()};
+      p.row_flags = flags.as<uint8_t>();
+      p.bad_rows = bad.as<uint32_t>();
+      KernelStatus st = LaunchQuantizeWrite(p, nullptr);
+      ASSERT_TRUE(st.ok()) << st.message;
+      KVPOOL_CUDA_OK(cudaDeviceSynchronize());
+      auto host = Download<uint8_t>(pool.get(), pool.bytes());
+      auto fl = Download<uint8_t>(flags.get(), flags.bytes());
+      int64_t mismatched_rows = 0, rows = 0;
+      for (int t = 0; t < n; ++t) {
+        for (int h = 0; h < s.h; ++h) {
+          for (int kv = 0; kv < 2; ++kv) {
+            const uint16_t* src = (kv ? s.v.data() : s.k.data()) + (size_t(t) * s.h + h) * d;
+            std::vector<float> x(d);
+            for (int j = 0; j < d; ++j) x[j] = Bf16ToFp32(src[j]);
+            std::vector<uint8_t> codes;
+            std::vector<uint16_t> params;
+            RowQuantStatus rs;
+            CpuQuantRow(x, kv ? 0.92f : 0.96f, &codes, &params, &rs);
+            const Int2Row g = ReadInt2Row(host, geo, s.dst_page[t], s.dst_slot[t], h, kv);
+            ++rows;
+            if (g.codes != codes || g.params != params) ++mismatched_rows;
+            EXPECT_EQ(fl[(size_t(t) * s.h + h) * 2 + kv], rs == RowQuantStatus::kOk ? 0 : 1);
+          }
+        }
+      }
+      std::printf("[quantize-only] d=%d page=%d rows=%lld mismatched=%lld\n", d, page,
+                  (long long)rows, (long long)mismatched_rows);
+      EXPECT_EQ(mismatched_rows, 0) << "d=" << d << " page=" << page;
+      EXPECT_EQ(Download<uint32_t>(bad.get(), 1)[0], 0u);
+    }
+  }
+}
+
+TEST(KvWrite, NonFiniteAndOverflowRowsAreRefusedAndZeroed) {
+  SKIP_WITHOUT_GPU();
+  const int n = 64, d = 128;
+  WriteSetup s = MakeSetup(n, 2, d, 16, 77);
+  // token 3 head 0 K: NaN; token 10 head 1 V: +inf; token 20 head 0 K: fp16 overflow (1e6)
+  s.k[(size_t(3) * 2 + 0) * d + 5] = 0x7fc0;
+  s.v[(size_t(10) * 2 + 1) * d + 100] = 0x7f80;
+  for (int j = 0; j < d; ++j) s.k[(size_t(20) * 2 + 0) * d + j] = ToBf16(1e6 * (j % 2 ? 1 : -1));
+  const BlockGeometry geo{1, 2, uint32_t(d), 16};
+  DeviceBuffer dk, dv, dp, ds, flags(size_t(n) * 2 * 2), bad(4);
+  Upload(dk, s.k);
+  Upload(dv, s.v);
+  Upload(dp, s.dst_page);
+  Upload(ds, s.dst_slot);
+  DeviceBuffer pool(size_t(s.num_pages) * geo.Int2LayerBytes());
+  cudaMemset(pool.get(), 0xa5, pool.bytes());
+  cudaMemset(bad.get(), 0, 4);
+  KvWriteParams p;
+  p.num_tokens = n;
+  p.num_kv_heads = 2;
+  p.head_dim = d;
+  p.k = dk.as<uint16_t>();
+  p.v = dv.as<uint16_t>();
+  p.dst_page = dp.as<int32_t>();
+  p.dst_slot = ds.as<int32_t>();
+  p.dst = {pool.get(), geo.Int2LayerBytes()};
+  p.row_flags = flags.as<uint8_t>();
+  p.bad_rows = bad.as<uint32_t>();
+  ASSERT_TRUE(LaunchQuantizeWrite(p, nullptr).ok());
+  KVPOOL_CUDA_OK(cudaDeviceSynchronize());
+  auto host = Download<uint8_t>(pool.get(), pool.bytes());
+  auto fl = Download<uint8_t>(flags.get(), flags.bytes());
+  EXPECT_EQ(Download<uint32_t>(bad.get(), 1)[0], 3u);
+  struct Bad {
+    int t, h, kv;
+  } bads[] = {{3, 0, 0}, {10, 1, 1}, {20, 0, 0}};
+  for (const Bad& b : bads) {
+    EXPECT_EQ(fl[(size_t(b.t) * 2 + b.h) * 2 + b.kv], 1);
+    const Int2Row g = ReadInt2Row(host, geo, s.dst_page[b.t], s.dst_slot[b.t], b.h, b.kv);
+    for (uint8_t c : g.codes) EXPECT_EQ(c, 0);
+    for (uint16_t q : g.params) EXPECT_EQ(q, 0);
+  }
+  // Neighbours (same page, same token other head / other kind) are intact and match the CPU.
+  for (int t : {2, 3, 4, 10, 20}) {
+    for (int h = 0; h < 2; ++h) {
+      for (int kv = 0; kv < 2; ++kv) {
+        bool is_bad = false;
+        for (const Bad& b : bads) is_bad |= (b.t == t && b.h == h && b.kv == kv);
+        if (is_bad) continue;
+        const uint16_t* src = (kv ? s.v.data() : s.k.data()) + (size_t(t) * 2 + h) * d;
+        std::vector<float> x(d);
+        for (int j = 0; j < d; ++j) x[j] = Bf16ToFp32(src[j]);
+        std::vector<uint8_t> codes;
+        std::vector<uint16_t> params;
+        RowQuantStatus rs;
+        CpuQuantRow(x, kv ? 0.92f : 0.96f, &codes, &params, &rs);
+        const Int2Row g = ReadInt2Row(host, geo, s.dst_page[t], s.dst_slot[t], h, kv);
+        EXPECT_EQ(g.codes, codes) << "t=" << t << " h=" << h << " kv=" << kv;
+        EXPECT_EQ(g.params, params) << "t=" << t << " h=" << h << " kv=" << kv;
+        EXPECT_EQ(fl[(size_t(t) * 2 + h) * 2 + kv], 0);
+      }
+    }
+  }
+}
+
+// Rotation accuracy (fp16 copy of R on tensor cores, fp32 accumulation, bf16 output) against
+// float64, and the fused rotate+quantize path: its bytes must equal the CPU quantizer applied
+// to the GPU's own rotated BF16 rows, and stay close to the all-CPU path (fp32 rotation).
+TEST(KvWrite, RotateWriteAndFusedQuantize) {
+  SKIP_WITHOUT_GPU();
+  for (int d : {64, 128, 256}) {
+    const int n = 777, H = 2, page = 16;
+    WriteSetup s = MakeSetup(n, H, d, page, 900 + d, /*page_offset=*/d == 128 ? 1100000 : 0);
+    std::mt19937_64 rng(901 + d);
+    const std::vector<double> rk64 = RandomOrthogonal(d, rng), rv64 = RandomOrthogonal(d, rng);
+    const std::vector<float> rk = ToFloat(rk64), rv = ToFloat(rv64);
+    const BlockGeometry geo{1, uint32_t(H), uint32_t(d), uint32_t(page)};
+    const uint64_t npool = uint64_t(s.num_pages + s.page_offset);
+    DeviceBuffer dk, dv, dp, ds, drk, drv;
+    Upload(dk, s.k);
+    Upload(dv, s.v);
+    Upload(dp, s.dst_page);
+    Upload(ds, s.dst_slot);
+    Upload(drk, rk);
+    Upload(drv, rv);
+    DeviceBuffer bfpool(npool * geo.Bf16LayerBytes()), i2pool(npool * geo.Int2LayerBytes());
+    ASSERT_TRUE(bfpool.ok() && i2pool.ok());
+    KvWriteParams p;
+    p.num_tokens = n;
+    p.num_kv_heads = H;
+    p.head_dim = d;
+    p.page_size = page;
+    p.k = dk.as<uint16_t>();
+    p.v = dv.as<uint16_t>();
+    p.rotation_k = drk.as<float>();
+    p.rotation_v = drv.as<float>();
+    p.dst_page = dp.as<int32_t>();
+    p.dst_slot = ds.as<int32_t>();
+    p.dst = {bfpool.get(), geo.Bf16LayerBytes()};
+    ASSERT_TRUE(LaunchRotateWriteBf16(p, nullptr).ok());
+    p.dst = {i2pool.get(), geo.Int2LayerBytes()};
+    ASSERT_TRUE(LaunchQuantizeWrite(p, nullptr).ok());
+    KVPOOL_CUDA_OK(cudaDeviceSynchronize());
+    // Only the used pages (offset region) are downloaded.
+    const uint64_t off = uint64_t(s.page_offset);
+    std::vector<uint8_t> bf_host(npool * geo.Bf16LayerBytes()),
+        i2_host(npool * geo.Int2LayerBytes());
+    cudaMemcpy(bf_host.data() + off * geo.Bf16LayerBytes(),
+               bfpool.as<uint8_t>() + off * geo.Bf16LayerBytes(),
+               s.num_pages * geo.Bf16LayerBytes(), cudaMemcpyDeviceToHost);
+    cudaMemcpy(i2_host.data() + off * geo.Int2LayerBytes(),
+               i2pool.as<uint8_t>() + off * geo.Int2LayerBytes(),
+               s.num_pages * geo.Int2LayerBytes(), cudaMemcpyDeviceToHost);
+    double num = 0, den = 0;
+    int64_t fused_mismatch = 0, rows = 0, cpu_code_diff = 0, codes_total = 0;
+    for (int t = 0; t < n; ++t) {
+      for (int h = 0; h < H; ++h) {
+        for (int kv = 0; kv < 2; ++kv) {
+          const uint16_t* src = (kv ? s.v.data() : s.k.data()) + (size_t(t) * H + h) * d;
+          const std::vector<double>& r64 = kv ? rv64 : rk64;
+          const std::vector<float>& r32 = kv ? rv : rk;
+          const uint16_t* g = reinterpret_cast<const uint16_t*>(
+              bf_host.data() + uint64_t(s.dst_page[t]) * geo.Bf16LayerBytes() +
+              geo.Bf16ChunkOffset(0, h) + (kv ? geo.Bf16VOffset() : 0) +
+              uint64_t(s.dst_slot[t]) * 2 * d);
+          std::vector<float> gpu_rot(d);
+          for (int j = 0; j < d; ++j) {
+            double ref = 0;
+            for (int i = 0; i < d; ++i) ref += Bf16ToFp32(src[i]) * double(r32[size_t(i) * d + j]);
+            gpu_rot[j] = Bf16ToFp32(g[j]);
+            num += (gpu_rot[j] - ref) * (gpu_rot[j] - ref);
+            den += ref * ref;
+          }
+          (void)r64;
+          const float ratio = kv ? 0.92f : 0.96f;
+          std::vector<uint8_t> codes;
+          std::vector<uint16_t> params;
+          RowQuantStatus rs;
+          CpuQuantRow(gpu_rot, ratio, &codes, &params, &rs);
+          const Int2Row q = ReadInt2Row(i2_host, geo, s.dst_page[t], s.dst_slot[t], h, kv);
+          ++rows;
+          if (q.codes != codes || q.params != params) ++fused_mismatch;
+          // all-CPU path: fp32 rotation, bf16 rounding, quantize
+          std::vector<uint8_t> cc(d / 4);
+          std::vector<uint16_t> cp(params.size());
+          QuantizeRowsResult qr;
+          ASSERT_TRUE(RotateQuantizeRowsBf16(src, 1, uint32_t(d), r32.data(), ratio, nullptr,
+                                             cc.data(), cp.data(), &qr)
+                          .ok());
+          std::vector<uint8_t> a(d), b(d);
+          UnpackCodes(cc.data(), uint32_t(d), a.data());
+          UnpackCodes(q.codes.data(), uint32_t(d), b.data());
+          for (int j = 0; j < d; ++j) cpu_code_diff += a[j] != b[j];
+          codes_total += d;
+        }
+      }
+    }
+    const double rel = std::sqrt(num / den);
+    std::printf(
+        "[rotate] d=%d rel_l2(gpu bf16(x·R) vs fp64) = %.3e; fused-vs-quantize(gpu rows) "
+        "mismatched rows %lld/%lld; codes differing from all-CPU path %.4f%%\n",
+        d, rel, (long long)fused_mismatch, (long long)rows,
+        100.0 * double(cpu_code_diff) / double(codes_total));
+    EXPECT_LT(rel, 3e-3) << "d=" << d;
+    EXPECT_EQ(fused_mismatch, 0) << "d=" << d;
+    EXPECT_LT(double(cpu_code_diff) / double(codes_total), 0.02) << "d=" << d;
+  }
+}
+
+TEST(KvWrite, DemoteMatchesCpu) {
+  SKIP_WITHOUT_GPU();
+  for (int page : {16, 64}) {
+    const int H = 4, d = 128, nblocks = 9;
+    const BlockGeometry geo{1, uint32_t(H), uint32_t(d), uint32_t(page)};
+    std::mt19937_64 rng(1234 + page);
+    std::normal_distribution<double> nd(0.0, 1.0);
+    std::vector<uint8_t> bf(size_t(nblocks + 3) * geo.Bf16LayerBytes());
+    uint16_t* e = reinterpret_cast<uint16_t*>(bf.data());
+    for (size_t i = 0; i < bf.size() / 2; ++i) e[i] = ToBf16(nd(rng));
+    std::vector<int32_t> src(nblocks), dst(nblocks);
+    for (int i = 0; i < nblocks; ++i) {
+      src[i] = (i * 5) % (nblocks + 3);
+      dst[i] = nblocks - 1 - i;
+    }
+    DeviceBuffer dbf, dsrc, ddst, di2(size_t(nblocks) * geo.Int2LayerBytes());
+    Upload(dbf, bf);
+    Upload(dsrc, src);
+    Upload(ddst, dst);
+    cudaMemset(di2.get(), 0x5a, di2.bytes());
+    DemoteParams p;
+    p.num_blocks = nblocks;
+    p.num_kv_heads = H;
+    p.head_dim = d;
+    p.page_size = page;
+    p.src_pages = dsrc.as<int32_t>();
+    p.dst_pages = ddst.as<int32_t>();
+    p.src = {dbf.get(), geo.Bf16LayerBytes()};
+    p.dst = {di2.get(), geo.Int2LayerBytes()};
+    KernelStatus st = LaunchDemote(p, nullptr);
+    ASSERT_TRUE(st.ok()) << st.message;
+    KVPOOL_CUDA_OK(cudaDeviceSynchronize());
+    auto host = Download<uint8_t>(di2.get(), di2.bytes());
+    int64_t mism = 0;
+    for (int b = 0; b < nblocks; ++b)
+      for (int slot = 0; slot < page; ++slot)
+        for (int h = 0; h < H; ++h)
+          for (int kv = 0; kv < 2; ++kv) {
+            const uint16_t* row = reinterpret_cast<const uint16_t*>(
+                bf.data() + uint64_t(src[b]) * geo.Bf16LayerBytes() + geo.Bf16ChunkOffset(0, h) +
+                (kv ? geo.Bf16VOffset() : 0) + slot * 2 * d);
+            std::vector<uint8_t> codes(d / 4);
+            std::vector<uint16_t> params(2);
+            QuantizeRowsResult r;
+            ASSERT_TRUE(
+                QuantizeRowsBf16(row, 1, d, kv ? 0.92f : 0.96f, codes.data(), params.data(), &r)
+                    .ok());
+            const Int2Row g = ReadInt2Row(host, geo, dst[b], slot, h, kv);
+            mism += (g.codes != codes || g.params != params);
+          }
+    EXPECT_EQ(mism, 0) << "page=" << page;
+  }
+}
+
+TEST(KvWrite, RefusesBadArguments) {
+  KvWriteParams p;
+  p.num_tokens = 4;
+  p.num_kv_heads = 1;
+  p.head_dim = 96;
+  EXPECT_EQ(LaunchQuantizeWrite(p, nullptr).code, KernelError::kUnsupported);
+  p.head_dim = 128;
+  KernelStatus st = LaunchQuantizeWrite(p, nullptr);
+  EXPECT_EQ(st.code, KernelError::kInvalidArgument);
+  EXPECT_NE(st.message.find("k and v"), std::string::npos) << st.message;
+  DemoteParams d;
+  d.num_blocks = 1;
+  d.num_kv_heads = 1;
+  d.head_dim = 128;
+  d.page_size = 16;
+  st = LaunchDemote(d, nullptr);
+  EXPECT_EQ(st.code, KernelError::kInvalidArgument);
+  EXPECT_NE(st.message.find("src_pages"), std::string::npos) << st.message;
+}
+
+// ---- end to end at production shape --------------------------------------------------------
+// 32 q / 8 KV heads, d 128, page 16, 32783 prompt tokens: sink (64) and recent window written by
+// LaunchRotateWriteBf16, history by LaunchQuantizeWrite; 20 decode steps each append one token
+// (rotate-write), demote the block leaving the window (LaunchDemote) and attend
+// (LaunchPagedDecode). The CPU path mirrors every step with the shared CPU quantizer (fp32
+// rotation, RotateQuantizeRowsBf16 / QuantizeRowsBf16) and a float64 attention.
+TEST(EndToEnd, ProductionShapeWriteDemoteDecode) {
+  SKIP_WITHOUT_GPU();
+  const int H = 8, HQ = 32, d = 128, P = 16, L0 = 32768 + 15, steps = 20, W = 256, S = 64;
+  const int T = L0 + steps;
+  const BlockGeometry geo{1, uint32_t(H), uint32_t(d), uint32_t(P)};
+  std::mt19937_64 rng(4242);
+  std::normal_distribution<double> nd(0.0, 1.0);
+  std::vector<uint16_t> k(size_t(T) * H * d), v(k.size());
+  for (size_t i = 0; i < k.size(); ++i) {
+    k[i] = ToBf16(nd(rng) + 0.2);
+    v[i] = ToBf16(nd(rng));
+  }
+  const std::vector<float> rk = ToFloat(RandomOrthogonal(d, rng)),
+                           rv = ToFloat(RandomOrthogonal(d, rng));
+  // CPU mirror of the rotated cache in fp32 (dequantized where the block is INT2).
+  std::vector<float> kr(k.size()), vr(v.size());
+  std::vector<uint16_t> kr16(k.size()), vr16(v.size());
+  {
+    std::vector<float> tmp(size_t(T) * H * d);
+    RotateRowsBf16(k.data(), uint64_t(T) * H, d, rk.data(), tmp.data());
+    for (size_t i = 0; i < tmp.size(); ++i) kr16[i] = Fp32ToBf16(tmp[i]);
+    RotateRowsBf16(v.data(), uint64_t(T) * H, d, rv.data(), tmp.data());
+    for (size_t i = 0; i < tmp.size(); ++i) vr16[i] = Fp32ToBf16(tmp[i]);
+    for (size_t i = 0; i < tmp.size(); ++i) {
+      kr[i] = Bf16ToFp32(kr16[i]);
+      vr[i] = Bf16ToFp32(vr16[i]);
+    }
+  }
+  auto cpu_quantize_block = [&](int blk) {
+    for (int t = blk * P; t < (blk + 1) * P; ++t)
+      for (int h = 0; h < H; ++h)
+        for (int kv = 0; kv < 2; ++kv) {
+          const size_t o = (size_t(t) * H + h) * d;
+          std::vector<uint8_t> codes(d / 4);
+          std::vector<uint16_t> params(2);
+          QuantizeRowsResult r;
+          ASSERT_TRUE(QuantizeRowsBf16((kv ? vr16 : kr16).data() + o, 1, d, kv ? 0.92f : 0.96f,
+                                       codes.data(), params.data(), &r)
+                          .ok());
+          DequantizeRow(codes.data(), params.data(), d, (kv ? vr : kr).data() + o);
+        }
+  };
+
+  // Block bookkeeping: sink blocks 0..3 in BF16 pages 0..3; recent blocks in BF16 pages
+  // 4..; history blocks in INT2 page id == block id.
+  const int nblocks_max = (T + P - 1) / P;
+  std::vector<int32_t> hist_blocks, recent_blocks;
+  std::vector<int32_t> bf_page_of(nblocks_max, -1);
+  int next_bf = 0;
+  for (int b = 0; b < S / P; ++b) bf_page_of[b] = next_bf++;
+  const int first_recent = (L0 - (W + P - 1)) / P;  // window holds W + P - 1 tokens
+  for (int b = S / P; b < first_recent; ++b) hist_blocks.push_back(b);
+  for (int b = first_recent; b * P < L0; ++b) {
+    recent_blocks.push_back(b);
+    bf_page_of[b] = next_bf++;
+  }
+  std::vector<int32_t> free_bf;  // recycled BF16 pages
+  for (int b : hist_blocks) cpu_quantize_block(b);
+
+  DeviceBuffer dk, dv, drk, drv;
+  Upload(dk, k);
+  Upload(dv, v);
+  Upload(drk, rk);
+  Upload(drv, rv);
+  DeviceBuffer bfpool(size_t(64) * geo.Bf16LayerBytes()),
+      i2pool(size_t(nblocks_max) * geo.Int2LayerBytes());
+  // Initial writes: token lists per destination kind.
+  std::vector<int32_t> bf_tok_page, bf_tok_slot, bf_toks, i2_tok_page, i2_tok_slot, i2_toks;
+  for (int t = 0; t < L0; ++t) {
+    const int b = t / P;
+    if (bf_page_of[b] >= 0) {
+      bf_toks.push_back(t);
+    } else {
+      i2_toks.push_back(t);
+    }
+  }
+  auto write_tokens = [&](const std::vector<int32_t>& toks, bool int2) {
+    // contiguous runs only: the tokens of each call are consecutive here
+    std::vector<int32_t> pg, sl;
+    for (int t : toks) {
+      pg.push_back(int2 ? t / P : bf_page_of[t / P]);
+      sl.push_back(t % P);
+    }
+    DeviceBuffer dpg, dsl;
+    Upload(dpg, pg);
+    Upload(dsl, sl);
+    // toks may not be contiguous (sink, then recent): write run by run
+    size_t i = 0;
+    while (i < toks.size()) {
+      size_t j = i + 1;
+      while (j < toks.size() && toks[j] == toks[j - 1] + 1) ++j;
+      KvWriteParams p;
+      p.num_tokens = int(j - i);
+      p.num_kv_heads = H;
+      p.head_dim = d;
+      p.page_size = P;
+      p.k = dk.as<uint16_t>() + size_t(toks[i]) * H * d;
+      p.v = dv.as<uint16_t>() + size_t(toks[i]) * H * d;
+      p.rotation_k = drk.as<float>();
+      p.rotation_v = drv.as<float>();
+      p.dst_page = dpg.as<int32_t>() + i;
+      p.dst_slot = dsl.as<int32_t>() + i;
+      if (int2) {
+        p.dst = {i2pool.get(), geo.Int2LayerBytes()};
+        KernelStatus st = LaunchQuantizeWrite(p, nullptr);
+        ASSERT_TRUE(st.ok()) << st.message;
+      } else {
+        p.dst = {bfpool.get(), geo.Bf16LayerBytes()};
+        KernelStatus st = LaunchRotateWriteBf16(p, nullptr);
+        ASSERT_TRUE(st.ok()) << st.message;
+      }
+      i = j;
+    }
+    KVPOOL_CUDA_OK(cudaDeviceSynchronize());
+  };
+  write_tokens(bf_toks, false);
+  write_tokens(i2_toks, true);
+
+  double worst_rel = 0, worst_lse = 0;
+  int demotions = 0;
+  for (int step = 0; step < steps; ++step) {
+    const int t = L0 + step;
+    const int blk = t / P;
+    if (bf_page_of[blk] < 0) {
+      recent_blocks.push_back(blk);
+      int pg;
+      if (!free_bf.empty()) {
+        pg = free_bf.back();
+        free_bf.pop_back();
+      } else {
+        pg = next_bf++;
+      }
+      bf_page_of[blk] = pg;
+    }
+    write_tokens({t}, false);
+    const int len = t + 1;
+    // Demote when the window holds W + P tokens of full blocks + nothing partial.
+    if (len % P == 0 && int(recent_blocks.size()) * P >= W + P) {
+      const int old = recent_blocks.front();
+      recent_blocks.erase(recent_blocks.begin());
+      std::vector<int32_t> src{bf_page_of[old]}, dst{old};
+      DeviceBuffer ds, dd;
+      Upload(ds, src);
+      Upload(dd, dst);
+      DemoteParams dp;
+      dp.num_blocks = 1;
+      dp.num_kv_heads = H;
+      dp.head_dim = d;
+      dp.page_size = P;
+      dp.src_pages = ds.as<int32_t>();
+      dp.dst_pages = dd.as<int32_t>();
+      dp.src = {bfpool.get(), geo.Bf16LayerBytes()};
+      dp.dst = {i2pool.get(), geo.Int2LayerBytes()};
+      ASSERT_TRUE(LaunchDemote(dp, nullptr).ok());
+      KVPOOL_CUDA_OK(cudaDeviceSynchronize());
+      free_bf.push_back(bf_page_of[old]);
+      bf_page_of[old] = -1;
+      hist_blocks.push_back(old);
+      cpu_quantize_block(old);
+      ++demotions;
+    }
+    // ---- decode ----
+    std::vector<int32_t> sink_idx, hist_idx = hist_blocks, rec_idx;
+    for (int b = 0; b < S / P; ++b) sink_idx.push_back(bf_page_of[b]);
+    for (int b : recent_blocks) rec_idx.push_back(bf_page_of[b]);
+    const int rec_last = len - recent_blocks.back() * P;
+    std::vector<int32_t> ip_s{0, int32_t(sink_idx.size())}, ip_h{0, int32_t(hist_idx.size())},
+        ip_r{0, int32_t(rec_idx.size())}, l_s{P}, l_h{P}, l_r{rec_last};
+    DeviceBuffer a1, a2, a3, b1, b2, b3, c1, c2, c3;
+    Upload(a1, ip_s);
+    Upload(a2, sink_idx);
+    Upload(a3, l_s);
+    Upload(b1, ip_h);
+    Upload(b2, hist_idx);
+    Upload(b3, l_h);
+    Upload(c1, ip_r);
+    Upload(c2, rec_idx);
+    Upload(c3, l_r);
+    std::vector<uint16_t> q(size_t(HQ) * d);
+    for (auto& x : q) x = ToBf16(nd(rng));
+    DeviceBuffer dq, dout(size_t(HQ) * d * 2), dlse(HQ * 4);
+    Upload(dq, q);
+    cudaMemset(dout.get(), 0xff, dout.bytes());
+    PagedDecodeParams p;
+    p.batch = 1;
+    p.num_q_heads = HQ;
+    p.num_kv_heads = H;
+    p.head_dim = d;
+    p.page_size = P;
+    p.sm_scale = float(1.0 / std::sqrt(double(d)));
+    p.q = dq.as<uint16_t>();
+    p.rotation_k = drk.as<float>();
+    p.rotation_v = drv.as<float>();
+    p.bf16_pool = {bfpool.get(), geo.Bf16LayerBytes()};
+    p.int2_pool = {i2pool.get(), geo.Int2LayerBytes()};
+    p.sink = {a1.as<int32_t>(), a2.as<int32_t>(), a3.as<int32_t>(), int32_t(sink_idx.size())};
+    p.history = {b1.as<int32_t>(), b2.as<int32_t>(), b3.as<int32_t>(), int32_t(hist_idx.size())};
+    p.recent = {c1.as<int32_t>(), c2.as<int32_t>(), c3.as<int32_t>(), int32_t(rec_idx.size())};
+    p.out = dout.as<uint16_t>();
+    p.lse = dlse.as<float>();
+    size_t ws = 0;
+    ASSERT_TRUE(PagedDecodeWorkspaceBytes(p, &ws).ok());
+    DeviceBuffer dws(ws);
+    p.workspace = dws.get();
+    p.workspace_bytes = ws;
+    KernelStatus st = LaunchPagedDecode(p, nullptr);
+    ASSERT_TRUE(st.ok()) << st.message;
+    KVPOOL_CUDA_OK(cudaDeviceSynchronize());
+    auto out = Download<uint16_t>(dout.get(), size_t(HQ) * d);
+    auto lse = Download<float>(dlse.get(), HQ);
+    // CPU reference over the mirror (tokens 0..len-1; BF16 or dequantized per block state)
+    double num = 0, den = 0, max_lse = 0;
+    for (int i = 0; i < HQ; ++i) {
+      const int h = i / (HQ / H);
+      std::vector<double> qr(d, 0.0);
+      for (int a = 0; a < d; ++a) {
+        const double qa = Bf16ToFp32(q[size_t(i) * d + a]);
+        for (int j = 0; j < d; ++j) qr[j] += qa * rk[size_t(a) * d + j];
+      }
+      std::vector<double> logit(len);
+      double m = -INFINITY;
+      for (int tt = 0; tt < len; ++tt) {
+        const float* kk = kr.data() + (size_t(tt) * H + h) * d;
+        double dot = 0;
+        for (int j = 0; j < d; ++j) dot += qr[j] * kk[j];
+        logit[tt] = dot * p.sm_scale;
+        m = std::max(m, logit[tt]);
+      }
+      std::vector<double> o(d, 0.0);
+      double l = 0;
+      for (int tt = 0; tt < len; ++tt) {
+        const double w = std::exp(logit[tt] - m);
+        l += w;
+        const float* vv = vr.data() + (size_t(tt) * H + h) * d;
+        for (int j = 0; j < d; ++j) o[j] += w * vv[j];
+      }
+      for (int j = 0; j < d; ++j) {
+        double ref = 0;
+        for (int a = 0; a < d; ++a) ref += o[a] / l * rv[size_t(j) * d + a];
+        const double g = Bf16ToFp32(out[size_t(i) * d + j]);
+        num += (g - ref) * (g - ref);
+        den += ref * ref;
+      }
+      max_lse = std::max(max_lse, std::fabs(double(lse[i]) - (m + std::log(l))));
+    }
+    const double rel = std::sqrt(num / den);
+    worst_rel = std::max(worst_rel, rel);
+    worst_lse = std::max(worst_lse, max_lse);
+    EXPECT_LT(rel, 1e-2) << "step " << step;
+    EXPECT_LT(max_lse, 1e-3) << "step " << step;
+  }
+  std::printf(
+      "[e2e] 32q/8kv d128 L0=%d steps=%d demotions=%d worst rel_l2 %.3e worst |dLSE| %.3e\n", L0,
+      steps, demotions, worst_rel, worst_lse);
+  EXPECT_GE(demotions, 1);
+}
+
+}  // namespace
+}  // namespace kvpool::cuda::testing

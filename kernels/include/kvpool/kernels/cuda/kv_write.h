@@ -1,0 +1,87 @@
+// kvpool/kernels/cuda/kv_write.h — CUDA write kernels into paged KV blocks (sm_90a).
+//
+// Three launchers, all writing the byte layout of docs/BLOCK_FORMAT.md:
+//  * LaunchQuantizeWrite — fused rotate (tensor cores, fp16 copy of R in shared memory, fp32
+//    accumulation) + per-row clip + asymmetric INT2 quantize + quarter-planar pack
+//    (FORMAT.md §2) of a batch of tokens straight into INT2 pages.
+//  * LaunchRotateWriteBf16 — rotate-only write of a batch of tokens into BF16 pages.
+//  * LaunchDemote — quantize already-rotated BF16 pages (a full recent block leaving the
+//    window) into INT2 pages (FORMAT.md §3 "demotion"). No rotation: bf16 -> fp32 is exact, so
+//    its codes equal the CPU quantizer's on the same rows except at exact ties.
+//
+// Quantization rule (FORMAT.md §2.2-2.3): τ = (|x̃| sorted ascending)[clamp(⌊ratio·d⌋,0,d-1)]
+// (ratio 0 disables), x̃ clamped to ±τ; per group of min(d,128): mn16 = fp16 round-down(min),
+// scale16 = fp16 round-up((max - mn16)/3) (computed in fp32), code = round-half-up((x̃ -
+// mn16)/scale16) clamped to 0..3 (0 when scale16 = 0), evaluated as comparisons against the
+// fp32 thresholds mn16 + (j - 0.5)·scale16, j = 1..3.
+// A row (token, head, K or V) whose input or rotated values are not finite, or whose (scale,
+// min) do not fit fp16, is not quantized: its codes and params are written as zeros (it
+// dequantizes to 0), row_flags[(token·H + head)·2 + (0 for K, 1 for V)] is set to 1 and *bad_rows
+// is incremented. The caller then keeps the block's BF16 form (FORMAT.md §2.3). row_flags
+// entries are always written (0 = quantized, 1 = refused), so they need no clearing.
+//
+// Shapes: head_dim 64/128/256, page_size 16 or 64, any num_tokens >= 0 (0 launches nothing).
+// Launchers never allocate or synchronize; thread-safety: reentrant.
+#pragma once
+
+#include <cstdint>
+
+#include "kvpool/kernels/cuda/paged_decode.h"
+#include "kvpool/kernels/cuda/status.h"
+
+namespace kvpool::cuda {
+
+// Destination (or source) pages of one form for ONE layer (see PagePool in paged_decode.h).
+struct MutablePagePool {
+  void* base = nullptr;            // 16-byte aligned device memory
+  uint64_t page_stride_bytes = 0;  // multiple of 16
+};
+
+struct KvWriteParams {
+  int32_t num_tokens = 0;
+  int32_t num_kv_heads = 0;
+  int32_t head_dim = 0;    // 64, 128, 256
+  int32_t page_size = 16;  // 16 or 64
+
+  // Un-rotated input rows, bf16: element (t, h, j) at k[t·token_stride + h·head_dim + j].
+  const uint16_t* k = nullptr;
+  const uint16_t* v = nullptr;
+  int64_t token_stride = 0;  // elements between tokens; 0 = num_kv_heads·head_dim
+
+  // fp32 [d][d] row-major (x̃ = x·R) or [H_kv][d][d] when rotation_per_head; nullptr = identity.
+  const float* rotation_k = nullptr;
+  const float* rotation_v = nullptr;
+  bool rotation_per_head = false;
+
+  // Token t goes to slot dst_slot[t] of page dst_page[t] (device arrays [num_tokens]).
+  const int32_t* dst_page = nullptr;
+  const int32_t* dst_slot = nullptr;
+  MutablePagePool dst;  // INT2 pool for LaunchQuantizeWrite, BF16 pool for LaunchRotateWriteBf16
+
+  float clip_ratio_k = 0.96f;  // FORMAT.md §2.2; 0 disables
+  float clip_ratio_v = 0.92f;
+  uint8_t* row_flags = nullptr;  // optional [num_tokens][H_kv][2] (K, V); quantize only
+  uint32_t* bad_rows = nullptr;  // optional device counter, incremented per refused row
+};
+
+KernelStatus LaunchQuantizeWrite(const KvWriteParams& params, Stream stream);
+KernelStatus LaunchRotateWriteBf16(const KvWriteParams& params, Stream stream);
+
+struct DemoteParams {
+  int32_t num_blocks = 0;
+  int32_t num_kv_heads = 0;
+  int32_t head_dim = 0;
+  int32_t page_size = 16;
+  const int32_t* src_pages = nullptr;  // [num_blocks] full BF16 pages (rotated rows)
+  const int32_t* dst_pages = nullptr;  // [num_blocks] INT2 pages to fill
+  PagePool src;                        // BF16 pool (read-only)
+  MutablePagePool dst;                 // INT2 pool
+  float clip_ratio_k = 0.96f;
+  float clip_ratio_v = 0.92f;
+  uint8_t* row_flags = nullptr;  // optional [num_blocks·page_size][H_kv][2] (K, V)
+  uint32_t* bad_rows = nullptr;  // optional device counter
+};
+
+KernelStatus LaunchDemote(const DemoteParams& params, Stream stream);
+
+}  // namespace kvpool::cuda
