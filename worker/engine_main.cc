@@ -7,7 +7,8 @@
 // newline); logs and statistics (tokens/second) go to standard error. With no prompt generation
 // starts from BOS; temperature 0 is greedy. Exit codes: 0 ok, 1 usage error, 2 runtime error
 // (missing or corrupted model, prompt longer than the context, out-of-range numbers), with one
-// line on standard error naming the problem.
+// line on standard error naming the problem. `--config FILE` takes YAML with the subcommand's
+// flags in a section: "generate: {model: m.gguf, max-tokens: 64}" (explicit flags win).
 #include <cmath>
 #include <cstdio>
 #include <iostream>
