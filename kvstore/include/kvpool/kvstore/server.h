@@ -1,0 +1,71 @@
+// kvpool/kvstore/server.h — the pool process: block store + gRPC service (kvpool.v1.KvPool,
+// grpc.health.v1.Health, reflection) + Prometheus /metrics over HTTP + the UCX data plane.
+// No gRPC, UCX or HTTP header is included here.
+//
+//   PoolServerOptions o; o.listen = "127.0.0.1:0"; o.capacity_bytes = 64 << 20;
+//   KVPOOL_ASSIGN_OR_RETURN(auto server, PoolServer::Create(o));   // listening, ready
+//   ... server->grpc_port() ...
+//   server->Shutdown(absl::Seconds(10));   // readiness off, drain in-flight calls, stop
+//
+// Health: service "" and "kvpool.v1.KvPool" report SERVING while ready and NOT_SERVING once
+// draining (readiness); service "liveness" reports SERVING until the process stops.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "kvpool/kvstore/store.h"
+
+namespace kvpool::kvstore {
+
+struct PoolServerOptions {
+  // gRPC address "HOST:PORT"; port 0 picks a free port (see grpc_port()). Default 0.0.0.0:7070.
+  std::string listen = "0.0.0.0:7070";
+  // HTTP port for /metrics; 0 picks a free port; -1 disables. Default 9090.
+  int metrics_port = 9090;
+  // Bytes of pool memory (blocks and staging). Default 1 GiB.
+  uint64_t capacity_bytes = 1ull << 30;
+  // Data plane: "ucx" (pinned host memory registered with UCX; peers use RMA) or "none" (heap
+  // memory; only for tests of the control plane). Default "ucx" when the transport library is
+  // built, else "none".
+  std::string data_plane = "ucx";
+  // UCX_TLS for the data plane ("" = UCX's default). Default "".
+  std::string ucx_tls;
+  // Period of lease/put expiry and watermark eviction. Default 100 ms.
+  absl::Duration tick_interval = absl::Milliseconds(100);
+  StoreOptions store;
+};
+
+class PoolServer {
+ public:
+  // Builds the store and the data plane, starts gRPC, the metrics endpoint and the tick thread.
+  // Errors: INVALID_ARGUMENT (options, naming the flag), UNAVAILABLE (cannot bind a port),
+  // RESOURCE_EXHAUSTED (capacity cannot be allocated), INTERNAL (UCX).
+  static absl::StatusOr<std::unique_ptr<PoolServer>> Create(const PoolServerOptions& options);
+  ~PoolServer();  // Shutdown(0) if still running
+
+  int grpc_port() const;
+  int metrics_port() const;  // -1 when disabled
+  BlockStore& store();
+  // Readiness off (health NOT_SERVING) while still serving calls; Shutdown follows.
+  void MarkNotReady();
+  // Readiness off; in-flight calls get until `grace` to finish, then are cancelled; stops
+  // every thread. Idempotent; thread-safe.
+  void Shutdown(absl::Duration grace);
+  // Blocks until Shutdown has completed.
+  void Wait();
+
+  struct Impl;
+
+ private:
+  explicit PoolServer(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+// The Prometheus text of a store (its metrics plus gauges from Stats()).
+std::string RenderStoreMetrics(BlockStore& store);
+
+}  // namespace kvpool::kvstore

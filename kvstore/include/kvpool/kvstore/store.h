@@ -1,0 +1,342 @@
+// kvpool/kvstore/store.h — the pool's block store: registrations, two-phase puts, the block
+// index, leases, eviction. No gRPC and no UCX here (service.cc maps the proto onto this API; the
+// memory comes in as a PoolMemory), so every path is unit-testable with a FakeClock and heap
+// memory.
+//
+//   KVPOOL_ASSIGN_OR_RETURN(auto store, BlockStore::Create(options, memory, clock));
+//   KVPOOL_ASSIGN_OR_RETURN(ModelInfo m, store->RegisterModel(spec, rotation_bytes));
+//   KVPOOL_ASSIGN_OR_RETURN(PutPlan plan, store->BeginPut(m.namespace_id, tokens, n, {}));
+//   ... peer writes un-rotated BF16 forms at plan.blocks[i].staging_offset ...
+//   KVPOOL_ASSIGN_OR_RETURN(CommitResult c, store->CommitPut(m.namespace_id, plan.put_id, sums));
+//
+// Semantics (FORMAT.md §3, §5, §6; docs/PROTOCOL.md):
+//  * Forms per block: sink blocks (index < S/P) hold BF16; with history precision int2 every
+//    other block holds INT2, and the last ceil(W/P) full blocks of each committed sequence also
+//    BF16; with history precision bf16 every block holds only BF16. Both forms are rotated.
+//  * Nothing is visible half-written: a commit links all its blocks' new forms under the lock
+//    in one step after every byte, checksum and generation is in place; a failing commit
+//    changes nothing that was visible before.
+//  * Eviction (when used bytes exceed the high watermark, or an allocation fails): BF16 forms
+//    of non-sink blocks that also hold INT2 go first (demotion), LRU; then whole blocks, LRU,
+//    leaf-first (never a block with a resident child); never a leased block or one pinned by an
+//    open put; stops at the low watermark.
+//
+// Thread-safety: every method is thread-safe. Locks, in the order they may be taken:
+//   1. mu_ (std::shared_mutex): models, blocks, LRU, leases, puts, arena. Shared for Lookup and
+//      Stats, exclusive otherwise. Never held across checksum, encode or memcpy of block
+//      bytes: a commit takes it to reserve, releases it for the heavy work on bytes no reader
+//      can see, and retakes it to link.
+//   2. Metrics counters are atomics (no lock).
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <list>
+#include <map>
+#include <memory>
+#include <optional>
+#include <shared_mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "kvpool/common/keys.h"
+#include "kvpool/kernels/block_format.h"
+#include "kvpool/kvstore/encoder.h"
+#include "kvpool/kvstore/memory.h"
+#include "kvpool/kvstore/metrics.h"
+
+namespace kvpool::kvstore {
+
+enum class FormKind : uint8_t { kBf16 = 0, kInt2 = 1 };
+inline constexpr int kNumForms = 2;
+const char* FormName(FormKind f);  // "bf16", "int2"
+
+enum class HistoryPrecision : uint8_t { kInt2, kBf16 };
+
+// Everything a client registers (RegisterModelRequest without the rotation bytes).
+struct ModelSpec {
+  std::string tenant = "default";
+  std::string model_id;
+  std::string revision;
+  std::optional<TensorParallelShard> tensor_parallel;
+  BlockGeometry geometry;  // includes page_size
+  uint32_t sink_tokens = 64;
+  uint32_t recent_tokens = 256;
+  float clip_ratio_k = 0.96f;
+  float clip_ratio_v = 0.92f;
+  HistoryPrecision history_precision = HistoryPrecision::kInt2;
+  uint32_t block_format_version = 1;
+};
+
+// How the rotation arrives: the file's bytes (safetensors, kernels/rotation_file.h; parsed,
+// checked against the spec and hashed by the store), or the id of a rotation the store holds.
+struct RotationInput {
+  std::string file_bytes;    // safetensors bytes, or empty
+  std::optional<Digest> id;  // re-attach by id
+};
+
+struct ModelInfo {
+  Digest namespace_id{};
+  Digest rotation_id{};
+  bool created = false;
+  uint64_t bf16_form_bytes = 0;
+  uint64_t int2_form_bytes = 0;
+  uint32_t sink_blocks = 0;
+  uint32_t recent_blocks = 0;
+};
+
+// Options; every field states its effect and default.
+struct StoreOptions {
+  // Staging lifetime of a put when the client passes none. Default 30 s.
+  absl::Duration default_put_timeout = absl::Seconds(30);
+  // Upper bound for a client-requested put timeout. Default 10 min.
+  absl::Duration max_put_timeout = absl::Minutes(10);
+  // Lease lifetime when the client passes none. Default 10 s.
+  absl::Duration default_lease = absl::Seconds(10);
+  // Upper bound for a requested lease. Default 5 min.
+  absl::Duration max_lease = absl::Minutes(5);
+  // Eviction starts when used bytes exceed high_watermark·capacity and stops at
+  // low_watermark·capacity. Defaults 0.90 / 0.80. 0 < low <= high <= 1.
+  double high_watermark = 0.90;
+  double low_watermark = 0.80;
+  // Largest number of blocks in one put (bounds staging per request). Default 65536.
+  uint32_t max_put_blocks = 65536;
+  // Allocation granularity, power of two. Default 256 bytes.
+  uint64_t alignment = 256;
+};
+
+enum class PutAction : uint8_t { kSkip, kWrite };
+
+struct PutBlockPlan {
+  uint32_t index = 0;
+  Digest key{};
+  PutAction action = PutAction::kSkip;
+  uint64_t staging_offset = 0;  // into PoolMemory, for kWrite
+  uint64_t size = 0;            // BF16 form bytes, for kWrite
+  std::vector<FormKind> forms_held;
+  std::vector<FormKind> forms_added;
+};
+
+struct PutPlan {
+  uint64_t put_id = 0;
+  std::vector<PutBlockPlan> blocks;
+  absl::Duration timeout;
+};
+
+struct BlockChecksum {
+  uint32_t index = 0;
+  uint64_t xxh3 = 0;
+};
+
+struct CommittedBlock {
+  uint32_t index = 0;
+  Digest key{};
+  std::vector<FormKind> forms;
+};
+
+struct CommitResult {
+  std::vector<CommittedBlock> blocks;
+  uint64_t bytes_ingested = 0;
+};
+
+struct BlockFormsInfo {
+  Digest key{};
+  bool sink = false;
+  std::vector<FormKind> forms;
+};
+
+struct FormLocation {
+  FormKind form = FormKind::kBf16;
+  uint64_t offset = 0;  // into PoolMemory
+  uint64_t size = 0;
+  uint64_t generation = 0;
+  uint64_t xxh3 = 0;
+};
+
+struct LeasedBlock {
+  uint32_t index = 0;
+  Digest key{};
+  bool sink = false;
+  std::vector<FormLocation> forms;
+};
+
+struct LeaseGrant {
+  uint64_t lease_id = 0;  // 0 when nothing was held
+  std::vector<LeasedBlock> blocks;
+  absl::Duration lifetime;
+};
+
+struct ItemResult {
+  absl::Status status;
+};
+
+struct StoreStats {
+  uint64_t capacity_bytes = 0;
+  uint64_t used_bytes = 0;
+  uint64_t staging_bytes = 0;
+  uint64_t blocks = 0;
+  uint64_t forms[kNumForms] = {0, 0};
+  uint64_t form_bytes[kNumForms] = {0, 0};
+  uint64_t open_puts = 0;
+  uint64_t leases = 0;
+  uint32_t models = 0;
+};
+
+// Either token ids (keys computed by the store) or an explicit key chain.
+struct KeyQuery {
+  std::vector<uint32_t> token_ids;
+  std::vector<Digest> keys;
+};
+
+class BlockStore {
+ public:
+  // `memory` and `clock` must outlive the store; `metrics` may be null (then the store keeps
+  // its own). Errors: INVALID_ARGUMENT naming the option for bad watermarks/alignment.
+  static absl::StatusOr<std::unique_ptr<BlockStore>> Create(const StoreOptions& options,
+                                                            PoolMemory* memory, Clock* clock,
+                                                            std::shared_ptr<Metrics> metrics = {});
+  ~BlockStore();
+
+  // Registers a model, or returns the existing registration when every field is equal.
+  // Errors: INVALID_ARGUMENT naming the field (geometry, page_size, recipe, rotation file);
+  // FAILED_PRECONDITION listing every differing field when (tenant, model_id, revision,
+  // tensor_parallel) is already registered differently; NOT_FOUND for an unknown rotation id.
+  absl::StatusOr<ModelInfo> RegisterModel(const ModelSpec& spec, const RotationInput& rotation);
+
+  // Phase 1 of a put. tokens: the sequence from token 0; num_blocks full blocks are stored
+  // (1 <= num_blocks <= tokens/page_size). timeout 0 = default.
+  // Errors: NOT_FOUND (namespace not registered), INVALID_ARGUMENT (num_blocks, token_ids,
+  // timeout_ms), RESOURCE_EXHAUSTED (staging space even after eviction).
+  absl::StatusOr<PutPlan> BeginPut(const Digest& namespace_id, absl::Span<const uint32_t> tokens,
+                                   uint32_t num_blocks, absl::Duration timeout);
+
+  // Phase 2: verifies one checksum per WRITE block (DATA_LOSS naming the block on mismatch),
+  // refuses NaN/Inf (INVALID_ARGUMENT naming block, layer, head, K/V and token), encodes, and
+  // links every block atomically. Any error aborts the put (staging freed, nothing visible).
+  // Errors also: NOT_FOUND (unknown/expired put), FAILED_PRECONDITION (put of another
+  // namespace, or already committing), RESOURCE_EXHAUSTED (no space for the forms).
+  absl::StatusOr<CommitResult> CommitPut(const Digest& namespace_id, uint64_t put_id,
+                                         absl::Span<const BlockChecksum> checksums);
+
+  // Drops an open put. Errors: NOT_FOUND, FAILED_PRECONDITION (committing, other namespace).
+  absl::Status AbortPut(const Digest& namespace_id, uint64_t put_id);
+
+  // Leading held blocks of `query`. Side-effect free (no LRU touch). Errors: NOT_FOUND
+  // (namespace), INVALID_ARGUMENT (both or neither of token_ids/keys).
+  absl::StatusOr<std::vector<BlockFormsInfo>> Lookup(const Digest& namespace_id,
+                                                     const KeyQuery& query) const;
+
+  // Leases the leading held blocks (at most max_blocks when > 0). lease 0 = default.
+  absl::StatusOr<LeaseGrant> Acquire(const Digest& namespace_id, const KeyQuery& query,
+                                     uint32_t max_blocks, absl::Duration lease);
+  // Errors: NOT_FOUND when the lease is unknown or expired.
+  absl::StatusOr<absl::Duration> Renew(uint64_t lease_id, absl::Duration lease);
+  absl::Status Release(uint64_t lease_id);
+
+  // Deletes each key and its resident descendants. Per key: OK, NOT_FOUND (absent),
+  // FAILED_PRECONDITION (it or a descendant is leased or pinned by an open put).
+  absl::StatusOr<std::vector<ItemResult>> Delete(const Digest& namespace_id,
+                                                 absl::Span<const Digest> keys,
+                                                 uint32_t* blocks_deleted);
+
+  // Expires leases and puts whose deadline passed, then evicts down to the low watermark when
+  // above the high one. The server calls it periodically; tests call it after FakeClock moves.
+  void Tick();
+
+  StoreStats Stats() const;
+  Metrics& metrics() { return *metrics_; }
+  PoolMemory& memory() { return *memory_; }
+
+ private:
+  struct Model {
+    ModelSpec spec;
+    ModelInfo info;
+    std::shared_ptr<const kvpool::RotationSet> rotation;
+  };
+  struct Slot {
+    bool present = false;
+    uint64_t offset = 0;
+    uint64_t size = 0;
+    uint64_t generation = 0;
+    uint64_t xxh3 = 0;
+  };
+  struct Block {
+    Digest key{};
+    std::optional<Digest> parent;
+    const Model* model = nullptr;
+    uint32_t index = 0;
+    bool sink = false;
+    Slot forms[kNumForms];
+    std::vector<Digest> children;  // resident children
+    uint32_t pins = 0;             // leases + open puts holding it
+    std::list<Digest>::iterator lru;
+  };
+  struct PendingForm {
+    bool wanted = false;
+    Slot slot;  // allocated at commit, linked last
+  };
+  struct PutBlockState {
+    PutBlockPlan plan;
+    std::optional<Digest> parent;
+    bool pinned_existing = false;  // took a pin on an existing block at BeginPut
+    uint64_t staging_offset = 0;
+  };
+  struct Put {
+    uint64_t id = 0;
+    const Model* model = nullptr;
+    absl::Time deadline;
+    bool committing = false;
+    std::vector<PutBlockState> blocks;
+  };
+  struct Lease {
+    absl::Time deadline;
+    std::vector<Digest> keys;
+  };
+
+  BlockStore(const StoreOptions& options, PoolMemory* memory, Clock* clock,
+             std::shared_ptr<Metrics> metrics);
+
+  absl::StatusOr<const Model*> FindModelLocked(const Digest& namespace_id) const;
+  absl::StatusOr<std::vector<Digest>> ResolveKeys(const Model& m, const KeyQuery& q,
+                                                  size_t max_blocks) const;
+  // Forms a block at `index` of a sequence of `num_blocks` gets from a put.
+  void TargetForms(const Model& m, uint32_t index, uint32_t num_blocks, bool out[kNumForms]) const;
+  // Allocates `size` bytes, evicting when needed. Requires mu_ exclusive.
+  absl::StatusOr<uint64_t> AllocateLocked(uint64_t size);
+  // Frees down to `target_used` bytes. Returns bytes freed. Requires mu_ exclusive.
+  uint64_t ReclaimLocked(uint64_t target_used, const char* trigger);
+  void FreeSlotLocked(Block& b, FormKind f, const char* reason);
+  void RemoveBlockLocked(const Digest& key, const char* reason);
+  void ReleasePutLocked(Put& put, bool free_staging);
+  void UnpinLocked(const Digest& key);
+  void ExpireLocked(absl::Time now);
+  uint64_t NextGeneration() { return ++generation_; }
+
+  const StoreOptions options_;
+  PoolMemory* const memory_;
+  Clock* const clock_;
+  std::shared_ptr<Metrics> metrics_;
+
+  mutable std::shared_mutex mu_;
+  Arena arena_;                                                       // guarded by mu_
+  std::map<std::string, std::unique_ptr<Model>> models_by_identity_;  // guarded by mu_
+  std::unordered_map<Digest, const Model*, DigestHash> models_;       // guarded by mu_
+  std::unordered_map<Digest, std::shared_ptr<const kvpool::RotationSet>, DigestHash>
+      rotations_;                                         // guarded by mu_
+  std::unordered_map<Digest, Block, DigestHash> blocks_;  // guarded by mu_
+  std::list<Digest> lru_;                       // front = least recently used; guarded by mu_
+  std::unordered_map<uint64_t, Put> puts_;      // guarded by mu_
+  std::unordered_map<uint64_t, Lease> leases_;  // guarded by mu_
+  uint64_t staging_bytes_ = 0;                  // guarded by mu_
+  uint64_t form_count_[kNumForms] = {0, 0};     // guarded by mu_
+  uint64_t form_bytes_[kNumForms] = {0, 0};     // guarded by mu_
+  uint64_t next_put_id_ = 1;                    // guarded by mu_
+  uint64_t next_lease_id_ = 1;                  // guarded by mu_
+  uint64_t generation_ = 0;                     // guarded by mu_
+};
+
+}  // namespace kvpool::kvstore

@@ -1,0 +1,121 @@
+// kvpool-server — the KV-cache pool. Flags: `kvpool-server --help`; docs/OPERATIONS.md.
+#include <signal.h>
+
+#include <cstdio>
+#include <string>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "kvpool/common/cli.h"
+#include "kvpool/common/log.h"
+#include "kvpool/kvstore/server.h"
+
+namespace {
+
+// "1073741824", "512MiB", "1GiB", "64KiB", "2TiB" (binary units) or "1GB" (decimal) → bytes.
+bool ParseBytes(const std::string& s, uint64_t* out) {
+  struct Unit {
+    const char* suffix;
+    uint64_t mul;
+  };
+  static const Unit kUnits[] = {
+      {"TiB", 1ull << 40}, {"GiB", 1ull << 30},      {"MiB", 1ull << 20},
+      {"KiB", 1ull << 10}, {"TB", 1000000000000ull}, {"GB", 1000000000ull},
+      {"MB", 1000000ull},  {"KB", 1000ull},          {"B", 1}};
+  for (const Unit& u : kUnits) {
+    const std::string suf = u.suffix;
+    if (s.size() > suf.size() && s.compare(s.size() - suf.size(), suf.size(), suf) == 0) {
+      uint64_t n = 0;
+      if (!absl::SimpleAtoi(s.substr(0, s.size() - suf.size()), &n)) return false;
+      if (n > UINT64_MAX / u.mul) return false;
+      *out = n * u.mul;
+      return true;
+    }
+  }
+  return absl::SimpleAtoi(s, out);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{
+      "kvpool-server — the disaggregated KV-cache pool (gRPC control plane, UCX data "
+      "plane, OSCAR mixed-precision block store)"};
+  kvpool::cli::Setup(app, "kvpool-server");
+  kvpool::kvstore::PoolServerOptions o;
+  std::string capacity = "1GiB";
+  int64_t put_timeout_ms = 30000, lease_ms = 10000, max_lease_ms = 300000;
+  int64_t tick_ms = 100, drain_ms = 10000, readiness_delay_ms = 0;
+  app.add_option("--listen", o.listen, "gRPC address HOST:PORT (port 0 = any free port)");
+  app.add_option("--metrics-port", o.metrics_port,
+                 "HTTP port of /metrics (Prometheus text); 0 = any free port, -1 = off");
+  app.add_option("--capacity", capacity,
+                 "Pool memory for blocks and staging: bytes or with a unit (KiB, MiB, GiB, TiB, "
+                 "KB, MB, GB, TB)");
+  app.add_option("--data-plane", o.data_plane,
+                 "ucx (pinned host memory registered with UCX) or none (heap; control plane only)");
+  app.add_option("--ucx-tls", o.ucx_tls,
+                 "UCX_TLS for the data plane, e.g. tcp or posix,cma "
+                 "(empty = UCX default)");
+  app.add_option("--high-watermark", o.store.high_watermark,
+                 "Eviction starts above this fraction of capacity")
+      ->check(CLI::Range(0.0, 1.0));
+  app.add_option("--low-watermark", o.store.low_watermark,
+                 "Eviction stops at this fraction of capacity")
+      ->check(CLI::Range(0.0, 1.0));
+  app.add_option("--put-timeout-ms", put_timeout_ms,
+                 "Default lifetime of an uncommitted put before its staging is reclaimed")
+      ->check(CLI::Range(int64_t{1}, int64_t{3600000}));
+  app.add_option("--lease-ms", lease_ms, "Default lease lifetime")
+      ->check(CLI::Range(int64_t{1}, int64_t{3600000}));
+  app.add_option("--max-lease-ms", max_lease_ms, "Longest lease a client may request")
+      ->check(CLI::Range(int64_t{1}, int64_t{86400000}));
+  app.add_option("--max-put-blocks", o.store.max_put_blocks, "Most blocks in one put");
+  app.add_option("--tick-ms", tick_ms, "Period of expiry and watermark eviction")
+      ->check(CLI::Range(int64_t{1}, int64_t{60000}));
+  app.add_option("--drain-ms", drain_ms,
+                 "On SIGTERM: how long in-flight calls may take before they are cancelled")
+      ->check(CLI::Range(int64_t{0}, int64_t{600000}));
+  app.add_option("--readiness-delay-ms", readiness_delay_ms,
+                 "On SIGTERM: time between readiness off and refusing new calls (lets load "
+                 "balancers stop routing)")
+      ->check(CLI::Range(int64_t{0}, int64_t{600000}));
+  KVPOOL_CLI_PARSE(app, argc, argv);
+
+  if (!ParseBytes(capacity, &o.capacity_bytes) || o.capacity_bytes == 0) {
+    std::fprintf(stderr, "--capacity: cannot parse \"%s\" as a positive byte count\n",
+                 capacity.c_str());
+    return kvpool::cli::kExitUsage;
+  }
+  o.store.default_put_timeout = absl::Milliseconds(put_timeout_ms);
+  o.store.max_put_timeout = std::max(absl::Minutes(10), o.store.default_put_timeout);
+  o.store.default_lease = absl::Milliseconds(lease_ms);
+  o.store.max_lease = std::max(absl::Milliseconds(max_lease_ms), o.store.default_lease);
+  o.tick_interval = absl::Milliseconds(tick_ms);
+
+  // Block the termination signals in every thread (threads inherit the mask), then wait for
+  // them here.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  auto server = kvpool::kvstore::PoolServer::Create(o);
+  if (!server.ok()) {
+    KVPOOL_LOG_ERROR("cannot start: {}", server.status().ToString());
+    return server.status().code() == absl::StatusCode::kInvalidArgument ? kvpool::cli::kExitUsage
+                                                                        : kvpool::cli::kExitRuntime;
+  }
+  // One line on stdout with the bound ports, for scripts and tests that pass port 0.
+  std::printf("grpc_port=%d metrics_port=%d\n", (*server)->grpc_port(), (*server)->metrics_port());
+  std::fflush(stdout);
+
+  int sig = 0;
+  sigwait(&signals, &sig);
+  KVPOOL_LOG_INFO("signal {}: draining (readiness off, in-flight calls get {} ms)", sig, drain_ms);
+  (*server)->MarkNotReady();
+  if (readiness_delay_ms > 0) absl::SleepFor(absl::Milliseconds(readiness_delay_ms));
+  (*server)->Shutdown(absl::Milliseconds(drain_ms));
+  return kvpool::cli::kExitOk;
+}

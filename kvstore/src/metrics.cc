@@ -1,0 +1,135 @@
+// Prometheus text rendering (metrics.h).
+#include "kvpool/kvstore/metrics.h"
+
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+
+namespace kvpool::kvstore {
+namespace {
+
+std::string Num(double v) {
+  if (std::isinf(v)) return v > 0 ? "+Inf" : "-Inf";
+  return absl::StrFormat("%.17g", v);
+}
+
+void Header(std::string* out, const std::string& name, const char* help, const char* type) {
+  absl::StrAppend(out, "# HELP ", name, " ", help, "\n# TYPE ", name, " ", type, "\n");
+}
+
+void Counter(std::string* out, const std::string& name, const char* help,
+             const std::atomic<uint64_t>& v) {
+  Header(out, name, help, "counter");
+  absl::StrAppend(out, name, " ", v.load(std::memory_order_relaxed), "\n");
+}
+
+}  // namespace
+
+Histogram::Histogram(std::vector<double> bounds)
+    : bounds_(std::move(bounds)), buckets_(bounds_.size() + 1) {}
+
+std::vector<double> Histogram::Exponential(double start, double factor, int n) {
+  std::vector<double> b;
+  for (int i = 0; i < n; ++i, start *= factor) b.push_back(start);
+  return b;
+}
+
+void Histogram::Observe(double value) {
+  size_t i = 0;
+  while (i < bounds_.size() && value > bounds_[i]) ++i;
+  buckets_[i].fetch_add(1, std::memory_order_relaxed);
+  count_.fetch_add(1, std::memory_order_relaxed);
+  double cur = sum_.load(std::memory_order_relaxed);
+  while (!sum_.compare_exchange_weak(cur, cur + value, std::memory_order_relaxed)) {
+  }
+}
+
+void Histogram::Render(const std::string& name, std::string* out) const {
+  uint64_t cumulative = 0;
+  for (size_t i = 0; i < bounds_.size(); ++i) {
+    cumulative += buckets_[i].load(std::memory_order_relaxed);
+    absl::StrAppend(out, name, "_bucket{le=\"", Num(bounds_[i]), "\"} ", cumulative, "\n");
+  }
+  cumulative += buckets_.back().load(std::memory_order_relaxed);
+  absl::StrAppend(out, name, "_bucket{le=\"+Inf\"} ", cumulative, "\n");
+  absl::StrAppend(out, name, "_sum ", Num(sum_.load(std::memory_order_relaxed)), "\n");
+  absl::StrAppend(out, name, "_count ", cumulative, "\n");
+}
+
+Metrics::Metrics()
+    : put_latency(Histogram::Exponential(50e-6, 2, 16)),
+      commit_latency(Histogram::Exponential(50e-6, 2, 18)),
+      fetch_latency(Histogram::Exponential(50e-6, 2, 16)),
+      lookup_latency(Histogram::Exponential(10e-6, 2, 16)),
+      put_size(Histogram::Exponential(4096, 4, 10)),
+      commit_size(Histogram::Exponential(4096, 4, 10)),
+      fetch_size(Histogram::Exponential(4096, 4, 10)) {}
+
+std::string RenderPrometheus(const Metrics& m, const std::vector<GaugeSample>& gauges) {
+  std::string out;
+  out.reserve(8192);
+  std::string last;
+  for (const GaugeSample& g : gauges) {
+    if (g.name != last) {
+      Header(&out, g.name, g.help.c_str(), "gauge");
+      last = g.name;
+    }
+    absl::StrAppend(&out, g.name, g.labels.empty() ? "" : absl::StrCat("{", g.labels, "}"), " ",
+                    Num(g.value), "\n");
+  }
+  Counter(&out, "kvpool_lookup_hit_blocks_total", "Blocks found by Lookup and Acquire.",
+          m.lookup_hit_blocks);
+  Counter(&out, "kvpool_lookup_misses_total",
+          "Lookup and Acquire calls whose held prefix ended before the request's end.",
+          m.lookup_miss_calls);
+  Counter(&out, "kvpool_lookups_total", "Lookup and Acquire calls.", m.lookup_calls);
+  Header(&out, "kvpool_evictions_total", "Forms or blocks removed, by reason.", "counter");
+  absl::StrAppend(&out, "kvpool_evictions_total{reason=\"demote_bf16\"} ",
+                  m.evictions_demote.load(), "\n");
+  absl::StrAppend(&out, "kvpool_evictions_total{reason=\"lru_block\"} ", m.evictions_block.load(),
+                  "\n");
+  absl::StrAppend(&out, "kvpool_evictions_total{reason=\"delete\"} ", m.deletions_block.load(),
+                  "\n");
+  Counter(&out, "kvpool_lease_expiries_total", "Leases that expired without Release.",
+          m.lease_expiries);
+  Counter(&out, "kvpool_put_expiries_total", "Puts reclaimed after their timeout.", m.put_expiries);
+  Counter(&out, "kvpool_put_aborts_total", "Puts aborted by the client or by a failed commit.",
+          m.put_aborts);
+  Counter(&out, "kvpool_checksum_failures_total", "Commits refused with DATA_LOSS.",
+          m.checksum_failures);
+  Counter(&out, "kvpool_nonfinite_refusals_total", "Commits refused for NaN/Inf K/V.",
+          m.nonfinite_refusals);
+  Counter(&out, "kvpool_int2_overflow_blocks_total",
+          "Blocks kept in BF16 because a quantization group exceeded the fp16 range.",
+          m.int2_overflow_blocks);
+  Counter(&out, "kvpool_put_bytes_total", "Staging bytes reserved by BeginPut.", m.put_bytes);
+  Counter(&out, "kvpool_commit_bytes_total", "Staging bytes ingested by successful commits.",
+          m.commit_bytes);
+  Counter(&out, "kvpool_fetch_bytes_total", "Form bytes handed to readers under leases.",
+          m.fetch_bytes);
+  Counter(&out, "kvpool_grpc_errors_total", "gRPC calls that returned a non-OK status.",
+          m.grpc_errors);
+  struct H {
+    const char* name;
+    const char* help;
+    const Histogram* h;
+  };
+  const H hs[] = {
+      {"kvpool_put_latency_seconds", "BeginPut latency.", &m.put_latency},
+      {"kvpool_commit_latency_seconds", "CommitPut latency (verify, rotate, quantize, link).",
+       &m.commit_latency},
+      {"kvpool_fetch_latency_seconds", "Acquire (fetch lease) latency.", &m.fetch_latency},
+      {"kvpool_lookup_latency_seconds", "Lookup latency.", &m.lookup_latency},
+      {"kvpool_put_size_bytes", "Staging bytes per BeginPut.", &m.put_size},
+      {"kvpool_commit_size_bytes", "Staging bytes per successful CommitPut.", &m.commit_size},
+      {"kvpool_fetch_size_bytes", "Form bytes per Acquire.", &m.fetch_size},
+  };
+  for (const H& h : hs) {
+    Header(&out, h.name, h.help, "histogram");
+    h.h->Render(h.name, &out);
+  }
+  return out;
+}
+
+}  // namespace kvpool::kvstore

@@ -1,0 +1,239 @@
+// The pool process (server.h): store + gRPC (service, health, reflection) + /metrics + ticks.
+#include "kvpool/kvstore/server.h"
+
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/impl/codegen/service_type.h>
+#include <httplib.h>
+
+#include <condition_variable>
+#include <mutex>
+#include <random>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "kvpool/common/log.h"
+#include "kvpool/common/status.h"
+#include "service.h"
+
+#if defined(KVPOOL_HAVE_TRANSPORT)
+#include "kvpool/transport/transport.h"
+#include "kvpool/transport/ucx_transport.h"
+#endif
+
+namespace kvpool::kvstore {
+namespace {
+
+constexpr char kServiceName[] = "kvpool.v1.KvPool";
+constexpr char kLivenessName[] = "liveness";
+
+#if defined(KVPOOL_HAVE_TRANSPORT)
+// Pool memory backed by a UCX-registered region (pinned when the process may lock memory).
+class RegionPoolMemory final : public PoolMemory {
+ public:
+  explicit RegionPoolMemory(std::shared_ptr<transport::MemoryRegion> r) : region_(std::move(r)) {}
+  uint8_t* data() const override { return region_->data(); }
+  size_t size() const override { return region_->size(); }
+  uint64_t remote_address() const override { return region_->address(); }
+  const std::string& packed_rkey() const override { return region_->packed_rkey(); }
+
+ private:
+  std::shared_ptr<transport::MemoryRegion> region_;
+};
+#endif
+
+std::pair<std::string, int> SplitHostPort(const std::string& hp) {
+  auto colon = hp.rfind(':');
+  if (colon == std::string::npos) return {hp, -1};
+  std::string host = hp.substr(0, colon);
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
+    host = host.substr(1, host.size() - 2);
+  }
+  int port = -1;
+  try {
+    port = std::stoi(hp.substr(colon + 1));
+  } catch (...) {
+    port = -1;
+  }
+  return {host, port};
+}
+
+}  // namespace
+
+std::string RenderStoreMetrics(BlockStore& store) {
+  const StoreStats s = store.Stats();
+  std::vector<GaugeSample> g = {
+      {"kvpool_capacity_bytes", "Pool memory in bytes.", "", double(s.capacity_bytes)},
+      {"kvpool_used_bytes", "Bytes allocated (forms and staging).", "", double(s.used_bytes)},
+      {"kvpool_staging_bytes", "Bytes reserved by open puts.", "", double(s.staging_bytes)},
+      {"kvpool_blocks", "Resident blocks.", "", double(s.blocks)},
+      {"kvpool_forms", "Stored forms by kind.", "form=\"bf16\"", double(s.forms[0])},
+      {"kvpool_forms", "", "form=\"int2\"", double(s.forms[1])},
+      {"kvpool_form_bytes", "Bytes of stored forms by kind.", "form=\"bf16\"",
+       double(s.form_bytes[0])},
+      {"kvpool_form_bytes", "", "form=\"int2\"", double(s.form_bytes[1])},
+      {"kvpool_open_puts", "Puts begun and not yet committed, aborted or expired.", "",
+       double(s.open_puts)},
+      {"kvpool_leases", "Active leases.", "", double(s.leases)},
+      {"kvpool_models", "Registered models.", "", double(s.models)},
+  };
+  return RenderPrometheus(store.metrics(), g);
+}
+
+struct PoolServer::Impl {
+  PoolServerOptions options;
+#if defined(KVPOOL_HAVE_TRANSPORT)
+  std::unique_ptr<transport::Transport> transport;  // destroyed after the store (declared first)
+#endif
+  std::unique_ptr<PoolMemory> memory;
+  std::unique_ptr<BlockStore> store;
+  std::unique_ptr<grpc::Service> service;
+  std::unique_ptr<grpc::Server> grpc_server;
+  int grpc_port = 0;
+  httplib::Server http;
+  int http_port = -1;
+  std::thread http_thread;
+  std::thread tick_thread;
+
+  std::mutex mu;
+  std::condition_variable cv;
+  bool stopping = false;  // guarded by mu
+  bool stopped = false;   // guarded by mu
+
+  void TickLoop() {
+    std::unique_lock l(mu);
+    while (!stopping) {
+      cv.wait_for(l, absl::ToChronoMilliseconds(options.tick_interval));
+      if (stopping) break;
+      l.unlock();
+      store->Tick();
+      l.lock();
+    }
+  }
+};
+
+PoolServer::PoolServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+PoolServer::~PoolServer() { Shutdown(absl::ZeroDuration()); }
+
+int PoolServer::grpc_port() const { return impl_->grpc_port; }
+int PoolServer::metrics_port() const { return impl_->http_port; }
+BlockStore& PoolServer::store() { return *impl_->store; }
+
+absl::StatusOr<std::unique_ptr<PoolServer>> PoolServer::Create(const PoolServerOptions& o) {
+  auto impl = std::make_unique<Impl>();
+  impl->options = o;
+  if (o.capacity_bytes == 0) return absl::InvalidArgumentError("capacity: must be > 0");
+  auto [host, port] = SplitHostPort(o.listen);
+  if (host.empty() || port < 0 || port > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("listen: expected HOST:PORT, got \"", o.listen, "\""));
+  }
+
+  // Data plane memory.
+  std::string worker_address;
+  if (o.data_plane == "ucx") {
+#if defined(KVPOOL_HAVE_TRANSPORT)
+    KVPOOL_ASSIGN_OR_RETURN(impl->transport, transport::CreateUcxTransport({.tls = o.ucx_tls}));
+    KVPOOL_ASSIGN_OR_RETURN(auto region, impl->transport->AllocateMemory(o.capacity_bytes));
+    impl->memory = std::make_unique<RegionPoolMemory>(std::move(region));
+    worker_address = impl->transport->WorkerAddress();
+#else
+    return absl::InvalidArgumentError(
+        "data-plane: this build has no transport library; use --data-plane=none");
+#endif
+  } else if (o.data_plane == "none") {
+    KVPOOL_ASSIGN_OR_RETURN(impl->memory, HeapPoolMemory::Create(o.capacity_bytes));
+  } else {
+    return absl::InvalidArgumentError(
+        absl::StrCat("data-plane: expected \"ucx\" or \"none\", got \"", o.data_plane, "\""));
+  }
+  KVPOOL_ASSIGN_OR_RETURN(impl->store,
+                          BlockStore::Create(o.store, impl->memory.get(), Clock::Real()));
+
+  ServiceContext ctx;
+  ctx.store = impl->store.get();
+  ctx.ucx_worker_address = worker_address;
+  ctx.pool_epoch = std::random_device{}() | (uint64_t{std::random_device{}()} << 32);
+  if (ctx.pool_epoch == 0) ctx.pool_epoch = 1;
+  impl->service = MakeKvPoolService(ctx);
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(o.listen, grpc::InsecureServerCredentials(), &impl->grpc_port);
+  builder.RegisterService(impl->service.get());
+  builder.SetMaxReceiveMessageSize(256 << 20);  // rotation files of large models
+  impl->grpc_server = builder.BuildAndStart();
+  if (!impl->grpc_server || impl->grpc_port == 0) {
+    return absl::UnavailableError(absl::StrCat("listen: cannot bind ", o.listen));
+  }
+  auto* health = impl->grpc_server->GetHealthCheckService();
+  health->SetServingStatus(true);
+  health->SetServingStatus(kServiceName, true);
+  health->SetServingStatus(kLivenessName, true);
+
+  if (o.metrics_port >= 0) {
+    Impl* raw = impl.get();
+    raw->http.Get("/metrics", [raw](const httplib::Request&, httplib::Response& res) {
+      res.set_content(RenderStoreMetrics(*raw->store), "text/plain; version=0.0.4");
+    });
+    const std::string mhost = host == "localhost" ? "127.0.0.1" : host;
+    if (o.metrics_port == 0) {
+      raw->http_port = raw->http.bind_to_any_port(mhost);
+    } else {
+      raw->http_port = raw->http.bind_to_port(mhost, o.metrics_port) ? o.metrics_port : -1;
+    }
+    if (raw->http_port <= 0) {
+      raw->grpc_server->Shutdown();
+      return absl::UnavailableError(
+          absl::StrCat("metrics-port: cannot bind ", mhost, ":", o.metrics_port));
+    }
+    raw->http_thread = std::thread([raw] { raw->http.listen_after_bind(); });
+  }
+  Impl* raw = impl.get();
+  raw->tick_thread = std::thread([raw] { raw->TickLoop(); });
+  KVPOOL_LOG_INFO("kvpool-server ready: grpc {}:{} metrics {} capacity {} bytes data-plane {}",
+                  host, raw->grpc_port, raw->http_port, o.capacity_bytes, o.data_plane);
+  return std::unique_ptr<PoolServer>(new PoolServer(std::move(impl)));
+}
+
+void PoolServer::MarkNotReady() {
+  auto* health = impl_->grpc_server->GetHealthCheckService();
+  health->SetServingStatus(kServiceName, false);
+  health->SetServingStatus("", false);
+}
+
+void PoolServer::Shutdown(absl::Duration grace) {
+  {
+    std::lock_guard l(impl_->mu);
+    if (impl_->stopping) return;
+    impl_->stopping = true;
+  }
+  impl_->cv.notify_all();
+  auto* health = impl_->grpc_server->GetHealthCheckService();
+  health->SetServingStatus(kServiceName, false);
+  health->SetServingStatus("", false);
+  // Finish in-flight calls (new ones are refused), cancel what is left at the deadline.
+  impl_->grpc_server->Shutdown(absl::ToChronoTime(absl::Now() + grace));
+  impl_->grpc_server->Wait();
+  if (impl_->http_thread.joinable()) {
+    impl_->http.stop();
+    impl_->http_thread.join();
+  }
+  if (impl_->tick_thread.joinable()) impl_->tick_thread.join();
+  {
+    std::lock_guard l(impl_->mu);
+    impl_->stopped = true;
+  }
+  impl_->cv.notify_all();
+  KVPOOL_LOG_INFO("kvpool-server stopped");
+}
+
+void PoolServer::Wait() {
+  std::unique_lock l(impl_->mu);
+  impl_->cv.wait(l, [this] { return impl_->stopped; });
+}
+
+}  // namespace kvpool::kvstore

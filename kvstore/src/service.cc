@@ -1,0 +1,341 @@
+// kvpool.v1.KvPool over BlockStore: proto ↔ store structs, status mapping, latency metrics.
+#include "service.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+#include "kvpool/common/log.h"
+#include "kvpool/v1/pool.grpc.pb.h"
+#include "kvpool/v1/pool.pb.h"
+
+namespace kvpool::kvstore {
+namespace {
+
+namespace pb = ::kvpool::v1;
+
+grpc::Status ToGrpc(const absl::Status& s) {
+  if (s.ok()) return grpc::Status::OK;
+  return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
+}
+
+pb::Form ToProto(FormKind f) { return f == FormKind::kBf16 ? pb::FORM_BF16 : pb::FORM_INT2; }
+
+absl::StatusOr<Digest> ParseNamespace(const std::string& bytes) {
+  return DigestFromBytes(bytes, "namespace_id");
+}
+
+absl::StatusOr<KeyQuery> ParseQuery(const google::protobuf::RepeatedField<uint32_t>& tokens,
+                                    const google::protobuf::RepeatedPtrField<std::string>& keys) {
+  KeyQuery q;
+  q.token_ids.assign(tokens.begin(), tokens.end());
+  q.keys.reserve(keys.size());
+  for (int i = 0; i < keys.size(); ++i) {
+    auto d = DigestFromBytes(keys[i], absl::StrCat("keys[", i, "]"));
+    if (!d.ok()) return d.status();
+    q.keys.push_back(*d);
+  }
+  if (q.token_ids.empty() == q.keys.empty()) {
+    return absl::InvalidArgumentError("token_ids/keys: give exactly one of them");
+  }
+  return q;
+}
+
+absl::StatusOr<std::string> ReadFile(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) return absl::InvalidArgumentError(absl::StrCat("rotation_path: cannot open ", path));
+  std::ostringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+class KvPoolService final : public pb::KvPool::Service {
+ public:
+  explicit KvPoolService(const ServiceContext& ctx) : ctx_(ctx), store_(*ctx.store) {}
+
+  grpc::Status RegisterModel(grpc::ServerContext*, const pb::RegisterModelRequest* req,
+                             pb::RegisterModelResponse* resp) override {
+    return Finish(RegisterImpl(*req, resp));
+  }
+
+  grpc::Status BeginPut(grpc::ServerContext*, const pb::BeginPutRequest* req,
+                        pb::BeginPutResponse* resp) override {
+    const absl::Time start = absl::Now();
+    absl::Status s = BeginPutImpl(*req, resp);
+    store_.metrics().put_latency.Observe(absl::ToDoubleSeconds(absl::Now() - start));
+    return Finish(s);
+  }
+
+  grpc::Status CommitPut(grpc::ServerContext*, const pb::CommitPutRequest* req,
+                         pb::CommitPutResponse* resp) override {
+    const absl::Time start = absl::Now();
+    absl::Status s = CommitImpl(*req, resp);
+    store_.metrics().commit_latency.Observe(absl::ToDoubleSeconds(absl::Now() - start));
+    return Finish(s);
+  }
+
+  grpc::Status AbortPut(grpc::ServerContext*, const pb::AbortPutRequest* req,
+                        pb::AbortPutResponse*) override {
+    auto ns = ParseNamespace(req->namespace_id());
+    if (!ns.ok()) return Finish(ns.status());
+    return Finish(store_.AbortPut(*ns, req->put_id()));
+  }
+
+  grpc::Status Lookup(grpc::ServerContext*, const pb::LookupRequest* req,
+                      pb::LookupResponse* resp) override {
+    const absl::Time start = absl::Now();
+    absl::Status s = LookupImpl(*req, resp);
+    store_.metrics().lookup_latency.Observe(absl::ToDoubleSeconds(absl::Now() - start));
+    return Finish(s);
+  }
+
+  grpc::Status Acquire(grpc::ServerContext*, const pb::AcquireRequest* req,
+                       pb::AcquireResponse* resp) override {
+    const absl::Time start = absl::Now();
+    absl::Status s = AcquireImpl(*req, resp);
+    store_.metrics().fetch_latency.Observe(absl::ToDoubleSeconds(absl::Now() - start));
+    return Finish(s);
+  }
+
+  grpc::Status Renew(grpc::ServerContext*, const pb::RenewRequest* req,
+                     pb::RenewResponse* resp) override {
+    auto d = store_.Renew(req->lease_id(), absl::Milliseconds(req->lease_ms()));
+    if (!d.ok()) return Finish(d.status());
+    resp->set_lease_ms(static_cast<uint32_t>(absl::ToInt64Milliseconds(*d)));
+    return grpc::Status::OK;
+  }
+
+  grpc::Status Release(grpc::ServerContext*, const pb::ReleaseRequest* req,
+                       pb::ReleaseResponse*) override {
+    return Finish(store_.Release(req->lease_id()));
+  }
+
+  grpc::Status Delete(grpc::ServerContext*, const pb::DeleteRequest* req,
+                      pb::DeleteResponse* resp) override {
+    auto ns = ParseNamespace(req->namespace_id());
+    if (!ns.ok()) return Finish(ns.status());
+    std::vector<Digest> keys;
+    for (int i = 0; i < req->keys_size(); ++i) {
+      auto d = DigestFromBytes(req->keys(i), absl::StrCat("keys[", i, "]"));
+      if (!d.ok()) return Finish(d.status());
+      keys.push_back(*d);
+    }
+    uint32_t deleted = 0;
+    auto r = store_.Delete(*ns, keys, &deleted);
+    if (!r.ok()) return Finish(r.status());
+    for (const ItemResult& item : *r) {
+      pb::ItemStatus* st = resp->add_results();
+      st->set_code(static_cast<int32_t>(item.status.code()));
+      st->set_message(std::string(item.status.message()));
+    }
+    resp->set_blocks_deleted(deleted);
+    return grpc::Status::OK;
+  }
+
+  grpc::Status Stats(grpc::ServerContext*, const pb::StatsRequest*,
+                     pb::StatsResponse* resp) override {
+    const StoreStats s = store_.Stats();
+    const Metrics& m = store_.metrics();
+    resp->set_capacity_bytes(s.capacity_bytes);
+    resp->set_used_bytes(s.used_bytes);
+    resp->set_staging_bytes(s.staging_bytes);
+    resp->set_blocks(s.blocks);
+    resp->set_bf16_forms(s.forms[int(FormKind::kBf16)]);
+    resp->set_int2_forms(s.forms[int(FormKind::kInt2)]);
+    resp->set_bf16_bytes(s.form_bytes[int(FormKind::kBf16)]);
+    resp->set_int2_bytes(s.form_bytes[int(FormKind::kInt2)]);
+    resp->set_open_puts(s.open_puts);
+    resp->set_leases(s.leases);
+    resp->set_models(s.models);
+    resp->set_lookup_hits(m.lookup_hit_blocks.load());
+    resp->set_lookup_misses(m.lookup_miss_calls.load());
+    resp->set_evicted_blocks(m.evictions_block.load());
+    resp->set_demoted_forms(m.evictions_demote.load());
+    resp->set_pool_epoch(ctx_.pool_epoch);
+    return grpc::Status::OK;
+  }
+
+ private:
+  grpc::Status Finish(const absl::Status& s) {
+    if (!s.ok()) {
+      store_.metrics().grpc_errors.fetch_add(1, std::memory_order_relaxed);
+      KVPOOL_LOG_DEBUG("rpc failed: {}", s.ToString());
+    }
+    return ToGrpc(s);
+  }
+
+  absl::Status RegisterImpl(const pb::RegisterModelRequest& req, pb::RegisterModelResponse* resp) {
+    ModelSpec spec;
+    spec.tenant = req.identity().tenant();
+    spec.model_id = req.identity().model_id();
+    spec.revision = req.identity().revision();
+    if (req.has_tensor_parallel()) {
+      spec.tensor_parallel =
+          TensorParallelShard{req.tensor_parallel().rank(), req.tensor_parallel().size()};
+    }
+    if (req.geometry().dtype() != pb::KV_DTYPE_BF16) {
+      return absl::InvalidArgumentError("geometry.dtype: only KV_DTYPE_BF16 is supported");
+    }
+    spec.geometry.num_layers = req.geometry().num_layers();
+    spec.geometry.num_kv_heads = req.geometry().num_kv_heads();
+    spec.geometry.head_dim = req.geometry().head_dim();
+    spec.geometry.page_size = req.page_size();
+    spec.sink_tokens = req.recipe().sink_tokens();
+    spec.recent_tokens = req.recipe().recent_tokens();
+    spec.clip_ratio_k = req.recipe().clip_ratio_k();
+    spec.clip_ratio_v = req.recipe().clip_ratio_v();
+    switch (req.recipe().history_precision()) {
+      case pb::HISTORY_PRECISION_INT2:
+        spec.history_precision = HistoryPrecision::kInt2;
+        break;
+      case pb::HISTORY_PRECISION_BF16:
+        spec.history_precision = HistoryPrecision::kBf16;
+        break;
+      default:
+        return absl::InvalidArgumentError(
+            "recipe.history_precision: must be HISTORY_PRECISION_INT2 or HISTORY_PRECISION_BF16");
+    }
+    spec.block_format_version = req.recipe().block_format_version();
+    RotationInput rot;
+    switch (req.rotation_case()) {
+      case pb::RegisterModelRequest::kRotationFile:
+        rot.file_bytes = req.rotation_file();
+        break;
+      case pb::RegisterModelRequest::kRotationPath: {
+        auto bytes = ReadFile(req.rotation_path());
+        if (!bytes.ok()) return bytes.status();
+        rot.file_bytes = std::move(*bytes);
+        break;
+      }
+      case pb::RegisterModelRequest::kRotationId: {
+        auto id = DigestFromBytes(req.rotation_id(), "rotation_id");
+        if (!id.ok()) return id.status();
+        rot.id = *id;
+        break;
+      }
+      default:
+        break;  // the store names the missing field
+    }
+    auto info = store_.RegisterModel(spec, rot);
+    if (!info.ok()) return info.status();
+    resp->set_namespace_id(DigestBytes(info->namespace_id));
+    resp->set_rotation_id(DigestBytes(info->rotation_id));
+    resp->set_created(info->created);
+    resp->set_ucx_worker_address(ctx_.ucx_worker_address);
+    resp->set_ucx_listen_address(ctx_.ucx_listen_address);
+    resp->set_pool_epoch(ctx_.pool_epoch);
+    resp->set_bf16_form_bytes(info->bf16_form_bytes);
+    resp->set_int2_form_bytes(info->int2_form_bytes);
+    resp->set_sink_blocks(info->sink_blocks);
+    resp->set_recent_blocks(info->recent_blocks);
+    return absl::OkStatus();
+  }
+
+  absl::Status BeginPutImpl(const pb::BeginPutRequest& req, pb::BeginPutResponse* resp) {
+    auto ns = ParseNamespace(req.namespace_id());
+    if (!ns.ok()) return ns.status();
+    auto plan =
+        store_.BeginPut(*ns, absl::MakeConstSpan(req.token_ids().data(), req.token_ids().size()),
+                        req.num_blocks(), absl::Milliseconds(req.timeout_ms()));
+    if (!plan.ok()) return plan.status();
+    const uint64_t base = store_.memory().remote_address();
+    const std::string& rkey = store_.memory().packed_rkey();
+    resp->set_put_id(plan->put_id);
+    resp->set_timeout_ms(static_cast<uint32_t>(absl::ToInt64Milliseconds(plan->timeout)));
+    resp->set_pool_epoch(ctx_.pool_epoch);
+    for (const PutBlockPlan& b : plan->blocks) {
+      pb::PutBlock* pbk = resp->add_blocks();
+      pbk->set_index(b.index);
+      pbk->set_key(DigestBytes(b.key));
+      pbk->set_action(b.action == PutAction::kWrite ? pb::PUT_BLOCK_ACTION_WRITE
+                                                    : pb::PUT_BLOCK_ACTION_SKIP);
+      if (b.action == PutAction::kWrite) {
+        pbk->set_staging_addr(base + b.staging_offset);
+        pbk->set_rkey(rkey);
+        pbk->set_size(b.size);
+      }
+      for (FormKind f : b.forms_held) pbk->add_forms_held(ToProto(f));
+      for (FormKind f : b.forms_added) pbk->add_forms_added(ToProto(f));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status CommitImpl(const pb::CommitPutRequest& req, pb::CommitPutResponse* resp) {
+    auto ns = ParseNamespace(req.namespace_id());
+    if (!ns.ok()) return ns.status();
+    std::vector<BlockChecksum> sums;
+    sums.reserve(req.checksums_size());
+    for (const auto& c : req.checksums()) sums.push_back({c.index(), c.xxh3()});
+    auto r = store_.CommitPut(*ns, req.put_id(), sums);
+    if (!r.ok()) return r.status();
+    for (const CommittedBlock& b : r->blocks) {
+      pb::CommittedBlock* cb = resp->add_blocks();
+      cb->set_index(b.index);
+      cb->set_key(DigestBytes(b.key));
+      for (FormKind f : b.forms) cb->add_forms(ToProto(f));
+    }
+    resp->set_bytes_ingested(r->bytes_ingested);
+    return absl::OkStatus();
+  }
+
+  absl::Status LookupImpl(const pb::LookupRequest& req, pb::LookupResponse* resp) {
+    auto ns = ParseNamespace(req.namespace_id());
+    if (!ns.ok()) return ns.status();
+    auto q = ParseQuery(req.token_ids(), req.keys());
+    if (!q.ok()) return q.status();
+    auto r = store_.Lookup(*ns, *q);
+    if (!r.ok()) return r.status();
+    resp->set_num_blocks(static_cast<uint32_t>(r->size()));
+    for (const BlockFormsInfo& b : *r) {
+      pb::BlockForms* bf = resp->add_blocks();
+      bf->set_key(DigestBytes(b.key));
+      bf->set_sink(b.sink);
+      for (FormKind f : b.forms) bf->add_forms(ToProto(f));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status AcquireImpl(const pb::AcquireRequest& req, pb::AcquireResponse* resp) {
+    auto ns = ParseNamespace(req.namespace_id());
+    if (!ns.ok()) return ns.status();
+    auto q = ParseQuery(req.token_ids(), req.keys());
+    if (!q.ok()) return q.status();
+    auto g = store_.Acquire(*ns, *q, req.max_blocks(), absl::Milliseconds(req.lease_ms()));
+    if (!g.ok()) return g.status();
+    const uint64_t base = store_.memory().remote_address();
+    const std::string& rkey = store_.memory().packed_rkey();
+    resp->set_lease_id(g->lease_id);
+    resp->set_num_blocks(static_cast<uint32_t>(g->blocks.size()));
+    resp->set_lease_ms(static_cast<uint32_t>(absl::ToInt64Milliseconds(g->lifetime)));
+    resp->set_pool_epoch(ctx_.pool_epoch);
+    for (const LeasedBlock& b : g->blocks) {
+      pb::LeasedBlock* lb = resp->add_blocks();
+      lb->set_index(b.index);
+      lb->set_key(DigestBytes(b.key));
+      lb->set_sink(b.sink);
+      for (const FormLocation& f : b.forms) {
+        pb::FormLocation* fl = lb->add_forms();
+        fl->set_form(ToProto(f.form));
+        fl->set_remote_addr(base + f.offset);
+        fl->set_rkey(rkey);
+        fl->set_size(f.size);
+        fl->set_generation(f.generation);
+        fl->set_xxh3(f.xxh3);
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  ServiceContext ctx_;
+  BlockStore& store_;
+};
+
+}  // namespace
+
+std::unique_ptr<grpc::Service> MakeKvPoolService(const ServiceContext& ctx) {
+  return std::make_unique<KvPoolService>(ctx);
+}
+
+}  // namespace kvpool::kvstore

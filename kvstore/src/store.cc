@@ -1,0 +1,859 @@
+// The block store (store.h).
+#include "kvpool/kvstore/store.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <mutex>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "kvpool/common/checksum.h"
+#include "kvpool/common/log.h"
+#include "kvpool/common/status.h"
+#include "kvpool/kernels/quantize.h"
+#include "kvpool/kernels/rotation_file.h"
+
+namespace kvpool::kvstore {
+namespace {
+
+std::string IdentityKey(const ModelSpec& s) {
+  std::string tp = s.tensor_parallel.has_value()
+                       ? absl::StrCat(s.tensor_parallel->rank, "/", s.tensor_parallel->size)
+                       : "canonical";
+  return absl::StrCat(s.tenant.size(), ":", s.tenant, s.model_id.size(), ":", s.model_id,
+                      s.revision.size(), ":", s.revision, tp);
+}
+
+const char* PrecisionName(HistoryPrecision p) {
+  return p == HistoryPrecision::kInt2 ? "int2" : "bf16";
+}
+
+absl::Status ValidateSpec(const ModelSpec& s) {
+  const BlockGeometry& g = s.geometry;
+  if (s.model_id.empty()) return absl::InvalidArgumentError("identity.model_id: must not be empty");
+  if (g.num_layers == 0) return absl::InvalidArgumentError("geometry.num_layers: must be > 0");
+  if (g.num_kv_heads == 0) return absl::InvalidArgumentError("geometry.num_kv_heads: must be > 0");
+  KVPOOL_RETURN_IF_ERROR(ValidateHeadDim(g.head_dim, "geometry.head_dim"));
+  if (g.page_size == 0 || (g.page_size & (g.page_size - 1)) != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("page_size: must be a power of two, got ", g.page_size));
+  }
+  if (s.sink_tokens % g.page_size != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "recipe.sink_tokens: ", s.sink_tokens, " is not a multiple of page_size ", g.page_size));
+  }
+  KVPOOL_RETURN_IF_ERROR(ValidateClipRatio(s.clip_ratio_k, "recipe.clip_ratio_k"));
+  KVPOOL_RETURN_IF_ERROR(ValidateClipRatio(s.clip_ratio_v, "recipe.clip_ratio_v"));
+  if (s.block_format_version != 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("recipe.block_format_version: only 1 (kvpool-block-v1) is supported, got ",
+                     s.block_format_version));
+  }
+  if (s.tensor_parallel.has_value() && s.tensor_parallel->rank >= s.tensor_parallel->size) {
+    return absl::InvalidArgumentError("tensor_parallel.rank: must be < tensor_parallel.size");
+  }
+  return absl::OkStatus();
+}
+
+// Every differing field of two registrations with the same identity, "field (registered X,
+// requested Y)".
+std::vector<std::string> DiffSpecs(const ModelSpec& a, const Digest& rot_a, const ModelSpec& b,
+                                   const Digest& rot_b) {
+  std::vector<std::string> d;
+  auto cmp = [&d](const char* field, auto x, auto y) {
+    if (x != y) d.push_back(absl::StrCat(field, " (registered ", x, ", requested ", y, ")"));
+  };
+  cmp("geometry.num_layers", a.geometry.num_layers, b.geometry.num_layers);
+  cmp("geometry.num_kv_heads", a.geometry.num_kv_heads, b.geometry.num_kv_heads);
+  cmp("geometry.head_dim", a.geometry.head_dim, b.geometry.head_dim);
+  cmp("page_size", a.geometry.page_size, b.geometry.page_size);
+  cmp("recipe.sink_tokens", a.sink_tokens, b.sink_tokens);
+  cmp("recipe.recent_tokens", a.recent_tokens, b.recent_tokens);
+  cmp("recipe.clip_ratio_k", a.clip_ratio_k, b.clip_ratio_k);
+  cmp("recipe.clip_ratio_v", a.clip_ratio_v, b.clip_ratio_v);
+  cmp("recipe.history_precision", PrecisionName(a.history_precision),
+      PrecisionName(b.history_precision));
+  cmp("recipe.block_format_version", a.block_format_version, b.block_format_version);
+  if (rot_a != rot_b) {
+    d.push_back(
+        absl::StrCat("rotation_id (registered ", ToHex(rot_a), ", requested ", ToHex(rot_b), ")"));
+  }
+  return d;
+}
+
+std::vector<FormKind> HeldForms(const bool present[kNumForms]) {
+  std::vector<FormKind> out;
+  for (int f = 0; f < kNumForms; ++f) {
+    if (present[f]) out.push_back(static_cast<FormKind>(f));
+  }
+  return out;
+}
+
+}  // namespace
+
+const char* FormName(FormKind f) { return f == FormKind::kBf16 ? "bf16" : "int2"; }
+
+absl::StatusOr<std::unique_ptr<BlockStore>> BlockStore::Create(const StoreOptions& options,
+                                                               PoolMemory* memory, Clock* clock,
+                                                               std::shared_ptr<Metrics> metrics) {
+  if (memory == nullptr || memory->size() == 0) {
+    return absl::InvalidArgumentError("capacity: the pool memory is empty");
+  }
+  if (!(options.low_watermark > 0 && options.low_watermark <= options.high_watermark &&
+        options.high_watermark <= 1.0)) {
+    return absl::InvalidArgumentError(
+        "low-watermark/high-watermark: need 0 < low-watermark <= high-watermark <= 1");
+  }
+  if (options.alignment == 0 || (options.alignment & (options.alignment - 1)) != 0) {
+    return absl::InvalidArgumentError("alignment: must be a power of two");
+  }
+  if (options.default_lease <= absl::ZeroDuration() ||
+      options.default_put_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("lease-ms/put-timeout-ms: must be > 0");
+  }
+  if (!metrics) metrics = std::make_shared<Metrics>();
+  return std::unique_ptr<BlockStore>(
+      new BlockStore(options, memory, clock ? clock : Clock::Real(), std::move(metrics)));
+}
+
+BlockStore::BlockStore(const StoreOptions& options, PoolMemory* memory, Clock* clock,
+                       std::shared_ptr<Metrics> metrics)
+    : options_(options),
+      memory_(memory),
+      clock_(clock),
+      metrics_(std::move(metrics)),
+      arena_(memory->size(), options.alignment) {}
+
+BlockStore::~BlockStore() = default;
+
+// ---- registration ----------------------------------------------------------------------------
+
+absl::StatusOr<ModelInfo> BlockStore::RegisterModel(const ModelSpec& spec_in,
+                                                    const RotationInput& rotation) {
+  ModelSpec spec = spec_in;
+  if (spec.tenant.empty()) spec.tenant = "default";
+  KVPOOL_RETURN_IF_ERROR(ValidateSpec(spec));
+
+  // Parse the rotation outside the lock (it can be large).
+  std::shared_ptr<const kvpool::RotationSet> rot;
+  Digest rot_id{};
+  if (!rotation.file_bytes.empty()) {
+    absl::StatusOr<kvpool::RotationSet> parsed = ParseRotations(rotation.file_bytes);
+    if (!parsed.ok()) return Annotate(parsed.status(), "rotation_file");
+    KVPOOL_RETURN_IF_ERROR(CheckRotationsMatch(*parsed, {.head_dim = spec.geometry.head_dim,
+                                                         .num_layers = spec.geometry.num_layers,
+                                                         .num_kv_heads = spec.geometry.num_kv_heads,
+                                                         .clip_ratio_k = spec.clip_ratio_k,
+                                                         .clip_ratio_v = spec.clip_ratio_v}));
+    rot = std::make_shared<const kvpool::RotationSet>(std::move(*parsed));
+    rot_id = Sha256(rotation.file_bytes);
+  } else if (rotation.id.has_value()) {
+    rot_id = *rotation.id;
+  } else {
+    return absl::InvalidArgumentError(
+        "rotation: one of rotation_file, rotation_path or rotation_id is required");
+  }
+
+  KeyNamespace ns;
+  ns.tenant = spec.tenant;
+  ns.model_id = spec.model_id;
+  ns.revision = spec.revision;
+  ns.num_layers = spec.geometry.num_layers;
+  ns.num_kv_heads = spec.geometry.num_kv_heads;
+  ns.head_dim = spec.geometry.head_dim;
+  ns.rotation_id = rot_id;
+  ns.page_size = spec.geometry.page_size;
+  ns.sink_tokens = spec.sink_tokens;
+  ns.clip_ratio_k = spec.clip_ratio_k;
+  ns.clip_ratio_v = spec.clip_ratio_v;
+  ns.history_precision = PrecisionName(spec.history_precision);
+  ns.tensor_parallel = spec.tensor_parallel;
+  KVPOOL_ASSIGN_OR_RETURN(Digest ns_id, NamespaceKey(ns));
+
+  std::unique_lock lock(mu_);
+  if (!rot) {
+    auto it = rotations_.find(rot_id);
+    if (it == rotations_.end()) {
+      return absl::NotFoundError(
+          absl::StrCat("rotation_id: ", ToHex(rot_id), " is not held by this pool; send the file"));
+    }
+    rot = it->second;
+  }
+  const std::string identity = IdentityKey(spec);
+  auto existing = models_by_identity_.find(identity);
+  if (existing != models_by_identity_.end()) {
+    const Model& m = *existing->second;
+    std::vector<std::string> diff = DiffSpecs(m.spec, m.info.rotation_id, spec, rot_id);
+    if (!diff.empty()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("model ", spec.tenant, "/", spec.model_id, "@", spec.revision,
+                       " is registered with a different layout: ", absl::StrJoin(diff, "; ")));
+    }
+    ModelInfo info = m.info;
+    info.created = false;
+    return info;
+  }
+  auto m = std::make_unique<Model>();
+  m->spec = spec;
+  m->rotation = rot;
+  m->info.namespace_id = ns_id;
+  m->info.rotation_id = rot_id;
+  m->info.created = true;
+  m->info.bf16_form_bytes = spec.geometry.Bf16FormBytes();
+  m->info.int2_form_bytes = spec.geometry.Int2FormBytes();
+  m->info.sink_blocks = spec.sink_tokens / spec.geometry.page_size;
+  m->info.recent_blocks =
+      (spec.recent_tokens + spec.geometry.page_size - 1) / spec.geometry.page_size;
+  rotations_.emplace(rot_id, rot);
+  models_.emplace(ns_id, m.get());
+  ModelInfo info = m->info;
+  models_by_identity_.emplace(identity, std::move(m));
+  KVPOOL_LOG_INFO("registered model {}/{}@{} namespace {}", spec.tenant, spec.model_id,
+                  spec.revision, ToHex(ns_id));
+  return info;
+}
+
+absl::StatusOr<const BlockStore::Model*> BlockStore::FindModelLocked(
+    const Digest& namespace_id) const {
+  auto it = models_.find(namespace_id);
+  if (it == models_.end()) {
+    return absl::NotFoundError(absl::StrCat("namespace_id: ", ToHex(namespace_id),
+                                            " is not registered (register the model first)"));
+  }
+  return it->second;
+}
+
+absl::StatusOr<std::vector<Digest>> BlockStore::ResolveKeys(const Model& m, const KeyQuery& q,
+                                                            size_t max_blocks) const {
+  if (q.token_ids.empty() == q.keys.empty()) {
+    return absl::InvalidArgumentError("token_ids/keys: give exactly one of them");
+  }
+  if (!q.keys.empty()) {
+    std::vector<Digest> keys = q.keys;
+    if (max_blocks > 0 && keys.size() > max_blocks) keys.resize(max_blocks);
+    return keys;
+  }
+  return ChainKeys(m.info.namespace_id, q.token_ids, m.spec.geometry.page_size, max_blocks);
+}
+
+void BlockStore::TargetForms(const Model& m, uint32_t index, uint32_t num_blocks,
+                             bool out[kNumForms]) const {
+  const bool sink = index < m.info.sink_blocks;
+  const bool tail = index + m.info.recent_blocks >= num_blocks;
+  if (m.spec.history_precision == HistoryPrecision::kBf16 || sink) {
+    out[int(FormKind::kBf16)] = true;
+    out[int(FormKind::kInt2)] = false;
+    return;
+  }
+  out[int(FormKind::kInt2)] = true;
+  out[int(FormKind::kBf16)] = tail;
+}
+
+// ---- allocation and eviction --------------------------------------------------------------------
+
+absl::StatusOr<uint64_t> BlockStore::AllocateLocked(uint64_t size) {
+  for (;;) {
+    absl::StatusOr<uint64_t> off = arena_.Allocate(size);
+    if (off.ok() || off.status().code() != absl::StatusCode::kResourceExhausted) return off;
+    const uint64_t need = arena_.RoundUp(size);
+    const uint64_t low = static_cast<uint64_t>(options_.low_watermark * arena_.capacity());
+    uint64_t target = arena_.capacity() > need ? std::min(low, arena_.capacity() - need) : 0;
+    if (arena_.used_bytes() <= target) {
+      // Already at the target but fragmented (or the request is huge): free one more step.
+      target = arena_.used_bytes() > need ? arena_.used_bytes() - need : 0;
+    }
+    if (ReclaimLocked(target, "allocation") == 0) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("pool full: cannot allocate ", size, " bytes (", arena_.used_bytes(), " of ",
+                       arena_.capacity(), " bytes used; staging ", staging_bytes_,
+                       " bytes; the rest is leased, pinned by open puts or fragmented)"));
+    }
+  }
+}
+
+void BlockStore::FreeSlotLocked(Block& b, FormKind f, const char* reason) {
+  Slot& s = b.forms[int(f)];
+  if (!s.present) return;
+  arena_.Free(s.offset, s.size);
+  form_count_[int(f)]--;
+  form_bytes_[int(f)] -= s.size;
+  s = Slot{};
+}
+
+void BlockStore::RemoveBlockLocked(const Digest& key, const char* reason) {
+  auto it = blocks_.find(key);
+  if (it == blocks_.end()) return;
+  Block& b = it->second;
+  for (int f = 0; f < kNumForms; ++f) FreeSlotLocked(b, static_cast<FormKind>(f), reason);
+  if (b.parent.has_value()) {
+    auto p = blocks_.find(*b.parent);
+    if (p != blocks_.end()) {
+      auto& ch = p->second.children;
+      ch.erase(std::remove(ch.begin(), ch.end(), key), ch.end());
+    }
+  }
+  lru_.erase(b.lru);
+  blocks_.erase(it);
+}
+
+uint64_t BlockStore::ReclaimLocked(uint64_t target_used, const char* trigger) {
+  const uint64_t before = arena_.used_bytes();
+  // Phase 1: demote — BF16 forms of non-sink blocks that also hold INT2, least recently used
+  // first.
+  for (auto it = lru_.begin(); it != lru_.end() && arena_.used_bytes() > target_used; ++it) {
+    Block& b = blocks_.at(*it);
+    if (b.pins > 0 || b.sink) continue;
+    if (b.forms[int(FormKind::kBf16)].present && b.forms[int(FormKind::kInt2)].present) {
+      FreeSlotLocked(b, FormKind::kBf16, "demote");
+      metrics_->evictions_demote.fetch_add(1, std::memory_order_relaxed);
+    }
+  }
+  // Phase 2: whole blocks, LRU, leaf-first. Removing a leaf can make its parent a leaf, so
+  // scan again while progress is made.
+  bool progress = true;
+  while (arena_.used_bytes() > target_used && progress) {
+    progress = false;
+    for (auto it = lru_.begin(); it != lru_.end() && arena_.used_bytes() > target_used;) {
+      Block& b = blocks_.at(*it);
+      ++it;  // RemoveBlockLocked erases b's LRU entry
+      if (b.pins > 0 || !b.children.empty()) continue;
+      RemoveBlockLocked(b.key, "evict");
+      metrics_->evictions_block.fetch_add(1, std::memory_order_relaxed);
+      progress = true;
+    }
+  }
+  const uint64_t freed = before - arena_.used_bytes();
+  if (freed > 0) {
+    KVPOOL_LOG_DEBUG("reclaimed {} bytes ({}), used {} of {}", freed, trigger, arena_.used_bytes(),
+                     arena_.capacity());
+  }
+  return freed;
+}
+
+void BlockStore::UnpinLocked(const Digest& key) {
+  auto it = blocks_.find(key);
+  if (it != blocks_.end() && it->second.pins > 0) it->second.pins--;
+}
+
+void BlockStore::ReleasePutLocked(Put& put, bool free_staging) {
+  for (PutBlockState& b : put.blocks) {
+    if (b.plan.action == PutAction::kWrite && free_staging) {
+      arena_.Free(b.staging_offset, b.plan.size);
+      staging_bytes_ -= arena_.RoundUp(b.plan.size);
+    }
+    if (b.pinned_existing) UnpinLocked(b.plan.key);
+  }
+}
+
+void BlockStore::ExpireLocked(absl::Time now) {
+  for (auto it = leases_.begin(); it != leases_.end();) {
+    if (it->second.deadline <= now) {
+      for (const Digest& k : it->second.keys) UnpinLocked(k);
+      metrics_->lease_expiries.fetch_add(1, std::memory_order_relaxed);
+      it = leases_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  for (auto it = puts_.begin(); it != puts_.end();) {
+    if (!it->second.committing && it->second.deadline <= now) {
+      ReleasePutLocked(it->second, true);
+      metrics_->put_expiries.fetch_add(1, std::memory_order_relaxed);
+      KVPOOL_LOG_INFO("put {} expired uncommitted; staging reclaimed", it->first);
+      it = puts_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+void BlockStore::Tick() {
+  std::unique_lock lock(mu_);
+  ExpireLocked(clock_->Now());
+  const uint64_t cap = arena_.capacity();
+  if (arena_.used_bytes() > static_cast<uint64_t>(options_.high_watermark * cap)) {
+    ReclaimLocked(static_cast<uint64_t>(options_.low_watermark * cap), "watermark");
+  }
+}
+
+// ---- put ---------------------------------------------------------------------------------------
+
+absl::StatusOr<PutPlan> BlockStore::BeginPut(const Digest& namespace_id,
+                                             absl::Span<const uint32_t> tokens, uint32_t num_blocks,
+                                             absl::Duration timeout) {
+  const Model* m;
+  {
+    std::shared_lock lock(mu_);
+    KVPOOL_ASSIGN_OR_RETURN(m, FindModelLocked(namespace_id));
+  }
+  const uint32_t P = m->spec.geometry.page_size;
+  const uint64_t full = tokens.size() / P;
+  if (num_blocks == 0) return absl::InvalidArgumentError("num_blocks: must be >= 1");
+  if (num_blocks > full) {
+    return absl::InvalidArgumentError(absl::StrCat("num_blocks: ", num_blocks, " exceeds the ",
+                                                   full, " full blocks of token_ids (",
+                                                   tokens.size(), " tokens, page_size ", P, ")"));
+  }
+  if (num_blocks > options_.max_put_blocks) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "num_blocks: ", num_blocks, " exceeds the per-put limit ", options_.max_put_blocks));
+  }
+  const uint64_t bf16_bytes = m->info.bf16_form_bytes;
+  if (uint64_t{num_blocks} * arena_.RoundUp(bf16_bytes) > arena_.capacity()) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("num_blocks: staging for ", num_blocks, " blocks (", num_blocks * bf16_bytes,
+                     " bytes) exceeds the pool capacity of ", arena_.capacity(), " bytes"));
+  }
+  if (timeout <= absl::ZeroDuration()) timeout = options_.default_put_timeout;
+  timeout = std::min(timeout, options_.max_put_timeout);
+  KVPOOL_ASSIGN_OR_RETURN(std::vector<Digest> keys, ChainKeys(namespace_id, tokens, P, num_blocks));
+
+  std::unique_lock lock(mu_);
+  Put put;
+  put.id = next_put_id_++;
+  put.model = m;
+  put.deadline = clock_->Now() + timeout;
+  PutPlan plan;
+  plan.put_id = put.id;
+  plan.timeout = timeout;
+  uint64_t staged = 0;
+  for (uint32_t i = 0; i < num_blocks; ++i) {
+    PutBlockState st;
+    st.plan.index = i;
+    st.plan.key = keys[i];
+    if (i > 0) st.parent = keys[i - 1];
+    bool target[kNumForms];
+    TargetForms(*m, i, num_blocks, target);
+    bool held[kNumForms] = {false, false};
+    bool added[kNumForms] = {false, false};
+    auto it = blocks_.find(keys[i]);
+    if (it != blocks_.end()) {
+      for (int f = 0; f < kNumForms; ++f) held[f] = it->second.forms[f].present;
+      it->second.pins++;
+      st.pinned_existing = true;
+    }
+    for (int f = 0; f < kNumForms; ++f) added[f] = target[f] && !held[f];
+    st.plan.forms_held = HeldForms(held);
+    st.plan.forms_added = HeldForms(added);
+    if (!st.plan.forms_added.empty()) {
+      absl::StatusOr<uint64_t> off = AllocateLocked(bf16_bytes);
+      if (!off.ok()) {
+        put.blocks.push_back(std::move(st));
+        put.blocks.back().plan.action = PutAction::kSkip;  // nothing allocated for this one
+        ReleasePutLocked(put, true);
+        return off.status();
+      }
+      st.plan.action = PutAction::kWrite;
+      st.plan.staging_offset = *off;
+      st.plan.size = bf16_bytes;
+      st.staging_offset = *off;
+      staging_bytes_ += arena_.RoundUp(bf16_bytes);
+      staged += bf16_bytes;
+    } else {
+      st.plan.action = PutAction::kSkip;
+    }
+    plan.blocks.push_back(st.plan);
+    put.blocks.push_back(std::move(st));
+  }
+  puts_.emplace(put.id, std::move(put));
+  metrics_->put_bytes.fetch_add(staged, std::memory_order_relaxed);
+  metrics_->put_size.Observe(static_cast<double>(staged));
+  return plan;
+}
+
+absl::Status BlockStore::AbortPut(const Digest& namespace_id, uint64_t put_id) {
+  std::unique_lock lock(mu_);
+  auto it = puts_.find(put_id);
+  if (it == puts_.end() || it->second.model->info.namespace_id != namespace_id) {
+    return absl::NotFoundError(absl::StrCat("put_id: ", put_id,
+                                            " is not an open put of this "
+                                            "namespace (expired, committed or never begun)"));
+  }
+  if (it->second.committing) {
+    return absl::FailedPreconditionError(absl::StrCat("put_id: ", put_id, " is committing"));
+  }
+  ReleasePutLocked(it->second, true);
+  puts_.erase(it);
+  metrics_->put_aborts.fetch_add(1, std::memory_order_relaxed);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<CommitResult> BlockStore::CommitPut(const Digest& namespace_id, uint64_t put_id,
+                                                   absl::Span<const BlockChecksum> checksums) {
+  // Phase A: claim the put.
+  const Model* m;
+  std::vector<PutBlockState> blocks;
+  {
+    std::unique_lock lock(mu_);
+    auto it = puts_.find(put_id);
+    if (it == puts_.end() || it->second.model->info.namespace_id != namespace_id) {
+      return absl::NotFoundError(absl::StrCat("put_id: ", put_id,
+                                              " is not an open put of this "
+                                              "namespace (expired, aborted or committed)"));
+    }
+    if (it->second.committing) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("put_id: ", put_id, " is already committing"));
+    }
+    it->second.committing = true;
+    m = it->second.model;
+    blocks = it->second.blocks;
+  }
+  // Any failure from here on aborts the put.
+  auto fail = [&](absl::Status s) -> absl::Status {
+    std::unique_lock lock(mu_);
+    auto it = puts_.find(put_id);
+    if (it != puts_.end()) {
+      ReleasePutLocked(it->second, true);
+      puts_.erase(it);
+    }
+    metrics_->put_aborts.fetch_add(1, std::memory_order_relaxed);
+    return s;
+  };
+
+  // Checksums: exactly one per WRITE block.
+  std::vector<int64_t> want(blocks.size(), -1);
+  for (size_t i = 0; i < checksums.size(); ++i) {
+    const uint32_t idx = checksums[i].index;
+    if (idx >= blocks.size() || blocks[idx].plan.action != PutAction::kWrite) {
+      return fail(absl::InvalidArgumentError(
+          absl::StrCat("checksums[", i, "].index: ", idx, " is not a WRITE block of this put")));
+    }
+    if (want[idx] >= 0) {
+      return fail(absl::InvalidArgumentError(
+          absl::StrCat("checksums[", i, "].index: duplicate checksum for block ", idx)));
+    }
+    want[idx] = static_cast<int64_t>(i);
+  }
+  for (const PutBlockState& b : blocks) {
+    if (b.plan.action == PutAction::kWrite && want[b.plan.index] < 0) {
+      return fail(absl::InvalidArgumentError(
+          absl::StrCat("checksums: missing the checksum of block ", b.plan.index)));
+    }
+  }
+
+  // Phase B (no lock): verify and encode into private buffers. The staging bytes belong to this
+  // put (no one else writes or frees them while committing is set).
+  const BlockGeometry& g = m->spec.geometry;
+  const uint64_t sizes[kNumForms] = {g.Bf16FormBytes(), g.Int2FormBytes()};
+  struct Encoded {
+    bool wanted[kNumForms] = {false, false};
+    std::vector<uint8_t> bytes[kNumForms];
+    uint64_t xxh3[kNumForms] = {0, 0};
+  };
+  std::vector<Encoded> enc(blocks.size());
+  uint64_t ingested = 0;
+  uint8_t* base = memory_->data();
+  for (const PutBlockState& b : blocks) {
+    if (b.plan.action != PutAction::kWrite) continue;
+    const uint32_t i = b.plan.index;
+    const uint8_t* staging = base + b.staging_offset;
+    const uint64_t got = Xxh3(staging, b.plan.size);
+    const uint64_t expected = checksums[want[i]].xxh3;
+    if (got != expected) {
+      metrics_->checksum_failures.fetch_add(1, std::memory_order_relaxed);
+      return fail(absl::DataLossError(absl::StrCat("block ", i, ": checksum mismatch (client sent ",
+                                                   absl::Hex(expected), ", staging bytes hash to ",
+                                                   absl::Hex(got), ")")));
+    }
+    Encoded& e = enc[i];
+    for (FormKind f : b.plan.forms_added) e.wanted[int(f)] = true;
+    const bool want_int2 = e.wanted[int(FormKind::kInt2)];
+    e.bytes[int(FormKind::kBf16)].resize(sizes[0]);
+    if (want_int2) e.bytes[int(FormKind::kInt2)].resize(sizes[1]);
+    EncodeResult r;
+    absl::Status s =
+        EncodeBlock(g, *m->rotation, m->spec.clip_ratio_k, m->spec.clip_ratio_v, staging,
+                    e.bytes[0].data(), want_int2 ? e.bytes[1].data() : nullptr, &r);
+    if (!s.ok()) {
+      if (s.code() == absl::StatusCode::kInvalidArgument) {
+        metrics_->nonfinite_refusals.fetch_add(1, std::memory_order_relaxed);
+      }
+      return fail(Annotate(s, absl::StrCat("block ", i)));
+    }
+    if (want_int2 && !r.int2_ok) {
+      // FORMAT.md §2.3: a group beyond fp16 is not quantized; the block keeps its BF16 form.
+      e.wanted[int(FormKind::kInt2)] = false;
+      e.wanted[int(FormKind::kBf16)] = true;
+      e.bytes[int(FormKind::kInt2)].clear();
+      metrics_->int2_overflow_blocks.fetch_add(1, std::memory_order_relaxed);
+    }
+    if (!e.wanted[int(FormKind::kBf16)]) e.bytes[int(FormKind::kBf16)].clear();
+    for (int f = 0; f < kNumForms; ++f) {
+      if (e.wanted[f]) e.xxh3[f] = Xxh3(e.bytes[f].data(), e.bytes[f].size());
+    }
+    ingested += b.plan.size;
+  }
+
+  // Phase C (lock): reserve slots for the new forms and pin the blocks this commit builds on.
+  struct Reserved {
+    Slot slot[kNumForms];
+  };
+  std::vector<Reserved> res(blocks.size());
+  std::vector<Digest> commit_pins;
+  {
+    std::unique_lock lock(mu_);
+    for (const PutBlockState& b : blocks) {
+      const uint32_t i = b.plan.index;
+      auto it = blocks_.find(b.plan.key);
+      if (it != blocks_.end()) {
+        it->second.pins++;
+        commit_pins.push_back(b.plan.key);
+      }
+      for (int f = 0; f < kNumForms; ++f) {
+        if (!enc[i].wanted[f]) continue;
+        if (it != blocks_.end() && it->second.forms[f].present) {
+          enc[i].wanted[f] = false;  // added meanwhile by another put (same bytes)
+          continue;
+        }
+        absl::StatusOr<uint64_t> off = AllocateLocked(sizes[f]);
+        if (!off.ok()) {
+          for (Reserved& r : res) {
+            for (Slot& s : r.slot) {
+              if (s.present) arena_.Free(s.offset, s.size);
+            }
+          }
+          for (const Digest& k : commit_pins) UnpinLocked(k);
+          lock.unlock();
+          return fail(off.status());
+        }
+        res[i].slot[f] = Slot{.present = true,
+                              .offset = *off,
+                              .size = sizes[f],
+                              .generation = NextGeneration(),
+                              .xxh3 = enc[i].xxh3[f]};
+      }
+    }
+  }
+
+  // Phase D (no lock): copy into the reserved slots; nobody can see them yet.
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    for (int f = 0; f < kNumForms; ++f) {
+      const Slot& s = res[i].slot[f];
+      if (s.present) std::memcpy(base + s.offset, enc[i].bytes[f].data(), s.size);
+    }
+  }
+
+  // Phase E (lock): link every block at once, release the put.
+  CommitResult result;
+  result.bytes_ingested = ingested;
+  {
+    std::unique_lock lock(mu_);
+    for (const PutBlockState& b : blocks) {
+      const uint32_t i = b.plan.index;
+      auto it = blocks_.find(b.plan.key);
+      bool have_new = false;
+      for (int f = 0; f < kNumForms; ++f) have_new |= res[i].slot[f].present;
+      if (it == blocks_.end()) {
+        if (!have_new) continue;  // cannot happen: absent blocks are pinned or written
+        Block nb;
+        nb.key = b.plan.key;
+        nb.parent = b.parent;
+        nb.model = m;
+        nb.index = i;
+        nb.sink = i < m->info.sink_blocks;
+        nb.lru = lru_.insert(lru_.end(), nb.key);
+        it = blocks_.emplace(nb.key, std::move(nb)).first;
+        if (b.parent.has_value()) {
+          auto p = blocks_.find(*b.parent);
+          if (p != blocks_.end()) p->second.children.push_back(b.plan.key);
+        }
+      } else {
+        lru_.splice(lru_.end(), lru_, it->second.lru);
+      }
+      Block& blk = it->second;
+      for (int f = 0; f < kNumForms; ++f) {
+        Slot& s = res[i].slot[f];
+        if (!s.present) continue;
+        if (blk.forms[f].present) {
+          arena_.Free(s.offset, s.size);  // a concurrent commit linked the same form first
+          continue;
+        }
+        blk.forms[f] = s;
+        form_count_[f]++;
+        form_bytes_[f] += s.size;
+      }
+      bool present[kNumForms];
+      for (int f = 0; f < kNumForms; ++f) present[f] = blk.forms[f].present;
+      result.blocks.push_back({.index = i, .key = b.plan.key, .forms = HeldForms(present)});
+    }
+    for (const Digest& k : commit_pins) UnpinLocked(k);
+    auto pit = puts_.find(put_id);
+    if (pit != puts_.end()) {
+      ReleasePutLocked(pit->second, true);
+      puts_.erase(pit);
+    }
+  }
+  metrics_->commit_bytes.fetch_add(ingested, std::memory_order_relaxed);
+  metrics_->commit_size.Observe(static_cast<double>(ingested));
+  return result;
+}
+
+// ---- lookup and leases -------------------------------------------------------------------------
+
+absl::StatusOr<std::vector<BlockFormsInfo>> BlockStore::Lookup(const Digest& namespace_id,
+                                                               const KeyQuery& query) const {
+  const Model* m;
+  {
+    std::shared_lock lock(mu_);
+    KVPOOL_ASSIGN_OR_RETURN(m, FindModelLocked(namespace_id));
+  }
+  KVPOOL_ASSIGN_OR_RETURN(std::vector<Digest> keys, ResolveKeys(*m, query, 0));
+  std::vector<BlockFormsInfo> out;
+  {
+    std::shared_lock lock(mu_);
+    for (const Digest& k : keys) {
+      auto it = blocks_.find(k);
+      if (it == blocks_.end() || it->second.model != m) break;
+      bool present[kNumForms];
+      for (int f = 0; f < kNumForms; ++f) present[f] = it->second.forms[f].present;
+      out.push_back({.key = k, .sink = it->second.sink, .forms = HeldForms(present)});
+    }
+  }
+  metrics_->lookup_calls.fetch_add(1, std::memory_order_relaxed);
+  metrics_->lookup_hit_blocks.fetch_add(out.size(), std::memory_order_relaxed);
+  if (out.size() < keys.size() || keys.empty()) {
+    metrics_->lookup_miss_calls.fetch_add(1, std::memory_order_relaxed);
+  }
+  return out;
+}
+
+absl::StatusOr<LeaseGrant> BlockStore::Acquire(const Digest& namespace_id, const KeyQuery& query,
+                                               uint32_t max_blocks, absl::Duration lease) {
+  const Model* m;
+  {
+    std::shared_lock lock(mu_);
+    KVPOOL_ASSIGN_OR_RETURN(m, FindModelLocked(namespace_id));
+  }
+  KVPOOL_ASSIGN_OR_RETURN(std::vector<Digest> keys, ResolveKeys(*m, query, max_blocks));
+  if (lease <= absl::ZeroDuration()) lease = options_.default_lease;
+  lease = std::min(lease, options_.max_lease);
+  LeaseGrant grant;
+  grant.lifetime = lease;
+  uint64_t bytes = 0;
+  {
+    std::unique_lock lock(mu_);
+    Lease l;
+    for (uint32_t i = 0; i < keys.size(); ++i) {
+      auto it = blocks_.find(keys[i]);
+      if (it == blocks_.end() || it->second.model != m) break;
+      Block& b = it->second;
+      b.pins++;
+      lru_.splice(lru_.end(), lru_, b.lru);
+      l.keys.push_back(keys[i]);
+      LeasedBlock lb{.index = i, .key = keys[i], .sink = b.sink};
+      for (int f = 0; f < kNumForms; ++f) {
+        const Slot& s = b.forms[f];
+        if (!s.present) continue;
+        lb.forms.push_back({.form = static_cast<FormKind>(f),
+                            .offset = s.offset,
+                            .size = s.size,
+                            .generation = s.generation,
+                            .xxh3 = s.xxh3});
+        bytes += s.size;
+      }
+      grant.blocks.push_back(std::move(lb));
+    }
+    if (!l.keys.empty()) {
+      l.deadline = clock_->Now() + lease;
+      grant.lease_id = next_lease_id_++;
+      leases_.emplace(grant.lease_id, std::move(l));
+    }
+  }
+  metrics_->lookup_calls.fetch_add(1, std::memory_order_relaxed);
+  metrics_->lookup_hit_blocks.fetch_add(grant.blocks.size(), std::memory_order_relaxed);
+  if (grant.blocks.size() < keys.size() || keys.empty()) {
+    metrics_->lookup_miss_calls.fetch_add(1, std::memory_order_relaxed);
+  }
+  metrics_->fetch_bytes.fetch_add(bytes, std::memory_order_relaxed);
+  metrics_->fetch_size.Observe(static_cast<double>(bytes));
+  return grant;
+}
+
+absl::StatusOr<absl::Duration> BlockStore::Renew(uint64_t lease_id, absl::Duration lease) {
+  if (lease <= absl::ZeroDuration()) lease = options_.default_lease;
+  lease = std::min(lease, options_.max_lease);
+  std::unique_lock lock(mu_);
+  const absl::Time now = clock_->Now();
+  auto it = leases_.find(lease_id);
+  if (it == leases_.end() || it->second.deadline <= now) {
+    return absl::NotFoundError(absl::StrCat("lease_id: ", lease_id, " is unknown or expired"));
+  }
+  it->second.deadline = now + lease;
+  return lease;
+}
+
+absl::Status BlockStore::Release(uint64_t lease_id) {
+  std::unique_lock lock(mu_);
+  auto it = leases_.find(lease_id);
+  // A lease past its deadline is expired even if Tick has not run yet: the reader must treat
+  // the bytes it read as suspect (fail closed).
+  const bool expired = it != leases_.end() && it->second.deadline <= clock_->Now();
+  if (it != leases_.end()) {
+    for (const Digest& k : it->second.keys) UnpinLocked(k);
+    leases_.erase(it);
+    if (expired) metrics_->lease_expiries.fetch_add(1, std::memory_order_relaxed);
+  }
+  if (it == leases_.end() || expired) {
+    return absl::NotFoundError(absl::StrCat("lease_id: ", lease_id,
+                                            " is unknown or expired; discard bytes read under it"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<ItemResult>> BlockStore::Delete(const Digest& namespace_id,
+                                                           absl::Span<const Digest> keys,
+                                                           uint32_t* blocks_deleted) {
+  std::unique_lock lock(mu_);
+  KVPOOL_ASSIGN_OR_RETURN(const Model* m, FindModelLocked(namespace_id));
+  std::vector<ItemResult> out;
+  uint32_t deleted = 0;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    auto it = blocks_.find(keys[i]);
+    if (it == blocks_.end() || it->second.model != m) {
+      out.push_back({absl::NotFoundError(absl::StrCat("keys[", i, "]: not held"))});
+      continue;
+    }
+    // Collect the subtree, parents before children.
+    std::vector<Digest> order = {keys[i]};
+    bool pinned = false;
+    for (size_t j = 0; j < order.size(); ++j) {
+      const Block& b = blocks_.at(order[j]);
+      pinned |= b.pins > 0;
+      for (const Digest& c : b.children) order.push_back(c);
+    }
+    if (pinned) {
+      out.push_back({absl::FailedPreconditionError(absl::StrCat(
+          "keys[", i, "]: the block or a descendant is leased or pinned by an open put"))});
+      continue;
+    }
+    for (auto r = order.rbegin(); r != order.rend(); ++r) {
+      RemoveBlockLocked(*r, "delete");
+      ++deleted;
+    }
+    out.push_back({absl::OkStatus()});
+  }
+  metrics_->deletions_block.fetch_add(deleted, std::memory_order_relaxed);
+  if (blocks_deleted) *blocks_deleted = deleted;
+  return out;
+}
+
+StoreStats BlockStore::Stats() const {
+  std::shared_lock lock(mu_);
+  StoreStats s;
+  s.capacity_bytes = arena_.capacity();
+  s.used_bytes = arena_.used_bytes();
+  s.staging_bytes = staging_bytes_;
+  s.blocks = blocks_.size();
+  for (int f = 0; f < kNumForms; ++f) {
+    s.forms[f] = form_count_[f];
+    s.form_bytes[f] = form_bytes_[f];
+  }
+  s.open_puts = puts_.size();
+  s.leases = leases_.size();
+  s.models = static_cast<uint32_t>(models_.size());
+  return s;
+}
+
+}  // namespace kvpool::kvstore

@@ -1,0 +1,79 @@
+#include "kvpool/kvstore/encoder.h"
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+
+#include "kvpool/kernels/numeric.h"
+#include "kvpool/kernels/quantize.h"
+#include "test_util.h"
+
+namespace kvpool::kvstore {
+namespace {
+
+using testing::BlockBytes;
+
+TEST(EncoderTest, IdentityRotationKeepsBf16AndMatchesQuantizer) {
+  BlockGeometry g{.num_layers = 2, .num_kv_heads = 2, .head_dim = 8, .page_size = 4};
+  RotationMetadata meta{.model_name = "t", .head_dim = 8, .num_layers = 2, .num_kv_heads = 2};
+  auto rot = RotationSet::Identity(meta);
+  ASSERT_TRUE(rot.ok());
+  std::vector<uint8_t> in = BlockBytes(g, 1, 2);
+  std::vector<uint8_t> bf16(g.Bf16FormBytes()), int2(g.Int2FormBytes());
+  EncodeResult r;
+  ASSERT_TRUE(EncodeBlock(g, *rot, 0.96f, 0.92f, in.data(), bf16.data(), int2.data(), &r).ok());
+  EXPECT_TRUE(r.int2_ok);
+  EXPECT_EQ(bf16, in);  // x·I rounded to bf16 is x
+  // The V codes of (layer 1, head 1) equal the quantizer's output on the same rows.
+  const uint64_t rows = g.Bf16ChunkOffset(1, 1) + g.Bf16VOffset();
+  std::vector<uint8_t> codes(4 * 2);
+  std::vector<uint16_t> params(4 * 2);
+  ASSERT_TRUE(QuantizeRowsBf16(reinterpret_cast<const uint16_t*>(in.data() + rows), 4, 8, 0.92f,
+                               codes.data(), params.data(), nullptr)
+                  .ok());
+  const uint64_t q = g.Int2ChunkOffset(1, 1);
+  EXPECT_EQ(0, std::memcmp(int2.data() + q + g.Int2VCodesOffset(), codes.data(), codes.size()));
+  EXPECT_EQ(0, std::memcmp(int2.data() + q + g.Int2VParamsOffset(), params.data(), 16));
+}
+
+TEST(EncoderTest, HadamardRotationIsOrthogonal) {
+  BlockGeometry g{.num_layers = 1, .num_kv_heads = 1, .head_dim = 8, .page_size = 4};
+  RotationMetadata meta{.model_name = "t", .head_dim = 8, .num_layers = 1, .num_kv_heads = 1};
+  auto rot = RotationSet::Hadamard(meta);
+  ASSERT_TRUE(rot.ok());
+  std::vector<uint8_t> in = BlockBytes(g, 3, 0);
+  std::vector<uint8_t> bf16(g.Bf16FormBytes());
+  EncodeResult r;
+  ASSERT_TRUE(EncodeBlock(g, *rot, 0, 0, in.data(), bf16.data(), nullptr, &r).ok());
+  EXPECT_FALSE(r.int2_ok);  // not requested
+  EXPECT_NE(bf16, in);
+  // Norms of each row are preserved (orthogonal R) up to bf16 rounding.
+  for (int row = 0; row < 8; ++row) {
+    double n_in = 0, n_out = 0;
+    for (int j = 0; j < 8; ++j) {
+      uint16_t a, b;
+      std::memcpy(&a, in.data() + (row * 8 + j) * 2, 2);
+      std::memcpy(&b, bf16.data() + (row * 8 + j) * 2, 2);
+      n_in += Bf16ToFp32(a) * Bf16ToFp32(a);
+      n_out += Bf16ToFp32(b) * Bf16ToFp32(b);
+    }
+    EXPECT_NEAR(n_in, n_out, 0.02 * n_in + 1e-6) << "row " << row;
+  }
+}
+
+TEST(EncoderTest, NonFiniteNamesLayerHeadKvTokenElement) {
+  BlockGeometry g{.num_layers = 2, .num_kv_heads = 2, .head_dim = 8, .page_size = 4};
+  std::vector<uint8_t> in = BlockBytes(g, 0, 0);
+  const uint64_t at = g.Bf16ChunkOffset(1, 0) + g.Bf16VOffset() + (2 * 8 + 5) * 2;
+  const uint16_t nan = 0x7fc0;
+  std::memcpy(in.data() + at, &nan, 2);
+  absl::Status s = CheckFinite(g, in.data());
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(s.message(), "layer 1 head 0 V token 2 element 5 is nan");
+  const uint16_t ninf = 0xff80;
+  std::memcpy(in.data() + at, &ninf, 2);
+  EXPECT_EQ(CheckFinite(g, in.data()).message(), "layer 1 head 0 V token 2 element 5 is -inf");
+}
+
+}  // namespace
+}  // namespace kvpool::kvstore

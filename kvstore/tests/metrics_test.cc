@@ -1,0 +1,79 @@
+// Prometheus text: format checked by promtool (Debian package `prometheus`), values checked
+// against the store's counters.
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <fstream>
+
+#include "kvpool/kvstore/metrics.h"
+#include "kvpool/kvstore/server.h"
+#include "test_util.h"
+
+namespace kvpool::kvstore {
+namespace {
+
+// Runs `promtool check metrics` on `text`; returns its exit status and output.
+int Promtool(const std::string& text, std::string* output) {
+  const std::string path = ::testing::TempDir() + "/kvpool_metrics.txt";
+  std::ofstream(path) << text;
+  const std::string cmd = std::string(KVPOOL_PROMTOOL) + " check metrics < " + path + " 2>&1";
+  FILE* p = popen(cmd.c_str(), "r");
+  if (p == nullptr) return -1;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) output->append(buf, n);
+  return pclose(p);
+}
+
+TEST(HistogramTest, CumulativeBuckets) {
+  Histogram h({1, 2, 4});
+  for (double v : {0.5, 1.0, 1.5, 3.0, 10.0}) h.Observe(v);
+  std::string out;
+  h.Render("x", &out);
+  EXPECT_NE(out.find("x_bucket{le=\"1\"} 2\n"), std::string::npos) << out;
+  EXPECT_NE(out.find("x_bucket{le=\"2\"} 3\n"), std::string::npos);
+  EXPECT_NE(out.find("x_bucket{le=\"4\"} 4\n"), std::string::npos);
+  EXPECT_NE(out.find("x_bucket{le=\"+Inf\"} 5\n"), std::string::npos);
+  EXPECT_NE(out.find("x_sum 16\n"), std::string::npos);
+  EXPECT_NE(out.find("x_count 5\n"), std::string::npos);
+}
+
+TEST(MetricsTest, StoreMetricsPassPromtoolAndCountActivity) {
+  if (std::string(KVPOOL_PROMTOOL).empty()) GTEST_SKIP() << "promtool not installed";
+  auto mem = *HeapPoolMemory::Create(1 << 20);
+  FakeClock clock;
+  auto store = *BlockStore::Create({}, mem.get(), &clock);
+  ModelSpec spec = testing::TinySpec();
+  auto info = store->RegisterModel(spec, {.file_bytes = testing::RotationFileFor(spec)});
+  ASSERT_TRUE(info.ok());
+  auto plan = store->BeginPut(info->namespace_id, testing::Tokens(1, 12), 3, {});
+  ASSERT_TRUE(plan.ok());
+  std::vector<BlockChecksum> sums;
+  for (const auto& b : plan->blocks) {
+    auto bytes = testing::BlockBytes(spec.geometry, 1, b.index);
+    std::memcpy(mem->data() + b.staging_offset, bytes.data(), bytes.size());
+    sums.push_back({b.index, Xxh3(bytes.data(), bytes.size())});
+  }
+  ASSERT_TRUE(store->CommitPut(info->namespace_id, plan->put_id, sums).ok());
+  ASSERT_TRUE(store->Lookup(info->namespace_id, {.token_ids = testing::Tokens(1, 20)}).ok());
+  store->metrics().commit_latency.Observe(0.003);
+
+  const std::string text = RenderStoreMetrics(*store);
+  std::string out;
+  EXPECT_EQ(Promtool(text, &out), 0) << out << "\n" << text;
+  EXPECT_NE(text.find("kvpool_blocks 3\n"), std::string::npos) << text;
+  EXPECT_NE(text.find("kvpool_forms{form=\"bf16\"} 3\n"), std::string::npos);
+  EXPECT_NE(text.find("kvpool_forms{form=\"int2\"} 2\n"), std::string::npos);
+  EXPECT_NE(text.find("kvpool_lookup_hit_blocks_total 3\n"), std::string::npos);
+  EXPECT_NE(text.find("kvpool_lookup_misses_total 1\n"), std::string::npos);
+  EXPECT_NE(text.find("kvpool_commit_bytes_total 1536\n"), std::string::npos);
+  EXPECT_NE(text.find("kvpool_commit_latency_seconds_count 1\n"), std::string::npos);
+  EXPECT_NE(text.find("kvpool_evictions_total{reason=\"demote_bf16\"} 0\n"), std::string::npos);
+
+  // And promtool does reject broken text (so the check above can fail).
+  std::string bad_out;
+  EXPECT_NE(Promtool("# TYPE x counter\nx{le=} 1\n", &bad_out), 0);
+}
+
+}  // namespace
+}  // namespace kvpool::kvstore

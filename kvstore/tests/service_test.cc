@@ -1,0 +1,327 @@
+// The gRPC service on loopback (in-process server, data plane "none": the test writes staging
+// bytes straight into the pool's memory, standing in for the client's UCX RMA put), and the
+// kvpool-server binary as a process (flags, /metrics, health, SIGTERM drain).
+#include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+#include <httplib.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <future>
+
+#include "kvpool/common/checksum.h"
+#include "kvpool/common/keys.h"
+#include "kvpool/kvstore/server.h"
+#include "kvpool/v1/pool.grpc.pb.h"
+#include "test_util.h"
+
+namespace kvpool::kvstore {
+namespace {
+
+namespace pb = ::kvpool::v1;
+
+// grpc.health.v1.Health/Check by hand (request: field 1 = service; response: field 1 = status
+// enum), so the test needs no generated health stubs. Returns the status (1 SERVING,
+// 2 NOT_SERVING, 3 SERVICE_UNKNOWN) or -code on an RPC error.
+int HealthCheck(const std::shared_ptr<grpc::Channel>& ch, const std::string& service) {
+  grpc::GenericStub stub(ch);
+  std::string req = "\x0a";
+  req.push_back(static_cast<char>(service.size()));
+  req += service;
+  grpc::Slice slice(req);
+  grpc::ByteBuffer in(&slice, 1), out;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  std::promise<grpc::Status> done;
+  stub.UnaryCall(&ctx, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &in, &out,
+                 [&done](grpc::Status s) { done.set_value(s); });
+  grpc::Status s = done.get_future().get();
+  if (!s.ok()) return -static_cast<int>(s.error_code());
+  std::vector<grpc::Slice> slices;
+  if (!out.Dump(&slices).ok()) return -100;
+  std::string bytes;
+  for (auto& sl : slices) bytes.append(reinterpret_cast<const char*>(sl.begin()), sl.size());
+  if (bytes.empty()) return 0;  // UNKNOWN (default value is not serialized)
+  return bytes.size() >= 2 && bytes[0] == 0x08 ? bytes[1] : -101;
+}
+
+pb::RegisterModelRequest RegisterRequest(const ModelSpec& spec) {
+  pb::RegisterModelRequest r;
+  r.mutable_identity()->set_model_id(spec.model_id);
+  r.mutable_identity()->set_revision(spec.revision);
+  r.mutable_geometry()->set_num_layers(spec.geometry.num_layers);
+  r.mutable_geometry()->set_num_kv_heads(spec.geometry.num_kv_heads);
+  r.mutable_geometry()->set_head_dim(spec.geometry.head_dim);
+  r.mutable_geometry()->set_dtype(pb::KV_DTYPE_BF16);
+  r.set_page_size(spec.geometry.page_size);
+  r.mutable_recipe()->set_sink_tokens(spec.sink_tokens);
+  r.mutable_recipe()->set_recent_tokens(spec.recent_tokens);
+  r.mutable_recipe()->set_clip_ratio_k(spec.clip_ratio_k);
+  r.mutable_recipe()->set_clip_ratio_v(spec.clip_ratio_v);
+  r.mutable_recipe()->set_history_precision(pb::HISTORY_PRECISION_INT2);
+  r.mutable_recipe()->set_block_format_version(1);
+  r.set_rotation_file(testing::RotationFileFor(spec));
+  return r;
+}
+
+class ServiceTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    PoolServerOptions o;
+    o.listen = "127.0.0.1:0";
+    o.metrics_port = 0;
+    o.capacity_bytes = 4 << 20;
+    o.data_plane = "none";
+    auto s = PoolServer::Create(o);
+    ASSERT_TRUE(s.ok()) << s.status();
+    server_ = std::move(*s);
+    channel_ = grpc::CreateChannel(absl::StrCat("127.0.0.1:", server_->grpc_port()),
+                                   grpc::InsecureChannelCredentials());
+    stub_ = pb::KvPool::NewStub(channel_);
+  }
+  void TearDown() override {
+    if (server_) server_->Shutdown(absl::Seconds(1));
+  }
+  std::unique_ptr<grpc::ClientContext> Ctx() {
+    auto c = std::make_unique<grpc::ClientContext>();
+    c->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    return c;
+  }
+
+  std::unique_ptr<PoolServer> server_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<pb::KvPool::Stub> stub_;
+};
+
+TEST_F(ServiceTest, RegisterPutLookupAcquireRelease) {
+  const ModelSpec spec = testing::TinySpec();
+  pb::RegisterModelResponse reg;
+  grpc::Status st = stub_->RegisterModel(Ctx().get(), RegisterRequest(spec), &reg);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  ASSERT_EQ(reg.namespace_id().size(), 32u);
+  EXPECT_TRUE(reg.created());
+  EXPECT_EQ(reg.bf16_form_bytes(), 512u);
+  EXPECT_EQ(reg.int2_form_bytes(), 192u);
+  EXPECT_NE(reg.pool_epoch(), 0u);
+  EXPECT_EQ(reg.rotation_id(), DigestBytes(Sha256(RegisterRequest(spec).rotation_file())));
+
+  const std::vector<uint32_t> tokens = testing::Tokens(1, 26);  // 6 full blocks + 2 tokens
+  pb::BeginPutRequest bp;
+  bp.set_namespace_id(reg.namespace_id());
+  for (uint32_t t : tokens) bp.add_token_ids(t);
+  bp.set_num_blocks(6);
+  pb::BeginPutResponse put;
+  st = stub_->BeginPut(Ctx().get(), bp, &put);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  ASSERT_EQ(put.blocks_size(), 6);
+  EXPECT_EQ(put.pool_epoch(), reg.pool_epoch());
+  PoolMemory& mem = server_->store().memory();
+  pb::CommitPutRequest cp;
+  cp.set_namespace_id(reg.namespace_id());
+  cp.set_put_id(put.put_id());
+  for (const pb::PutBlock& b : put.blocks()) {
+    ASSERT_EQ(b.action(), pb::PUT_BLOCK_ACTION_WRITE);
+    ASSERT_EQ(b.size(), 512u);
+    auto bytes = testing::BlockBytes(spec.geometry, 1, b.index());
+    std::memcpy(mem.data() + (b.staging_addr() - mem.remote_address()), bytes.data(), bytes.size());
+    auto* c = cp.add_checksums();
+    c->set_index(b.index());
+    c->set_xxh3(Xxh3(bytes.data(), bytes.size()));
+  }
+  pb::CommitPutResponse committed;
+  st = stub_->CommitPut(Ctx().get(), cp, &committed);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  EXPECT_EQ(committed.blocks_size(), 6);
+  EXPECT_EQ(committed.bytes_ingested(), 6u * 512);
+
+  pb::LookupRequest lr;
+  lr.set_namespace_id(reg.namespace_id());
+  for (uint32_t t : tokens) lr.add_token_ids(t);
+  pb::LookupResponse look;
+  ASSERT_TRUE(stub_->Lookup(Ctx().get(), lr, &look).ok());
+  EXPECT_EQ(look.num_blocks(), 6u);
+  EXPECT_TRUE(look.blocks(0).sink());
+  ASSERT_EQ(look.blocks(0).forms_size(), 1);
+  EXPECT_EQ(look.blocks(0).forms(0), pb::FORM_BF16);
+  EXPECT_EQ(look.blocks(5).forms_size(), 2);
+  // The keys match the client-side computation of docs/KEYS.md.
+  auto keys = ChainKeys(*DigestFromBytes(reg.namespace_id()), tokens, 4);
+  EXPECT_EQ(look.blocks(3).key(), DigestBytes((*keys)[3]));
+
+  pb::AcquireRequest ar;
+  ar.set_namespace_id(reg.namespace_id());
+  for (const Digest& k : *keys) ar.add_keys(DigestBytes(k));
+  ar.set_max_blocks(4);
+  pb::AcquireResponse lease;
+  ASSERT_TRUE(stub_->Acquire(Ctx().get(), ar, &lease).ok());
+  EXPECT_EQ(lease.num_blocks(), 4u);
+  for (const pb::LeasedBlock& b : lease.blocks()) {
+    for (const pb::FormLocation& f : b.forms()) {
+      const uint8_t* p = mem.data() + (f.remote_addr() - mem.remote_address());
+      EXPECT_EQ(Xxh3(p, f.size()), f.xxh3());
+      EXPECT_NE(f.generation(), 0u);
+    }
+  }
+  pb::RenewRequest rr;
+  rr.set_lease_id(lease.lease_id());
+  pb::RenewResponse renew;
+  EXPECT_TRUE(stub_->Renew(Ctx().get(), rr, &renew).ok());
+  pb::ReleaseRequest rel;
+  rel.set_lease_id(lease.lease_id());
+  pb::ReleaseResponse released;
+  EXPECT_TRUE(stub_->Release(Ctx().get(), rel, &released).ok());
+  EXPECT_EQ(stub_->Release(Ctx().get(), rel, &released).error_code(), grpc::StatusCode::NOT_FOUND);
+
+  pb::StatsResponse stats;
+  ASSERT_TRUE(stub_->Stats(Ctx().get(), pb::StatsRequest(), &stats).ok());
+  EXPECT_EQ(stats.blocks(), 6u);
+  EXPECT_EQ(stats.int2_forms(), 5u);
+  EXPECT_EQ(stats.bf16_forms(), 3u);
+  EXPECT_EQ(stats.pool_epoch(), reg.pool_epoch());
+  EXPECT_EQ(stats.leases(), 0u);
+
+  // /metrics over HTTP.
+  httplib::Client http("127.0.0.1", server_->metrics_port());
+  auto res = http.Get("/metrics");
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 200);
+  EXPECT_NE(res->body.find("kvpool_blocks 6\n"), std::string::npos);
+}
+
+TEST_F(ServiceTest, ErrorsAreTypedAndNameTheField) {
+  const ModelSpec spec = testing::TinySpec();
+  pb::RegisterModelResponse reg;
+  ASSERT_TRUE(stub_->RegisterModel(Ctx().get(), RegisterRequest(spec), &reg).ok());
+  pb::RegisterModelRequest other = RegisterRequest(spec);
+  other.set_page_size(8);
+  other.mutable_recipe()->set_sink_tokens(8);
+  other.mutable_recipe()->set_history_precision(pb::HISTORY_PRECISION_BF16);
+  other.set_rotation_id(reg.rotation_id());
+  pb::RegisterModelResponse ignored;
+  grpc::Status st = stub_->RegisterModel(Ctx().get(), other, &ignored);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  for (const char* f : {"page_size", "recipe.sink_tokens", "recipe.history_precision"}) {
+    EXPECT_NE(st.error_message().find(f), std::string::npos) << st.error_message();
+  }
+  pb::RegisterModelRequest no_dtype = RegisterRequest(spec);
+  no_dtype.mutable_geometry()->clear_dtype();
+  st = stub_->RegisterModel(Ctx().get(), no_dtype, &ignored);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(st.error_message().find("geometry.dtype"), std::string::npos);
+
+  pb::BeginPutRequest bp;
+  bp.set_namespace_id("short");
+  bp.set_num_blocks(1);
+  pb::BeginPutResponse put;
+  st = stub_->BeginPut(Ctx().get(), bp, &put);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(st.error_message().find("namespace_id"), std::string::npos);
+  bp.set_namespace_id(std::string(32, 'x'));
+  EXPECT_EQ(stub_->BeginPut(Ctx().get(), bp, &put).error_code(), grpc::StatusCode::NOT_FOUND);
+
+  pb::LookupRequest lr;
+  lr.set_namespace_id(reg.namespace_id());
+  lr.add_keys("not-32-bytes");
+  pb::LookupResponse look;
+  st = stub_->Lookup(Ctx().get(), lr, &look);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(st.error_message().find("keys[0]"), std::string::npos);
+  // Unknown keys: a valid answer of 0 blocks.
+  lr.clear_keys();
+  lr.add_keys(std::string(32, 'k'));
+  ASSERT_TRUE(stub_->Lookup(Ctx().get(), lr, &look).ok());
+  EXPECT_EQ(look.num_blocks(), 0u);
+}
+
+TEST_F(ServiceTest, HealthReadinessAndLiveness) {
+  EXPECT_EQ(HealthCheck(channel_, ""), 1);
+  EXPECT_EQ(HealthCheck(channel_, "kvpool.v1.KvPool"), 1);
+  EXPECT_EQ(HealthCheck(channel_, "liveness"), 1);
+  server_->MarkNotReady();
+  EXPECT_EQ(HealthCheck(channel_, ""), 2);
+  EXPECT_EQ(HealthCheck(channel_, "kvpool.v1.KvPool"), 2);
+  EXPECT_EQ(HealthCheck(channel_, "liveness"), 1);
+  pb::StatsResponse stats;  // still serving calls until Shutdown
+  EXPECT_TRUE(stub_->Stats(Ctx().get(), pb::StatsRequest(), &stats).ok());
+  server_->Shutdown(absl::Seconds(1));
+  EXPECT_EQ(stub_->Stats(Ctx().get(), pb::StatsRequest(), &stats).error_code(),
+            grpc::StatusCode::UNAVAILABLE);
+  server_.reset();
+}
+
+// ---- the binary ----------------------------------------------------------------------------
+
+struct Child {
+  pid_t pid = -1;
+  FILE* out = nullptr;
+};
+
+Child Spawn(const std::vector<std::string>& args) {
+  int fds[2];
+  if (pipe(fds) != 0) return {};
+  pid_t pid = fork();
+  if (pid == 0) {
+    dup2(fds[1], 1);
+    close(fds[0]);
+    close(fds[1]);
+    std::vector<char*> argv;
+    std::string bin = KVPOOL_SERVER_BIN;
+    argv.push_back(bin.data());
+    for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+    argv.push_back(nullptr);
+    execv(bin.c_str(), argv.data());
+    _exit(127);
+  }
+  close(fds[1]);
+  return {pid, fdopen(fds[0], "r")};
+}
+
+int WaitExit(pid_t pid) {
+  int status = 0;
+  if (waitpid(pid, &status, 0) != pid) return -1;
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+TEST(ServerBinaryTest, FlagsHelpAndUsageErrors) {
+  Child help = Spawn({"--help"});
+  std::string text;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof(buf), help.out)) > 0) text.append(buf, n);
+  fclose(help.out);
+  EXPECT_EQ(WaitExit(help.pid), 0);
+  for (const char* flag : {"--listen", "--metrics-port", "--capacity", "--config", "--version",
+                           "--lease-ms", "--put-timeout-ms", "--high-watermark"}) {
+    EXPECT_NE(text.find(flag), std::string::npos) << flag;
+  }
+  Child bad = Spawn({"--capacity", "lots"});
+  fclose(bad.out);
+  EXPECT_EQ(WaitExit(bad.pid), 1);
+  Child unknown = Spawn({"--no-such-flag"});
+  fclose(unknown.out);
+  EXPECT_EQ(WaitExit(unknown.pid), 1);
+}
+
+TEST(ServerBinaryTest, ServesMetricsAndDrainsOnSigterm) {
+  Child c = Spawn({"--listen", "127.0.0.1:0", "--metrics-port", "0", "--data-plane", "none",
+                   "--capacity", "8MiB"});
+  ASSERT_GT(c.pid, 0);
+  int grpc_port = 0, metrics_port = 0;
+  ASSERT_EQ(fscanf(c.out, "grpc_port=%d metrics_port=%d", &grpc_port, &metrics_port), 2);
+  auto ch = grpc::CreateChannel(absl::StrCat("127.0.0.1:", grpc_port),
+                                grpc::InsecureChannelCredentials());
+  EXPECT_EQ(HealthCheck(ch, ""), 1);
+  httplib::Client http("127.0.0.1", metrics_port);
+  auto res = http.Get("/metrics");
+  ASSERT_TRUE(res);
+  EXPECT_NE(res->body.find("kvpool_capacity_bytes 8388608\n"), std::string::npos) << res->body;
+  ASSERT_EQ(kill(c.pid, SIGTERM), 0);
+  EXPECT_EQ(WaitExit(c.pid), 0);
+  fclose(c.out);
+}
+
+}  // namespace
+}  // namespace kvpool::kvstore

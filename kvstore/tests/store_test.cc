@@ -1,0 +1,557 @@
+// BlockStore: registration, two-phase puts, forms per block, leases, expiry, eviction, delete,
+// failure paths. Heap memory and a FakeClock; the "client" writes staging bytes directly.
+#include "kvpool/kvstore/store.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <set>
+#include <thread>
+
+#include "kvpool/common/checksum.h"
+#include "test_util.h"
+
+namespace kvpool::kvstore {
+namespace {
+
+using testing::BlockBytes;
+using testing::RotationFileFor;
+using testing::TinySpec;
+using testing::Tokens;
+
+constexpr FormKind kB = FormKind::kBf16;
+constexpr FormKind kI = FormKind::kInt2;
+
+class StoreTest : public ::testing::Test {
+ protected:
+  void Init(uint64_t capacity, HistoryPrecision p = HistoryPrecision::kInt2,
+            StoreOptions opts = {}) {
+    mem_ = *HeapPoolMemory::Create(capacity);
+    store_ = *BlockStore::Create(opts, mem_.get(), &clock_);
+    spec_ = TinySpec(p);
+    auto info = store_->RegisterModel(spec_, {.file_bytes = RotationFileFor(spec_)});
+    ASSERT_TRUE(info.ok()) << info.status();
+    info_ = *info;
+    ns_ = info_.namespace_id;
+  }
+  void SetUp() override { Init(1 << 20); }
+
+  // Writes the staging bytes of every WRITE block and returns their checksums.
+  std::vector<BlockChecksum> Write(const PutPlan& plan, uint32_t seq) {
+    std::vector<BlockChecksum> sums;
+    for (const PutBlockPlan& b : plan.blocks) {
+      if (b.action != PutAction::kWrite) continue;
+      std::vector<uint8_t> bytes = BlockBytes(spec_.geometry, seq, b.index);
+      EXPECT_EQ(bytes.size(), b.size);
+      std::memcpy(mem_->data() + b.staging_offset, bytes.data(), bytes.size());
+      sums.push_back({b.index, Xxh3(bytes.data(), bytes.size())});
+    }
+    return sums;
+  }
+
+  absl::StatusOr<CommitResult> Put(uint32_t seq, uint32_t blocks, uint32_t shared = 0) {
+    auto plan = store_->BeginPut(ns_, Tokens(seq, blocks * 4, shared), blocks, {});
+    if (!plan.ok()) return plan.status();
+    return store_->CommitPut(ns_, plan->put_id, Write(*plan, seq));
+  }
+
+  std::vector<std::vector<FormKind>> Forms(uint32_t seq, uint32_t blocks, uint32_t shared = 0) {
+    auto r = store_->Lookup(ns_, {.token_ids = Tokens(seq, blocks * 4, shared)});
+    EXPECT_TRUE(r.ok()) << r.status();
+    std::vector<std::vector<FormKind>> out;
+    for (const auto& b : *r) out.push_back(b.forms);
+    return out;
+  }
+
+  FakeClock clock_;
+  std::unique_ptr<HeapPoolMemory> mem_;
+  std::unique_ptr<BlockStore> store_;
+  ModelSpec spec_;
+  ModelInfo info_;
+  Digest ns_{};
+};
+
+TEST_F(StoreTest, RegistrationIsIdempotentAndMismatchListsEveryField) {
+  EXPECT_EQ(info_.bf16_form_bytes, 512u);
+  EXPECT_EQ(info_.int2_form_bytes, 192u);
+  EXPECT_EQ(info_.sink_blocks, 1u);
+  EXPECT_EQ(info_.recent_blocks, 2u);
+  EXPECT_TRUE(info_.created);
+  auto again = store_->RegisterModel(spec_, {.file_bytes = RotationFileFor(spec_)});
+  ASSERT_TRUE(again.ok());
+  EXPECT_FALSE(again->created);
+  EXPECT_EQ(again->namespace_id, ns_);
+  // Re-attach by rotation id.
+  auto by_id = store_->RegisterModel(spec_, {.id = info_.rotation_id});
+  ASSERT_TRUE(by_id.ok()) << by_id.status();
+  EXPECT_EQ(by_id->namespace_id, ns_);
+
+  ModelSpec other = spec_;
+  other.sink_tokens = 8;
+  other.recent_tokens = 16;
+  other.clip_ratio_k = 0.5f;
+  auto bad = store_->RegisterModel(other, {.id = info_.rotation_id});
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kFailedPrecondition);
+  for (const char* f : {"recipe.sink_tokens", "recipe.recent_tokens", "recipe.clip_ratio_k"}) {
+    EXPECT_NE(bad.status().message().find(f), std::string_view::npos) << bad.status();
+  }
+  EXPECT_EQ(bad.status().message().find("recipe.clip_ratio_v"), std::string_view::npos);
+
+  // Same model, another revision: a separate namespace.
+  ModelSpec rev = spec_;
+  rev.revision = "r2";
+  auto r2 = store_->RegisterModel(rev, {.id = info_.rotation_id});
+  ASSERT_TRUE(r2.ok());
+  EXPECT_NE(r2->namespace_id, ns_);
+}
+
+TEST_F(StoreTest, RegistrationErrorsNameTheField) {
+  ModelSpec s = spec_;
+  s.revision = "x";
+  s.geometry.head_dim = 12;
+  auto r = store_->RegisterModel(s, {.id = info_.rotation_id});
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("geometry.head_dim"), std::string_view::npos);
+  s = spec_;
+  s.revision = "x";
+  s.sink_tokens = 6;
+  EXPECT_NE(store_->RegisterModel(s, {.id = info_.rotation_id})
+                .status()
+                .message()
+                .find("recipe.sink_tokens"),
+            std::string_view::npos);
+  s = spec_;
+  s.revision = "x";
+  EXPECT_EQ(store_->RegisterModel(s, {}).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(store_->RegisterModel(s, {.id = Sha256("nope")}).status().code(),
+            absl::StatusCode::kNotFound);
+  // A rotation file for another geometry.
+  ModelSpec wrong = spec_;
+  wrong.geometry.num_layers = 3;
+  auto rf = store_->RegisterModel(s, {.file_bytes = RotationFileFor(wrong)});
+  EXPECT_EQ(rf.status().code(), absl::StatusCode::kFailedPrecondition) << rf.status();
+  EXPECT_NE(rf.status().message().find("num_layers"), std::string_view::npos);
+  EXPECT_EQ(store_->RegisterModel(s, {.file_bytes = "garbage!garbage!"}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(StoreTest, FormsPerBlockFollowTheRecipe) {
+  // 6 blocks: 0 is sink (BF16), 1..3 history (INT2), 4..5 recent tail (INT2 + BF16).
+  auto c = Put(1, 6);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->bytes_ingested, 6u * 512);
+  auto f = Forms(1, 6);
+  ASSERT_EQ(f.size(), 6u);
+  EXPECT_EQ(f[0], (std::vector<FormKind>{kB}));
+  for (int i = 1; i <= 3; ++i) EXPECT_EQ(f[i], (std::vector<FormKind>{kI})) << i;
+  for (int i = 4; i <= 5; ++i) EXPECT_EQ(f[i], (std::vector<FormKind>{kB, kI})) << i;
+  auto lk = store_->Lookup(ns_, {.token_ids = Tokens(1, 24)});
+  EXPECT_TRUE((*lk)[0].sink);
+  EXPECT_FALSE((*lk)[1].sink);
+  // Keys are the docs/KEYS.md chain from the namespace.
+  auto keys = ChainKeys(ns_, Tokens(1, 24), 4);
+  for (int i = 0; i < 6; ++i) EXPECT_EQ((*lk)[i].key, (*keys)[i]);
+  // A longer query stops at the held prefix; a key query gives the same answer.
+  EXPECT_EQ(Forms(1, 9).size(), 6u);
+  auto by_keys = store_->Lookup(ns_, {.keys = *keys});
+  EXPECT_EQ(by_keys->size(), 6u);
+  StoreStats s = store_->Stats();
+  EXPECT_EQ(s.blocks, 6u);
+  EXPECT_EQ(s.forms[int(kB)], 3u);
+  EXPECT_EQ(s.forms[int(kI)], 5u);
+  EXPECT_EQ(s.staging_bytes, 0u);
+  EXPECT_EQ(s.open_puts, 0u);
+}
+
+TEST_F(StoreTest, Bf16PrecisionKeepsOnlyBf16) {
+  Init(1 << 20, HistoryPrecision::kBf16);
+  ASSERT_TRUE(Put(1, 5).ok());
+  for (const auto& f : Forms(1, 5)) EXPECT_EQ(f, (std::vector<FormKind>{kB}));
+}
+
+TEST_F(StoreTest, StoredBytesAreTheEncodedFormsWithChecksums) {
+  ASSERT_TRUE(Put(2, 6).ok());
+  auto lease = store_->Acquire(ns_, {.token_ids = Tokens(2, 24)}, 0, {});
+  ASSERT_TRUE(lease.ok());
+  ASSERT_EQ(lease->blocks.size(), 6u);
+  auto rot = ParseRotations(RotationFileFor(spec_));
+  ASSERT_TRUE(rot.ok());
+  std::set<uint64_t> generations;
+  for (const LeasedBlock& b : lease->blocks) {
+    std::vector<uint8_t> in = BlockBytes(spec_.geometry, 2, b.index);
+    std::vector<uint8_t> bf16(512), int2(192);
+    EncodeResult r;
+    ASSERT_TRUE(EncodeBlock(spec_.geometry, *rot, spec_.clip_ratio_k, spec_.clip_ratio_v, in.data(),
+                            bf16.data(), int2.data(), &r)
+                    .ok());
+    for (const FormLocation& f : b.forms) {
+      const uint8_t* stored = mem_->data() + f.offset;
+      const std::vector<uint8_t>& want = f.form == kB ? bf16 : int2;
+      ASSERT_EQ(f.size, want.size());
+      EXPECT_EQ(0, std::memcmp(stored, want.data(), want.size())) << "block " << b.index;
+      EXPECT_EQ(f.xxh3, Xxh3(stored, f.size));
+      EXPECT_TRUE(generations.insert(f.generation).second);
+    }
+  }
+  EXPECT_TRUE(store_->Release(lease->lease_id).ok());
+}
+
+TEST_F(StoreTest, NothingVisibleBeforeCommitAndAbortReclaims) {
+  auto plan = store_->BeginPut(ns_, Tokens(3, 16), 4, {});
+  ASSERT_TRUE(plan.ok());
+  EXPECT_EQ(store_->Stats().staging_bytes, 4u * 512);
+  Write(*plan, 3);
+  EXPECT_TRUE(Forms(3, 4).empty());
+  EXPECT_TRUE(store_->AbortPut(ns_, plan->put_id).ok());
+  EXPECT_TRUE(Forms(3, 4).empty());
+  EXPECT_EQ(store_->Stats().used_bytes, 0u);
+  EXPECT_EQ(store_->CommitPut(ns_, plan->put_id, {}).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(store_->AbortPut(ns_, plan->put_id).code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(StoreTest, ChecksumMismatchIsDataLossAndChangesNothing) {
+  ASSERT_TRUE(Put(4, 2).ok());
+  const uint64_t used = store_->Stats().used_bytes;
+  auto plan = store_->BeginPut(ns_, Tokens(4, 20), 5, {});
+  ASSERT_TRUE(plan.ok());
+  EXPECT_EQ(plan->blocks[0].action, PutAction::kSkip);
+  auto sums = Write(*plan, 4);
+  sums.back().xxh3 ^= 1;
+  auto c = store_->CommitPut(ns_, plan->put_id, sums);
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_NE(c.status().message().find("block 4"), std::string_view::npos) << c.status();
+  EXPECT_EQ(store_->metrics().checksum_failures.load(), 1u);
+  EXPECT_EQ(Forms(4, 5).size(), 2u);  // only the earlier commit
+  EXPECT_EQ(store_->Stats().used_bytes, used);
+  EXPECT_EQ(store_->Stats().open_puts, 0u);
+}
+
+TEST_F(StoreTest, NonFiniteIsRefusedNamingBlockLayerHeadToken) {
+  ASSERT_TRUE(Put(5, 3).ok());
+  auto before = store_->Acquire(ns_, {.token_ids = Tokens(5, 12)}, 0, {});
+  ASSERT_TRUE(before.ok());
+  ASSERT_TRUE(store_->Release(before->lease_id).ok());
+  auto plan = store_->BeginPut(ns_, Tokens(5, 24), 6, {});
+  ASSERT_TRUE(plan.ok());
+  std::vector<BlockChecksum> sums;
+  for (const PutBlockPlan& b : plan->blocks) {
+    if (b.action != PutAction::kWrite) continue;
+    std::vector<uint8_t> bytes = BlockBytes(spec_.geometry, 5, b.index);
+    if (b.index == 4) {
+      const uint64_t at = spec_.geometry.Bf16ChunkOffset(1, 1) + (3 * 8 + 6) * 2;
+      const uint16_t inf = 0x7f80;
+      std::memcpy(bytes.data() + at, &inf, 2);
+    }
+    std::memcpy(mem_->data() + b.staging_offset, bytes.data(), bytes.size());
+    sums.push_back({b.index, Xxh3(bytes.data(), bytes.size())});
+  }
+  auto c = store_->CommitPut(ns_, plan->put_id, sums);
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(c.status().message(), "block 4: layer 1 head 1 K token 3 element 6 is inf");
+  // Nothing of the failed put is visible and the committed blocks are intact: their forms,
+  // locations and checksums did not change (the tail BF16 forms of blocks 1, 2 were not
+  // demoted or touched).
+  EXPECT_EQ(Forms(5, 6).size(), 3u);
+  auto after = store_->Acquire(ns_, {.token_ids = Tokens(5, 12)}, 0, {});
+  ASSERT_EQ(after->blocks.size(), 3u);
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_EQ(after->blocks[i].forms.size(), before->blocks[i].forms.size());
+    for (size_t f = 0; f < after->blocks[i].forms.size(); ++f) {
+      const FormLocation& a = after->blocks[i].forms[f];
+      const FormLocation& b = before->blocks[i].forms[f];
+      EXPECT_EQ(a.offset, b.offset);
+      EXPECT_EQ(a.generation, b.generation);
+      EXPECT_EQ(a.xxh3, b.xxh3);
+      EXPECT_EQ(Xxh3(mem_->data() + a.offset, a.size), a.xxh3);
+    }
+  }
+  EXPECT_EQ(store_->metrics().nonfinite_refusals.load(), 1u);
+}
+
+TEST_F(StoreTest, RepeatedPutIsIdempotentAndAddsMissingForms) {
+  ASSERT_TRUE(Put(6, 6).ok());
+  // The 3-block prefix of the same sequence: its blocks 1 and 2 are now a tail and need BF16.
+  auto plan = store_->BeginPut(ns_, Tokens(6, 12), 3, {});
+  ASSERT_TRUE(plan.ok());
+  EXPECT_EQ(plan->blocks[0].action, PutAction::kSkip);
+  EXPECT_EQ(plan->blocks[1].action, PutAction::kWrite);
+  EXPECT_EQ(plan->blocks[1].forms_held, (std::vector<FormKind>{kI}));
+  EXPECT_EQ(plan->blocks[1].forms_added, (std::vector<FormKind>{kB}));
+  ASSERT_TRUE(store_->CommitPut(ns_, plan->put_id, Write(*plan, 6)).ok());
+  auto f = Forms(6, 6);
+  EXPECT_EQ(f[1], (std::vector<FormKind>{kB, kI}));
+  EXPECT_EQ(f[2], (std::vector<FormKind>{kB, kI}));
+  EXPECT_EQ(f[3], (std::vector<FormKind>{kI}));
+  // The same put again: everything skipped, nothing staged.
+  auto again = store_->BeginPut(ns_, Tokens(6, 24), 6, {});
+  ASSERT_TRUE(again.ok());
+  for (const auto& b : again->blocks) EXPECT_EQ(b.action, PutAction::kSkip);
+  EXPECT_EQ(store_->Stats().staging_bytes, 0u);
+  auto c = store_->CommitPut(ns_, again->put_id, {});
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(c->blocks.size(), 6u);
+  EXPECT_EQ(store_->Stats().blocks, 6u);
+}
+
+TEST_F(StoreTest, ConcurrentPutsOfTheSameBlocksLinkOnce) {
+  auto p1 = store_->BeginPut(ns_, Tokens(7, 16), 4, {});
+  auto p2 = store_->BeginPut(ns_, Tokens(7, 16), 4, {});
+  ASSERT_TRUE(p1.ok() && p2.ok());
+  EXPECT_EQ(p2->blocks[3].action, PutAction::kWrite);  // not committed yet: both write
+  auto s1 = Write(*p1, 7);
+  auto s2 = Write(*p2, 7);
+  ASSERT_TRUE(store_->CommitPut(ns_, p1->put_id, s1).ok());
+  const uint64_t used = store_->Stats().used_bytes;
+  ASSERT_TRUE(store_->CommitPut(ns_, p2->put_id, s2).ok());
+  EXPECT_EQ(store_->Stats().blocks, 4u);
+  EXPECT_EQ(store_->Stats().used_bytes, used - 4 * 512);  // p2's staging freed, nothing added
+}
+
+TEST_F(StoreTest, BadPutArgumentsNameTheField) {
+  EXPECT_EQ(store_->BeginPut(Sha256("x"), Tokens(1, 8), 2, {}).status().code(),
+            absl::StatusCode::kNotFound);
+  auto zero = store_->BeginPut(ns_, Tokens(1, 8), 0, {});
+  EXPECT_NE(zero.status().message().find("num_blocks"), std::string_view::npos);
+  auto over = store_->BeginPut(ns_, Tokens(1, 7), 2, {});
+  EXPECT_EQ(over.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(over.status().message().find("num_blocks"), std::string_view::npos);
+  // Oversize: staging larger than the whole pool.
+  auto huge = store_->BeginPut(ns_, Tokens(1, 4 * 4096), 4096, {});
+  EXPECT_EQ(huge.status().code(), absl::StatusCode::kResourceExhausted);
+  // Checksums: missing, unknown index, duplicate.
+  auto plan = store_->BeginPut(ns_, Tokens(1, 8), 2, {});
+  ASSERT_TRUE(plan.ok());
+  auto sums = Write(*plan, 1);
+  auto missing = store_->CommitPut(ns_, plan->put_id, {sums[0]});
+  EXPECT_EQ(missing.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(missing.status().message().find("checksums"), std::string_view::npos);
+  plan = store_->BeginPut(ns_, Tokens(1, 8), 2, {});
+  sums = Write(*plan, 1);
+  sums.push_back({7, 0});
+  EXPECT_NE(
+      store_->CommitPut(ns_, plan->put_id, sums).status().message().find("checksums[2].index"),
+      std::string_view::npos);
+  plan = store_->BeginPut(ns_, Tokens(1, 8), 2, {});
+  // Commit under another namespace: NOT_FOUND, and the put stays open.
+  EXPECT_EQ(store_->CommitPut(Sha256("x"), plan->put_id, {}).status().code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(store_->Stats().open_puts, 1u);
+  EXPECT_EQ(store_->Lookup(ns_, {}).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(StoreTest, UncommittedPutExpiresAndIsReclaimed) {
+  auto plan = store_->BeginPut(ns_, Tokens(8, 16), 4, absl::Seconds(5));
+  ASSERT_TRUE(plan.ok());
+  EXPECT_EQ(plan->timeout, absl::Seconds(5));
+  auto sums = Write(*plan, 8);
+  clock_.Advance(absl::Seconds(4));
+  store_->Tick();
+  EXPECT_EQ(store_->Stats().open_puts, 1u);
+  clock_.Advance(absl::Seconds(2));
+  store_->Tick();
+  EXPECT_EQ(store_->Stats().open_puts, 0u);
+  EXPECT_EQ(store_->Stats().used_bytes, 0u);
+  EXPECT_EQ(store_->metrics().put_expiries.load(), 1u);
+  EXPECT_EQ(store_->CommitPut(ns_, plan->put_id, sums).status().code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_TRUE(Forms(8, 4).empty());
+}
+
+TEST_F(StoreTest, LeasesRenewReleaseAndExpire) {
+  ASSERT_TRUE(Put(9, 3).ok());
+  auto l = store_->Acquire(ns_, {.token_ids = Tokens(9, 16)}, 0, absl::Seconds(2));
+  ASSERT_TRUE(l.ok());
+  EXPECT_EQ(l->blocks.size(), 3u);
+  EXPECT_NE(l->lease_id, 0u);
+  EXPECT_EQ(store_->Stats().leases, 1u);
+  clock_.Advance(absl::Seconds(1));
+  auto renewed = store_->Renew(l->lease_id, absl::Seconds(2));
+  ASSERT_TRUE(renewed.ok());
+  clock_.Advance(absl::Seconds(1.5));
+  store_->Tick();
+  EXPECT_EQ(store_->Stats().leases, 1u);  // renewed: still alive
+  clock_.Advance(absl::Seconds(1));
+  store_->Tick();
+  EXPECT_EQ(store_->Stats().leases, 0u);
+  EXPECT_EQ(store_->metrics().lease_expiries.load(), 1u);
+  EXPECT_EQ(store_->Release(l->lease_id).code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(store_->Renew(l->lease_id, {}).status().code(), absl::StatusCode::kNotFound);
+  // Past its deadline but before a Tick: Release still reports the expiry (fail closed).
+  auto l2 = store_->Acquire(ns_, {.token_ids = Tokens(9, 12)}, 2, absl::Seconds(1));
+  ASSERT_EQ(l2->blocks.size(), 2u);
+  clock_.Advance(absl::Seconds(2));
+  EXPECT_EQ(store_->Release(l2->lease_id).code(), absl::StatusCode::kNotFound);
+  // Nothing held: no lease.
+  auto none = store_->Acquire(ns_, {.token_ids = Tokens(99, 8)}, 0, {});
+  ASSERT_TRUE(none.ok());
+  EXPECT_EQ(none->lease_id, 0u);
+  EXPECT_TRUE(none->blocks.empty());
+}
+
+// 10240 bytes of pool: 20 BF16 forms (512 bytes) or 40 INT2 forms (192 bytes, allocated as
+// 256). A 4-block sequence stores B, I, B+I, B+I = 2304 bytes; staging is 512 per block.
+class EvictionTest : public StoreTest {
+ protected:
+  void SetUp() override { InitWatermarks(0.6, 0.4); }
+  void InitWatermarks(double high, double low) {
+    StoreOptions o;
+    o.high_watermark = high;
+    o.low_watermark = low;
+    Init(20 * 512, HistoryPrecision::kInt2, o);
+  }
+};
+
+TEST_F(EvictionTest, DemotesBf16BeforeEvictingBlocks) {
+  // Sequence A: 4 blocks → forms: B, I, B+I, B+I  = 3·512 + 3·256 = 2304 bytes.
+  ASSERT_TRUE(Put(1, 4).ok());
+  ASSERT_TRUE(Put(2, 4).ok());
+  ASSERT_TRUE(Put(3, 4).ok());  // 6912 of 10240 bytes: above the 60% high watermark
+  const uint64_t used = store_->Stats().used_bytes;
+  EXPECT_EQ(used, 3u * 2304);
+  EXPECT_EQ(store_->metrics().evictions_demote.load(), 0u);
+  store_->Tick();  // reclaims to <= 40% = 4096 bytes
+  StoreStats s = store_->Stats();
+  EXPECT_LE(s.used_bytes, 4096u);
+  EXPECT_EQ(s.blocks, 12u);  // demotion alone was enough: no block lost
+  EXPECT_GE(store_->metrics().evictions_demote.load(), 4u);
+  EXPECT_EQ(store_->metrics().evictions_block.load(), 0u);
+  // Sinks keep BF16; demoted blocks keep INT2.
+  for (uint32_t seq = 1; seq <= 3; ++seq) {
+    auto f = Forms(seq, 4);
+    ASSERT_EQ(f.size(), 4u);
+    EXPECT_EQ(f[0], (std::vector<FormKind>{kB}));
+    for (int i = 1; i < 4; ++i) EXPECT_NE(std::find(f[i].begin(), f[i].end(), kI), f[i].end());
+  }
+}
+
+TEST_F(EvictionTest, EvictsWholeBlocksLeafFirstAndNeverLeased) {
+  ASSERT_TRUE(Put(1, 4).ok());
+  auto lease = store_->Acquire(ns_, {.token_ids = Tokens(1, 16)}, 0, absl::Minutes(1));
+  ASSERT_EQ(lease->blocks.size(), 4u);
+  // Sequences sharing a 2-block prefix (8 tokens) with each other.
+  ASSERT_TRUE(Put(2, 4, 8).ok());
+  ASSERT_TRUE(Put(3, 4, 8).ok());
+  // Puts keep coming; allocations evict as needed.
+  for (uint32_t seq = 4; seq < 12; ++seq) {
+    auto c = Put(seq, 3);
+    ASSERT_TRUE(c.ok()) << seq << ": " << c.status();
+  }
+  // The leased sequence is intact with every form.
+  auto f = Forms(1, 4);
+  ASSERT_EQ(f.size(), 4u);
+  EXPECT_EQ(f[2], (std::vector<FormKind>{kB, kI}));
+  EXPECT_GT(store_->metrics().evictions_block.load(), 0u);
+  // Leaf-first: every resident block's parent is resident, so any held block is reachable as
+  // part of a held prefix. Check by key chains of every sequence: Lookup by keys of the full
+  // chain must equal the count of the chain's keys that are held (no holes).
+  for (uint32_t seq = 1; seq < 12; ++seq) {
+    const uint32_t n = seq <= 3 ? 4 : 3;
+    auto keys = ChainKeys(ns_, Tokens(seq, n * 4, seq == 2 || seq == 3 ? 8 : 0), 4);
+    uint32_t held = 0;
+    for (const Digest& k : *keys) {
+      auto one = store_->Acquire(ns_, {.keys = {k}}, 0, {});
+      if (!one->blocks.empty()) {
+        ++held;
+        ASSERT_TRUE(store_->Release(one->lease_id).ok());
+      }
+    }
+    auto prefix = store_->Lookup(ns_, {.keys = *keys});
+    EXPECT_EQ(prefix->size(), held) << "sequence " << seq << " has a hole";
+  }
+  ASSERT_TRUE(store_->Release(lease->lease_id).ok());
+}
+
+TEST_F(EvictionTest, PoolFullOfLeasedBlocksRefusesPuts) {
+  InitWatermarks(0.9, 0.8);
+  for (uint32_t seq = 1; seq <= 3; ++seq) ASSERT_TRUE(Put(seq, 4).ok());
+  std::vector<uint64_t> leases;
+  for (uint32_t seq = 1; seq <= 3; ++seq) {
+    auto l = store_->Acquire(ns_, {.token_ids = Tokens(seq, 16)}, 0, absl::Minutes(1));
+    ASSERT_TRUE(l.ok());
+    ASSERT_EQ(l->blocks.size(), 4u);
+    leases.push_back(l->lease_id);
+  }
+  const uint64_t used = store_->Stats().used_bytes;
+  EXPECT_EQ(used, 3u * 2304);
+  auto p = store_->BeginPut(ns_, Tokens(50, 32), 8, {});  // 4096 bytes of staging, 3328 free
+  ASSERT_FALSE(p.ok());
+  EXPECT_EQ(p.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(store_->Stats().used_bytes, used);  // nothing leaked, nothing evicted
+  EXPECT_EQ(store_->Stats().blocks, 12u);
+  EXPECT_EQ(store_->metrics().evictions_demote.load(), 0u);
+  for (uint64_t id : leases) ASSERT_TRUE(store_->Release(id).ok());
+  auto c = Put(50, 8);  // now eviction can make room
+  EXPECT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(Forms(50, 8).size(), 8u);
+}
+
+TEST_F(StoreTest, DeleteRemovesDescendantsAndRespectsLeases) {
+  ASSERT_TRUE(Put(1, 4).ok());
+  ASSERT_TRUE(Put(2, 4, 8).ok());  // shares blocks 0, 1 with sequence... only with itself
+  ASSERT_TRUE(Put(3, 4, 8).ok());  // sequences 2 and 3 share blocks 0, 1
+  EXPECT_EQ(store_->Stats().blocks, 4u + 6u);
+  auto keys2 = ChainKeys(ns_, Tokens(2, 16, 8), 4);
+  auto lease = store_->Acquire(ns_, {.token_ids = Tokens(3, 16, 8)}, 0, {});
+  uint32_t deleted = 0;
+  auto r = store_->Delete(ns_, {(*keys2)[1]}, &deleted);
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ((*r)[0].status.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(deleted, 0u);
+  ASSERT_TRUE(store_->Release(lease->lease_id).ok());
+  r = store_->Delete(ns_, {(*keys2)[1], Sha256("absent")}, &deleted);
+  EXPECT_TRUE((*r)[0].status.ok());
+  EXPECT_EQ((*r)[1].status.code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(deleted, 5u);  // block 1 and the blocks 2, 3 of both sequences
+  EXPECT_EQ(Forms(2, 4, 8).size(), 1u);
+  EXPECT_EQ(Forms(3, 4, 8).size(), 1u);
+  EXPECT_EQ(Forms(1, 4).size(), 4u);
+}
+
+TEST_F(StoreTest, ConcurrentClientsKeepTheStoreConsistent) {
+  Init(4 << 20);
+  std::atomic<int> failures{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 8; ++t) {
+    threads.emplace_back([&, t] {
+      for (int iter = 0; iter < 20; ++iter) {
+        const uint32_t seq = (t * 7 + iter) % 10;  // overlapping sequences across threads
+        auto plan = store_->BeginPut(ns_, Tokens(seq, 24), 6, {});
+        if (!plan.ok()) {
+          failures++;
+          continue;
+        }
+        std::vector<BlockChecksum> sums;
+        for (const PutBlockPlan& b : plan->blocks) {
+          if (b.action != PutAction::kWrite) continue;
+          auto bytes = BlockBytes(spec_.geometry, seq, b.index);
+          std::memcpy(mem_->data() + b.staging_offset, bytes.data(), bytes.size());
+          sums.push_back({b.index, Xxh3(bytes.data(), bytes.size())});
+        }
+        if (!store_->CommitPut(ns_, plan->put_id, sums).ok()) failures++;
+        auto l = store_->Acquire(ns_, {.token_ids = Tokens(seq, 24)}, 0, {});
+        if (!l.ok() || l->blocks.size() != 6) {
+          failures++;
+          continue;
+        }
+        for (const auto& b : l->blocks) {
+          for (const auto& f : b.forms) {
+            if (Xxh3(mem_->data() + f.offset, f.size) != f.xxh3) failures++;
+          }
+        }
+        if (!store_->Release(l->lease_id).ok()) failures++;
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(failures.load(), 0);
+  StoreStats s = store_->Stats();
+  EXPECT_EQ(s.blocks, 60u);
+  EXPECT_EQ(s.leases, 0u);
+  EXPECT_EQ(s.open_puts, 0u);
+  EXPECT_EQ(s.staging_bytes, 0u);
+  EXPECT_EQ(s.used_bytes, 10u * (512 + 3 * 256 + 2 * (512 + 256)));
+}
+
+}  // namespace
+}  // namespace kvpool::kvstore
