@@ -1,0 +1,318 @@
+// kvpool — command-line tools for OSCAR rotations and INT2 quantization.
+//
+//   kvpool quantize --in X.npy [--rotation none|hadamard|FILE --layer L --kind k|v] [--clip R]
+//                   [--dequant-out Y.npy] [--packed-out P.bin]
+//   kvpool rotations inspect FILE
+//   kvpool calibrate --model GGUF --text FILE [--tokens N] --out rot.safetensors [--per-head]
+//   kvpool evaluate  --model GGUF --rotations FILE --text FILE [--tokens N]
+//
+// Results go to standard output, logs to standard error. Exit codes: 0 ok, 1 usage, 2 runtime.
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "kvpool/common/cli.h"
+#include "kvpool/common/log.h"
+#include "kvpool/common/status.h"
+#include "kvpool/kernels/quantize.h"
+#include "kvpool/kernels/rotation.h"
+#include "kvpool/kernels/rotation_file.h"
+#include "model_eval.h"
+#include "npy.h"
+
+namespace kvpool::tools {
+namespace {
+
+int Fail(const absl::Status& s) {
+  std::cerr << "kvpool: " << s << "\n";
+  return cli::kExitRuntime;
+}
+
+struct QuantizeArgs {
+  std::string in, rotation = "none", kind = "k", dequant_out, packed_out;
+  int layer = 0;
+  int head = -1;
+  float clip = -1;
+};
+
+int RunQuantize(const QuantizeArgs& a) {
+  auto x = ReadNpyF32(a.in);
+  if (!x.ok()) return Fail(x.status());
+  if (x->shape.size() != 2 && x->shape.size() != 3) {
+    return Fail(absl::InvalidArgumentError(
+        absl::StrCat("--in must be float32 [tokens, d] or [tokens, heads, d], got ",
+                     x->shape.size(), " dimensions")));
+  }
+  const uint32_t d = static_cast<uint32_t>(x->shape.back());
+  if (auto s = ValidateHeadDim(d, "last dimension of --in (head_dim)"); !s.ok()) return Fail(s);
+  const uint64_t tokens = x->shape[0];
+  const uint32_t heads = x->shape.size() == 3 ? static_cast<uint32_t>(x->shape[1]) : 1;
+  if (a.kind != "k" && a.kind != "v") {
+    return Fail(absl::InvalidArgumentError("--kind must be k or v, got '" + a.kind + "'"));
+  }
+  const KvKind kind = a.kind == "k" ? KvKind::kKey : KvKind::kValue;
+  RotationMetadata meta{.head_dim = d, .num_layers = 1, .num_kv_heads = heads};
+  absl::StatusOr<RotationSet> rot;
+  uint32_t layer = 0;
+  if (a.rotation == "none") {
+    rot = RotationSet::Identity(meta);
+  } else if (a.rotation == "hadamard") {
+    rot = RotationSet::Hadamard(meta);
+  } else {
+    rot = ReadRotationFile(a.rotation);
+    if (rot.ok()) {
+      if (rot->head_dim() != d) {
+        return Fail(absl::FailedPreconditionError(
+            absl::StrCat("rotation file head_dim ", rot->head_dim(), " != input head_dim ", d)));
+      }
+      if (a.layer < 0 || static_cast<uint32_t>(a.layer) >= rot->num_layers()) {
+        return Fail(absl::InvalidArgumentError(absl::StrCat(
+            "--layer ", a.layer, " out of range (file has ", rot->num_layers(), " layers)")));
+      }
+      if (rot->per_head() && heads != 1 && heads != rot->num_kv_heads()) {
+        return Fail(absl::FailedPreconditionError(absl::StrCat(
+            "input has ", heads, " heads, the per-head rotation file ", rot->num_kv_heads())));
+      }
+      layer = static_cast<uint32_t>(a.layer);
+    }
+  }
+  if (!rot.ok()) return Fail(rot.status());
+  float clip = a.clip;
+  if (clip < 0) {
+    clip = kind == KvKind::kKey ? rot->metadata().clip_ratio_k : rot->metadata().clip_ratio_v;
+  }
+  if (auto s = ValidateClipRatio(clip, "--clip"); !s.ok()) return Fail(s);
+
+  const uint32_t ng = d / std::min<uint32_t>(d, 128);
+  std::vector<float> deq(x->data.size());
+  std::vector<uint8_t> codes(tokens * heads * d / 4);
+  std::vector<uint16_t> params(tokens * heads * 2 * ng);
+  std::vector<float> rows(tokens * d), rotated(tokens * d), back(tokens * d), hat(tokens * d);
+  double err2 = 0, ref2 = 0, max_abs = 0;
+  uint64_t overflow = 0;
+  for (uint32_t h = 0; h < heads; ++h) {
+    const uint32_t rh = a.head >= 0 ? static_cast<uint32_t>(a.head) : (heads == 1 ? 0 : h);
+    if (rot->per_head() && rh >= rot->num_kv_heads()) {
+      return Fail(absl::InvalidArgumentError(absl::StrCat("--head ", rh, " out of range")));
+    }
+    const float* r = rot->Matrix(kind, layer, rh);
+    for (uint64_t t = 0; t < tokens; ++t)
+      std::copy_n(&x->data[(t * heads + h) * d], d, &rows[t * d]);
+    RotateRows(rows.data(), tokens, d, r, rotated.data());
+    std::vector<uint8_t> c(tokens * d / 4);
+    std::vector<uint16_t> p(tokens * 2 * ng);
+    QuantizeRowsResult res;
+    absl::Status s = QuantizeRows(rotated.data(), tokens, d, clip, c.data(), p.data(), &res);
+    if (!s.ok()) return Fail(Annotate(s, absl::StrCat("head ", h)));
+    overflow += res.overflow_rows;
+    for (uint64_t t = 0; t < tokens; ++t) {
+      DequantizeRow(&c[t * d / 4], &p[t * 2 * ng], d, &hat[t * d]);
+      std::copy_n(&c[t * d / 4], d / 4, &codes[(t * heads + h) * d / 4]);
+      std::copy_n(&p[t * 2 * ng], 2 * ng, &params[(t * heads + h) * 2 * ng]);
+    }
+    RotateRowsTransposed(hat.data(), tokens, d, r, back.data());
+    for (uint64_t t = 0; t < tokens; ++t) {
+      for (uint32_t j = 0; j < d; ++j) {
+        const double e = double(back[t * d + j]) - rows[t * d + j];
+        err2 += e * e;
+        ref2 += double(rows[t * d + j]) * rows[t * d + j];
+        max_abs = std::max(max_abs, std::fabs(e));
+        deq[(t * heads + h) * d + j] = back[t * d + j];
+      }
+    }
+  }
+  const double bits = (d / 4 * 8.0 + 32.0 * ng) / d;
+  std::printf("input            %s [%llu x %u x %u]\n", a.in.c_str(),
+              static_cast<unsigned long long>(tokens), heads, d);
+  std::printf("rotation         %s (%s, layer %u, kind %s), clip %g, isa %s\n", a.rotation.c_str(),
+              rot->metadata().objective.c_str(), layer, a.kind.c_str(), clip,
+              IsaName(ResolveIsa(KernelIsa::kAuto)));
+  std::printf("relative L2 err  %.6f\n", ref2 > 0 ? std::sqrt(err2 / ref2) : 0.0);
+  std::printf("max abs err      %.6g\n", max_abs);
+  std::printf("bits/element     %.4f (codes 2 + fp16 scale/min %.4f)\n", bits, bits - 2.0);
+  std::printf("fp16 overflow    %llu rows (stored as zero; such blocks keep BF16)\n",
+              static_cast<unsigned long long>(overflow));
+  if (!a.dequant_out.empty()) {
+    if (auto s = WriteNpyF32(a.dequant_out, x->shape, deq); !s.ok()) return Fail(s);
+  }
+  if (!a.packed_out.empty()) {
+    std::ofstream out(a.packed_out, std::ios::binary | std::ios::trunc);
+    out.write(reinterpret_cast<const char*>(codes.data()),
+              static_cast<std::streamsize>(codes.size()));
+    out.write(reinterpret_cast<const char*>(params.data()),
+              static_cast<std::streamsize>(params.size() * 2));
+    if (!out.flush()) return Fail(absl::InternalError("cannot write " + a.packed_out));
+  }
+  return cli::kExitOk;
+}
+
+int RunInspect(const std::string& path) {
+  auto rot = ReadRotationFile(path);
+  if (!rot.ok()) return Fail(rot.status());
+  const RotationMetadata& m = rot->metadata();
+  std::printf("file             %s\n", path.c_str());
+  std::printf("rotation id      %s\n", rot->rotation_id_hex().c_str());
+  std::printf("format_version   %u (%s)\n", m.format_version,
+              m.format_version == 2 ? "one rotation per (layer, KV head)" : "one per layer");
+  std::printf("objective        %s\n", m.objective.c_str());
+  std::printf("composition      %s\n", m.composition.c_str());
+  std::printf("model_name       %s\n", m.model_name.c_str());
+  std::printf("geometry         head_dim %u, num_layers %u, num_kv_heads %u\n", m.head_dim,
+              m.num_layers, m.num_kv_heads);
+  std::printf("clip ratios      k %g, v %g\n", m.clip_ratio_k, m.clip_ratio_v);
+  std::printf("source_hash      %s\n", m.source_hash.c_str());
+  std::printf("tensors          layers.{i}.{k,v}.rotation %s%s\n",
+              rot->per_head()
+                  ? absl::StrCat("[", m.num_kv_heads, ",", m.head_dim, ",", m.head_dim, "]").c_str()
+                  : absl::StrCat("[", m.head_dim, ",", m.head_dim, "]").c_str(),
+              rot->has_eigenvalues() ? " + eigenvalues" : "");
+  std::printf("%-6s %-5s %-4s %14s %14s %14s\n", "layer", "head", "kind", "orth_err", "eig_min",
+              "eig_max");
+  for (uint32_t l = 0; l < m.num_layers; ++l) {
+    for (uint32_t h = 0; h < rot->heads_per_layer(); ++h) {
+      for (KvKind kind : {KvKind::kKey, KvKind::kValue}) {
+        const float* e = rot->Eigenvalues(kind, l, h);
+        std::printf("%-6u %-5s %-4s %14.3e", l, rot->per_head() ? std::to_string(h).c_str() : "-",
+                    KvKindName(kind), rot->OrthogonalityError(kind, l, h));
+        if (e) {
+          std::printf(" %14.6g %14.6g\n", e[0], e[m.head_dim - 1]);
+        } else {
+          std::printf(" %14s %14s\n", "-", "-");
+        }
+      }
+    }
+  }
+  std::printf("max orth_err     %.3e\n", rot->MaxOrthogonalityError());
+  return cli::kExitOk;
+}
+
+int RunCalibrate(const CalibrateOptions& o, const std::string& out) {
+  CalibrateOptions opt = o;
+  opt.progress = [](int64_t done, int64_t total) {
+    KVPOOL_LOG_INFO("calibrate: {}/{} text tokens through the model", done, total);
+  };
+  auto rot = CalibrateModel(opt);
+  if (!rot.ok()) return Fail(rot.status());
+  if (auto s = WriteRotationFile(&*rot, out); !s.ok()) return Fail(s);
+  std::printf("wrote %s: %u layers, %s, max orth_err %.3e, rotation id %s\n", out.c_str(),
+              rot->num_layers(), rot->per_head() ? "per head (v2)" : "per layer (v1)",
+              rot->MaxOrthogonalityError(), rot->rotation_id_hex().c_str());
+  return cli::kExitOk;
+}
+
+int RunEvaluate(const EvaluateOptions& o, const std::string& rotations_path) {
+  auto oscar = ReadRotationFile(rotations_path);
+  if (!oscar.ok()) return Fail(oscar.status());
+  auto meta = ModelRotationMetadata(o.model_path);
+  if (!meta.ok()) return Fail(meta.status());
+  auto none = RotationSet::Identity(*meta);
+  auto had = RotationSet::Hadamard(*meta);
+  if (!none.ok()) return Fail(none.status());
+  if (!had.ok()) return Fail(had.status());
+  EvaluateOptions eo = o;
+  eo.clip_ratio_k = oscar->metadata().clip_ratio_k;
+  eo.clip_ratio_v = oscar->metadata().clip_ratio_v;
+  auto res = EvaluateModel(eo, {{"none", &*none}, {"hadamard", &*had}, {"oscar", &*oscar}});
+  if (!res.ok()) return Fail(res.status());
+  std::printf("model %s, text %s, all K/V INT2 (clip k %g, v %g); relative errors\n",
+              o.model_path.c_str(), o.text_path.c_str(), eo.clip_ratio_k, eo.clip_ratio_v);
+  std::printf("%-6s", "layer");
+  for (const auto& r : *res)
+    std::printf(" %12s %12s", (r.name + ":logit").c_str(), (r.name + ":out").c_str());
+  std::printf("\n");
+  const size_t layers = res->front().layers.size();
+  for (size_t l = 0; l <= layers; ++l) {
+    std::printf("%-6s", l < layers ? std::to_string(l).c_str() : "all");
+    for (const auto& r : *res) {
+      const LayerError& e = l < layers ? r.layers[l] : r.total;
+      std::printf(" %12.4f %12.4f", e.logit(), e.output());
+    }
+    std::printf("\n");
+  }
+  return cli::kExitOk;
+}
+
+}  // namespace
+}  // namespace kvpool::tools
+
+int main(int argc, char** argv) {
+  using namespace kvpool::tools;
+  CLI::App app{"kvpool — OSCAR rotation and INT2 quantization tools"};
+  kvpool::cli::Setup(app, "kvpool");
+  app.require_subcommand(1);
+
+  QuantizeArgs q;
+  auto* quant = app.add_subcommand("quantize",
+                                   "quantize a float32 .npy array to OSCAR INT2 and "
+                                   "print error statistics");
+  quant->add_option("--in", q.in, "float32 [tokens, d] or [tokens, heads, d] .npy")->required();
+  quant->add_option("--rotation", q.rotation, "none | hadamard | a rotation .safetensors file")
+      ->capture_default_str();
+  quant->add_option("--layer", q.layer, "layer of the rotation file")->capture_default_str();
+  quant->add_option("--head", q.head,
+                    "KV head of a per-head rotation file (default: the input's head index)");
+  quant->add_option("--kind", q.kind, "k | v (rotation and default clip ratio)")
+      ->capture_default_str();
+  quant->add_option(
+      "--clip", q.clip,
+      "clip ratio (0 disables; default: the file's ratio for --kind, else 0.96/0.92)");
+  quant->add_option("--dequant-out", q.dequant_out,
+                    "write the dequantized array (.npy, input space)");
+  quant->add_option("--packed-out", q.packed_out,
+                    "write codes [tokens][heads][d/4] then fp16 {scale,min} [tokens][heads][d/G]");
+
+  std::string inspect_path;
+  auto* rots = app.add_subcommand("rotations", "rotation file tools");
+  rots->require_subcommand(1);
+  auto* inspect = rots->add_subcommand("inspect", "print metadata, shapes, orthogonality error");
+  inspect->add_option("file", inspect_path, "rotation .safetensors file")->required();
+
+  CalibrateOptions c;
+  std::string out;
+  int64_t ctokens = 0;
+  auto* calib = app.add_subcommand("calibrate", "fit OSCAR rotations on a model and a text");
+  calib->add_option("--model", c.model_path, "GGUF model")->required();
+  calib->add_option("--text", c.text_path, "calibration text file")->required();
+  calib->add_option("--tokens", ctokens, "use at most N text tokens (0 = all)")
+      ->capture_default_str();
+  calib->add_option("--out", out, "output rotation .safetensors")->required();
+  calib->add_flag("--per-head", c.per_head, "one rotation per (layer, KV head) (format_version 2)");
+  calib->add_option("--clip-k", c.clip_ratio_k, "K clip ratio recorded in the file")
+      ->capture_default_str();
+  calib->add_option("--clip-v", c.clip_ratio_v, "V clip ratio recorded in the file")
+      ->capture_default_str();
+
+  EvaluateOptions e;
+  std::string eval_rot;
+  int64_t etokens = 0;
+  auto* eval = app.add_subcommand(
+      "evaluate", "logit and attention-output error of none / hadamard / OSCAR on a model");
+  eval->add_option("--model", e.model_path, "GGUF model")->required();
+  eval->add_option("--rotations", eval_rot, "OSCAR rotation file")->required();
+  eval->add_option("--text", e.text_path,
+                   "evaluation text (use a different one than "
+                   "calibration)")
+      ->required();
+  eval->add_option("--tokens", etokens, "use at most N text tokens (0 = all)")
+      ->capture_default_str();
+
+  KVPOOL_CLI_PARSE(app, argc, argv);
+  if (*quant) return RunQuantize(q);
+  if (*inspect) return RunInspect(inspect_path);
+  if (*calib) {
+    if (ctokens < 0) {
+      std::cerr << "kvpool: --tokens must be >= 0\n";
+      return kvpool::cli::kExitUsage;
+    }
+    c.max_tokens = ctokens;
+    return RunCalibrate(c, out);
+  }
+  if (*eval) {
+    e.max_tokens = etokens;
+    return RunEvaluate(e, eval_rot);
+  }
+  return kvpool::cli::kExitUsage;
+}
