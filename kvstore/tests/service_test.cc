@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <fstream>
 #include <future>
 
 #include "kvpool/common/checksum.h"
@@ -46,6 +47,43 @@ int HealthCheck(const std::shared_ptr<grpc::Channel>& ch, const std::string& ser
   for (auto& sl : slices) bytes.append(reinterpret_cast<const char*>(sl.begin()), sl.size());
   if (bytes.empty()) return 0;  // UNKNOWN (default value is not serialized)
   return bytes.size() >= 2 && bytes[0] == 0x08 ? bytes[1] : -101;
+}
+
+// grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo with one hand-encoded request
+// {list_services: ""} (field 7); returns the raw bytes of the first response, which lists the
+// service names as strings.
+std::string ReflectionListServices(const std::shared_ptr<grpc::Channel>& ch) {
+  grpc::GenericStub stub(ch);
+  grpc::CompletionQueue cq;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  auto call =
+      stub.PrepareCall(&ctx, "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", &cq);
+  void* tag = nullptr;
+  bool ok = false;
+  auto step = [&](void* want) { return cq.Next(&tag, &ok) && ok && tag == want; };
+  call->StartCall(reinterpret_cast<void*>(1));
+  if (!step(reinterpret_cast<void*>(1))) return "";
+  const std::string req("\x3a\x00", 2);
+  grpc::Slice slice(req);
+  grpc::ByteBuffer in(&slice, 1), out;
+  call->Write(in, reinterpret_cast<void*>(2));
+  if (!step(reinterpret_cast<void*>(2))) return "";
+  call->Read(&out, reinterpret_cast<void*>(3));
+  if (!step(reinterpret_cast<void*>(3))) return "";
+  call->WritesDone(reinterpret_cast<void*>(4));
+  step(reinterpret_cast<void*>(4));
+  grpc::Status status;
+  call->Finish(&status, reinterpret_cast<void*>(5));
+  cq.Next(&tag, &ok);
+  cq.Shutdown();
+  while (cq.Next(&tag, &ok)) {
+  }
+  std::vector<grpc::Slice> slices;
+  if (!out.Dump(&slices).ok()) return "";
+  std::string bytes;
+  for (auto& sl : slices) bytes.append(reinterpret_cast<const char*>(sl.begin()), sl.size());
+  return bytes;
 }
 
 pb::RegisterModelRequest RegisterRequest(const ModelSpec& spec) {
@@ -236,6 +274,12 @@ TEST_F(ServiceTest, ErrorsAreTypedAndNameTheField) {
   EXPECT_EQ(look.num_blocks(), 0u);
 }
 
+TEST_F(ServiceTest, ReflectionListsTheServices) {
+  const std::string listing = ReflectionListServices(channel_);
+  EXPECT_NE(listing.find("kvpool.v1.KvPool"), std::string::npos) << listing;
+  EXPECT_NE(listing.find("grpc.health.v1.Health"), std::string::npos) << listing;
+}
+
 TEST_F(ServiceTest, HealthReadinessAndLiveness) {
   EXPECT_EQ(HealthCheck(channel_, ""), 1);
   EXPECT_EQ(HealthCheck(channel_, "kvpool.v1.KvPool"), 1);
@@ -318,6 +362,23 @@ TEST(ServerBinaryTest, ServesMetricsAndDrainsOnSigterm) {
   auto res = http.Get("/metrics");
   ASSERT_TRUE(res);
   EXPECT_NE(res->body.find("kvpool_capacity_bytes 8388608\n"), std::string::npos) << res->body;
+  ASSERT_EQ(kill(c.pid, SIGTERM), 0);
+  EXPECT_EQ(WaitExit(c.pid), 0);
+  fclose(c.out);
+}
+
+TEST(ServerBinaryTest, ConfigFileSetsFlagsAndCommandLineWins) {
+  const std::string path = ::testing::TempDir() + "/kvpool_server_test.yaml";
+  std::ofstream(path) << "listen: 127.0.0.1:0\nmetrics-port: 0\ncapacity: 16MiB\n"
+                         "data-plane: none\nlog-level: warn\n";
+  Child c = Spawn({"--config", path, "--capacity", "4MiB"});
+  ASSERT_GT(c.pid, 0);
+  int grpc_port = 0, metrics_port = 0;
+  ASSERT_EQ(fscanf(c.out, "grpc_port=%d metrics_port=%d", &grpc_port, &metrics_port), 2);
+  httplib::Client http("127.0.0.1", metrics_port);
+  auto res = http.Get("/metrics");
+  ASSERT_TRUE(res);
+  EXPECT_NE(res->body.find("kvpool_capacity_bytes 4194304\n"), std::string::npos) << res->body;
   ASSERT_EQ(kill(c.pid, SIGTERM), 0);
   EXPECT_EQ(WaitExit(c.pid), 0);
   fclose(c.out);
