@@ -27,7 +27,7 @@ int Fail(const std::string& message) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+static int Run(int argc, char** argv) {
   CLI::App app{"kvpool-engine — the reference Llama engine (float32, CPU) on a GGUF model"};
   kvpool::cli::Setup(app, "kvpool-engine");
   app.require_subcommand(1);
@@ -98,4 +98,12 @@ int main(int argc, char** argv) {
                   : result->context_full ? " (context full)"
                                          : "");
   return kvpool::cli::kExitOk;
+}
+
+int main(int argc, char** argv) {
+  try {
+    return Run(argc, argv);
+  } catch (const std::exception& e) {  // e.g. std::bad_alloc; never escape main
+    return Fail(std::string("unexpected error: ") + e.what());
+  }
 }

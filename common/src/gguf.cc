@@ -129,7 +129,9 @@ class Cursor {
 
   absl::Status Bytes(void* out, uint64_t n, std::string_view what) {
     KVPOOL_RETURN_IF_ERROR(Need(n, what));
-    if (n > 0) std::memcpy(out, base_ + pos_, n);
+    if (n > 0) {
+      std::memcpy(out, base_ + pos_, n);
+    }
     pos_ += n;
     return absl::OkStatus();
   }
@@ -139,7 +141,9 @@ class Cursor {
 
   // A count / length / dim field: uint32 in GGUF v1, uint64 from v2 on.
   absl::Status Count(uint64_t* out, std::string_view what) {
-    if (wide_) return U64(out, what);
+    if (wide_) {
+      return U64(out, what);
+    }
     uint32_t v = 0;
     KVPOOL_RETURN_IF_ERROR(U32(&v, what));
     *out = v;
@@ -172,8 +176,12 @@ class Cursor {
 std::string Quote(std::string_view s) {
   // Keys/names come from the file: keep messages one line and bounded.
   std::string out = "'";
-  for (char c : s.substr(0, 120)) out += (c >= 0x20 && c < 0x7f) ? c : '?';
-  if (s.size() > 120) out += "...";
+  for (char c : s.substr(0, 120)) {
+    out += (c >= 0x20 && c < 0x7f) ? c : '?';
+  }
+  if (s.size() > 120) {
+    out += "...";
+  }
   out += "'";
   return out;
 }
@@ -183,7 +191,9 @@ absl::Status ReadValue(Cursor& cur, uint32_t type, const GgufLimits& limits, Ggu
     return absl::InvalidArgumentError(absl::StrCat("unknown value type ", type));
   }
   v->type = static_cast<GgufType>(type);
-  if (v->type == GgufType::kString) return cur.String(&v->str, limits.max_string_bytes, "string");
+  if (v->type == GgufType::kString) {
+    return cur.String(&v->str, limits.max_string_bytes, "string");
+  }
   if (v->type != GgufType::kArray) {
     const uint64_t n = ScalarSize(type);
     KVPOOL_RETURN_IF_ERROR(cur.Bytes(&v->scalar_bits, n, "value"));
@@ -218,7 +228,9 @@ absl::Status ReadValue(Cursor& cur, uint32_t type, const GgufLimits& limits, Ggu
     v->array_strings.resize(n);
     for (uint64_t i = 0; i < n; ++i) {
       absl::Status s = cur.String(&v->array_strings[i], limits.max_string_bytes, "string");
-      if (!s.ok()) return Annotate(s, absl::StrCat("element ", i));
+      if (!s.ok()) {
+        return Annotate(s, absl::StrCat("element ", i));
+      }
     }
     return absl::OkStatus();
   }
@@ -302,7 +314,9 @@ std::string GgufTypeName(GgufType type) {
                                        "INT32",  "FLOAT32", "BOOL",   "STRING", "ARRAY",
                                        "UINT64", "INT64",   "FLOAT64"};
   const auto t = static_cast<uint32_t>(type);
-  if (t < sizeof(kNames) / sizeof(kNames[0])) return kNames[t];
+  if (t < sizeof(kNames) / sizeof(kNames[0])) {
+    return kNames[t];
+  }
   return absl::StrCat("TYPE(", t, ")");
 }
 
@@ -344,7 +358,9 @@ float HalfToFloat(uint16_t h) {
 float Bf16ToFloat(uint16_t bits) { return std::bit_cast<float>(static_cast<uint32_t>(bits) << 16); }
 
 GgufFile::~GgufFile() {
-  if (map_ != nullptr) munmap(map_, size_);
+  if (map_ != nullptr) {
+    munmap(map_, size_);
+  }
 }
 
 absl::StatusOr<std::unique_ptr<GgufFile>> GgufFile::Open(const std::string& path,
@@ -393,12 +409,16 @@ absl::Status GgufFile::ParseAll(const GgufLimits& limits) {
   // ---- header -----------------------------------------------------------------------------
   Cursor head(base_, size_, /*wide_counts=*/false);
   uint32_t magic = 0;
-  if (auto s = head.U32(&magic, "magic"); !s.ok()) return fail(s);
+  if (auto s = head.U32(&magic, "magic"); !s.ok()) {
+    return fail(s);
+  }
   if (magic != kMagic) {
     return fail(absl::InvalidArgumentError(absl::StrFormat(
         "bad magic 0x%08x (expected 0x%08x \"GGUF\"): not a GGUF file", magic, kMagic)));
   }
-  if (auto s = head.U32(&version_, "version"); !s.ok()) return fail(s);
+  if (auto s = head.U32(&version_, "version"); !s.ok()) {
+    return fail(s);
+  }
   if (version_ < 1 || version_ > 3) {
     if (version_ != 0 && (version_ & 0xffffu) == 0) {
       return fail(absl::InvalidArgumentError(
@@ -412,8 +432,12 @@ absl::Status GgufFile::ParseAll(const GgufLimits& limits) {
   Cursor body(base_, size_, /*wide_counts=*/version_ >= 2, /*start=*/head.pos());
 
   uint64_t n_tensors = 0, n_kv = 0;
-  if (auto s = body.Count(&n_tensors, "tensor count"); !s.ok()) return fail(s);
-  if (auto s = body.Count(&n_kv, "metadata count"); !s.ok()) return fail(s);
+  if (auto s = body.Count(&n_tensors, "tensor count"); !s.ok()) {
+    return fail(s);
+  }
+  if (auto s = body.Count(&n_kv, "metadata count"); !s.ok()) {
+    return fail(s);
+  }
   if (n_tensors > limits.max_tensors) {
     return fail(absl::InvalidArgumentError(
         absl::StrCat("tensor count ", n_tensors, " exceeds the limit of ", limits.max_tensors)));
@@ -448,7 +472,9 @@ absl::Status GgufFile::ParseAll(const GgufLimits& limits) {
       return fail(absl::InvalidArgumentError(absl::StrCat(where, " appears twice")));
     }
     uint32_t type = 0;
-    if (auto s = body.U32(&type, "value type"); !s.ok()) return fail(Annotate(s, where));
+    if (auto s = body.U32(&type, "value type"); !s.ok()) {
+      return fail(Annotate(s, where));
+    }
     GgufValue value;
     if (auto s = ReadValue(body, type, limits, &value); !s.ok()) {
       return fail(Annotate(s, where));
@@ -459,7 +485,9 @@ absl::Status GgufFile::ParseAll(const GgufLimits& limits) {
   alignment_ = kDefaultAlignment;
   if (FindValue("general.alignment") != nullptr) {
     auto a = GetUint("general.alignment");
-    if (!a.ok()) return fail(a.status());
+    if (!a.ok()) {
+      return fail(a.status());
+    }
     if (*a == 0 || (*a & (*a - 1)) != 0 || *a > limits.max_alignment) {
       return fail(absl::InvalidArgumentError(
           absl::StrCat("metadata key 'general.alignment' is ", *a,
@@ -483,18 +511,26 @@ absl::Status GgufFile::ParseAll(const GgufLimits& limits) {
       return fail(absl::InvalidArgumentError(absl::StrCat(where, " appears twice")));
     }
     uint32_t ndim = 0;
-    if (auto s = body.U32(&ndim, "ndim"); !s.ok()) return fail(Annotate(s, where));
+    if (auto s = body.U32(&ndim, "ndim"); !s.ok()) {
+      return fail(Annotate(s, where));
+    }
     if (ndim < 1 || ndim > kMaxDims) {
       return fail(absl::InvalidArgumentError(
           absl::StrCat(where, " has ndim ", ndim, " (must be 1..", kMaxDims, ")")));
     }
     t.dims.resize(ndim);
     for (uint32_t d = 0; d < ndim; ++d) {
-      if (auto s = body.Count(&t.dims[d], "dim"); !s.ok()) return fail(Annotate(s, where));
+      if (auto s = body.Count(&t.dims[d], "dim"); !s.ok()) {
+        return fail(Annotate(s, where));
+      }
     }
     uint32_t dtype = 0;
-    if (auto s = body.U32(&dtype, "dtype"); !s.ok()) return fail(Annotate(s, where));
-    if (auto s = body.U64(&t.offset, "offset"); !s.ok()) return fail(Annotate(s, where));
+    if (auto s = body.U32(&dtype, "dtype"); !s.ok()) {
+      return fail(Annotate(s, where));
+    }
+    if (auto s = body.U64(&t.offset, "offset"); !s.ok()) {
+      return fail(Annotate(s, where));
+    }
 
     const uint64_t esize = DTypeSize(dtype);
     if (esize == 0) {
@@ -528,7 +564,9 @@ absl::Status GgufFile::ParseAll(const GgufLimits& limits) {
   // ---- data section -----------------------------------------------------------------------
   const uint64_t table_end = body.pos();
   data_offset_ = (table_end + alignment_ - 1) / alignment_ * alignment_;  // no overflow: < size
-  if (tensors_.empty()) return absl::OkStatus();
+  if (tensors_.empty()) {
+    return absl::OkStatus();
+  }
   if (data_offset_ > size_) {
     return fail(absl::DataLossError(absl::StrCat(
         "file ends at byte ", size_, " before the data section at offset ", data_offset_)));
@@ -577,14 +615,17 @@ namespace {
 
 absl::StatusOr<const GgufValue*> Lookup(const GgufFile& f, std::string_view key) {
   const GgufValue* v = f.FindValue(key);
-  if (v == nullptr)
+  if (v == nullptr) {
     return absl::NotFoundError(absl::StrCat("metadata key '", Sv(key), "' is absent"));
+  }
   return v;
 }
 
 absl::Status WrongType(std::string_view key, const GgufValue& v, std::string_view wanted) {
   std::string have = GgufTypeName(v.type);
-  if (v.type == GgufType::kArray) absl::StrAppend(&have, " of ", GgufTypeName(v.array_type));
+  if (v.type == GgufType::kArray) {
+    absl::StrAppend(&have, " of ", GgufTypeName(v.array_type));
+  }
   return absl::InvalidArgumentError(
       absl::StrCat("metadata key '", Sv(key), "' has type ", have, ", expected ", Sv(wanted)));
 }
@@ -593,7 +634,9 @@ absl::Status WrongType(std::string_view key, const GgufValue& v, std::string_vie
 
 absl::StatusOr<int64_t> GgufFile::GetInt(std::string_view key) const {
   KVPOOL_ASSIGN_OR_RETURN(const GgufValue* v, Lookup(*this, key));
-  if (!IsIntegerType(v->type)) return WrongType(key, *v, "an integer");
+  if (!IsIntegerType(v->type)) {
+    return WrongType(key, *v, "an integer");
+  }
   if (v->type == GgufType::kUint64 && v->scalar_bits > uint64_t{INT64_MAX}) {
     return absl::InvalidArgumentError(
         absl::StrCat("metadata key '", Sv(key), "' value ", v->scalar_bits, " does not fit int64"));
@@ -603,7 +646,9 @@ absl::StatusOr<int64_t> GgufFile::GetInt(std::string_view key) const {
 
 absl::StatusOr<uint64_t> GgufFile::GetUint(std::string_view key) const {
   KVPOOL_ASSIGN_OR_RETURN(const GgufValue* v, Lookup(*this, key));
-  if (!IsIntegerType(v->type)) return WrongType(key, *v, "an unsigned integer");
+  if (!IsIntegerType(v->type)) {
+    return WrongType(key, *v, "an unsigned integer");
+  }
   if (IsSignedType(v->type)) {
     const int64_t x = ScalarAsInt(*v);
     if (x < 0) {
@@ -620,9 +665,13 @@ absl::StatusOr<double> GgufFile::GetFloat(std::string_view key) const {
   if (v->type == GgufType::kFloat32) {
     return static_cast<double>(std::bit_cast<float>(static_cast<uint32_t>(v->scalar_bits)));
   }
-  if (v->type == GgufType::kFloat64) return std::bit_cast<double>(v->scalar_bits);
+  if (v->type == GgufType::kFloat64) {
+    return std::bit_cast<double>(v->scalar_bits);
+  }
   if (IsIntegerType(v->type)) {
-    if (v->type == GgufType::kUint64) return static_cast<double>(v->scalar_bits);
+    if (v->type == GgufType::kUint64) {
+      return static_cast<double>(v->scalar_bits);
+    }
     return static_cast<double>(ScalarAsInt(*v));
   }
   return WrongType(key, *v, "a number");
@@ -630,13 +679,17 @@ absl::StatusOr<double> GgufFile::GetFloat(std::string_view key) const {
 
 absl::StatusOr<std::string> GgufFile::GetString(std::string_view key) const {
   KVPOOL_ASSIGN_OR_RETURN(const GgufValue* v, Lookup(*this, key));
-  if (v->type != GgufType::kString) return WrongType(key, *v, "STRING");
+  if (v->type != GgufType::kString) {
+    return WrongType(key, *v, "STRING");
+  }
   return v->str;
 }
 
 absl::StatusOr<bool> GgufFile::GetBool(std::string_view key) const {
   KVPOOL_ASSIGN_OR_RETURN(const GgufValue* v, Lookup(*this, key));
-  if (v->type != GgufType::kBool) return WrongType(key, *v, "BOOL");
+  if (v->type != GgufType::kBool) {
+    return WrongType(key, *v, "BOOL");
+  }
   return v->scalar_bits != 0;
 }
 
@@ -690,7 +743,9 @@ absl::StatusOr<std::vector<int64_t>> GgufFile::GetIntArray(std::string_view key)
 
 absl::StatusOr<std::vector<float>> GgufFile::ReadFloat32(std::string_view name) const {
   const GgufTensor* t = FindTensor(name);
-  if (t == nullptr) return absl::NotFoundError(absl::StrCat("tensor '", Sv(name), "' is absent"));
+  if (t == nullptr) {
+    return absl::NotFoundError(absl::StrCat("tensor '", Sv(name), "' is absent"));
+  }
   std::vector<float> out(t->num_elements);
   switch (t->dtype) {
     case GgufDType::kF32:

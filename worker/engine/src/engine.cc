@@ -19,7 +19,9 @@ void MatVec(const std::vector<float>& w, const float* x, int rows, int cols, flo
   for (int r = 0; r < rows; ++r) {
     const float* row = w.data() + static_cast<size_t>(r) * cols;
     float acc = 0.0f;
-    for (int c = 0; c < cols; ++c) acc += row[c] * x[c];
+    for (int c = 0; c < cols; ++c) {
+      acc += row[c] * x[c];
+    }
     y[r] = acc;
   }
 }
@@ -27,9 +29,13 @@ void MatVec(const std::vector<float>& w, const float* x, int rows, int cols, flo
 // out = x / sqrt(mean(x²) + eps) ⊙ weight.
 void RmsNorm(const float* x, const std::vector<float>& weight, int n, float eps, float* out) {
   float ss = 0.0f;
-  for (int i = 0; i < n; ++i) ss += x[i] * x[i];
+  for (int i = 0; i < n; ++i) {
+    ss += x[i] * x[i];
+  }
   const float inv = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
-  for (int i = 0; i < n; ++i) out[i] = x[i] * inv * weight[i];
+  for (int i = 0; i < n; ++i) {
+    out[i] = x[i] * inv * weight[i];
+  }
 }
 
 // Rotates adjacent pairs (2i, 2i+1), i < rope_dim/2, of each head of `v` by pos·inv_freq[i].
@@ -55,7 +61,9 @@ absl::StatusOr<int> GetDim(const GgufFile& f, std::string_view key, int fallback
     return fallback;
   }
   auto v = f.GetUint(key);
-  if (!v.ok()) return absl::InvalidArgumentError(v.status().message());
+  if (!v.ok()) {
+    return absl::InvalidArgumentError(v.status().message());
+  }
   if (*v < 1 || *v > (1u << 24)) {
     return absl::InvalidArgumentError(
         absl::StrCat("metadata key '", std::string(key), "' is ", *v, " (expected 1..2^24)"));
@@ -65,7 +73,7 @@ absl::StatusOr<int> GetDim(const GgufFile& f, std::string_view key, int fallback
 
 // Reads tensor `name` as float32 after checking its GGUF dims equal `dims`.
 absl::StatusOr<std::vector<float>> Weight(const GgufFile& f, const std::string& name,
-                                          std::vector<uint64_t> dims) {
+                                          const std::vector<uint64_t>& dims) {
   const GgufTensor* t = f.FindTensor(name);
   if (t == nullptr) {
     return absl::InvalidArgumentError(absl::StrCat("tensor '", name, "' is missing"));
@@ -90,11 +98,15 @@ QkvRecorder::QkvRecorder(std::vector<int> layers) : layers_(std::move(layers)) {
 
 void QkvRecorder::OnAttentionInputs(int layer, int pos, absl::Span<const float> q,
                                     absl::Span<const float> k, absl::Span<const float> v) {
-  if (layer < 0) return;
+  if (layer < 0) {
+    return;
+  }
   if (!layers_.empty() && std::find(layers_.begin(), layers_.end(), layer) == layers_.end()) {
     return;
   }
-  if (static_cast<size_t>(layer) >= rows_.size()) rows_.resize(layer + 1);
+  if (static_cast<size_t>(layer) >= rows_.size()) {
+    rows_.resize(layer + 1);
+  }
   Rows& r = rows_[layer];
   r.positions.push_back(pos);
   r.q.insert(r.q.end(), q.begin(), q.end());
@@ -103,7 +115,9 @@ void QkvRecorder::OnAttentionInputs(int layer, int pos, absl::Span<const float> 
 }
 
 const QkvRecorder::Rows& QkvRecorder::rows(int layer) const {
-  if (layer < 0 || static_cast<size_t>(layer) >= rows_.size()) return empty_;
+  if (layer < 0 || static_cast<size_t>(layer) >= rows_.size()) {
+    return empty_;
+  }
   return rows_[layer];
 }
 
@@ -113,7 +127,9 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const std::string& path) 
   auto engine = std::unique_ptr<Engine>(new Engine());
   if (auto s = engine->Load(path); !s.ok()) {
     // GgufFile errors already start with the path.
-    if (absl::StartsWith(s.message(), path)) return s;
+    if (absl::StartsWith(s.message(), path)) {
+      return s;
+    }
     return Annotate(s, path);
   }
   return engine;
@@ -124,7 +140,9 @@ absl::Status Engine::Load(const std::string& path) {
   const GgufFile& f = *file;
 
   auto arch = f.GetString("general.architecture");
-  if (!arch.ok()) return absl::InvalidArgumentError(arch.status().message());
+  if (!arch.ok()) {
+    return absl::InvalidArgumentError(arch.status().message());
+  }
   if (*arch != "llama") {
     return absl::FailedPreconditionError(absl::StrCat("metadata key 'general.architecture' is '",
                                                       *arch, "'; only 'llama' is supported"));
@@ -151,9 +169,13 @@ absl::Status Engine::Load(const std::string& path) {
   }
   for (auto [key, out] : {std::pair<const char*, float*>{"llama.rope.freq_base", &c.rope_base},
                           {"llama.attention.layer_norm_rms_epsilon", &c.rms_eps}}) {
-    if (f.FindValue(key) == nullptr) continue;
+    if (f.FindValue(key) == nullptr) {
+      continue;
+    }
     auto v = f.GetFloat(key);
-    if (!v.ok()) return absl::InvalidArgumentError(v.status().message());
+    if (!v.ok()) {
+      return absl::InvalidArgumentError(v.status().message());
+    }
     if (!(*v > 0.0) || !std::isfinite(*v)) {
       return absl::InvalidArgumentError(
           absl::StrCat("metadata key '", key, "' is ", *v, " (must be > 0)"));
@@ -165,7 +187,7 @@ absl::Status Engine::Load(const std::string& path) {
   c.vocab_size = tokenizer_->vocab_size();
 
   const auto d = static_cast<uint64_t>(c.dim);
-  const auto kv = static_cast<uint64_t>(c.n_kv_heads * c.head_dim);
+  const auto kv = static_cast<uint64_t>(c.n_kv_heads) * c.head_dim;
   const auto ff = static_cast<uint64_t>(c.ffn_dim);
   const auto vocab = static_cast<uint64_t>(c.vocab_size);
   KVPOOL_ASSIGN_OR_RETURN(token_embd_, Weight(f, "token_embd.weight", {d, vocab}));
@@ -235,7 +257,9 @@ absl::StatusOr<absl::Span<const float>> Engine::Forward(int token, int pos, KvCa
     MatVec(L.wv, h_.data(), kv_dim, c.dim, v_.data());
     Rope(q_.data(), c.n_heads, c.head_dim, pos, rope_inv_freq_);
     Rope(k_.data(), c.n_kv_heads, c.head_dim, pos, rope_inv_freq_);
-    if (observer_ != nullptr) observer_->OnAttentionInputs(l, pos, q_, k_, v_);
+    if (observer_ != nullptr) {
+      observer_->OnAttentionInputs(l, pos, q_, k_, v_);
+    }
     if (auto s = cache.Append(l, pos, k_, v_); !s.ok()) {
       return Annotate(s, absl::StrCat("KV cache append (layer ", l, ")"));
     }
@@ -243,7 +267,9 @@ absl::StatusOr<absl::Span<const float>> Engine::Forward(int token, int pos, KvCa
       return Annotate(s, absl::StrCat("KV cache attend (layer ", l, ")"));
     }
     MatVec(L.wo, att_.data(), c.dim, c.dim, h_.data());
-    for (int i = 0; i < c.dim; ++i) x_[i] += h_[i];
+    for (int i = 0; i < c.dim; ++i) {
+      x_[i] += h_[i];
+    }
 
     // SwiGLU feed-forward block (Shazeer 2020, "GLU Variants Improve Transformer").
     RmsNorm(x_.data(), L.ffn_norm, c.dim, c.rms_eps, h_.data());
@@ -254,7 +280,9 @@ absl::StatusOr<absl::Span<const float>> Engine::Forward(int token, int pos, KvCa
       gate_[i] = g / (1.0f + std::exp(-g)) * up_[i];  // SiLU(g) · up
     }
     MatVec(L.w_down, gate_.data(), c.dim, c.ffn_dim, h_.data());
-    for (int i = 0; i < c.dim; ++i) x_[i] += h_[i];
+    for (int i = 0; i < c.dim; ++i) {
+      x_[i] += h_[i];
+    }
   }
 
   RmsNorm(x_.data(), output_norm_, c.dim, c.rms_eps, h_.data());
@@ -264,7 +292,9 @@ absl::StatusOr<absl::Span<const float>> Engine::Forward(int token, int pos, KvCa
 
 absl::StatusOr<absl::Span<const float>> Engine::Prefill(absl::Span<const int> tokens, int start_pos,
                                                         KvCacheView& cache) {
-  if (tokens.empty()) return absl::InvalidArgumentError("prefill: no tokens");
+  if (tokens.empty()) {
+    return absl::InvalidArgumentError("prefill: no tokens");
+  }
   if (start_pos < 0 || static_cast<int64_t>(start_pos) + static_cast<int64_t>(tokens.size()) >
                            config_.context_length) {
     return absl::InvalidArgumentError(
@@ -281,7 +311,9 @@ absl::StatusOr<absl::Span<const float>> Engine::Prefill(absl::Span<const int> to
 absl::StatusOr<GenerateResult> Engine::Generate(absl::Span<const int> prompt,
                                                 const GenerateOptions& options, KvCacheView& cache,
                                                 const std::function<bool(int)>& on_token) {
-  if (prompt.empty()) return absl::InvalidArgumentError("prompt is empty (start with BOS)");
+  if (prompt.empty()) {
+    return absl::InvalidArgumentError("prompt is empty (start with BOS)");
+  }
   if (static_cast<int64_t>(prompt.size()) > config_.context_length) {
     return absl::InvalidArgumentError(absl::StrCat(
         "prompt has ", prompt.size(), " tokens; the context holds ", config_.context_length));
@@ -308,8 +340,12 @@ absl::StatusOr<GenerateResult> Engine::Generate(absl::Span<const int> prompt,
       break;
     }
     result.tokens.push_back(next);
-    if (on_token && !on_token(next)) break;
-    if (static_cast<int>(result.tokens.size()) == options.max_tokens) break;
+    if (on_token && !on_token(next)) {
+      break;
+    }
+    if (static_cast<int>(result.tokens.size()) == options.max_tokens) {
+      break;
+    }
     if (pos >= config_.context_length) {
       result.context_full = true;
       break;

@@ -22,7 +22,9 @@ void ReferenceAttention(const AttentionShape& shape, int n_positions, const floa
     for (int t = 0; t < n_positions; ++t) {
       const float* k = keys + static_cast<size_t>(t) * row_stride + kvh * d;
       float dot = 0.0f;
-      for (int i = 0; i < d; ++i) dot += qh[i] * k[i];
+      for (int i = 0; i < d; ++i) {
+        dot += qh[i] * k[i];
+      }
       scores[t] = dot * scale;
       max_score = std::max(max_score, scores[t]);
     }
@@ -36,7 +38,9 @@ void ReferenceAttention(const AttentionShape& shape, int n_positions, const floa
     for (int t = 0; t < n_positions; ++t) {
       const float p = scores[t] / sum;
       const float* v = values + static_cast<size_t>(t) * row_stride + kvh * d;
-      for (int i = 0; i < d; ++i) oh[i] += p * v[i];
+      for (int i = 0; i < d; ++i) {
+        oh[i] += p * v[i];
+      }
     }
   }
 }
@@ -81,7 +85,9 @@ absl::Status Fp32KvCache::CheckLayer(int layer) const {
 
 absl::Status Fp32KvCache::Append(int layer, int pos, absl::Span<const float> k,
                                  absl::Span<const float> v) {
-  if (auto s = CheckLayer(layer); !s.ok()) return s;
+  if (auto s = CheckLayer(layer); !s.ok()) {
+    return s;
+  }
   const size_t kv_dim = shape_.kv_dim();
   if (k.size() != kv_dim || v.size() != kv_dim) {
     return absl::InvalidArgumentError(absl::StrCat("k/v rows have ", k.size(), "/", v.size(),
@@ -104,7 +110,9 @@ absl::Status Fp32KvCache::Append(int layer, int pos, absl::Span<const float> k,
 
 absl::Status Fp32KvCache::Attend(int layer, int pos, absl::Span<const float> q,
                                  absl::Span<float> out) {
-  if (auto s = CheckLayer(layer); !s.ok()) return s;
+  if (auto s = CheckLayer(layer); !s.ok()) {
+    return s;
+  }
   const size_t q_dim = shape_.q_dim();
   if (q.size() != q_dim || out.size() != q_dim) {
     return absl::InvalidArgumentError(absl::StrCat("q/out rows have ", q.size(), "/", out.size(),
@@ -124,14 +132,18 @@ int Fp32KvCache::Length(int layer) const {
 }
 
 absl::Span<const float> Fp32KvCache::Keys(int layer) const {
-  if (layer < 0 || layer >= n_layers_) return {};
+  if (layer < 0 || layer >= n_layers_) {
+    return {};
+  }
   return absl::Span<const float>(k_).subspan(
       static_cast<size_t>(layer) * capacity_ * shape_.kv_dim(),
       static_cast<size_t>(length_[layer]) * shape_.kv_dim());
 }
 
 absl::Span<const float> Fp32KvCache::Values(int layer) const {
-  if (layer < 0 || layer >= n_layers_) return {};
+  if (layer < 0 || layer >= n_layers_) {
+    return {};
+  }
   return absl::Span<const float>(v_).subspan(
       static_cast<size_t>(layer) * capacity_ * shape_.kv_dim(),
       static_cast<size_t>(length_[layer]) * shape_.kv_dim());

@@ -14,7 +14,9 @@ Sampler::Sampler(const SamplingOptions& options)
   state_ = (state_ ^ (state_ >> 30)) * 0xbf58476d1ce4e5b9ull;
   state_ = (state_ ^ (state_ >> 27)) * 0x94d049bb133111ebull;
   state_ ^= state_ >> 31;
-  if (state_ == 0) state_ = 1;
+  if (state_ == 0) {
+    state_ = 1;
+  }
 }
 
 absl::Status Sampler::Validate(const SamplingOptions& o) {
@@ -41,15 +43,21 @@ int Sampler::Sample(absl::Span<const float> logits) {
   const int n = static_cast<int>(logits.size());
   int best = 0;
   for (int i = 1; i < n; ++i) {
-    if (logits[i] > logits[best] || std::isnan(logits[best])) best = i;
+    if (logits[i] > logits[best] || std::isnan(logits[best])) {
+      best = i;
+    }
   }
-  if (options_.temperature == 0.0f || std::isnan(logits[best])) return best;
+  if (options_.temperature == 0.0f || std::isnan(logits[best])) {
+    return best;
+  }
 
   // Softmax at temperature T, relative to the max logit.
   scratch_.clear();
   float sum = 0.0f;
   for (int i = 0; i < n; ++i) {
-    if (std::isnan(logits[i])) continue;
+    if (std::isnan(logits[i])) {
+      continue;
+    }
     const float p = std::exp((logits[i] - logits[best]) / options_.temperature);
     scratch_.emplace_back(p, i);
     sum += p;
@@ -64,7 +72,9 @@ int Sampler::Sample(absl::Span<const float> logits) {
     while (keep < scratch_.size()) {
       cum += scratch_[keep].first;
       ++keep;
-      if (cum >= options_.top_p * sum) break;
+      if (cum >= options_.top_p * sum) {
+        break;
+      }
     }
     scratch_.resize(keep);
     limit = cum;
@@ -73,7 +83,9 @@ int Sampler::Sample(absl::Span<const float> logits) {
   float cum = 0.0f;
   for (const auto& [p, i] : scratch_) {
     cum += p;
-    if (r < cum) return i;
+    if (r < cum) {
+      return i;
+    }
   }
   return scratch_.back().second;  // rounding: r landed at the very end
 }

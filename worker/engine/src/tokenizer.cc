@@ -26,16 +26,22 @@ size_t Utf8CharLen(std::string_view s, size_t i) {
   } else {
     return 1;
   }
-  if (i + n > s.size()) return 1;
+  if (i + n > s.size()) {
+    return 1;
+  }
   for (size_t k = 1; k < n; ++k) {
-    if ((static_cast<unsigned char>(s[i + k]) & 0xc0) != 0x80) return 1;
+    if ((static_cast<unsigned char>(s[i + k]) & 0xc0) != 0x80) {
+      return 1;
+    }
   }
   return n;
 }
 
 // Parses "<0xNN>" into NN; -1 otherwise.
 int ParseBytePiece(std::string_view p) {
-  if (p.size() != 6 || p.substr(0, 3) != "<0x" || p[5] != '>') return -1;
+  if (p.size() != 6 || p.substr(0, 3) != "<0x" || p[5] != '>') {
+    return -1;
+  }
   int v = 0;
   for (int k = 3; k < 5; ++k) {
     const char c = p[k];
@@ -58,13 +64,17 @@ int ParseBytePiece(std::string_view p) {
 
 absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromGguf(const GgufFile& gguf) {
   auto model = gguf.GetString("tokenizer.ggml.model");
-  if (!model.ok()) return absl::InvalidArgumentError(model.status().message());
+  if (!model.ok()) {
+    return absl::InvalidArgumentError(model.status().message());
+  }
   if (*model != "llama") {
     return absl::FailedPreconditionError(absl::StrCat("metadata key 'tokenizer.ggml.model' is '",
                                                       *model, "'; only 'llama' is supported"));
   }
   auto pieces = gguf.GetStringArray("tokenizer.ggml.tokens");
-  if (!pieces.ok()) return absl::InvalidArgumentError(pieces.status().message());
+  if (!pieces.ok()) {
+    return absl::InvalidArgumentError(pieces.status().message());
+  }
   std::vector<float> scores;
   if (gguf.FindValue("tokenizer.ggml.scores") != nullptr) {
     KVPOOL_ASSIGN_OR_RETURN(scores, gguf.GetFloatArray("tokenizer.ggml.scores"));
@@ -78,7 +88,9 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromGguf(const GgufFile& g
     }
   }
   auto id = [&](std::string_view key, int fallback) -> absl::StatusOr<int> {
-    if (gguf.FindValue(key) == nullptr) return fallback;
+    if (gguf.FindValue(key) == nullptr) {
+      return fallback;
+    }
     KVPOOL_ASSIGN_OR_RETURN(uint64_t v, gguf.GetUint(key));
     if (v > static_cast<uint64_t>(INT32_MAX)) {
       return absl::InvalidArgumentError(
@@ -101,7 +113,9 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::Create(std::vector<std::st
     return absl::InvalidArgumentError(
         absl::StrCat("tokenizer.ggml.tokens has ", n, " pieces (need 1..2^31-1)"));
   }
-  if (scores.empty()) scores.assign(n, 0.0f);
+  if (scores.empty()) {
+    scores.assign(n, 0.0f);
+  }
   if (scores.size() != n) {
     return absl::InvalidArgumentError(absl::StrCat("tokenizer.ggml.scores has ", scores.size(),
                                                    " entries, tokenizer.ggml.tokens ", n));
@@ -148,7 +162,9 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::Create(std::vector<std::st
         return absl::InvalidArgumentError(absl::StrCat(
             "tokenizer.ggml.tokens[", i, "] has type BYTE but is not of the form <0xNN>"));
       }
-      if (tok->byte_to_id_[b] < 0) tok->byte_to_id_[b] = i;
+      if (tok->byte_to_id_[b] < 0) {
+        tok->byte_to_id_[b] = i;
+      }
     } else if ((t == TokenType::kNormal || t == TokenType::kUserDefined) && !pieces[i].empty()) {
       tok->piece_to_id_.emplace(pieces[i], i);  // the first id wins for duplicate pieces
     }
@@ -165,8 +181,12 @@ int Tokenizer::Lookup(std::string_view text) const {
 
 std::vector<int> Tokenizer::Encode(std::string_view text, bool add_bos) const {
   std::vector<int> out;
-  if (add_bos) out.push_back(bos_id_);
-  if (text.empty()) return out;
+  if (add_bos) {
+    out.push_back(bos_id_);
+  }
+  if (text.empty()) {
+    return out;
+  }
 
   // 1. Dummy prefix and spaces → "▁".
   std::string norm(kSpace);
@@ -199,30 +219,42 @@ std::vector<int> Tokenizer::Encode(std::string_view text, bool add_bos) const {
     int left;
     size_t len;
     bool operator<(const Pair& o) const {
-      if (score != o.score) return score < o.score;
+      if (score != o.score) {
+        return score < o.score;
+      }
       return left > o.left;
     }
   };
   std::priority_queue<Pair> heap;
   auto try_pair = [&](int left) {
-    if (left < 0 || sym[left].next < 0) return;
+    if (left < 0 || sym[left].next < 0) {
+      return;
+    }
     const Symbol& a = sym[left];
     const Symbol& b = sym[a.next];
     const size_t len = a.len + b.len;
     const int id = Lookup(std::string_view(norm).substr(a.start, len));
-    if (id >= 0) heap.push({scores_[id], left, len});
+    if (id >= 0) {
+      heap.push({scores_[id], left, len});
+    }
   };
-  for (int i = 0; i + 1 < static_cast<int>(sym.size()); ++i) try_pair(i);
+  for (int i = 0; i + 1 < static_cast<int>(sym.size()); ++i) {
+    try_pair(i);
+  }
   while (!heap.empty()) {
     const Pair p = heap.top();
     heap.pop();
     Symbol& a = sym[p.left];
-    if (a.len == 0 || a.next < 0 || a.len + sym[a.next].len != p.len) continue;  // stale
+    if (a.len == 0 || a.next < 0 || a.len + sym[a.next].len != p.len) {
+      continue;  // stale
+    }
     Symbol& b = sym[a.next];
     a.len += b.len;
     b.len = 0;  // removed
     a.next = b.next;
-    if (a.next >= 0) sym[a.next].prev = p.left;
+    if (a.next >= 0) {
+      sym[a.next].prev = p.left;
+    }
     try_pair(a.prev);
     try_pair(p.left);
   }
@@ -243,17 +275,23 @@ std::vector<int> Tokenizer::Encode(std::string_view text, bool add_bos) const {
 }
 
 std::string_view Tokenizer::piece(int id) const {
-  if (id < 0 || id >= vocab_size()) return {};
+  if (id < 0 || id >= vocab_size()) {
+    return {};
+  }
   return pieces_[id];
 }
 
 Tokenizer::TokenType Tokenizer::type(int id) const {
-  if (id < 0 || id >= vocab_size()) return TokenType::kUnused;
+  if (id < 0 || id >= vocab_size()) {
+    return TokenType::kUnused;
+  }
   return types_[id];
 }
 
 std::string Tokenizer::PieceText(int id) const {
-  if (id < 0 || id >= vocab_size()) return {};
+  if (id < 0 || id >= vocab_size()) {
+    return {};
+  }
   switch (types_[id]) {
     case TokenType::kControl:
     case TokenType::kUnused:
@@ -278,7 +316,9 @@ std::string Tokenizer::PieceText(int id) const {
 
 std::string Tokenizer::DecodeNext(int prev, int token) const {
   std::string s = PieceText(token);
-  if ((prev < 0 || prev == bos_id_) && !s.empty() && s[0] == ' ') s.erase(0, 1);
+  if ((prev < 0 || prev == bos_id_) && !s.empty() && s[0] == ' ') {
+    s.erase(0, 1);
+  }
   return s;
 }
 
