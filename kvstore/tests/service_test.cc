@@ -9,12 +9,15 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdio>
 #include <fstream>
 #include <future>
+#include <thread>
 
 #include "kvpool/common/checksum.h"
 #include "kvpool/common/keys.h"
+#include "kvpool/kvstore/encoder.h"
 #include "kvpool/kvstore/server.h"
 #include "kvpool/v1/pool.grpc.pb.h"
 #include "test_util.h"
@@ -272,6 +275,101 @@ TEST_F(ServiceTest, ErrorsAreTypedAndNameTheField) {
   lr.add_keys(std::string(32, 'k'));
   ASSERT_TRUE(stub_->Lookup(Ctx().get(), lr, &look).ok());
   EXPECT_EQ(look.num_blocks(), 0u);
+}
+
+// 16 clients, each with its own channel, mixing put / lookup / acquire+read / release over
+// overlapping sequences; every read is verified byte for byte against its checksum and against
+// an independent encode of the same input.
+TEST_F(ServiceTest, SixteenConcurrentClientsByteExact) {
+  const ModelSpec spec = testing::TinySpec();
+  pb::RegisterModelResponse reg;
+  ASSERT_TRUE(stub_->RegisterModel(Ctx().get(), RegisterRequest(spec), &reg).ok());
+  auto rot = ParseRotations(RegisterRequest(spec).rotation_file());
+  ASSERT_TRUE(rot.ok());
+  PoolMemory& mem = server_->store().memory();
+  std::atomic<int> failures{0};
+  std::atomic<int> verified_forms{0};
+  auto fail = [&](const std::string& what) {
+    failures++;
+    ADD_FAILURE() << what;
+  };
+  std::vector<std::thread> clients;
+  for (int c = 0; c < 16; ++c) {
+    clients.emplace_back([&, c] {
+      auto ch = grpc::CreateChannel(absl::StrCat("127.0.0.1:", server_->grpc_port()),
+                                    grpc::InsecureChannelCredentials());
+      auto stub = pb::KvPool::NewStub(ch);
+      for (int iter = 0; iter < 6; ++iter) {
+        const uint32_t seq = (c * 5 + iter) % 12;
+        const uint32_t blocks = 3 + seq % 4;
+        const std::vector<uint32_t> tokens = testing::Tokens(seq, blocks * 4);
+        pb::BeginPutRequest bp;
+        bp.set_namespace_id(reg.namespace_id());
+        for (uint32_t t : tokens) bp.add_token_ids(t);
+        bp.set_num_blocks(blocks);
+        pb::BeginPutResponse put;
+        grpc::Status st = stub->BeginPut(Ctx().get(), bp, &put);
+        if (!st.ok()) return fail("BeginPut: " + st.error_message());
+        pb::CommitPutRequest cp;
+        cp.set_namespace_id(reg.namespace_id());
+        cp.set_put_id(put.put_id());
+        for (const pb::PutBlock& b : put.blocks()) {
+          if (b.action() != pb::PUT_BLOCK_ACTION_WRITE) continue;
+          auto bytes = testing::BlockBytes(spec.geometry, seq, b.index());
+          std::memcpy(mem.data() + (b.staging_addr() - mem.remote_address()), bytes.data(),
+                      bytes.size());
+          auto* sum = cp.add_checksums();
+          sum->set_index(b.index());
+          sum->set_xxh3(Xxh3(bytes.data(), bytes.size()));
+        }
+        pb::CommitPutResponse committed;
+        st = stub->CommitPut(Ctx().get(), cp, &committed);
+        if (!st.ok()) return fail("CommitPut: " + st.error_message());
+        pb::LookupRequest lr;
+        lr.set_namespace_id(reg.namespace_id());
+        for (uint32_t t : tokens) lr.add_token_ids(t);
+        pb::LookupResponse look;
+        st = stub->Lookup(Ctx().get(), lr, &look);
+        if (!st.ok() || look.num_blocks() != blocks) return fail("Lookup");
+        pb::AcquireRequest ar;
+        ar.set_namespace_id(reg.namespace_id());
+        for (uint32_t t : tokens) ar.add_token_ids(t);
+        pb::AcquireResponse lease;
+        st = stub->Acquire(Ctx().get(), ar, &lease);
+        if (!st.ok() || lease.num_blocks() != blocks) return fail("Acquire");
+        for (const pb::LeasedBlock& b : lease.blocks()) {
+          auto in = testing::BlockBytes(spec.geometry, seq, b.index());
+          std::vector<uint8_t> want[2] = {std::vector<uint8_t>(512), std::vector<uint8_t>(192)};
+          EncodeResult r;
+          if (!EncodeBlock(spec.geometry, *rot, spec.clip_ratio_k, spec.clip_ratio_v, in.data(),
+                           want[0].data(), want[1].data(), &r)
+                   .ok()) {
+            return fail("encode");
+          }
+          for (const pb::FormLocation& f : b.forms()) {
+            const uint8_t* p = mem.data() + (f.remote_addr() - mem.remote_address());
+            const auto& w = want[f.form() == pb::FORM_BF16 ? 0 : 1];
+            if (Xxh3(p, f.size()) != f.xxh3() || f.size() != w.size() ||
+                std::memcmp(p, w.data(), w.size()) != 0) {
+              return fail(absl::StrCat("bytes of sequence ", seq, " block ", b.index()));
+            }
+            verified_forms++;
+          }
+        }
+        pb::ReleaseRequest rel;
+        rel.set_lease_id(lease.lease_id());
+        pb::ReleaseResponse released;
+        if (!stub->Release(Ctx().get(), rel, &released).ok()) return fail("Release");
+      }
+    });
+  }
+  for (auto& t : clients) t.join();
+  EXPECT_EQ(failures.load(), 0);
+  EXPECT_GE(verified_forms.load(), 16 * 6 * 3);
+  const StoreStats s = server_->store().Stats();
+  EXPECT_EQ(s.leases, 0u);
+  EXPECT_EQ(s.open_puts, 0u);
+  EXPECT_EQ(s.staging_bytes, 0u);
 }
 
 TEST_F(ServiceTest, ReflectionListsTheServices) {
