@@ -141,6 +141,11 @@ class PutSessionImpl final : public PutSession {
 
   absl::Status WriteLayer(uint32_t layer, absl::Span<const uint16_t> k,
                           absl::Span<const uint16_t> v) override;
+  absl::Status Flush() override {
+    absl::Status s0 = WaitSlot(0);
+    absl::Status s1 = WaitSlot(1);
+    return !s0.ok() ? s0 : s1;
+  }
   absl::StatusOr<PutResult> Commit() override;
   absl::Status Abort() override;
   uint32_t num_blocks() const override { return num_blocks_; }
@@ -163,6 +168,7 @@ class PutSessionImpl final : public PutSession {
   uint32_t next_layer_ = 0;
   uint64_t bytes_written_ = 0;
   bool finished_ = false;
+  absl::Status error_;  // first data-plane error of this put
 };
 
 class ClientImpl final : public Client {
@@ -569,6 +575,23 @@ class ClientImpl final : public Client {
     return out;
   }
 
+  absl::StatusOr<PoolStats> Stats(const CallOptions& call) override {
+    pb::StatsRequest req;
+    pb::StatsResponse resp;
+    KVPOOL_RETURN_IF_ERROR(Rpc(call, Deadline(call), &pb::KvPool::Stub::Stats, req, &resp));
+    PoolStats s;
+    s.capacity_bytes = resp.capacity_bytes();
+    s.used_bytes = resp.used_bytes();
+    s.staging_bytes = resp.staging_bytes();
+    s.blocks = resp.blocks();
+    s.open_puts = resp.open_puts();
+    s.leases = resp.leases();
+    s.evicted_blocks = resp.evicted_blocks();
+    s.demoted_forms = resp.demoted_forms();
+    s.pool_epoch = resp.pool_epoch();
+    return s;
+  }
+
   transport::Transport& transport() override { return *transport_; }
 
   // ---- for PutSessionImpl ----
@@ -625,7 +648,8 @@ absl::Status PutSessionImpl::WaitSlot(int slot) {
     if (!s.ok() && first.ok()) first = s;
   }
   inflight_[slot].clear();
-  return first;
+  if (!first.ok() && error_.ok()) error_ = first;  // sticky: Commit must see it
+  return error_;
 }
 
 absl::Status PutSessionImpl::WriteLayer(uint32_t layer, absl::Span<const uint16_t> k,

@@ -150,6 +150,9 @@ class PutSession {
   // FAILED_PRECONDITION (layer out of order, session finished), UNAVAILABLE (data plane).
   virtual absl::Status WriteLayer(uint32_t layer, absl::Span<const uint16_t> k,
                                   absl::Span<const uint16_t> v) = 0;
+  // Waits until every layer written so far has landed in the pool's staging memory (the
+  // data-plane half of a put; an engine's wait_for_save). Errors: UNAVAILABLE, DEADLINE_EXCEEDED.
+  virtual absl::Status Flush() = 0;
   // Waits for every layer's transfer, sends checksums, commits. On failure the put is aborted.
   // Errors: FAILED_PRECONDITION (a layer missing), DATA_LOSS, UNAVAILABLE, DEADLINE_EXCEEDED,
   // plus the pool's refusals (e.g. INVALID_ARGUMENT for NaN/Inf found at commit).
@@ -246,6 +249,19 @@ struct FetchResult {
 // Concatenates the page tables of several requests into one batch (request order).
 PageTables MergePageTables(absl::Span<const PageTables* const> per_request);
 
+// The pool's counters (StatsResponse of the proto), for tests and dashboards.
+struct PoolStats {
+  uint64_t capacity_bytes = 0;
+  uint64_t used_bytes = 0;     // committed forms + staging
+  uint64_t staging_bytes = 0;  // reserved by open puts
+  uint64_t blocks = 0;
+  uint64_t open_puts = 0;
+  uint64_t leases = 0;
+  uint64_t evicted_blocks = 0;
+  uint64_t demoted_forms = 0;
+  uint64_t pool_epoch = 0;
+};
+
 class Client {
  public:
   // Creates the data plane and the gRPC channel (no RPC yet). Errors: INVALID_ARGUMENT
@@ -303,6 +319,9 @@ class Client {
   // Deletes blocks; one status per key.
   virtual absl::StatusOr<std::vector<absl::Status>> Delete(absl::Span<const BlockKey> keys,
                                                            const CallOptions& call = {}) = 0;
+
+  // The pool's counters. Needs no registration.
+  virtual absl::StatusOr<PoolStats> Stats(const CallOptions& call = {}) = 0;
 
   // The data plane (for callers that manage their own buffers).
   virtual transport::Transport& transport() = 0;

@@ -1,0 +1,497 @@
+// client_test — the client against an in-process pool (kvstore's PoolServer) over UCX (tcp and
+// posix,cma): byte-exact put → fetch against the CPU encoder, page tables, validation errors,
+// deadlines, cancellation, leases, corruption detection (DATA_LOSS) and a pool restart.
+#include "kvpool/client/client.h"
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "kvpool/kernels/rotation.h"
+#include "kvpool/kernels/rotation_file.h"
+#include "kvpool/kvstore/encoder.h"
+#include "kvpool/kvstore/server.h"
+
+namespace kvpool::client {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr uint32_t kLayers = 2, kHeads = 2, kDim = 64, kPage = 16;
+
+std::string HadamardRotationFile(const std::string& model_id, float clip_k, float clip_v) {
+  RotationMetadata meta;
+  meta.model_name = model_id;
+  meta.head_dim = kDim;
+  meta.num_layers = kLayers;
+  meta.num_kv_heads = kHeads;
+  meta.clip_ratio_k = clip_k;
+  meta.clip_ratio_v = clip_v;
+  auto rot = RotationSet::Hadamard(meta);
+  EXPECT_TRUE(rot.ok()) << rot.status();
+  return SerializeRotations(*rot);
+}
+
+ModelSpec Spec(const std::string& precision) {
+  ModelSpec s;
+  s.model_id = "client-test-" + precision;
+  s.revision = "r1";
+  s.num_layers = kLayers;
+  s.num_kv_heads = kHeads;
+  s.head_dim = kDim;
+  s.page_size = kPage;
+  s.sink_tokens = 16;    // 1 sink block
+  s.recent_tokens = 32;  // 2 window blocks
+  s.history_precision = precision;
+  s.rotation_file = HadamardRotationFile(s.model_id, s.clip_ratio_k, s.clip_ratio_v);
+  return s;
+}
+
+uint16_t ToBf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+
+// Per-layer K/V of a sequence: [tokens][heads][dim] bf16.
+struct Sequence {
+  std::vector<uint32_t> tokens;
+  std::vector<std::vector<uint16_t>> k, v;
+  std::vector<absl::Span<const uint16_t>> ks() const { return {k.begin(), k.end()}; }
+  std::vector<absl::Span<const uint16_t>> vs() const { return {v.begin(), v.end()}; }
+};
+
+Sequence MakeSequence(uint32_t num_tokens, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> n(0.f, 1.f);
+  Sequence s;
+  for (uint32_t t = 0; t < num_tokens; ++t) s.tokens.push_back(rng() % 32000);
+  for (uint32_t l = 0; l < kLayers; ++l) {
+    s.k.emplace_back(size_t(num_tokens) * kHeads * kDim);
+    s.v.emplace_back(size_t(num_tokens) * kHeads * kDim);
+    for (auto& x : s.k.back()) x = ToBf16(n(rng) * 2.f);
+    for (auto& x : s.v.back()) x = ToBf16(n(rng));
+  }
+  return s;
+}
+
+// The staging bytes of block b (un-rotated BF16 form), as the client packs them.
+std::vector<uint8_t> StagingForm(const Sequence& s, uint32_t b) {
+  BlockGeometry g{kLayers, kHeads, kDim, kPage};
+  std::vector<uint8_t> out(g.Bf16FormBytes());
+  for (uint32_t l = 0; l < kLayers; ++l) {
+    PackLayerSlice(g, b, s.k[l].data(), s.v[l].data(), out.data() + l * g.Bf16LayerBytes());
+  }
+  return out;
+}
+
+// Expected stored forms of block b from the pool's own CPU encoder.
+void ExpectedForms(const Sequence& s, uint32_t b, const ModelSpec& spec, std::vector<uint8_t>* bf16,
+                   std::vector<uint8_t>* int2) {
+  BlockGeometry g{kLayers, kHeads, kDim, kPage};
+  auto rot = ParseRotations(spec.rotation_file);
+  ASSERT_TRUE(rot.ok());
+  auto staging = StagingForm(s, b);
+  bf16->assign(g.Bf16FormBytes(), 0);
+  int2->assign(g.Int2FormBytes(), 0);
+  kvstore::EncodeResult r;
+  ASSERT_TRUE(kvstore::EncodeBlock(g, *rot, spec.clip_ratio_k, spec.clip_ratio_v, staging.data(),
+                                   bf16->data(), int2->data(), &r)
+                  .ok());
+  ASSERT_TRUE(r.int2_ok);
+}
+
+class ClientTest : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override { StartServer(0); }
+
+  void StartServer(int port) {
+    kvstore::PoolServerOptions o;
+    o.listen = absl::StrCat("127.0.0.1:", port);
+    o.metrics_port = -1;
+    o.capacity_bytes = 16 << 20;
+    o.ucx_tls = GetParam();
+    o.tick_interval = absl::Milliseconds(20);
+    auto s = kvstore::PoolServer::Create(o);
+    ASSERT_TRUE(s.ok()) << s.status();
+    server_ = *std::move(s);
+    port_ = server_->grpc_port();
+  }
+
+  std::unique_ptr<Client> NewClient(bool check_finite = true) {
+    ClientOptions o;
+    o.server = absl::StrCat("127.0.0.1:", port_);
+    o.ucx_tls = GetParam();
+    o.default_timeout = absl::Seconds(20);
+    o.check_finite = check_finite;
+    auto c = Client::Create(o);
+    EXPECT_TRUE(c.ok()) << c.status();
+    return c.ok() ? *std::move(c) : nullptr;
+  }
+
+  // Page pools large enough for `blocks` blocks of each form.
+  struct Pools {
+    std::vector<uint8_t> bf16_mem, int2_mem;
+    PagePool bf16, int2;
+    FetchPlan plan;
+  };
+  std::unique_ptr<Pools> MakePools(Client& c, uint32_t blocks) {
+    auto p = std::make_unique<Pools>();
+    BlockGeometry g{kLayers, kHeads, kDim, kPage};
+    p->bf16_mem.assign(blocks * g.Bf16FormBytes(), 0xCD);
+    p->int2_mem.assign(blocks * g.Int2FormBytes(), 0xCD);
+    auto rb = c.RegisterBuffer(p->bf16_mem.data(), p->bf16_mem.size());
+    auto ri = c.RegisterBuffer(p->int2_mem.data(), p->int2_mem.size());
+    EXPECT_TRUE(rb.ok() && ri.ok());
+    p->bf16 = {*rb, g.Bf16FormBytes()};
+    p->int2 = {*ri, g.Int2FormBytes()};
+    p->plan.bf16_pool = &p->bf16;
+    p->plan.int2_pool = &p->int2;
+    // Pages in reverse order, so page ids differ from block indices.
+    for (int32_t i = blocks - 1; i >= 0; --i) {
+      p->plan.bf16_pages.push_back(i);
+      p->plan.int2_pages.push_back(i);
+    }
+    return p;
+  }
+
+  std::unique_ptr<kvstore::PoolServer> server_;
+  int port_ = 0;
+};
+
+TEST_P(ClientTest, PutThenFetchIsByteExactAgainstTheCpuEncoderInt2) {
+  auto c = NewClient();
+  ASSERT_NE(c, nullptr);
+  ModelSpec spec = Spec("int2");
+  auto info = c->RegisterModel(spec);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->sink_blocks, 1u);
+  EXPECT_EQ(info->recent_blocks, 2u);
+
+  Sequence s = MakeSequence(8 * kPage + 5, 1);  // 8 full blocks + a partial tail
+  auto put = c->Put(s.tokens, s.ks(), s.vs());
+  ASSERT_TRUE(put.ok()) << put.status();
+  EXPECT_EQ(put->num_blocks, 8u);
+  EXPECT_EQ(put->blocks_written, 8u);
+
+  auto look = c->Lookup(s.tokens);
+  ASSERT_TRUE(look.ok()) << look.status();
+  ASSERT_EQ(look->num_blocks, 8u);
+  auto keys = c->Keys(s.tokens);
+  ASSERT_TRUE(keys.ok());
+  for (uint32_t b = 0; b < 8; ++b) {
+    EXPECT_EQ(look->blocks[b].key, (*keys)[b]) << b;
+    EXPECT_EQ(look->blocks[b].sink, b == 0) << b;
+    EXPECT_TRUE(look->blocks[b].has_int2 || b == 0) << b;
+  }
+
+  auto lease = c->Acquire(s.tokens);
+  ASSERT_TRUE(lease.ok()) << lease.status();
+  ASSERT_EQ(lease->blocks.size(), 8u);
+  auto pools = MakePools(*c, 8);
+  auto f = c->Fetch(*lease, pools->plan);
+  ASSERT_TRUE(f.ok()) << f.status();
+  ASSERT_EQ(f->num_blocks, 8u);
+  BlockGeometry g{kLayers, kHeads, kDim, kPage};
+  // Segments: block 0 sink (BF16), 1..5 history (INT2), 6..7 recent (BF16).
+  EXPECT_EQ(f->tables.sink.indices.size(), 1u);
+  EXPECT_EQ(f->tables.history.indices.size(), 5u);
+  EXPECT_EQ(f->tables.recent.indices.size(), 2u);
+  EXPECT_EQ(f->tables.sink.indptr, (std::vector<int32_t>{0, 1}));
+  EXPECT_EQ(f->tables.history.indptr, (std::vector<int32_t>{0, 5}));
+  EXPECT_EQ(f->tables.recent.last_page_len, (std::vector<int32_t>{int32_t(kPage)}));
+  for (uint32_t b = 0; b < 8; ++b) {
+    std::vector<uint8_t> bf16, int2;
+    ExpectedForms(s, b, spec, &bf16, &int2);
+    const bool is_int2 = b >= 1 && b <= 5;
+    EXPECT_EQ(f->forms[b], is_int2 ? Form::kInt2 : Form::kBf16) << b;
+    const int32_t page = f->pages[b];
+    if (is_int2) {
+      EXPECT_EQ(0, std::memcmp(pools->int2_mem.data() + page * g.Int2FormBytes(), int2.data(),
+                               int2.size()))
+          << "block " << b;
+    } else {
+      EXPECT_EQ(0, std::memcmp(pools->bf16_mem.data() + page * g.Bf16FormBytes(), bf16.data(),
+                               bf16.size()))
+          << "block " << b;
+    }
+  }
+  EXPECT_TRUE(c->Release(*lease).ok());
+  EXPECT_EQ(c->Release(*lease).code(), absl::StatusCode::kNotFound);
+}
+
+TEST_P(ClientTest, Bf16HistoryStoresTheRotatedInputExactly) {
+  auto c = NewClient();
+  ASSERT_NE(c, nullptr);
+  ModelSpec spec = Spec("bf16");
+  ASSERT_TRUE(c->RegisterModel(spec).ok());
+  Sequence s = MakeSequence(5 * kPage, 2);
+  ASSERT_TRUE(c->Put(s.tokens, s.ks(), s.vs()).ok());
+  auto lease = c->Acquire(s.tokens);
+  ASSERT_TRUE(lease.ok());
+  auto pools = MakePools(*c, 5);
+  auto f = c->Fetch(*lease, pools->plan);
+  ASSERT_TRUE(f.ok()) << f.status();
+  ASSERT_EQ(f->num_blocks, 5u);
+  EXPECT_TRUE(f->tables.history.indices.empty());
+  EXPECT_EQ(f->tables.recent.indices.size(), 4u);
+  BlockGeometry g{kLayers, kHeads, kDim, kPage};
+  for (uint32_t b = 0; b < 5; ++b) {
+    std::vector<uint8_t> bf16, int2;
+    ExpectedForms(s, b, spec, &bf16, &int2);
+    EXPECT_EQ(0, std::memcmp(pools->bf16_mem.data() + f->pages[b] * g.Bf16FormBytes(), bf16.data(),
+                             bf16.size()))
+        << b;
+  }
+  EXPECT_TRUE(c->Release(*lease).ok());
+}
+
+TEST_P(ClientTest, BadPutsAreRefusedAndStoreNothing) {
+  auto c = NewClient();
+  ASSERT_NE(c, nullptr);
+  ASSERT_TRUE(c->RegisterModel(Spec("int2")).ok());
+  Sequence s = MakeSequence(3 * kPage, 3);
+  // Too few tokens.
+  EXPECT_THAT(c->BeginPut(absl::MakeSpan(s.tokens).subspan(0, kPage - 1)).status().message(),
+              HasSubstr("tokens"));
+  // Layers out of order, short buffers.
+  auto put = c->BeginPut(s.tokens);
+  ASSERT_TRUE(put.ok()) << put.status();
+  EXPECT_EQ((*put)->WriteLayer(1, s.k[1], s.v[1]).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT((*put)->WriteLayer(0, absl::MakeSpan(s.k[0]).subspan(0, 10), s.v[0]).message(),
+              HasSubstr("k:"));
+  EXPECT_THAT((*put)->WriteLayer(0, s.k[0], absl::MakeSpan(s.v[0]).subspan(0, 10)).message(),
+              HasSubstr("v:"));
+  EXPECT_EQ((*put)->WriteLayer(7, s.k[0], s.v[0]).code(), absl::StatusCode::kInvalidArgument);
+  // Commit with layers missing aborts.
+  EXPECT_EQ((*put)->Commit().status().code(), absl::StatusCode::kFailedPrecondition);
+  auto look = c->Lookup(s.tokens);
+  ASSERT_TRUE(look.ok());
+  EXPECT_EQ(look->num_blocks, 0u);
+
+  // NaN caught by the client...
+  Sequence bad = s;
+  bad.k[1][kHeads * kDim * 20 + 3] = 0x7FC0;  // NaN at layer 1, token 20
+  auto r = c->Put(bad.tokens, bad.ks(), bad.vs());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(r.status().message(), HasSubstr("token 20"));
+  // ...and by the pool when the client does not check.
+  auto unchecked = NewClient(/*check_finite=*/false);
+  ASSERT_TRUE(unchecked->RegisterModel(Spec("int2")).ok());
+  bad.v[0][kHeads * kDim * 40] = 0x7F80;  // +Inf at layer 0, token 40
+  r = unchecked->Put(bad.tokens, bad.ks(), bad.vs());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+  look = c->Lookup(s.tokens);
+  ASSERT_TRUE(look.ok());
+  EXPECT_EQ(look->num_blocks, 0u);
+  auto stats_after = c->Lookup(bad.tokens);
+  ASSERT_TRUE(stats_after.ok());
+  EXPECT_EQ(stats_after->num_blocks, 0u);
+
+  // A good put still works afterwards, and a duplicate put writes nothing.
+  auto ok = c->Put(s.tokens, s.ks(), s.vs());
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_EQ(ok->blocks_written, 3u);
+  auto dup = c->Put(s.tokens, s.ks(), s.vs());
+  ASSERT_TRUE(dup.ok()) << dup.status();
+  EXPECT_EQ(dup->blocks_written, 0u);
+}
+
+TEST_P(ClientTest, MismatchedRegistrationListsFields) {
+  auto c = NewClient();
+  ASSERT_NE(c, nullptr);
+  ModelSpec spec = Spec("int2");
+  ASSERT_TRUE(c->RegisterModel(spec).ok());
+  ModelSpec other = spec;
+  other.sink_tokens = 32;
+  other.page_size = 32;
+  auto r = c->RegisterModel(other);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
+  ModelSpec bad = spec;
+  bad.history_precision = "int3";
+  EXPECT_THAT(c->RegisterModel(bad).status().message(), HasSubstr("history_precision"));
+}
+
+TEST_P(ClientTest, DeadlinesAndCancellation) {
+  auto c = NewClient();
+  ASSERT_NE(c, nullptr);
+  ASSERT_TRUE(c->RegisterModel(Spec("int2")).ok());
+  Sequence s = MakeSequence(2 * kPage, 4);
+  CallOptions past{absl::Now() - absl::Seconds(1), nullptr};
+  EXPECT_EQ(c->Lookup(s.tokens, past).status().code(), absl::StatusCode::kDeadlineExceeded);
+  auto token = std::make_shared<CancelToken>();
+  token->Cancel();
+  CallOptions cancelled{absl::InfiniteFuture(), token};
+  EXPECT_EQ(c->Lookup(s.tokens, cancelled).status().code(), absl::StatusCode::kCancelled);
+  EXPECT_EQ(c->Put(s.tokens, s.ks(), s.vs(), cancelled).status().code(),
+            absl::StatusCode::kCancelled);
+  auto look = c->Lookup(s.tokens);
+  ASSERT_TRUE(look.ok());
+  EXPECT_EQ(look->num_blocks, 0u);
+}
+
+TEST_P(ClientTest, LeaseExpiryFailsClosedAndFetchPlanIsValidated) {
+  auto c = NewClient();
+  ASSERT_NE(c, nullptr);
+  ASSERT_TRUE(c->RegisterModel(Spec("int2")).ok());
+  Sequence s = MakeSequence(4 * kPage, 5);
+  ASSERT_TRUE(c->Put(s.tokens, s.ks(), s.vs()).ok());
+  auto pools = MakePools(*c, 4);
+
+  auto lease = c->Acquire(s.tokens);
+  ASSERT_TRUE(lease.ok());
+  FetchPlan few = pools->plan;
+  few.int2_pages.resize(0);
+  EXPECT_THAT(c->Fetch(*lease, few).status().message(), HasSubstr("int2_pages"));
+  FetchPlan nopool = pools->plan;
+  nopool.bf16_pool = nullptr;
+  EXPECT_THAT(c->Fetch(*lease, nopool).status().message(), HasSubstr("bf16_pool"));
+  PagePool small = pools->bf16;
+  small.page_stride = 8;
+  FetchPlan stride = pools->plan;
+  stride.bf16_pool = &small;
+  EXPECT_THAT(c->Fetch(*lease, stride).status().message(), HasSubstr("page_stride"));
+  FetchPlan outside = pools->plan;
+  outside.bf16_pages = {100, 101, 102, 103};
+  EXPECT_EQ(c->Fetch(*lease, outside).status().code(), absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE(c->Release(*lease).ok());
+
+  auto short_lease = c->Acquire(s.tokens, 0, /*lease_ms=*/50);
+  ASSERT_TRUE(short_lease.ok());
+  absl::SleepFor(absl::Milliseconds(300));
+  EXPECT_EQ(c->Fetch(*short_lease, pools->plan).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(c->Release(*short_lease).code(), absl::StatusCode::kNotFound);
+}
+
+TEST_P(ClientTest, CorruptedStoredBytesAreDataLoss) {
+  auto c = NewClient();
+  ASSERT_NE(c, nullptr);
+  ASSERT_TRUE(c->RegisterModel(Spec("int2")).ok());
+  Sequence s = MakeSequence(4 * kPage, 6);
+  ASSERT_TRUE(c->Put(s.tokens, s.ks(), s.vs()).ok());
+  auto lease = c->Acquire(s.tokens);
+  ASSERT_TRUE(lease.ok());
+  // Block 1 is the only history block (sink 1, window 2): it is fetched as INT2.
+  ASSERT_TRUE(lease->blocks[1].int2.has_value());
+  // The pool lives in this process: flip one stored byte of block 1's INT2 form.
+  auto* stored = reinterpret_cast<uint8_t*>(lease->blocks[1].int2->remote_addr);
+  stored[17] ^= 0x40;
+  auto pools = MakePools(*c, 4);
+  auto f = c->Fetch(*lease, pools->plan);
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_EQ(f->num_blocks, 1u);  // only the verified leading blocks count
+  EXPECT_EQ(f->block_status[1].code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(f->block_status[1].message(), HasSubstr("xxh3"));
+  EXPECT_TRUE(f->block_status[0].ok());
+  EXPECT_TRUE(f->block_status[2].ok());
+  EXPECT_EQ(f->tables.history.indices.size(), 0u);  // tables stop before the bad block
+  EXPECT_EQ(f->tables.sink.indices.size(), 1u);
+  stored[17] ^= 0x40;
+  EXPECT_TRUE(c->Release(*lease).ok());
+}
+
+TEST_P(ClientTest, PoolRestartGivesUnavailableThenWorksAgain) {
+  auto c = NewClient();
+  ASSERT_NE(c, nullptr);
+  ASSERT_TRUE(c->RegisterModel(Spec("int2")).ok());
+  Sequence s = MakeSequence(4 * kPage, 7);
+  ASSERT_TRUE(c->Put(s.tokens, s.ks(), s.vs()).ok());
+  auto lease = c->Acquire(s.tokens);
+  ASSERT_TRUE(lease.ok());
+  const uint64_t old_epoch = lease->pool_epoch;
+
+  const int port = port_;
+  server_->Shutdown(absl::ZeroDuration());
+  server_.reset();
+  auto down = c->Lookup(s.tokens);
+  EXPECT_EQ(down.status().code(), absl::StatusCode::kUnavailable) << down.status();
+  StartServer(port);
+
+  // The first call after the restart may still report UNAVAILABLE (it discovers the restart);
+  // within a few calls the client has reconnected and re-registered.
+  absl::StatusOr<LookupResult> look = absl::UnavailableError("not tried");
+  for (int i = 0; i < 50 && !look.ok(); ++i) {
+    look = c->Lookup(s.tokens);
+    if (!look.ok()) {
+      EXPECT_EQ(look.status().code(), absl::StatusCode::kUnavailable) << look.status();
+      absl::SleepFor(absl::Milliseconds(100));
+    }
+  }
+  ASSERT_TRUE(look.ok()) << look.status();
+  EXPECT_EQ(look->num_blocks, 0u);  // the new pool is empty
+  auto info = c->model();
+  ASSERT_TRUE(info.ok());
+  EXPECT_NE(info->pool_epoch, old_epoch);
+  // The old lease is never used against the new process.
+  auto pools = MakePools(*c, 4);
+  EXPECT_EQ(c->Fetch(*lease, pools->plan).status().code(), absl::StatusCode::kUnavailable);
+  // Put and fetch work again.
+  ASSERT_TRUE(c->Put(s.tokens, s.ks(), s.vs()).ok());
+  auto lease2 = c->Acquire(s.tokens);
+  ASSERT_TRUE(lease2.ok());
+  auto f = c->Fetch(*lease2, pools->plan);
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_EQ(f->num_blocks, 4u);
+  EXPECT_TRUE(c->Release(*lease2).ok());
+}
+
+INSTANTIATE_TEST_SUITE_P(Ucx, ClientTest, ::testing::Values("tcp", "posix,cma"),
+                         [](const auto& info) {
+                           std::string n = info.param;
+                           std::replace(n.begin(), n.end(), ',', '_');
+                           return n;
+                         });
+
+TEST(PageTables, MergeConcatenatesRequests) {
+  PageTables a, b;
+  a.sink = {{0, 1}, {7}, {16}};
+  a.history = {{0, 2}, {3, 4}, {16}};
+  a.recent = {{0, 1}, {9}, {5}};
+  b.sink = {{0, 0}, {}, {16}};
+  b.history = {{0, 1}, {8}, {16}};
+  b.recent = {{0, 2}, {1, 2}, {16}};
+  const PageTables* both[] = {&a, &b};
+  PageTables m = MergePageTables(both);
+  EXPECT_EQ(m.sink.indptr, (std::vector<int32_t>{0, 1, 1}));
+  EXPECT_EQ(m.sink.indices, (std::vector<int32_t>{7}));
+  EXPECT_EQ(m.history.indptr, (std::vector<int32_t>{0, 2, 3}));
+  EXPECT_EQ(m.history.indices, (std::vector<int32_t>{3, 4, 8}));
+  EXPECT_EQ(m.recent.indices, (std::vector<int32_t>{9, 1, 2}));
+  EXPECT_EQ(m.recent.last_page_len, (std::vector<int32_t>{5, 16}));
+}
+
+TEST(PackLayerSlice, MatchesBlockFormatOffsets) {
+  BlockGeometry g{2, 2, 8, 4};
+  const uint32_t T = 8;  // two blocks
+  std::vector<uint16_t> k(T * 2 * 8), v(T * 2 * 8);
+  for (size_t i = 0; i < k.size(); ++i) {
+    k[i] = static_cast<uint16_t>(i);
+    v[i] = static_cast<uint16_t>(10000 + i);
+  }
+  std::vector<uint8_t> out(g.Bf16LayerBytes());
+  PackLayerSlice(g, /*block=*/1, k.data(), v.data(), out.data());
+  for (uint32_t h = 0; h < 2; ++h) {
+    for (uint32_t t = 0; t < 4; ++t) {
+      for (uint32_t j = 0; j < 8; ++j) {
+        uint16_t kk, vv;
+        std::memcpy(&kk, out.data() + g.Bf16ChunkOffset(0, h) + (t * 8 + j) * 2, 2);
+        std::memcpy(&vv, out.data() + g.Bf16ChunkOffset(0, h) + g.Bf16VOffset() + (t * 8 + j) * 2,
+                    2);
+        const size_t src = ((4 + t) * 2 + h) * 8 + j;
+        ASSERT_EQ(kk, k[src]);
+        ASSERT_EQ(vv, v[src]);
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace kvpool::client

@@ -1,0 +1,452 @@
+// pool_integration_test — kvpool-server as a child process on a loopback port, C++ clients
+// over UCX tcp and shared memory (posix,cma): concurrent put/lookup/fetch with byte-exact
+// verification against the pool's CPU encoder, leases and their expiry, eviction under pressure
+// while reads are in flight, a client killed mid-put, a server killed and restarted, and bad
+// inputs that must each give a clear status and damage nothing.
+#include <fcntl.h>
+#include <poll.h>
+
+#include <atomic>
+#include <cstring>
+#include <thread>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "pool_testing.h"
+
+namespace kvpool::testing {
+namespace {
+
+using client::Client;
+using client::ClientOptions;
+using client::FetchPlan;
+using client::Form;
+using client::PagePool;
+using ::testing::HasSubstr;
+
+class PoolIntegrationTest : public ::testing::TestWithParam<std::string> {
+ protected:
+  // Starts the server with extra flags; fails the test when it does not come up.
+  void StartServer(std::vector<std::string> flags, int port = 0) {
+    server_ = std::make_unique<ServerProcess>(GetParam(), std::move(flags));
+    ASSERT_TRUE(server_->Start(port)) << server_->error();
+  }
+
+  std::unique_ptr<Client> NewClient(bool check_finite = true) {
+    ClientOptions o;
+    o.server = server_->address();
+    o.ucx_tls = GetParam();
+    o.default_timeout = absl::Seconds(20);
+    o.check_finite = check_finite;
+    auto c = Client::Create(o);
+    EXPECT_TRUE(c.ok()) << c.status();
+    return c.ok() ? *std::move(c) : nullptr;
+  }
+
+  struct Pools {
+    std::vector<uint8_t> bf16_mem, int2_mem;
+    PagePool bf16, int2;
+    FetchPlan plan;
+  };
+  static std::unique_ptr<Pools> MakePools(Client& c, uint32_t blocks) {
+    auto p = std::make_unique<Pools>();
+    BlockGeometry g = Geometry();
+    p->bf16_mem.assign(blocks * g.Bf16FormBytes(), 0xCD);
+    p->int2_mem.assign(blocks * g.Int2FormBytes(), 0xCD);
+    auto rb = c.RegisterBuffer(p->bf16_mem.data(), p->bf16_mem.size());
+    auto ri = c.RegisterBuffer(p->int2_mem.data(), p->int2_mem.size());
+    if (!rb.ok() || !ri.ok()) return nullptr;
+    p->bf16 = {*rb, g.Bf16FormBytes()};
+    p->int2 = {*ri, g.Int2FormBytes()};
+    p->plan.bf16_pool = &p->bf16;
+    p->plan.int2_pool = &p->int2;
+    for (uint32_t i = 0; i < blocks; ++i) {
+      p->plan.bf16_pages.push_back(static_cast<int32_t>(i));
+      p->plan.int2_pages.push_back(static_cast<int32_t>(i));
+    }
+    return p;
+  }
+
+  // Compares fetched pages with the encoder's forms; returns the number of mismatching blocks.
+  static int VerifyFetch(const Sequence& s, const client::ModelSpec& spec,
+                         const client::FetchResult& f, const Pools& p) {
+    BlockGeometry g = Geometry();
+    int bad = 0;
+    for (uint32_t b = 0; b < f.num_blocks; ++b) {
+      std::vector<uint8_t> bf16, int2;
+      if (!ExpectedForms(s, b, spec, &bf16, &int2)) return -1;
+      const bool is_int2 = f.forms[b] == Form::kInt2;
+      const uint8_t* got = is_int2 ? p.int2_mem.data() + f.pages[b] * g.Int2FormBytes()
+                                   : p.bf16_mem.data() + f.pages[b] * g.Bf16FormBytes();
+      const auto& want = is_int2 ? int2 : bf16;
+      if (std::memcmp(got, want.data(), want.size()) != 0) ++bad;
+    }
+    return bad;
+  }
+
+  std::unique_ptr<ServerProcess> server_;
+};
+
+// ≥ 16 concurrent clients, each on its own connection, mixing puts (with shared prefixes),
+// lookups and fetches; every fetched block is compared byte for byte with the CPU encoder.
+TEST_P(PoolIntegrationTest, SixteenConcurrentClientsByteExact) {
+  StartServer({"--capacity", "64MiB"});
+  constexpr int kClients = 16;
+  const auto spec_int2 = Spec("int2");
+  const auto spec_bf16 = Spec("bf16");
+  // A shared 3-block prefix that every int2 client extends.
+  const Sequence prefix = MakeSequence(3 * kPage, 999);
+  std::atomic<int> failures{0}, fetched_blocks{0};
+  std::vector<std::string> errors(kClients);
+  std::vector<std::thread> threads;
+  for (int ci = 0; ci < kClients; ++ci) {
+    threads.emplace_back([&, ci] {
+      auto fail = [&](const std::string& what) {
+        ++failures;
+        if (errors[ci].empty()) errors[ci] = what;
+      };
+      auto c = NewClient();
+      if (c == nullptr) return fail("client");
+      const bool bf16 = ci % 4 == 3;  // a quarter of the clients use the bf16 recipe
+      const auto& spec = bf16 ? spec_bf16 : spec_int2;
+      if (auto r = c->RegisterModel(spec); !r.ok()) return fail(r.status().ToString());
+      auto pools = MakePools(*c, 8);
+      if (pools == nullptr) return fail("pools");
+      for (int iter = 0; iter < 2; ++iter) {
+        const uint32_t seed = 1000 * ci + iter;
+        Sequence s = bf16 ? MakeSequence(6 * kPage + 3, seed)
+                          : MakeSequence(7 * kPage + 9, seed, prefix.tokens, &prefix);
+        auto put = c->Put(s.tokens, s.ks(), s.vs());
+        if (!put.ok()) return fail("put: " + put.status().ToString());
+        auto look = c->Lookup(s.tokens);
+        if (!look.ok()) return fail("lookup: " + look.status().ToString());
+        if (look->num_blocks != s.tokens.size() / kPage) return fail("lookup count");
+        auto lease = c->Acquire(s.tokens);
+        if (!lease.ok()) return fail("acquire: " + lease.status().ToString());
+        auto f = c->Fetch(*lease, pools->plan);
+        if (!f.ok()) return fail("fetch: " + f.status().ToString());
+        if (f->num_blocks != s.tokens.size() / kPage) return fail("fetch count");
+        const int bad = VerifyFetch(s, spec, *f, *pools);
+        if (bad != 0) return fail(absl::StrCat(bad, " blocks differ"));
+        fetched_blocks += f->num_blocks;
+        if (auto r = c->Release(*lease); !r.ok()) return fail("release: " + r.ToString());
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int ci = 0; ci < kClients; ++ci) EXPECT_EQ(errors[ci], "") << "client " << ci;
+  EXPECT_EQ(failures.load(), 0);
+  EXPECT_EQ(fetched_blocks.load(), 12 * 2 * 7 + 4 * 2 * 6);
+}
+
+TEST_P(PoolIntegrationTest, LeaseExpiryIsEnforced) {
+  StartServer({"--capacity", "16MiB"});
+  auto c = NewClient();
+  ASSERT_NE(c, nullptr);
+  ASSERT_TRUE(c->RegisterModel(Spec("int2")).ok());
+  Sequence s = MakeSequence(4 * kPage, 11);
+  ASSERT_TRUE(c->Put(s.tokens, s.ks(), s.vs()).ok());
+  auto lease = c->Acquire(s.tokens, 0, /*lease_ms=*/100);
+  ASSERT_TRUE(lease.ok()) << lease.status();
+  auto st = c->Stats();
+  ASSERT_TRUE(st.ok());
+  EXPECT_EQ(st->leases, 1u);
+  absl::SleepFor(absl::Milliseconds(400));
+  st = c->Stats();
+  ASSERT_TRUE(st.ok());
+  EXPECT_EQ(st->leases, 0u);  // expired on the pool's tick
+  auto pools = MakePools(*c, 4);
+  EXPECT_EQ(c->Fetch(*lease, pools->plan).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(c->Release(*lease).code(), absl::StatusCode::kNotFound);
+  // Renewing keeps a lease alive past its first lifetime.
+  auto l2 = c->Acquire(s.tokens, 0, 200);
+  ASSERT_TRUE(l2.ok());
+  for (int i = 0; i < 4; ++i) {
+    absl::SleepFor(absl::Milliseconds(100));
+    ASSERT_TRUE(c->Renew(*l2, 200).ok());
+  }
+  auto f = c->Fetch(*l2, pools->plan);
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_EQ(VerifyFetch(s, Spec("int2"), *f, *pools), 0);
+  EXPECT_TRUE(c->Release(*l2).ok());
+}
+
+// Small pool; one sequence is leased and read over and over while other clients fill the pool
+// far beyond capacity. Leased blocks are never evicted: every read verifies. Unleased old
+// sequences are evicted.
+TEST_P(PoolIntegrationTest, EvictionUnderPressureWhileReadsInFlight) {
+  StartServer({"--capacity", "1MiB", "--high-watermark", "0.7", "--low-watermark", "0.5"});
+  const auto spec = Spec("int2");
+  auto reader = NewClient();
+  ASSERT_NE(reader, nullptr);
+  ASSERT_TRUE(reader->RegisterModel(spec).ok());
+  Sequence hot = MakeSequence(8 * kPage, 21);
+  ASSERT_TRUE(reader->Put(hot.tokens, hot.ks(), hot.vs()).ok());
+  Sequence cold = MakeSequence(8 * kPage, 22);
+  ASSERT_TRUE(reader->Put(cold.tokens, cold.ks(), cold.vs()).ok());
+  auto lease = reader->Acquire(hot.tokens, 0, 60000);
+  ASSERT_TRUE(lease.ok());
+  ASSERT_EQ(lease->blocks.size(), 8u);
+
+  std::atomic<bool> stop{false};
+  std::atomic<int> reads{0}, read_failures{0};
+  std::thread read_thread([&] {
+    auto pools = MakePools(*reader, 8);
+    while (!stop.load()) {
+      auto f = reader->Fetch(*lease, pools->plan);
+      if (!f.ok() || f->num_blocks != 8 || VerifyFetch(hot, spec, *f, *pools) != 0) {
+        ++read_failures;
+      }
+      ++reads;
+    }
+  });
+  // Writers: 2 clients × 16 sequences × 8 blocks (≈ 70 KiB each before demotion) ≈ 2× the pool.
+  std::atomic<int> put_errors{0}, exhausted{0}, put_ok{0};
+  std::vector<std::thread> writers;
+  for (int w = 0; w < 2; ++w) {
+    writers.emplace_back([&, w] {
+      auto c = NewClient();
+      if (c == nullptr || !c->RegisterModel(spec).ok()) {
+        ++put_errors;
+        return;
+      }
+      for (int i = 0; i < 16; ++i) {
+        Sequence s = MakeSequence(8 * kPage, 100 + 50 * w + i);
+        auto r = c->Put(s.tokens, s.ks(), s.vs());
+        if (absl::IsResourceExhausted(r.status())) {
+          ++exhausted;  // a full pool is a clear status, not a failure
+        } else if (!r.ok()) {
+          ++put_errors;
+        } else {
+          ++put_ok;
+        }
+      }
+    });
+  }
+  for (auto& t : writers) t.join();
+  stop = true;
+  read_thread.join();
+  EXPECT_EQ(put_errors.load(), 0);
+  EXPECT_GT(put_ok.load(), 16);  // most puts fit after eviction made room
+  EXPECT_GT(reads.load(), 0);
+  EXPECT_EQ(read_failures.load(), 0);
+  auto st = reader->Stats();
+  ASSERT_TRUE(st.ok());
+  EXPECT_GT(st->evicted_blocks + st->demoted_forms, 0u);
+  EXPECT_LE(st->used_bytes, st->capacity_bytes);
+  auto cold_look = reader->Lookup(cold.tokens);
+  ASSERT_TRUE(cold_look.ok());
+  EXPECT_LT(cold_look->num_blocks, 8u);  // the unleased, least recently used one went
+  auto hot_look = reader->Lookup(hot.tokens);
+  ASSERT_TRUE(hot_look.ok());
+  EXPECT_EQ(hot_look->num_blocks, 8u);
+  EXPECT_TRUE(reader->Release(*lease).ok());
+}
+
+TEST_P(PoolIntegrationTest, ClientKilledMidPutLeavesNothingAndSpaceIsReclaimed) {
+  StartServer({"--capacity", "16MiB", "--put-timeout-ms", "500"});
+  auto c = NewClient();
+  ASSERT_NE(c, nullptr);
+  ASSERT_TRUE(c->RegisterModel(Spec("int2")).ok());
+  auto before = c->Stats();
+  ASSERT_TRUE(before.ok());
+
+  int out[2];
+  ASSERT_EQ(pipe(out), 0);
+  pid_t pid = fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    dup2(out[1], STDOUT_FILENO);
+    close(out[0]);
+    execl(KVPOOL_PUT_HELPER_BIN, KVPOOL_PUT_HELPER_BIN, server_->address().c_str(),
+          GetParam().c_str(), "31", std::to_string(6 * kPage).c_str(), "1", (char*)nullptr);
+    _exit(127);
+  }
+  close(out[1]);
+  std::string line;
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  while (absl::Now() < deadline && line.find("READY") == std::string::npos) {
+    pollfd pfd{out[0], POLLIN, 0};
+    if (poll(&pfd, 1, 100) <= 0) continue;
+    char buf[64];
+    ssize_t n = read(out[0], buf, sizeof(buf));
+    if (n <= 0) break;
+    line.append(buf, n);
+  }
+  ASSERT_THAT(line, HasSubstr("READY"));
+  auto mid = c->Stats();
+  ASSERT_TRUE(mid.ok());
+  EXPECT_EQ(mid->open_puts, before->open_puts + 1);
+  EXPECT_GT(mid->staging_bytes, before->staging_bytes);
+  kill(pid, SIGKILL);
+  int status;
+  waitpid(pid, &status, 0);
+  close(out[0]);
+  // Nothing of the put is visible.
+  Sequence s = MakeSequence(6 * kPage, 31);
+  auto look = c->Lookup(s.tokens);
+  ASSERT_TRUE(look.ok());
+  EXPECT_EQ(look->num_blocks, 0u);
+  // After the put timeout the staging space is reclaimed.
+  absl::StatusOr<client::PoolStats> after;
+  for (int i = 0; i < 100; ++i) {
+    after = c->Stats();
+    ASSERT_TRUE(after.ok());
+    if (after->open_puts == before->open_puts) break;
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  EXPECT_EQ(after->open_puts, before->open_puts);
+  EXPECT_EQ(after->staging_bytes, before->staging_bytes);
+  EXPECT_EQ(after->used_bytes, before->used_bytes);
+  // The same sequence can then be put and read normally.
+  auto put = c->Put(s.tokens, s.ks(), s.vs());
+  ASSERT_TRUE(put.ok()) << put.status();
+  EXPECT_EQ(put->blocks_written, 6u);
+}
+
+TEST_P(PoolIntegrationTest, ServerKilledAndRestartedClientsRecover) {
+  StartServer({"--capacity", "16MiB"});
+  const int port = server_->port();
+  const auto spec = Spec("int2");
+  auto c = NewClient();
+  ASSERT_NE(c, nullptr);
+  ASSERT_TRUE(c->RegisterModel(spec).ok());
+  Sequence s = MakeSequence(5 * kPage, 41);
+  ASSERT_TRUE(c->Put(s.tokens, s.ks(), s.vs()).ok());
+  auto lease = c->Acquire(s.tokens);
+  ASSERT_TRUE(lease.ok());
+
+  server_->Kill();
+  auto down = c->Lookup(s.tokens);
+  EXPECT_EQ(down.status().code(), absl::StatusCode::kUnavailable) << down.status();
+  auto down_put = c->Put(s.tokens, s.ks(), s.vs());
+  EXPECT_EQ(down_put.status().code(), absl::StatusCode::kUnavailable) << down_put.status();
+
+  server_ =
+      std::make_unique<ServerProcess>(GetParam(), std::vector<std::string>{"--capacity", "16MiB"});
+  ASSERT_TRUE(server_->Start(port)) << server_->error();
+  absl::StatusOr<client::LookupResult> look = absl::UnavailableError("not tried");
+  int unavailable = 0;
+  for (int i = 0; i < 100 && !look.ok(); ++i) {
+    look = c->Lookup(s.tokens);
+    if (!look.ok()) {
+      ASSERT_EQ(look.status().code(), absl::StatusCode::kUnavailable) << look.status();
+      ++unavailable;
+      absl::SleepFor(absl::Milliseconds(100));
+    }
+  }
+  ASSERT_TRUE(look.ok()) << look.status();
+  EXPECT_EQ(look->num_blocks, 0u);
+  auto pools = MakePools(*c, 5);
+  // The lease (and its remote keys) belong to the dead incarnation: refused, never used.
+  EXPECT_EQ(c->Fetch(*lease, pools->plan).status().code(), absl::StatusCode::kUnavailable);
+  ASSERT_TRUE(c->Put(s.tokens, s.ks(), s.vs()).ok());
+  auto l2 = c->Acquire(s.tokens);
+  ASSERT_TRUE(l2.ok());
+  EXPECT_NE(l2->pool_epoch, lease->pool_epoch);
+  auto f = c->Fetch(*l2, pools->plan);
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_EQ(f->num_blocks, 5u);
+  EXPECT_EQ(VerifyFetch(s, spec, *f, *pools), 0);
+  EXPECT_TRUE(c->Release(*l2).ok());
+}
+
+TEST_P(PoolIntegrationTest, BadInputsGetClearStatusesAndDamageNothing) {
+  StartServer({"--capacity", "1MiB", "--max-put-blocks", "128"});
+  const auto spec = Spec("int2");
+  auto c = NewClient();
+  ASSERT_NE(c, nullptr);
+  ASSERT_TRUE(c->RegisterModel(spec).ok());
+  Sequence good = MakeSequence(6 * kPage, 51);
+  ASSERT_TRUE(c->Put(good.tokens, good.ks(), good.vs()).ok());
+  auto verify_good = [&] {
+    auto lease = c->Acquire(good.tokens);
+    ASSERT_TRUE(lease.ok());
+    auto pools = MakePools(*c, 6);
+    auto f = c->Fetch(*lease, pools->plan);
+    ASSERT_TRUE(f.ok()) << f.status();
+    EXPECT_EQ(f->num_blocks, 6u);
+    EXPECT_EQ(VerifyFetch(good, spec, *f, *pools), 0);
+    EXPECT_TRUE(c->Release(*lease).ok());
+  };
+
+  // NaN / Inf: refused by the client, and by the pool when the client does not check.
+  Sequence nan = MakeSequence(4 * kPage, 52);
+  nan.k[0][kHeads * kDim * 17 + 5] = 0x7FC1;
+  auto r = c->Put(nan.tokens, nan.ks(), nan.vs());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(r.status().message(), HasSubstr("NaN or Inf"));
+  auto unchecked = NewClient(/*check_finite=*/false);
+  ASSERT_TRUE(unchecked->RegisterModel(spec).ok());
+  r = unchecked->Put(nan.tokens, nan.ks(), nan.vs());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+  Sequence inf = MakeSequence(4 * kPage, 53);
+  inf.v[1][kHeads * kDim * 60] = 0xFF80;  // -Inf
+  r = unchecked->Put(inf.tokens, inf.ks(), inf.vs());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+  for (const Sequence* s : {&nan, &inf}) {
+    auto look = c->Lookup(s->tokens);
+    ASSERT_TRUE(look.ok());
+    EXPECT_EQ(look->num_blocks, 0u);
+  }
+
+  // Wrong shapes.
+  std::vector<absl::Span<const uint16_t>> one_layer = {good.k[0]};
+  EXPECT_THAT(c->Put(good.tokens, one_layer, good.vs()).status().message(), HasSubstr("k:"));
+  Sequence shorter = MakeSequence(6 * kPage, 54);
+  shorter.v[1].resize(10);
+  EXPECT_THAT(c->Put(shorter.tokens, shorter.ks(), shorter.vs()).status().message(),
+              HasSubstr("v:"));
+
+  // Unknown keys: lookup finds nothing, delete reports NOT_FOUND per key, fetch of a lease on
+  // nothing moves nothing.
+  Sequence unknown = MakeSequence(3 * kPage, 55);
+  auto look = c->Lookup(unknown.tokens);
+  ASSERT_TRUE(look.ok());
+  EXPECT_EQ(look->num_blocks, 0u);
+  auto ukeys = c->Keys(unknown.tokens);
+  ASSERT_TRUE(ukeys.ok());
+  auto del = c->Delete(*ukeys);
+  ASSERT_TRUE(del.ok()) << del.status();
+  ASSERT_EQ(del->size(), 3u);
+  for (const auto& s : *del) EXPECT_EQ(s.code(), absl::StatusCode::kNotFound) << s;
+  auto none = c->Acquire(unknown.tokens);
+  ASSERT_TRUE(none.ok());
+  EXPECT_EQ(none->id, 0u);
+  EXPECT_TRUE(none->blocks.empty());
+
+  // Duplicate put: idempotent, nothing rewritten.
+  auto dup = c->Put(good.tokens, good.ks(), good.vs());
+  ASSERT_TRUE(dup.ok()) << dup.status();
+  EXPECT_EQ(dup->blocks_written, 0u);
+
+  // Oversize puts: more blocks than --max-put-blocks, and more bytes than the pool holds.
+  Sequence big = MakeSequence(129 * kPage, 56);
+  auto br = c->BeginPut(big.tokens);
+  EXPECT_TRUE(absl::IsInvalidArgument(br.status()) || absl::IsResourceExhausted(br.status()))
+      << br.status();
+  Sequence huge = MakeSequence(100 * kPage, 57);  // 100 × 16 KiB of staging > 1 MiB
+  auto hr = c->BeginPut(huge.tokens);
+  EXPECT_EQ(hr.status().code(), absl::StatusCode::kResourceExhausted) << hr.status();
+
+  // Mismatched registration.
+  auto other = spec;
+  other.recent_tokens = 64;
+  other.clip_ratio_k = 0.5f;
+  auto reg = c->RegisterModel(other);
+  EXPECT_EQ(reg.status().code(), absl::StatusCode::kFailedPrecondition) << reg.status();
+
+  // After all of it the stored sequence is intact.
+  verify_good();
+}
+
+INSTANTIATE_TEST_SUITE_P(Ucx, PoolIntegrationTest, ::testing::Values("tcp", "posix,cma"),
+                         [](const auto& info) {
+                           std::string n = info.param;
+                           std::replace(n.begin(), n.end(), ',', '_');
+                           return n;
+                         });
+
+}  // namespace
+}  // namespace kvpool::testing

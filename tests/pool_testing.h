@@ -1,0 +1,209 @@
+// tests/pool_testing.h — helpers for the cross-component tests: a kvpool-server child process
+// on a loopback port, model specs with a Hadamard rotation file, random K/V sequences and the
+// pool's CPU encoder as the oracle for stored bytes.
+#pragma once
+
+#include <poll.h>
+#include <signal.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "kvpool/client/client.h"
+#include "kvpool/kernels/rotation.h"
+#include "kvpool/kernels/rotation_file.h"
+#include "kvpool/kvstore/encoder.h"
+
+namespace kvpool::testing {
+
+// A kvpool-server child process. Start() launches it on 127.0.0.1 (port 0 = any free port, read
+// back from its "grpc_port=N" line) and returns once that line appeared (the server prints it
+// when ready). Destruction kills it.
+class ServerProcess {
+ public:
+  ServerProcess(std::string tls, std::vector<std::string> extra_flags)
+      : tls_(std::move(tls)), extra_(std::move(extra_flags)) {}
+  ~ServerProcess() { Kill(); }
+
+  // Returns false (and sets error()) when the server did not become ready within 20 s.
+  bool Start(int port = 0) {
+    int out[2];
+    if (pipe(out) != 0) return Fail("pipe failed");
+    pid_ = fork();
+    if (pid_ < 0) return Fail("fork failed");
+    if (pid_ == 0) {
+      dup2(out[1], STDOUT_FILENO);
+      close(out[0]);
+      close(out[1]);
+      std::vector<std::string> args = {KVPOOL_SERVER_BIN,
+                                       "--listen",
+                                       absl::StrCat("127.0.0.1:", port),
+                                       "--metrics-port",
+                                       "-1",
+                                       "--ucx-tls",
+                                       tls_,
+                                       "--tick-ms",
+                                       "20",
+                                       "--drain-ms",
+                                       "0"};
+      args.insert(args.end(), extra_.begin(), extra_.end());
+      std::vector<char*> argv;
+      for (auto& a : args) argv.push_back(a.data());
+      argv.push_back(nullptr);
+      execv(argv[0], argv.data());
+      _exit(127);
+    }
+    close(out[1]);
+    fd_ = out[0];
+    // Read the ports line, bounded by poll().
+    std::string line;
+    const absl::Time deadline = absl::Now() + absl::Seconds(20);
+    while (absl::Now() < deadline) {
+      pollfd pfd{fd_, POLLIN, 0};
+      if (poll(&pfd, 1, 100) <= 0) continue;
+      char c;
+      if (read(fd_, &c, 1) != 1) break;
+      if (c == '\n') break;
+      line.push_back(c);
+    }
+    int p = 0, m = 0;
+    if (std::sscanf(line.c_str(), "grpc_port=%d metrics_port=%d", &p, &m) < 1 || p <= 0) {
+      Kill();
+      return Fail(absl::StrCat("server did not report its port (got \"", line, "\")"));
+    }
+    port_ = p;
+    return true;
+  }
+
+  // SIGKILL (no drain) and reap. Idempotent.
+  void Kill() {
+    if (pid_ > 0) {
+      kill(pid_, SIGKILL);
+      int st;
+      waitpid(pid_, &st, 0);
+      pid_ = -1;
+    }
+    if (fd_ >= 0) {
+      close(fd_);
+      fd_ = -1;
+    }
+  }
+
+  int port() const { return port_; }
+  std::string address() const { return absl::StrCat("127.0.0.1:", port_); }
+  const std::string& error() const { return error_; }
+
+ private:
+  bool Fail(std::string e) {
+    error_ = std::move(e);
+    return false;
+  }
+  std::string tls_;
+  std::vector<std::string> extra_;
+  pid_t pid_ = -1;
+  int fd_ = -1;
+  int port_ = 0;
+  std::string error_;
+};
+
+inline constexpr uint32_t kLayers = 2, kHeads = 2, kDim = 64, kPage = 16;
+
+inline BlockGeometry Geometry() { return BlockGeometry{kLayers, kHeads, kDim, kPage}; }
+
+inline std::string HadamardRotationFile(const std::string& model_id, float ck, float cv) {
+  RotationMetadata meta;
+  meta.model_name = model_id;
+  meta.head_dim = kDim;
+  meta.num_layers = kLayers;
+  meta.num_kv_heads = kHeads;
+  meta.clip_ratio_k = ck;
+  meta.clip_ratio_v = cv;
+  auto rot = RotationSet::Hadamard(meta);
+  return rot.ok() ? SerializeRotations(*rot) : std::string();
+}
+
+// sink 1 block, window 2 blocks.
+inline client::ModelSpec Spec(const std::string& precision, const std::string& suffix = "") {
+  client::ModelSpec s;
+  s.model_id = "itest-" + precision + suffix;
+  s.revision = "r1";
+  s.num_layers = kLayers;
+  s.num_kv_heads = kHeads;
+  s.head_dim = kDim;
+  s.page_size = kPage;
+  s.sink_tokens = 16;
+  s.recent_tokens = 32;
+  s.history_precision = precision;
+  s.rotation_file = HadamardRotationFile(s.model_id, s.clip_ratio_k, s.clip_ratio_v);
+  return s;
+}
+
+inline uint16_t ToBf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+
+struct Sequence {
+  std::vector<uint32_t> tokens;
+  std::vector<std::vector<uint16_t>> k, v;  // [layer][tokens * heads * dim]
+  std::vector<absl::Span<const uint16_t>> ks() const { return {k.begin(), k.end()}; }
+  std::vector<absl::Span<const uint16_t>> vs() const { return {v.begin(), v.end()}; }
+};
+
+// K/V values depend only on (token position, token id prefix seed) so sequences sharing a
+// token prefix share K/V for it (as a real model would).
+inline Sequence MakeSequence(uint32_t num_tokens, uint32_t seed,
+                             const std::vector<uint32_t>& prefix = {},
+                             const Sequence* prefix_kv = nullptr) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> n(0.f, 1.f);
+  Sequence s;
+  s.tokens = prefix;
+  while (s.tokens.size() < num_tokens) s.tokens.push_back(rng() % 32000);
+  const size_t row = size_t(kHeads) * kDim;
+  for (uint32_t l = 0; l < kLayers; ++l) {
+    s.k.emplace_back(num_tokens * row);
+    s.v.emplace_back(num_tokens * row);
+    for (size_t i = 0; i < num_tokens * row; ++i) {
+      if (prefix_kv != nullptr && i < prefix.size() * row) {
+        s.k[l][i] = prefix_kv->k[l][i];
+        s.v[l][i] = prefix_kv->v[l][i];
+      } else {
+        s.k[l][i] = ToBf16(n(rng) * 2.f);
+        s.v[l][i] = ToBf16(n(rng));
+      }
+    }
+  }
+  return s;
+}
+
+// The pool's CPU encoder applied to block b's staging bytes: the expected stored forms.
+inline bool ExpectedForms(const Sequence& s, uint32_t b, const client::ModelSpec& spec,
+                          std::vector<uint8_t>* bf16, std::vector<uint8_t>* int2) {
+  BlockGeometry g = Geometry();
+  auto rot = ParseRotations(spec.rotation_file);
+  if (!rot.ok()) return false;
+  std::vector<uint8_t> staging(g.Bf16FormBytes());
+  for (uint32_t l = 0; l < kLayers; ++l) {
+    client::PackLayerSlice(g, b, s.k[l].data(), s.v[l].data(),
+                           staging.data() + l * g.Bf16LayerBytes());
+  }
+  bf16->assign(g.Bf16FormBytes(), 0);
+  int2->assign(g.Int2FormBytes(), 0);
+  kvstore::EncodeResult r;
+  return kvstore::EncodeBlock(g, *rot, spec.clip_ratio_k, spec.clip_ratio_v, staging.data(),
+                              bf16->data(), int2->data(), &r)
+             .ok() &&
+         r.int2_ok;
+}
+
+}  // namespace kvpool::testing
