@@ -592,6 +592,22 @@ class ClientImpl final : public Client {
     return s;
   }
 
+  absl::StatusOr<std::pair<EndpointId, RemoteKeyId>> DataPlaneTarget(
+      uint64_t pool_epoch, const std::string& packed_rkey) override {
+    ConnSnapshot c;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!info_) return absl::FailedPreconditionError("model: RegisterModel first");
+      c.epoch = info_->pool_epoch;
+      c.endpoint = endpoint_;
+    }
+    if (c.epoch != pool_epoch) {
+      return absl::UnavailableError("pool_epoch: the pool restarted since this key was issued");
+    }
+    KVPOOL_ASSIGN_OR_RETURN(RemoteKeyId key, Key(c, packed_rkey));
+    return std::make_pair(c.endpoint, key);
+  }
+
   transport::Transport& transport() override { return *transport_; }
 
   // ---- for PutSessionImpl ----

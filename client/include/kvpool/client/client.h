@@ -323,6 +323,12 @@ class Client {
   // The pool's counters. Needs no registration.
   virtual absl::StatusOr<PoolStats> Stats(const CallOptions& call = {}) = 0;
 
+  // The endpoint and unpacked remote key for a leased form, for callers that drive the data
+  // plane themselves (transport().Prepare/Post). Valid until the pool's epoch changes.
+  // Errors: UNAVAILABLE (epoch changed or data plane down), INVALID_ARGUMENT (rkey bytes).
+  virtual absl::StatusOr<std::pair<transport::EndpointId, transport::RemoteKeyId>> DataPlaneTarget(
+      uint64_t pool_epoch, const std::string& packed_rkey) = 0;
+
   // The data plane (for callers that manage their own buffers).
   virtual transport::Transport& transport() = 0;
 };

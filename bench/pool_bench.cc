@@ -1,0 +1,345 @@
+// pool_bench — data-plane and control-plane numbers of a running kvpool-server, through the
+// C++ client (the path engines use):
+//   * put:   one block of S bytes per put (S = 16 KiB … 4 MiB), timed from the first WriteLayer
+//            to Flush (bytes in the pool's staging memory; excludes BeginPut and CommitPut);
+//   * fetch: one leased block of S bytes per Fetch (RMA get + xxh3 verification);
+//   * commit: CommitPut of many INT2 blocks (rotate + quantize on the pool), reported apart;
+//   * lookup: p50/p99 of Lookup with N concurrent clients.
+// Block sizes are set by the model geometry (d = 128, P = 16: 8 KiB per layer·head), with
+// history precision bf16 so a block has exactly one S-byte form. Prints a table on stdout and
+// writes JSON (--json). bench/pool_bench.py runs it next to ucx_perftest on the same transport.
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "kvpool/client/client.h"
+#include "kvpool/common/cli.h"
+#include "kvpool/common/log.h"
+#include "kvpool/common/version.h"
+#include "kvpool/kernels/rotation.h"
+#include "kvpool/kernels/rotation_file.h"
+
+namespace {
+
+using kvpool::client::Client;
+using kvpool::client::ClientOptions;
+using kvpool::client::ModelSpec;
+
+struct Stats {
+  double p50_us = 0, p99_us = 0, mean_us = 0;
+};
+
+Stats Summarize(std::vector<double> us) {
+  Stats s;
+  if (us.empty()) return s;
+  std::sort(us.begin(), us.end());
+  auto pct = [&](double p) {
+    size_t i = static_cast<size_t>(p * (us.size() - 1) + 0.5);
+    return us[std::min(i, us.size() - 1)];
+  };
+  s.p50_us = pct(0.50);
+  s.p99_us = pct(0.99);
+  double sum = 0;
+  for (double x : us) sum += x;
+  s.mean_us = sum / us.size();
+  return s;
+}
+
+std::string RotationFile(const std::string& model, uint32_t L, uint32_t H, uint32_t d) {
+  kvpool::RotationMetadata meta;
+  meta.model_name = model;
+  meta.head_dim = d;
+  meta.num_layers = L;
+  meta.num_kv_heads = H;
+  auto rot = kvpool::RotationSet::Hadamard(meta);
+  if (!rot.ok()) {
+    KVPOOL_LOG_ERROR("rotation: {}", rot.status().ToString());
+    std::exit(kvpool::cli::kExitRuntime);
+  }
+  return kvpool::SerializeRotations(*rot);
+}
+
+ModelSpec Spec(const std::string& id, uint32_t L, uint32_t H, const std::string& precision,
+               uint32_t sink, uint32_t recent) {
+  ModelSpec s;
+  s.model_id = id;
+  s.revision = "bench";
+  s.num_layers = L;
+  s.num_kv_heads = H;
+  s.head_dim = 128;
+  s.page_size = 16;
+  s.sink_tokens = sink;
+  s.recent_tokens = recent;
+  s.history_precision = precision;
+  s.rotation_file = RotationFile(id, L, H, 128);
+  return s;
+}
+
+uint16_t Bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+std::unique_ptr<Client> NewClient(const std::string& server, const std::string& tls) {
+  ClientOptions o;
+  o.server = server;
+  o.ucx_tls = tls;
+  o.default_timeout = absl::Seconds(60);
+  auto c = Client::Create(o);
+  if (!c.ok()) {
+    KVPOOL_LOG_ERROR("client: {}", c.status().ToString());
+    std::exit(kvpool::cli::kExitRuntime);
+  }
+  return *std::move(c);
+}
+
+#define BENCH_CHECK(expr)                               \
+  do {                                                  \
+    absl::Status s_ = (expr);                           \
+    if (!s_.ok()) {                                     \
+      KVPOOL_LOG_ERROR("{}: {}", #expr, s_.ToString()); \
+      std::exit(kvpool::cli::kExitRuntime);             \
+    }                                                   \
+  } while (0)
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"pool_bench — put/fetch/commit/lookup numbers of a running kvpool-server"};
+  kvpool::cli::Setup(app, "pool_bench");
+  std::string server = "127.0.0.1:7070";
+  std::string tls = "tcp";
+  std::vector<uint64_t> sizes_kib = {16, 64, 256, 1024, 4096};
+  int iters = 50, warmup = 5, lookup_clients = 16, lookup_iters = 200, commit_blocks = 64,
+      commit_iters = 5;
+  std::string json_path;
+  app.add_option("--server", server, "gRPC address of the pool")->capture_default_str();
+  app.add_option("--ucx-tls", tls, "UCX_TLS of the client (match the server's)")
+      ->capture_default_str();
+  app.add_option("--sizes-kib", sizes_kib, "Transfer sizes in KiB (powers of two, >= 16)")
+      ->capture_default_str();
+  app.add_option("--iters", iters, "Timed puts/fetches per size")->capture_default_str();
+  app.add_option("--warmup", warmup, "Untimed iterations per size")->capture_default_str();
+  app.add_option("--lookup-clients", lookup_clients, "Concurrent clients for the lookup test")
+      ->capture_default_str();
+  app.add_option("--lookup-iters", lookup_iters, "Lookups per client")->capture_default_str();
+  app.add_option("--commit-blocks", commit_blocks, "INT2 blocks per commit")->capture_default_str();
+  app.add_option("--commit-iters", commit_iters, "Timed commits")->capture_default_str();
+  app.add_option("--json", json_path, "Write results as JSON to this file");
+  KVPOOL_CLI_PARSE(app, argc, argv);
+
+  nlohmann::json out;
+  out["bench"] = "pool_bench";
+  out["version"] = kvpool::kVersion;
+  out["git_sha"] = kvpool::kGitSha;
+  out["server"] = server;
+  out["ucx_tls"] = tls;
+  char host[256] = {0};
+  gethostname(host, sizeof(host) - 1);
+  out["host"] = host;
+  out["hardware_threads"] = std::thread::hardware_concurrency();
+  double load[3] = {0, 0, 0};
+  if (getloadavg(load, 3) == 3) out["load_average_1m_at_start"] = load[0];
+
+  std::mt19937 rng(42);
+  auto client = NewClient(server, tls);
+
+  std::printf("%-10s %12s %10s %10s %12s %10s %10s\n", "size", "put GB/s", "put p50us", "put p99us",
+              "fetch GB/s", "fetch p50", "fetch p99");
+  for (uint64_t kib : sizes_kib) {
+    const uint64_t bytes = kib << 10;
+    if (bytes < (16u << 10) || (bytes & (bytes - 1)) != 0) {
+      KVPOOL_LOG_ERROR("--sizes-kib: {} is not a power of two >= 16", kib);
+      return kvpool::cli::kExitUsage;
+    }
+    // bytes = L * H * 8 KiB; keep L <= 8.
+    const uint32_t units = static_cast<uint32_t>(bytes / (8 << 10));
+    const uint32_t L = std::min<uint32_t>(8, units);
+    const uint32_t H = units / L;
+    ModelSpec spec = Spec(absl::StrCat("bench-", kib, "k"), L, H, "bf16", 16, 16);
+    auto info = client->RegisterModel(spec);
+    BENCH_CHECK(info.status());
+    const size_t elems = size_t(16) * H * 128;
+    std::vector<std::vector<uint16_t>> kv(2 * L, std::vector<uint16_t>(elems));
+    for (auto& layer : kv) {
+      for (auto& x : layer) x = Bf16(float(int(rng() % 2001) - 1000) / 500.f);
+    }
+    // Page pool for one block.
+    std::vector<uint8_t> page(bytes);
+    auto region = client->RegisterBuffer(page.data(), page.size());
+    BENCH_CHECK(region.status());
+    kvpool::client::PagePool pool{*region, bytes};
+
+    std::vector<double> put_us, fetch_us, raw_us;
+    for (int it = 0; it < warmup + iters; ++it) {
+      std::vector<uint32_t> tokens(16);
+      for (auto& t : tokens) t = rng();
+      auto put = client->BeginPut(tokens);
+      BENCH_CHECK(put.status());
+      absl::Time t0 = absl::Now();
+      for (uint32_t l = 0; l < L; ++l) BENCH_CHECK((*put)->WriteLayer(l, kv[2 * l], kv[2 * l + 1]));
+      BENCH_CHECK((*put)->Flush());
+      absl::Time t1 = absl::Now();
+      BENCH_CHECK((*put)->Commit().status());
+      auto lease = client->Acquire(tokens);
+      BENCH_CHECK(lease.status());
+      kvpool::client::FetchPlan plan;
+      plan.bf16_pool = &pool;
+      plan.bf16_pages = {0};
+      absl::Time t2 = absl::Now();
+      auto f = client->Fetch(*lease, plan);
+      absl::Time t3 = absl::Now();
+      BENCH_CHECK(f.status());
+      if (f->num_blocks != 1) {
+        KVPOOL_LOG_ERROR("fetch returned {} blocks", f->num_blocks);
+        return kvpool::cli::kExitRuntime;
+      }
+      // The same bytes with a bare RMA get through the transport (no verification): the
+      // wrapper's own cost next to the client's.
+      const auto& loc = *lease->blocks[0].bf16;
+      auto target = client->DataPlaneTarget(lease->pool_epoch, loc.rkey);
+      BENCH_CHECK(target.status());
+      absl::Time t4 = absl::Now();
+      BENCH_CHECK(client->transport().Execute({kvpool::transport::TransferKind::kGet,
+                                               target->first,
+                                               target->second,
+                                               *region,
+                                               {{0, loc.remote_addr, loc.size}}},
+                                              absl::Now() + absl::Seconds(30)));
+      absl::Time t5 = absl::Now();
+      BENCH_CHECK(client->Release(*lease));
+      if (it >= warmup) {
+        put_us.push_back(absl::ToDoubleMicroseconds(t1 - t0));
+        fetch_us.push_back(absl::ToDoubleMicroseconds(t3 - t2));
+        raw_us.push_back(absl::ToDoubleMicroseconds(t5 - t4));
+      }
+    }
+    Stats ps = Summarize(put_us), fs = Summarize(fetch_us), rs = Summarize(raw_us);
+    const double put_gbs = bytes / (ps.mean_us * 1e3);
+    const double fetch_gbs = bytes / (fs.mean_us * 1e3);
+    std::printf("%-10s %12.3f %10.1f %10.1f %12.3f %10.1f %10.1f\n",
+                absl::StrCat(kib, " KiB").c_str(), put_gbs, ps.p50_us, ps.p99_us, fetch_gbs,
+                fs.p50_us, fs.p99_us);
+    out["transfers"].push_back({{"bytes", bytes},
+                                {"layers", L},
+                                {"kv_heads", H},
+                                {"iters", iters},
+                                {"put_gbps", put_gbs},
+                                {"put_p50_us", ps.p50_us},
+                                {"put_p99_us", ps.p99_us},
+                                {"fetch_gbps", fetch_gbs},
+                                {"fetch_p50_us", fs.p50_us},
+                                {"fetch_p99_us", fs.p99_us},
+                                {"raw_get_gbps", bytes / (rs.mean_us * 1e3)},
+                                {"raw_get_p50_us", rs.p50_us},
+                                {"raw_get_p99_us", rs.p99_us}});
+  }
+
+  // ---- commit (rotate + quantize to INT2 on the pool) ----
+  {
+    const uint32_t L = 4, H = 8;
+    ModelSpec spec = Spec("bench-commit", L, H, "int2", 0, 0);
+    BENCH_CHECK(client->RegisterModel(spec).status());
+    const size_t elems = size_t(commit_blocks) * 16 * H * 128;
+    std::vector<std::vector<uint16_t>> kv(2 * L, std::vector<uint16_t>(elems));
+    std::normal_distribution<float> n(0.f, 1.f);
+    for (auto& layer : kv) {
+      for (auto& x : layer) x = Bf16(n(rng));
+    }
+    std::vector<double> commit_us;
+    const uint64_t bytes = uint64_t(commit_blocks) * L * H * 8192;
+    for (int it = 0; it < 1 + commit_iters; ++it) {
+      std::vector<uint32_t> tokens(size_t(commit_blocks) * 16);
+      for (auto& t : tokens) t = rng();
+      auto put = client->BeginPut(tokens);
+      BENCH_CHECK(put.status());
+      for (uint32_t l = 0; l < L; ++l) BENCH_CHECK((*put)->WriteLayer(l, kv[2 * l], kv[2 * l + 1]));
+      BENCH_CHECK((*put)->Flush());
+      absl::Time t0 = absl::Now();
+      BENCH_CHECK((*put)->Commit().status());
+      if (it > 0) commit_us.push_back(absl::ToDoubleMicroseconds(absl::Now() - t0));
+    }
+    Stats cs = Summarize(commit_us);
+    const double gbs = bytes / (cs.mean_us * 1e3);
+    std::printf(
+        "\ncommit (rotate+quantize, %d blocks of %llu KiB BF16): %.3f GB/s of BF16 input, "
+        "p50 %.1f ms\n",
+        commit_blocks, static_cast<unsigned long long>(L * H * 8), gbs, cs.p50_us / 1e3);
+    out["commit"] = {{"blocks", commit_blocks},
+                     {"bf16_bytes", bytes},
+                     {"gbps", gbs},
+                     {"p50_ms", cs.p50_us / 1e3},
+                     {"p99_ms", cs.p99_us / 1e3}};
+  }
+
+  // ---- lookup p99 with concurrent clients ----
+  {
+    ModelSpec spec = Spec("bench-lookup", 2, 2, "int2", 16, 32);
+    BENCH_CHECK(client->RegisterModel(spec).status());
+    const uint32_t blocks = 64;
+    std::vector<uint32_t> tokens(blocks * 16);
+    for (auto& t : tokens) t = rng();
+    std::vector<std::vector<uint16_t>> kv(4, std::vector<uint16_t>(tokens.size() * 2 * 128));
+    for (auto& layer : kv) {
+      for (auto& x : layer) x = Bf16(float(int(rng() % 200) - 100) / 50.f);
+    }
+    std::vector<absl::Span<const uint16_t>> ks = {kv[0], kv[2]}, vs = {kv[1], kv[3]};
+    BENCH_CHECK(client->Put(tokens, ks, vs).status());
+    std::vector<std::vector<double>> lat(lookup_clients);
+    std::atomic<int> failures{0};
+    std::vector<std::thread> threads;
+    const absl::Time start = absl::Now();
+    for (int c = 0; c < lookup_clients; ++c) {
+      threads.emplace_back([&, c] {
+        auto cl = NewClient(server, tls);
+        if (!cl->RegisterModel(spec).ok()) {
+          ++failures;
+          return;
+        }
+        for (int i = 0; i < lookup_iters; ++i) {
+          absl::Time t0 = absl::Now();
+          auto r = cl->Lookup(tokens);
+          lat[c].push_back(absl::ToDoubleMicroseconds(absl::Now() - t0));
+          if (!r.ok() || r->num_blocks != blocks) ++failures;
+        }
+      });
+    }
+    for (auto& t : threads) t.join();
+    const double wall_s = absl::ToDoubleSeconds(absl::Now() - start);
+    std::vector<double> all;
+    for (auto& v : lat) all.insert(all.end(), v.begin(), v.end());
+    Stats ls = Summarize(all);
+    std::printf(
+        "lookup (%u blocks, %d clients): p50 %.1f us, p99 %.1f us, %.0f lookups/s, %d "
+        "failures\n",
+        blocks, lookup_clients, ls.p50_us, ls.p99_us, all.size() / wall_s, failures.load());
+    out["lookup"] = {{"clients", lookup_clients},   {"blocks", blocks},
+                     {"p50_us", ls.p50_us},         {"p99_us", ls.p99_us},
+                     {"rate", all.size() / wall_s}, {"failures", failures.load()}};
+    if (failures.load() != 0) return kvpool::cli::kExitRuntime;
+  }
+
+  if (!json_path.empty()) {
+    std::ofstream f(json_path);
+    f << out.dump(2) << "\n";
+    if (!f) {
+      KVPOOL_LOG_ERROR("--json: cannot write {}", json_path);
+      return kvpool::cli::kExitRuntime;
+    }
+  }
+  return kvpool::cli::kExitOk;
+}

@@ -1,0 +1,144 @@
+#!/usr/bin/env python3
+"""pool_bench.py — kvpool put/fetch next to ucx_perftest on the same transport, in one run.
+
+For each UCX transport (default: tcp and posix,cma) it starts kvpool-server on a free loopback
+port, runs pool_bench against it (put / fetch of one block of 16 KiB … 4 MiB through the C++
+client, commit throughput, lookup p99 with 16 clients), then runs ucx_perftest (ucp_put_bw and
+ucp_get) with the same UCX_TLS and message sizes, and prints a table with the ratio
+kvpool / ucx_perftest. Results go to bench/results/pool_bench_<tls>.json.
+
+    bench/pool_bench.py --build build [--tls tcp --tls posix,cma] [--iters 50]
+
+Standard library only. Exit codes: 0 ok, 1 usage, 2 runtime error.
+"""
+import argparse
+import json
+import os
+import platform
+import re
+import select
+import socket
+import subprocess
+import sys
+import time
+
+SIZES_KIB = [16, 64, 256, 1024, 4096]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(build, tls, capacity):
+    cmd = [os.path.join(build, "bin", "kvpool-server"), "--listen", "127.0.0.1:0",
+           "--metrics-port", "-1", "--ucx-tls", tls, "--capacity", capacity,
+           "--drain-ms", "0"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    ready, _, _ = select.select([proc.stdout], [], [], 30)
+    line = proc.stdout.readline() if ready else ""
+    m = re.search(r"grpc_port=(\d+)", line)
+    if not m:
+        proc.kill()
+        raise RuntimeError(f"kvpool-server did not start (got {line!r})")
+    return proc, int(m.group(1))
+
+
+def perftest(tls, test, size, iters, warmup):
+    """Runs one ucx_perftest pair; returns (bandwidth bytes/s, p50 latency us)."""
+    env = dict(os.environ, UCX_TLS=tls)
+    port = free_port()
+    server = subprocess.Popen(["ucx_perftest", "-p", str(port)], env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        time.sleep(0.3)
+        out = subprocess.run(["ucx_perftest", "127.0.0.1", "-p", str(port), "-t", test,
+                              "-s", str(size), "-n", str(iters), "-w", str(warmup)],
+                             env=env, capture_output=True, text=True, timeout=300).stdout
+    finally:
+        server.kill()
+        server.wait()
+    for line in out.splitlines():
+        if line.startswith("Final:"):
+            f = line.split()
+            # Final: iters p50_lat avg_lat overall_lat bw_avg(MB/s) bw_overall msgrate...
+            return float(f[5]) * 1024 * 1024, float(f[2])
+    raise RuntimeError(f"ucx_perftest {test} {size}: no Final line:\n{out}")
+
+
+def get_bw_of(t):
+    return t["perftest"]["ucp_get_gbps"] * 1e9
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--build", default="build", help="build directory (bin/ holds the binaries)")
+    ap.add_argument("--tls", action="append", help="UCX_TLS values (repeatable)")
+    ap.add_argument("--iters", type=int, default=50, help="timed puts/fetches per size")
+    ap.add_argument("--perftest-iters", type=int, default=200, help="ucx_perftest iterations")
+    ap.add_argument("--capacity", default="1GiB", help="kvpool-server --capacity")
+    ap.add_argument("--results", default=os.path.join(os.path.dirname(__file__), "results"))
+    args = ap.parse_args()
+    tls_list = args.tls or ["tcp", "posix,cma"]
+    bench_bin = os.path.join(args.build, "bin", "pool_bench")
+    for b in (bench_bin, os.path.join(args.build, "bin", "kvpool-server")):
+        if not os.path.exists(b):
+            print(f"--build: {b} does not exist", file=sys.stderr)
+            return 1
+    os.makedirs(args.results, exist_ok=True)
+    for tls in tls_list:
+        server, port = start_server(args.build, tls, args.capacity)
+        json_path = os.path.join(args.results, f"pool_bench_{tls.replace(',', '_')}.json")
+        try:
+            r = subprocess.run([bench_bin, "--server", f"127.0.0.1:{port}", "--ucx-tls", tls,
+                                "--iters", str(args.iters), "--json", json_path],
+                               capture_output=True, text=True, timeout=1200)
+        finally:
+            server.kill()
+            server.wait()
+        if r.returncode != 0:
+            print(r.stdout, r.stderr, sep="\n", file=sys.stderr)
+            return 2
+        with open(json_path) as f:
+            res = json.load(f)
+        rows = []
+        for t in res["transfers"]:
+            size = t["bytes"]
+            put_bw, put_lat = perftest(tls, "ucp_put_bw", size, args.perftest_iters, 10)
+            get_bw, get_lat = perftest(tls, "ucp_get", size, args.perftest_iters, 10)
+            t["perftest"] = {"ucp_put_bw_gbps": put_bw / 1e9, "ucp_put_bw_p50_us": put_lat,
+                             "ucp_get_gbps": get_bw / 1e9, "ucp_get_p50_us": get_lat}
+            t["put_ratio"] = t["put_gbps"] * 1e9 / put_bw
+            t["fetch_ratio"] = t["fetch_gbps"] * 1e9 / get_bw
+            rows.append(t)
+        res["perftest_iters"] = args.perftest_iters
+        res["python"] = platform.python_version()
+        res["load_average_1m_at_end"] = os.getloadavg()[0]
+        with open(json_path, "w") as f:
+            json.dump(res, f, indent=2)
+        print(f"\n== UCX_TLS={tls} (kvpool-server on 127.0.0.1:{port}; load average "
+              f"{res.get('load_average_1m_at_start', 0):.1f} → {res['load_average_1m_at_end']:.1f} "
+              f"on {res['hardware_threads']} hardware threads) ==")
+        print(f"{'size':>9} | {'put GB/s':>9} {'perftest':>9} {'ratio':>6} "
+              f"{'p50 us':>8} {'p99 us':>8} | {'fetch GB/s':>10} {'perftest':>9} {'ratio':>6} "
+              f"{'p50 us':>8} {'p99 us':>8} | {'raw get':>8} {'ratio':>6}")
+        for t in rows:
+            p = t["perftest"]
+            print(f"{t['bytes'] // 1024:>5} KiB | {t['put_gbps']:9.3f} {p['ucp_put_bw_gbps']:9.3f} "
+                  f"{t['put_ratio']:6.2f} {t['put_p50_us']:8.1f} {t['put_p99_us']:8.1f} | "
+                  f"{t['fetch_gbps']:10.3f} {p['ucp_get_gbps']:9.3f} {t['fetch_ratio']:6.2f} "
+                  f"{t['fetch_p50_us']:8.1f} {t['fetch_p99_us']:8.1f} | "
+                  f"{t['raw_get_gbps']:8.3f} {t['raw_get_gbps'] * 1e9 / get_bw_of(t):6.2f}")
+        c = res["commit"]
+        print(f"commit (rotate + INT2 quantize on the pool, {c['blocks']} blocks): "
+              f"{c['gbps']:.3f} GB/s of BF16 input, p50 {c['p50_ms']:.1f} ms")
+        lk = res["lookup"]
+        print(f"lookup ({lk['blocks']} blocks, {lk['clients']} concurrent clients): "
+              f"p50 {lk['p50_us']:.1f} us, p99 {lk['p99_us']:.1f} us, {lk['rate']:.0f}/s")
+        print(f"JSON: {json_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
