@@ -102,25 +102,48 @@ absl::StatusOr<std::unique_ptr<MixedKvCache>> PrefillPd(
   return cache;
 }
 
-absl::StatusOr<std::vector<int>> MixedGreedy(engine::Engine& engine,
-                                             std::shared_ptr<const RotationSet> rotations,
-                                             const MixedCacheOptions& options,
-                                             absl::Span<const int> prompt, int max_new) {
-  std::vector<float> logits;
-  KVPOOL_ASSIGN_OR_RETURN(auto cache, PrefillPd(engine, rotations, options, prompt, &logits));
+absl::StatusOr<std::vector<int>> GreedyFrom(engine::Engine& engine, engine::KvCacheView& cache,
+                                            std::vector<float> logits, int pos, int max_new) {
   std::vector<int> out;
-  int pos = static_cast<int>(prompt.size());
   const int ctx = engine.config().context_length;
   for (int i = 0; i < max_new && pos < ctx; ++i) {
     const int tok = Argmax(logits);
     if (IsStop(engine, tok)) break;
     out.push_back(tok);
     if (i + 1 == max_new || pos + 1 > ctx) break;
-    KVPOOL_ASSIGN_OR_RETURN(absl::Span<const float> l, engine.Forward(tok, pos, *cache));
+    KVPOOL_ASSIGN_OR_RETURN(absl::Span<const float> l, engine.Forward(tok, pos, cache));
     logits.assign(l.begin(), l.end());
     ++pos;
   }
   return out;
+}
+
+absl::StatusOr<TeacherForcedResult> TeacherForceFrom(engine::Engine& engine,
+                                                     engine::KvCacheView& cache,
+                                                     std::vector<float> logits, int pos,
+                                                     const ReferenceRun& reference) {
+  if (reference.nll.size() != reference.tokens.size()) {
+    return absl::InvalidArgumentError("reference.nll and reference.tokens differ in length");
+  }
+  TeacherForcedResult r;
+  for (size_t i = 0; i < reference.tokens.size(); ++i) {
+    ScorePosition(logits, reference.tokens[i], reference.nll[i], &r);
+    if (i + 1 == reference.tokens.size()) break;
+    KVPOOL_ASSIGN_OR_RETURN(absl::Span<const float> l,
+                            engine.Forward(reference.tokens[i], pos, cache));
+    logits.assign(l.begin(), l.end());
+    ++pos;
+  }
+  return r;
+}
+
+absl::StatusOr<std::vector<int>> MixedGreedy(engine::Engine& engine,
+                                             std::shared_ptr<const RotationSet> rotations,
+                                             const MixedCacheOptions& options,
+                                             absl::Span<const int> prompt, int max_new) {
+  std::vector<float> logits;
+  KVPOOL_ASSIGN_OR_RETURN(auto cache, PrefillPd(engine, rotations, options, prompt, &logits));
+  return GreedyFrom(engine, *cache, std::move(logits), static_cast<int>(prompt.size()), max_new);
 }
 
 absl::StatusOr<TeacherForcedResult> TeacherForce(engine::Engine& engine,
@@ -128,22 +151,10 @@ absl::StatusOr<TeacherForcedResult> TeacherForce(engine::Engine& engine,
                                                  const MixedCacheOptions& options,
                                                  absl::Span<const int> prompt,
                                                  const ReferenceRun& reference) {
-  if (reference.nll.size() != reference.tokens.size()) {
-    return absl::InvalidArgumentError("reference.nll and reference.tokens differ in length");
-  }
   std::vector<float> logits;
   KVPOOL_ASSIGN_OR_RETURN(auto cache, PrefillPd(engine, rotations, options, prompt, &logits));
-  TeacherForcedResult r;
-  int pos = static_cast<int>(prompt.size());
-  for (size_t i = 0; i < reference.tokens.size(); ++i) {
-    ScorePosition(logits, reference.tokens[i], reference.nll[i], &r);
-    if (i + 1 == reference.tokens.size()) break;
-    KVPOOL_ASSIGN_OR_RETURN(absl::Span<const float> l,
-                            engine.Forward(reference.tokens[i], pos, *cache));
-    logits.assign(l.begin(), l.end());
-    ++pos;
-  }
-  return r;
+  return TeacherForceFrom(engine, *cache, std::move(logits), static_cast<int>(prompt.size()),
+                          reference);
 }
 
 }  // namespace kvpool::worker

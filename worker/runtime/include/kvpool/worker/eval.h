@@ -89,6 +89,17 @@ absl::StatusOr<TeacherForcedResult> TeacherForce(engine::Engine& engine,
                                                  absl::Span<const int> prompt,
                                                  const ReferenceRun& reference);
 
+// Greedy continuation from a prepared cache: `logits` are those of the token at pos − 1 (the
+// last prompt token), `pos` the next position. Stops at EOS/BOS or the context end.
+absl::StatusOr<std::vector<int>> GreedyFrom(engine::Engine& engine, engine::KvCacheView& cache,
+                                            std::vector<float> logits, int pos, int max_new);
+
+// Teacher forcing from a prepared cache (arguments as GreedyFrom) against `reference`.
+absl::StatusOr<TeacherForcedResult> TeacherForceFrom(engine::Engine& engine,
+                                                     engine::KvCacheView& cache,
+                                                     std::vector<float> logits, int pos,
+                                                     const ReferenceRun& reference);
+
 // −log softmax(logits)[token], computed in fp64.
 double NegLogLikelihood(absl::Span<const float> logits, int token);
 // Index of the largest logit (lowest index on ties), like the engine's greedy sampler.

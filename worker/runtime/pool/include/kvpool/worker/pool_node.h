@@ -1,0 +1,118 @@
+// kvpool/worker/pool_node.h — the prefill and decode roles of kvpool-worker on top of the pool
+// client (kvpool/client/client.h) and the mixed-precision cache (mixed_kv_cache.h).
+//
+// Prefill (PrefillNode::Run): opens a two-phase put for the prompt's full blocks, computes the
+// prompt with BF16 attention (MixedKvCache, history bf16, the registered S/W), records the
+// un-rotated bf16 K/V (StagingRecorder), writes them layer by layer (PutSession::WriteLayer;
+// each layer's transfer proceeds while the next is packed) and commits. Nothing is visible
+// before the commit; a prefill killed mid-push leaves nothing behind.
+//
+// Decode (DecodeNode::Run): leases the longest held prefix (at most the full blocks before the
+// last prompt token), keeps the longest part of it whose recent window has BF16 forms, fetches
+// sink/window blocks in BF16 and history in the registered precision into registered page
+// pools, loads them into a MixedKvCache (LoadBlocks), releases the lease, recomputes the
+// missing tokens and generates greedily. When the pool is unreachable or a fetch fails or is
+// incomplete, it computes the prefix itself exactly as a single process would (eval.h
+// PrefillPd), so the answer is the same; the report and the log say so.
+//
+// Thread-safety: one node per thread (the Engine is single-threaded).
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "kvpool/client/client.h"
+#include "kvpool/engine/engine.h"
+#include "kvpool/kernels/rotation.h"
+#include "kvpool/worker/eval.h"
+#include "kvpool/worker/mixed_kv_cache.h"
+
+namespace kvpool::worker {
+
+// Test hooks (flag --fault of kvpool-worker).
+enum class Fault {
+  kNone,
+  kPrefillExitMidPush,  // prefill: SIGKILL itself after half of the layers were sent
+  kKillPoolMidFetch,    // decode: fetch the sink blocks, SIGKILL the pool (pid), fetch the rest
+};
+absl::StatusOr<Fault> ParseFault(const std::string& name);
+
+struct NodeOptions {
+  MixedCacheOptions cache;  // page size, S, W, history precision, clip ratios, capacity
+  int fault_pool_pid = 0;   // for kKillPoolMidFetch
+  Fault fault = Fault::kNone;
+};
+
+// The ModelSpec a worker registers: geometry from the engine, recipe from `cache`,
+// rotation file bytes, identity (model_id, revision).
+client::ModelSpec MakeModelSpec(const engine::ModelConfig& config, const MixedCacheOptions& cache,
+                                const std::string& model_id, const std::string& revision,
+                                std::string rotation_file_bytes);
+
+struct PrefillReport {
+  int prompt_tokens = 0;
+  uint32_t blocks = 0;          // full blocks of the put
+  uint32_t blocks_written = 0;  // blocks sent (the rest already existed in the pool)
+  uint64_t bytes_written = 0;   // staging bytes sent
+  double compute_seconds = 0;
+  double push_seconds = 0;  // write layers + commit
+};
+
+class PrefillNode {
+ public:
+  // `engine`, `client` not owned (must outlive the node); `client` already registered.
+  PrefillNode(engine::Engine* engine, client::Client* client,
+              std::shared_ptr<const RotationSet> rotations, NodeOptions options);
+  // Errors: the engine's, the client's (UNAVAILABLE, RESOURCE_EXHAUSTED, ...); INVALID_ARGUMENT
+  // for a prompt shorter than one block.
+  absl::StatusOr<PrefillReport> Run(absl::Span<const int> prompt);
+
+ private:
+  engine::Engine* engine_;
+  client::Client* client_;
+  std::shared_ptr<const RotationSet> rotations_;
+  NodeOptions options_;
+};
+
+struct DecodeReport {
+  std::vector<int> tokens;  // greedy continuation
+  int prompt_tokens = 0;
+  int wanted_blocks = 0;               // full blocks before the last prompt token
+  int hit_blocks = 0;                  // blocks the pool held (leased)
+  int loaded_blocks = 0;               // blocks fetched and loaded
+  int recomputed_tokens = 0;           // prompt tokens computed locally
+  uint64_t bytes_moved = 0;            // fetched bytes (data plane)
+  uint64_t bf16_bytes_equivalent = 0;  // bytes the loaded blocks take in BF16
+  uint64_t bytes_stored = 0;           // bytes of every form the pool holds for the leased blocks
+  uint64_t bf16_blocks_fetched = 0, int2_blocks_fetched = 0;
+  bool fallback = false;  // computed the prefix locally because the pool path failed
+  std::string fallback_reason;
+  double fetch_seconds = 0;
+  double compute_seconds = 0;  // recompute + generation
+  bool has_teacher_forced = false;
+  TeacherForcedResult teacher_forced;  // vs the reference, when one was given
+};
+
+class DecodeNode {
+ public:
+  // `client` may be null (pool unreachable at start-up: every request falls back).
+  DecodeNode(engine::Engine* engine, client::Client* client,
+             std::shared_ptr<const RotationSet> rotations, NodeOptions options);
+  // Serves `prompt`: max_new greedy tokens. With `reference` non-null also teacher-forces a
+  // second cache loaded from the same fetched pages. Errors: only the engine's (pool failures
+  // fall back and are reported in the DecodeReport).
+  absl::StatusOr<DecodeReport> Run(absl::Span<const int> prompt, int max_new,
+                                   const ReferenceRun* reference);
+
+ private:
+  engine::Engine* engine_;
+  client::Client* client_;
+  std::shared_ptr<const RotationSet> rotations_;
+  NodeOptions options_;
+  bool fault_fired_ = false;
+};
+
+}  // namespace kvpool::worker

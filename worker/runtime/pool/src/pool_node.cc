@@ -1,0 +1,301 @@
+// Prefill and decode roles over the pool (see kvpool/worker/pool_node.h).
+#include "kvpool/worker/pool_node.h"
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <thread>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "kvpool/common/log.h"
+#include "kvpool/common/status.h"
+#include "kvpool/worker/staging_recorder.h"
+
+namespace kvpool::worker {
+
+namespace {
+
+double Since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+std::vector<uint32_t> ToU32(absl::Span<const int> tokens) {
+  return std::vector<uint32_t>(tokens.begin(), tokens.end());
+}
+
+// Token-major bf16 rows of `layer` ([blocks·P][H][d]) from the recorder's staging blocks.
+void LayerRows(const StagingRecorder& rec, uint32_t layer, uint32_t blocks,
+               std::vector<uint16_t>* k, std::vector<uint16_t>* v) {
+  const BlockGeometry& g = rec.geometry();
+  const uint32_t P = g.page_size, d = g.head_dim, H = g.num_kv_heads;
+  k->assign(size_t{blocks} * P * H * d, 0);
+  v->assign(k->size(), 0);
+  for (uint32_t b = 0; b < blocks; ++b) {
+    const uint8_t* staging = rec.Staging(static_cast<int>(b));
+    for (uint32_t h = 0; h < H; ++h) {
+      const auto* kr = reinterpret_cast<const uint16_t*>(staging + g.Bf16ChunkOffset(layer, h));
+      const auto* vr = reinterpret_cast<const uint16_t*>(staging + g.Bf16ChunkOffset(layer, h) +
+                                                         g.Bf16VOffset());
+      for (uint32_t t = 0; t < P; ++t) {
+        const size_t dst = (size_t{b} * P + t) * H * d + size_t{h} * d;
+        std::copy_n(kr + size_t{t} * d, d, k->data() + dst);
+        std::copy_n(vr + size_t{t} * d, d, v->data() + dst);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<Fault> ParseFault(const std::string& name) {
+  if (name.empty() || name == "none") return Fault::kNone;
+  if (name == "prefill-exit-mid-push") return Fault::kPrefillExitMidPush;
+  if (name == "kill-pool-mid-fetch") return Fault::kKillPoolMidFetch;
+  return absl::InvalidArgumentError(absl::StrCat(
+      "fault '", name, "' must be none, prefill-exit-mid-push or kill-pool-mid-fetch"));
+}
+
+client::ModelSpec MakeModelSpec(const engine::ModelConfig& config, const MixedCacheOptions& cache,
+                                const std::string& model_id, const std::string& revision,
+                                std::string rotation_file_bytes) {
+  client::ModelSpec spec;
+  spec.model_id = model_id;
+  spec.revision = revision;
+  spec.num_layers = static_cast<uint32_t>(config.n_layers);
+  spec.num_kv_heads = static_cast<uint32_t>(config.n_kv_heads);
+  spec.head_dim = static_cast<uint32_t>(config.head_dim);
+  spec.page_size = static_cast<uint32_t>(cache.page_size);
+  spec.sink_tokens = static_cast<uint32_t>(cache.sink_tokens);
+  spec.recent_tokens = static_cast<uint32_t>(cache.recent_tokens);
+  spec.clip_ratio_k = cache.clip_ratio_k;
+  spec.clip_ratio_v = cache.clip_ratio_v;
+  spec.history_precision = HistoryPrecisionName(cache.history);
+  spec.rotation_file = std::move(rotation_file_bytes);
+  return spec;
+}
+
+// ---- prefill ---------------------------------------------------------------------------------
+
+PrefillNode::PrefillNode(engine::Engine* engine, client::Client* client,
+                         std::shared_ptr<const RotationSet> rotations, NodeOptions options)
+    : engine_(engine), client_(client), rotations_(std::move(rotations)), options_(options) {}
+
+absl::StatusOr<PrefillReport> PrefillNode::Run(absl::Span<const int> prompt) {
+  const engine::ModelConfig& c = engine_->config();
+  const int P = options_.cache.page_size;
+  if (static_cast<int>(prompt.size()) < P) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("prompt: ", prompt.size(), " tokens is shorter than one block (", P, ")"));
+  }
+  PrefillReport rep;
+  rep.prompt_tokens = static_cast<int>(prompt.size());
+  const std::vector<uint32_t> tokens = ToU32(prompt);
+  // Open the put first: staging space is reserved while the prompt is computed.
+  KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<client::PutSession> put, client_->BeginPut(tokens));
+  rep.blocks = put->num_blocks();
+
+  // A prefill node attends in BF16 (history precision bf16, the registered S/W).
+  MixedCacheOptions o = options_.cache;
+  o.history = HistoryPrecision::kBf16;
+  KVPOOL_ASSIGN_OR_RETURN(auto cache,
+                          MixedKvCache::Create(c.n_layers, c.attention(), rotations_, o));
+  StagingRecorder rec(cache.get(), cache->geometry());
+  auto t0 = std::chrono::steady_clock::now();
+  KVPOOL_RETURN_IF_ERROR(engine_->Prefill(prompt, 0, rec).status());
+  rep.compute_seconds = Since(t0);
+
+  t0 = std::chrono::steady_clock::now();
+  std::vector<uint16_t> k, v;
+  for (int l = 0; l < c.n_layers; ++l) {
+    LayerRows(rec, static_cast<uint32_t>(l), rep.blocks, &k, &v);
+    KVPOOL_RETURN_IF_ERROR(put->WriteLayer(static_cast<uint32_t>(l), k, v));
+    if (options_.fault == Fault::kPrefillExitMidPush && l == c.n_layers / 2) {
+      (void)put->Flush();
+      KVPOOL_LOG_WARN("fault prefill-exit-mid-push: killing this prefill node after layer {}", l);
+      ::kill(::getpid(), SIGKILL);
+    }
+  }
+  KVPOOL_ASSIGN_OR_RETURN(client::PutResult r, put->Commit());
+  rep.push_seconds = Since(t0);
+  rep.blocks_written = r.blocks_written;
+  rep.bytes_written = r.bytes_written;
+  return rep;
+}
+
+// ---- decode ----------------------------------------------------------------------------------
+
+DecodeNode::DecodeNode(engine::Engine* engine, client::Client* client,
+                       std::shared_ptr<const RotationSet> rotations, NodeOptions options)
+    : engine_(engine), client_(client), rotations_(std::move(rotations)), options_(options) {}
+
+absl::StatusOr<DecodeReport> DecodeNode::Run(absl::Span<const int> prompt, int max_new,
+                                             const ReferenceRun* reference) {
+  const engine::ModelConfig& c = engine_->config();
+  const MixedCacheOptions& o = options_.cache;
+  const int P = o.page_size;
+  const int n = static_cast<int>(prompt.size());
+  if (n == 0) return absl::InvalidArgumentError("prompt is empty");
+  DecodeReport rep;
+  rep.prompt_tokens = n;
+  rep.wanted_blocks = PoolPrefixTokens(n, P) / P;
+  const BlockGeometry g{static_cast<uint32_t>(c.n_layers), static_cast<uint32_t>(c.n_kv_heads),
+                        static_cast<uint32_t>(c.head_dim), static_cast<uint32_t>(P)};
+  const bool int2 = o.history == HistoryPrecision::kInt2;
+  const int sink_blocks = o.sink_tokens / P;
+  const int recent_blocks = (o.recent_tokens + P - 1) / P;
+
+  // Pages the fetch fills (host memory registered with the data plane).
+  std::vector<uint8_t> bf16_pages, int2_pages;
+  std::vector<BlockForms> forms;
+  std::string failure;
+  auto t0 = std::chrono::steady_clock::now();
+  if (client_ == nullptr) {
+    failure = "pool unreachable at start-up";
+  } else if (rep.wanted_blocks > 0) {
+    const std::vector<uint32_t> tokens = ToU32(prompt);
+    absl::StatusOr<client::Lease> lease =
+        client_->Acquire(tokens, static_cast<uint32_t>(rep.wanted_blocks));
+    if (!lease.ok()) {
+      failure = absl::StrCat("acquire: ", lease.status().ToString());
+    } else {
+      const auto& lb = lease->blocks;
+      rep.hit_blocks = static_cast<int>(lb.size());
+      for (const auto& b : lb) {
+        rep.bytes_stored += (b.bf16 ? b.bf16->size : 0) + (b.int2 ? b.int2->size : 0);
+      }
+      // Longest usable prefix: its recent window (and sink) must have BF16 forms; history the
+      // precision's form (FORMAT.md §3: otherwise the window is recomputed).
+      int use = static_cast<int>(lb.size());
+      for (; use > 0; --use) {
+        const int rs = std::min(use, std::max(sink_blocks, use - recent_blocks));
+        bool ok = true;
+        for (int b = 0; b < use && ok; ++b) {
+          const bool hist = b >= sink_blocks && b < rs;
+          ok = (hist && int2) ? lb[b].int2.has_value() : lb[b].bf16.has_value();
+        }
+        if (ok) break;
+      }
+      if (use > 0) {
+        bf16_pages.assign(size_t(use) * g.Bf16FormBytes(), 0);
+        int2_pages.assign(size_t(use) * g.Int2FormBytes(), 0);
+        auto bf16_region = client_->RegisterBuffer(bf16_pages.data(), bf16_pages.size());
+        auto int2_region = client_->RegisterBuffer(int2_pages.data(), int2_pages.size());
+        if (!bf16_region.ok() || !int2_region.ok()) {
+          failure = absl::StrCat(
+              "register buffers: ",
+              (bf16_region.ok() ? int2_region.status() : bf16_region.status()).ToString());
+        } else {
+          client::PagePool bf16_pool{*bf16_region, g.Bf16FormBytes()};
+          client::PagePool int2_pool{*int2_region, g.Int2FormBytes()};
+          client::FetchPlan plan;
+          plan.bf16_pool = &bf16_pool;
+          plan.int2_pool = &int2_pool;
+          for (int i = 0; i < use; ++i) {
+            plan.bf16_pages.push_back(i);
+            plan.int2_pages.push_back(i);
+          }
+          plan.max_blocks = static_cast<uint32_t>(use);
+          client::CallOptions call;
+          call.deadline = absl::Now() + absl::Seconds(5);
+          if (options_.fault == Fault::kKillPoolMidFetch && !fault_fired_) {
+            fault_fired_ = true;
+            client::FetchPlan first = plan;
+            first.max_blocks = static_cast<uint32_t>(std::max(1, std::min(sink_blocks, use)));
+            auto part = client_->Fetch(*lease, first, call);
+            KVPOOL_LOG_WARN("fault kill-pool-mid-fetch: fetched {} block(s), killing pool pid {}",
+                            part.ok() ? part->num_blocks : 0, options_.fault_pool_pid);
+            if (options_.fault_pool_pid > 0) ::kill(options_.fault_pool_pid, SIGKILL);
+            std::this_thread::sleep_for(std::chrono::milliseconds(300));
+          }
+          absl::StatusOr<client::FetchResult> fr = client_->Fetch(*lease, plan, call);
+          if (!fr.ok()) {
+            failure = absl::StrCat("fetch: ", fr.status().ToString());
+          } else if (static_cast<int>(fr->num_blocks) != use) {
+            failure = absl::StrCat("fetch: ", fr->num_blocks, " of ", use, " blocks verified");
+            for (const auto& s : fr->block_status) {
+              if (!s.ok()) {
+                absl::StrAppend(&failure, " (", s.ToString(), ")");
+                break;
+              }
+            }
+          } else {
+            rep.bytes_moved = fr->bytes;
+            for (int i = 0; i < use; ++i) {
+              BlockForms f;
+              if (fr->forms[i] == client::Form::kBf16) {
+                f.bf16 = bf16_pages.data() + size_t(fr->pages[i]) * g.Bf16FormBytes();
+                ++rep.bf16_blocks_fetched;
+              } else {
+                f.int2 = int2_pages.data() + size_t(fr->pages[i]) * g.Int2FormBytes();
+                ++rep.int2_blocks_fetched;
+              }
+              forms.push_back(f);
+            }
+          }
+        }
+      }
+      if (lease->id != 0) {
+        if (absl::Status s = client_->Release(*lease); !s.ok()) {
+          KVPOOL_LOG_WARN("release of lease {} failed: {}", lease->id, s.ToString());
+          if (failure.empty() && absl::IsNotFound(s)) {
+            failure = "lease expired before release (fetched bytes discarded)";
+          }
+        }
+      }
+    }
+  }
+  if (!failure.empty()) forms.clear();
+  rep.fetch_seconds = Since(t0);
+
+  // Prepares a cache: the fetched blocks + the rest of the prompt computed locally, or (on any
+  // pool failure) the whole prompt computed as a single process would.
+  auto prepare = [&](std::vector<float>* logits) -> absl::StatusOr<std::unique_ptr<MixedKvCache>> {
+    if (!forms.empty()) {
+      KVPOOL_ASSIGN_OR_RETURN(auto cache,
+                              MixedKvCache::Create(c.n_layers, c.attention(), rotations_, o));
+      absl::Status s = cache->LoadBlocks(forms);
+      if (s.ok()) {
+        const int start = static_cast<int>(forms.size()) * P;
+        KVPOOL_ASSIGN_OR_RETURN(absl::Span<const float> l,
+                                engine_->Prefill(prompt.subspan(start), start, *cache));
+        logits->assign(l.begin(), l.end());
+        return cache;
+      }
+      failure = absl::StrCat("load blocks: ", s.ToString());
+      forms.clear();
+    }
+    return PrefillPd(*engine_, rotations_, o, prompt, logits);
+  };
+
+  t0 = std::chrono::steady_clock::now();
+  std::vector<float> logits;
+  KVPOOL_ASSIGN_OR_RETURN(auto cache, prepare(&logits));
+  if (!failure.empty()) {
+    rep.fallback = true;
+    rep.fallback_reason = failure;
+    rep.loaded_blocks = 0;
+    rep.bytes_moved = 0;
+    rep.bf16_blocks_fetched = rep.int2_blocks_fetched = 0;
+    KVPOOL_LOG_WARN("decode: pool path failed ({}); computed the {}-token prefix locally", failure,
+                    n);
+  } else {
+    rep.loaded_blocks = static_cast<int>(forms.size());
+  }
+  rep.recomputed_tokens = n - rep.loaded_blocks * P;
+  rep.bf16_bytes_equivalent = uint64_t(rep.loaded_blocks) * g.Bf16FormBytes();
+  KVPOOL_ASSIGN_OR_RETURN(rep.tokens, GreedyFrom(*engine_, *cache, logits, n, max_new));
+  if (reference != nullptr) {
+    std::vector<float> logits2;
+    KVPOOL_ASSIGN_OR_RETURN(auto cache2, prepare(&logits2));
+    KVPOOL_ASSIGN_OR_RETURN(rep.teacher_forced,
+                            TeacherForceFrom(*engine_, *cache2, std::move(logits2), n, *reference));
+    rep.has_teacher_forced = true;
+  }
+  rep.compute_seconds = Since(t0);
+  return rep;
+}
+
+}  // namespace kvpool::worker

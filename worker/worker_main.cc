@@ -1,0 +1,388 @@
+// kvpool-worker — the prefill node, the decode worker and the in-process evaluation of the
+// OSCAR mixed-precision KV path on the reference engine (docs/WORKER.md).
+//
+//   kvpool-worker --role prefill --pool 127.0.0.1:7070 --model m.gguf --rotations r.safetensors
+//       --prompt-file a.txt --prompt-file b.txt
+//   kvpool-worker --role decode  --pool 127.0.0.1:7070 --model m.gguf --rotations r.safetensors
+//       --prompt-file a.txt --max-new-tokens 48 --report decode.json
+//   kvpool-worker --role eval --model m.gguf --rotations r.safetensors --prompt-file a.txt
+//       --report eval.json        # no pool: fp32 vs bf16/int2 x windows
+//
+// Standard output: the continuations (decode, eval) as text; logs go to standard error.
+// Exit codes: 0 ok, 1 usage, 2 runtime error.
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "kvpool/common/cli.h"
+#include "kvpool/common/keys.h"
+#include "kvpool/common/log.h"
+#include "kvpool/engine/engine.h"
+#include "kvpool/kernels/rotation_file.h"
+#include "kvpool/worker/eval.h"
+#include "kvpool/worker/mixed_kv_cache.h"
+#include "kvpool/worker/pool_node.h"
+
+namespace kw = kvpool::worker;
+using nlohmann::json;
+
+namespace {
+
+struct Prompt {
+  std::string name;
+  std::string text;
+  std::vector<int> tokens;
+};
+
+absl::StatusOr<std::string> ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot open ", path));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+std::string BaseName(const std::string& path) {
+  std::string b = path.substr(path.find_last_of('/') + 1);
+  const size_t dot = b.rfind('.');
+  return dot == std::string::npos ? b : b.substr(0, dot);
+}
+
+json TfJson(const kw::TeacherForcedResult& r) {
+  return json{{"positions", r.positions},
+              {"matches", r.matches},
+              {"agreement", r.agreement()},
+              {"ppl_ratio", r.ppl_ratio()}};
+}
+
+std::string Text(const kvpool::engine::Engine& e, const std::vector<int>& tokens) {
+  return e.tokenizer().Decode(tokens);
+}
+
+int Fail(const absl::Status& s, const char* what) {
+  KVPOOL_LOG_ERROR("{}: {}", what, s.ToString());
+  return kvpool::cli::kExitRuntime;
+}
+
+kvpool::client::CallOptions Deadline(int seconds) {
+  kvpool::client::CallOptions c;
+  c.deadline = absl::Now() + absl::Seconds(seconds);
+  return c;
+}
+
+bool WriteJson(const std::string& path, const json& j) {
+  if (path.empty()) return true;
+  std::ofstream out(path);
+  out << j.dump(2) << "\n";
+  return static_cast<bool>(out);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"kvpool-worker — prefill node, decode worker and in-process evaluation"};
+  kvpool::cli::Setup(app, "kvpool-worker");
+  std::string role, pool = "127.0.0.1:7070", model, rotations_path, ucx_tls = "tcp";
+  std::string model_id = "stories260K", revision = "auto", history = "int2", report, fault;
+  std::string windows = "64:256,16:16";
+  std::vector<std::string> prompt_files;
+  int max_new = 48, page_size = 16, sink = 64, recent = 256, fault_pool_pid = 0;
+  bool teacher_force = true;
+  app.add_option("--role", role, "prefill | decode | eval")
+      ->required()
+      ->check(CLI::IsMember({"prefill", "decode", "eval"}));
+  app.add_option("--pool", pool, "gRPC address of the pool (HOST:PORT)")->capture_default_str();
+  app.add_option("--model", model, "GGUF model file")->required();
+  app.add_option("--rotations", rotations_path, "OSCAR rotation file (safetensors)")->required();
+  app.add_option("--prompt-file", prompt_files, "a prompt text file (repeatable)")->required();
+  app.add_option("--max-new-tokens", max_new, "tokens to generate per prompt")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 4096));
+  app.add_option("--page-size", page_size, "tokens per block")->capture_default_str();
+  app.add_option("--sink-tokens", sink, "S: sink tokens kept in BF16")->capture_default_str();
+  app.add_option("--recent-tokens", recent, "W: recent tokens kept in BF16")->capture_default_str();
+  app.add_option("--history-precision", history, "int2 | bf16")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"int2", "bf16"}));
+  app.add_option("--model-id", model_id, "model id registered with the pool")
+      ->capture_default_str();
+  app.add_option("--revision", revision,
+                 "registered revision; 'auto' = model hash + recipe (S, W, P, precision)")
+      ->capture_default_str();
+  app.add_option("--ucx-tls", ucx_tls, "UCX transports of the data plane")->capture_default_str();
+  app.add_option("--report", report, "write a JSON report to this file");
+  app.add_option("--eval-windows", windows, "eval: S:W pairs, comma-separated")
+      ->capture_default_str();
+  app.add_option("--teacher-force", teacher_force,
+                 "decode: also compute the fp32 reference and teacher-forced agreement")
+      ->capture_default_str();
+  app.add_option("--fault", fault, "test hook: none | prefill-exit-mid-push | kill-pool-mid-fetch")
+      ->capture_default_str();
+  app.add_option("--fault-pool-pid", fault_pool_pid, "pid of the pool for kill-pool-mid-fetch");
+  KVPOOL_CLI_PARSE(app, argc, argv);
+
+  auto fault_or = kw::ParseFault(fault);
+  if (!fault_or.ok()) {
+    std::fprintf(stderr, "--fault: %s\n", std::string(fault_or.status().message()).c_str());
+    return kvpool::cli::kExitUsage;
+  }
+  auto t_start = std::chrono::steady_clock::now();
+  auto engine_or = kvpool::engine::Engine::Create(model);
+  if (!engine_or.ok()) return Fail(engine_or.status(), "model");
+  auto& engine = **engine_or;
+  const auto& cfg = engine.config();
+  auto rot_bytes = ReadFile(rotations_path);
+  if (!rot_bytes.ok()) return Fail(rot_bytes.status(), "rotations");
+  auto rot_or = kvpool::ParseRotations(*rot_bytes);
+  if (!rot_or.ok()) return Fail(rot_or.status(), "rotations");
+  kvpool::ExpectedRotationModel expected;
+  expected.head_dim = static_cast<uint32_t>(cfg.head_dim);
+  expected.num_layers = static_cast<uint32_t>(cfg.n_layers);
+  expected.num_kv_heads = static_cast<uint32_t>(cfg.n_kv_heads);
+  if (auto s = kvpool::CheckRotationsMatch(*rot_or, expected); !s.ok()) {
+    return Fail(s, "rotations");
+  }
+  auto rotations = std::make_shared<const kvpool::RotationSet>(std::move(rot_or).value());
+
+  kw::MixedCacheOptions copts;
+  copts.page_size = page_size;
+  copts.sink_tokens = sink;
+  copts.recent_tokens = recent;
+  copts.history = kw::ParseHistoryPrecision(history).value();
+  copts.clip_ratio_k = rotations->metadata().clip_ratio_k;
+  copts.clip_ratio_v = rotations->metadata().clip_ratio_v;
+  copts.capacity = cfg.context_length;
+  // Validate the recipe once (same checks the cache applies).
+  if (auto c = kw::MixedKvCache::Create(cfg.n_layers, cfg.attention(), rotations, copts); !c.ok()) {
+    std::fprintf(stderr, "%s\n", std::string(c.status().message()).c_str());
+    return kvpool::cli::kExitUsage;
+  }
+
+  std::vector<Prompt> prompts;
+  for (const auto& f : prompt_files) {
+    auto text = ReadFile(f);
+    if (!text.ok()) return Fail(text.status(), "--prompt-file");
+    Prompt p{BaseName(f), *text, engine.tokenizer().Encode(*text, true)};
+    if (static_cast<int>(p.tokens.size()) >= cfg.context_length) {
+      KVPOOL_LOG_ERROR("--prompt-file {}: {} tokens; the context holds {}", f, p.tokens.size(),
+                       cfg.context_length);
+      return kvpool::cli::kExitUsage;
+    }
+    prompts.push_back(std::move(p));
+  }
+
+  json out;
+  out["role"] = role;
+  out["model"] = model_id;
+  out["page_size"] = page_size;
+
+  // ---- eval: no pool ------------------------------------------------------------------------
+  if (role == "eval") {
+    std::vector<std::pair<int, int>> wins;
+    for (absl::string_view w : absl::StrSplit(windows, ',')) {
+      std::vector<std::string> sw = absl::StrSplit(w, ':');
+      if (sw.size() != 2) {
+        std::fprintf(stderr, "--eval-windows: '%s' is not S:W\n", std::string(w).c_str());
+        return kvpool::cli::kExitUsage;
+      }
+      wins.emplace_back(std::stoi(sw[0]), std::stoi(sw[1]));
+    }
+    std::map<std::string, kw::TeacherForcedResult> overall;
+    double ref_s = 0, mixed_s = 0;
+    for (auto& p : prompts) {
+      auto ref = kw::RunReference(engine, p.tokens, max_new);
+      if (!ref.ok()) return Fail(ref.status(), "reference");
+      ref_s += ref->seconds;
+      json pj{{"name", p.name},
+              {"prompt_tokens", p.tokens.size()},
+              {"reference", {{"tokens", ref->tokens}, {"text", Text(engine, ref->tokens)}}}};
+      std::printf("== %s (%zu prompt tokens)\nfp32 reference: %s\n", p.name.c_str(),
+                  p.tokens.size(), Text(engine, ref->tokens).c_str());
+      for (auto hp : {kw::HistoryPrecision::kBf16, kw::HistoryPrecision::kInt2}) {
+        for (auto [s, w] : wins) {
+          kw::MixedCacheOptions o = copts;
+          o.history = hp;
+          o.sink_tokens = s;
+          o.recent_tokens = w;
+          const std::string key = absl::StrCat(kw::HistoryPrecisionName(hp), "_S", s, "_W", w);
+          auto t0 = std::chrono::steady_clock::now();
+          auto tf = kw::TeacherForce(engine, rotations, o, p.tokens, *ref);
+          if (!tf.ok()) return Fail(tf.status(), "teacher forcing");
+          auto greedy = kw::MixedGreedy(engine, rotations, o, p.tokens, max_new);
+          if (!greedy.ok()) return Fail(greedy.status(), "greedy");
+          mixed_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+          overall[key].Add(*tf);
+          json cj = TfJson(*tf);
+          cj["greedy_tokens"] = *greedy;
+          cj["greedy_text"] = Text(engine, *greedy);
+          pj["configs"][key] = cj;
+          std::printf("%-16s agreement %.3f  ppl ratio %.4f  greedy: %s\n", key.c_str(),
+                      tf->agreement(), tf->ppl_ratio(), Text(engine, *greedy).c_str());
+        }
+      }
+      out["prompts"].push_back(pj);
+    }
+    for (auto& [k, r] : overall) out["overall"][k] = TfJson(r);
+    out["seconds"] = {{"reference", ref_s}, {"mixed", mixed_s}};
+    std::printf("== overall (teacher-forced over the fp32 reference continuations)\n");
+    for (auto& [k, r] : overall) {
+      std::printf("%-16s agreement %.3f (%d/%d)  ppl ratio %.4f\n", k.c_str(), r.agreement(),
+                  r.matches, r.positions, r.ppl_ratio());
+    }
+    if (!WriteJson(report, out)) return Fail(absl::InternalError(report), "--report");
+    return kvpool::cli::kExitOk;
+  }
+
+  // ---- pool roles ---------------------------------------------------------------------------
+  if (revision == "auto") {
+    auto model_bytes = ReadFile(model);
+    if (!model_bytes.ok()) return Fail(model_bytes.status(), "model");
+    kvpool::Digest h = kvpool::Sha256(*model_bytes);
+    std::string hex;
+    for (int i = 0; i < 8; ++i) absl::StrAppend(&hex, absl::Hex(h[i], absl::kZeroPad2));
+    revision = absl::StrCat(hex, "-p", page_size, "-s", sink, "-w", recent, "-", history);
+  }
+  kw::NodeOptions nopts{.cache = copts, .fault_pool_pid = fault_pool_pid, .fault = *fault_or};
+  kvpool::client::ClientOptions clo;
+  clo.server = pool;
+  clo.ucx_tls = ucx_tls;
+  std::unique_ptr<kvpool::client::Client> client;
+  std::string client_error;
+  if (auto c = kvpool::client::Client::Create(clo); !c.ok()) {
+    client_error = c.status().ToString();
+  } else {
+    client = std::move(c).value();
+    auto info = client->RegisterModel(kw::MakeModelSpec(cfg, copts, model_id, revision, *rot_bytes),
+                                      Deadline(5));
+    if (!info.ok()) {
+      client_error = info.status().ToString();
+      client.reset();
+    } else {
+      KVPOOL_LOG_INFO("registered {} rev {} with the pool at {} (epoch {})", model_id, revision,
+                      pool, info->pool_epoch);
+    }
+  }
+  out["revision"] = revision;
+  out["history_precision"] = history;
+  out["sink_tokens"] = sink;
+  out["recent_tokens"] = recent;
+  const uint64_t bf16_per_token = 4ull * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim;
+  out["bf16_bytes_per_token"] = bf16_per_token;
+
+  if (role == "prefill") {
+    if (client == nullptr) return Fail(absl::UnavailableError(client_error), "pool");
+    kw::PrefillNode node(&engine, client.get(), rotations, nopts);
+    uint64_t bytes = 0, tokens = 0;
+    double compute = 0, push = 0;
+    for (auto& p : prompts) {
+      auto r = node.Run(p.tokens);
+      if (!r.ok()) return Fail(r.status(), absl::StrCat("prefill ", p.name).c_str());
+      KVPOOL_LOG_INFO(
+          "prefill {}: {} tokens, {} blocks ({} written, {} bytes), {:.3f}s compute, "
+          "{:.3f}s push",
+          p.name, r->prompt_tokens, r->blocks, r->blocks_written, r->bytes_written,
+          r->compute_seconds, r->push_seconds);
+      out["prompts"].push_back({{"name", p.name},
+                                {"prompt_tokens", r->prompt_tokens},
+                                {"blocks", r->blocks},
+                                {"blocks_written", r->blocks_written},
+                                {"bytes_written", r->bytes_written},
+                                {"compute_seconds", r->compute_seconds},
+                                {"push_seconds", r->push_seconds}});
+      bytes += r->bytes_written;
+      tokens += uint64_t(r->blocks) * page_size;
+      compute += r->compute_seconds;
+      push += r->push_seconds;
+    }
+    out["overall"] = {{"bytes_written", bytes},
+                      {"tokens_stored", tokens},
+                      {"bytes_written_per_token", tokens ? double(bytes) / tokens : 0.0},
+                      {"compute_seconds", compute},
+                      {"push_seconds", push}};
+    out["seconds"] =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+    if (!WriteJson(report, out)) return Fail(absl::InternalError(report), "--report");
+    return kvpool::cli::kExitOk;
+  }
+
+  // decode
+  if (client == nullptr) {
+    KVPOOL_LOG_WARN("pool at {} unreachable ({}); every request computes its prefix locally", pool,
+                    client_error);
+  }
+  kw::DecodeNode node(&engine, client.get(), rotations, nopts);
+  kw::TeacherForcedResult tf_all;
+  uint64_t moved = 0, bf16_equiv = 0, stored = 0, loaded_tokens = 0, hit_tokens = 0;
+  int hits = 0, wanted = 0, fallbacks = 0;
+  double fetch = 0, compute = 0;
+  for (auto& p : prompts) {
+    std::unique_ptr<kw::ReferenceRun> ref;
+    if (teacher_force) {
+      auto r = kw::RunReference(engine, p.tokens, max_new);
+      if (!r.ok()) return Fail(r.status(), "reference");
+      ref = std::make_unique<kw::ReferenceRun>(std::move(r).value());
+    }
+    auto r = node.Run(p.tokens, max_new, ref.get());
+    if (!r.ok()) return Fail(r.status(), absl::StrCat("decode ", p.name).c_str());
+    json pj{{"name", p.name},
+            {"prompt_tokens", r->prompt_tokens},
+            {"tokens", r->tokens},
+            {"text", Text(engine, r->tokens)},
+            {"wanted_blocks", r->wanted_blocks},
+            {"hit_blocks", r->hit_blocks},
+            {"missed_blocks", r->wanted_blocks - r->hit_blocks},
+            {"loaded_blocks", r->loaded_blocks},
+            {"bf16_blocks_fetched", r->bf16_blocks_fetched},
+            {"int2_blocks_fetched", r->int2_blocks_fetched},
+            {"recomputed_tokens", r->recomputed_tokens},
+            {"bytes_moved", r->bytes_moved},
+            {"bf16_bytes_equivalent", r->bf16_bytes_equivalent},
+            {"bytes_stored", r->bytes_stored},
+            {"fallback", r->fallback},
+            {"fallback_reason", r->fallback_reason},
+            {"fetch_seconds", r->fetch_seconds},
+            {"compute_seconds", r->compute_seconds}};
+    if (ref) {
+      pj["reference"] = {{"tokens", ref->tokens}, {"text", Text(engine, ref->tokens)}};
+      pj["teacher_forced"] = TfJson(r->teacher_forced);
+      tf_all.Add(r->teacher_forced);
+    }
+    std::printf("== %s (%d prompt tokens; %d/%d blocks from the pool%s)\n%s\n", p.name.c_str(),
+                r->prompt_tokens, r->loaded_blocks, r->wanted_blocks,
+                r->fallback ? ", FALLBACK: computed locally" : "", Text(engine, r->tokens).c_str());
+    out["prompts"].push_back(pj);
+    moved += r->bytes_moved;
+    bf16_equiv += r->bf16_bytes_equivalent;
+    stored += r->bytes_stored;
+    loaded_tokens += uint64_t(r->loaded_blocks) * page_size;
+    hit_tokens += uint64_t(r->hit_blocks) * page_size;
+    hits += r->hit_blocks;
+    wanted += r->wanted_blocks;
+    fallbacks += r->fallback ? 1 : 0;
+    fetch += r->fetch_seconds;
+    compute += r->compute_seconds;
+  }
+  out["overall"] = {{"hit_blocks", hits},
+                    {"missed_blocks", wanted - hits},
+                    {"fallbacks", fallbacks},
+                    {"bytes_moved", moved},
+                    {"bytes_moved_per_token", loaded_tokens ? double(moved) / loaded_tokens : 0.0},
+                    {"bytes_stored_per_token", hit_tokens ? double(stored) / hit_tokens : 0.0},
+                    {"bf16_bytes_per_token", bf16_per_token},
+                    {"moved_vs_bf16", bf16_equiv ? double(moved) / bf16_equiv : 0.0},
+                    {"fetch_seconds", fetch},
+                    {"compute_seconds", compute}};
+  if (teacher_force) out["overall"]["teacher_forced"] = TfJson(tf_all);
+  out["seconds"] =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+  if (!WriteJson(report, out)) return Fail(absl::InternalError(report), "--report");
+  return kvpool::cli::kExitOk;
+}
