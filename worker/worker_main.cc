@@ -119,6 +119,9 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--ucx-tls", ucx_tls, "UCX transports of the data plane")->capture_default_str();
   app.add_option("--report", report, "write a JSON report to this file");
+  std::string metrics_file;
+  app.add_option("--metrics-file", metrics_file,
+                 "decode/prefill: write counters in Prometheus text format to this file");
   app.add_option("--eval-windows", windows, "eval: S:W pairs, comma-separated")
       ->capture_default_str();
   app.add_option("--teacher-force", teacher_force,
@@ -383,6 +386,23 @@ int main(int argc, char** argv) {
   if (teacher_force) out["overall"]["teacher_forced"] = TfJson(tf_all);
   out["seconds"] =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+  if (!metrics_file.empty()) {
+    std::ofstream m(metrics_file);
+    m << "# HELP kvpool_worker_requests_total Requests served by this decode worker.\n"
+      << "# TYPE kvpool_worker_requests_total counter\n"
+      << "kvpool_worker_requests_total " << prompts.size() << "\n"
+      << "# HELP kvpool_worker_pool_fallbacks_total Requests whose prefix was computed locally "
+         "because the pool path failed.\n"
+      << "# TYPE kvpool_worker_pool_fallbacks_total counter\n"
+      << "kvpool_worker_pool_fallbacks_total " << fallbacks << "\n"
+      << "# TYPE kvpool_worker_blocks_hit_total counter\n"
+      << "kvpool_worker_blocks_hit_total " << hits << "\n"
+      << "# TYPE kvpool_worker_blocks_missed_total counter\n"
+      << "kvpool_worker_blocks_missed_total " << (wanted - hits) << "\n"
+      << "# TYPE kvpool_worker_fetched_bytes_total counter\n"
+      << "kvpool_worker_fetched_bytes_total " << moved << "\n";
+    if (!m) return Fail(absl::InternalError(metrics_file), "--metrics-file");
+  }
   if (!WriteJson(report, out)) return Fail(absl::InternalError(report), "--report");
   return kvpool::cli::kExitOk;
 }

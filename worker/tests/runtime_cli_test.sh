@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# kvpool-worker command line: exit codes (0 ok, 1 usage, 2 runtime) and messages, and the
+# decode worker's answer when the pool is unreachable (it computes the prefix itself, gives the
+# single-process answer, and says so in its log, report and metrics).
+# Usage: runtime_cli_test.sh WORKER KVPOOL_TOOL MODEL DEMO_DIR
+set -uo pipefail
+worker="$1"; tool="$2"; model="$3"; demo="$4"
+work="$(mktemp -d)"
+trap 'rm -rf "${work}"' EXIT
+failures=0
+expect() {  # expect RC DESCRIPTION -- COMMAND...
+  local want="$1" what="$2"; shift 3
+  "$@" >"${work}/out" 2>"${work}/err"
+  local rc=$?
+  if [[ ${rc} -ne ${want} ]]; then
+    echo "FAIL: ${what}: exit ${rc}, want ${want}" >&2; cat "${work}/err" >&2
+    failures=$((failures + 1))
+  else
+    echo "ok: ${what} (exit ${rc})"
+  fi
+}
+expect_err() {  # expect_err PATTERN DESCRIPTION
+  if ! grep -q -- "$1" "${work}/err" "${work}/out"; then
+    echo "FAIL: $2: output lacks '$1'" >&2; cat "${work}/err" >&2; failures=$((failures + 1))
+  fi
+}
+
+"${tool}" calibrate --model "${model}" --text "${demo}/calibration.txt" \
+  --out "${work}/rot.safetensors" >/dev/null 2>&1 || { echo "calibrate failed" >&2; exit 1; }
+prompt=(--prompt-file "${demo}/prompts/01_kite.txt")
+base=(--model "${model}" --rotations "${work}/rot.safetensors" --max-new-tokens 16)
+
+expect 0 "--help" -- "${worker}" --help
+expect_err "--history-precision" "--help lists the flags"
+expect 0 "--version" -- "${worker}" --version
+expect 1 "missing --role" -- "${worker}" "${base[@]}" "${prompt[@]}"
+expect 1 "unknown role" -- "${worker}" --role train "${base[@]}" "${prompt[@]}"
+expect 1 "bad history precision" -- "${worker}" --role eval --history-precision int3 "${base[@]}" "${prompt[@]}"
+expect 1 "sink not a multiple of the page size" -- "${worker}" --role eval --sink-tokens 40 "${base[@]}" "${prompt[@]}"
+expect_err "sink_tokens" "the message names the field"
+expect 1 "bad fault" -- "${worker}" --role decode --fault meteor "${base[@]}" "${prompt[@]}"
+expect 2 "missing model file" -- "${worker}" --role eval --model /nonexistent.gguf --rotations "${work}/rot.safetensors" "${prompt[@]}"
+printf 'not a safetensors file' >"${work}/bad.safetensors"
+expect 2 "corrupted rotation file" -- "${worker}" --role eval --model "${model}" --rotations "${work}/bad.safetensors" "${prompt[@]}"
+expect 2 "missing prompt file" -- "${worker}" --role eval "${base[@]}" --prompt-file /nonexistent.txt
+expect 2 "prefill without a pool" -- "${worker}" --role prefill --pool 127.0.0.1:1 "${base[@]}" "${prompt[@]}"
+
+# Decode with the pool unreachable: same answer as the single-process run, reported.
+expect 0 "eval (single process)" -- "${worker}" --role eval --eval-windows 64:256 "${base[@]}" "${prompt[@]}" --report "${work}/eval.json"
+expect 0 "decode with the pool unreachable" -- "${worker}" --role decode --pool 127.0.0.1:1 "${base[@]}" "${prompt[@]}" --teacher-force false --report "${work}/decode.json" --metrics-file "${work}/metrics.txt"
+expect_err "computed the" "the fallback is logged"
+grep -q "^kvpool_worker_pool_fallbacks_total 1$" "${work}/metrics.txt" || { echo "FAIL: metrics lack the fallback" >&2; failures=$((failures + 1)); }
+python3 - "${work}" <<'PY' || failures=$((failures + 1))
+import json, sys
+w = sys.argv[1]
+e = json.load(open(f"{w}/eval.json"))["prompts"][0]["configs"]["int2_S64_W256"]["greedy_tokens"]
+d = json.load(open(f"{w}/decode.json"))["prompts"][0]
+assert d["fallback"] and "unreachable" in d["fallback_reason"], d
+assert d["tokens"] == e and len(e) > 0, (d["tokens"], e)
+print("ok: unreachable pool -> fallback, answer identical to the single-process run")
+PY
+[[ ${failures} -eq 0 ]] && echo PASS || { echo "${failures} failure(s)" >&2; exit 1; }
