@@ -179,7 +179,8 @@ struct DecodeRun {
 
 // Builds the pools for `s` (mixed INT2 when int2 = true, else every token BF16), runs the
 // decode, returns timing.
-DecodeRun RunDecode(const Shape& s, bool int2, Timer& timer, bool graph, uint64_t seed) {
+DecodeRun RunDecode(const Shape& s, bool int2, Timer& timer, bool graph, uint64_t seed,
+                    bool contiguous) {
   const BlockGeometry geo{1, uint32_t(s.hkv), uint32_t(s.d), uint32_t(s.page)};
   const Layout lay = int2 ? MakeLayout(s.ctx, s.page) : Layout{s.ctx, 0, 0};
   auto pages = [&](int tok) { return size_t((tok + s.page - 1) / s.page); };
@@ -194,6 +195,10 @@ DecodeRun RunDecode(const Shape& s, bool int2, Timer& timer, bool graph, uint64_
                                         seed + 1, st),
           "fill int2");
   std::vector<int32_t> bf_ids = Shuffled(bf_pages, seed + 2), i2_ids = Shuffled(i2_pages, seed + 3);
+  if (contiguous) {  // pages of a request adjacent in the pool (upper bound of page locality)
+    std::iota(bf_ids.begin(), bf_ids.end(), 0);
+    std::iota(i2_ids.begin(), i2_ids.end(), 0);
+  }
   size_t nb = 0, ni = 0;
   Table sink, hist, rec;
   for (int b = 0; b < s.batch; ++b) {
@@ -298,7 +303,7 @@ int main(int argc, char** argv) {
   int head_dim = 128, iters = 30, warmup = 5, write_tokens = 32768;
   double max_gb = 110.0;
   std::string json_out, sdpa_json;
-  bool skip_decode = false, skip_write = false;
+  bool skip_decode = false, skip_write = false, contiguous = false;
   app.add_option("--batches", batches, "batch sizes")->delimiter(',')->capture_default_str();
   app.add_option("--contexts", contexts, "context lengths (tokens)")
       ->delimiter(',')
@@ -317,6 +322,8 @@ int main(int argc, char** argv) {
                  "PyTorch SDPA results of the same run (cuda_sdpa_baseline.py)");
   app.add_flag("--skip-decode", skip_decode, "skip the decode grid");
   app.add_flag("--skip-write", skip_write, "skip the write kernels");
+  app.add_flag("--contiguous-pages", contiguous,
+               "allocate each request's pages adjacently (default: shuffled page ids)");
   KVPOOL_CLI_PARSE(app, argc, argv);
   if (iters < 20) KVPOOL_LOG_WARN("--iters {} < 20: PERF.md asks for the median of >= 20", iters);
 
@@ -386,8 +393,8 @@ int main(int argc, char** argv) {
                 continue;
               }
               const bool graph = B == 1;
-              const DecodeRun mixed = RunDecode(s, true, timer, graph, seed++);
-              const DecodeRun bf16 = RunDecode(s, false, timer, graph, seed++);
+              const DecodeRun mixed = RunDecode(s, true, timer, graph, seed++, contiguous);
+              const DecodeRun bf16 = RunDecode(s, false, timer, graph, seed++, contiguous);
               if (mixed.bad_outputs || bf16.bad_outputs)
                 throw CudaError("decode left " +
                                 std::to_string(mixed.bad_outputs + bf16.bad_outputs) +

@@ -35,6 +35,10 @@ echo "== ours" | tee -a "$LOG"
 .devlibs/cuda_decode_bench $ARGS --sdpa-json "$OUT/cuda_sdpa_baseline.json" --json "$OUT/cuda_decode_bench.json" 2>&1 | tee -a "$LOG"
 if [ "$MODE" = quick ]; then
   .devlibs/cuda_decode_bench "${BARGS[@]}" --sdpa-json "$OUT/cuda_sdpa_baseline_b8.json" --json "$OUT/cuda_decode_bench_b8.json" 2>&1 | tee -a "$LOG"
+else
+  echo "== ours, contiguous page ids (page-gather cost)" | tee -a "$LOG"
+  .devlibs/cuda_decode_bench --batches 8,32 --contexts 32768,131072 --gqa 32:8 --page-sizes 16 --skip-write \
+    --contiguous-pages --sdpa-json "$OUT/cuda_sdpa_baseline.json" --json "$OUT/cuda_decode_bench_contig.json" 2>&1 | tee -a "$LOG"
 fi
 nvidia-smi --query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv 2>&1 | tee -a "$LOG"
 if [ "${SANITIZE:-0}" = 1 ]; then

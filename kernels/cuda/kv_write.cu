@@ -80,6 +80,59 @@ constexpr int WriteSmemBytes() {
   return (kRotate ? D * D * 2 : 0) + kWWarps * 16 * 2 * D;
 }
 
+// τ per row (FORMAT.md §2.2): the `need`-th largest |x| of the row, ties counted (the value
+// with count(>= τ) >= need and count(> τ) < need). Each lane keeps its kL largest magnitudes
+// sorted (insertion network: 2 ops per element and slot), then the 4 lanes of the quad pop
+// their heads in descending order; the need-th popped value is τ (the union of the lanes'
+// top-kL lists contains the row's top-need, since kL >= need).
+template <int kL, int kNt>
+__device__ __forceinline__ void SelectTau(const float (&x)[kNt][4], int need, const bool (&skip)[2],
+                                          float (&tau)[2]) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float top[kL];
+#pragma unroll
+    for (int i = 0; i < kL; ++i) top[i] = -1.f;
+#pragma unroll
+    for (int nt = 0; nt < kNt; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float v = fabsf(x[nt][2 * r + e]);
+#pragma unroll
+        for (int i = 0; i < kL; ++i) {
+          const float hi = fmaxf(top[i], v);
+          v = fminf(top[i], v);
+          top[i] = hi;
+        }
+      }
+    int remaining = need;
+    float t = INFINITY;
+    bool done = skip[r];
+#pragma unroll
+    for (int it = 0; it < kL; ++it) {
+      if (it >= need) break;
+      float m = fmaxf(top[0], __shfl_xor_sync(0xffffffffu, top[0], 1));
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+      const bool mine = top[0] == m;
+      const unsigned bal = __ballot_sync(0xffffffffu, mine);
+      const int cnt = __popc((bal >> (lane & ~3)) & 0xfu);
+      if (!done) {
+        if (cnt >= remaining) {
+          t = m;
+          done = true;
+        } else {
+          remaining -= cnt;
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < kL - 1; ++i) top[i] = mine ? top[i + 1] : top[i];
+      top[kL - 1] = mine ? -1.f : top[kL - 1];
+    }
+    tau[r] = t;
+  }
+}
+
 template <int D, bool kRotate, bool kOutBf16>
 __global__ void __launch_bounds__(kWThreads) KvWriteKernel(const WriteArgs a) {
   constexpr int kNt = D / 8;  // n-tiles of the rotated row (8 columns each)
@@ -217,34 +270,40 @@ __global__ void __launch_bounds__(kWThreads) KvWriteKernel(const WriteArgs a) {
         remaining[r] = need;
         below[r] = INFINITY;
       }
-      // τ: the value with exactly `need` elements >= it (counting ties), by max extraction.
-      while (__any_sync(0xffffffffu, !(done[0] && done[1]))) {
+      if (need > 0 && need <= 8) {
+        SelectTau<8, kNt>(x, need, bad, tau);
+      } else if (need > 8 && need <= 12) {
+        SelectTau<12, kNt>(x, need, bad, tau);
+      } else {
+        // Large `need` (small clip ratios): repeated max extraction with tie counts.
+        while (__any_sync(0xffffffffu, !(done[0] && done[1]))) {
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          float m = -1.f;
+          for (int r = 0; r < 2; ++r) {
+            float m = -1.f;
 #pragma unroll
-          for (int nt = 0; nt < kNt; ++nt)
+            for (int nt = 0; nt < kNt; ++nt)
 #pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              const float v = fabsf(x[nt][2 * r + e]);
-              m = (v < below[r]) ? fmaxf(m, v) : m;
-            }
-          m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
-          m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-          int cnt = 0;
+              for (int e = 0; e < 2; ++e) {
+                const float v = fabsf(x[nt][2 * r + e]);
+                m = (v < below[r]) ? fmaxf(m, v) : m;
+              }
+            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+            int cnt = 0;
 #pragma unroll
-          for (int nt = 0; nt < kNt; ++nt)
+            for (int nt = 0; nt < kNt; ++nt)
 #pragma unroll
-            for (int e = 0; e < 2; ++e) cnt += fabsf(x[nt][2 * r + e]) == m;
-          cnt += __shfl_xor_sync(0xffffffffu, cnt, 1);
-          cnt += __shfl_xor_sync(0xffffffffu, cnt, 2);
-          if (!done[r]) {
-            if (cnt >= remaining[r]) {
-              tau[r] = m;
-              done[r] = true;
-            } else {
-              remaining[r] -= cnt;
-              below[r] = m;
+              for (int e = 0; e < 2; ++e) cnt += fabsf(x[nt][2 * r + e]) == m;
+            cnt += __shfl_xor_sync(0xffffffffu, cnt, 1);
+            cnt += __shfl_xor_sync(0xffffffffu, cnt, 2);
+            if (!done[r]) {
+              if (cnt >= remaining[r]) {
+                tau[r] = m;
+                done[r] = true;
+              } else {
+                remaining[r] -= cnt;
+                below[r] = m;
+              }
             }
           }
         }

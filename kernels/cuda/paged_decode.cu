@@ -19,6 +19,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <string>
 
@@ -66,7 +67,8 @@ struct TileCfg {
   static constexpr int kInt2Tile = 32 * kCodeRow + 128 * kNG;  // 16 tokens, K+V+params
   static constexpr int kBf16Tile = 64 * D;                     // 16 tokens, K+V bf16
   static constexpr int kTile = kInt2 ? kInt2Tile : kBf16Tile;
-  static constexpr int kStages = kInt2 ? (D == 64 ? 8 : (D == 128 ? 6 : 4)) : (D == 256 ? 2 : 3);
+  static constexpr int kSub = kInt2 ? 2 : 1;  // 16-token units per warp step
+  static constexpr int kStages = kInt2 ? (D == 256 ? 3 : 4) : (D == 256 ? 2 : 3);
   __host__ __device__ static constexpr uint64_t ChunkBytes(int page_size) {
     return kInt2 ? uint64_t(page_size) * (D / 2 + 8 * kNG) : 4ull * page_size * D;
   }
@@ -75,7 +77,7 @@ struct TileCfg {
 template <bool kInt2, int D, int NT>
 constexpr int DecodeSmemBytes() {
   using C = TileCfg<kInt2, D>;
-  constexpr int ring = kWarps * C::kStages * C::kTile;
+  constexpr int ring = kWarps * C::kStages * C::kTile * C::kSub;
   constexpr int combine = kWarps * 8 * NT * (D + 2) * 4;
   return ring > combine ? ring : combine;
 }
@@ -103,13 +105,23 @@ __device__ __forceinline__ float OutQuarterScale(int mt, int r) {
   }
 }
 
+// Minimum resident CTAs per SM asked of the register allocator: the INT2 kernel at one n-tile
+// is latency-bound at 4 CTAs (122 registers, ncu: 1.4 eligible warps per scheduler), so it is
+// capped at 102 registers for 5.
 template <bool kInt2, int D, int NT>
-__global__ void __launch_bounds__(kThreads) DecodeKernel(const AttnArgs a) {
+constexpr int DecodeMinBlocks() {
+  return (kInt2 && NT == 1 && D <= 128) ? 5 : 1;
+}
+
+template <bool kInt2, int D, int NT>
+__global__ void __launch_bounds__(kThreads, (DecodeMinBlocks<kInt2, D, NT>()))
+    DecodeKernel(const AttnArgs a) {
   using C = TileCfg<kInt2, D>;
   constexpr int kNG = C::kNG;
   constexpr int kN = 8 * NT;
   constexpr int kSteps = D / 16;  // k-steps of q·kᵀ, and m-tiles of Vᵀ·P
   constexpr int kMt = D / 16;
+  constexpr int kSub = C::kSub;  // 16-token units per warp step
   extern __shared__ __align__(128) uint8_t smem[];
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -125,7 +137,7 @@ __global__ void __launch_bounds__(kThreads) DecodeKernel(const AttnArgs a) {
   const int h_first = kvh * a.group + chunk * kN;  // first q head of this CTA
   const int nh = min(kN, a.group - chunk * kN);    // real heads (rest is padding)
   const int page_size = a.page_size;
-  const int tiles_per_page = page_size >> 4;
+  const int tpp_log2 = page_size == 64 ? 2 : 0;  // 16-token units per page: 1 or 4
 
   int pbeg = 0, npg = 0, last_len = 0;
   if (seg.indptr != nullptr) {
@@ -136,15 +148,19 @@ __global__ void __launch_bounds__(kThreads) DecodeKernel(const AttnArgs a) {
   const int p0 = sx * seg.pages_per_split;
   const int p1 = min(npg, p0 + seg.pages_per_split);
   const bool overflow = (sx == seg.num_splits - 1) && npg > p1;
-  const int ntiles = max(0, p1 - p0) * tiles_per_page;
-  const int my_tiles = ntiles > warp ? (ntiles - warp + kWarps - 1) / kWarps : 0;
+  const int nunits = max(0, p1 - p0) << tpp_log2;
+  const int first_unit = kSub * warp;
+  const int my_steps =
+      nunits > first_unit ? (nunits - first_unit + kSub * kWarps - 1) / (kSub * kWarps) : 0;
   const uint64_t chunk_bytes = C::ChunkBytes(page_size);
+  const int32_t* page_ids = seg.indices + pbeg + p0;
+  const uint8_t* head_base = seg.base + uint64_t(kvh) * chunk_bytes;
 
   // ---- q fragments (B operand of S = K·q̃ᵀ) ----
   uint32_t qb[kSteps][NT][2];
   // BF16 path: q̃ = hi + lo, both bf16 (two MMAs), so q̃ keeps ~16 significant bits.
   uint32_t qlo[kInt2 ? 1 : kSteps][NT][2];
-  float sqv[kNG][NT][2];  // INT2: Σ q̃ over each group, for heads 8nt + 2tig + e
+  float sqv[kNG][NT][2];  // INT2: Σ q̃ over each group, heads 8nt + 2tig + e
   {
     float sqh[kNG][NT];
 #pragma unroll
@@ -180,7 +196,8 @@ __global__ void __launch_bounds__(kThreads) DecodeKernel(const AttnArgs a) {
             qb[s][nt][half] = PackHalf2(v[0], v[1]);
             const __half2 hq = *reinterpret_cast<const __half2*>(&qb[s][nt][half]);
             const int grp = (kNG == 2) ? (s / (D / 64)) / 2 : 0;
-            sqh[grp][nt] += (__low2float(hq) + __high2float(hq)) / qscale;
+            const float pair = __low2float(hq) + __high2float(hq);
+            sqh[grp][nt] += pair / qscale;
           } else {
             qb[s][nt][half] = PackBf162(v[0], v[1]);
             const __nv_bfloat162 hi = *reinterpret_cast<const __nv_bfloat162*>(&qb[s][nt][half]);
@@ -197,58 +214,61 @@ __global__ void __launch_bounds__(kThreads) DecodeKernel(const AttnArgs a) {
         x += __shfl_xor_sync(0xffffffffu, x, 1);
         x += __shfl_xor_sync(0xffffffffu, x, 2);
 #pragma unroll
-        for (int e = 0; e < 2; ++e)
+        for (int e = 0; e < 2; ++e) {
           sqv[grp][nt][e] = __shfl_sync(0xffffffffu, x, (2 * tig + e) * 4);
+        }
       }
   }
 
-  // ---- per-warp cp.async ring ----
-  uint8_t* ring = smem + warp * C::kStages * C::kTile;
-  auto tile_valid = [&](int t) -> int {  // valid tokens of this warp's t-th tile
-    const int tile = warp + t * kWarps;
-    const int gp = p0 + tile / tiles_per_page;
-    const int sub = tile % tiles_per_page;
+  // ---- per-warp cp.async ring; a stage holds kSub 16-token units ----
+  uint8_t* ring = smem + warp * C::kStages * C::kTile * kSub;
+  auto unit_valid = [&](int u) -> int {  // valid tokens of split-local unit u
+    if (u >= nunits) return 0;
+    const int gp = p0 + (u >> tpp_log2);
+    const int sub = u & ((1 << tpp_log2) - 1);
     const int n = (gp == npg - 1) ? last_len - 16 * sub : 16;
     return min(max(n, 0), 16);
   };
   auto issue = [&](int t) {
-    if (t < my_tiles) {
-      const int tile = warp + t * kWarps;
-      const int gp = p0 + tile / tiles_per_page;
-      const int sub = tile % tiles_per_page;
-      const int page = seg.indices[pbeg + gp];
-      const uint8_t* src =
-          seg.base + uint64_t(page) * seg.page_stride + uint64_t(kvh) * chunk_bytes;
-      uint8_t* dst = ring + (t % C::kStages) * C::kTile;
-      const int valid = tile_valid(t);
-      if constexpr (kInt2) {
-        constexpr int kCR = C::kCodeRow;
-        constexpr int kPieces = D / 2 + 8 * kNG;
-        const uint64_t code_part = uint64_t(page_size) * kCR;
-        const uint64_t par_part = uint64_t(page_size) * 4 * kNG;
-        for (int p = lane; p < kPieces; p += 32) {
-          uint64_t off;
-          if (p < D / 4) {
-            off = uint64_t(sub) * 16 * kCR + 16 * p;
-          } else if (p < D / 2) {
-            off = code_part + uint64_t(sub) * 16 * kCR + 16 * (p - D / 4);
-          } else if (p < D / 2 + 4 * kNG) {
-            off = 2 * code_part + uint64_t(sub) * 64 * kNG + 16 * (p - D / 2);
+    if (t < my_steps) {
+      uint8_t* stage = ring + (t % C::kStages) * C::kTile * kSub;
+#pragma unroll
+      for (int j = 0; j < kSub; ++j) {
+        const int u = first_unit + t * kSub * kWarps + j;
+        if (u < nunits) {
+          const int sub = u & ((1 << tpp_log2) - 1);
+          const uint8_t* src = head_base + uint64_t(page_ids[u >> tpp_log2]) * seg.page_stride;
+          uint8_t* dst = stage + j * C::kTile;
+          if constexpr (kInt2) {
+            constexpr int kCR = C::kCodeRow;
+            constexpr int kCodePieces = D / 4;  // 16-byte pieces of one kind's codes per unit
+            const uint64_t code_part = uint64_t(page_size) * kCR;
+            const uint8_t* kc = src + uint64_t(sub) * 16 * kCR;
+#pragma unroll
+            for (int p = lane; p < 2 * kCodePieces; p += 32) {
+              const int kv = p / kCodePieces, pp = p % kCodePieces;
+              CpAsync16(dst + 16 * p, kc + kv * code_part + 16 * pp);
+            }
+            if (lane < 8 * kNG) {
+              const int kv = lane / (4 * kNG), pp = lane % (4 * kNG);
+              const uint8_t* ps = src + 2 * code_part + uint64_t(kv) * page_size * 4 * kNG +
+                                  uint64_t(sub) * 64 * kNG + 16 * pp;
+              CpAsync16(dst + 32 * kCR + 16 * lane, ps);
+            }
           } else {
-            off = 2 * code_part + par_part + uint64_t(sub) * 64 * kNG + 16 * (p - D / 2 - 4 * kNG);
+            const int valid = unit_valid(u);
+            constexpr int kRowPieces = D / 8;  // 16-byte pieces per bf16 row
+            const uint64_t v_part = 2ull * page_size * D;
+            const uint8_t* ks = src + uint64_t(sub) * 16 * 2 * D;
+#pragma unroll 4
+            for (int p = lane; p < 32 * kRowPieces; p += 32) {
+              const int kv = p / (16 * kRowPieces);
+              const int rp = p % (16 * kRowPieces);
+              const int row = rp / kRowPieces, c = rp % kRowPieces;
+              uint8_t* d = dst + kv * 32 * D + row * 2 * D + 16 * (c ^ (row & 7));
+              CpAsync16(d, ks + kv * v_part + row * 2 * D + 16 * c, row < valid);
+            }
           }
-          CpAsync16(dst + 16 * p, src + off);
-        }
-      } else {
-        constexpr int kRowPieces = D / 8;  // 16-byte pieces per bf16 row
-        const uint64_t v_part = 2ull * page_size * D;
-        for (int p = lane; p < 32 * kRowPieces; p += 32) {
-          const int kv = p / (16 * kRowPieces);
-          const int rp = p % (16 * kRowPieces);
-          const int row = rp / kRowPieces, c = rp % kRowPieces;
-          const uint64_t off = kv * v_part + (uint64_t(sub) * 16 + row) * 2 * D + 16 * c;
-          uint8_t* d = dst + kv * 32 * D + row * 2 * D + 16 * (c ^ (row & 7));
-          CpAsync16(d, src + off, row < valid);
         }
       }
     }
@@ -276,215 +296,251 @@ __global__ void __launch_bounds__(kThreads) DecodeKernel(const AttnArgs a) {
 #pragma unroll
   for (int t = 0; t < C::kStages - 1; ++t) issue(t);
 
-  for (int t = 0; t < my_tiles; ++t) {
+  for (int t = 0; t < my_steps; ++t) {
     issue(t + C::kStages - 1);
     CpAsyncWait<C::kStages - 1>();
     __syncwarp();
-    const uint8_t* st = ring + (t % C::kStages) * C::kTile;
-    const int valid = tile_valid(t);
-    const bool vg = g < valid, vg8 = g + 8 < valid;
-
-    // ---- S = K·q̃ᵀ ----
-    float logit[NT][4];
-    float kscale[2][kNG], kmin[2][kNG], vscale[2][kNG], vmin[2][kNG];
-    if constexpr (kInt2) {
-      constexpr int kCR = C::kCodeRow;
-      constexpr int kKW = D / 64;
-      const uint32_t* kp = reinterpret_cast<const uint32_t*>(st + 32 * kCR);
-      const uint32_t* vp = kp + 16 * kNG;
+    const uint8_t* stage = ring + (t % C::kStages) * C::kTile * kSub;
+    bool vrow[kSub][2];
 #pragma unroll
-      for (int grp = 0; grp < kNG; ++grp) {
+    for (int j = 0; j < kSub; ++j) {
+      const int valid = unit_valid(first_unit + t * kSub * kWarps + j);
+      vrow[j][0] = g < valid;
+      vrow[j][1] = g + 8 < valid;
+    }
+
+    // ---- S = K·q̃ᵀ for each unit ----
+    float logit[kSub][NT][4];
+    float vscale[kSub][2][kNG], vmin[kSub][2][kNG];
+#pragma unroll
+    for (int j = 0; j < kSub; ++j) {
+      const uint8_t* st = stage + j * C::kTile;
+      if constexpr (kInt2) {
+        constexpr int kCR = C::kCodeRow;
+        constexpr int kKW = D / 64;
+        const uint32_t* kp = reinterpret_cast<const uint32_t*>(st + 32 * kCR);
+        const uint32_t* vp = kp + 16 * kNG;
+        float kscale[2][kNG], kmin[2][kNG];
+#pragma unroll
+        for (int grp = 0; grp < kNG; ++grp) {
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            const int row = g + 8 * r;
+            const uint32_t kpr = kp[row * kNG + grp], vpr = vp[row * kNG + grp];
+            const __half2 kh = *reinterpret_cast<const __half2*>(&kpr);
+            const __half2 vh = *reinterpret_cast<const __half2*>(&vpr);
+            kscale[r][grp] = __low2float(kh);
+            kmin[r][grp] = __high2float(kh);
+            vscale[j][r][grp] = __low2float(vh);
+            vmin[j][r][grp] = __high2float(vh);
+          }
+        }
+        uint32_t kw[2][kKW];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          const int row = g + 8 * r;
-          const uint32_t kpr = kp[row * kNG + grp], vpr = vp[row * kNG + grp];
-          const __half2 kh = *reinterpret_cast<const __half2*>(&kpr);
-          const __half2 vh = *reinterpret_cast<const __half2*>(&vpr);
-          kscale[r][grp] = __low2float(kh);
-          kmin[r][grp] = __high2float(kh);
-          vscale[r][grp] = __low2float(vh);
-          vmin[r][grp] = __high2float(vh);
+          const uint8_t* rowp = st + (g + 8 * r) * kCR + tig * (D / 16);
+          if constexpr (kKW == 1) {
+            kw[r][0] = *reinterpret_cast<const uint32_t*>(rowp);
+          } else if constexpr (kKW == 2) {
+            const uint2 x = *reinterpret_cast<const uint2*>(rowp);
+            kw[r][0] = x.x;
+            kw[r][1] = x.y;
+          } else {
+            const uint4 x = *reinterpret_cast<const uint4*>(rowp);
+            kw[r][0] = x.x;
+            kw[r][1] = x.y;
+            kw[r][2] = x.z;
+            kw[r][3] = x.w;
+          }
         }
-      }
-      uint32_t kw[2][kKW];
+        float s[kNG][NT][4];
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const uint8_t* rowp = st + (g + 8 * r) * kCR + tig * (D / 16);
-        if constexpr (kKW == 1) {
-          kw[r][0] = *reinterpret_cast<const uint32_t*>(rowp);
-        } else if constexpr (kKW == 2) {
-          const uint2 x = *reinterpret_cast<const uint2*>(rowp);
-          kw[r][0] = x.x;
-          kw[r][1] = x.y;
-        } else {
-          const uint4 x = *reinterpret_cast<const uint4*>(rowp);
-          kw[r][0] = x.x;
-          kw[r][1] = x.y;
-          kw[r][2] = x.z;
-          kw[r][3] = x.w;
+        for (int grp = 0; grp < kNG; ++grp)
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) s[grp][nt][i] = 0.f;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const uint32_t mask = 0x00030003u << (2 * k);
+          const int grp = (kNG == 2) ? k / 2 : 0;
+#pragma unroll
+          for (int w = 0; w < kKW; ++w) {
+            const int step = k * kKW + w;
+            // code·4^k per lane, exact (0x6400 trick + HSUB2). Folding the 1024 bias out after
+            // the MMA instead saves the HSUB2s but costs ~5e-4 of systematic LSE error
+            // (tensor-core fp32 accumulation of the large bias term), measured on the H200.
+            const uint32_t a0 = CodesToHalf2(kw[0][w], mask);
+            const uint32_t a1 = CodesToHalf2(kw[1][w], mask);
+            const uint32_t a2 = CodesToHalf2(kw[0][w] >> 8, mask);
+            const uint32_t a3 = CodesToHalf2(kw[1][w] >> 8, mask);
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+              MmaF16(s[grp][nt], a0, a1, a2, a3, qb[step][nt][0], qb[step][nt][1]);
+          }
         }
-      }
-      float s[kNG][NT][4];
-#pragma unroll
-      for (int grp = 0; grp < kNG; ++grp)
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-          for (int j = 0; j < 4; ++j) s[grp][nt][j] = 0.f;
+          for (int i = 0; i < 4; ++i) {
+            const int r = i >> 1, e = i & 1;
+            float x = 0.f;
 #pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const uint32_t mask = 0x00030003u << (2 * k);
-        const int grp = (kNG == 2) ? k / 2 : 0;
+            for (int grp = 0; grp < kNG; ++grp)
+              x += kscale[r][grp] * s[grp][nt][i] + kmin[r][grp] * sqv[grp][nt][e];
+            logit[j][nt][i] = vrow[j][r] ? x : -INFINITY;
+          }
+      } else {
 #pragma unroll
-        for (int w = 0; w < kKW; ++w) {
-          const int step = k * kKW + w;
-          const uint32_t a0 = CodesToHalf2(kw[0][w], mask);
-          const uint32_t a1 = CodesToHalf2(kw[1][w], mask);
-          const uint32_t a2 = CodesToHalf2(kw[0][w] >> 8, mask);
-          const uint32_t a3 = CodesToHalf2(kw[1][w] >> 8, mask);
+        for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-          for (int nt = 0; nt < NT; ++nt)
-            MmaF16(s[grp][nt], a0, a1, a2, a3, qb[step][nt][0], qb[step][nt][1]);
+          for (int i = 0; i < 4; ++i) logit[j][nt][i] = 0.f;
+        const int q4 = lane >> 3, r8 = lane & 7;
+#pragma unroll
+        for (int s = 0; s < kSteps; ++s) {
+          const int row = r8 + 8 * (q4 & 1);
+          const int c = 2 * s + (q4 >> 1);
+          uint32_t af[4];
+          LdMatrixX4(af, st + row * 2 * D + 16 * (c ^ (row & 7)));
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) {
+            MmaBf16(logit[j][nt], af[0], af[1], af[2], af[3], qb[s][nt][0], qb[s][nt][1]);
+            MmaBf16(logit[j][nt], af[0], af[1], af[2], af[3], qlo[s][nt][0], qlo[s][nt][1]);
+          }
         }
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+          for (int i = 0; i < 4; ++i)
+            if (!vrow[j][i >> 1]) logit[j][nt][i] = -INFINITY;
       }
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const int r = j >> 1, e = j & 1;
-          float x = 0.f;
-#pragma unroll
-          for (int grp = 0; grp < kNG; ++grp)
-            x += kscale[r][grp] * s[grp][nt][j] + kmin[r][grp] * sqv[grp][nt][e];
-          logit[nt][j] = (r == 0 ? vg : vg8) ? x : -INFINITY;
-        }
-    } else {
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) logit[nt][j] = 0.f;
-      const int q4 = lane >> 3, r8 = lane & 7;
-#pragma unroll
-      for (int s = 0; s < kSteps; ++s) {
-        const int row = r8 + 8 * (q4 & 1);
-        const int c = 2 * s + (q4 >> 1);
-        uint32_t af[4];
-        LdMatrixX4(af, st + row * 2 * D + 16 * (c ^ (row & 7)));
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          MmaBf16(logit[nt], af[0], af[1], af[2], af[3], qb[s][nt][0], qb[s][nt][1]);
-          MmaBf16(logit[nt], af[0], af[1], af[2], af[3], qlo[s][nt][0], qlo[s][nt][1]);
-        }
-      }
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-          if (!((j >> 1) == 0 ? vg : vg8)) logit[nt][j] = -INFINITY;
     }
 
-    // ---- online softmax ----
-    float p[NT][4];
+    // ---- online softmax over the kSub·16 tokens of this step ----
+    float p[kSub][NT][4];
+    float alpha[NT][2];
+    bool grew = false;
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        float tmax = fmaxf(logit[nt][e], logit[nt][2 + e]);
+        float tmax = -INFINITY;
+#pragma unroll
+        for (int j = 0; j < kSub; ++j)
+          tmax = fmaxf(tmax, fmaxf(logit[j][nt][e], logit[j][nt][2 + e]));
         tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 4));
         tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 8));
         tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 16));
         const float m_new = fmaxf(m_run[nt][e], tmax);
+        grew |= m_new > m_run[nt][e];
         const float m_safe = (m_new == -INFINITY) ? 0.f : m_new;
-        const float alpha = exp2f(m_run[nt][e] - m_safe);
+        alpha[nt][e] = exp2f(m_run[nt][e] - m_safe);
         m_run[nt][e] = m_new;
-        p[nt][e] = exp2f(logit[nt][e] - m_safe);
-        p[nt][2 + e] = exp2f(logit[nt][2 + e] - m_safe);
-        l_run[nt][e] = l_run[nt][e] * alpha + p[nt][e] + p[nt][2 + e];
+        float lsum = 0.f;
+#pragma unroll
+        for (int j = 0; j < kSub; ++j) {
+          p[j][nt][e] = exp2f(logit[j][nt][e] - m_safe);
+          p[j][nt][2 + e] = exp2f(logit[j][nt][2 + e] - m_safe);
+          lsum += p[j][nt][e] + p[j][nt][2 + e];
+        }
+        l_run[nt][e] = l_run[nt][e] * alpha[nt][e] + lsum;
         if constexpr (kInt2) {
 #pragma unroll
-          for (int grp = 0; grp < kNG; ++grp)
-            mn_run[nt][grp][e] = mn_run[nt][grp][e] * alpha + (vg ? p[nt][e] * vmin[0][grp] : 0.f) +
-                                 (vg8 ? p[nt][2 + e] * vmin[1][grp] : 0.f);
-        }
+          for (int grp = 0; grp < kNG; ++grp) {
+            float msum = mn_run[nt][grp][e] * alpha[nt][e];
 #pragma unroll
-        for (int mt = 0; mt < kMt; ++mt) {
-          acc[mt][nt][e] *= alpha;
-          acc[mt][nt][2 + e] *= alpha;
-        }
-      }
-
-    // ---- Oᵀ += Vᵀ·P ----
-    if constexpr (kInt2) {
-      constexpr int kCR = C::kCodeRow;
-      constexpr int kVB = D / 32;  // bytes per row for this lane group
-      uint32_t pb[kNG][NT][2];
-#pragma unroll
-      for (int grp = 0; grp < kNG; ++grp)
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          const float p0v = vg ? p[nt][0] * vscale[0][grp] : 0.f;
-          const float p1v = vg ? p[nt][1] * vscale[0][grp] : 0.f;
-          const float p2v = vg8 ? p[nt][2] * vscale[1][grp] : 0.f;
-          const float p3v = vg8 ? p[nt][3] * vscale[1][grp] : 0.f;
-          pb[grp][nt][0] = MovMatrixTrans(PackHalf2(p0v, p1v));
-          pb[grp][nt][1] = MovMatrixTrans(PackHalf2(p2v, p3v));
-        }
-      const uint8_t* vc = st + 16 * kCR;
-      constexpr int kVW = (kVB + 3) / 4;
-      uint32_t vw[4][kVW];
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const int row = 2 * tig + (q & 1) + 8 * (q >> 1);
-        const uint8_t* rp = vc + row * kCR + g * kVB;
-        if constexpr (kVB == 2) {
-          vw[q][0] = *reinterpret_cast<const uint16_t*>(rp);
-        } else if constexpr (kVB == 4) {
-          vw[q][0] = *reinterpret_cast<const uint32_t*>(rp);
-        } else {
-          const uint2 x = *reinterpret_cast<const uint2*>(rp);
-          vw[q][0] = x.x;
-          vw[q][1] = x.y;
+            for (int j = 0; j < kSub; ++j)
+              msum += (vrow[j][0] ? p[j][nt][e] * vmin[j][0][grp] : 0.f) +
+                      (vrow[j][1] ? p[j][nt][2 + e] * vmin[j][1][grp] : 0.f);
+            mn_run[nt][grp][e] = msum;
+          }
         }
       }
+    if (__any_sync(0xffffffffu, grew)) {  // rescale only when some running max moved
 #pragma unroll
-      for (int i = 0; i < kVB; ++i) {
-        const int wi = i >> 2, bs = i & 3;
-        const uint32_t sel = bs | (bs << 4) | ((4 + bs) << 8) | ((4 + bs) << 12);
-        const uint32_t x0 = Prmt(vw[0][wi], vw[1][wi], sel);
-        const uint32_t x1 = Prmt(vw[2][wi], vw[3][wi], sel);
-#pragma unroll
-        for (int kk = 0; kk < 2; ++kk) {
-          const int k0 = 2 * kk;  // quarters k0 (row g) and k0+1 (row g+8)
-          const int mt = (i * 4 + k0) >> 1;
-          const uint32_t m0 = 0x00030003u << (2 * k0), m1 = 0x00030003u << (2 * k0 + 2);
-          const uint32_t a0 = CodesToHalf2(x0, m0);
-          const uint32_t a1 = CodesToHalf2(x0, m1);
-          const uint32_t a2 = CodesToHalf2(x1, m0);
-          const uint32_t a3 = CodesToHalf2(x1, m1);
-          const int grp = (kNG == 2) ? (k0 >> 1) : 0;
-#pragma unroll
-          for (int nt = 0; nt < NT; ++nt)
-            MmaF16(acc[mt][nt], a0, a1, a2, a3, pb[grp][nt][0], pb[grp][nt][1]);
-        }
-      }
-    } else {
-      uint32_t pb[NT][2];
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        pb[nt][0] = MovMatrixTrans(PackBf162(p[nt][0], p[nt][1]));
-        pb[nt][1] = MovMatrixTrans(PackBf162(p[nt][2], p[nt][3]));
-      }
-      const uint8_t* vt = st + 32 * D;
-      const int q4 = lane >> 3, r8 = lane & 7;
-#pragma unroll
-      for (int mt = 0; mt < kMt; ++mt) {
-        const int row = r8 + 8 * (q4 >> 1);
-        const int c = 2 * mt + (q4 & 1);
-        uint32_t af[4];
-        LdMatrixX4Trans(af, vt + row * 2 * D + 16 * (c ^ (row & 7)));
+      for (int mt = 0; mt < kMt; ++mt)
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
-          MmaBf16(acc[mt][nt], af[0], af[1], af[2], af[3], pb[nt][0], pb[nt][1]);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) acc[mt][nt][i] *= alpha[nt][i & 1];
+    }
+
+    // ---- Oᵀ += Vᵀ·P ----
+#pragma unroll
+    for (int j = 0; j < kSub; ++j) {
+      const uint8_t* st = stage + j * C::kTile;
+      if constexpr (kInt2) {
+        constexpr int kCR = C::kCodeRow;
+        constexpr int kVB = D / 32;  // bytes per row for this lane group
+        uint32_t pb[kNG][NT][2];
+#pragma unroll
+        for (int grp = 0; grp < kNG; ++grp)
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) {
+            const float p0v = vrow[j][0] ? p[j][nt][0] * vscale[j][0][grp] : 0.f;
+            const float p1v = vrow[j][0] ? p[j][nt][1] * vscale[j][0][grp] : 0.f;
+            const float p2v = vrow[j][1] ? p[j][nt][2] * vscale[j][1][grp] : 0.f;
+            const float p3v = vrow[j][1] ? p[j][nt][3] * vscale[j][1][grp] : 0.f;
+            pb[grp][nt][0] = MovMatrixTrans(PackHalf2(p0v, p1v));
+            pb[grp][nt][1] = MovMatrixTrans(PackHalf2(p2v, p3v));
+          }
+        const uint8_t* vc = st + 16 * kCR;
+        constexpr int kVW = (kVB + 3) / 4;
+        uint32_t vw[4][kVW];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const int row = 2 * tig + (q & 1) + 8 * (q >> 1);
+          const uint8_t* rp = vc + row * kCR + g * kVB;
+          if constexpr (kVB == 2) {
+            vw[q][0] = *reinterpret_cast<const uint16_t*>(rp);
+          } else if constexpr (kVB == 4) {
+            vw[q][0] = *reinterpret_cast<const uint32_t*>(rp);
+          } else {
+            const uint2 x = *reinterpret_cast<const uint2*>(rp);
+            vw[q][0] = x.x;
+            vw[q][1] = x.y;
+          }
+        }
+#pragma unroll
+        for (int i = 0; i < kVB; ++i) {
+          const int wi = i >> 2, bs = i & 3;
+          const uint32_t sel = bs | (bs << 4) | ((4 + bs) << 8) | ((4 + bs) << 12);
+          const uint32_t x0 = Prmt(vw[0][wi], vw[1][wi], sel);
+          const uint32_t x1 = Prmt(vw[2][wi], vw[3][wi], sel);
+#pragma unroll
+          for (int kk = 0; kk < 2; ++kk) {
+            const int k0 = 2 * kk;  // quarters k0 (row g) and k0+1 (row g+8)
+            const int mt = (i * 4 + k0) >> 1;
+            const uint32_t m0 = 0x00030003u << (2 * k0), m1 = 0x00030003u << (2 * k0 + 2);
+            const uint32_t a0 = CodesToHalf2(x0, m0);
+            const uint32_t a1 = CodesToHalf2(x0, m1);
+            const uint32_t a2 = CodesToHalf2(x1, m0);
+            const uint32_t a3 = CodesToHalf2(x1, m1);
+            const int grp = (kNG == 2) ? (k0 >> 1) : 0;
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+              MmaF16(acc[mt][nt], a0, a1, a2, a3, pb[grp][nt][0], pb[grp][nt][1]);
+          }
+        }
+      } else {
+        uint32_t pb[NT][2];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          pb[nt][0] = MovMatrixTrans(PackBf162(p[j][nt][0], p[j][nt][1]));
+          pb[nt][1] = MovMatrixTrans(PackBf162(p[j][nt][2], p[j][nt][3]));
+        }
+        const uint8_t* vt = st + 32 * D;
+        const int q4 = lane >> 3, r8 = lane & 7;
+#pragma unroll
+        for (int mt = 0; mt < kMt; ++mt) {
+          const int row = r8 + 8 * (q4 >> 1);
+          const int c = 2 * mt + (q4 & 1);
+          uint32_t af[4];
+          LdMatrixX4Trans(af, vt + row * 2 * D + 16 * (c ^ (row & 7)));
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt)
+            MmaBf16(acc[mt][nt], af[0], af[1], af[2], af[3], pb[nt][0], pb[nt][1]);
+        }
       }
     }
     __syncwarp();
@@ -524,10 +580,10 @@ __global__ void __launch_bounds__(kThreads) DecodeKernel(const AttnArgs a) {
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int r = j >> 1, e = j & 1;
+      for (int i = 0; i < 4; ++i) {
+        const int r = i >> 1, e = i & 1;
         const int dim = OutDim<kInt2, D>(mt, r, g);
-        float o = acc[mt][nt][j] * OutQuarterScale<kInt2, D>(mt, r);
+        float o = acc[mt][nt][i] * OutQuarterScale<kInt2, D>(mt, r);
         if constexpr (kInt2) {
           const int grp = (kNG == 2) ? (dim >= 128) : 0;
           o += mn_run[nt][grp][e];
@@ -574,6 +630,7 @@ __global__ void __launch_bounds__(D)
     for (int h = 0; h < 16; ++h) acc[h] = h < group ? qs[h][j] : 0.f;
   } else {
     const float* r = rk + kvh * r_head_stride;
+#pragma unroll 8
     for (int i = 0; i < D; ++i) {
       const float rij = r[size_t(i) * D + j];
 #pragma unroll
@@ -585,62 +642,91 @@ __global__ void __launch_bounds__(D)
     if (h < group) q_rot[(row0 + h) * D + j] = acc[h] * scale;
 }
 
-// out[b, i, :] = (LSE-merge over splits of part_o)·R_Vᵀ; grid (H_kv, B), block D threads.
+// out[b, i, :] = (LSE-merge over splits of part_o)·R_Vᵀ; grid (H_kv, B), 256 threads:
+// warp w merges heads w, w+8 (lanes over splits for the LSE, over head_dim for the output),
+// then thread j applies R_Vᵀ to column j of every head of the group.
+constexpr int kMergeThreads = 256;
 template <int D>
-__global__ void __launch_bounds__(D)
+__global__ void __launch_bounds__(kMergeThreads)
     MergeKernel(const float* __restrict__ part_o, const float* __restrict__ part_lse, int s_total,
                 const float* __restrict__ rv, int64_t r_head_stride, int num_q_heads, int group,
                 uint16_t* __restrict__ out, float* __restrict__ lse_out) {
   __shared__ float os[16][D];
-  const int kvh = blockIdx.x, b = blockIdx.y, j = threadIdx.x;
+  const int kvh = blockIdx.x, b = blockIdx.y;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const size_t row0 = size_t(b) * num_q_heads + size_t(kvh) * group;
-  for (int h = 0; h < group; ++h) {
+  for (int h = warp; h < group; h += kMergeThreads / 32) {
     const size_t row = row0 + h;
     const float* ls = part_lse + row * s_total;
     float mx = -INFINITY;
-    bool nan = false;
-    for (int s = 0; s < s_total; ++s) {
+    int nan = 0;
+    for (int s = lane; s < s_total; s += 32) {
       const float v = ls[s];
       nan |= isnan(v);
       mx = fmaxf(mx, v);
     }
-    float l = 0.f, o = 0.f;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+      nan |= __shfl_xor_sync(0xffffffffu, nan, o);
+    }
+    float l = 0.f;
+    float o[D / 32];
+#pragma unroll
+    for (int i = 0; i < D / 32; ++i) o[i] = 0.f;
     if (mx != -INFINITY) {
+      for (int s = lane; s < s_total; s += 32) l += exp2f(ls[s] - mx);
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) l += __shfl_xor_sync(0xffffffffu, l, off);
+      const float* po = part_o + row * s_total * D + lane;
+#pragma unroll 4
       for (int s = 0; s < s_total; ++s) {
         const float f = exp2f(ls[s] - mx);
-        l += f;
-        o += f * part_o[(row * s_total + s) * D + j];
+#pragma unroll
+        for (int i = 0; i < D / 32; ++i) o[i] = fmaf(f, po[size_t(s) * D + 32 * i], o[i]);
       }
     }
-    os[h][j] = nan ? NAN : (l > 0.f ? o / l : 0.f);
-    if (j == 0 && lse_out != nullptr)
+#pragma unroll
+    for (int i = 0; i < D / 32; ++i) os[h][lane + 32 * i] = nan ? NAN : (l > 0.f ? o[i] / l : 0.f);
+    if (lane == 0 && lse_out != nullptr)
       lse_out[row] = nan ? NAN : (l > 0.f ? (mx + log2f(l)) * kLn2 : -INFINITY);
   }
   __syncthreads();
-  float acc[16];
+  const int j = threadIdx.x % D;
+  constexpr int kHeadStride = kMergeThreads / D;
+  const int h0 = threadIdx.x / D;
   if (rv == nullptr) {
+    for (int h = h0; h < group; h += kHeadStride) {
+      const __nv_bfloat16 v = __float2bfloat16_rn(os[h][j]);
+      out[(row0 + h) * D + j] = *reinterpret_cast<const uint16_t*>(&v);
+    }
+    return;
+  }
+  float acc[16];
 #pragma unroll
-    for (int h = 0; h < 16; ++h) acc[h] = h < group ? os[h][j] : 0.f;
-  } else {
+  for (int h = 0; h < 16; ++h) acc[h] = 0.f;
+  const float4* r = reinterpret_cast<const float4*>(rv + kvh * r_head_stride + size_t(j) * D);
+#pragma unroll 8
+  for (int i4 = 0; i4 < D / 4; ++i4) {
+    const float4 rr = r[i4];
 #pragma unroll
-    for (int h = 0; h < 16; ++h) acc[h] = 0.f;
-    const float4* r = reinterpret_cast<const float4*>(rv + kvh * r_head_stride + size_t(j) * D);
-    for (int i4 = 0; i4 < D / 4; ++i4) {
-      const float4 rr = r[i4];
-#pragma unroll
-      for (int h = 0; h < 16; ++h) {
-        if (h < group) {
-          acc[h] = fmaf(os[h][4 * i4 + 0], rr.x, acc[h]);
-          acc[h] = fmaf(os[h][4 * i4 + 1], rr.y, acc[h]);
-          acc[h] = fmaf(os[h][4 * i4 + 2], rr.z, acc[h]);
-          acc[h] = fmaf(os[h][4 * i4 + 3], rr.w, acc[h]);
-        }
+    for (int hh = 0; hh < 16; ++hh) {
+      const int h = h0 + hh * kHeadStride;
+      if (hh * kHeadStride < 16 && h < group) {
+        acc[hh] = fmaf(os[h][4 * i4 + 0], rr.x, acc[hh]);
+        acc[hh] = fmaf(os[h][4 * i4 + 1], rr.y, acc[hh]);
+        acc[hh] = fmaf(os[h][4 * i4 + 2], rr.z, acc[hh]);
+        acc[hh] = fmaf(os[h][4 * i4 + 3], rr.w, acc[hh]);
       }
     }
   }
-  for (int h = 0; h < group; ++h) {
-    const __nv_bfloat16 v = __float2bfloat16_rn(acc[h]);
-    out[(row0 + h) * D + j] = *reinterpret_cast<const uint16_t*>(&v);
+#pragma unroll
+  for (int hh = 0; hh < 16; ++hh) {
+    const int h = h0 + hh * kHeadStride;
+    if (hh * kHeadStride < 16 && h < group) {
+      const __nv_bfloat16 v = __float2bfloat16_rn(acc[hh]);
+      out[(row0 + h) * D + j] = *reinterpret_cast<const uint16_t*>(&v);
+    }
   }
 }
 
@@ -716,14 +802,71 @@ KernelStatus Validate(const PagedDecodeParams& p) {
   return KernelStatus::Ok();
 }
 
-SegPlan PlanSegment(const SegmentTable& t, int page_size, int64_t base_ctas, int64_t target) {
+template <bool kInt2, int D, int NT>
+int BlocksPerSm() {
+  constexpr int smem = DecodeSmemBytes<kInt2, D, NT>();
+  auto kernel = DecodeKernel<kInt2, D, NT>;
+  int n = 0;
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) !=
+          cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, smem) != cudaSuccess) {
+    cudaGetLastError();
+    n = 1;
+  }
+  return std::max(n, 1);
+}
+
+// Resident CTAs of the decode kernel for (precision, head_dim, n-tiles) on the current device:
+// occupancy × multiprocessors, computed once per process (host calls only, no device sync).
+int DecodeSlots(bool int2, int d, int nt) {
+  static std::atomic<int> cache[2][3][2] = {};
+  const int di = d == 64 ? 0 : (d == 128 ? 1 : 2);
+  std::atomic<int>& c = cache[int2][di][nt - 1];
+  int v = c.load(std::memory_order_relaxed);
+  if (v > 0) return v;
+  int dev = 0, sms = 132;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
+    cudaGetLastError();
+    sms = 132;
+  }
+  int per_sm = 1;
+  if (int2) {
+    per_sm = d == 64    ? (nt == 2 ? BlocksPerSm<true, 64, 2>() : BlocksPerSm<true, 64, 1>())
+             : d == 128 ? (nt == 2 ? BlocksPerSm<true, 128, 2>() : BlocksPerSm<true, 128, 1>())
+                        : BlocksPerSm<true, 256, 1>();
+  } else {
+    per_sm = d == 64    ? (nt == 2 ? BlocksPerSm<false, 64, 2>() : BlocksPerSm<false, 64, 1>())
+             : d == 128 ? (nt == 2 ? BlocksPerSm<false, 128, 2>() : BlocksPerSm<false, 128, 1>())
+                        : BlocksPerSm<false, 256, 1>();
+  }
+  v = per_sm * sms;
+  c.store(v, std::memory_order_relaxed);
+  return v;
+}
+
+// Splits of one segment. With base = batch·KV heads·head chunks CTAs per split and `slots`
+// resident CTAs, the decode takes ⌈base·s / slots⌉ waves of 1/s of a request's pages each, so
+// s is chosen to minimize ⌈base·s / slots⌉ / s · (1 + 0.002·s) (the last factor charges each
+// split's epilogue and partial), with at least `min_pps` pages per split. (A plain "one wave" rule,
+// s = ⌊slots / base⌋, left 22 % of the slots idle at B = 32, 8 KV heads on the H200.)
+SegPlan PlanSegment(const SegmentTable& t, int page_size, int64_t base_ctas, int64_t slots) {
   SegPlan sp;
   if (!SegmentUsed(t)) return sp;
-  const int min_pps = page_size == 16 ? 16 : 4;  // >= 4 tiles per warp
-  const int64_t want = std::max<int64_t>(1, (target + base_ctas - 1) / base_ctas);
-  const int64_t max_splits = std::max<int64_t>(1, (t.max_pages + min_pps - 1) / min_pps);
-  const int64_t splits = std::min(want, max_splits);
-  sp.pps = int32_t((t.max_pages + splits - 1) / splits);
+  const int min_pps = page_size == 16 ? 16 : 4;  // >= 2 steps per warp
+  const int64_t max_splits =
+      std::min<int64_t>(64, std::max<int64_t>(1, (t.max_pages + min_pps - 1) / min_pps));
+  double best_cost = 1e30;
+  int64_t best = 1;
+  for (int64_t s = 1; s <= max_splits; ++s) {
+    const double cost =
+        double((base_ctas * s + slots - 1) / slots) / double(s) * (1.0 + 0.002 * double(s));
+    if (cost < best_cost) {
+      best_cost = cost;
+      best = s;
+    }
+  }
+  sp.pps = int32_t((t.max_pages + best - 1) / best);
   sp.splits = int32_t((t.max_pages + sp.pps - 1) / sp.pps);
   return sp;
 }
@@ -734,20 +877,18 @@ KernelStatus MakePlan(const PagedDecodeParams& p, Plan* plan) {
   const int group = p.num_q_heads / p.num_kv_heads;
   plan->nt = (group > 8 && p.head_dim <= 128) ? 2 : 1;
   plan->head_chunks = (group + 8 * plan->nt - 1) / (8 * plan->nt);
-  int64_t target = p.target_ctas;
-  if (target <= 0) {
-    int dev = 0, sms = 132;
-    if (cudaGetDevice(&dev) == cudaSuccess) {
-      if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
-        sms = 132;
-    }
-    cudaGetLastError();
-    target = 4LL * sms;
+  int64_t slots_i2, slots_bf;
+  if (p.target_ctas > 0) {
+    slots_i2 = slots_bf = p.target_ctas;
+  } else {
+    slots_i2 = DecodeSlots(true, p.head_dim, plan->nt);
+    slots_bf = DecodeSlots(false, p.head_dim, plan->nt);
   }
   const int64_t base = int64_t(p.batch) * p.num_kv_heads * plan->head_chunks;
-  plan->sink = PlanSegment(p.sink, p.page_size, base, target);
-  plan->history = PlanSegment(p.history, p.page_size, base, target);
-  plan->recent = PlanSegment(p.recent, p.page_size, base, target);
+  // Sink and recent share one launch: plan them as one segment's worth of slots.
+  plan->sink = PlanSegment(p.sink, p.page_size, base, slots_bf);
+  plan->history = PlanSegment(p.history, p.page_size, base, slots_i2);
+  plan->recent = PlanSegment(p.recent, p.page_size, base, slots_bf);
   plan->s_total = plan->sink.splits + plan->history.splits + plan->recent.splits;
   const size_t rows = size_t(p.batch) * p.num_q_heads;
   plan->off_q = 0;
@@ -889,14 +1030,14 @@ KernelStatus LaunchPagedDecode(const PagedDecodeParams& p, Stream stream_handle)
     if (!st.ok()) return st;
   }
   if (d == 64)
-    MergeKernel<64><<<hb, 64, 0, stream>>>(part_o, part_lse, plan.s_total, p.rotation_v, rstride,
-                                           p.num_q_heads, group, p.out, p.lse);
+    MergeKernel<64><<<hb, kMergeThreads, 0, stream>>>(part_o, part_lse, plan.s_total, p.rotation_v,
+                                                      rstride, p.num_q_heads, group, p.out, p.lse);
   else if (d == 128)
-    MergeKernel<128><<<hb, 128, 0, stream>>>(part_o, part_lse, plan.s_total, p.rotation_v, rstride,
-                                             p.num_q_heads, group, p.out, p.lse);
+    MergeKernel<128><<<hb, kMergeThreads, 0, stream>>>(part_o, part_lse, plan.s_total, p.rotation_v,
+                                                       rstride, p.num_q_heads, group, p.out, p.lse);
   else
-    MergeKernel<256><<<hb, 256, 0, stream>>>(part_o, part_lse, plan.s_total, p.rotation_v, rstride,
-                                             p.num_q_heads, group, p.out, p.lse);
+    MergeKernel<256><<<hb, kMergeThreads, 0, stream>>>(part_o, part_lse, plan.s_total, p.rotation_v,
+                                                       rstride, p.num_q_heads, group, p.out, p.lse);
   return LaunchError("MergeKernel");
 }
 

@@ -517,8 +517,10 @@ TEST(EndToEnd, ProductionShapeWriteDemoteDecode) {
   write_tokens(bf_toks, false);
   write_tokens(i2_toks, true);
 
-  double worst_rel = 0, worst_lse = 0;
+  double worst_rel = 0, worst_lse = 0, worst_same = 0, worst_same_lse = 0;
   int demotions = 0;
+  std::vector<float> kg(k.size()), vg(v.size());  // mirror of the GPU-written cache
+  std::vector<int> demoted_now;
   for (int step = 0; step < steps; ++step) {
     const int t = L0 + step;
     const int blk = t / P;
@@ -558,6 +560,7 @@ TEST(EndToEnd, ProductionShapeWriteDemoteDecode) {
       bf_page_of[old] = -1;
       hist_blocks.push_back(old);
       cpu_quantize_block(old);
+      demoted_now.push_back(old);
       ++demotions;
     }
     // ---- decode ----
@@ -609,50 +612,111 @@ TEST(EndToEnd, ProductionShapeWriteDemoteDecode) {
     KVPOOL_CUDA_OK(cudaDeviceSynchronize());
     auto out = Download<uint16_t>(dout.get(), size_t(HQ) * d);
     auto lse = Download<float>(dlse.get(), HQ);
-    // CPU reference over the mirror (tokens 0..len-1; BF16 or dequantized per block state)
-    double num = 0, den = 0, max_lse = 0;
-    for (int i = 0; i < HQ; ++i) {
-      const int h = i / (HQ / H);
-      std::vector<double> qr(d, 0.0);
-      for (int a = 0; a < d; ++a) {
-        const double qa = Bf16ToFp32(q[size_t(i) * d + a]);
-        for (int j = 0; j < d; ++j) qr[j] += qa * rk[size_t(a) * d + j];
-      }
-      std::vector<double> logit(len);
-      double m = -INFINITY;
-      for (int tt = 0; tt < len; ++tt) {
-        const float* kk = kr.data() + (size_t(tt) * H + h) * d;
-        double dot = 0;
-        for (int j = 0; j < d; ++j) dot += qr[j] * kk[j];
-        logit[tt] = dot * p.sm_scale;
-        m = std::max(m, logit[tt]);
-      }
-      std::vector<double> o(d, 0.0);
-      double l = 0;
-      for (int tt = 0; tt < len; ++tt) {
-        const double w = std::exp(logit[tt] - m);
-        l += w;
-        const float* vv = vr.data() + (size_t(tt) * H + h) * d;
-        for (int j = 0; j < d; ++j) o[j] += w * vv[j];
-      }
-      for (int j = 0; j < d; ++j) {
-        double ref = 0;
-        for (int a = 0; a < d; ++a) ref += o[a] / l * rv[size_t(j) * d + a];
-        const double g = Bf16ToFp32(out[size_t(i) * d + j]);
-        num += (g - ref) * (g - ref);
-        den += ref * ref;
-      }
-      max_lse = std::max(max_lse, std::fabs(double(lse[i]) - (m + std::log(l))));
+    // Mirror of the GPU-written cache (what the kernel must attend over): refresh the new token
+    // and any block whose form changed since the last step.
+    auto refresh_gpu_block = [&](int blk2) {
+      const bool bf = bf_page_of[blk2] >= 0;
+      std::vector<uint8_t> page(bf ? geo.Bf16LayerBytes() : geo.Int2LayerBytes());
+      const uint8_t* src =
+          bf ? bfpool.as<uint8_t>() + uint64_t(bf_page_of[blk2]) * geo.Bf16LayerBytes()
+             : i2pool.as<uint8_t>() + uint64_t(blk2) * geo.Int2LayerBytes();
+      cudaMemcpy(page.data(), src, page.size(), cudaMemcpyDeviceToHost);
+      for (int slot = 0; slot < P && blk2 * P + slot < len; ++slot)
+        for (int h = 0; h < H; ++h)
+          for (int kv = 0; kv < 2; ++kv) {
+            float* dst = (kv ? vg : kg).data() + (size_t(blk2 * P + slot) * H + h) * d;
+            if (bf) {
+              const uint16_t* row =
+                  reinterpret_cast<const uint16_t*>(page.data() + geo.Bf16ChunkOffset(0, h) +
+                                                    (kv ? geo.Bf16VOffset() : 0) + slot * 2 * d);
+              for (int j = 0; j < d; ++j) dst[j] = Bf16ToFp32(row[j]);
+            } else {
+              const Int2Row r = ReadInt2Row(page, geo, 0, slot, h, kv);
+              DequantizeRow(r.codes.data(), r.params.data(), d, dst);
+            }
+          }
+    };
+    if (step == 0) {
+      for (int b2 = 0; b2 * P < len; ++b2) refresh_gpu_block(b2);
+    } else {
+      refresh_gpu_block(blk);
+      for (int b2 : demoted_now) refresh_gpu_block(b2);
     }
-    const double rel = std::sqrt(num / den);
-    worst_rel = std::max(worst_rel, rel);
-    worst_lse = std::max(worst_lse, max_lse);
-    EXPECT_LT(rel, 1e-2) << "step " << step;
-    EXPECT_LT(max_lse, 1e-3) << "step " << step;
+    demoted_now.clear();
+    // float64 attention over a mirror (tokens 0..len-1), output rotated back by R_V^T.
+    auto attend = [&](const std::vector<float>& kk, const std::vector<float>& vv,
+                      std::vector<double>* o_out, std::vector<double>* lse_out) {
+      o_out->assign(size_t(HQ) * d, 0.0);
+      lse_out->assign(HQ, 0.0);
+      for (int i = 0; i < HQ; ++i) {
+        const int h = i / (HQ / H);
+        std::vector<double> qr(d, 0.0);
+        for (int a = 0; a < d; ++a) {
+          const double qa = Bf16ToFp32(q[size_t(i) * d + a]);
+          for (int j = 0; j < d; ++j) qr[j] += qa * rk[size_t(a) * d + j];
+        }
+        std::vector<double> logit(len);
+        double m = -INFINITY;
+        for (int tt = 0; tt < len; ++tt) {
+          const float* kr_row = kk.data() + (size_t(tt) * H + h) * d;
+          double dot = 0;
+          for (int j = 0; j < d; ++j) dot += qr[j] * kr_row[j];
+          logit[tt] = dot * p.sm_scale;
+          m = std::max(m, logit[tt]);
+        }
+        std::vector<double> o(d, 0.0);
+        double l = 0;
+        for (int tt = 0; tt < len; ++tt) {
+          const double w = std::exp(logit[tt] - m);
+          l += w;
+          const float* vr_row = vv.data() + (size_t(tt) * H + h) * d;
+          for (int j = 0; j < d; ++j) o[j] += w * vr_row[j];
+        }
+        for (int j = 0; j < d; ++j) {
+          double ref = 0;
+          for (int a = 0; a < d; ++a) ref += o[a] / l * rv[size_t(j) * d + a];
+          (*o_out)[size_t(i) * d + j] = ref;
+        }
+        (*lse_out)[i] = m + std::log(l);
+      }
+    };
+    auto compare = [&](const std::vector<double>& ref_o, const std::vector<double>& ref_lse,
+                       double* rel, double* dl) {
+      double num = 0, den = 0;
+      *dl = 0;
+      for (size_t i = 0; i < ref_o.size(); ++i) {
+        const double g = Bf16ToFp32(out[i]);
+        num += (g - ref_o[i]) * (g - ref_o[i]);
+        den += ref_o[i] * ref_o[i];
+      }
+      for (int i = 0; i < HQ; ++i) *dl = std::max(*dl, std::fabs(double(lse[i]) - ref_lse[i]));
+      *rel = std::sqrt(num / den);
+    };
+    std::vector<double> ro, rl;
+    double rel_same = 0, dl_same = 0, rel_cpu = 0, dl_cpu = 0;
+    attend(kg, vg, &ro, &rl);
+    compare(ro, rl, &rel_same, &dl_same);
+    attend(kr, vr, &ro, &rl);
+    compare(ro, rl, &rel_cpu, &dl_cpu);
+    worst_same = std::max(worst_same, rel_same);
+    worst_same_lse = std::max(worst_same_lse, dl_same);
+    worst_rel = std::max(worst_rel, rel_cpu);
+    worst_lse = std::max(worst_lse, dl_cpu);
+    // (1) the kernel against float64 on the same dequantized KV (issue 3's tolerance);
+    EXPECT_LT(rel_same, 1e-2) << "step " << step;
+    EXPECT_LT(dl_same, 1e-3) << "step " << step;
+    // (2) the GPU write path against the CPU write path (fp16 R on tensor cores vs fp32 R).
+    //     With this random data the softmax is nearly flat over 32K tokens, so the output is
+    //     a mean of ~32K vectors (|o| ≈ |v|/180) and per-row differences of the two caches
+    //     (bf16 ulps of the rotated rows moving τ, min, scale) are not averaged away in
+    //     relative terms; the bound is looser and the measured value is printed.
+    EXPECT_LT(rel_cpu, 5e-2) << "step " << step;
+    EXPECT_LT(dl_cpu, 1e-3) << "step " << step;
   }
   std::printf(
-      "[e2e] 32q/8kv d128 L0=%d steps=%d demotions=%d worst rel_l2 %.3e worst |dLSE| %.3e\n", L0,
-      steps, demotions, worst_rel, worst_lse);
+      "[e2e] 32q/8kv d128 L0=%d steps=%d demotions=%d | kernel vs float64 on the GPU cache: "
+      "worst rel_l2 %.3e |dLSE| %.3e | GPU path vs CPU path: worst rel_l2 %.3e |dLSE| %.3e\n",
+      L0, steps, demotions, worst_same, worst_same_lse, worst_rel, worst_lse);
   EXPECT_GE(demotions, 1);
 }
 
