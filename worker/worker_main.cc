@@ -340,6 +340,7 @@ int main(int argc, char** argv) {
             {"tokens", r->tokens},
             {"text", Text(engine, r->tokens)},
             {"wanted_blocks", r->wanted_blocks},
+            {"lookup_blocks", r->lookup_blocks},
             {"hit_blocks", r->hit_blocks},
             {"missed_blocks", r->wanted_blocks - r->hit_blocks},
             {"loaded_blocks", r->loaded_blocks},

@@ -69,6 +69,7 @@ for hp in ("bf16", "int2"):
         single = ev["prompts"][i]["configs"][f"{hp}_S64_W256"]["greedy_tokens"]
         assert not p["fallback"], (hp, p["name"], p["fallback_reason"])
         assert p["loaded_blocks"] == p["wanted_blocks"] > 0, (hp, p)
+        assert p["lookup_blocks"] >= p["wanted_blocks"], (hp, p)
         assert p["bytes_moved"] > 0, (hp, p)
         assert p["tokens"] == single, f"{hp} {p['name']}: pool {p['tokens']} != single {single}"
         print(f"{hp} {p['name']}: {len(p['tokens'])} tokens identical to the single-process run, "
@@ -99,8 +100,10 @@ python3 - "${work}" <<'PY' || fail "killed prefill left blocks visible"
 import json, sys
 d = json.load(open(f"{sys.argv[1]}/decode_after_kill.json"))
 p = d["prompts"][0]
+assert p["lookup_blocks"] == 0, p
 assert p["hit_blocks"] == 0 and p["loaded_blocks"] == 0, p
-print(f"killed prefill: lookup finds {p['hit_blocks']} of {p['wanted_blocks']} blocks")
+print(f"killed prefill: Lookup finds {p['lookup_blocks']} blocks, Acquire {p['hit_blocks']} "
+      f"(of {p['wanted_blocks']} wanted)")
 PY
 
 echo "== pool killed mid-fetch: same answer as without the pool"

@@ -156,6 +156,12 @@ absl::StatusOr<DecodeReport> DecodeNode::Run(absl::Span<const int> prompt, int m
     failure = "pool unreachable at start-up";
   } else if (rep.wanted_blocks > 0) {
     const std::vector<uint32_t> tokens = ToU32(prompt);
+    // Side-effect-free probe first (what a scheduler asks), then the lease.
+    if (auto lk = client_->Lookup(tokens); lk.ok()) {
+      rep.lookup_blocks = static_cast<int>(lk->num_blocks);
+    } else {
+      KVPOOL_LOG_WARN("lookup failed: {}", lk.status().ToString());
+    }
     absl::StatusOr<client::Lease> lease =
         client_->Acquire(tokens, static_cast<uint32_t>(rep.wanted_blocks));
     if (!lease.ok()) {

@@ -81,6 +81,7 @@ struct DecodeReport {
   std::vector<int> tokens;  // greedy continuation
   int prompt_tokens = 0;
   int wanted_blocks = 0;               // full blocks before the last prompt token
+  int lookup_blocks = -1;              // leading blocks Lookup reported (-1: not run or failed)
   int hit_blocks = 0;                  // blocks the pool held (leased)
   int loaded_blocks = 0;               // blocks fetched and loaded
   int recomputed_tokens = 0;           // prompt tokens computed locally
