@@ -83,6 +83,26 @@ for hp in ("bf16", "int2"):
         assert sum(p["int2_blocks_fetched"] for p in dec["prompts"]) == 0
 PY
 
+echo "== partial hit: a shorter prompt whose window blocks have no BF16 form in the pool"
+# The first lines of 01_kite: its blocks are held, but those that would form this prompt's
+# recent window were history (INT2 only) in the stored sequence, so the worker takes the sink
+# and recomputes the window (FORMAT.md §3).
+head -4 "${demo}/prompts/01_kite.txt" >"${work}/kite_prefix.txt"
+"${worker_bin}" --role decode --pool "${pool}" "${common[@]}" \
+  --prompt-file "${work}/kite_prefix.txt" --report "${work}/decode_prefix.json" >/dev/null \
+  2>"${work}/decode_prefix.log" || fail "decode of a shorter prompt"
+python3 - "${work}" <<'PY' || fail "partial hit"
+import json, sys
+p = json.load(open(f"{sys.argv[1]}/decode_prefix.json"))["prompts"][0]
+assert not p["fallback"], p
+assert p["hit_blocks"] == p["wanted_blocks"] > 4, p         # every wanted block is held ...
+assert p["loaded_blocks"] == 4, p                           # ... but only the sink is usable
+assert p["recomputed_tokens"] == p["prompt_tokens"] - 64, p
+assert len(p["tokens"]) > 0 and p["teacher_forced"]["agreement"] >= 0.5, p
+print(f"partial hit: {p['hit_blocks']} blocks held, {p['loaded_blocks']} loaded, "
+      f"{p['recomputed_tokens']} tokens recomputed, agreement {p['teacher_forced']['agreement']:.3f}")
+PY
+
 echo "== prefill node killed mid-push: nothing becomes visible"
 set +e
 "${worker_bin}" --role prefill --pool "${pool}" "${common[@]}" \
