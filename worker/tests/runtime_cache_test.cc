@@ -393,6 +393,56 @@ TEST(MixedKvCacheTest, AttendEqualsReferenceDecodeAttentionOverThePages) {
   }
 }
 
+// The staging bytes are bf16(k), bf16(v) un-rotated, in the BF16 form layout, and every
+// (block, layer) completion is reported once, in order.
+TEST(StagingRecorderTest, RecordsUnrotatedBf16InBlockLayout) {
+  auto c = MixedKvCache::Create(kLayers, kShape, MakeRotations(kLayers, 4, 8, true),
+                                Opts(HistoryPrecision::kBf16, 16, 16))
+               .value();
+  StagingRecorder rec(c.get(), c->geometry());
+  std::vector<std::pair<int, int>> done;
+  rec.set_on_layer_complete([&](int b, int l) { done.emplace_back(b, l); });
+  const int kv = kShape.kv_dim();
+  auto k = RandomRows(40 * kLayers, kv, 61);
+  auto v = RandomRows(40 * kLayers, kv, 62);
+  for (int p = 0; p < 40; ++p) {
+    for (int l = 0; l < kLayers; ++l) {
+      const size_t off = (size_t(p) * kLayers + l) * kv;
+      ASSERT_TRUE(
+          rec.Append(l, p, absl::MakeConstSpan(&k[off], kv), absl::MakeConstSpan(&v[off], kv))
+              .ok());
+    }
+  }
+  EXPECT_EQ(rec.FullBlocks(), 2);
+  EXPECT_EQ(rec.Length(1), 40);
+  ASSERT_EQ(done.size(), 4u);
+  EXPECT_EQ(done[0], std::make_pair(0, 0));
+  EXPECT_EQ(done[3], std::make_pair(1, 1));
+  const BlockGeometry& g = c->geometry();
+  // Token 21 (block 1, row 5), layer 1, head 2, element 3.
+  const size_t off = (size_t(21) * kLayers + 1) * kv + 2 * 8 + 3;
+  const uint8_t* blk = rec.Staging(1);
+  uint16_t kb, vb;
+  std::memcpy(&kb, blk + g.Bf16ChunkOffset(1, 2) + (5 * 8 + 3) * 2, 2);
+  std::memcpy(&vb, blk + g.Bf16ChunkOffset(1, 2) + g.Bf16VOffset() + (5 * 8 + 3) * 2, 2);
+  EXPECT_EQ(kb, Fp32ToBf16(k[off]));
+  EXPECT_EQ(vb, Fp32ToBf16(v[off]));
+  EXPECT_EQ(rec.Staging(3), nullptr);
+  std::vector<float> row(kv);
+  EXPECT_EQ(rec.Append(kLayers, 40, row, row).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(rec.Append(0, 40, absl::MakeConstSpan(row).subspan(1), row).code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST(HistoryPrecisionTest, ParsesTheKeySpellings) {
+  EXPECT_EQ(ParseHistoryPrecision("int2").value(), HistoryPrecision::kInt2);
+  EXPECT_EQ(ParseHistoryPrecision("bf16").value(), HistoryPrecision::kBf16);
+  auto bad = ParseHistoryPrecision("int4", "recipe.history");
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("recipe.history"), std::string::npos);
+  EXPECT_STREQ(HistoryPrecisionName(HistoryPrecision::kBf16), "bf16");
+}
+
 // ---- the real model ----------------------------------------------------------------------------
 
 class RealModelTest : public ::testing::Test {
