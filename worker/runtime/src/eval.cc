@@ -11,28 +11,38 @@
 namespace kvpool::worker {
 
 int PoolPrefixTokens(int n_prompt, int page_size) {
-  if (n_prompt <= 1 || page_size <= 0) return 0;
+  if (n_prompt <= 1 || page_size <= 0) {
+    return 0;
+  }
   return ((n_prompt - 1) / page_size) * page_size;
 }
 
 double NegLogLikelihood(absl::Span<const float> logits, int token) {
   double m = -INFINITY;
-  for (float x : logits) m = std::max(m, static_cast<double>(x));
+  for (float x : logits) {
+    m = std::max(m, static_cast<double>(x));
+  }
   double sum = 0;
-  for (float x : logits) sum += std::exp(static_cast<double>(x) - m);
+  for (float x : logits) {
+    sum += std::exp(static_cast<double>(x) - m);
+  }
   return m + std::log(sum) - static_cast<double>(logits[token]);
 }
 
 int Argmax(absl::Span<const float> logits) {
   int best = 0;
   for (int i = 1; i < static_cast<int>(logits.size()); ++i) {
-    if (logits[i] > logits[best]) best = i;
+    if (logits[i] > logits[best]) {
+      best = i;
+    }
   }
   return best;
 }
 
 double TeacherForcedResult::ppl_ratio() const {
-  if (positions == 0) return 1.0;
+  if (positions == 0) {
+    return 1.0;
+  }
   return std::exp((nll_mixed - nll_ref) / positions);
 }
 
@@ -46,7 +56,9 @@ void TeacherForcedResult::Add(const TeacherForcedResult& o) {
 void ScorePosition(absl::Span<const float> logits, int token, double ref_nll,
                    TeacherForcedResult* r) {
   ++r->positions;
-  if (Argmax(logits) == token) ++r->matches;
+  if (Argmax(logits) == token) {
+    ++r->matches;
+  }
   r->nll_mixed += NegLogLikelihood(logits, token);
   r->nll_ref += ref_nll;
 }
@@ -59,8 +71,12 @@ bool IsStop(const engine::Engine& e, int tok) {
 
 absl::StatusOr<ReferenceRun> RunReference(engine::Engine& engine, absl::Span<const int> prompt,
                                           int max_new) {
-  if (prompt.empty()) return absl::InvalidArgumentError("prompt is empty");
-  if (max_new < 0) return absl::InvalidArgumentError(absl::StrCat("max_new ", max_new, " < 0"));
+  if (prompt.empty()) {
+    return absl::InvalidArgumentError("prompt is empty");
+  }
+  if (max_new < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("max_new ", max_new, " < 0"));
+  }
   const auto t0 = std::chrono::steady_clock::now();
   KVPOOL_ASSIGN_OR_RETURN(auto cache, engine.NewCache());
   KVPOOL_ASSIGN_OR_RETURN(absl::Span<const float> logits, engine.Prefill(prompt, 0, *cache));
@@ -69,10 +85,14 @@ absl::StatusOr<ReferenceRun> RunReference(engine::Engine& engine, absl::Span<con
   const int ctx = engine.config().context_length;
   for (int i = 0; i < max_new && pos < ctx; ++i) {
     const int tok = Argmax(logits);
-    if (IsStop(engine, tok)) break;
+    if (IsStop(engine, tok)) {
+      break;
+    }
     run.tokens.push_back(tok);
     run.nll.push_back(NegLogLikelihood(logits, tok));
-    if (i + 1 == max_new || pos + 1 > ctx) break;
+    if (i + 1 == max_new || pos + 1 > ctx) {
+      break;
+    }
     KVPOOL_ASSIGN_OR_RETURN(logits, engine.Forward(tok, pos, *cache));
     ++pos;
   }
@@ -84,7 +104,9 @@ absl::StatusOr<std::unique_ptr<MixedKvCache>> PrefillPd(
     engine::Engine& engine, std::shared_ptr<const RotationSet> rotations,
     const MixedCacheOptions& options, absl::Span<const int> prompt,
     std::vector<float>* last_logits) {
-  if (prompt.empty()) return absl::InvalidArgumentError("prompt is empty");
+  if (prompt.empty()) {
+    return absl::InvalidArgumentError("prompt is empty");
+  }
   const engine::ModelConfig& c = engine.config();
   MixedCacheOptions prefill_options = options;
   prefill_options.history = HistoryPrecision::kBf16;
@@ -98,7 +120,9 @@ absl::StatusOr<std::unique_ptr<MixedKvCache>> PrefillPd(
   KVPOOL_RETURN_IF_ERROR(cache->set_history_precision(options.history));
   KVPOOL_ASSIGN_OR_RETURN(absl::Span<const float> logits,
                           engine.Prefill(prompt.subspan(prefix), prefix, *cache));
-  if (last_logits != nullptr) last_logits->assign(logits.begin(), logits.end());
+  if (last_logits != nullptr) {
+    last_logits->assign(logits.begin(), logits.end());
+  }
   return cache;
 }
 
@@ -108,9 +132,13 @@ absl::StatusOr<std::vector<int>> GreedyFrom(engine::Engine& engine, engine::KvCa
   const int ctx = engine.config().context_length;
   for (int i = 0; i < max_new && pos < ctx; ++i) {
     const int tok = Argmax(logits);
-    if (IsStop(engine, tok)) break;
+    if (IsStop(engine, tok)) {
+      break;
+    }
     out.push_back(tok);
-    if (i + 1 == max_new || pos + 1 > ctx) break;
+    if (i + 1 == max_new || pos + 1 > ctx) {
+      break;
+    }
     KVPOOL_ASSIGN_OR_RETURN(absl::Span<const float> l, engine.Forward(tok, pos, cache));
     logits.assign(l.begin(), l.end());
     ++pos;
@@ -128,7 +156,9 @@ absl::StatusOr<TeacherForcedResult> TeacherForceFrom(engine::Engine& engine,
   TeacherForcedResult r;
   for (size_t i = 0; i < reference.tokens.size(); ++i) {
     ScorePosition(logits, reference.tokens[i], reference.nll[i], &r);
-    if (i + 1 == reference.tokens.size()) break;
+    if (i + 1 == reference.tokens.size()) {
+      break;
+    }
     KVPOOL_ASSIGN_OR_RETURN(absl::Span<const float> l,
                             engine.Forward(reference.tokens[i], pos, cache));
     logits.assign(l.begin(), l.end());

@@ -20,8 +20,12 @@ const char* HistoryPrecisionName(HistoryPrecision p) {
 }
 
 absl::StatusOr<HistoryPrecision> ParseHistoryPrecision(const std::string& name, const char* field) {
-  if (name == "int2") return HistoryPrecision::kInt2;
-  if (name == "bf16") return HistoryPrecision::kBf16;
+  if (name == "int2") {
+    return HistoryPrecision::kInt2;
+  }
+  if (name == "bf16") {
+    return HistoryPrecision::kBf16;
+  }
   return absl::InvalidArgumentError(
       absl::StrCat(field, " '", name, "' must be \"int2\" or \"bf16\""));
 }
@@ -90,7 +94,9 @@ absl::StatusOr<std::unique_ptr<MixedKvCache>> MixedKvCache::Create(
   }
   KVPOOL_RETURN_IF_ERROR(ValidateClipRatio(options.clip_ratio_k, "clip_ratio_k"));
   KVPOOL_RETURN_IF_ERROR(ValidateClipRatio(options.clip_ratio_v, "clip_ratio_v"));
-  if (rotations == nullptr) return absl::InvalidArgumentError("rotations is null");
+  if (rotations == nullptr) {
+    return absl::InvalidArgumentError("rotations is null");
+  }
   if (rotations->num_layers() != static_cast<uint32_t>(n_layers) ||
       rotations->head_dim() != static_cast<uint32_t>(shape.head_dim) ||
       rotations->num_kv_heads() != static_cast<uint32_t>(shape.n_kv_heads)) {
@@ -113,8 +119,12 @@ int MixedKvCache::RecentStartBlock(int length) const {
 
 Segment MixedKvCache::SegmentOf(int block, int length) const {
   const int full = length / options_.page_size;
-  if (block < sink_blocks_ && block < full) return Segment::kSink;
-  if (block >= RecentStartBlock(length)) return Segment::kRecent;
+  if (block < sink_blocks_ && block < full) {
+    return Segment::kSink;
+  }
+  if (block >= RecentStartBlock(length)) {
+    return Segment::kRecent;
+  }
   return Segment::kHistory;
 }
 
@@ -142,23 +152,31 @@ MixedKvCache::Block& MixedKvCache::EnsureBlock(int b) {
 }
 
 const uint8_t* MixedKvCache::Bf16Form(int block) const {
-  if (block < 0 || block >= static_cast<int>(blocks_.size())) return nullptr;
+  if (block < 0 || block >= static_cast<int>(blocks_.size())) {
+    return nullptr;
+  }
   return blocks_[block].bf16.empty() ? nullptr : blocks_[block].bf16.data();
 }
 
 const uint8_t* MixedKvCache::Int2Form(int block) const {
-  if (block < 0 || block >= static_cast<int>(blocks_.size())) return nullptr;
+  if (block < 0 || block >= static_cast<int>(blocks_.size())) {
+    return nullptr;
+  }
   return blocks_[block].int2.empty() ? nullptr : blocks_[block].int2.data();
 }
 
 bool MixedKvCache::HasBf16Form(int block) const {
-  if (block < 0 || block >= static_cast<int>(blocks_.size())) return false;
+  if (block < 0 || block >= static_cast<int>(blocks_.size())) {
+    return false;
+  }
   const auto& v = blocks_[block].has_bf16;
   return std::all_of(v.begin(), v.end(), [](uint8_t x) { return x != 0; });
 }
 
 bool MixedKvCache::HasInt2Form(int block) const {
-  if (block < 0 || block >= static_cast<int>(blocks_.size())) return false;
+  if (block < 0 || block >= static_cast<int>(blocks_.size())) {
+    return false;
+  }
   const auto& v = blocks_[block].has_int2;
   return std::all_of(v.begin(), v.end(), [](uint8_t x) { return x != 0; });
 }
@@ -167,8 +185,12 @@ bool MixedKvCache::HasInt2Form(int block) const {
 
 void MixedKvCache::DemoteChunk(int b, int layer) {
   Block& blk = blocks_[b];
-  if (blk.has_int2[layer] || blk.int2_fail[layer]) return;
-  if (blk.int2.empty()) blk.int2.assign(geometry_.Int2FormBytes(), 0);
+  if (blk.has_int2[layer] || blk.int2_fail[layer]) {
+    return;
+  }
+  if (blk.int2.empty()) {
+    blk.int2.assign(geometry_.Int2FormBytes(), 0);
+  }
   const uint32_t P = geometry_.page_size;
   const uint32_t d = geometry_.head_dim;
   uint64_t overflow = 0;
@@ -186,7 +208,9 @@ void MixedKvCache::DemoteChunk(int b, int layer) {
       // non-OK outcome is the fp16 overflow counted in r.
       absl::Status s = QuantizeRowsBf16(
           rows, P, d, kv ? options_.clip_ratio_v : options_.clip_ratio_k, codes, params, &r);
-      if (!s.ok()) r.overflow_rows = std::max<uint64_t>(r.overflow_rows, 1);
+      if (!s.ok()) {
+        r.overflow_rows = std::max<uint64_t>(r.overflow_rows, 1);
+      }
       overflow += r.overflow_rows;
     }
   }
@@ -200,15 +224,23 @@ void MixedKvCache::DemoteChunk(int b, int layer) {
 }
 
 bool MixedKvCache::UsesInt2(int b, int layer) const {
-  if (options_.history != HistoryPrecision::kInt2) return false;
-  if (SegmentOf(b, length_[layer]) != Segment::kHistory) return false;
+  if (options_.history != HistoryPrecision::kInt2) {
+    return false;
+  }
+  if (SegmentOf(b, length_[layer]) != Segment::kHistory) {
+    return false;
+  }
   const Block& blk = blocks_[b];
-  if (blk.has_int2[layer]) return true;
+  if (blk.has_int2[layer]) {
+    return true;
+  }
   return !blk.has_bf16[layer];  // no BF16 to fall back to: CheckForms reports the gap
 }
 
 absl::Status MixedKvCache::CheckForms(int b, int layer) const {
-  if (b * options_.page_size >= length_[layer]) return absl::OkStatus();
+  if (b * options_.page_size >= length_[layer]) {
+    return absl::OkStatus();
+  }
   const Block& blk = blocks_[b];
   if (UsesInt2(b, layer)) {
     if (!blk.has_int2[layer]) {
@@ -261,7 +293,9 @@ absl::Status MixedKvCache::Append(int layer, int pos, absl::Span<const float> k,
     // Truncate: rows >= pos of this layer are dropped. Check first, then mutate.
     const int first = RecentStartBlock(pos);
     for (int bb = first; bb <= b && bb < static_cast<int>(blocks_.size()); ++bb) {
-      if (bb * P >= pos) break;
+      if (bb * P >= pos) {
+        break;
+      }
       if (!blocks_[bb].has_bf16[layer]) {
         return absl::FailedPreconditionError(
             absl::StrCat("truncating layer ", layer, " to ", pos, " would put block ", bb,
@@ -271,14 +305,20 @@ absl::Status MixedKvCache::Append(int layer, int pos, absl::Span<const float> k,
     for (int bb = b; bb < static_cast<int>(blocks_.size()); ++bb) {
       blocks_[bb].has_int2[layer] = 0;
       blocks_[bb].int2_fail[layer] = 0;
-      if (bb > b || t == 0) blocks_[bb].has_bf16[layer] = 0;
+      if (bb > b || t == 0) {
+        blocks_[bb].has_bf16[layer] = 0;
+      }
     }
     length_[layer] = pos;
-    for (int bb = first; bb < b; ++bb) KVPOOL_RETURN_IF_ERROR(CheckForms(bb, layer));
+    for (int bb = first; bb < b; ++bb) {
+      KVPOOL_RETURN_IF_ERROR(CheckForms(bb, layer));
+    }
   }
 
   Block& blk = EnsureBlock(b);
-  if (blk.bf16.empty()) blk.bf16.assign(geometry_.Bf16FormBytes(), 0);
+  if (blk.bf16.empty()) {
+    blk.bf16.assign(geometry_.Bf16FormBytes(), 0);
+  }
   if (t == 0) {
     blk.has_int2[layer] = 0;
     blk.int2_fail[layer] = 0;
@@ -288,7 +328,9 @@ absl::Status MixedKvCache::Append(int layer, int pos, absl::Span<const float> k,
     uint8_t* chunk = blk.bf16.data() + geometry_.Bf16ChunkOffset(layer, h);
     for (int kv = 0; kv < 2; ++kv) {
       const float* src = (kv ? v.data() : k.data()) + h * d;
-      for (int j = 0; j < d; ++j) row_bf16_[j] = Fp32ToBf16(src[j]);  // what a client sends
+      for (int j = 0; j < d; ++j) {
+        row_bf16_[j] = Fp32ToBf16(src[j]);  // what a client sends
+      }
       auto* dst = reinterpret_cast<uint16_t*>(chunk + (kv ? geometry_.Bf16VOffset() : 0)) + t * d;
       const float* rot = rotations_->Matrix(kv ? KvKind::kValue : KvKind::kKey, layer, h);
       absl::Status s = RotateQuantizeRowsBf16(
@@ -345,14 +387,18 @@ absl::Status MixedKvCache::Attend(int layer, int pos, absl::Span<const float> q,
     SegmentForm form = SegmentForm::kBf16;
     if (seg == 1) {
       KVPOOL_RETURN_IF_ERROR(CheckForms(b, layer));
-      if (UsesInt2(b, layer)) form = SegmentForm::kInt2;
+      if (UsesInt2(b, layer)) {
+        form = SegmentForm::kInt2;
+      }
     } else if (!blocks_[b].has_bf16[layer]) {
       return absl::FailedPreconditionError(absl::StrCat("block ", b, " layer ", layer, " is ",
                                                         seg == 0 ? "sink" : "recent",
                                                         " but has no BF16 form"));
     }
     const int kind = seg * 2 + (form == SegmentForm::kInt2 ? 1 : 0);
-    if (kind != prev_kind) segments.push_back(SegmentView{form, {}, 0});
+    if (kind != prev_kind) {
+      segments.push_back(SegmentView{form, {}, 0});
+    }
     prev_kind = kind;
     const Block& blk = blocks_[b];
     segments.back().pages.push_back(form == SegmentForm::kInt2 ? blk.int2.data() : blk.bf16.data());

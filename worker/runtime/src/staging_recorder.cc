@@ -23,14 +23,20 @@ absl::Status StagingRecorder::Append(int layer, int pos, absl::Span<const float>
     return absl::InvalidArgumentError(
         absl::StrCat("k/v have ", k.size(), "/", v.size(), " floats; expected H_kv*d = ", kv_dim));
   }
-  if (pos < 0) return absl::InvalidArgumentError(absl::StrCat("pos ", pos, " < 0"));
+  if (pos < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("pos ", pos, " < 0"));
+  }
   const uint32_t P = geometry_.page_size;
   const uint32_t d = geometry_.head_dim;
   const int b = pos / static_cast<int>(P);
   const uint32_t t = static_cast<uint32_t>(pos) % P;
-  if (static_cast<int>(blocks_.size()) <= b) blocks_.resize(b + 1);
+  if (static_cast<int>(blocks_.size()) <= b) {
+    blocks_.resize(b + 1);
+  }
   std::vector<uint8_t>& blk = blocks_[b];
-  if (blk.empty()) blk.assign(geometry_.Bf16FormBytes(), 0);
+  if (blk.empty()) {
+    blk.assign(geometry_.Bf16FormBytes(), 0);
+  }
   for (uint32_t h = 0; h < geometry_.num_kv_heads; ++h) {
     uint8_t* chunk = blk.data() + geometry_.Bf16ChunkOffset(layer, h);
     auto* kr = reinterpret_cast<uint16_t*>(chunk) + size_t{t} * d;
@@ -41,8 +47,12 @@ absl::Status StagingRecorder::Append(int layer, int pos, absl::Span<const float>
     }
   }
   absl::Status s = inner_->Append(layer, pos, k, v);
-  if (!s.ok()) return s;
-  if (t == P - 1 && on_layer_complete_) on_layer_complete_(b, layer);
+  if (!s.ok()) {
+    return s;
+  }
+  if (t == P - 1 && on_layer_complete_) {
+    on_layer_complete_(b, layer);
+  }
   return absl::OkStatus();
 }
 
@@ -55,7 +65,9 @@ const uint8_t* StagingRecorder::Staging(int block) const {
 
 int StagingRecorder::FullBlocks() const {
   int len = inner_->Length(0);
-  for (uint32_t l = 1; l < geometry_.num_layers; ++l) len = std::min(len, inner_->Length(l));
+  for (uint32_t l = 1; l < geometry_.num_layers; ++l) {
+    len = std::min(len, inner_->Length(l));
+  }
   return len / static_cast<int>(geometry_.page_size);
 }
 
