@@ -341,7 +341,7 @@ absl::Status RotateQuantizeRowsBf16(const uint16_t* x, uint64_t n, uint32_t d,
   if (auto s = ValidateClipRatio(ratio); !s.ok()) return s;
   const KernelIsa use = ResolveIsa(isa);
   const uint32_t ng = d / std::min<uint32_t>(d, 128);
-  constexpr uint64_t kTile = 16;  // rows per tile: keeps the fp32 tiles in L1
+  constexpr uint64_t kTile = 24;  // rows per tile (a multiple of the AVX2 kernel's 6 rows)
   float wide[kTile * 128 > kMaxHeadDim ? kTile * 128 : kMaxHeadDim];
   float rot[kTile * 128 > kMaxHeadDim ? kTile * 128 : kMaxHeadDim];
   uint16_t rb[kTile * 128 > kMaxHeadDim ? kTile * 128 : kMaxHeadDim];

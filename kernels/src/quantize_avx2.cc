@@ -44,36 +44,70 @@ inline uint16_t ToFp16Up(float f) {
 }
 inline float FromFp16(uint16_t h) { return _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h))); }
 
-// Top-k insertion with a vector prefilter: only elements above the current k-th largest are
-// inserted (same multiset order statistic as KthLargest).
-float KthLargestAvx2(const float* mag, uint32_t d, uint32_t k) {
-  float top[33];
-  uint32_t c = 0;
-  auto insert = [&](float v) {
-    if (c == k && !(v > top[k - 1])) return;
-    uint32_t pos = c < k ? c : k - 1;
-    while (pos > 0 && top[pos - 1] < v) {
-      top[pos] = top[pos - 1];
-      --pos;
-    }
-    top[pos] = v;
-    if (c < k) ++c;
-  };
-  uint32_t j = 0;
-  for (; j < d && c < k; ++j) insert(mag[j]);
-  for (; j < d && (j & 7u) != 0; ++j) insert(mag[j]);
-  for (; j + 8 <= d; j += 8) {
-    const __m256 v = _mm256_loadu_ps(mag + j);
-    unsigned m = static_cast<unsigned>(
-        _mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_set1_ps(top[k - 1]), _CMP_GT_OQ)));
-    while (m) {
-      const int b = __builtin_ctz(m);
-      m &= m - 1;
-      insert(mag[j + b]);
+// Left-packing table: for each 8-bit mask, the lane indices of its set bits, in order.
+struct PackTable {
+  alignas(32) int32_t idx[256][8];
+  constexpr PackTable() : idx() {
+    for (int m = 0; m < 256; ++m) {
+      int n = 0;
+      for (int b = 0; b < 8; ++b)
+        if (m & (1 << b)) idx[m][n++] = b;
+      for (; n < 8; ++n) idx[m][n] = 0;
     }
   }
-  for (; j < d; ++j) insert(mag[j]);
-  return top[k - 1];
+};
+constexpr PackTable kPack;
+
+// k-th largest of a[0..n) (1 <= k <= n), a padded with -1 up to a multiple of 8. Branch-free
+// rank selection: lane value c is the answer when #(a > c) < k <= #(a >= c).
+inline float RankSelect(const float* a, uint32_t n, uint32_t k) {
+  const uint32_t padded = (n + 7) & ~7u;
+  const __m256i vk = _mm256_set1_epi32(static_cast<int>(k));
+  __m256 best = _mm256_set1_ps(-1.0f);
+  for (uint32_t i = 0; i < padded; i += 8) {
+    const __m256 c = _mm256_load_ps(a + i);
+    __m256i gt = _mm256_setzero_si256(), ge = _mm256_setzero_si256();
+    for (uint32_t j = 0; j < n; ++j) {
+      const __m256 v = _mm256_broadcast_ss(a + j);
+      gt = _mm256_sub_epi32(gt, _mm256_castps_si256(_mm256_cmp_ps(v, c, _CMP_GT_OQ)));
+      ge = _mm256_sub_epi32(ge, _mm256_castps_si256(_mm256_cmp_ps(v, c, _CMP_GE_OQ)));
+    }
+    // gt < k  and  ge >= k  (i.e. !(k > ge))
+    const __m256i sel = _mm256_andnot_si256(_mm256_cmpgt_epi32(vk, ge), _mm256_cmpgt_epi32(vk, gt));
+    best = _mm256_max_ps(best, _mm256_and_ps(_mm256_castsi256_ps(sel), c));
+  }
+  return HMax(best);  // selected lanes all hold the answer; others contribute +0 or -1
+}
+
+// k-th largest magnitude (k <= 32, d a multiple of 8). Lower bound first: split the d/8 chunks
+// into m = ceil(k/8) interleaved sets and take lane-wise maxima — 8·m distinct elements — whose
+// k-th largest T0 cannot exceed the true k-th largest τ. Only elements >= T0 can be among the k
+// largest; they are left-packed (branch-free) and rank-selected. Same order statistic as
+// KthLargest.
+float KthLargestAvx2(const float* mag, uint32_t d, uint32_t k) {
+  const uint32_t m = (k + 7) / 8;
+  const uint32_t chunks = d / 8;
+  if (chunks < m) return KthLargest(const_cast<float*>(mag), d, k);  // tiny rows
+  alignas(32) float lanes[32];
+  for (uint32_t s = 0; s < m; ++s) {
+    __m256 mx = _mm256_load_ps(mag + 8 * s);
+    for (uint32_t c = s + m; c < chunks; c += m)
+      mx = _mm256_max_ps(mx, _mm256_load_ps(mag + 8 * c));
+    _mm256_store_ps(lanes + 8 * s, mx);
+  }
+  const float t0 = RankSelect(lanes, 8 * m, k);
+  alignas(32) float cand[kMaxHeadDim + 8];
+  uint32_t nc = 0;
+  const __m256 vt0 = _mm256_set1_ps(t0);
+  for (uint32_t j = 0; j < d; j += 8) {
+    const __m256 v = _mm256_load_ps(mag + j);
+    const int msk = _mm256_movemask_ps(_mm256_cmp_ps(v, vt0, _CMP_GE_OQ));
+    const __m256i perm = _mm256_load_si256(reinterpret_cast<const __m256i*>(kPack.idx[msk]));
+    _mm256_storeu_ps(cand + nc, _mm256_permutevar8x32_ps(v, perm));
+    nc += static_cast<uint32_t>(__builtin_popcount(static_cast<unsigned>(msk)));
+  }
+  _mm256_storeu_ps(cand + nc, _mm256_set1_ps(-1.0f));  // padding
+  return RankSelect(cand, nc, k);
 }
 
 RowQuantStatus Fail(RowQuantStatus s, uint32_t d, uint8_t* codes, uint16_t* params) {
@@ -185,18 +219,26 @@ namespace {
 template <int NR, int NC>
 inline void RotTile(const float* x, uint32_t d, const float* rot, float* out, uint32_t j0) {
   __m256 acc[NR][NC];
+#pragma GCC unroll 16
   for (int r = 0; r < NR; ++r)
+#pragma GCC unroll 4
     for (int c = 0; c < NC; ++c) acc[r][c] = _mm256_setzero_ps();
   for (uint32_t i = 0; i < d; ++i) {
     __m256 rv[NC];
-    for (int c = 0; c < NC; ++c)
+#pragma GCC unroll 4
+    for (int c = 0; c < NC; ++c) {
       rv[c] = _mm256_loadu_ps(rot + static_cast<uint64_t>(i) * d + j0 + 8 * c);
+    }
+#pragma GCC unroll 16
     for (int r = 0; r < NR; ++r) {
       const __m256 xb = _mm256_broadcast_ss(x + static_cast<uint64_t>(r) * d + i);
+#pragma GCC unroll 4
       for (int c = 0; c < NC; ++c) acc[r][c] = _mm256_fmadd_ps(xb, rv[c], acc[r][c]);
     }
   }
+#pragma GCC unroll 16
   for (int r = 0; r < NR; ++r)
+#pragma GCC unroll 4
     for (int c = 0; c < NC; ++c)
       _mm256_storeu_ps(out + static_cast<uint64_t>(r) * d + j0 + 8 * c, acc[r][c]);
 }

@@ -1,0 +1,283 @@
+// CPU throughput of the OSCAR quantizer, per core (single thread), in GB/s of BF16 input:
+//   (a) rotate (dense 128×128, fp32 FMA) + bf16 round + clip + INT2 quantize
+//       (RotateQuantizeRowsBf16, the pool's commit path) — also as a fraction of this core's
+//       measured FMA peak (the rotation costs 64 FMA per input byte, PERF.md);
+//   (b) clip + INT2 quantize of already-rotated BF16 rows (QuantizeRowsBf16, the demotion path);
+// each on the AVX2 path and the scalar path (the baseline ratio), plus the FMA peak itself.
+// Prints Google Benchmark's table, then a summary, and writes a JSON results file
+// (--json-out, default bench/results/quantize_cpu.json) with config, git SHA and host.
+//
+//   build/bench/quantize_bench [--benchmark_min_time=0.5] [--json-out FILE]
+#include <immintrin.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <map>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <benchmark/benchmark.h>
+#include <nlohmann/json.hpp>
+
+#include "kvpool/common/cli.h"
+#include "kvpool/common/version.h"
+#include "kvpool/kernels/calibration.h"
+#include "kvpool/kernels/numeric.h"
+#include "kvpool/kernels/quantize.h"
+
+namespace {
+
+using kvpool::KernelIsa;
+
+constexpr uint32_t kD = 128;
+constexpr uint64_t kRows = 8192;  // 2 MiB of BF16 input per iteration
+
+struct Inputs {
+  std::vector<uint16_t> x;        // un-rotated bf16 [rows][d]
+  std::vector<uint16_t> rotated;  // rotated bf16
+  std::vector<float> r;           // dense rotation
+  std::vector<uint8_t> codes;
+  std::vector<uint16_t> params, rot_out;
+};
+
+Inputs& In() {
+  static Inputs in = [] {
+    Inputs s;
+    std::mt19937 rng(1);
+    std::normal_distribution<float> n01;
+    s.x.resize(kRows * kD);
+    for (size_t i = 0; i < s.x.size(); ++i)
+      s.x[i] = kvpool::Fp32ToBf16(n01(rng) * (i % kD == 7 ? 20.0f : 1.0f));
+    // A dense fitted rotation (random SPD target).
+    std::vector<double> c(kD * kD, 0.0), a(kD * kD);
+    for (auto& v : a) v = n01(rng);
+    for (uint32_t i = 0; i < kD; ++i)
+      for (uint32_t j = 0; j < kD; ++j)
+        for (uint32_t k = 0; k < kD; ++k) c[i * kD + j] += a[i * kD + k] * a[j * kD + k];
+    s.r = kvpool::FitRotation(c, kD)->rotation;
+    std::vector<float> rot(kRows * kD);
+    kvpool::RotateRowsBf16(s.x.data(), kRows, kD, s.r.data(), rot.data());
+    s.rotated.resize(rot.size());
+    for (size_t i = 0; i < rot.size(); ++i) s.rotated[i] = kvpool::Fp32ToBf16(rot[i]);
+    s.codes.resize(kRows * kD / 4);
+    s.params.resize(kRows * 2);
+    s.rot_out.resize(kRows * kD);
+    return s;
+  }();
+  return in;
+}
+
+void BM_RotateQuantize(benchmark::State& st) {
+  const KernelIsa isa = st.range(0) ? KernelIsa::kAvx2 : KernelIsa::kScalar;
+  if (isa == KernelIsa::kAvx2 && !kvpool::CpuHasAvx2()) {
+    st.SkipWithError("no AVX2");
+    return;
+  }
+  Inputs& in = In();
+  const uint64_t rows = static_cast<uint64_t>(st.range(1));
+  for (auto _ : st) {
+    auto s =
+        kvpool::RotateQuantizeRowsBf16(in.x.data(), rows, kD, in.r.data(), 0.96f, in.rot_out.data(),
+                                       in.codes.data(), in.params.data(), nullptr, isa);
+    if (!s.ok()) st.SkipWithError("quantize failed");
+    benchmark::DoNotOptimize(in.codes.data());
+  }
+  st.SetBytesProcessed(static_cast<int64_t>(st.iterations() * rows * kD * 2));
+  st.counters["GFMA/s"] =
+      benchmark::Counter(static_cast<double>(rows) * kD * kD * st.iterations(),
+                         benchmark::Counter::kIsRate, benchmark::Counter::kIs1000);
+}
+// rows: 576 (144 KiB of BF16 input, cache-resident) and 8192 (2 MiB, beyond L2).
+BENCHMARK(BM_RotateQuantize)
+    ->Repetitions(5)
+    ->Args({1, 576})
+    ->Args({1, 8192})
+    ->Args({0, 576})
+    ->ArgNames({"avx2", "rows"})
+    ->Unit(benchmark::kMillisecond);
+
+void BM_ClipQuantize(benchmark::State& st) {
+  const KernelIsa isa = st.range(0) ? KernelIsa::kAvx2 : KernelIsa::kScalar;
+  const uint64_t rows = static_cast<uint64_t>(st.range(1));
+  if (isa == KernelIsa::kAvx2 && !kvpool::CpuHasAvx2()) {
+    st.SkipWithError("no AVX2");
+    return;
+  }
+  Inputs& in = In();
+  for (auto _ : st) {
+    auto s = kvpool::QuantizeRowsBf16(in.rotated.data(), rows, kD, 0.96f, in.codes.data(),
+                                      in.params.data(), nullptr, isa);
+    if (!s.ok()) st.SkipWithError("quantize failed");
+    benchmark::DoNotOptimize(in.codes.data());
+  }
+  st.SetBytesProcessed(static_cast<int64_t>(st.iterations() * rows * kD * 2));
+}
+BENCHMARK(BM_ClipQuantize)
+    ->Repetitions(5)
+    ->Args({1, 576})
+    ->Args({1, 8192})
+    ->Args({0, 576})
+    ->ArgNames({"avx2", "rows"})
+    ->Unit(benchmark::kMillisecond);
+
+// This core's FMA peak: 10 independent 8-lane FMA chains in named registers (enough to cover
+// 2 FMA units x 4-5 cycles latency), no memory traffic.
+__attribute__((target("avx2,fma"), noinline)) float FmaKernel(int64_t iters) {
+  __m256 a0 = _mm256_set1_ps(1), a1 = _mm256_set1_ps(2), a2 = _mm256_set1_ps(3);
+  __m256 a3 = _mm256_set1_ps(4), a4 = _mm256_set1_ps(5), a5 = _mm256_set1_ps(6);
+  __m256 a6 = _mm256_set1_ps(7), a7 = _mm256_set1_ps(8), a8 = _mm256_set1_ps(9);
+  __m256 a9 = _mm256_set1_ps(10);
+  const __m256 m = _mm256_set1_ps(0.999f), b = _mm256_set1_ps(1e-3f);
+  for (int64_t n = 0; n < iters; ++n) {
+    a0 = _mm256_fmadd_ps(a0, m, b);
+    a1 = _mm256_fmadd_ps(a1, m, b);
+    a2 = _mm256_fmadd_ps(a2, m, b);
+    a3 = _mm256_fmadd_ps(a3, m, b);
+    a4 = _mm256_fmadd_ps(a4, m, b);
+    a5 = _mm256_fmadd_ps(a5, m, b);
+    a6 = _mm256_fmadd_ps(a6, m, b);
+    a7 = _mm256_fmadd_ps(a7, m, b);
+    a8 = _mm256_fmadd_ps(a8, m, b);
+    a9 = _mm256_fmadd_ps(a9, m, b);
+  }
+  const __m256 s =
+      _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)),
+                    _mm256_add_ps(_mm256_add_ps(a4, a5),
+                                  _mm256_add_ps(_mm256_add_ps(a6, a7), _mm256_add_ps(a8, a9))));
+  return _mm256_cvtss_f32(s);
+}
+
+void BM_FmaPeak(benchmark::State& st) {
+  if (!kvpool::CpuHasAvx2()) {
+    st.SkipWithError("no AVX2");
+    return;
+  }
+  constexpr int64_t kIters = 1 << 22;
+  for (auto _ : st) {
+    int64_t iters = kIters;
+    benchmark::DoNotOptimize(iters);  // keep the (pure) call inside the timed loop
+    benchmark::DoNotOptimize(FmaKernel(iters));
+  }
+  st.counters["GFMA/s"] = benchmark::Counter(
+      80.0 * kIters * st.iterations(), benchmark::Counter::kIsRate, benchmark::Counter::kIs1000);
+}
+BENCHMARK(BM_FmaPeak)->Repetitions(5)->Unit(benchmark::kMillisecond);
+
+// Collects every run while still printing the usual console table.
+class Collector : public benchmark::ConsoleReporter {
+ public:
+  void ReportRuns(const std::vector<Run>& runs) override {
+    for (const Run& r : runs) {
+      if (r.run_type == Run::RT_Aggregate) continue;
+      // Keep the best repetition: on a shared machine the fastest run is the one least
+      // disturbed by other processes (cache flushes, preemption).
+      auto it = results.find(r.benchmark_name());
+      const double rate =
+          r.counters.count("bytes_per_second")
+              ? static_cast<double>(r.counters.at("bytes_per_second").value)
+              : (r.counters.count("GFMA/s") ? static_cast<double>(r.counters.at("GFMA/s").value)
+                                            : 0.0);
+      if (it != results.end() && it->second.value("rate", 0.0) >= rate) continue;
+      nlohmann::json j;
+      j["rate"] = rate;
+      j["name"] = r.benchmark_name();
+      j["real_time_ms"] = r.GetAdjustedRealTime();
+      j["iterations"] = r.iterations;
+      for (const auto& [k, c] : r.counters) j[k] = static_cast<double>(c.value);
+      j["repetition"] = r.repetition_index;
+      results[r.benchmark_name()] = j;
+    }
+    ConsoleReporter::ReportRuns(runs);
+  }
+  std::map<std::string, nlohmann::json> results;
+};
+
+std::string CpuModel() {
+  std::ifstream in("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("model name", 0) == 0) return line.substr(line.find(':') + 2);
+  }
+  return "unknown";
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  benchmark::Initialize(&argc, argv);  // consumes --benchmark_* flags
+  CLI::App app{"quantize_bench — CPU OSCAR quantizer throughput per core"};
+  kvpool::cli::Setup(app, "quantize_bench");
+  std::string json_out = std::string(KVPOOL_SOURCE_DIR) + "/bench/results/quantize_cpu.json";
+  app.add_option("--json-out", json_out, "results file")->capture_default_str();
+  KVPOOL_CLI_PARSE(app, argc, argv);
+
+  Collector rep;
+  benchmark::RunSpecifiedBenchmarks(&rep);
+
+  auto get = [&](const std::string& name, const std::string& key) -> double {
+    auto it = rep.results.find(name + "/repeats:5");
+    if (it == rep.results.end() || !it->second.contains(key)) return 0.0;
+    return it->second[key].get<double>();
+  };
+  const double peak = get("BM_FmaPeak", "GFMA/s") / 1e9;
+  const double a_gbs = get("BM_RotateQuantize/avx2:1/rows:576", "bytes_per_second") / 1e9;
+  const double a_fma = get("BM_RotateQuantize/avx2:1/rows:576", "GFMA/s") / 1e9;
+  const double a_big = get("BM_RotateQuantize/avx2:1/rows:8192", "bytes_per_second") / 1e9;
+  const double a_scalar = get("BM_RotateQuantize/avx2:0/rows:576", "bytes_per_second") / 1e9;
+  const double b_gbs = get("BM_ClipQuantize/avx2:1/rows:576", "bytes_per_second") / 1e9;
+  const double b_big = get("BM_ClipQuantize/avx2:1/rows:8192", "bytes_per_second") / 1e9;
+  const double b_scalar = get("BM_ClipQuantize/avx2:0/rows:576", "bytes_per_second") / 1e9;
+  const double ceiling = peak / 64.0;  // GB/s of BF16 input at 64 FMA per byte
+  std::printf("\nsummary (one core, d=128, BF16 input; CPU time, best of 5 repetitions):\n");
+  std::printf("  FMA peak (measured)                  %8.2f GFMA/s -> rotate ceiling %.3f GB/s\n",
+              peak, ceiling);
+  std::printf(
+      "  (a) rotate+clip+quantize, avx2       %8.3f GB/s = %.1f%% of the FMA ceiling "
+      "(%.2f GFMA/s); scalar %.4f GB/s (avx2/scalar %.1fx)\n",
+      a_gbs, ceiling > 0 ? 100.0 * a_gbs / ceiling : 0.0, a_fma, a_scalar,
+      a_scalar > 0 ? a_gbs / a_scalar : 0.0);
+  std::printf(
+      "  (b) clip+quantize (rotated), avx2    %8.3f GB/s (target >= 2); scalar %.3f GB/s "
+      "(avx2/scalar %.1fx)\n",
+      b_gbs, b_scalar, b_scalar > 0 ? b_gbs / b_scalar : 0.0);
+  std::printf("  2 MiB inputs (beyond L2): (a) %.3f GB/s, (b) %.3f GB/s\n", a_big, b_big);
+
+  char host[256] = {0};
+  gethostname(host, sizeof(host) - 1);
+  nlohmann::json j;
+  j["benchmark"] = "quantize_bench";
+  j["git_sha"] = kvpool::kGitSha;
+  j["version"] = kvpool::kVersion;
+  j["host"] = host;
+  j["cpu"] = CpuModel();
+  j["threads"] = 1;
+  j["config"] = {{"head_dim", kD},
+                 {"rows", "576 (cache-resident) and 8192"},
+                 {"clip_ratio", 0.96},
+                 {"rotation", "dense fitted 128x128"}};
+  j["fma_peak_gfma_s"] = peak;
+  j["a_gfma_s"] = a_fma;
+  j["timing"] = "CPU time of the benchmark thread, best of 5 repetitions";
+  j["rotate_ceiling_gb_s"] = ceiling;
+  j["a_rotate_clip_quantize_gb_s"] = a_gbs;
+  j["a_fraction_of_fma_ceiling"] = ceiling > 0 ? a_gbs / ceiling : 0.0;
+  j["a_scalar_gb_s"] = a_scalar;
+  j["b_clip_quantize_gb_s"] = b_gbs;
+  j["b_scalar_gb_s"] = b_scalar;
+  j["a_2mib_gb_s"] = a_big;
+  j["b_2mib_gb_s"] = b_big;
+  nlohmann::json runs = nlohmann::json::object();
+  for (const auto& [k, v] : rep.results) runs[k] = v;
+  j["runs"] = runs;
+  std::ofstream out(json_out);
+  out << j.dump(2) << "\n";
+  if (!out) {
+    std::fprintf(stderr, "quantize_bench: cannot write %s\n", json_out.c_str());
+    return kvpool::cli::kExitRuntime;
+  }
+  std::printf("wrote %s\n", json_out.c_str());
+  return kvpool::cli::kExitOk;
+}
