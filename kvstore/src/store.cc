@@ -171,7 +171,7 @@ absl::StatusOr<ModelInfo> BlockStore::RegisterModel(const ModelSpec& spec_in,
   ns.tensor_parallel = spec.tensor_parallel;
   KVPOOL_ASSIGN_OR_RETURN(Digest ns_id, NamespaceKey(ns));
 
-  std::unique_lock lock(mu_);
+  std::unique_lock lock(models_mu_);
   if (!rot) {
     auto it = rotations_.find(rot_id);
     if (it == rotations_.end()) {
@@ -222,6 +222,12 @@ absl::StatusOr<const BlockStore::Model*> BlockStore::FindModelLocked(
                                             " is not registered (register the model first)"));
   }
   return it->second;
+}
+
+BlockStore::Block* BlockStore::FindBlockLocked(const Digest& k) {
+  auto& map = ShardOf(k).blocks;
+  auto it = map.find(k);
+  return it == map.end() ? nullptr : &it->second;
 }
 
 absl::StatusOr<std::vector<Digest>> BlockStore::ResolveKeys(const Model& m, const KeyQuery& q,
@@ -282,19 +288,21 @@ void BlockStore::FreeSlotLocked(Block& b, FormKind f, const char* reason) {
 }
 
 void BlockStore::RemoveBlockLocked(const Digest& key, const char* reason) {
-  auto it = blocks_.find(key);
-  if (it == blocks_.end()) return;
+  Shard& sh = ShardOf(key);
+  std::unique_lock shard_lock(sh.mu);
+  auto it = sh.blocks.find(key);
+  if (it == sh.blocks.end()) return;
   Block& b = it->second;
   for (int f = 0; f < kNumForms; ++f) FreeSlotLocked(b, static_cast<FormKind>(f), reason);
   if (b.parent.has_value()) {
-    auto p = blocks_.find(*b.parent);
-    if (p != blocks_.end()) {
-      auto& ch = p->second.children;
+    // The parent's children list is not read by Lookup: mu_ (held) guards it.
+    if (Block* p = FindBlockLocked(*b.parent)) {
+      auto& ch = p->children;
       ch.erase(std::remove(ch.begin(), ch.end(), key), ch.end());
     }
   }
   lru_.erase(b.lru);
-  blocks_.erase(it);
+  sh.blocks.erase(it);
 }
 
 uint64_t BlockStore::ReclaimLocked(uint64_t target_used, const char* trigger) {
@@ -302,9 +310,10 @@ uint64_t BlockStore::ReclaimLocked(uint64_t target_used, const char* trigger) {
   // Phase 1: demote — BF16 forms of non-sink blocks that also hold INT2, least recently used
   // first.
   for (auto it = lru_.begin(); it != lru_.end() && arena_.used_bytes() > target_used; ++it) {
-    Block& b = blocks_.at(*it);
+    Block& b = *FindBlockLocked(*it);
     if (b.pins > 0 || b.sink) continue;
     if (b.forms[int(FormKind::kBf16)].present && b.forms[int(FormKind::kInt2)].present) {
+      std::unique_lock shard_lock(ShardOf(b.key).mu);
       FreeSlotLocked(b, FormKind::kBf16, "demote");
       metrics_->evictions_demote.fetch_add(1, std::memory_order_relaxed);
     }
@@ -315,7 +324,7 @@ uint64_t BlockStore::ReclaimLocked(uint64_t target_used, const char* trigger) {
   while (arena_.used_bytes() > target_used && progress) {
     progress = false;
     for (auto it = lru_.begin(); it != lru_.end() && arena_.used_bytes() > target_used;) {
-      Block& b = blocks_.at(*it);
+      Block& b = *FindBlockLocked(*it);
       ++it;  // RemoveBlockLocked erases b's LRU entry
       if (b.pins > 0 || !b.children.empty()) continue;
       RemoveBlockLocked(b.key, "evict");
@@ -332,8 +341,8 @@ uint64_t BlockStore::ReclaimLocked(uint64_t target_used, const char* trigger) {
 }
 
 void BlockStore::UnpinLocked(const Digest& key) {
-  auto it = blocks_.find(key);
-  if (it != blocks_.end() && it->second.pins > 0) it->second.pins--;
+  Block* b = FindBlockLocked(key);
+  if (b != nullptr && b->pins > 0) b->pins--;
 }
 
 void BlockStore::ReleasePutLocked(Put& put, bool free_staging) {
@@ -384,7 +393,7 @@ absl::StatusOr<PutPlan> BlockStore::BeginPut(const Digest& namespace_id,
                                              absl::Duration timeout) {
   const Model* m;
   {
-    std::shared_lock lock(mu_);
+    std::shared_lock lock(models_mu_);
     KVPOOL_ASSIGN_OR_RETURN(m, FindModelLocked(namespace_id));
   }
   const uint32_t P = m->spec.geometry.page_size;
@@ -427,10 +436,9 @@ absl::StatusOr<PutPlan> BlockStore::BeginPut(const Digest& namespace_id,
     TargetForms(*m, i, num_blocks, target);
     bool held[kNumForms] = {false, false};
     bool added[kNumForms] = {false, false};
-    auto it = blocks_.find(keys[i]);
-    if (it != blocks_.end()) {
-      for (int f = 0; f < kNumForms; ++f) held[f] = it->second.forms[f].present;
-      it->second.pins++;
+    if (Block* existing = FindBlockLocked(keys[i])) {
+      for (int f = 0; f < kNumForms; ++f) held[f] = existing->forms[f].present;
+      existing->pins++;
       st.pinned_existing = true;
     }
     for (int f = 0; f < kNumForms; ++f) added[f] = target[f] && !held[f];
@@ -596,14 +604,14 @@ absl::StatusOr<CommitResult> BlockStore::CommitPut(const Digest& namespace_id, u
     std::unique_lock lock(mu_);
     for (const PutBlockState& b : blocks) {
       const uint32_t i = b.plan.index;
-      auto it = blocks_.find(b.plan.key);
-      if (it != blocks_.end()) {
-        it->second.pins++;
+      Block* existing = FindBlockLocked(b.plan.key);
+      if (existing != nullptr) {
+        existing->pins++;
         commit_pins.push_back(b.plan.key);
       }
       for (int f = 0; f < kNumForms; ++f) {
         if (!enc[i].wanted[f]) continue;
-        if (it != blocks_.end() && it->second.forms[f].present) {
+        if (existing != nullptr && existing->forms[f].present) {
           enc[i].wanted[f] = false;  // added meanwhile by another put (same bytes)
           continue;
         }
@@ -635,17 +643,22 @@ absl::StatusOr<CommitResult> BlockStore::CommitPut(const Digest& namespace_id, u
     }
   }
 
-  // Phase E (lock): link every block at once, release the put.
+  // Phase E (lock): link every block at once, release the put. All shard locks are held so
+  // a concurrent Lookup sees all of the commit or none of it.
   CommitResult result;
   result.bytes_ingested = ingested;
   {
     std::unique_lock lock(mu_);
+    std::array<std::unique_lock<std::shared_mutex>, kShards> shard_locks;
+    for (int s = 0; s < kShards; ++s) {
+      shard_locks[s] = std::unique_lock<std::shared_mutex>(shards_[s].mu);
+    }
     for (const PutBlockState& b : blocks) {
       const uint32_t i = b.plan.index;
-      auto it = blocks_.find(b.plan.key);
+      Block* blk = FindBlockLocked(b.plan.key);
       bool have_new = false;
       for (int f = 0; f < kNumForms; ++f) have_new |= res[i].slot[f].present;
-      if (it == blocks_.end()) {
+      if (blk == nullptr) {
         if (!have_new) continue;  // cannot happen: absent blocks are pinned or written
         Block nb;
         nb.key = b.plan.key;
@@ -654,30 +667,29 @@ absl::StatusOr<CommitResult> BlockStore::CommitPut(const Digest& namespace_id, u
         nb.index = i;
         nb.sink = i < m->info.sink_blocks;
         nb.lru = lru_.insert(lru_.end(), nb.key);
-        it = blocks_.emplace(nb.key, std::move(nb)).first;
+        blk = &ShardOf(nb.key).blocks.emplace(nb.key, std::move(nb)).first->second;
         if (b.parent.has_value()) {
-          auto p = blocks_.find(*b.parent);
-          if (p != blocks_.end()) p->second.children.push_back(b.plan.key);
+          if (Block* p = FindBlockLocked(*b.parent)) p->children.push_back(b.plan.key);
         }
       } else {
-        lru_.splice(lru_.end(), lru_, it->second.lru);
+        lru_.splice(lru_.end(), lru_, blk->lru);
       }
-      Block& blk = it->second;
       for (int f = 0; f < kNumForms; ++f) {
         Slot& s = res[i].slot[f];
         if (!s.present) continue;
-        if (blk.forms[f].present) {
+        if (blk->forms[f].present) {
           arena_.Free(s.offset, s.size);  // a concurrent commit linked the same form first
           continue;
         }
-        blk.forms[f] = s;
+        blk->forms[f] = s;
         form_count_[f]++;
         form_bytes_[f] += s.size;
       }
       bool present[kNumForms];
-      for (int f = 0; f < kNumForms; ++f) present[f] = blk.forms[f].present;
+      for (int f = 0; f < kNumForms; ++f) present[f] = blk->forms[f].present;
       result.blocks.push_back({.index = i, .key = b.plan.key, .forms = HeldForms(present)});
     }
+    for (auto& sl : shard_locks) sl.unlock();
     for (const Digest& k : commit_pins) UnpinLocked(k);
     auto pit = puts_.find(put_id);
     if (pit != puts_.end()) {
@@ -696,20 +708,20 @@ absl::StatusOr<std::vector<BlockFormsInfo>> BlockStore::Lookup(const Digest& nam
                                                                const KeyQuery& query) const {
   const Model* m;
   {
-    std::shared_lock lock(mu_);
+    std::shared_lock lock(models_mu_);
     KVPOOL_ASSIGN_OR_RETURN(m, FindModelLocked(namespace_id));
   }
   KVPOOL_ASSIGN_OR_RETURN(std::vector<Digest> keys, ResolveKeys(*m, query, 0));
   std::vector<BlockFormsInfo> out;
-  {
-    std::shared_lock lock(mu_);
-    for (const Digest& k : keys) {
-      auto it = blocks_.find(k);
-      if (it == blocks_.end() || it->second.model != m) break;
-      bool present[kNumForms];
-      for (int f = 0; f < kNumForms; ++f) present[f] = it->second.forms[f].present;
-      out.push_back({.key = k, .sink = it->second.sink, .forms = HeldForms(present)});
-    }
+  // Only shard locks, one at a time (see the lock comment in store.h).
+  for (const Digest& k : keys) {
+    const Shard& sh = ShardOf(k);
+    std::shared_lock shard_lock(sh.mu);
+    auto it = sh.blocks.find(k);
+    if (it == sh.blocks.end() || it->second.model != m) break;
+    bool present[kNumForms];
+    for (int f = 0; f < kNumForms; ++f) present[f] = it->second.forms[f].present;
+    out.push_back({.key = k, .sink = it->second.sink, .forms = HeldForms(present)});
   }
   metrics_->lookup_calls.fetch_add(1, std::memory_order_relaxed);
   metrics_->lookup_hit_blocks.fetch_add(out.size(), std::memory_order_relaxed);
@@ -723,7 +735,7 @@ absl::StatusOr<LeaseGrant> BlockStore::Acquire(const Digest& namespace_id, const
                                                uint32_t max_blocks, absl::Duration lease) {
   const Model* m;
   {
-    std::shared_lock lock(mu_);
+    std::shared_lock lock(models_mu_);
     KVPOOL_ASSIGN_OR_RETURN(m, FindModelLocked(namespace_id));
   }
   KVPOOL_ASSIGN_OR_RETURN(std::vector<Digest> keys, ResolveKeys(*m, query, max_blocks));
@@ -736,9 +748,9 @@ absl::StatusOr<LeaseGrant> BlockStore::Acquire(const Digest& namespace_id, const
     std::unique_lock lock(mu_);
     Lease l;
     for (uint32_t i = 0; i < keys.size(); ++i) {
-      auto it = blocks_.find(keys[i]);
-      if (it == blocks_.end() || it->second.model != m) break;
-      Block& b = it->second;
+      Block* found = FindBlockLocked(keys[i]);
+      if (found == nullptr || found->model != m) break;
+      Block& b = *found;
       b.pins++;
       lru_.splice(lru_.end(), lru_, b.lru);
       l.keys.push_back(keys[i]);
@@ -806,12 +818,16 @@ absl::StatusOr<std::vector<ItemResult>> BlockStore::Delete(const Digest& namespa
                                                            absl::Span<const Digest> keys,
                                                            uint32_t* blocks_deleted) {
   std::unique_lock lock(mu_);
-  KVPOOL_ASSIGN_OR_RETURN(const Model* m, FindModelLocked(namespace_id));
+  const Model* m;
+  {
+    std::shared_lock models_lock(models_mu_);
+    KVPOOL_ASSIGN_OR_RETURN(m, FindModelLocked(namespace_id));
+  }
   std::vector<ItemResult> out;
   uint32_t deleted = 0;
   for (size_t i = 0; i < keys.size(); ++i) {
-    auto it = blocks_.find(keys[i]);
-    if (it == blocks_.end() || it->second.model != m) {
+    const Block* found = FindBlockLocked(keys[i]);
+    if (found == nullptr || found->model != m) {
       out.push_back({absl::NotFoundError(absl::StrCat("keys[", i, "]: not held"))});
       continue;
     }
@@ -819,7 +835,7 @@ absl::StatusOr<std::vector<ItemResult>> BlockStore::Delete(const Digest& namespa
     std::vector<Digest> order = {keys[i]};
     bool pinned = false;
     for (size_t j = 0; j < order.size(); ++j) {
-      const Block& b = blocks_.at(order[j]);
+      const Block& b = *FindBlockLocked(order[j]);
       pinned |= b.pins > 0;
       for (const Digest& c : b.children) order.push_back(c);
     }
@@ -845,14 +861,17 @@ StoreStats BlockStore::Stats() const {
   s.capacity_bytes = arena_.capacity();
   s.used_bytes = arena_.used_bytes();
   s.staging_bytes = staging_bytes_;
-  s.blocks = blocks_.size();
+  for (const Shard& sh : shards_) s.blocks += sh.blocks.size();
   for (int f = 0; f < kNumForms; ++f) {
     s.forms[f] = form_count_[f];
     s.form_bytes[f] = form_bytes_[f];
   }
   s.open_puts = puts_.size();
   s.leases = leases_.size();
-  s.models = static_cast<uint32_t>(models_.size());
+  {
+    std::shared_lock models_lock(models_mu_);
+    s.models = static_cast<uint32_t>(models_.size());
+  }
   return s;
 }
 

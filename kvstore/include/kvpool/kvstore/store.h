@@ -22,13 +22,22 @@
 //    open put; stops at the low watermark.
 //
 // Thread-safety: every method is thread-safe. Locks, in the order they may be taken:
-//   1. mu_ (std::shared_mutex): models, blocks, LRU, leases, puts, arena. Shared for Lookup and
-//      Stats, exclusive otherwise. Never held across checksum, encode or memcpy of block
-//      bytes: a commit takes it to reserve, releases it for the heavy work on bytes no reader
-//      can see, and retakes it to link.
-//   2. Metrics counters are atomics (no lock).
+//   1. mu_ (std::shared_mutex): puts, leases, pins, LRU, children lists, the arena, and every
+//      mutation of the block index. Taken exclusively by BeginPut/CommitPut (briefly, twice:
+//      to reserve and to link)/AbortPut/Acquire/Renew/Release/Delete/Tick; never held across
+//      checksum, encode or memcpy of block bytes (a commit does those on memory no reader can
+//      see, between its two critical sections).
+//   2. models_mu_ (std::shared_mutex): registrations and rotations.
+//   3. shards_[i].mu, in ascending i: the block index is split into kShards maps by key.
+//      A shard's map (and the `forms` of its blocks) is mutated only with mu_ held
+//      exclusively AND that shard's lock held exclusively; so code holding mu_ (any mode) may
+//      read every shard, and Lookup reads a shard holding only its shared lock — Lookup never
+//      takes mu_, so lookups do not wait for puts, leases or eviction bookkeeping. A commit
+//      links its blocks holding all shard locks at once, so a lookup sees all or none of it.
+//   Metrics counters are atomics (no lock).
 #pragma once
 
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <list>
@@ -300,6 +309,7 @@ class BlockStore {
   BlockStore(const StoreOptions& options, PoolMemory* memory, Clock* clock,
              std::shared_ptr<Metrics> metrics);
 
+  // Requires models_mu_ (any mode).
   absl::StatusOr<const Model*> FindModelLocked(const Digest& namespace_id) const;
   absl::StatusOr<std::vector<Digest>> ResolveKeys(const Model& m, const KeyQuery& q,
                                                   size_t max_blocks) const;
@@ -309,7 +319,9 @@ class BlockStore {
   absl::StatusOr<uint64_t> AllocateLocked(uint64_t size);
   // Frees down to `target_used` bytes. Returns bytes freed. Requires mu_ exclusive.
   uint64_t ReclaimLocked(uint64_t target_used, const char* trigger);
+  // Requires mu_ exclusive and the block's shard lock exclusive.
   void FreeSlotLocked(Block& b, FormKind f, const char* reason);
+  // Requires mu_ exclusive; takes the block's shard lock.
   void RemoveBlockLocked(const Digest& key, const char* reason);
   void ReleasePutLocked(Put& put, bool free_staging);
   void UnpinLocked(const Digest& key);
@@ -322,12 +334,23 @@ class BlockStore {
   std::shared_ptr<Metrics> metrics_;
 
   mutable std::shared_mutex mu_;
-  Arena arena_;                                                       // guarded by mu_
-  std::map<std::string, std::unique_ptr<Model>> models_by_identity_;  // guarded by mu_
-  std::unordered_map<Digest, const Model*, DigestHash> models_;       // guarded by mu_
+  Arena arena_;  // guarded by mu_
+  mutable std::shared_mutex models_mu_;
+  std::map<std::string, std::unique_ptr<Model>> models_by_identity_;  // guarded by models_mu_
+  std::unordered_map<Digest, const Model*, DigestHash> models_;       // guarded by models_mu_
   std::unordered_map<Digest, std::shared_ptr<const kvpool::RotationSet>, DigestHash>
-      rotations_;                                         // guarded by mu_
-  std::unordered_map<Digest, Block, DigestHash> blocks_;  // guarded by mu_
+      rotations_;  // guarded by models_mu_
+  static constexpr int kShards = 16;
+  struct Shard {
+    mutable std::shared_mutex mu;
+    std::unordered_map<Digest, Block, DigestHash> blocks;  // see the lock comment at the top
+  };
+  // Byte 8 of the key picks the shard (DigestHash uses bytes 0..7 for the bucket).
+  Shard& ShardOf(const Digest& k) { return shards_[k[8] % kShards]; }
+  const Shard& ShardOf(const Digest& k) const { return shards_[k[8] % kShards]; }
+  // The block with key `k`, or null. Requires mu_ (any mode).
+  Block* FindBlockLocked(const Digest& k);
+  std::array<Shard, kShards> shards_;
   std::list<Digest> lru_;                       // front = least recently used; guarded by mu_
   std::unordered_map<uint64_t, Put> puts_;      // guarded by mu_
   std::unordered_map<uint64_t, Lease> leases_;  // guarded by mu_
