@@ -244,8 +244,10 @@ __global__ void __launch_bounds__(kThreads, (DecodeMinBlocks<kInt2, D, NT>()))
             constexpr int kCodePieces = D / 4;  // 16-byte pieces of one kind's codes per unit
             const uint64_t code_part = uint64_t(page_size) * kCR;
             const uint8_t* kc = src + uint64_t(sub) * 16 * kCR;
+            // 2·kCodePieces (32, 64, 128) pieces over 32 lanes: a compile-time trip count.
 #pragma unroll
-            for (int p = lane; p < 2 * kCodePieces; p += 32) {
+            for (int it = 0; it < (2 * kCodePieces) / 32; ++it) {
+              const int p = lane + 32 * it;
               const int kv = p / kCodePieces, pp = p % kCodePieces;
               CpAsync16(dst + 16 * p, kc + kv * code_part + 16 * pp);
             }
@@ -606,8 +608,11 @@ __global__ void __launch_bounds__(kThreads, (DecodeMinBlocks<kInt2, D, NT>()))
       o += co[(w * kN + h) * D + dim] * f;
     }
     const size_t row = (size_t(b) * a.num_q_heads + h_first + h) * a.s_total + split;
-    a.part_o[row * D + dim] = l > 0.f ? o / l : 0.f;
-    if (dim == 0) a.part_lse[row] = overflow ? NAN : (l > 0.f ? ms + log2f(l) : -INFINITY);
+    // NaN inputs (q, or a K/V/param value of a valid token) make l NaN: keep it NaN (a defined,
+    // visible result for exactly the affected heads) rather than letting "l > 0" turn it into 0.
+    const bool nan = isnan(l);
+    a.part_o[row * D + dim] = nan ? NAN : (l > 0.f ? o / l : 0.f);
+    if (dim == 0) a.part_lse[row] = (overflow || nan) ? NAN : (l > 0.f ? ms + log2f(l) : -INFINITY);
   }
 }
 

@@ -153,6 +153,12 @@ DecodeResult RunDecodeCase(const DecodeCase& c) {
   // ---- q, rotations ----
   std::vector<uint16_t> q(size_t(B) * hq * d);
   for (auto& v : q) v = ToBf16(nd(rng));
+  if (c.nan_q_request >= 0) q[(size_t(c.nan_q_request) * hq + c.nan_q_head) * d + 3] = 0x7fc0;
+  if (c.nan_k_request >= 0 && seg[0].indptr[c.nan_k_request + 1] > seg[0].indptr[c.nan_k_request]) {
+    const int page = seg[0].indices[seg[0].indptr[c.nan_k_request]] - int32_t(c.page_id_offset);
+    for (int h = 0; h < hkv; ++h)  // token 0, element 5 of K, every KV head
+      reinterpret_cast<uint16_t*>(bf_pages[page].data() + geo.Bf16ChunkOffset(0, h))[5] = 0x7fc0;
+  }
   const int nrot = c.per_head_rotation ? hkv : 1;
   std::vector<float> rk, rv;
   for (int r = 0; r < nrot; ++r) {
@@ -309,9 +315,27 @@ DecodeResult RunDecodeCase(const DecodeCase& c) {
           ref[j] = o[j];
         }
       }
+      const bool expect_nan = (b == c.nan_q_request && i == c.nan_q_head) ||
+                              (b == c.nan_k_request && !seg[0].indices.empty() &&
+                               seg[0].indptr[b + 1] > seg[0].indptr[b]);
+      if (expect_nan) {
+        for (int j = 0; j < d; ++j) {
+          ++res.nan_expected;
+          const uint16_t g = out[(size_t(b) * hq + i) * d + j];
+          if (g == 0xffff)
+            ++res.unwritten;  // poison pattern: never written
+          else if (!std::isnan(FromBf16(g)))
+            ++res.nan_missing;
+        }
+        if (!std::isnan(lse[size_t(b) * hq + i])) ++res.nan_missing;
+        continue;
+      }
       for (int j = 0; j < d; ++j) {
         const uint16_t g = out[(size_t(b) * hq + i) * d + j];
-        if (g == 0xffff) ++res.unwritten;
+        if (g == 0xffff)
+          ++res.unwritten;
+        else if (std::isnan(FromBf16(g)))
+          ++res.nan_leaked;
         const double diff = FromBf16(g) - ref[j];
         num += diff * diff;
         den += ref[j] * ref[j];

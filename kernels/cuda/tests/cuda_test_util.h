@@ -78,6 +78,9 @@ struct DecodeCase {
   bool per_head_rotation = false;
   uint64_t seed = 1;
   int64_t page_id_offset = 0;  // added to every page id (tests 64-bit byte offsets)
+  // NaN injection: q of (nan_q_request, nan_q_head) and one valid sink K element of request
+  // nan_k_request (-1 = none). Affected outputs must be NaN, all others unaffected.
+  int nan_q_request = -1, nan_q_head = -1, nan_k_request = -1;
 };
 
 struct DecodeResult {
@@ -85,6 +88,9 @@ struct DecodeResult {
   double max_lse_err = 0;        // max |lse − ref| over heads with a finite reference
   int64_t unwritten = 0;         // outputs still holding the poison pattern
   int64_t lse_inf_mismatch = 0;  // heads where exactly one of (gpu, ref) lse is -inf
+  int64_t nan_expected = 0;      // outputs that must be NaN (NaN inputs)
+  int64_t nan_missing = 0;       // ... of which were not NaN
+  int64_t nan_leaked = 0;        // NaN outputs where the inputs were finite
   std::string error;             // launcher error, if any
 };
 

@@ -143,6 +143,27 @@ TEST(PagedDecode, PageByteOffsetsBeyond2GiB) {
   Expect(c, "page ids with byte offsets > 2^31");
 }
 
+// NaN in q of one head, and NaN in one valid K element of another request: exactly the
+// affected outputs (that head; every head of that request) are NaN, with NaN LSE, and nothing
+// else changes (no NaN spreads to neighbours; the rest stays within tolerance).
+TEST(PagedDecode, NanInputsGiveDefinedResults) {
+  SKIP_WITHOUT_GPU();
+  DecodeCase c = Mixed(3, 8, 2, 128, 16, 640, 900);
+  c.nan_q_request = 0;
+  c.nan_q_head = 5;
+  c.nan_k_request = 2;
+  const DecodeResult r = RunDecodeCase(c);
+  ASSERT_TRUE(r.error.empty()) << r.error;
+  EXPECT_EQ(r.nan_expected, (128 + 8 * 128));
+  EXPECT_EQ(r.nan_missing, 0);
+  EXPECT_EQ(r.nan_leaked, 0);
+  EXPECT_EQ(r.unwritten, 0);
+  EXPECT_LT(r.rel_l2, kRelL2);
+  EXPECT_LT(r.max_lse_err, kLse);
+  std::printf("[case] NaN inputs: %lld NaN outputs as expected, rel_l2 of the rest %.2e\n",
+              (long long)r.nan_expected, r.rel_l2);
+}
+
 TEST(PagedDecode, RefusesUnsupportedShapes) {
   PagedDecodeParams p;
   p.batch = 1;
