@@ -44,7 +44,9 @@ struct Prompt {
 
 absl::StatusOr<std::string> ReadFile(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat("cannot open ", path));
+  if (!in) {
+    return absl::NotFoundError(absl::StrCat("cannot open ", path));
+  }
   std::stringstream ss;
   ss << in.rdbuf();
   return ss.str();
@@ -79,7 +81,9 @@ kvpool::client::CallOptions Deadline(int seconds) {
 }
 
 bool WriteJson(const std::string& path, const json& j) {
-  if (path.empty()) return true;
+  if (path.empty()) {
+    return true;
+  }
   std::ofstream out(path);
   out << j.dump(2) << "\n";
   return static_cast<bool>(out);
@@ -139,13 +143,19 @@ int main(int argc, char** argv) {
   }
   auto t_start = std::chrono::steady_clock::now();
   auto engine_or = kvpool::engine::Engine::Create(model);
-  if (!engine_or.ok()) return Fail(engine_or.status(), "model");
+  if (!engine_or.ok()) {
+    return Fail(engine_or.status(), "model");
+  }
   auto& engine = **engine_or;
   const auto& cfg = engine.config();
   auto rot_bytes = ReadFile(rotations_path);
-  if (!rot_bytes.ok()) return Fail(rot_bytes.status(), "rotations");
+  if (!rot_bytes.ok()) {
+    return Fail(rot_bytes.status(), "rotations");
+  }
   auto rot_or = kvpool::ParseRotations(*rot_bytes);
-  if (!rot_or.ok()) return Fail(rot_or.status(), "rotations");
+  if (!rot_or.ok()) {
+    return Fail(rot_or.status(), "rotations");
+  }
   kvpool::ExpectedRotationModel expected;
   expected.head_dim = static_cast<uint32_t>(cfg.head_dim);
   expected.num_layers = static_cast<uint32_t>(cfg.n_layers);
@@ -172,7 +182,9 @@ int main(int argc, char** argv) {
   std::vector<Prompt> prompts;
   for (const auto& f : prompt_files) {
     auto text = ReadFile(f);
-    if (!text.ok()) return Fail(text.status(), "--prompt-file");
+    if (!text.ok()) {
+      return Fail(text.status(), "--prompt-file");
+    }
     Prompt p{BaseName(f), *text, engine.tokenizer().Encode(*text, true)};
     if (static_cast<int>(p.tokens.size()) >= cfg.context_length) {
       KVPOOL_LOG_ERROR("--prompt-file {}: {} tokens; the context holds {}", f, p.tokens.size(),
@@ -202,7 +214,9 @@ int main(int argc, char** argv) {
     double ref_s = 0, mixed_s = 0;
     for (auto& p : prompts) {
       auto ref = kw::RunReference(engine, p.tokens, max_new);
-      if (!ref.ok()) return Fail(ref.status(), "reference");
+      if (!ref.ok()) {
+        return Fail(ref.status(), "reference");
+      }
       ref_s += ref->seconds;
       json pj{{"name", p.name},
               {"prompt_tokens", p.tokens.size()},
@@ -218,9 +232,13 @@ int main(int argc, char** argv) {
           const std::string key = absl::StrCat(kw::HistoryPrecisionName(hp), "_S", s, "_W", w);
           auto t0 = std::chrono::steady_clock::now();
           auto tf = kw::TeacherForce(engine, rotations, o, p.tokens, *ref);
-          if (!tf.ok()) return Fail(tf.status(), "teacher forcing");
+          if (!tf.ok()) {
+            return Fail(tf.status(), "teacher forcing");
+          }
           auto greedy = kw::MixedGreedy(engine, rotations, o, p.tokens, max_new);
-          if (!greedy.ok()) return Fail(greedy.status(), "greedy");
+          if (!greedy.ok()) {
+            return Fail(greedy.status(), "greedy");
+          }
           mixed_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
           overall[key].Add(*tf);
           json cj = TfJson(*tf);
@@ -240,14 +258,18 @@ int main(int argc, char** argv) {
       std::printf("%-16s agreement %.3f (%d/%d)  ppl ratio %.4f\n", k.c_str(), r.agreement(),
                   r.matches, r.positions, r.ppl_ratio());
     }
-    if (!WriteJson(report, out)) return Fail(absl::InternalError(report), "--report");
+    if (!WriteJson(report, out)) {
+      return Fail(absl::InternalError(report), "--report");
+    }
     return kvpool::cli::kExitOk;
   }
 
   // ---- pool roles ---------------------------------------------------------------------------
   if (revision == "auto") {
     auto model_bytes = ReadFile(model);
-    if (!model_bytes.ok()) return Fail(model_bytes.status(), "model");
+    if (!model_bytes.ok()) {
+      return Fail(model_bytes.status(), "model");
+    }
     kvpool::Digest h = kvpool::Sha256(*model_bytes);
     std::string hex;
     for (int i = 0; i < 8; ++i) absl::StrAppend(&hex, absl::Hex(h[i], absl::kZeroPad2));
@@ -281,13 +303,17 @@ int main(int argc, char** argv) {
   out["bf16_bytes_per_token"] = bf16_per_token;
 
   if (role == "prefill") {
-    if (client == nullptr) return Fail(absl::UnavailableError(client_error), "pool");
+    if (client == nullptr) {
+      return Fail(absl::UnavailableError(client_error), "pool");
+    }
     kw::PrefillNode node(&engine, client.get(), rotations, nopts);
     uint64_t bytes = 0, tokens = 0;
     double compute = 0, push = 0;
     for (auto& p : prompts) {
       auto r = node.Run(p.tokens);
-      if (!r.ok()) return Fail(r.status(), absl::StrCat("prefill ", p.name).c_str());
+      if (!r.ok()) {
+        return Fail(r.status(), absl::StrCat("prefill ", p.name).c_str());
+      }
       KVPOOL_LOG_INFO(
           "prefill {}: {} tokens, {} blocks ({} written, {} bytes), {:.3f}s compute, "
           "{:.3f}s push",
@@ -312,7 +338,9 @@ int main(int argc, char** argv) {
                       {"push_seconds", push}};
     out["seconds"] =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
-    if (!WriteJson(report, out)) return Fail(absl::InternalError(report), "--report");
+    if (!WriteJson(report, out)) {
+      return Fail(absl::InternalError(report), "--report");
+    }
     return kvpool::cli::kExitOk;
   }
 
@@ -330,11 +358,15 @@ int main(int argc, char** argv) {
     std::unique_ptr<kw::ReferenceRun> ref;
     if (teacher_force) {
       auto r = kw::RunReference(engine, p.tokens, max_new);
-      if (!r.ok()) return Fail(r.status(), "reference");
+      if (!r.ok()) {
+        return Fail(r.status(), "reference");
+      }
       ref = std::make_unique<kw::ReferenceRun>(std::move(r).value());
     }
     auto r = node.Run(p.tokens, max_new, ref.get());
-    if (!r.ok()) return Fail(r.status(), absl::StrCat("decode ", p.name).c_str());
+    if (!r.ok()) {
+      return Fail(r.status(), absl::StrCat("decode ", p.name).c_str());
+    }
     json pj{{"name", p.name},
             {"prompt_tokens", r->prompt_tokens},
             {"tokens", r->tokens},
@@ -402,8 +434,12 @@ int main(int argc, char** argv) {
       << "kvpool_worker_blocks_missed_total " << (wanted - hits) << "\n"
       << "# TYPE kvpool_worker_fetched_bytes_total counter\n"
       << "kvpool_worker_fetched_bytes_total " << moved << "\n";
-    if (!m) return Fail(absl::InternalError(metrics_file), "--metrics-file");
+    if (!m) {
+      return Fail(absl::InternalError(metrics_file), "--metrics-file");
+    }
   }
-  if (!WriteJson(report, out)) return Fail(absl::InternalError(report), "--report");
+  if (!WriteJson(report, out)) {
+    return Fail(absl::InternalError(report), "--report");
+  }
   return kvpool::cli::kExitOk;
 }

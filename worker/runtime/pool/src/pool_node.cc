@@ -51,9 +51,15 @@ void LayerRows(const StagingRecorder& rec, uint32_t layer, uint32_t blocks,
 }  // namespace
 
 absl::StatusOr<Fault> ParseFault(const std::string& name) {
-  if (name.empty() || name == "none") return Fault::kNone;
-  if (name == "prefill-exit-mid-push") return Fault::kPrefillExitMidPush;
-  if (name == "kill-pool-mid-fetch") return Fault::kKillPoolMidFetch;
+  if (name.empty() || name == "none") {
+    return Fault::kNone;
+  }
+  if (name == "prefill-exit-mid-push") {
+    return Fault::kPrefillExitMidPush;
+  }
+  if (name == "kill-pool-mid-fetch") {
+    return Fault::kKillPoolMidFetch;
+  }
   return absl::InvalidArgumentError(absl::StrCat(
       "fault '", name, "' must be none, prefill-exit-mid-push or kill-pool-mid-fetch"));
 }
@@ -137,7 +143,9 @@ absl::StatusOr<DecodeReport> DecodeNode::Run(absl::Span<const int> prompt, int m
   const MixedCacheOptions& o = options_.cache;
   const int P = o.page_size;
   const int n = static_cast<int>(prompt.size());
-  if (n == 0) return absl::InvalidArgumentError("prompt is empty");
+  if (n == 0) {
+    return absl::InvalidArgumentError("prompt is empty");
+  }
   DecodeReport rep;
   rep.prompt_tokens = n;
   rep.wanted_blocks = PoolPrefixTokens(n, P) / P;
@@ -182,7 +190,9 @@ absl::StatusOr<DecodeReport> DecodeNode::Run(absl::Span<const int> prompt, int m
           const bool hist = b >= sink_blocks && b < rs;
           ok = (hist && int2) ? lb[b].int2.has_value() : lb[b].bf16.has_value();
         }
-        if (ok) break;
+        if (ok) {
+          break;
+        }
       }
       if (use > 0) {
         bf16_pages.assign(size_t(use) * g.Bf16FormBytes(), 0);
@@ -213,7 +223,9 @@ absl::StatusOr<DecodeReport> DecodeNode::Run(absl::Span<const int> prompt, int m
             auto part = client_->Fetch(*lease, first, call);
             KVPOOL_LOG_WARN("fault kill-pool-mid-fetch: fetched {} block(s), killing pool pid {}",
                             part.ok() ? part->num_blocks : 0, options_.fault_pool_pid);
-            if (options_.fault_pool_pid > 0) ::kill(options_.fault_pool_pid, SIGKILL);
+            if (options_.fault_pool_pid > 0) {
+              ::kill(options_.fault_pool_pid, SIGKILL);
+            }
             std::this_thread::sleep_for(std::chrono::milliseconds(300));
           }
           absl::StatusOr<client::FetchResult> fr = client_->Fetch(*lease, plan, call);
@@ -253,7 +265,9 @@ absl::StatusOr<DecodeReport> DecodeNode::Run(absl::Span<const int> prompt, int m
       }
     }
   }
-  if (!failure.empty()) forms.clear();
+  if (!failure.empty()) {
+    forms.clear();
+  }
   rep.fetch_seconds = Since(t0);
 
   // Prepares a cache: the fetched blocks + the rest of the prompt computed locally, or (on any
