@@ -1,0 +1,1 @@
+"""kvpool Python tooling (converters; no torch needed at run time)."""

@@ -1,0 +1,295 @@
+"""Convert OSCAR RotationZoo ``.pt`` rotation files to kvpool rotation files (FORMAT.md §4).
+
+A RotationZoo file is a ``torch.save`` pickle of
+``{format_version, objective, source_grouping, layers: {layer_id: {rotation, eigenvalues}}}``
+(``rotation`` [d, d] for format_version 1, [H_kv, d, d] for 2). A layer entry may also hold
+separate key and value rotations as ``{"k": {...}, "v": {...}}`` (or ``"key"``/``"value"``);
+otherwise give the key file and the value file separately.
+
+torch is NOT needed: a ``.pt`` written by ``torch.save`` (zip format, torch >= 1.6) is a zip
+holding ``<prefix>/data.pkl`` (a pickle whose tensors are persistent ids
+``("storage", StorageType, key, location, numel)`` rebuilt by
+``torch._utils._rebuild_tensor_v2``) and one raw little-endian file ``<prefix>/data/<key>`` per
+storage. :func:`load_pt` reads it with a restricted unpickler that only resolves the handful of
+globals tensors need and refuses everything else (no arbitrary code execution).
+
+Output: safetensors with tensors ``layers.{i}.{k,v}.rotation`` and ``layers.{i}.{k,v}.eigenvalues``
+(F32) and ``__metadata__`` exactly as the C++ writer (kernels/src/rotation_file.cc) lays it out:
+JSON keys sorted, compact separators, header padded with spaces to 8 bytes, tensors in name
+order — so the same rotations give the same bytes (and the same rotation id) from either side.
+
+Usage (from build/venv)::
+
+    python -m kvpool_tools.rotation_zoo --keys K.pt --values V.pt --out rot.safetensors \\
+        --model-name qwen3-8b --num-kv-heads 8
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import hashlib
+import io
+import json
+import pickle
+import struct
+import sys
+import zipfile
+from typing import Any, Dict, Optional, Tuple
+
+import numpy as np
+
+FORMAT_NAME = "kvpool-rotations"
+
+_STORAGE_DTYPES = {
+    "FloatStorage": np.float32,
+    "DoubleStorage": np.float64,
+    "HalfStorage": np.float16,
+    "LongStorage": np.int64,
+    "IntStorage": np.int32,
+    "ShortStorage": np.int16,
+    "CharStorage": np.int8,
+    "ByteStorage": np.uint8,
+    "BoolStorage": np.bool_,
+    "BFloat16Storage": "bfloat16",  # widened to float32 on load
+}
+
+
+class ConversionError(ValueError):
+    """A malformed or unsupported input; the message names the problem."""
+
+
+class _StorageType:
+    def __init__(self, name: str):
+        self.name = name
+
+
+def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad=False,
+                       backward_hooks=None, metadata=None):
+    data, dtype_size = storage
+    size = tuple(int(s) for s in size)
+    stride = tuple(int(s) for s in stride)
+    numel = int(np.prod(size)) if size else 1
+    if numel == 0:
+        return np.zeros(size, dtype=data.dtype)
+    last = storage_offset + sum((s - 1) * st for s, st in zip(size, stride))
+    if storage_offset < 0 or last >= data.size or any(st < 0 for st in stride):
+        raise ConversionError(
+            f"tensor view (offset {storage_offset}, size {size}, stride {stride}) lies outside "
+            f"its storage of {data.size} elements")
+    return np.lib.stride_tricks.as_strided(
+        data[storage_offset:], shape=size,
+        strides=tuple(st * data.itemsize for st in stride)).copy()
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    """Resolves only what torch tensors need; any other global is refused."""
+
+    def __init__(self, file, storages):
+        super().__init__(file)
+        self._storages = storages
+
+    def find_class(self, module, name):
+        if module == "torch._utils" and name == "_rebuild_tensor_v2":
+            return _rebuild_tensor_v2
+        if module == "collections" and name == "OrderedDict":
+            return collections.OrderedDict
+        if module == "torch" and name in _STORAGE_DTYPES:
+            return _StorageType(name)
+        raise pickle.UnpicklingError(f"global '{module}.{name}' is not allowed in a rotation file")
+
+    def persistent_load(self, pid):
+        if not isinstance(pid, tuple) or len(pid) < 5 or pid[0] != "storage":
+            raise pickle.UnpicklingError(f"unsupported persistent id {pid!r}")
+        storage_type, key, _location, numel = pid[1], str(pid[2]), pid[3], int(pid[4])
+        if not isinstance(storage_type, _StorageType):
+            raise pickle.UnpicklingError(f"unsupported storage type {storage_type!r}")
+        return self._storages(key, storage_type.name, numel)
+
+
+def load_pt(path_or_bytes) -> Any:
+    """Loads a torch.save zip file without torch. Returns the object with numpy arrays."""
+    data = path_or_bytes if isinstance(path_or_bytes, (bytes, bytearray)) else open(
+        path_or_bytes, "rb").read()
+    try:
+        zf = zipfile.ZipFile(io.BytesIO(data))
+    except zipfile.BadZipFile as e:
+        raise ConversionError(f"not a torch zip file ({e}); legacy non-zip .pt files are not "
+                              "supported: re-save them with torch >= 1.6") from e
+    names = zf.namelist()
+    pkl = [n for n in names if n.endswith("/data.pkl") and n.count("/") == 1]
+    if len(pkl) != 1:
+        raise ConversionError(f"expected one '<prefix>/data.pkl' in the zip, found {pkl}")
+    prefix = pkl[0][: -len("data.pkl")]
+    byteorder = prefix + "byteorder"
+    if byteorder in names and zf.read(byteorder).strip() != b"little":
+        raise ConversionError("big-endian tensor data is not supported")
+
+    cache: Dict[str, Tuple[np.ndarray, int]] = {}
+
+    def storage(key: str, type_name: str, numel: int):
+        if key not in cache:
+            entry = prefix + "data/" + key
+            if entry not in names:
+                raise ConversionError(f"storage '{entry}' missing from the zip")
+            raw = zf.read(entry)
+            dt = _STORAGE_DTYPES[type_name]
+            if dt == "bfloat16":
+                if len(raw) != 2 * numel:
+                    raise ConversionError(f"storage {key}: {len(raw)} bytes for {numel} bf16")
+                u = np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16
+                arr = u.view(np.float32)
+            else:
+                arr = np.frombuffer(raw, dtype=np.dtype(dt).newbyteorder("<"))
+                if arr.size != numel:
+                    raise ConversionError(
+                        f"storage {key}: {arr.size} elements in the file, pickle says {numel}")
+            cache[key] = (arr, arr.itemsize)
+        return cache[key]
+
+    return _RestrictedUnpickler(io.BytesIO(zf.read(pkl[0])), storage).load()
+
+
+def _f32_str(x: float) -> str:
+    """Shortest decimal that round-trips the float32 value (as C++ std::to_chars writes it)."""
+    s = np.format_float_positional(np.float32(x), unique=True, trim="-")
+    return s
+
+
+def write_safetensors(tensors: Dict[str, np.ndarray], metadata: Dict[str, str]) -> bytes:
+    """Deterministic safetensors bytes, laid out like the C++ SafetensorsWriter."""
+    header: Dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = {k: str(v) for k, v in metadata.items()}
+    off = 0
+    blobs = []
+    for name in sorted(tensors):
+        a = np.ascontiguousarray(tensors[name], dtype="<f4")
+        blob = a.tobytes()
+        header[name] = {"dtype": "F32", "shape": list(a.shape), "data_offsets": [off, off + len(blob)]}
+        off += len(blob)
+        blobs.append(blob)
+    js = json.dumps(header, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    js += b" " * ((8 - len(js) % 8) % 8)
+    return struct.pack("<Q", len(js)) + js + b"".join(blobs)
+
+
+def _kind_entry(layer: Dict[str, Any], kind: str) -> Optional[Dict[str, Any]]:
+    for k in ((kind, "key") if kind == "k" else (kind, "value")):
+        if k in layer:
+            return layer[k]
+    return None
+
+
+def convert(keys_obj: Dict[str, Any], values_obj: Optional[Dict[str, Any]], *, model_name: str,
+            num_kv_heads: Optional[int], clip_k: float = 0.96, clip_v: float = 0.92,
+            source_hash: str = "") -> bytes:
+    """Builds the kvpool rotation file bytes from loaded RotationZoo objects."""
+    for name, obj in (("keys", keys_obj), ("values", values_obj)):
+        if obj is None:
+            continue
+        if not isinstance(obj, dict) or "layers" not in obj:
+            raise ConversionError(f"{name} file: expected a dict with 'layers'")
+    version = int(keys_obj.get("format_version", 1))
+    if version not in (1, 2):
+        raise ConversionError(f"format_version {version} is not 1 or 2")
+    if values_obj is not None and int(values_obj.get("format_version", 1)) != version:
+        raise ConversionError("keys and values files have different format_version")
+    layers_k = keys_obj["layers"]
+    layer_ids = sorted(int(i) for i in layers_k)
+    if layer_ids != list(range(len(layer_ids))):
+        raise ConversionError(f"layer ids must be 0..L-1, got {layer_ids}")
+    tensors: Dict[str, np.ndarray] = {}
+    d = None
+    heads = None
+    for i in layer_ids:
+        lk = layers_k.get(i, layers_k.get(str(i)))
+        for kind in ("k", "v"):
+            entry = _kind_entry(lk, kind)
+            if entry is None:
+                if values_obj is None:
+                    raise ConversionError(
+                        f"layer {i} has no '{kind}' entry: give --values for the value rotations")
+                src = keys_obj if kind == "k" else values_obj
+                lay = src["layers"].get(i, src["layers"].get(str(i)))
+                if lay is None:
+                    raise ConversionError(f"layer {i} missing from the {kind} file")
+                entry = lay
+            r = np.asarray(entry["rotation"], dtype=np.float64)
+            e = entry.get("eigenvalues")
+            want_nd = 2 if version == 1 else 3
+            if r.ndim != want_nd or r.shape[-1] != r.shape[-2]:
+                raise ConversionError(f"layer {i} {kind} rotation has shape {r.shape}, expected "
+                                      f"{'[d, d]' if version == 1 else '[H_kv, d, d]'}")
+            if d is None:
+                d = r.shape[-1]
+            if r.shape[-1] != d:
+                raise ConversionError(f"layer {i} {kind}: head_dim {r.shape[-1]} != {d}")
+            if d < 8 or d & (d - 1):
+                raise ConversionError(f"head_dim {d} is not a power of two >= 8")
+            if version == 2:
+                if heads is None:
+                    heads = r.shape[0]
+                if r.shape[0] != heads:
+                    raise ConversionError(f"layer {i} {kind}: {r.shape[0]} heads != {heads}")
+            if not np.all(np.isfinite(r)):
+                raise ConversionError(f"layer {i} {kind} rotation has non-finite values")
+            tensors[f"layers.{i}.{kind}.rotation"] = r.astype(np.float32)
+            if e is not None:
+                e = np.asarray(e, dtype=np.float32)
+                if e.shape != r.shape[:-1]:
+                    raise ConversionError(f"layer {i} {kind} eigenvalues shape {e.shape} != "
+                                          f"{r.shape[:-1]}")
+                tensors[f"layers.{i}.{kind}.eigenvalues"] = e
+    has_eig = [n for n in tensors if n.endswith("eigenvalues")]
+    if has_eig and len(has_eig) != 2 * len(layer_ids):
+        raise ConversionError("eigenvalues must be present for every layer and kind, or none")
+    if version == 2:
+        if num_kv_heads is not None and num_kv_heads != heads:
+            raise ConversionError(f"--num-kv-heads {num_kv_heads} != the file's {heads} heads")
+        num_kv_heads = heads
+    if num_kv_heads is None or num_kv_heads < 1:
+        raise ConversionError("--num-kv-heads is required for per-layer (format_version 1) files")
+    meta = {
+        "format": FORMAT_NAME,
+        "format_version": str(version),
+        "objective": str(keys_obj.get("objective", "oscar")),
+        "composition": "U*H*P_br",
+        "model_name": model_name,
+        "head_dim": str(d),
+        "num_layers": str(len(layer_ids)),
+        "num_kv_heads": str(num_kv_heads),
+        "clip_ratio_k": _f32_str(clip_k),
+        "clip_ratio_v": _f32_str(clip_v),
+        "source_hash": source_hash,
+    }
+    return write_safetensors(tensors, meta)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--keys", required=True, help="RotationZoo .pt (keys, or both kinds)")
+    p.add_argument("--values", help="RotationZoo .pt with the value rotations")
+    p.add_argument("--out", required=True, help="output .safetensors")
+    p.add_argument("--model-name", required=True)
+    p.add_argument("--num-kv-heads", type=int, help="required for format_version 1 files")
+    p.add_argument("--clip-k", type=float, default=0.96)
+    p.add_argument("--clip-v", type=float, default=0.92)
+    a = p.parse_args(argv)
+    try:
+        kb = open(a.keys, "rb").read()
+        vb = open(a.values, "rb").read() if a.values else None
+        src = hashlib.sha256(kb + (vb or b"")).hexdigest()
+        out = convert(load_pt(kb), load_pt(vb) if vb else None, model_name=a.model_name,
+                      num_kv_heads=a.num_kv_heads, clip_k=a.clip_k, clip_v=a.clip_v,
+                      source_hash="sha256:" + src)
+    except (OSError, ConversionError, pickle.UnpicklingError) as e:
+        print(f"rotation_zoo: {e}", file=sys.stderr)
+        return 2
+    with open(a.out, "wb") as f:
+        f.write(out)
+    print(f"wrote {a.out}: rotation id {hashlib.sha256(out).hexdigest()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
