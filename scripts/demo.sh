@@ -118,13 +118,20 @@ for e, p, d in zip(ev["prompts"], pre["prompts"], dec["prompts"]):
                    "loaded": d["loaded_blocks"], "bf16_fetched": d["bf16_blocks_fetched"],
                    "int2_fetched": d["int2_blocks_fetched"], "recomputed_tokens": d["recomputed_tokens"]},
         "bytes": {"pushed": p["bytes_written"], "moved": d["bytes_moved"],
-                  "moved_bf16_equivalent": d["bf16_bytes_equivalent"], "stored": d["bytes_stored"]},
+                  "moved_bf16_equivalent": d["bf16_bytes_equivalent"], "stored": d["bytes_stored"],
+                  "bf16_per_token": bf16_tok,
+                  "stored_per_token": d["bytes_stored"] / max(1, d["hit_blocks"] * dec["page_size"]),
+                  "moved_per_token": d["bytes_moved"] / max(1, d["loaded_blocks"] * dec["page_size"])},
         "fallback": d["fallback"], "fallback_reason": d["fallback_reason"],
     }
     report["prompts"].append(entry)
     print(f"== {e['name']} ({e['prompt_tokens']} prompt tokens)")
     print(f"   float32 reference : {e['reference']['text']!r}")
     print(f"   pool-served ({pool_cfg}): {d['text']!r}")
+    b = entry["bytes"]
+    print(f"   bytes/token: stored {b['stored_per_token']:.0f}, moved {b['moved_per_token']:.0f} "
+          f"(BF16 {bf16_tok}); teacher-forced int2 S64/W256 agreement "
+          f"{entry['teacher_forced']['int2_S64_W256']['agreement']:.3f}")
     print(f"   pool output == single-process run: {match}; blocks hit {d['hit_blocks']}/{d['wanted_blocks']}"
           f"{'  FALLBACK: ' + d['fallback_reason'] if d['fallback'] else ''}")
 ov = dec["overall"]

@@ -79,6 +79,9 @@ for hp in ("bf16", "int2"):
     if hp == "int2":
         assert tf["agreement"] >= min_agree, f"int2 agreement {tf['agreement']} < {min_agree}"
         assert sum(p["int2_blocks_fetched"] for p in dec["prompts"]) > 0, "no INT2 block fetched"
+        moved = {h: sum(p["bytes_moved"] for p in json.load(open(f"{work}/decode_{h}.json"))["prompts"])
+                 for h in ("bf16", "int2")}
+        assert moved["int2"] < moved["bf16"], moved
     else:
         assert sum(p["int2_blocks_fetched"] for p in dec["prompts"]) == 0
 PY
