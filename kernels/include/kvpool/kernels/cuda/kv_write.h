@@ -64,7 +64,17 @@ struct KvWriteParams {
   uint32_t* bad_rows = nullptr;  // optional device counter, incremented per refused row
 };
 
+// Rotates (when rotation_k/v are set; else the rows are taken as already rotated), rounds to
+// bf16, clips, quantizes and packs every (token, head) K and V row into slot dst_slot[t] of
+// INT2 page dst_page[t] of `dst` (codes and (scale16, min16) params, docs/BLOCK_FORMAT.md). The
+// caller guarantees page ids and slots are in range and that no two tokens share a slot.
+// Errors: kInvalidArgument (null/misaligned pointer, bad stride, clip ratio outside [0, 1],
+// only one rotation set), kUnsupported (head_dim, page_size), kLaunchFailed.
 KernelStatus LaunchQuantizeWrite(const KvWriteParams& params, Stream stream);
+
+// Rotate-only write: bf16(x·R) (fp16 copy of R on tensor cores, fp32 accumulation; identity when
+// no rotation is set) into the K/V rows of BF16 pages of `dst`. Same contract and errors as
+// LaunchQuantizeWrite; clip ratios, row_flags and bad_rows are ignored.
 KernelStatus LaunchRotateWriteBf16(const KvWriteParams& params, Stream stream);
 
 struct DemoteParams {
@@ -82,6 +92,9 @@ struct DemoteParams {
   uint32_t* bad_rows = nullptr;  // optional device counter
 };
 
+// Quantizes the page_size tokens of each BF16 page src_pages[i] (already rotated) into INT2 page
+// dst_pages[i] — the same bytes LaunchQuantizeWrite produces for those rows. Source and
+// destination pools must not overlap. Errors as LaunchQuantizeWrite.
 KernelStatus LaunchDemote(const DemoteParams& params, Stream stream);
 
 }  // namespace kvpool::cuda
