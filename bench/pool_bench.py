@@ -80,6 +80,8 @@ def main():
     ap.add_argument("--capacity", default="1GiB", help="kvpool-server --capacity")
     ap.add_argument("--results", default=os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
+    # Loopback only for kvpool and ucx_perftest alike (UCX's tcp would add an eth0 lane).
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
     tls_list = args.tls or ["tcp", "posix,cma"]
     bench_bin = os.path.join(args.build, "bin", "pool_bench")
     for b in (bench_bin, os.path.join(args.build, "bin", "kvpool-server")):

@@ -25,6 +25,15 @@ using client::Form;
 using client::PagePool;
 using ::testing::HasSubstr;
 
+// Loopback only: the tests need no other interface, and UCX's tcp transport would otherwise
+// also open lanes over eth0. Set before any UCX context exists and inherited by the server and
+// helper processes; a value from the environment wins.
+class LoopbackEnvironment : public ::testing::Environment {
+ public:
+  void SetUp() override { setenv("UCX_NET_DEVICES", "lo", /*overwrite=*/0); }
+};
+const auto* const kLoopback = ::testing::AddGlobalTestEnvironment(new LoopbackEnvironment);
+
 class PoolIntegrationTest : public ::testing::TestWithParam<std::string> {
  protected:
   // Starts the server with extra flags; fails the test when it does not come up.
@@ -244,6 +253,15 @@ TEST_P(PoolIntegrationTest, EvictionUnderPressureWhileReadsInFlight) {
   EXPECT_TRUE(reader->Release(*lease).ok());
 }
 
+// The helper reserves staging for 6 blocks, writes layer 0 of 2, flushes (the bytes are in the
+// pool's staging memory) and is SIGKILLed before writing layer 1 or committing.
+//
+// Known UCX 1.13 limitation, not covered here: over tcp, RMA is emulated with active messages
+// and the pool answers every put/get; when the client dies while such requests are still being
+// served, UCX aborts the pool (ucp_request.inl:346 "Fatal: unexpected error: Endpoint
+// timeout" in ucp_put_handler). With the helper killed while unflushed puts were in flight it
+// happened in 8/20, 3/20 and (UCX_PROTO_ENABLE=y) 1/20 runs of the tcp case. Shared memory (cma)
+// and RDMA are one-sided and do not involve the pool. See docs/TRANSPORT.md.
 TEST_P(PoolIntegrationTest, ClientKilledMidPutLeavesNothingAndSpaceIsReclaimed) {
   StartServer({"--capacity", "16MiB", "--put-timeout-ms", "500"});
   auto c = NewClient();
@@ -258,7 +276,7 @@ TEST_P(PoolIntegrationTest, ClientKilledMidPutLeavesNothingAndSpaceIsReclaimed) 
   ASSERT_GE(pid, 0);
   if (pid == 0) {
     dup2(out[1], STDOUT_FILENO);
-    close(out[0]);
+    close_range(3, ~0u, 0);  // no sockets of this process past exec
     execl(KVPOOL_PUT_HELPER_BIN, KVPOOL_PUT_HELPER_BIN, server_->address().c_str(),
           GetParam().c_str(), "31", std::to_string(6 * kPage).c_str(), "1", (char*)nullptr);
     _exit(127);

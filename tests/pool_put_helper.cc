@@ -21,9 +21,15 @@ int main(int argc, char** argv) {
   const uint32_t num_tokens = static_cast<uint32_t>(std::atoi(argv[4]));
   const uint32_t layers = static_cast<uint32_t>(std::atoi(argv[5]));
   auto client = kvpool::client::Client::Create(o);
-  if (!client.ok()) return 2;
+  if (!client.ok()) {
+    std::fprintf(stderr, "Create: %s\n", client.status().ToString().c_str());
+    return 2;
+  }
   auto spec = kvpool::testing::Spec("int2");
-  if (!(*client)->RegisterModel(spec).ok()) return 2;
+  if (auto r = (*client)->RegisterModel(spec); !r.ok()) {
+    std::fprintf(stderr, "RegisterModel: %s\n", r.status().ToString().c_str());
+    return 2;
+  }
   auto s = kvpool::testing::MakeSequence(num_tokens, seed);
   auto put = (*client)->BeginPut(s.tokens);
   if (!put.ok()) {
@@ -31,9 +37,15 @@ int main(int argc, char** argv) {
     return 2;
   }
   for (uint32_t l = 0; l < layers; ++l) {
-    if (!(*put)->WriteLayer(l, s.k[l], s.v[l]).ok()) return 2;
+    if (auto r = (*put)->WriteLayer(l, s.k[l], s.v[l]); !r.ok()) {
+      std::fprintf(stderr, "WriteLayer: %s\n", r.ToString().c_str());
+      return 2;
+    }
   }
-  if (!(*put)->Flush().ok()) return 2;
+  if (auto r = (*put)->Flush(); !r.ok()) {
+    std::fprintf(stderr, "Flush: %s\n", r.ToString().c_str());
+    return 2;
+  }
   std::printf("READY\n");
   std::fflush(stdout);
   for (;;) pause();

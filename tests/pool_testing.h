@@ -41,8 +41,8 @@ class ServerProcess {
     if (pid_ < 0) return Fail("fork failed");
     if (pid_ == 0) {
       dup2(out[1], STDOUT_FILENO);
-      close(out[0]);
-      close(out[1]);
+      // The child must not hold this process's sockets (UCX, gRPC) past exec.
+      close_range(3, ~0u, 0);
       std::vector<std::string> args = {KVPOOL_SERVER_BIN,
                                        "--listen",
                                        absl::StrCat("127.0.0.1:", port),

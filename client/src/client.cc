@@ -141,11 +141,7 @@ class PutSessionImpl final : public PutSession {
 
   absl::Status WriteLayer(uint32_t layer, absl::Span<const uint16_t> k,
                           absl::Span<const uint16_t> v) override;
-  absl::Status Flush() override {
-    absl::Status s0 = WaitSlot(0);
-    absl::Status s1 = WaitSlot(1);
-    return !s0.ok() ? s0 : s1;
-  }
+  absl::Status Flush() override;
   absl::StatusOr<PutResult> Commit() override;
   absl::Status Abort() override;
   uint32_t num_blocks() const override { return num_blocks_; }
@@ -727,14 +723,30 @@ absl::Status PutSessionImpl::WriteLayer(uint32_t layer, absl::Span<const uint16_
         TransferOp{i * slice, writes_[i].staging_addr + layer * slice, slice});
   }
   for (auto& [key, ops] : by_key) {
-    TransferRequest req{TransferKind::kPut, conn_.endpoint, RemoteKeyId{key}, slots_[slot],
-                        std::move(ops)};
+    // Only the last layer flushes: its flush makes every earlier layer's puts on this endpoint
+    // visible too, so a put costs one round trip for remote completion, not one per layer.
+    TransferRequest req{TransferKind::kPut, conn_.endpoint, RemoteKeyId{key},
+                        slots_[slot],       std::move(ops), /*flush=*/layer + 1 == g.num_layers};
     KVPOOL_ASSIGN_OR_RETURN(auto t, client_->transport().Prepare(std::move(req)));
     KVPOOL_RETURN_IF_ERROR(client_->transport().Post(t));
     inflight_[slot].push_back(std::move(t));
   }
   bytes_written_ += slice * writes_.size();
   return absl::OkStatus();
+}
+
+absl::Status PutSessionImpl::Flush() {
+  absl::Status s0 = WaitSlot(0);
+  absl::Status s1 = WaitSlot(1);
+  if (!s0.ok() || !s1.ok()) return !s0.ok() ? s0 : s1;
+  if (next_layer_ == 0 || next_layer_ == conn_.geometry.num_layers || writes_.empty()) {
+    return absl::OkStatus();  // nothing sent, or the last layer's transfer flushed already
+  }
+  // Layers sent so far completed locally; make them visible at the pool.
+  KVPOOL_ASSIGN_OR_RETURN(auto flush, client_->transport().PostFlush(conn_.endpoint));
+  absl::Status s = flush->Wait(deadline_);
+  if (!s.ok() && error_.ok()) error_ = s;
+  return s;
 }
 
 absl::StatusOr<PutResult> PutSessionImpl::Commit() {

@@ -108,6 +108,14 @@ void ExpectedForms(const Sequence& s, uint32_t b, const ModelSpec& spec, std::ve
   ASSERT_TRUE(r.int2_ok);
 }
 
+// Loopback only: UCX's tcp transport otherwise also opens lanes over eth0. A value from the
+// environment wins.
+class LoopbackEnvironment : public ::testing::Environment {
+ public:
+  void SetUp() override { setenv("UCX_NET_DEVICES", "lo", /*overwrite=*/0); }
+};
+const auto* const kLoopback = ::testing::AddGlobalTestEnvironment(new LoopbackEnvironment);
+
 class ClientTest : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override { StartServer(0); }

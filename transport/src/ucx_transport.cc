@@ -205,6 +205,7 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
   }
 
   void PostOnOwner(std::shared_ptr<Transfer> transfer, ucp_mem_h local_memh);
+  void FlushOnOwner(std::shared_ptr<Transfer> transfer);
 
   bool OnOwnerThread() const { return std::this_thread::get_id() == owner_id_; }
 
@@ -297,6 +298,7 @@ void UcxCore::PostOnOwner(std::shared_ptr<Transfer> transfer, ucp_mem_h local_me
   record->transfer = transfer;
   record->contexts.reserve(req.ops.size() + 1);
   const bool is_put = req.kind == TransferKind::kPut;
+  const bool flush = is_put && req.flush;
   uint8_t* base = req.local->data();
 
   // Post every op (ops skipped by cancellation stay CANCELLED). Immediate completions and
@@ -330,7 +332,7 @@ void UcxCore::PostOnOwner(std::shared_ptr<Transfer> transfer, ucp_mem_h local_me
   const size_t attempted = record->contexts.size();
   bool flush_pending = false;
   absl::Status flush_status;
-  if (is_put && attempted > 0) {
+  if (flush && attempted > 0) {
     // Puts are complete only when remotely visible: flush the endpoint after them.
     record->contexts.push_back(OpContext{this, transfer.get(), std::numeric_limits<size_t>::max()});
     ucp_request_param_t param;
@@ -348,15 +350,47 @@ void UcxCore::PostOnOwner(std::shared_ptr<Transfer> transfer, ucp_mem_h local_me
       ++posted_requests;
     }
   }
-  const size_t total = attempted + ((is_put && attempted > 0) ? 1 : 0);
+  const size_t total = attempted + ((flush && attempted > 0) ? 1 : 0);
   transfer->MarkPosted(total);
   if (posted_requests > 0) {
     record->outstanding = posted_requests;
     inflight_.emplace(transfer.get(), std::move(record));
   }
   for (auto& [i, s] : immediate) transfer->CompleteOne(i, std::move(s));
-  if (is_put && attempted > 0 && !flush_pending) {
+  if (flush && attempted > 0 && !flush_pending) {
     transfer->CompleteOne(std::numeric_limits<size_t>::max(), flush_status);
+  }
+}
+
+void UcxCore::FlushOnOwner(std::shared_ptr<Transfer> transfer) {
+  auto fail = [&](absl::Status s) {
+    transfer->MarkPosted(1);
+    transfer->CompleteOne(std::numeric_limits<size_t>::max(), s);
+  };
+  if (shutting_down_) return fail(absl::UnavailableError("transport is shutting down"));
+  auto ep_it = endpoints_.find(transfer->request().endpoint.value);
+  if (ep_it == endpoints_.end()) return fail(absl::NotFoundError("endpoint: disconnected"));
+  if (ep_it->second.connection->health->failed.load()) {
+    return fail(absl::UnavailableError("endpoint: peer failed"));
+  }
+  auto record = std::make_unique<InFlight>();
+  record->transfer = transfer;
+  record->contexts.push_back(OpContext{this, transfer.get(), std::numeric_limits<size_t>::max()});
+  ucp_request_param_t param;
+  std::memset(&param, 0, sizeof(param));
+  param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  param.cb.send = &UcxCore::OpCallback;
+  param.user_data = &record->contexts.back();
+  transfer->MarkPosted(1);
+  ucs_status_ptr_t r = ucp_ep_flush_nbx(ep_it->second.connection->endpoint->get(), &param);
+  if (r == nullptr) {
+    transfer->CompleteOne(std::numeric_limits<size_t>::max(), absl::OkStatus());
+  } else if (UCS_PTR_IS_ERR(r)) {
+    transfer->CompleteOne(std::numeric_limits<size_t>::max(),
+                          FromUcs(UCS_PTR_STATUS(r), "ucp_ep_flush_nbx"));
+  } else {
+    record->outstanding = 1;
+    inflight_.emplace(transfer.get(), std::move(record));
   }
 }
 
@@ -544,6 +578,21 @@ class UcxTransport final : public Transport {
     KVPOOL_RETURN_IF_ERROR(core_->EndpointStatus(request.endpoint));
     KVPOOL_RETURN_IF_ERROR(core_->CheckKey(request.endpoint, request.remote_key));
     return std::make_shared<Transfer>(std::move(request));
+  }
+
+  absl::StatusOr<std::shared_ptr<Transfer>> PostFlush(EndpointId endpoint) override {
+    KVPOOL_RETURN_IF_ERROR(core_->EndpointStatus(endpoint));
+    TransferRequest req;
+    req.kind = TransferKind::kPut;
+    req.endpoint = endpoint;
+    auto transfer = std::make_shared<Transfer>(std::move(req));
+    transfer->BeginPost();
+    if (core_->OnOwnerThread()) {
+      core_->FlushOnOwner(transfer);
+    } else {
+      core_->Enqueue([c = core_.get(), transfer] { c->FlushOnOwner(transfer); });
+    }
+    return transfer;
   }
 
   absl::Status Post(const std::shared_ptr<Transfer>& transfer) override {

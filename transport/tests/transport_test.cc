@@ -142,6 +142,44 @@ TEST_P(TransportTest, ManyOpsInOneTransferReportPerItemStatus) {
   EXPECT_EQ(client_->Post(*xfer).code(), absl::StatusCode::kFailedPrecondition);
 }
 
+TEST_P(TransportTest, UnflushedPutsBecomeVisibleWithALaterFlush) {
+  auto arena = server_->AllocateMemory(1 << 20);
+  ASSERT_TRUE(arena.ok());
+  auto [ep, rk] = Connect(**arena);
+  auto local = client_->AllocateMemory(1 << 20);
+  ASSERT_TRUE(local.ok());
+  auto src = RandomBytes(1 << 20, 77);
+  std::memcpy((*local)->data(), src.data(), src.size());
+  // Eight 128 KiB puts without flush (each completes locally), then a small flushed one.
+  std::vector<std::shared_ptr<Transfer>> xfers;
+  for (uint64_t i = 0; i < 8; ++i) {
+    auto x = client_->Prepare({.kind = TransferKind::kPut,
+                               .endpoint = ep,
+                               .remote_key = rk,
+                               .local = *local,
+                               .ops = {{i << 17, (*arena)->address() + (i << 17), 1 << 17}},
+                               .flush = false});
+    ASSERT_TRUE(x.ok()) << x.status();
+    ASSERT_TRUE(client_->Post(*x).ok());
+    xfers.push_back(*x);
+  }
+  for (auto& x : xfers) ASSERT_TRUE(x->Wait(Soon()).ok());
+  auto flush = client_->PostFlush(ep);
+  ASSERT_TRUE(flush.ok()) << flush.status();
+  ASSERT_TRUE((*flush)->Wait(Soon()).ok());
+  EXPECT_EQ(0, std::memcmp((*arena)->data(), src.data(), src.size()));
+  EXPECT_EQ(client_->PostFlush(EndpointId{424242}).status().code(), absl::StatusCode::kNotFound);
+  ASSERT_TRUE(client_
+                  ->Execute({.kind = TransferKind::kPut,
+                             .endpoint = ep,
+                             .remote_key = rk,
+                             .local = *local,
+                             .ops = {{0, (*arena)->address(), 8}}},
+                            Soon())
+                  .ok());
+  EXPECT_EQ(0, std::memcmp((*arena)->data(), src.data(), src.size()));
+}
+
 TEST_P(TransportTest, PrepareRefusesMalformedRequestsNamingTheField) {
   auto arena = server_->AllocateMemory(1 << 16);
   ASSERT_TRUE(arena.ok());

@@ -150,8 +150,9 @@ class PutSession {
   // FAILED_PRECONDITION (layer out of order, session finished), UNAVAILABLE (data plane).
   virtual absl::Status WriteLayer(uint32_t layer, absl::Span<const uint16_t> k,
                                   absl::Span<const uint16_t> v) = 0;
-  // Waits until every layer written so far has landed in the pool's staging memory (the
-  // data-plane half of a put; an engine's wait_for_save). Errors: UNAVAILABLE, DEADLINE_EXCEEDED.
+  // Waits until every layer written so far is visible in the pool's staging memory (the
+  // data-plane half of a put; an engine's wait_for_save). Errors: UNAVAILABLE,
+  // DEADLINE_EXCEEDED.
   virtual absl::Status Flush() = 0;
   // Waits for every layer's transfer, sends checksums, commits. On failure the put is aborted.
   // Errors: FAILED_PRECONDITION (a layer missing), DATA_LOSS, UNAVAILABLE, DEADLINE_EXCEEDED,

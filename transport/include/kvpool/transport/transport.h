@@ -85,7 +85,7 @@ class MemoryRegion {
 // Direction of a transfer, from the initiator's point of view.
 enum class TransferKind {
   kGet,  // remote → local
-  kPut,  // local → remote; complete only once the bytes are visible at the peer (flushed)
+  kPut,  // local → remote; complete once the bytes are visible at the peer (see `flush`)
 };
 
 // One contiguous copy of a transfer.
@@ -102,6 +102,11 @@ struct TransferRequest {
   RemoteKeyId remote_key;  // must belong to `endpoint`
   std::shared_ptr<MemoryRegion> local;
   std::vector<TransferOp> ops;  // 1..kMaxOpsPerTransfer
+  // kPut only. true: the transfer completes once its bytes are visible at the peer (a
+  // ucp_ep_flush_nbx follows the puts; it also covers every earlier put on the endpoint).
+  // false: it completes at local completion (the local bytes may be reused, the peer may not
+  // see them yet) — for a stream of puts whose last one flushes. Default true.
+  bool flush = true;
 };
 
 inline constexpr size_t kMaxOpsPerTransfer = 1 << 16;
@@ -227,6 +232,11 @@ class Transport {
   // Transfer::state()/Wait(). Errors: FAILED_PRECONDITION (already posted), UNAVAILABLE
   // (endpoint failed, or the transport is shutting down).
   virtual absl::Status Post(const std::shared_ptr<Transfer>& transfer) = 0;
+
+  // Posts a flush of `endpoint`: the returned transfer (no ops) completes once every put
+  // posted on the endpoint before this call is visible at the peer (ucp_ep_flush_nbx). Use it
+  // after puts posted with `flush = false`. Errors: NOT_FOUND, UNAVAILABLE (as Post).
+  virtual absl::StatusOr<std::shared_ptr<Transfer>> PostFlush(EndpointId endpoint) = 0;
 
   // Convenience: Prepare + Post + Wait(deadline).
   absl::Status Execute(TransferRequest request, absl::Time deadline);
