@@ -309,11 +309,17 @@ int main(int argc, char** argv) {
     kw::PrefillNode node(&engine, client.get(), rotations, nopts);
     uint64_t bytes = 0, tokens = 0;
     double compute = 0, push = 0;
-    for (auto& p : prompts) {
-      auto r = node.Run(p.tokens);
-      if (!r.ok()) {
-        return Fail(r.status(), absl::StrCat("prefill ", p.name).c_str());
-      }
+    std::vector<std::vector<int>> all_tokens;
+    for (const auto& p : prompts) {
+      all_tokens.push_back(p.tokens);
+    }
+    auto reports = node.RunAll(all_tokens);  // prompt i+1 computes while i is in flight
+    if (!reports.ok()) {
+      return Fail(reports.status(), "prefill");
+    }
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      const Prompt& p = prompts[i];
+      const kw::PrefillReport* r = &(*reports)[i];
       KVPOOL_LOG_INFO(
           "prefill {}: {} tokens, {} blocks ({} written, {} bytes), {:.3f}s compute, "
           "{:.3f}s push",

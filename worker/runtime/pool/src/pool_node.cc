@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <optional>
 #include <thread>
 #include <utility>
 
@@ -89,19 +90,20 @@ PrefillNode::PrefillNode(engine::Engine* engine, client::Client* client,
                          std::shared_ptr<const RotationSet> rotations, NodeOptions options)
     : engine_(engine), client_(client), rotations_(std::move(rotations)), options_(options) {}
 
-absl::StatusOr<PrefillReport> PrefillNode::Run(absl::Span<const int> prompt) {
+absl::StatusOr<PrefillNode::Pending> PrefillNode::ComputeAndWrite(absl::Span<const int> prompt) {
   const engine::ModelConfig& c = engine_->config();
   const int P = options_.cache.page_size;
   if (static_cast<int>(prompt.size()) < P) {
     return absl::InvalidArgumentError(
         absl::StrCat("prompt: ", prompt.size(), " tokens is shorter than one block (", P, ")"));
   }
-  PrefillReport rep;
+  Pending pending;
+  PrefillReport& rep = pending.report;
   rep.prompt_tokens = static_cast<int>(prompt.size());
   const std::vector<uint32_t> tokens = ToU32(prompt);
   // Open the put first: staging space is reserved while the prompt is computed.
-  KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<client::PutSession> put, client_->BeginPut(tokens));
-  rep.blocks = put->num_blocks();
+  KVPOOL_ASSIGN_OR_RETURN(pending.put, client_->BeginPut(tokens));
+  rep.blocks = pending.put->num_blocks();
 
   // A prefill node attends in BF16 (history precision bf16, the registered S/W).
   MixedCacheOptions o = options_.cache;
@@ -113,22 +115,52 @@ absl::StatusOr<PrefillReport> PrefillNode::Run(absl::Span<const int> prompt) {
   KVPOOL_RETURN_IF_ERROR(engine_->Prefill(prompt, 0, rec).status());
   rep.compute_seconds = Since(t0);
 
-  t0 = std::chrono::steady_clock::now();
+  // Layer by layer: each WriteLayer copies the layer and returns while its transfer proceeds.
+  pending.writes_started = std::chrono::steady_clock::now();
   std::vector<uint16_t> k, v;
   for (int l = 0; l < c.n_layers; ++l) {
     LayerRows(rec, static_cast<uint32_t>(l), rep.blocks, &k, &v);
-    KVPOOL_RETURN_IF_ERROR(put->WriteLayer(static_cast<uint32_t>(l), k, v));
+    KVPOOL_RETURN_IF_ERROR(pending.put->WriteLayer(static_cast<uint32_t>(l), k, v));
     if (options_.fault == Fault::kPrefillExitMidPush && l == c.n_layers / 2) {
-      (void)put->Flush();
+      (void)pending.put->Flush();
       KVPOOL_LOG_WARN("fault prefill-exit-mid-push: killing this prefill node after layer {}", l);
       ::kill(::getpid(), SIGKILL);
     }
   }
-  KVPOOL_ASSIGN_OR_RETURN(client::PutResult r, put->Commit());
-  rep.push_seconds = Since(t0);
+  return pending;
+}
+
+absl::StatusOr<PrefillReport> PrefillNode::Commit(Pending pending) {
+  KVPOOL_ASSIGN_OR_RETURN(client::PutResult r, pending.put->Commit());
+  PrefillReport rep = pending.report;
+  rep.push_seconds = Since(pending.writes_started);
   rep.blocks_written = r.blocks_written;
   rep.bytes_written = r.bytes_written;
   return rep;
+}
+
+absl::StatusOr<PrefillReport> PrefillNode::Run(absl::Span<const int> prompt) {
+  KVPOOL_ASSIGN_OR_RETURN(Pending pending, ComputeAndWrite(prompt));
+  return Commit(std::move(pending));
+}
+
+absl::StatusOr<std::vector<PrefillReport>> PrefillNode::RunAll(
+    absl::Span<const std::vector<int>> prompts) {
+  std::vector<PrefillReport> reports;
+  std::optional<Pending> in_flight;  // destroying an uncommitted session aborts it
+  for (const std::vector<int>& prompt : prompts) {
+    KVPOOL_ASSIGN_OR_RETURN(Pending next, ComputeAndWrite(prompt));
+    if (in_flight.has_value()) {
+      KVPOOL_ASSIGN_OR_RETURN(PrefillReport r, Commit(std::move(*in_flight)));
+      reports.push_back(r);
+    }
+    in_flight.emplace(std::move(next));
+  }
+  if (in_flight.has_value()) {
+    KVPOOL_ASSIGN_OR_RETURN(PrefillReport r, Commit(std::move(*in_flight)));
+    reports.push_back(r);
+  }
+  return reports;
 }
 
 // ---- decode ----------------------------------------------------------------------------------

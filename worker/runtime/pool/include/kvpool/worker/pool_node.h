@@ -18,6 +18,7 @@
 // Thread-safety: one node per thread (the Engine is single-threaded).
 #pragma once
 
+#include <chrono>
 #include <memory>
 #include <string>
 #include <vector>
@@ -58,7 +59,8 @@ struct PrefillReport {
   uint32_t blocks_written = 0;  // blocks sent (the rest already existed in the pool)
   uint64_t bytes_written = 0;   // staging bytes sent
   double compute_seconds = 0;
-  double push_seconds = 0;  // write layers + commit
+  double push_seconds = 0;  // from the first layer write to the commit's return (when
+                            // pipelined, this overlaps the next prompt's computation)
 };
 
 class PrefillNode {
@@ -70,7 +72,22 @@ class PrefillNode {
   // for a prompt shorter than one block.
   absl::StatusOr<PrefillReport> Run(absl::Span<const int> prompt);
 
+  // Serves several prompts pipelined: while the layers of prompt i are in flight to the pool,
+  // prompt i+1 is computed; prompt i commits after that (each put stays two-phase: nothing of
+  // it is visible before its own commit). One report per prompt, in order. Errors as Run; on
+  // error the puts not yet committed are aborted.
+  absl::StatusOr<std::vector<PrefillReport>> RunAll(absl::Span<const std::vector<int>> prompts);
+
  private:
+  // A put whose layers are written (transfers possibly still in flight), not yet committed.
+  struct Pending {
+    std::unique_ptr<client::PutSession> put;
+    PrefillReport report;
+    std::chrono::steady_clock::time_point writes_started;
+  };
+  absl::StatusOr<Pending> ComputeAndWrite(absl::Span<const int> prompt);
+  absl::StatusOr<PrefillReport> Commit(Pending pending);
+
   engine::Engine* engine_;
   client::Client* client_;
   std::shared_ptr<const RotationSet> rotations_;
