@@ -177,8 +177,12 @@ class ClientImpl final : public Client {
         stub_(pb::KvPool::NewStub(channel_)) {}
 
   ~ClientImpl() override {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (endpoint_.value != 0) (void)transport_->Disconnect(endpoint_);
+    EndpointId ep;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ep = endpoint_;
+    }
+    if (ep.value != 0) (void)transport_->Disconnect(ep);  // no lock across the UCX call
   }
 
   // ---- call plumbing ----

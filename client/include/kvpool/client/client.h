@@ -139,6 +139,7 @@ struct PutResult {
 // One open two-phase put. Write every layer once, in order 0..L-1 (the checksum of each block
 // form is streamed layer by layer), then Commit. Destroying an
 // uncommitted session aborts it (best effort). Not thread-safe; movable only via unique_ptr.
+// A session must not outlive the Client that created it.
 class PutSession {
  public:
   virtual ~PutSession() = default;
