@@ -34,6 +34,13 @@ inline float HMax(__m256 v) {
   return _mm_cvtss_f32(lo);
 }
 
+// std::min(std::max(v, -tau), tau) spelled out (no std templates instantiated in this AVX2
+// translation unit).
+inline float ClampScalar(float v, float tau) {
+  const float lo = v < -tau ? -tau : v;
+  return tau < lo ? tau : lo;
+}
+
 inline uint16_t ToFp16Down(float f) {
   return static_cast<uint16_t>(
       _mm_extract_epi16(_mm_cvtps_ph(_mm_set_ss(f), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC), 0));
@@ -128,11 +135,23 @@ RowQuantStatus QuantizeRowAvx2(const float* x, uint32_t d, float ratio, uint8_t*
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   const __m256 inf = _mm256_set1_ps(INFINITY);
   __m256 bad = _mm256_setzero_ps();
-  for (uint32_t j = 0; j < d; j += 8) {
-    const __m256 a = _mm256_and_ps(_mm256_loadu_ps(x + j), abs_mask);
-    // !(a < inf) is true for inf and NaN
-    bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, inf, _CMP_NLT_UQ));
-    _mm256_store_ps(mag + j, a);
+  // One pass: magnitudes, the NaN/Inf check, and each group's raw min/max. Clamping is
+  // monotonic, so min(clamp(x)) == clamp(min(x)) exactly (no NaN here): the clipped group
+  // range is derived from the raw one once τ is known — the same values the scalar path gets.
+  alignas(32) float raw_mn[kMaxHeadDim / 8], raw_mx[kMaxHeadDim / 8];
+  for (uint32_t g = 0; g < ng; ++g) {
+    __m256 vmn = _mm256_set1_ps(INFINITY), vmx = _mm256_set1_ps(-INFINITY);
+    for (uint32_t j = g * G; j < (g + 1) * G; j += 8) {
+      const __m256 xv = _mm256_loadu_ps(x + j);
+      const __m256 a = _mm256_and_ps(xv, abs_mask);
+      // !(a < inf) is true for inf and NaN
+      bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, inf, _CMP_NLT_UQ));
+      _mm256_store_ps(mag + j, a);
+      vmn = _mm256_min_ps(vmn, xv);
+      vmx = _mm256_max_ps(vmx, xv);
+    }
+    raw_mn[g] = HMin(vmn);
+    raw_mx[g] = HMax(vmx);
   }
   if (_mm256_movemask_ps(bad)) return Fail(RowQuantStatus::kNonFinite, d, codes, params);
 
@@ -146,16 +165,8 @@ RowQuantStatus QuantizeRowAvx2(const float* x, uint32_t d, float ratio, uint8_t*
   uint16_t out_params[2 * (kMaxHeadDim / 8)];
   for (uint32_t g = 0; g < ng; ++g) {
     const float* v = x + g * G;
-    __m256 vmn = _mm256_set1_ps(INFINITY), vmx = _mm256_set1_ps(-INFINITY);
-    // Clipped values are recomputed below (min/max of clamp == clamp of min/max ordering is
-    // not assumed; we clip each element first, exactly as the scalar path).
-    for (uint32_t j = 0; j < G; j += 8) {
-      const __m256 c = _mm256_min_ps(_mm256_max_ps(_mm256_loadu_ps(v + j), vnt), vt);
-      vmn = _mm256_min_ps(vmn, c);
-      vmx = _mm256_max_ps(vmx, c);
-    }
-    const float mn = HMin(vmn) + 0.0f;
-    const float mx = HMax(vmx) + 0.0f;
+    const float mn = ClampScalar(raw_mn[g], tau) + 0.0f;
+    const float mx = ClampScalar(raw_mx[g], tau) + 0.0f;
     const uint16_t mn16 = ToFp16Down(mn);
     if (mx > kFp16Max || Fp16IsNonFinite(mn16)) {
       return Fail(RowQuantStatus::kFp16Overflow, d, codes, params);
