@@ -15,13 +15,17 @@ struct Xxh3Stream::State {
 
 Xxh3Stream::Xxh3Stream() : state_(std::make_unique<State>()) {
   state_->s = XXH3_createState();
-  if (state_->s == nullptr || XXH3_64bits_reset(state_->s) != XXH_OK) std::abort();
+  if (state_->s == nullptr || XXH3_64bits_reset(state_->s) != XXH_OK) {
+    std::abort();
+  }
 }
 
 Xxh3Stream::~Xxh3Stream() { XXH3_freeState(state_->s); }
 
 void Xxh3Stream::Update(const void* data, size_t size) {
-  if (size > 0) XXH3_64bits_update(state_->s, data, size);
+  if (size > 0) {
+    XXH3_64bits_update(state_->s, data, size);
+  }
 }
 
 uint64_t Xxh3Stream::Digest() const { return XXH3_64bits_digest(state_->s); }

@@ -13,7 +13,9 @@ namespace kvpool {
 namespace {
 
 void AppendU32(std::string& out, uint32_t v) {
-  for (int i = 0; i < 4; ++i) out.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+  for (int i = 0; i < 4; ++i) {
+    out.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+  }
 }
 
 void AppendField(std::string& out, std::string_view bytes) {
@@ -36,18 +38,30 @@ Digest Sha256Parts(std::initializer_list<std::string_view> parts) {
   Digest out{};
   unsigned int len = 0;
   // These calls fail only on allocation failure inside OpenSSL; treat that as fatal.
-  if (!ctx || EVP_DigestInit_ex(ctx.get(), EVP_sha256(), nullptr) != 1) std::abort();
-  for (std::string_view p : parts) {
-    if (EVP_DigestUpdate(ctx.get(), p.data(), p.size()) != 1) std::abort();
+  if (!ctx || EVP_DigestInit_ex(ctx.get(), EVP_sha256(), nullptr) != 1) {
+    std::abort();
   }
-  if (EVP_DigestFinal_ex(ctx.get(), out.data(), &len) != 1 || len != out.size()) std::abort();
+  for (std::string_view p : parts) {
+    if (EVP_DigestUpdate(ctx.get(), p.data(), p.size()) != 1) {
+      std::abort();
+    }
+  }
+  if (EVP_DigestFinal_ex(ctx.get(), out.data(), &len) != 1 || len != out.size()) {
+    std::abort();
+  }
   return out;
 }
 
 int HexValue(char c) {
-  if (c >= '0' && c <= '9') return c - '0';
-  if (c >= 'a' && c <= 'f') return c - 'a' + 10;
-  if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+  if (c >= '0' && c <= '9') {
+    return c - '0';
+  }
+  if (c >= 'a' && c <= 'f') {
+    return c - 'a' + 10;
+  }
+  if (c >= 'A' && c <= 'F') {
+    return c - 'A' + 10;
+  }
   return -1;
 }
 
@@ -83,7 +97,9 @@ std::string EncodeNamespace(const KeyNamespace& ns) {
 }
 
 absl::StatusOr<Digest> NamespaceKey(const KeyNamespace& ns) {
-  if (ns.model_id.empty()) return absl::InvalidArgumentError("model_id: must not be empty");
+  if (ns.model_id.empty()) {
+    return absl::InvalidArgumentError("model_id: must not be empty");
+  }
   if (ns.page_size == 0 || (ns.page_size & (ns.page_size - 1)) != 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("page_size: must be a power of two, got ", ns.page_size));
@@ -106,7 +122,9 @@ BlockKey NextBlockKey(const BlockKey& prev, absl::Span<const uint32_t> tokens) {
   std::string body;
   body.reserve(4 + 4 * tokens.size());
   AppendU32(body, static_cast<uint32_t>(tokens.size()));
-  for (uint32_t t : tokens) AppendU32(body, t);
+  for (uint32_t t : tokens) {
+    AppendU32(body, t);
+  }
   return Sha256Parts(
       {std::string_view(reinterpret_cast<const char*>(prev.data()), prev.size()), body});
 }
@@ -114,9 +132,13 @@ BlockKey NextBlockKey(const BlockKey& prev, absl::Span<const uint32_t> tokens) {
 absl::StatusOr<std::vector<BlockKey>> ChainKeys(const Digest& root,
                                                 absl::Span<const uint32_t> tokens,
                                                 uint32_t page_size, size_t max_blocks) {
-  if (page_size == 0) return absl::InvalidArgumentError("page_size: must be > 0");
+  if (page_size == 0) {
+    return absl::InvalidArgumentError("page_size: must be > 0");
+  }
   size_t n = tokens.size() / page_size;
-  if (max_blocks > 0 && n > max_blocks) n = max_blocks;
+  if (max_blocks > 0 && n > max_blocks) {
+    n = max_blocks;
+  }
   std::vector<BlockKey> keys;
   keys.reserve(n);
   BlockKey prev = root;

@@ -26,8 +26,12 @@ bool ParseBytes(const std::string& s, uint64_t* out) {
     const std::string suf = u.suffix;
     if (s.size() > suf.size() && s.compare(s.size() - suf.size(), suf.size(), suf) == 0) {
       uint64_t n = 0;
-      if (!absl::SimpleAtoi(s.substr(0, s.size() - suf.size()), &n)) return false;
-      if (n > UINT64_MAX / u.mul) return false;
+      if (!absl::SimpleAtoi(s.substr(0, s.size() - suf.size()), &n)) {
+        return false;
+      }
+      if (n > UINT64_MAX / u.mul) {
+        return false;
+      }
       *out = n * u.mul;
       return true;
     }
@@ -115,7 +119,9 @@ int main(int argc, char** argv) {
   sigwait(&signals, &sig);
   KVPOOL_LOG_INFO("signal {}: draining (readiness off, in-flight calls get {} ms)", sig, drain_ms);
   (*server)->MarkNotReady();
-  if (readiness_delay_ms > 0) absl::SleepFor(absl::Milliseconds(readiness_delay_ms));
+  if (readiness_delay_ms > 0) {
+    absl::SleepFor(absl::Milliseconds(readiness_delay_ms));
+  }
   (*server)->Shutdown(absl::Milliseconds(drain_ms));
   return kvpool::cli::kExitOk;
 }

@@ -10,7 +10,9 @@
 namespace kvpool::kvstore {
 
 absl::StatusOr<std::unique_ptr<HeapPoolMemory>> HeapPoolMemory::Create(size_t size) {
-  if (size == 0) return absl::InvalidArgumentError("capacity: must be > 0");
+  if (size == 0) {
+    return absl::InvalidArgumentError("capacity: must be > 0");
+  }
   size_t rounded = (size + 4095) & ~size_t{4095};
   void* p = std::aligned_alloc(4096, rounded);
   if (p == nullptr) {
@@ -37,18 +39,26 @@ Clock* Clock::Real() {
 Arena::Arena(uint64_t capacity, uint64_t alignment) : alignment_(alignment) {
   assert(alignment != 0 && (alignment & (alignment - 1)) == 0);
   capacity_ = capacity & ~(alignment - 1);
-  if (capacity_ > 0) free_.emplace(0, capacity_);
+  if (capacity_ > 0) {
+    free_.emplace(0, capacity_);
+  }
 }
 
 absl::StatusOr<uint64_t> Arena::Allocate(uint64_t size) {
-  if (size == 0) return absl::InvalidArgumentError("size: must be > 0");
+  if (size == 0) {
+    return absl::InvalidArgumentError("size: must be > 0");
+  }
   const uint64_t need = RoundUp(size);
   for (auto it = free_.begin(); it != free_.end(); ++it) {
-    if (it->second < need) continue;
+    if (it->second < need) {
+      continue;
+    }
     const uint64_t off = it->first;
     const uint64_t rest = it->second - need;
     free_.erase(it);
-    if (rest > 0) free_.emplace(off + need, rest);
+    if (rest > 0) {
+      free_.emplace(off + need, rest);
+    }
     used_ += need;
     return off;
   }

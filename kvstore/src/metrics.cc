@@ -10,7 +10,9 @@ namespace kvpool::kvstore {
 namespace {
 
 std::string Num(double v) {
-  if (std::isinf(v)) return v > 0 ? "+Inf" : "-Inf";
+  if (std::isinf(v)) {
+    return v > 0 ? "+Inf" : "-Inf";
+  }
   return absl::StrFormat("%.17g", v);
 }
 
@@ -31,13 +33,17 @@ Histogram::Histogram(std::vector<double> bounds)
 
 std::vector<double> Histogram::Exponential(double start, double factor, int n) {
   std::vector<double> b;
-  for (int i = 0; i < n; ++i, start *= factor) b.push_back(start);
+  for (int i = 0; i < n; ++i, start *= factor) {
+    b.push_back(start);
+  }
   return b;
 }
 
 void Histogram::Observe(double value) {
   size_t i = 0;
-  while (i < bounds_.size() && value > bounds_[i]) ++i;
+  while (i < bounds_.size() && value > bounds_[i]) {
+    ++i;
+  }
   buckets_[i].fetch_add(1, std::memory_order_relaxed);
   count_.fetch_add(1, std::memory_order_relaxed);
   double cur = sum_.load(std::memory_order_relaxed);

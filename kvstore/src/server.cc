@@ -45,7 +45,9 @@ class RegionPoolMemory final : public PoolMemory {
 
 std::pair<std::string, int> SplitHostPort(const std::string& hp) {
   auto colon = hp.rfind(':');
-  if (colon == std::string::npos) return {hp, -1};
+  if (colon == std::string::npos) {
+    return {hp, -1};
+  }
   std::string host = hp.substr(0, colon);
   if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
     host = host.substr(1, host.size() - 2);
@@ -105,7 +107,9 @@ struct PoolServer::Impl {
     std::unique_lock l(mu);
     while (!stopping) {
       cv.wait_for(l, absl::ToChronoMilliseconds(options.tick_interval));
-      if (stopping) break;
+      if (stopping) {
+        break;
+      }
       l.unlock();
       store->Tick();
       l.lock();
@@ -124,7 +128,9 @@ BlockStore& PoolServer::store() { return *impl_->store; }
 absl::StatusOr<std::unique_ptr<PoolServer>> PoolServer::Create(const PoolServerOptions& o) {
   auto impl = std::make_unique<Impl>();
   impl->options = o;
-  if (o.capacity_bytes == 0) return absl::InvalidArgumentError("capacity: must be > 0");
+  if (o.capacity_bytes == 0) {
+    return absl::InvalidArgumentError("capacity: must be > 0");
+  }
   auto [host, port] = SplitHostPort(o.listen);
   if (host.empty() || port < 0 || port > 65535) {
     return absl::InvalidArgumentError(
@@ -156,7 +162,9 @@ absl::StatusOr<std::unique_ptr<PoolServer>> PoolServer::Create(const PoolServerO
   ctx.store = impl->store.get();
   ctx.ucx_worker_address = worker_address;
   ctx.pool_epoch = std::random_device{}() | (uint64_t{std::random_device{}()} << 32);
-  if (ctx.pool_epoch == 0) ctx.pool_epoch = 1;
+  if (ctx.pool_epoch == 0) {
+    ctx.pool_epoch = 1;
+  }
   impl->service = MakeKvPoolService(ctx);
 
   grpc::EnableDefaultHealthCheckService(true);
@@ -208,7 +216,9 @@ void PoolServer::MarkNotReady() {
 void PoolServer::Shutdown(absl::Duration grace) {
   {
     std::lock_guard l(impl_->mu);
-    if (impl_->stopping) return;
+    if (impl_->stopping) {
+      return;
+    }
     impl_->stopping = true;
   }
   impl_->cv.notify_all();
@@ -222,7 +232,9 @@ void PoolServer::Shutdown(absl::Duration grace) {
     impl_->http.stop();
     impl_->http_thread.join();
   }
-  if (impl_->tick_thread.joinable()) impl_->tick_thread.join();
+  if (impl_->tick_thread.joinable()) {
+    impl_->tick_thread.join();
+  }
   {
     std::lock_guard l(impl_->mu);
     impl_->stopped = true;

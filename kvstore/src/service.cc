@@ -17,7 +17,9 @@ namespace {
 namespace pb = ::kvpool::v1;
 
 grpc::Status ToGrpc(const absl::Status& s) {
-  if (s.ok()) return grpc::Status::OK;
+  if (s.ok()) {
+    return grpc::Status::OK;
+  }
   return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
 }
 
@@ -34,7 +36,9 @@ absl::StatusOr<KeyQuery> ParseQuery(const google::protobuf::RepeatedField<uint32
   q.keys.reserve(keys.size());
   for (int i = 0; i < keys.size(); ++i) {
     auto d = DigestFromBytes(keys[i], absl::StrCat("keys[", i, "]"));
-    if (!d.ok()) return d.status();
+    if (!d.ok()) {
+      return d.status();
+    }
     q.keys.push_back(*d);
   }
   if (q.token_ids.empty() == q.keys.empty()) {
@@ -45,7 +49,9 @@ absl::StatusOr<KeyQuery> ParseQuery(const google::protobuf::RepeatedField<uint32
 
 absl::StatusOr<std::string> ReadFile(const std::string& path) {
   std::ifstream f(path, std::ios::binary);
-  if (!f) return absl::InvalidArgumentError(absl::StrCat("rotation_path: cannot open ", path));
+  if (!f) {
+    return absl::InvalidArgumentError(absl::StrCat("rotation_path: cannot open ", path));
+  }
   std::ostringstream ss;
   ss << f.rdbuf();
   return ss.str();
@@ -79,7 +85,9 @@ class KvPoolService final : public pb::KvPool::Service {
   grpc::Status AbortPut(grpc::ServerContext*, const pb::AbortPutRequest* req,
                         pb::AbortPutResponse*) override {
     auto ns = ParseNamespace(req->namespace_id());
-    if (!ns.ok()) return Finish(ns.status());
+    if (!ns.ok()) {
+      return Finish(ns.status());
+    }
     return Finish(store_.AbortPut(*ns, req->put_id()));
   }
 
@@ -102,7 +110,9 @@ class KvPoolService final : public pb::KvPool::Service {
   grpc::Status Renew(grpc::ServerContext*, const pb::RenewRequest* req,
                      pb::RenewResponse* resp) override {
     auto d = store_.Renew(req->lease_id(), absl::Milliseconds(req->lease_ms()));
-    if (!d.ok()) return Finish(d.status());
+    if (!d.ok()) {
+      return Finish(d.status());
+    }
     resp->set_lease_ms(static_cast<uint32_t>(absl::ToInt64Milliseconds(*d)));
     return grpc::Status::OK;
   }
@@ -115,16 +125,22 @@ class KvPoolService final : public pb::KvPool::Service {
   grpc::Status Delete(grpc::ServerContext*, const pb::DeleteRequest* req,
                       pb::DeleteResponse* resp) override {
     auto ns = ParseNamespace(req->namespace_id());
-    if (!ns.ok()) return Finish(ns.status());
+    if (!ns.ok()) {
+      return Finish(ns.status());
+    }
     std::vector<Digest> keys;
     for (int i = 0; i < req->keys_size(); ++i) {
       auto d = DigestFromBytes(req->keys(i), absl::StrCat("keys[", i, "]"));
-      if (!d.ok()) return Finish(d.status());
+      if (!d.ok()) {
+        return Finish(d.status());
+      }
       keys.push_back(*d);
     }
     uint32_t deleted = 0;
     auto r = store_.Delete(*ns, keys, &deleted);
-    if (!r.ok()) return Finish(r.status());
+    if (!r.ok()) {
+      return Finish(r.status());
+    }
     for (const ItemResult& item : *r) {
       pb::ItemStatus* st = resp->add_results();
       st->set_code(static_cast<int32_t>(item.status.code()));
@@ -205,13 +221,17 @@ class KvPoolService final : public pb::KvPool::Service {
         break;
       case pb::RegisterModelRequest::kRotationPath: {
         auto bytes = ReadFile(req.rotation_path());
-        if (!bytes.ok()) return bytes.status();
+        if (!bytes.ok()) {
+          return bytes.status();
+        }
         rot.file_bytes = std::move(*bytes);
         break;
       }
       case pb::RegisterModelRequest::kRotationId: {
         auto id = DigestFromBytes(req.rotation_id(), "rotation_id");
-        if (!id.ok()) return id.status();
+        if (!id.ok()) {
+          return id.status();
+        }
         rot.id = *id;
         break;
       }
@@ -219,7 +239,9 @@ class KvPoolService final : public pb::KvPool::Service {
         break;  // the store names the missing field
     }
     auto info = store_.RegisterModel(spec, rot);
-    if (!info.ok()) return info.status();
+    if (!info.ok()) {
+      return info.status();
+    }
     resp->set_namespace_id(DigestBytes(info->namespace_id));
     resp->set_rotation_id(DigestBytes(info->rotation_id));
     resp->set_created(info->created);
@@ -235,11 +257,15 @@ class KvPoolService final : public pb::KvPool::Service {
 
   absl::Status BeginPutImpl(const pb::BeginPutRequest& req, pb::BeginPutResponse* resp) {
     auto ns = ParseNamespace(req.namespace_id());
-    if (!ns.ok()) return ns.status();
+    if (!ns.ok()) {
+      return ns.status();
+    }
     auto plan =
         store_.BeginPut(*ns, absl::MakeConstSpan(req.token_ids().data(), req.token_ids().size()),
                         req.num_blocks(), absl::Milliseconds(req.timeout_ms()));
-    if (!plan.ok()) return plan.status();
+    if (!plan.ok()) {
+      return plan.status();
+    }
     const uint64_t base = store_.memory().remote_address();
     const std::string& rkey = store_.memory().packed_rkey();
     resp->set_put_id(plan->put_id);
@@ -256,25 +282,37 @@ class KvPoolService final : public pb::KvPool::Service {
         pbk->set_rkey(rkey);
         pbk->set_size(b.size);
       }
-      for (FormKind f : b.forms_held) pbk->add_forms_held(ToProto(f));
-      for (FormKind f : b.forms_added) pbk->add_forms_added(ToProto(f));
+      for (FormKind f : b.forms_held) {
+        pbk->add_forms_held(ToProto(f));
+      }
+      for (FormKind f : b.forms_added) {
+        pbk->add_forms_added(ToProto(f));
+      }
     }
     return absl::OkStatus();
   }
 
   absl::Status CommitImpl(const pb::CommitPutRequest& req, pb::CommitPutResponse* resp) {
     auto ns = ParseNamespace(req.namespace_id());
-    if (!ns.ok()) return ns.status();
+    if (!ns.ok()) {
+      return ns.status();
+    }
     std::vector<BlockChecksum> sums;
     sums.reserve(req.checksums_size());
-    for (const auto& c : req.checksums()) sums.push_back({c.index(), c.xxh3()});
+    for (const auto& c : req.checksums()) {
+      sums.push_back({c.index(), c.xxh3()});
+    }
     auto r = store_.CommitPut(*ns, req.put_id(), sums);
-    if (!r.ok()) return r.status();
+    if (!r.ok()) {
+      return r.status();
+    }
     for (const CommittedBlock& b : r->blocks) {
       pb::CommittedBlock* cb = resp->add_blocks();
       cb->set_index(b.index);
       cb->set_key(DigestBytes(b.key));
-      for (FormKind f : b.forms) cb->add_forms(ToProto(f));
+      for (FormKind f : b.forms) {
+        cb->add_forms(ToProto(f));
+      }
     }
     resp->set_bytes_ingested(r->bytes_ingested);
     return absl::OkStatus();
@@ -282,28 +320,42 @@ class KvPoolService final : public pb::KvPool::Service {
 
   absl::Status LookupImpl(const pb::LookupRequest& req, pb::LookupResponse* resp) {
     auto ns = ParseNamespace(req.namespace_id());
-    if (!ns.ok()) return ns.status();
+    if (!ns.ok()) {
+      return ns.status();
+    }
     auto q = ParseQuery(req.token_ids(), req.keys());
-    if (!q.ok()) return q.status();
+    if (!q.ok()) {
+      return q.status();
+    }
     auto r = store_.Lookup(*ns, *q);
-    if (!r.ok()) return r.status();
+    if (!r.ok()) {
+      return r.status();
+    }
     resp->set_num_blocks(static_cast<uint32_t>(r->size()));
     for (const BlockFormsInfo& b : *r) {
       pb::BlockForms* bf = resp->add_blocks();
       bf->set_key(DigestBytes(b.key));
       bf->set_sink(b.sink);
-      for (FormKind f : b.forms) bf->add_forms(ToProto(f));
+      for (FormKind f : b.forms) {
+        bf->add_forms(ToProto(f));
+      }
     }
     return absl::OkStatus();
   }
 
   absl::Status AcquireImpl(const pb::AcquireRequest& req, pb::AcquireResponse* resp) {
     auto ns = ParseNamespace(req.namespace_id());
-    if (!ns.ok()) return ns.status();
+    if (!ns.ok()) {
+      return ns.status();
+    }
     auto q = ParseQuery(req.token_ids(), req.keys());
-    if (!q.ok()) return q.status();
+    if (!q.ok()) {
+      return q.status();
+    }
     auto g = store_.Acquire(*ns, *q, req.max_blocks(), absl::Milliseconds(req.lease_ms()));
-    if (!g.ok()) return g.status();
+    if (!g.ok()) {
+      return g.status();
+    }
     const uint64_t base = store_.memory().remote_address();
     const std::string& rkey = store_.memory().packed_rkey();
     resp->set_lease_id(g->lease_id);

@@ -31,9 +31,15 @@ const char* PrecisionName(HistoryPrecision p) {
 
 absl::Status ValidateSpec(const ModelSpec& s) {
   const BlockGeometry& g = s.geometry;
-  if (s.model_id.empty()) return absl::InvalidArgumentError("identity.model_id: must not be empty");
-  if (g.num_layers == 0) return absl::InvalidArgumentError("geometry.num_layers: must be > 0");
-  if (g.num_kv_heads == 0) return absl::InvalidArgumentError("geometry.num_kv_heads: must be > 0");
+  if (s.model_id.empty()) {
+    return absl::InvalidArgumentError("identity.model_id: must not be empty");
+  }
+  if (g.num_layers == 0) {
+    return absl::InvalidArgumentError("geometry.num_layers: must be > 0");
+  }
+  if (g.num_kv_heads == 0) {
+    return absl::InvalidArgumentError("geometry.num_kv_heads: must be > 0");
+  }
   KVPOOL_RETURN_IF_ERROR(ValidateHeadDim(g.head_dim, "geometry.head_dim"));
   if (g.page_size == 0 || (g.page_size & (g.page_size - 1)) != 0) {
     return absl::InvalidArgumentError(
@@ -62,7 +68,9 @@ std::vector<std::string> DiffSpecs(const ModelSpec& a, const Digest& rot_a, cons
                                    const Digest& rot_b) {
   std::vector<std::string> d;
   auto cmp = [&d](const char* field, auto x, auto y) {
-    if (x != y) d.push_back(absl::StrCat(field, " (registered ", x, ", requested ", y, ")"));
+    if (x != y) {
+      d.push_back(absl::StrCat(field, " (registered ", x, ", requested ", y, ")"));
+    }
   };
   cmp("geometry.num_layers", a.geometry.num_layers, b.geometry.num_layers);
   cmp("geometry.num_kv_heads", a.geometry.num_kv_heads, b.geometry.num_kv_heads);
@@ -85,7 +93,9 @@ std::vector<std::string> DiffSpecs(const ModelSpec& a, const Digest& rot_a, cons
 std::vector<FormKind> HeldForms(const bool present[kNumForms]) {
   std::vector<FormKind> out;
   for (int f = 0; f < kNumForms; ++f) {
-    if (present[f]) out.push_back(static_cast<FormKind>(f));
+    if (present[f]) {
+      out.push_back(static_cast<FormKind>(f));
+    }
   }
   return out;
 }
@@ -112,7 +122,9 @@ absl::StatusOr<std::unique_ptr<BlockStore>> BlockStore::Create(const StoreOption
       options.default_put_timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("lease-ms/put-timeout-ms: must be > 0");
   }
-  if (!metrics) metrics = std::make_shared<Metrics>();
+  if (!metrics) {
+    metrics = std::make_shared<Metrics>();
+  }
   return std::unique_ptr<BlockStore>(
       new BlockStore(options, memory, clock ? clock : Clock::Real(), std::move(metrics)));
 }
@@ -132,7 +144,9 @@ BlockStore::~BlockStore() = default;
 absl::StatusOr<ModelInfo> BlockStore::RegisterModel(const ModelSpec& spec_in,
                                                     const RotationInput& rotation) {
   ModelSpec spec = spec_in;
-  if (spec.tenant.empty()) spec.tenant = "default";
+  if (spec.tenant.empty()) {
+    spec.tenant = "default";
+  }
   KVPOOL_RETURN_IF_ERROR(ValidateSpec(spec));
 
   // Parse the rotation outside the lock (it can be large).
@@ -140,7 +154,9 @@ absl::StatusOr<ModelInfo> BlockStore::RegisterModel(const ModelSpec& spec_in,
   Digest rot_id{};
   if (!rotation.file_bytes.empty()) {
     absl::StatusOr<kvpool::RotationSet> parsed = ParseRotations(rotation.file_bytes);
-    if (!parsed.ok()) return Annotate(parsed.status(), "rotation_file");
+    if (!parsed.ok()) {
+      return Annotate(parsed.status(), "rotation_file");
+    }
     KVPOOL_RETURN_IF_ERROR(CheckRotationsMatch(*parsed, {.head_dim = spec.geometry.head_dim,
                                                          .num_layers = spec.geometry.num_layers,
                                                          .num_kv_heads = spec.geometry.num_kv_heads,
@@ -237,7 +253,9 @@ absl::StatusOr<std::vector<Digest>> BlockStore::ResolveKeys(const Model& m, cons
   }
   if (!q.keys.empty()) {
     std::vector<Digest> keys = q.keys;
-    if (max_blocks > 0 && keys.size() > max_blocks) keys.resize(max_blocks);
+    if (max_blocks > 0 && keys.size() > max_blocks) {
+      keys.resize(max_blocks);
+    }
     return keys;
   }
   return ChainKeys(m.info.namespace_id, q.token_ids, m.spec.geometry.page_size, max_blocks);
@@ -261,7 +279,9 @@ void BlockStore::TargetForms(const Model& m, uint32_t index, uint32_t num_blocks
 absl::StatusOr<uint64_t> BlockStore::AllocateLocked(uint64_t size) {
   for (;;) {
     absl::StatusOr<uint64_t> off = arena_.Allocate(size);
-    if (off.ok() || off.status().code() != absl::StatusCode::kResourceExhausted) return off;
+    if (off.ok() || off.status().code() != absl::StatusCode::kResourceExhausted) {
+      return off;
+    }
     const uint64_t need = arena_.RoundUp(size);
     const uint64_t low = static_cast<uint64_t>(options_.low_watermark * arena_.capacity());
     uint64_t target = arena_.capacity() > need ? std::min(low, arena_.capacity() - need) : 0;
@@ -280,7 +300,9 @@ absl::StatusOr<uint64_t> BlockStore::AllocateLocked(uint64_t size) {
 
 void BlockStore::FreeSlotLocked(Block& b, FormKind f, const char* reason) {
   Slot& s = b.forms[int(f)];
-  if (!s.present) return;
+  if (!s.present) {
+    return;
+  }
   arena_.Free(s.offset, s.size);
   form_count_[int(f)]--;
   form_bytes_[int(f)] -= s.size;
@@ -291,9 +313,13 @@ void BlockStore::RemoveBlockLocked(const Digest& key, const char* reason) {
   Shard& sh = ShardOf(key);
   std::unique_lock shard_lock(sh.mu);
   auto it = sh.blocks.find(key);
-  if (it == sh.blocks.end()) return;
+  if (it == sh.blocks.end()) {
+    return;
+  }
   Block& b = it->second;
-  for (int f = 0; f < kNumForms; ++f) FreeSlotLocked(b, static_cast<FormKind>(f), reason);
+  for (int f = 0; f < kNumForms; ++f) {
+    FreeSlotLocked(b, static_cast<FormKind>(f), reason);
+  }
   if (b.parent.has_value()) {
     // The parent's children list is not read by Lookup: mu_ (held) guards it.
     if (Block* p = FindBlockLocked(*b.parent)) {
@@ -311,7 +337,9 @@ uint64_t BlockStore::ReclaimLocked(uint64_t target_used, const char* trigger) {
   // first.
   for (auto it = lru_.begin(); it != lru_.end() && arena_.used_bytes() > target_used; ++it) {
     Block& b = *FindBlockLocked(*it);
-    if (b.pins > 0 || b.sink) continue;
+    if (b.pins > 0 || b.sink) {
+      continue;
+    }
     if (b.forms[int(FormKind::kBf16)].present && b.forms[int(FormKind::kInt2)].present) {
       std::unique_lock shard_lock(ShardOf(b.key).mu);
       FreeSlotLocked(b, FormKind::kBf16, "demote");
@@ -326,7 +354,9 @@ uint64_t BlockStore::ReclaimLocked(uint64_t target_used, const char* trigger) {
     for (auto it = lru_.begin(); it != lru_.end() && arena_.used_bytes() > target_used;) {
       Block& b = *FindBlockLocked(*it);
       ++it;  // RemoveBlockLocked erases b's LRU entry
-      if (b.pins > 0 || !b.children.empty()) continue;
+      if (b.pins > 0 || !b.children.empty()) {
+        continue;
+      }
       RemoveBlockLocked(b.key, "evict");
       metrics_->evictions_block.fetch_add(1, std::memory_order_relaxed);
       progress = true;
@@ -342,7 +372,9 @@ uint64_t BlockStore::ReclaimLocked(uint64_t target_used, const char* trigger) {
 
 void BlockStore::UnpinLocked(const Digest& key) {
   Block* b = FindBlockLocked(key);
-  if (b != nullptr && b->pins > 0) b->pins--;
+  if (b != nullptr && b->pins > 0) {
+    b->pins--;
+  }
 }
 
 void BlockStore::ReleasePutLocked(Put& put, bool free_staging) {
@@ -351,14 +383,18 @@ void BlockStore::ReleasePutLocked(Put& put, bool free_staging) {
       arena_.Free(b.staging_offset, b.plan.size);
       staging_bytes_ -= arena_.RoundUp(b.plan.size);
     }
-    if (b.pinned_existing) UnpinLocked(b.plan.key);
+    if (b.pinned_existing) {
+      UnpinLocked(b.plan.key);
+    }
   }
 }
 
 void BlockStore::ExpireLocked(absl::Time now) {
   for (auto it = leases_.begin(); it != leases_.end();) {
     if (it->second.deadline <= now) {
-      for (const Digest& k : it->second.keys) UnpinLocked(k);
+      for (const Digest& k : it->second.keys) {
+        UnpinLocked(k);
+      }
       metrics_->lease_expiries.fetch_add(1, std::memory_order_relaxed);
       it = leases_.erase(it);
     } else {
@@ -398,7 +434,9 @@ absl::StatusOr<PutPlan> BlockStore::BeginPut(const Digest& namespace_id,
   }
   const uint32_t P = m->spec.geometry.page_size;
   const uint64_t full = tokens.size() / P;
-  if (num_blocks == 0) return absl::InvalidArgumentError("num_blocks: must be >= 1");
+  if (num_blocks == 0) {
+    return absl::InvalidArgumentError("num_blocks: must be >= 1");
+  }
   if (num_blocks > full) {
     return absl::InvalidArgumentError(absl::StrCat("num_blocks: ", num_blocks, " exceeds the ",
                                                    full, " full blocks of token_ids (",
@@ -414,7 +452,9 @@ absl::StatusOr<PutPlan> BlockStore::BeginPut(const Digest& namespace_id,
         absl::StrCat("num_blocks: staging for ", num_blocks, " blocks (", num_blocks * bf16_bytes,
                      " bytes) exceeds the pool capacity of ", arena_.capacity(), " bytes"));
   }
-  if (timeout <= absl::ZeroDuration()) timeout = options_.default_put_timeout;
+  if (timeout <= absl::ZeroDuration()) {
+    timeout = options_.default_put_timeout;
+  }
   timeout = std::min(timeout, options_.max_put_timeout);
   KVPOOL_ASSIGN_OR_RETURN(std::vector<Digest> keys, ChainKeys(namespace_id, tokens, P, num_blocks));
 
@@ -431,17 +471,23 @@ absl::StatusOr<PutPlan> BlockStore::BeginPut(const Digest& namespace_id,
     PutBlockState st;
     st.plan.index = i;
     st.plan.key = keys[i];
-    if (i > 0) st.parent = keys[i - 1];
+    if (i > 0) {
+      st.parent = keys[i - 1];
+    }
     bool target[kNumForms];
     TargetForms(*m, i, num_blocks, target);
     bool held[kNumForms] = {false, false};
     bool added[kNumForms] = {false, false};
     if (Block* existing = FindBlockLocked(keys[i])) {
-      for (int f = 0; f < kNumForms; ++f) held[f] = existing->forms[f].present;
+      for (int f = 0; f < kNumForms; ++f) {
+        held[f] = existing->forms[f].present;
+      }
       existing->pins++;
       st.pinned_existing = true;
     }
-    for (int f = 0; f < kNumForms; ++f) added[f] = target[f] && !held[f];
+    for (int f = 0; f < kNumForms; ++f) {
+      added[f] = target[f] && !held[f];
+    }
     st.plan.forms_held = HeldForms(held);
     st.plan.forms_added = HeldForms(added);
     if (!st.plan.forms_added.empty()) {
@@ -554,7 +600,9 @@ absl::StatusOr<CommitResult> BlockStore::CommitPut(const Digest& namespace_id, u
   uint64_t ingested = 0;
   uint8_t* base = memory_->data();
   for (const PutBlockState& b : blocks) {
-    if (b.plan.action != PutAction::kWrite) continue;
+    if (b.plan.action != PutAction::kWrite) {
+      continue;
+    }
     const uint32_t i = b.plan.index;
     const uint8_t* staging = base + b.staging_offset;
     const uint64_t got = Xxh3(staging, b.plan.size);
@@ -566,10 +614,14 @@ absl::StatusOr<CommitResult> BlockStore::CommitPut(const Digest& namespace_id, u
                                                    absl::Hex(got), ")")));
     }
     Encoded& e = enc[i];
-    for (FormKind f : b.plan.forms_added) e.wanted[int(f)] = true;
+    for (FormKind f : b.plan.forms_added) {
+      e.wanted[int(f)] = true;
+    }
     const bool want_int2 = e.wanted[int(FormKind::kInt2)];
     e.bytes[int(FormKind::kBf16)].resize(sizes[0]);
-    if (want_int2) e.bytes[int(FormKind::kInt2)].resize(sizes[1]);
+    if (want_int2) {
+      e.bytes[int(FormKind::kInt2)].resize(sizes[1]);
+    }
     EncodeResult r;
     absl::Status s =
         EncodeBlock(g, *m->rotation, m->spec.clip_ratio_k, m->spec.clip_ratio_v, staging,
@@ -587,9 +639,13 @@ absl::StatusOr<CommitResult> BlockStore::CommitPut(const Digest& namespace_id, u
       e.bytes[int(FormKind::kInt2)].clear();
       metrics_->int2_overflow_blocks.fetch_add(1, std::memory_order_relaxed);
     }
-    if (!e.wanted[int(FormKind::kBf16)]) e.bytes[int(FormKind::kBf16)].clear();
+    if (!e.wanted[int(FormKind::kBf16)]) {
+      e.bytes[int(FormKind::kBf16)].clear();
+    }
     for (int f = 0; f < kNumForms; ++f) {
-      if (e.wanted[f]) e.xxh3[f] = Xxh3(e.bytes[f].data(), e.bytes[f].size());
+      if (e.wanted[f]) {
+        e.xxh3[f] = Xxh3(e.bytes[f].data(), e.bytes[f].size());
+      }
     }
     ingested += b.plan.size;
   }
@@ -610,7 +666,9 @@ absl::StatusOr<CommitResult> BlockStore::CommitPut(const Digest& namespace_id, u
         commit_pins.push_back(b.plan.key);
       }
       for (int f = 0; f < kNumForms; ++f) {
-        if (!enc[i].wanted[f]) continue;
+        if (!enc[i].wanted[f]) {
+          continue;
+        }
         if (existing != nullptr && existing->forms[f].present) {
           enc[i].wanted[f] = false;  // added meanwhile by another put (same bytes)
           continue;
@@ -619,10 +677,14 @@ absl::StatusOr<CommitResult> BlockStore::CommitPut(const Digest& namespace_id, u
         if (!off.ok()) {
           for (Reserved& r : res) {
             for (Slot& s : r.slot) {
-              if (s.present) arena_.Free(s.offset, s.size);
+              if (s.present) {
+                arena_.Free(s.offset, s.size);
+              }
             }
           }
-          for (const Digest& k : commit_pins) UnpinLocked(k);
+          for (const Digest& k : commit_pins) {
+            UnpinLocked(k);
+          }
           lock.unlock();
           return fail(off.status());
         }
@@ -639,7 +701,9 @@ absl::StatusOr<CommitResult> BlockStore::CommitPut(const Digest& namespace_id, u
   for (size_t i = 0; i < blocks.size(); ++i) {
     for (int f = 0; f < kNumForms; ++f) {
       const Slot& s = res[i].slot[f];
-      if (s.present) std::memcpy(base + s.offset, enc[i].bytes[f].data(), s.size);
+      if (s.present) {
+        std::memcpy(base + s.offset, enc[i].bytes[f].data(), s.size);
+      }
     }
   }
 
@@ -657,9 +721,13 @@ absl::StatusOr<CommitResult> BlockStore::CommitPut(const Digest& namespace_id, u
       const uint32_t i = b.plan.index;
       Block* blk = FindBlockLocked(b.plan.key);
       bool have_new = false;
-      for (int f = 0; f < kNumForms; ++f) have_new |= res[i].slot[f].present;
+      for (int f = 0; f < kNumForms; ++f) {
+        have_new |= res[i].slot[f].present;
+      }
       if (blk == nullptr) {
-        if (!have_new) continue;  // cannot happen: absent blocks are pinned or written
+        if (!have_new) {
+          continue;  // cannot happen: absent blocks are pinned or written
+        }
         Block nb;
         nb.key = b.plan.key;
         nb.parent = b.parent;
@@ -669,14 +737,18 @@ absl::StatusOr<CommitResult> BlockStore::CommitPut(const Digest& namespace_id, u
         nb.lru = lru_.insert(lru_.end(), nb.key);
         blk = &ShardOf(nb.key).blocks.emplace(nb.key, std::move(nb)).first->second;
         if (b.parent.has_value()) {
-          if (Block* p = FindBlockLocked(*b.parent)) p->children.push_back(b.plan.key);
+          if (Block* p = FindBlockLocked(*b.parent)) {
+            p->children.push_back(b.plan.key);
+          }
         }
       } else {
         lru_.splice(lru_.end(), lru_, blk->lru);
       }
       for (int f = 0; f < kNumForms; ++f) {
         Slot& s = res[i].slot[f];
-        if (!s.present) continue;
+        if (!s.present) {
+          continue;
+        }
         if (blk->forms[f].present) {
           arena_.Free(s.offset, s.size);  // a concurrent commit linked the same form first
           continue;
@@ -686,11 +758,17 @@ absl::StatusOr<CommitResult> BlockStore::CommitPut(const Digest& namespace_id, u
         form_bytes_[f] += s.size;
       }
       bool present[kNumForms];
-      for (int f = 0; f < kNumForms; ++f) present[f] = blk->forms[f].present;
+      for (int f = 0; f < kNumForms; ++f) {
+        present[f] = blk->forms[f].present;
+      }
       result.blocks.push_back({.index = i, .key = b.plan.key, .forms = HeldForms(present)});
     }
-    for (auto& sl : shard_locks) sl.unlock();
-    for (const Digest& k : commit_pins) UnpinLocked(k);
+    for (auto& sl : shard_locks) {
+      sl.unlock();
+    }
+    for (const Digest& k : commit_pins) {
+      UnpinLocked(k);
+    }
     auto pit = puts_.find(put_id);
     if (pit != puts_.end()) {
       ReleasePutLocked(pit->second, true);
@@ -718,9 +796,13 @@ absl::StatusOr<std::vector<BlockFormsInfo>> BlockStore::Lookup(const Digest& nam
     const Shard& sh = ShardOf(k);
     std::shared_lock shard_lock(sh.mu);
     auto it = sh.blocks.find(k);
-    if (it == sh.blocks.end() || it->second.model != m) break;
+    if (it == sh.blocks.end() || it->second.model != m) {
+      break;
+    }
     bool present[kNumForms];
-    for (int f = 0; f < kNumForms; ++f) present[f] = it->second.forms[f].present;
+    for (int f = 0; f < kNumForms; ++f) {
+      present[f] = it->second.forms[f].present;
+    }
     out.push_back({.key = k, .sink = it->second.sink, .forms = HeldForms(present)});
   }
   metrics_->lookup_calls.fetch_add(1, std::memory_order_relaxed);
@@ -739,7 +821,9 @@ absl::StatusOr<LeaseGrant> BlockStore::Acquire(const Digest& namespace_id, const
     KVPOOL_ASSIGN_OR_RETURN(m, FindModelLocked(namespace_id));
   }
   KVPOOL_ASSIGN_OR_RETURN(std::vector<Digest> keys, ResolveKeys(*m, query, max_blocks));
-  if (lease <= absl::ZeroDuration()) lease = options_.default_lease;
+  if (lease <= absl::ZeroDuration()) {
+    lease = options_.default_lease;
+  }
   lease = std::min(lease, options_.max_lease);
   LeaseGrant grant;
   grant.lifetime = lease;
@@ -749,7 +833,9 @@ absl::StatusOr<LeaseGrant> BlockStore::Acquire(const Digest& namespace_id, const
     Lease l;
     for (uint32_t i = 0; i < keys.size(); ++i) {
       Block* found = FindBlockLocked(keys[i]);
-      if (found == nullptr || found->model != m) break;
+      if (found == nullptr || found->model != m) {
+        break;
+      }
       Block& b = *found;
       b.pins++;
       lru_.splice(lru_.end(), lru_, b.lru);
@@ -757,7 +843,9 @@ absl::StatusOr<LeaseGrant> BlockStore::Acquire(const Digest& namespace_id, const
       LeasedBlock lb{.index = i, .key = keys[i], .sink = b.sink};
       for (int f = 0; f < kNumForms; ++f) {
         const Slot& s = b.forms[f];
-        if (!s.present) continue;
+        if (!s.present) {
+          continue;
+        }
         lb.forms.push_back({.form = static_cast<FormKind>(f),
                             .offset = s.offset,
                             .size = s.size,
@@ -784,7 +872,9 @@ absl::StatusOr<LeaseGrant> BlockStore::Acquire(const Digest& namespace_id, const
 }
 
 absl::StatusOr<absl::Duration> BlockStore::Renew(uint64_t lease_id, absl::Duration lease) {
-  if (lease <= absl::ZeroDuration()) lease = options_.default_lease;
+  if (lease <= absl::ZeroDuration()) {
+    lease = options_.default_lease;
+  }
   lease = std::min(lease, options_.max_lease);
   std::unique_lock lock(mu_);
   const absl::Time now = clock_->Now();
@@ -803,9 +893,13 @@ absl::Status BlockStore::Release(uint64_t lease_id) {
   // the bytes it read as suspect (fail closed).
   const bool expired = it != leases_.end() && it->second.deadline <= clock_->Now();
   if (it != leases_.end()) {
-    for (const Digest& k : it->second.keys) UnpinLocked(k);
+    for (const Digest& k : it->second.keys) {
+      UnpinLocked(k);
+    }
     leases_.erase(it);
-    if (expired) metrics_->lease_expiries.fetch_add(1, std::memory_order_relaxed);
+    if (expired) {
+      metrics_->lease_expiries.fetch_add(1, std::memory_order_relaxed);
+    }
   }
   if (it == leases_.end() || expired) {
     return absl::NotFoundError(absl::StrCat("lease_id: ", lease_id,
@@ -837,7 +931,9 @@ absl::StatusOr<std::vector<ItemResult>> BlockStore::Delete(const Digest& namespa
     for (size_t j = 0; j < order.size(); ++j) {
       const Block& b = *FindBlockLocked(order[j]);
       pinned |= b.pins > 0;
-      for (const Digest& c : b.children) order.push_back(c);
+      for (const Digest& c : b.children) {
+        order.push_back(c);
+      }
     }
     if (pinned) {
       out.push_back({absl::FailedPreconditionError(absl::StrCat(
@@ -851,7 +947,9 @@ absl::StatusOr<std::vector<ItemResult>> BlockStore::Delete(const Digest& namespa
     out.push_back({absl::OkStatus()});
   }
   metrics_->deletions_block.fetch_add(deleted, std::memory_order_relaxed);
-  if (blocks_deleted) *blocks_deleted = deleted;
+  if (blocks_deleted) {
+    *blocks_deleted = deleted;
+  }
   return out;
 }
 
@@ -861,7 +959,9 @@ StoreStats BlockStore::Stats() const {
   s.capacity_bytes = arena_.capacity();
   s.used_bytes = arena_.used_bytes();
   s.staging_bytes = staging_bytes_;
-  for (const Shard& sh : shards_) s.blocks += sh.blocks.size();
+  for (const Shard& sh : shards_) {
+    s.blocks += sh.blocks.size();
+  }
   for (int f = 0; f < kNumForms; ++f) {
     s.forms[f] = form_count_[f];
     s.form_bytes[f] = form_bytes_[f];

@@ -30,7 +30,9 @@ TEST(ArenaTest, AllocatesAlignedAndCoalesces) {
 TEST(ArenaTest, ExhaustionAndFragmentation) {
   Arena a(1024, 256);
   std::vector<uint64_t> offs;
-  for (int i = 0; i < 4; ++i) offs.push_back(*a.Allocate(256));
+  for (int i = 0; i < 4; ++i) {
+    offs.push_back(*a.Allocate(256));
+  }
   EXPECT_EQ(a.Allocate(1).status().code(), absl::StatusCode::kResourceExhausted);
   a.Free(offs[0], 256);
   a.Free(offs[2], 256);

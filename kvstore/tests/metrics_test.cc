@@ -18,16 +18,22 @@ int Promtool(const std::string& text, std::string* output) {
   std::ofstream(path) << text;
   const std::string cmd = std::string(KVPOOL_PROMTOOL) + " check metrics < " + path + " 2>&1";
   FILE* p = popen(cmd.c_str(), "r");
-  if (p == nullptr) return -1;
+  if (p == nullptr) {
+    return -1;
+  }
   char buf[4096];
   size_t n;
-  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) output->append(buf, n);
+  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) {
+    output->append(buf, n);
+  }
   return pclose(p);
 }
 
 TEST(HistogramTest, CumulativeBuckets) {
   Histogram h({1, 2, 4});
-  for (double v : {0.5, 1.0, 1.5, 3.0, 10.0}) h.Observe(v);
+  for (double v : {0.5, 1.0, 1.5, 3.0, 10.0}) {
+    h.Observe(v);
+  }
   std::string out;
   h.Render("x", &out);
   EXPECT_NE(out.find("x_bucket{le=\"1\"} 2\n"), std::string::npos) << out;
@@ -39,7 +45,9 @@ TEST(HistogramTest, CumulativeBuckets) {
 }
 
 TEST(MetricsTest, StoreMetricsPassPromtoolAndCountActivity) {
-  if (std::string(KVPOOL_PROMTOOL).empty()) GTEST_SKIP() << "promtool not installed";
+  if (std::string(KVPOOL_PROMTOOL).empty()) {
+    GTEST_SKIP() << "promtool not installed";
+  }
   auto mem = *HeapPoolMemory::Create(1 << 20);
   FakeClock clock;
   auto store = *BlockStore::Create({}, mem.get(), &clock);

@@ -43,12 +43,20 @@ int HealthCheck(const std::shared_ptr<grpc::Channel>& ch, const std::string& ser
   stub.UnaryCall(&ctx, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &in, &out,
                  [&done](grpc::Status s) { done.set_value(s); });
   grpc::Status s = done.get_future().get();
-  if (!s.ok()) return -static_cast<int>(s.error_code());
+  if (!s.ok()) {
+    return -static_cast<int>(s.error_code());
+  }
   std::vector<grpc::Slice> slices;
-  if (!out.Dump(&slices).ok()) return -100;
+  if (!out.Dump(&slices).ok()) {
+    return -100;
+  }
   std::string bytes;
-  for (auto& sl : slices) bytes.append(reinterpret_cast<const char*>(sl.begin()), sl.size());
-  if (bytes.empty()) return 0;  // UNKNOWN (default value is not serialized)
+  for (auto& sl : slices) {
+    bytes.append(reinterpret_cast<const char*>(sl.begin()), sl.size());
+  }
+  if (bytes.empty()) {
+    return 0;  // UNKNOWN (default value is not serialized)
+  }
   return bytes.size() >= 2 && bytes[0] == 0x08 ? bytes[1] : -101;
 }
 
@@ -66,14 +74,20 @@ std::string ReflectionListServices(const std::shared_ptr<grpc::Channel>& ch) {
   bool ok = false;
   auto step = [&](void* want) { return cq.Next(&tag, &ok) && ok && tag == want; };
   call->StartCall(reinterpret_cast<void*>(1));
-  if (!step(reinterpret_cast<void*>(1))) return "";
+  if (!step(reinterpret_cast<void*>(1))) {
+    return "";
+  }
   const std::string req("\x3a\x00", 2);
   grpc::Slice slice(req);
   grpc::ByteBuffer in(&slice, 1), out;
   call->Write(in, reinterpret_cast<void*>(2));
-  if (!step(reinterpret_cast<void*>(2))) return "";
+  if (!step(reinterpret_cast<void*>(2))) {
+    return "";
+  }
   call->Read(&out, reinterpret_cast<void*>(3));
-  if (!step(reinterpret_cast<void*>(3))) return "";
+  if (!step(reinterpret_cast<void*>(3))) {
+    return "";
+  }
   call->WritesDone(reinterpret_cast<void*>(4));
   step(reinterpret_cast<void*>(4));
   grpc::Status status;
@@ -83,9 +97,13 @@ std::string ReflectionListServices(const std::shared_ptr<grpc::Channel>& ch) {
   while (cq.Next(&tag, &ok)) {
   }
   std::vector<grpc::Slice> slices;
-  if (!out.Dump(&slices).ok()) return "";
+  if (!out.Dump(&slices).ok()) {
+    return "";
+  }
   std::string bytes;
-  for (auto& sl : slices) bytes.append(reinterpret_cast<const char*>(sl.begin()), sl.size());
+  for (auto& sl : slices) {
+    bytes.append(reinterpret_cast<const char*>(sl.begin()), sl.size());
+  }
   return bytes;
 }
 
@@ -124,7 +142,9 @@ class ServiceTest : public ::testing::Test {
     stub_ = pb::KvPool::NewStub(channel_);
   }
   void TearDown() override {
-    if (server_) server_->Shutdown(absl::Seconds(1));
+    if (server_) {
+      server_->Shutdown(absl::Seconds(1));
+    }
   }
   std::unique_ptr<grpc::ClientContext> Ctx() {
     auto c = std::make_unique<grpc::ClientContext>();
@@ -152,7 +172,9 @@ TEST_F(ServiceTest, RegisterPutLookupAcquireRelease) {
   const std::vector<uint32_t> tokens = testing::Tokens(1, 26);  // 6 full blocks + 2 tokens
   pb::BeginPutRequest bp;
   bp.set_namespace_id(reg.namespace_id());
-  for (uint32_t t : tokens) bp.add_token_ids(t);
+  for (uint32_t t : tokens) {
+    bp.add_token_ids(t);
+  }
   bp.set_num_blocks(6);
   pb::BeginPutResponse put;
   st = stub_->BeginPut(Ctx().get(), bp, &put);
@@ -180,7 +202,9 @@ TEST_F(ServiceTest, RegisterPutLookupAcquireRelease) {
 
   pb::LookupRequest lr;
   lr.set_namespace_id(reg.namespace_id());
-  for (uint32_t t : tokens) lr.add_token_ids(t);
+  for (uint32_t t : tokens) {
+    lr.add_token_ids(t);
+  }
   pb::LookupResponse look;
   ASSERT_TRUE(stub_->Lookup(Ctx().get(), lr, &look).ok());
   EXPECT_EQ(look.num_blocks(), 6u);
@@ -194,7 +218,9 @@ TEST_F(ServiceTest, RegisterPutLookupAcquireRelease) {
 
   pb::AcquireRequest ar;
   ar.set_namespace_id(reg.namespace_id());
-  for (const Digest& k : *keys) ar.add_keys(DigestBytes(k));
+  for (const Digest& k : *keys) {
+    ar.add_keys(DigestBytes(k));
+  }
   ar.set_max_blocks(4);
   pb::AcquireResponse lease;
   ASSERT_TRUE(stub_->Acquire(Ctx().get(), ar, &lease).ok());
@@ -305,16 +331,22 @@ TEST_F(ServiceTest, SixteenConcurrentClientsByteExact) {
         const std::vector<uint32_t> tokens = testing::Tokens(seq, blocks * 4);
         pb::BeginPutRequest bp;
         bp.set_namespace_id(reg.namespace_id());
-        for (uint32_t t : tokens) bp.add_token_ids(t);
+        for (uint32_t t : tokens) {
+          bp.add_token_ids(t);
+        }
         bp.set_num_blocks(blocks);
         pb::BeginPutResponse put;
         grpc::Status st = stub->BeginPut(Ctx().get(), bp, &put);
-        if (!st.ok()) return fail("BeginPut: " + st.error_message());
+        if (!st.ok()) {
+          return fail("BeginPut: " + st.error_message());
+        }
         pb::CommitPutRequest cp;
         cp.set_namespace_id(reg.namespace_id());
         cp.set_put_id(put.put_id());
         for (const pb::PutBlock& b : put.blocks()) {
-          if (b.action() != pb::PUT_BLOCK_ACTION_WRITE) continue;
+          if (b.action() != pb::PUT_BLOCK_ACTION_WRITE) {
+            continue;
+          }
           auto bytes = testing::BlockBytes(spec.geometry, seq, b.index());
           std::memcpy(mem.data() + (b.staging_addr() - mem.remote_address()), bytes.data(),
                       bytes.size());
@@ -324,19 +356,29 @@ TEST_F(ServiceTest, SixteenConcurrentClientsByteExact) {
         }
         pb::CommitPutResponse committed;
         st = stub->CommitPut(Ctx().get(), cp, &committed);
-        if (!st.ok()) return fail("CommitPut: " + st.error_message());
+        if (!st.ok()) {
+          return fail("CommitPut: " + st.error_message());
+        }
         pb::LookupRequest lr;
         lr.set_namespace_id(reg.namespace_id());
-        for (uint32_t t : tokens) lr.add_token_ids(t);
+        for (uint32_t t : tokens) {
+          lr.add_token_ids(t);
+        }
         pb::LookupResponse look;
         st = stub->Lookup(Ctx().get(), lr, &look);
-        if (!st.ok() || look.num_blocks() != blocks) return fail("Lookup");
+        if (!st.ok() || look.num_blocks() != blocks) {
+          return fail("Lookup");
+        }
         pb::AcquireRequest ar;
         ar.set_namespace_id(reg.namespace_id());
-        for (uint32_t t : tokens) ar.add_token_ids(t);
+        for (uint32_t t : tokens) {
+          ar.add_token_ids(t);
+        }
         pb::AcquireResponse lease;
         st = stub->Acquire(Ctx().get(), ar, &lease);
-        if (!st.ok() || lease.num_blocks() != blocks) return fail("Acquire");
+        if (!st.ok() || lease.num_blocks() != blocks) {
+          return fail("Acquire");
+        }
         for (const pb::LeasedBlock& b : lease.blocks()) {
           auto in = testing::BlockBytes(spec.geometry, seq, b.index());
           std::vector<uint8_t> want[2] = {std::vector<uint8_t>(512), std::vector<uint8_t>(192)};
@@ -359,11 +401,15 @@ TEST_F(ServiceTest, SixteenConcurrentClientsByteExact) {
         pb::ReleaseRequest rel;
         rel.set_lease_id(lease.lease_id());
         pb::ReleaseResponse released;
-        if (!stub->Release(Ctx().get(), rel, &released).ok()) return fail("Release");
+        if (!stub->Release(Ctx().get(), rel, &released).ok()) {
+          return fail("Release");
+        }
       }
     });
   }
-  for (auto& t : clients) t.join();
+  for (auto& t : clients) {
+    t.join();
+  }
   EXPECT_EQ(failures.load(), 0);
   EXPECT_GE(verified_forms.load(), 16 * 6 * 3);
   const StoreStats s = server_->store().Stats();
@@ -403,7 +449,9 @@ struct Child {
 
 Child Spawn(const std::vector<std::string>& args) {
   int fds[2];
-  if (pipe(fds) != 0) return {};
+  if (pipe(fds) != 0) {
+    return {};
+  }
   pid_t pid = fork();
   if (pid == 0) {
     dup2(fds[1], 1);
@@ -412,7 +460,9 @@ Child Spawn(const std::vector<std::string>& args) {
     std::vector<char*> argv;
     std::string bin = KVPOOL_SERVER_BIN;
     argv.push_back(bin.data());
-    for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+    for (const auto& a : args) {
+      argv.push_back(const_cast<char*>(a.c_str()));
+    }
     argv.push_back(nullptr);
     execv(bin.c_str(), argv.data());
     _exit(127);
@@ -423,7 +473,9 @@ Child Spawn(const std::vector<std::string>& args) {
 
 int WaitExit(pid_t pid) {
   int status = 0;
-  if (waitpid(pid, &status, 0) != pid) return -1;
+  if (waitpid(pid, &status, 0) != pid) {
+    return -1;
+  }
   return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
 }
 
@@ -432,7 +484,9 @@ TEST(ServerBinaryTest, FlagsHelpAndUsageErrors) {
   std::string text;
   char buf[4096];
   size_t n;
-  while ((n = fread(buf, 1, sizeof(buf), help.out)) > 0) text.append(buf, n);
+  while ((n = fread(buf, 1, sizeof(buf), help.out)) > 0) {
+    text.append(buf, n);
+  }
   fclose(help.out);
   EXPECT_EQ(WaitExit(help.pid), 0);
   for (const char* flag : {"--listen", "--metrics-port", "--capacity", "--config", "--version",

@@ -41,7 +41,9 @@ class StoreTest : public ::testing::Test {
   std::vector<BlockChecksum> Write(const PutPlan& plan, uint32_t seq) {
     std::vector<BlockChecksum> sums;
     for (const PutBlockPlan& b : plan.blocks) {
-      if (b.action != PutAction::kWrite) continue;
+      if (b.action != PutAction::kWrite) {
+        continue;
+      }
       std::vector<uint8_t> bytes = BlockBytes(spec_.geometry, seq, b.index);
       EXPECT_EQ(bytes.size(), b.size);
       std::memcpy(mem_->data() + b.staging_offset, bytes.data(), bytes.size());
@@ -52,7 +54,9 @@ class StoreTest : public ::testing::Test {
 
   absl::StatusOr<CommitResult> Put(uint32_t seq, uint32_t blocks, uint32_t shared = 0) {
     auto plan = store_->BeginPut(ns_, Tokens(seq, blocks * 4, shared), blocks, {});
-    if (!plan.ok()) return plan.status();
+    if (!plan.ok()) {
+      return plan.status();
+    }
     return store_->CommitPut(ns_, plan->put_id, Write(*plan, seq));
   }
 
@@ -60,7 +64,9 @@ class StoreTest : public ::testing::Test {
     auto r = store_->Lookup(ns_, {.token_ids = Tokens(seq, blocks * 4, shared)});
     EXPECT_TRUE(r.ok()) << r.status();
     std::vector<std::vector<FormKind>> out;
-    for (const auto& b : *r) out.push_back(b.forms);
+    for (const auto& b : *r) {
+      out.push_back(b.forms);
+    }
     return out;
   }
 
@@ -144,14 +150,20 @@ TEST_F(StoreTest, FormsPerBlockFollowTheRecipe) {
   auto f = Forms(1, 6);
   ASSERT_EQ(f.size(), 6u);
   EXPECT_EQ(f[0], (std::vector<FormKind>{kB}));
-  for (int i = 1; i <= 3; ++i) EXPECT_EQ(f[i], (std::vector<FormKind>{kI})) << i;
-  for (int i = 4; i <= 5; ++i) EXPECT_EQ(f[i], (std::vector<FormKind>{kB, kI})) << i;
+  for (int i = 1; i <= 3; ++i) {
+    EXPECT_EQ(f[i], (std::vector<FormKind>{kI})) << i;
+  }
+  for (int i = 4; i <= 5; ++i) {
+    EXPECT_EQ(f[i], (std::vector<FormKind>{kB, kI})) << i;
+  }
   auto lk = store_->Lookup(ns_, {.token_ids = Tokens(1, 24)});
   EXPECT_TRUE((*lk)[0].sink);
   EXPECT_FALSE((*lk)[1].sink);
   // Keys are the docs/KEYS.md chain from the namespace.
   auto keys = ChainKeys(ns_, Tokens(1, 24), 4);
-  for (int i = 0; i < 6; ++i) EXPECT_EQ((*lk)[i].key, (*keys)[i]);
+  for (int i = 0; i < 6; ++i) {
+    EXPECT_EQ((*lk)[i].key, (*keys)[i]);
+  }
   // A longer query stops at the held prefix; a key query gives the same answer.
   EXPECT_EQ(Forms(1, 9).size(), 6u);
   auto by_keys = store_->Lookup(ns_, {.keys = *keys});
@@ -167,7 +179,9 @@ TEST_F(StoreTest, FormsPerBlockFollowTheRecipe) {
 TEST_F(StoreTest, Bf16PrecisionKeepsOnlyBf16) {
   Init(1 << 20, HistoryPrecision::kBf16);
   ASSERT_TRUE(Put(1, 5).ok());
-  for (const auto& f : Forms(1, 5)) EXPECT_EQ(f, (std::vector<FormKind>{kB}));
+  for (const auto& f : Forms(1, 5)) {
+    EXPECT_EQ(f, (std::vector<FormKind>{kB}));
+  }
 }
 
 TEST_F(StoreTest, StoredBytesAreTheEncodedFormsWithChecksums) {
@@ -236,7 +250,9 @@ TEST_F(StoreTest, NonFiniteIsRefusedNamingBlockLayerHeadToken) {
   ASSERT_TRUE(plan.ok());
   std::vector<BlockChecksum> sums;
   for (const PutBlockPlan& b : plan->blocks) {
-    if (b.action != PutAction::kWrite) continue;
+    if (b.action != PutAction::kWrite) {
+      continue;
+    }
     std::vector<uint8_t> bytes = BlockBytes(spec_.geometry, 5, b.index);
     if (b.index == 4) {
       const uint64_t at = spec_.geometry.Bf16ChunkOffset(1, 1) + (3 * 8 + 6) * 2;
@@ -286,7 +302,9 @@ TEST_F(StoreTest, RepeatedPutIsIdempotentAndAddsMissingForms) {
   // The same put again: everything skipped, nothing staged.
   auto again = store_->BeginPut(ns_, Tokens(6, 24), 6, {});
   ASSERT_TRUE(again.ok());
-  for (const auto& b : again->blocks) EXPECT_EQ(b.action, PutAction::kSkip);
+  for (const auto& b : again->blocks) {
+    EXPECT_EQ(b.action, PutAction::kSkip);
+  }
   EXPECT_EQ(store_->Stats().staging_bytes, 0u);
   auto c = store_->CommitPut(ns_, again->put_id, {});
   ASSERT_TRUE(c.ok());
@@ -421,7 +439,9 @@ TEST_F(EvictionTest, DemotesBf16BeforeEvictingBlocks) {
     auto f = Forms(seq, 4);
     ASSERT_EQ(f.size(), 4u);
     EXPECT_EQ(f[0], (std::vector<FormKind>{kB}));
-    for (int i = 1; i < 4; ++i) EXPECT_NE(std::find(f[i].begin(), f[i].end(), kI), f[i].end());
+    for (int i = 1; i < 4; ++i) {
+      EXPECT_NE(std::find(f[i].begin(), f[i].end(), kI), f[i].end());
+    }
   }
 }
 
@@ -464,7 +484,9 @@ TEST_F(EvictionTest, EvictsWholeBlocksLeafFirstAndNeverLeased) {
 
 TEST_F(EvictionTest, PoolFullOfLeasedBlocksRefusesPuts) {
   InitWatermarks(0.9, 0.8);
-  for (uint32_t seq = 1; seq <= 3; ++seq) ASSERT_TRUE(Put(seq, 4).ok());
+  for (uint32_t seq = 1; seq <= 3; ++seq) {
+    ASSERT_TRUE(Put(seq, 4).ok());
+  }
   std::vector<uint64_t> leases;
   for (uint32_t seq = 1; seq <= 3; ++seq) {
     auto l = store_->Acquire(ns_, {.token_ids = Tokens(seq, 16)}, 0, absl::Minutes(1));
@@ -480,7 +502,9 @@ TEST_F(EvictionTest, PoolFullOfLeasedBlocksRefusesPuts) {
   EXPECT_EQ(store_->Stats().used_bytes, used);  // nothing leaked, nothing evicted
   EXPECT_EQ(store_->Stats().blocks, 12u);
   EXPECT_EQ(store_->metrics().evictions_demote.load(), 0u);
-  for (uint64_t id : leases) ASSERT_TRUE(store_->Release(id).ok());
+  for (uint64_t id : leases) {
+    ASSERT_TRUE(store_->Release(id).ok());
+  }
   auto c = Put(50, 8);  // now eviction can make room
   EXPECT_TRUE(c.ok()) << c.status();
   EXPECT_EQ(Forms(50, 8).size(), 8u);
@@ -523,12 +547,16 @@ TEST_F(StoreTest, ConcurrentClientsKeepTheStoreConsistent) {
         }
         std::vector<BlockChecksum> sums;
         for (const PutBlockPlan& b : plan->blocks) {
-          if (b.action != PutAction::kWrite) continue;
+          if (b.action != PutAction::kWrite) {
+            continue;
+          }
           auto bytes = BlockBytes(spec_.geometry, seq, b.index);
           std::memcpy(mem_->data() + b.staging_offset, bytes.data(), bytes.size());
           sums.push_back({b.index, Xxh3(bytes.data(), bytes.size())});
         }
-        if (!store_->CommitPut(ns_, plan->put_id, sums).ok()) failures++;
+        if (!store_->CommitPut(ns_, plan->put_id, sums).ok()) {
+          failures++;
+        }
         auto l = store_->Acquire(ns_, {.token_ids = Tokens(seq, 24)}, 0, {});
         if (!l.ok() || l->blocks.size() != 6) {
           failures++;
@@ -536,14 +564,20 @@ TEST_F(StoreTest, ConcurrentClientsKeepTheStoreConsistent) {
         }
         for (const auto& b : l->blocks) {
           for (const auto& f : b.forms) {
-            if (Xxh3(mem_->data() + f.offset, f.size) != f.xxh3) failures++;
+            if (Xxh3(mem_->data() + f.offset, f.size) != f.xxh3) {
+              failures++;
+            }
           }
         }
-        if (!store_->Release(l->lease_id).ok()) failures++;
+        if (!store_->Release(l->lease_id).ok()) {
+          failures++;
+        }
       }
     });
   }
-  for (auto& th : threads) th.join();
+  for (auto& th : threads) {
+    th.join();
+  }
   EXPECT_EQ(failures.load(), 0);
   StoreStats s = store_->Stats();
   EXPECT_EQ(s.blocks, 60u);

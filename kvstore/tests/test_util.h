@@ -37,7 +37,9 @@ inline std::string RotationFileFor(const ModelSpec& spec) {
   meta.clip_ratio_k = spec.clip_ratio_k;
   meta.clip_ratio_v = spec.clip_ratio_v;
   auto rot = RotationSet::Hadamard(meta);
-  if (!rot.ok()) std::abort();
+  if (!rot.ok()) {
+    std::abort();
+  }
   return SerializeRotations(*rot);
 }
 
@@ -56,7 +58,9 @@ inline std::vector<uint8_t> BlockBytes(const BlockGeometry& g, uint32_t seq, uin
 // Tokens of sequence `seq` (n tokens); sequences share a prefix of `shared` tokens.
 inline std::vector<uint32_t> Tokens(uint32_t seq, uint32_t n, uint32_t shared = 0) {
   std::vector<uint32_t> t(n);
-  for (uint32_t i = 0; i < n; ++i) t[i] = i < shared ? 1000 + i : seq * 100000 + i;
+  for (uint32_t i = 0; i < n; ++i) {
+    t[i] = i < shared ? 1000 + i : seq * 100000 + i;
+  }
   return t;
 }
 

@@ -86,7 +86,9 @@ TEST_P(UcxEndToEndTest, PutCommitAcquireGetByteExact) {
 
   pb::BeginPutRequest bp;
   bp.set_namespace_id(reg.namespace_id());
-  for (uint32_t t : testing::Tokens(7, kBlocks * 16 + 3)) bp.add_token_ids(t);
+  for (uint32_t t : testing::Tokens(7, kBlocks * 16 + 3)) {
+    bp.add_token_ids(t);
+  }
   bp.set_num_blocks(kBlocks);
   pb::BeginPutResponse put;
   st = stub->BeginPut(ctx().get(), bp, &put);
@@ -122,7 +124,9 @@ TEST_P(UcxEndToEndTest, PutCommitAcquireGetByteExact) {
 
   pb::AcquireRequest ar;
   ar.set_namespace_id(reg.namespace_id());
-  for (uint32_t t : testing::Tokens(7, kBlocks * 16)) ar.add_token_ids(t);
+  for (uint32_t t : testing::Tokens(7, kBlocks * 16)) {
+    ar.add_token_ids(t);
+  }
   pb::AcquireResponse lease;
   ASSERT_TRUE(stub->Acquire(ctx().get(), ar, &lease).ok());
   ASSERT_EQ(lease.num_blocks(), kBlocks);

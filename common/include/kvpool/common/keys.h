@@ -102,7 +102,9 @@ inline std::string DigestBytes(const Digest& d) {
 struct DigestHash {
   size_t operator()(const Digest& d) const noexcept {
     uint64_t h = 0;
-    for (int i = 0; i < 8; ++i) h |= uint64_t(d[i]) << (8 * i);
+    for (int i = 0; i < 8; ++i) {
+      h |= uint64_t(d[i]) << (8 * i);
+    }
     return static_cast<size_t>(h);
   }
 };
