@@ -132,7 +132,8 @@ for e, p, d in zip(ev["prompts"], pre["prompts"], dec["prompts"]):
     print(f"   bytes/token: stored {b['stored_per_token']:.0f}, moved {b['moved_per_token']:.0f} "
           f"(BF16 {bf16_tok}); teacher-forced int2 S64/W256 agreement "
           f"{entry['teacher_forced']['int2_S64_W256']['agreement']:.3f}")
-    print(f"   pool output == single-process run: {match}; blocks hit {d['hit_blocks']}/{d['wanted_blocks']}"
+    print(f"   pool-served == same recipe in one process (no pool): {match}; "
+          f"blocks hit {d['hit_blocks']}/{d['wanted_blocks']}"
           f"{'  FALLBACK: ' + d['fallback_reason'] if d['fallback'] else ''}")
 ov = dec["overall"]
 overall = {
