@@ -3,6 +3,7 @@
 
 #include <charconv>
 #include <cmath>
+#include <cstdio>
 #include <fstream>
 #include <sstream>
 #include <vector>
@@ -210,6 +211,24 @@ absl::StatusOr<RotationSet> ParseRotations(const std::string& bytes) {
   auto set = RotationSet::FromMatrices(std::move(m), std::move(k), std::move(v), std::move(ke),
                                        std::move(ve));
   if (!set.ok()) return Annotate(set.status(), "rotation file");
+  // Every matrix must be orthogonal: the pool applies R and the worker Rᵀ as its inverse, so a
+  // non-orthogonal matrix silently corrupts every decoded token (FORMAT.md §4).
+  for (uint32_t l = 0; l < set->metadata().num_layers; ++l) {
+    for (uint32_t h = 0; h < hr; ++h) {
+      for (KvKind kind : {KvKind::kKey, KvKind::kValue}) {
+        const double err = set->OrthogonalityError(kind, l, h);
+        if (!(err <= kRotationOrthogonalityTolerance)) {
+          std::string name = TensorName(l, kind, "rotation");
+          if (hr > 1) absl::StrAppend(&name, "[", h, "]");
+          char buf[32];
+          std::snprintf(buf, sizeof(buf), "%.3e", err);
+          return absl::InvalidArgumentError(absl::StrCat(
+              "rotation file: tensor '", name, "' is not orthogonal: max |R Rt - I| = ", buf,
+              " > tolerance ", kRotationOrthogonalityTolerance));
+        }
+      }
+    }
+  }
   set->set_rotation_id_hex(Sha256Hex(bytes));
   return set;
 }

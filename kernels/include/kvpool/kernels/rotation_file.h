@@ -39,9 +39,17 @@ std::string SerializeRotations(const RotationSet& rot);
 // Writes the file and records its id in `*rot` (rotation_id_hex). INTERNAL on I/O errors.
 absl::Status WriteRotationFile(RotationSet* rot, const std::string& path);
 
+// Largest accepted max |R Rᵀ − I| (fp64 arithmetic over the stored fp32 matrix). A float32-saved
+// orthogonal matrix measures ≈ 1e-7 (FORMAT.md §4); 1e-4 leaves room for d = 1024 rounding while
+// refusing any matrix that is not a rotation.
+inline constexpr double kRotationOrthogonalityTolerance = 1e-4;
+
 // Parses and validates file bytes: safetensors validity (common/safetensors.h), metadata
 // fields present and well-formed, every expected tensor present with the exact dtype/shape,
-// finite values. INVALID_ARGUMENT naming the field/tensor; DATA_LOSS for truncated files.
+// finite values, every rotation matrix orthogonal within kRotationOrthogonalityTolerance.
+// INVALID_ARGUMENT naming the field/tensor (and the measured orthogonality error, e.g.
+// "tensor 'layers.0.k.rotation' is not orthogonal: max |R Rt - I| = 4.880e+01 > tolerance
+// 0.0001"); DATA_LOSS for truncated files.
 // The returned set carries rotation_id_hex = SHA-256(bytes).
 absl::StatusOr<RotationSet> ParseRotations(const std::string& bytes);
 // Reads `path` (NOT_FOUND when missing) and parses it.

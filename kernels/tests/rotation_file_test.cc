@@ -1,0 +1,100 @@
+// Rotation-file orthogonality validation (kvpool/kernels/rotation_file.h): a file whose matrices
+// are not rotations is refused by the shared reader that the pool, worker and tools all use.
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "kvpool/kernels/rotation.h"
+#include "kvpool/kernels/rotation_file.h"
+
+namespace kvpool {
+namespace {
+
+RotationMetadata HadamardMeta(uint32_t version, uint32_t d, uint32_t layers, uint32_t heads) {
+  RotationMetadata m;
+  m.format_version = version;
+  m.objective = "hadamard";
+  m.composition = "H";
+  m.model_name = "m";
+  m.head_dim = d;
+  m.num_layers = layers;
+  m.num_kv_heads = heads;
+  return m;
+}
+
+// [layers][hr][d][d] Hadamard matrices as floats.
+std::vector<float> HadamardStack(uint32_t d, uint32_t count) {
+  const std::vector<double> h = HadamardMatrix(d);
+  std::vector<float> out;
+  for (uint32_t c = 0; c < count; ++c)
+    for (double x : h) out.push_back(static_cast<float>(x));
+  return out;
+}
+
+TEST(RotationFileOrthogonalityTest, Float32HadamardAccepted) {
+  auto rot = RotationSet::Hadamard(HadamardMeta(1, 128, 2, 1));
+  ASSERT_TRUE(rot.ok()) << rot.status();
+  auto parsed = ParseRotations(SerializeRotations(*rot));
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  EXPECT_LE(parsed->MaxOrthogonalityError(), kRotationOrthogonalityTolerance);
+}
+
+TEST(RotationFileOrthogonalityTest, OneCorruptElementRefusedWithTensorAndError) {
+  const uint32_t d = 16;
+  std::vector<float> k = HadamardStack(d, 2), v = HadamardStack(d, 2);
+  v[d * d + 3 * d + 5] = 7.0f;  // layers.1.v.rotation[3][5]
+  auto rot = RotationSet::FromMatrices(HadamardMeta(1, d, 2, 1), k, v);
+  ASSERT_TRUE(rot.ok()) << rot.status();
+  const std::string bytes = SerializeRotations(*rot);
+  auto parsed = ParseRotations(bytes);
+  ASSERT_FALSE(parsed.ok());
+  EXPECT_EQ(parsed.status().code(), absl::StatusCode::kInvalidArgument);
+  const std::string msg(parsed.status().message());
+  EXPECT_NE(msg.find("'layers.1.v.rotation'"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("not orthogonal"), std::string::npos) << msg;
+  // The measured error: row 3 · row 3 = 1 - 0.25² ... + 7² -> far above tolerance.
+  char want[32];
+  std::snprintf(want, sizeof(want), "%.3e", rot->OrthogonalityError(KvKind::kValue, 1, 0));
+  EXPECT_NE(msg.find(want), std::string::npos) << msg << " (want " << want << ")";
+
+  // Through the file reader too (the path the pool, worker and tools take).
+  const std::string path = ::testing::TempDir() + "/bad_rotations.safetensors";
+  {
+    std::ofstream out(path, std::ios::binary);
+    out << bytes;
+  }
+  auto read = ReadRotationFile(path);
+  ASSERT_FALSE(read.ok());
+  EXPECT_EQ(read.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(read.status().message().find("layers.1.v.rotation"), std::string::npos);
+  std::remove(path.c_str());
+}
+
+TEST(RotationFileOrthogonalityTest, PerHeadFileNamesTheHead) {
+  const uint32_t d = 8;
+  std::vector<float> k = HadamardStack(d, 2), v = HadamardStack(d, 2);
+  k[d * d + 0] *= 1.01f;  // layer 0, head 1, element [0][0]: error ≈ 2e-3·(1/8)
+  auto rot = RotationSet::FromMatrices(HadamardMeta(2, d, 1, 2), k, v);
+  ASSERT_TRUE(rot.ok()) << rot.status();
+  auto parsed = ParseRotations(SerializeRotations(*rot));
+  ASSERT_FALSE(parsed.ok());
+  EXPECT_EQ(parsed.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(parsed.status().message().find("'layers.0.k.rotation[1]'"), std::string::npos)
+      << parsed.status();
+}
+
+TEST(RotationFileOrthogonalityTest, TinyPerturbationWithinToleranceAccepted) {
+  const uint32_t d = 8;
+  std::vector<float> k = HadamardStack(d, 1), v = HadamardStack(d, 1);
+  k[2] += 1e-6f;  // well under 1e-4
+  auto rot = RotationSet::FromMatrices(HadamardMeta(1, d, 1, 1), k, v);
+  ASSERT_TRUE(rot.ok());
+  auto parsed = ParseRotations(SerializeRotations(*rot));
+  EXPECT_TRUE(parsed.ok()) << parsed.status();
+}
+
+}  // namespace
+}  // namespace kvpool
