@@ -9,6 +9,7 @@
 // Results go to standard output, logs to standard error. Exit codes: 0 ok, 1 usage, 2 runtime.
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <string>
@@ -31,6 +32,34 @@ int Fail(const absl::Status& s) {
   return cli::kExitRuntime;
 }
 
+// CLI11 check for a clip ratio: 0 (disabled) or in (0, 1] (FORMAT.md §2.2); refuses nan,
+// negatives and values above 1 at parse time (exit 1 naming the flag).
+const CLI::Validator kClipRatio(
+    [](std::string& v) -> std::string {
+      float r = 0;
+      if (!CLI::detail::lexical_cast(v, r) || !(r >= 0.0f && r <= 1.0f)) {
+        return "must be 0 (disabled) or in (0, 1], got '" + v + "'";
+      }
+      return {};
+    },
+    "RATIO in [0,1]");
+
+// CLI11 check that an output file's directory exists (so a long run does not fail at the end).
+const CLI::Validator kParentDirExists(
+    [](std::string& v) -> std::string {
+      std::filesystem::path dir = std::filesystem::path(v).parent_path();
+      if (dir.empty()) dir = ".";
+      std::error_code ec;
+      if (!std::filesystem::is_directory(dir, ec)) {
+        return "directory '" + dir.string() + "' does not exist";
+      }
+      return {};
+    },
+    "FILE in an existing directory");
+
+// "nan", "+inf" or "-inf" for a non-finite value.
+const char* NonFiniteKind(float v) { return std::isnan(v) ? "nan" : (v > 0 ? "+inf" : "-inf"); }
+
 struct QuantizeArgs {
   std::string in, rotation = "none", kind = "k", dequant_out, packed_out;
   int layer = 0;
@@ -50,6 +79,15 @@ int RunQuantize(const QuantizeArgs& a) {
   if (auto s = ValidateHeadDim(d, "last dimension of --in (head_dim)"); !s.ok()) return Fail(s);
   const uint64_t tokens = x->shape[0];
   const uint32_t heads = x->shape.size() == 3 ? static_cast<uint32_t>(x->shape[1]) : 1;
+  // Name the first non-finite input element by its index in --in (the rotation would smear it
+  // over the whole row and lose its position and sign).
+  for (uint64_t i = 0; i < x->data.size(); ++i) {
+    if (std::isfinite(x->data[i])) continue;
+    const uint64_t t = i / (uint64_t{heads} * d), h = (i / d) % heads, j = i % d;
+    return Fail(absl::InvalidArgumentError(
+        absl::StrCat("--in element [", t, heads > 1 ? absl::StrCat(",", h) : "", ",", j, "] is ",
+                     NonFiniteKind(x->data[i]), " (NaN/Inf are refused, FORMAT.md §2.5)")));
+  }
   if (a.kind != "k" && a.kind != "v") {
     return Fail(absl::InvalidArgumentError("--kind must be k or v, got '" + a.kind + "'"));
   }
@@ -57,6 +95,11 @@ int RunQuantize(const QuantizeArgs& a) {
   RotationMetadata meta{.head_dim = d, .num_layers = 1, .num_kv_heads = heads};
   absl::StatusOr<RotationSet> rot;
   uint32_t layer = 0;
+  if ((a.rotation == "none" || a.rotation == "hadamard") && a.layer != 0) {
+    std::cerr << "kvpool: --layer " << a.layer << " needs a rotation file (--rotation "
+              << a.rotation << " has a single layer 0)\n";
+    return cli::kExitUsage;
+  }
   if (a.rotation == "none") {
     rot = RotationSet::Identity(meta);
   } else if (a.rotation == "hadamard") {
@@ -251,14 +294,18 @@ int main(int argc, char** argv) {
   quant->add_option("--in", q.in, "float32 [tokens, d] or [tokens, heads, d] .npy")->required();
   quant->add_option("--rotation", q.rotation, "none | hadamard | a rotation .safetensors file")
       ->capture_default_str();
-  quant->add_option("--layer", q.layer, "layer of the rotation file")->capture_default_str();
+  quant->add_option("--layer", q.layer, "layer of the rotation file (needs a rotation file)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   quant->add_option("--head", q.head,
                     "KV head of a per-head rotation file (default: the input's head index)");
   quant->add_option("--kind", q.kind, "k | v (rotation and default clip ratio)")
+      ->check(CLI::IsMember({"k", "v"}))
       ->capture_default_str();
-  quant->add_option(
-      "--clip", q.clip,
-      "clip ratio (0 disables; default: the file's ratio for --kind, else 0.96/0.92)");
+  quant
+      ->add_option("--clip", q.clip,
+                   "clip ratio (0 disables; default: the file's ratio for --kind, else 0.96/0.92)")
+      ->check(kClipRatio);
   quant->add_option("--dequant-out", q.dequant_out,
                     "write the dequantized array (.npy, input space)");
   quant->add_option("--packed-out", q.packed_out,
@@ -278,11 +325,15 @@ int main(int argc, char** argv) {
   calib->add_option("--text", c.text_path, "calibration text file")->required();
   calib->add_option("--tokens", ctokens, "use at most N text tokens (0 = all)")
       ->capture_default_str();
-  calib->add_option("--out", out, "output rotation .safetensors")->required();
+  calib->add_option("--out", out, "output rotation .safetensors")
+      ->required()
+      ->check(kParentDirExists);
   calib->add_flag("--per-head", c.per_head, "one rotation per (layer, KV head) (format_version 2)");
   calib->add_option("--clip-k", c.clip_ratio_k, "K clip ratio recorded in the file")
+      ->check(kClipRatio)
       ->capture_default_str();
   calib->add_option("--clip-v", c.clip_ratio_v, "V clip ratio recorded in the file")
+      ->check(kClipRatio)
       ->capture_default_str();
 
   EvaluateOptions e;

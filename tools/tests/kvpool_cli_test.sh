@@ -30,8 +30,27 @@ PY
 check quantize-none 0 "relative L2 err" -- "$bin" quantize --in "$tmp/x.npy" --dequant-out "$tmp/y.npy" --packed-out "$tmp/p.bin"
 check quantize-bits 0 "bits/element     6.0000" -- "$bin" quantize --in "$tmp/x.npy" --rotation hadamard
 [[ -s "$tmp/y.npy" && $(stat -c %s "$tmp/p.bin") -eq $((4 * 2 + 4 * 4)) ]] && echo "ok   outputs" || { echo "FAIL outputs"; fail=1; }
-check quantize-bad-kind 2 "--kind must be k or v" -- "$bin" quantize --in "$tmp/x.npy" --kind q
-check quantize-bad-clip 2 "--clip" -- "$bin" quantize --in "$tmp/x.npy" --clip 2
+check quantize-bad-kind 1 "--kind" -- "$bin" quantize --in "$tmp/x.npy" --kind q
+check quantize-bad-clip 1 "--clip" -- "$bin" quantize --in "$tmp/x.npy" --clip 2
+check quantize-nan-clip 1 "--clip" -- "$bin" quantize --in "$tmp/x.npy" --clip nan
+check quantize-neg-clip 1 "--clip" -- "$bin" quantize --in "$tmp/x.npy" --clip -0.5
+check quantize-layer-no-file 1 "--layer 99 needs a rotation file" -- "$bin" quantize --in "$tmp/x.npy" --layer 99
+check quantize-neg-layer 1 "--layer" -- "$bin" quantize --in "$tmp/x.npy" --layer -1
+python3 - "$tmp" <<'PY'
+import math, struct, sys
+def save(path, shape, vals):
+    h = "{'descr': '<f4', 'fortran_order': False, 'shape': %s, }" % (tuple(shape),)
+    h += " " * ((64 - (10 + len(h) + 1) % 64) % 64) + "\n"
+    open(path, "wb").write(b"\x93NUMPY\x01\x00" + struct.pack("<H", len(h)) + h.encode() + struct.pack("<%df" % len(vals), *vals))
+v = [1.0] * 32; v[3 * 8 + 5] = math.nan; save(sys.argv[1] + "/nan.npy", (4, 8), v)
+v = [1.0] * 32; v[2 * 8 + 1] = math.inf; save(sys.argv[1] + "/pinf.npy", (4, 8), v)
+v = [1.0] * 80; v[(4 * 2 + 1) * 8 + 6] = -math.inf; save(sys.argv[1] + "/ninf.npy", (5, 2, 8), v)
+PY
+check quantize-nan-input 2 "element \[3,5\] is nan" -- "$bin" quantize --in "$tmp/nan.npy"
+check quantize-pinf-input 2 "element \[2,1\] is +inf" -- "$bin" quantize --in "$tmp/pinf.npy" --rotation hadamard
+check quantize-ninf-input 2 "element \[4,1,6\] is -inf" -- "$bin" quantize --in "$tmp/ninf.npy"
+check calibrate-bad-clip 1 "--clip-k" -- "$bin" calibrate --model "$model" --text "$data/calibration.txt" --clip-k 5 --out "$tmp/r.safetensors"
+check calibrate-bad-out 1 "/nonexistent/dir" -- "$bin" calibrate --model "$model" --text "$data/calibration.txt" --out /nonexistent/dir/x.safetensors
 check quantize-missing 2 "cannot open" -- "$bin" quantize --in "$tmp/none.npy"
 printf 'garbage' > "$tmp/bad.npy"
 check quantize-garbage 2 "magic" -- "$bin" quantize --in "$tmp/bad.npy"
@@ -42,4 +61,16 @@ check quantize-file-layer 2 "--layer 9 out of range" -- "$bin" quantize --in "$t
 check evaluate 0 "all" -- "$bin" evaluate --model "$model" --rotations "$tmp/rot.safetensors" --text "$data/evaluation.txt" --tokens 200
 head -c 100 "$tmp/rot.safetensors" > "$tmp/trunc.safetensors"
 check inspect-corrupt 2 "" -- "$bin" rotations inspect "$tmp/trunc.safetensors"
+# A non-orthogonal matrix (one element set to 7.0) is refused by the shared reader.
+python3 - "$tmp/rot.safetensors" "$tmp/nonorth.safetensors" <<'PY'
+import json, struct, sys
+b = bytearray(open(sys.argv[1], "rb").read())
+n = struct.unpack("<Q", b[:8])[0]
+h = json.loads(b[8:8 + n])
+off = 8 + n + h["layers.0.k.rotation"]["data_offsets"][0]
+b[off:off + 4] = struct.pack("<f", 7.0)
+open(sys.argv[2], "wb").write(b)
+PY
+check inspect-nonorthogonal 2 "layers.0.k.rotation' is not orthogonal" -- "$bin" rotations inspect "$tmp/nonorth.safetensors"
+check quantize-nonorthogonal 2 "not orthogonal" -- "$bin" quantize --in "$tmp/x.npy" --rotation "$tmp/nonorth.safetensors"
 exit $fail
