@@ -5,12 +5,15 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <iterator>
 #include <string>
 #include <vector>
 
 #include <gtest/gtest.h>
+
+#include "kvpool/common/gguf.h"
 
 namespace kvpool::engine {
 namespace {
@@ -409,6 +412,33 @@ TEST(EngineErrorTest, MissingAndCorruptedModels) {
   auto wrong = Engine::Create(path);
   EXPECT_EQ(wrong.status().code(), absl::StatusCode::kFailedPrecondition) << wrong.status();
   EXPECT_NE(wrong.status().message().find("general.architecture"), std::string::npos);
+  std::remove(path.c_str());
+}
+
+TEST(EngineErrorTest, NonFiniteWeightsAreRefusedAtLoad) {
+  std::ifstream in(kModel, std::ios::binary);
+  std::string bytes((std::istreambuf_iterator<char>(in)), {});
+  auto gguf = GgufFile::Parse(bytes);
+  ASSERT_TRUE(gguf.ok()) << gguf.status();
+  const GgufTensor* t = (*gguf)->FindTensor("blk.1.attn_q.weight");
+  ASSERT_NE(t, nullptr);
+  ASSERT_EQ(t->dtype, GgufDType::kF32);
+  const std::string path = ::testing::TempDir() + "/engine_test_nan.gguf";
+  for (float bad : {std::nanf(""), -INFINITY}) {
+    std::string b = bytes;
+    const uint64_t at = (*gguf)->data_offset() + t->offset + 7 * sizeof(float);
+    std::memcpy(&b[at], &bad, sizeof(float));
+    {
+      std::ofstream out(path, std::ios::binary | std::ios::trunc);
+      out.write(b.data(), static_cast<std::streamsize>(b.size()));
+    }
+    auto e = Engine::Create(path);
+    ASSERT_FALSE(e.ok());
+    EXPECT_EQ(e.status().code(), absl::StatusCode::kInvalidArgument) << e.status();
+    const std::string want = std::string("tensor 'blk.1.attn_q.weight' element 7 is ") +
+                             (std::isnan(bad) ? "nan" : "-inf");
+    EXPECT_NE(e.status().message().find(want), std::string::npos) << e.status();
+  }
   std::remove(path.c_str());
 }
 

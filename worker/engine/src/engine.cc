@@ -83,7 +83,17 @@ absl::StatusOr<std::vector<float>> Weight(const GgufFile& f, const std::string& 
                                                    absl::StrJoin(t->dims, ","), "], expected [",
                                                    absl::StrJoin(dims, ","), "]"));
   }
-  return f.ReadFloat32(name);
+  KVPOOL_ASSIGN_OR_RETURN(std::vector<float> w, f.ReadFloat32(name));
+  // A NaN/Inf weight poisons every logit; sampling then "succeeds" with garbage or an instant
+  // end of sequence. Refuse it at load, naming the tensor and the first bad element.
+  for (size_t i = 0; i < w.size(); ++i) {
+    if (!std::isfinite(w[i])) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tensor '", name, "' element ", i, " is ",
+          std::isnan(w[i]) ? "nan" : (w[i] > 0 ? "+inf" : "-inf"), " (weights must be finite)"));
+    }
+  }
+  return w;
 }
 
 double Seconds(std::chrono::steady_clock::time_point a, std::chrono::steady_clock::time_point b) {
