@@ -40,10 +40,31 @@ static int Run(int argc, char** argv) {
   uint64_t seed = 0;
   gen->add_option("--model", model, "path of the GGUF model file")->required();
   gen->add_option("--prompt", prompt, "text to continue; empty starts from BOS");
-  gen->add_option("--max-tokens", max_tokens, "tokens to generate at most")->capture_default_str();
+  // Flag values are checked at parse time: a bad value is a usage error (exit 1) naming the flag.
+  gen->add_option("--max-tokens", max_tokens, "tokens to generate at most")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   gen->add_option("--temperature", temperature, "sampling temperature; 0 = greedy")
+      ->check(CLI::Validator(
+          [](std::string& v) -> std::string {
+            float t = 0;
+            if (!CLI::detail::lexical_cast(v, t) || !std::isfinite(t) || t < 0) {
+              return "must be a finite number >= 0, got '" + v + "'";
+            }
+            return {};
+          },
+          "FLOAT >= 0"))
       ->capture_default_str();
   gen->add_option("--top-p", top_p, "nucleus sampling mass in (0, 1]; 1 = off")
+      ->check(CLI::Validator(
+          [](std::string& v) -> std::string {
+            float p = 0;
+            if (!CLI::detail::lexical_cast(v, p) || !(p > 0 && p <= 1)) {
+              return "must be in (0, 1], got '" + v + "'";
+            }
+            return {};
+          },
+          "FLOAT in (0,1]"))
       ->capture_default_str();
   gen->add_option("--seed", seed, "random seed for sampling")->capture_default_str();
   KVPOOL_CLI_PARSE(app, argc, argv);

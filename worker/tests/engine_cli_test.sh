@@ -36,9 +36,12 @@ expect missing-file 2 "/nonexistent/model.gguf" -- generate --model /nonexistent
 expect truncated-gguf 2 "truncated.gguf" -- generate --model "$TMP/truncated.gguf"
 expect bad-magic 2 "bad magic" -- generate --model "$TMP/badmagic.gguf"
 expect prompt-too-long 2 "context holds 512" -- generate --model "$MODEL" --prompt "$long_prompt"
-expect bad-top-p 2 "--top-p" -- generate --model "$MODEL" --top-p 2
-expect bad-temperature 2 "--temperature" -- generate --model "$MODEL" --temperature -1
-expect bad-max-tokens 2 "--max-tokens" -- generate --model "$MODEL" --max-tokens -3
+expect bad-top-p 1 "--top-p" -- generate --model "$MODEL" --top-p 2
+expect bad-top-p-high 1 "--top-p" -- generate --model "$MODEL" --top-p 1.5
+expect bad-top-p-zero 1 "--top-p" -- generate --model "$MODEL" --top-p 0
+expect bad-temperature 1 "--temperature" -- generate --model "$MODEL" --temperature -1
+expect nan-temperature 1 "--temperature" -- generate --model "$MODEL" --temperature nan
+expect bad-max-tokens 1 "--max-tokens" -- generate --model "$MODEL" --max-tokens -3
 expect non-number 1 "max-tokens" -- generate --model "$MODEL" --max-tokens abc
 expect no-subcommand 1 "subcommand" --
 expect no-model 1 "--model" -- generate
