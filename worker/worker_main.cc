@@ -20,6 +20,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "kvpool/common/cli.h"
@@ -204,11 +205,16 @@ int main(int argc, char** argv) {
     std::vector<std::pair<int, int>> wins;
     for (absl::string_view w : absl::StrSplit(windows, ',')) {
       std::vector<std::string> sw = absl::StrSplit(w, ':');
-      if (sw.size() != 2) {
-        std::fprintf(stderr, "--eval-windows: '%s' is not S:W\n", std::string(w).c_str());
+      int s = 0, r = 0;
+      if (sw.size() != 2 || !absl::SimpleAtoi(sw[0], &s) || !absl::SimpleAtoi(sw[1], &r) || s < 0 ||
+          r < 0) {
+        std::fprintf(stderr,
+                     "kvpool-worker: --eval-windows: '%s' is not S:W (two non-negative "
+                     "integers)\n",
+                     std::string(w).c_str());
         return kvpool::cli::kExitUsage;
       }
-      wins.emplace_back(std::stoi(sw[0]), std::stoi(sw[1]));
+      wins.emplace_back(s, r);
     }
     std::map<std::string, kw::TeacherForcedResult> overall;
     double ref_s = 0, mixed_s = 0;
