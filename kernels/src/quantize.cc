@@ -192,9 +192,10 @@ namespace {
 absl::Status NonFiniteError(const float* row, uint64_t r, uint32_t d) {
   for (uint32_t j = 0; j < d; ++j) {
     if (!std::isfinite(row[j])) {
-      return absl::InvalidArgumentError(absl::StrCat("row ", r, " element ", j, " is ",
-                                                     std::isnan(row[j]) ? "nan" : "inf",
-                                                     " (NaN/Inf are refused, FORMAT.md §2.5)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("row ", r, " element ", j, " is ",
+                       std::isnan(row[j]) ? "nan" : (row[j] > 0 ? "+inf" : "-inf"),
+                       " (NaN/Inf are refused, FORMAT.md §2.5)"));
     }
   }
   return absl::InvalidArgumentError(absl::StrCat("row ", r, " is not finite"));
