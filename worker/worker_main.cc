@@ -120,7 +120,8 @@ int main(int argc, char** argv) {
   app.add_option("--model-id", model_id, "model id registered with the pool")
       ->capture_default_str();
   app.add_option("--revision", revision,
-                 "registered revision; 'auto' = model hash + recipe (S, W, P, precision)")
+                 "registered revision; 'auto' = model hash + recipe (P, S, W, precision, clip "
+                 "ratios) + rotation id")
       ->capture_default_str();
   app.add_option("--ucx-tls", ucx_tls, "UCX transports of the data plane")->capture_default_str();
   app.add_option("--report", report, "write a JSON report to this file");
@@ -279,7 +280,12 @@ int main(int argc, char** argv) {
     kvpool::Digest h = kvpool::Sha256(*model_bytes);
     std::string hex;
     for (int i = 0; i < 8; ++i) absl::StrAppend(&hex, absl::Hex(h[i], absl::kZeroPad2));
-    revision = absl::StrCat(hex, "-p", page_size, "-s", sink, "-w", recent, "-", history);
+    // Everything that changes the stored bytes: recipe, clip ratios and the rotation id
+    // (SHA-256 of the rotation file, kvpool/kernels/rotation_file.h), so a re-calibration
+    // registers a new revision instead of conflicting with the old one.
+    revision = absl::StrCat(hex, "-p", page_size, "-s", sink, "-w", recent, "-", history, "-k",
+                            copts.clip_ratio_k, "-v", copts.clip_ratio_v, "-r",
+                            kvpool::Sha256Hex(*rot_bytes).substr(0, 16));
   }
   kw::NodeOptions nopts{.cache = copts, .fault_pool_pid = fault_pool_pid, .fault = *fault_or};
   kvpool::client::ClientOptions clo;

@@ -49,6 +49,24 @@ expect 2 "corrupted rotation file" -- "${worker}" --role eval --model "${model}"
 expect 2 "missing prompt file" -- "${worker}" --role eval "${base[@]}" --prompt-file /nonexistent.txt
 expect 2 "prefill without a pool" -- "${worker}" --role prefill --pool 127.0.0.1:1 "${base[@]}" "${prompt[@]}"
 
+# The auto revision follows the rotation file: a re-calibration (other clip ratios, other file)
+# gives another revision, so it never conflicts with the old registration.
+"${tool}" calibrate --model "${model}" --text "${demo}/calibration.txt" --clip-k 0.9 --clip-v 0.8 \
+  --out "${work}/rot2.safetensors" >/dev/null 2>&1 || { echo "calibrate 2 failed" >&2; exit 1; }
+expect 0 "decode (rotation 1), revision in the report" -- "${worker}" --role decode --pool 127.0.0.1:1 --model "${model}" --rotations "${work}/rot.safetensors" "${prompt[@]}" --teacher-force false --max-new-tokens 1 --report "${work}/rev1.json"
+expect 0 "decode (rotation 2), revision in the report" -- "${worker}" --role decode --pool 127.0.0.1:1 --model "${model}" --rotations "${work}/rot2.safetensors" "${prompt[@]}" --teacher-force false --max-new-tokens 1 --report "${work}/rev2.json"
+python3 - "${work}" <<'PY' || failures=$((failures + 1))
+import hashlib, json, sys
+w = sys.argv[1]
+r1 = json.load(open(f"{w}/rev1.json"))["revision"]
+r2 = json.load(open(f"{w}/rev2.json"))["revision"]
+rid = hashlib.sha256(open(f"{w}/rot.safetensors", "rb").read()).hexdigest()[:16]
+assert r1 != r2, (r1, r2)
+assert "-k0.96-v0.92-" in r1 and r1.endswith("-r" + rid), r1
+assert "-k0.9-v0.8-" in r2, r2
+print("ok: auto revision carries the clip ratios and the rotation id:", r1, r2)
+PY
+
 # Decode with the pool unreachable: same answer as the single-process run, reported.
 expect 0 "eval (single process)" -- "${worker}" --role eval --eval-windows 64:256 "${base[@]}" "${prompt[@]}" --report "${work}/eval.json"
 expect 0 "decode with the pool unreachable" -- "${worker}" --role decode --pool 127.0.0.1:1 "${base[@]}" "${prompt[@]}" --teacher-force false --report "${work}/decode.json" --metrics-file "${work}/metrics.txt"
