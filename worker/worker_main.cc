@@ -31,6 +31,7 @@
 #include "kvpool/worker/eval.h"
 #include "kvpool/worker/mixed_kv_cache.h"
 #include "kvpool/worker/pool_node.h"
+#include "kvpool/worker/status_text.h"
 
 namespace kw = kvpool::worker;
 using nlohmann::json;
@@ -71,7 +72,7 @@ std::string Text(const kvpool::engine::Engine& e, const std::vector<int>& tokens
 }
 
 int Fail(const absl::Status& s, const char* what) {
-  KVPOOL_LOG_ERROR("{}: {}", what, s.ToString());
+  KVPOOL_LOG_ERROR("{}: {}", what, kw::StatusText(s));
   return kvpool::cli::kExitRuntime;
 }
 
@@ -292,15 +293,15 @@ int main(int argc, char** argv) {
   clo.server = pool;
   clo.ucx_tls = ucx_tls;
   std::unique_ptr<kvpool::client::Client> client;
-  std::string client_error;
+  absl::Status client_error;  // the pool's own status, code kept (docs/WORKER.md)
   if (auto c = kvpool::client::Client::Create(clo); !c.ok()) {
-    client_error = c.status().ToString();
+    client_error = c.status();
   } else {
     client = std::move(c).value();
     auto info = client->RegisterModel(kw::MakeModelSpec(cfg, copts, model_id, revision, *rot_bytes),
                                       Deadline(5));
     if (!info.ok()) {
-      client_error = info.status().ToString();
+      client_error = info.status();
       client.reset();
     } else {
       KVPOOL_LOG_INFO("registered {} rev {} with the pool at {} (epoch {})", model_id, revision,
@@ -316,7 +317,7 @@ int main(int argc, char** argv) {
 
   if (role == "prefill") {
     if (client == nullptr) {
-      return Fail(absl::UnavailableError(client_error), "pool");
+      return Fail(client_error, absl::StrCat("pool ", pool).c_str());
     }
     kw::PrefillNode node(&engine, client.get(), rotations, nopts);
     uint64_t bytes = 0, tokens = 0;
@@ -365,7 +366,7 @@ int main(int argc, char** argv) {
   // decode
   if (client == nullptr) {
     KVPOOL_LOG_WARN("pool at {} unreachable ({}); every request computes its prefix locally", pool,
-                    client_error);
+                    kw::StatusText(client_error));
   }
   kw::DecodeNode node(&engine, client.get(), rotations, nopts);
   kw::TeacherForcedResult tf_all;

@@ -48,6 +48,8 @@ printf 'not a safetensors file' >"${work}/bad.safetensors"
 expect 2 "corrupted rotation file" -- "${worker}" --role eval --model "${model}" --rotations "${work}/bad.safetensors" "${prompt[@]}"
 expect 2 "missing prompt file" -- "${worker}" --role eval "${base[@]}" --prompt-file /nonexistent.txt
 expect 2 "prefill without a pool" -- "${worker}" --role prefill --pool 127.0.0.1:1 "${base[@]}" "${prompt[@]}"
+expect_err "pool 127.0.0.1:1: UNAVAILABLE: " "the pool's own status code is kept"
+if grep -q "UNAVAILABLE: UNAVAILABLE" "${work}/err"; then echo "FAIL: doubled status code" >&2; failures=$((failures + 1)); fi
 
 # The auto revision follows the rotation file: a re-calibration (other clip ratios, other file)
 # gives another revision, so it never conflicts with the old registration.

@@ -14,6 +14,7 @@
 #include "kvpool/common/log.h"
 #include "kvpool/common/status.h"
 #include "kvpool/worker/staging_recorder.h"
+#include "kvpool/worker/status_text.h"
 
 namespace kvpool::worker {
 
@@ -200,12 +201,12 @@ absl::StatusOr<DecodeReport> DecodeNode::Run(absl::Span<const int> prompt, int m
     if (auto lk = client_->Lookup(tokens); lk.ok()) {
       rep.lookup_blocks = static_cast<int>(lk->num_blocks);
     } else {
-      KVPOOL_LOG_WARN("lookup failed: {}", lk.status().ToString());
+      KVPOOL_LOG_WARN("lookup failed: {}", StatusText(lk.status()));
     }
     absl::StatusOr<client::Lease> lease =
         client_->Acquire(tokens, static_cast<uint32_t>(rep.wanted_blocks));
     if (!lease.ok()) {
-      failure = absl::StrCat("acquire: ", lease.status().ToString());
+      failure = absl::StrCat("acquire: ", StatusText(lease.status()));
     } else {
       const auto& lb = lease->blocks;
       rep.hit_blocks = static_cast<int>(lb.size());
@@ -234,7 +235,7 @@ absl::StatusOr<DecodeReport> DecodeNode::Run(absl::Span<const int> prompt, int m
         if (!bf16_region.ok() || !int2_region.ok()) {
           failure = absl::StrCat(
               "register buffers: ",
-              (bf16_region.ok() ? int2_region.status() : bf16_region.status()).ToString());
+              StatusText(bf16_region.ok() ? int2_region.status() : bf16_region.status()));
         } else {
           client::PagePool bf16_pool{*bf16_region, g.Bf16FormBytes()};
           client::PagePool int2_pool{*int2_region, g.Int2FormBytes()};
@@ -262,12 +263,12 @@ absl::StatusOr<DecodeReport> DecodeNode::Run(absl::Span<const int> prompt, int m
           }
           absl::StatusOr<client::FetchResult> fr = client_->Fetch(*lease, plan, call);
           if (!fr.ok()) {
-            failure = absl::StrCat("fetch: ", fr.status().ToString());
+            failure = absl::StrCat("fetch: ", StatusText(fr.status()));
           } else if (static_cast<int>(fr->num_blocks) != use) {
             failure = absl::StrCat("fetch: ", fr->num_blocks, " of ", use, " blocks verified");
             for (const auto& s : fr->block_status) {
               if (!s.ok()) {
-                absl::StrAppend(&failure, " (", s.ToString(), ")");
+                absl::StrAppend(&failure, " (", StatusText(s), ")");
                 break;
               }
             }
@@ -289,7 +290,7 @@ absl::StatusOr<DecodeReport> DecodeNode::Run(absl::Span<const int> prompt, int m
       }
       if (lease->id != 0) {
         if (absl::Status s = client_->Release(*lease); !s.ok()) {
-          KVPOOL_LOG_WARN("release of lease {} failed: {}", lease->id, s.ToString());
+          KVPOOL_LOG_WARN("release of lease {} failed: {}", lease->id, StatusText(s));
           if (failure.empty() && absl::IsNotFound(s)) {
             failure = "lease expired before release (fetched bytes discarded)";
           }
@@ -316,7 +317,7 @@ absl::StatusOr<DecodeReport> DecodeNode::Run(absl::Span<const int> prompt, int m
         logits->assign(l.begin(), l.end());
         return cache;
       }
-      failure = absl::StrCat("load blocks: ", s.ToString());
+      failure = absl::StrCat("load blocks: ", StatusText(s));
       forms.clear();
     }
     return PrefillPd(*engine_, rotations_, o, prompt, logits);
