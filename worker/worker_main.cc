@@ -295,7 +295,11 @@ int main(int argc, char** argv) {
   std::unique_ptr<kvpool::client::Client> client;
   absl::Status client_error;  // the pool's own status, code kept (docs/WORKER.md)
   if (auto c = kvpool::client::Client::Create(clo); !c.ok()) {
-    client_error = c.status();
+    // Create makes no RPC: its failure is this worker's own configuration (the UCX transport
+    // list, the address), not the pool, so both roles stop instead of falling back.
+    return Fail(
+        c.status(),
+        absl::StrCat("local data plane (--ucx-tls '", ucx_tls, "', --pool ", pool, ")").c_str());
   } else {
     client = std::move(c).value();
     auto info = client->RegisterModel(kw::MakeModelSpec(cfg, copts, model_id, revision, *rot_bytes),

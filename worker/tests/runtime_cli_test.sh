@@ -49,6 +49,12 @@ expect 2 "corrupted rotation file" -- "${worker}" --role eval --model "${model}"
 expect 2 "missing prompt file" -- "${worker}" --role eval "${base[@]}" --prompt-file /nonexistent.txt
 expect 2 "prefill without a pool" -- "${worker}" --role prefill --pool 127.0.0.1:1 "${base[@]}" "${prompt[@]}"
 expect_err "pool 127.0.0.1:1: UNAVAILABLE: " "the pool's own status code is kept"
+# A bad local transport list is this worker's misconfiguration, not a pool failure: both roles
+# stop with exit 2 and name the local data plane (no silent fallback).
+expect 2 "decode with a bogus --ucx-tls" -- "${worker}" --role decode --pool 127.0.0.1:1 --ucx-tls bogus "${base[@]}" "${prompt[@]}" --teacher-force false
+expect_err "local data plane (--ucx-tls 'bogus'" "the log names the local data plane"
+expect 2 "prefill with a bogus --ucx-tls" -- "${worker}" --role prefill --pool 127.0.0.1:1 --ucx-tls bogus "${base[@]}" "${prompt[@]}"
+expect_err "local data plane (--ucx-tls 'bogus'" "the log names the local data plane"
 if grep -q "UNAVAILABLE: UNAVAILABLE" "${work}/err"; then echo "FAIL: doubled status code" >&2; failures=$((failures + 1)); fi
 
 # The auto revision follows the rotation file: a re-calibration (other clip ratios, other file)
