@@ -16,10 +16,12 @@
 #include <memory>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -178,7 +180,21 @@ int main(int argc, char** argv) {
   copts.capacity = cfg.context_length;
   // Validate the recipe once (same checks the cache applies).
   if (auto c = kw::MixedKvCache::Create(cfg.n_layers, cfg.attention(), rotations, copts); !c.ok()) {
-    std::fprintf(stderr, "%s\n", std::string(c.status().message()).c_str());
+    const std::string msg(c.status().message());
+    // The cache names its field (page_size, sink_tokens, ...): name the flag that sets it.
+    std::string flag = "recipe";
+    for (const auto& [field, name] :
+         {std::pair<const char*, const char*>{"page_size", "--page-size"},
+          {"sink_tokens", "--sink-tokens"},
+          {"recent_tokens", "--recent-tokens"},
+          {"capacity", "--model (context length)"},
+          {"clip_ratio", "--rotations (clip ratios)"}}) {
+      if (absl::StartsWith(msg, field)) {
+        flag = name;
+        break;
+      }
+    }
+    std::fprintf(stderr, "kvpool-worker: %s: %s\n", flag.c_str(), msg.c_str());
     return kvpool::cli::kExitUsage;
   }
 
