@@ -170,6 +170,9 @@ absl::StatusOr<std::unique_ptr<PoolServer>> PoolServer::Create(const PoolServerO
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
+  // gRPC sets SO_REUSEPORT by default, which lets a second pool bind the same port and steal
+  // half of the connections; a busy port must be a start-up error instead.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.AddListeningPort(o.listen, grpc::InsecureServerCredentials(), &impl->grpc_port);
   builder.RegisterService(impl->service.get());
   builder.SetMaxReceiveMessageSize(256 << 20);  // rotation files of large models

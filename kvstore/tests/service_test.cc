@@ -479,6 +479,40 @@ int WaitExit(pid_t pid) {
   return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
 }
 
+// Runs the binary to its exit with stdout and stderr in one pipe; returns the exit code and
+// everything it printed.
+std::pair<int, std::string> RunToExit(const std::vector<std::string>& args) {
+  int fds[2];
+  if (pipe(fds) != 0) {
+    return {-1, "pipe failed"};
+  }
+  pid_t pid = fork();
+  if (pid == 0) {
+    dup2(fds[1], 1);
+    dup2(fds[1], 2);
+    close(fds[0]);
+    close(fds[1]);
+    std::vector<char*> argv;
+    std::string bin = KVPOOL_SERVER_BIN;
+    argv.push_back(bin.data());
+    for (const auto& a : args) {
+      argv.push_back(const_cast<char*>(a.c_str()));
+    }
+    argv.push_back(nullptr);
+    execv(bin.c_str(), argv.data());
+    _exit(127);
+  }
+  close(fds[1]);
+  std::string text;
+  char buf[4096];
+  ssize_t n;
+  while ((n = read(fds[0], buf, sizeof(buf))) > 0) {
+    text.append(buf, static_cast<size_t>(n));
+  }
+  close(fds[0]);
+  return {WaitExit(pid), text};
+}
+
 TEST(ServerBinaryTest, FlagsHelpAndUsageErrors) {
   Child help = Spawn({"--help"});
   std::string text;
@@ -534,6 +568,27 @@ TEST(ServerBinaryTest, ConfigFileSetsFlagsAndCommandLineWins) {
   ASSERT_EQ(kill(c.pid, SIGTERM), 0);
   EXPECT_EQ(WaitExit(c.pid), 0);
   fclose(c.out);
+}
+
+TEST(ServerBinaryTest, SecondServerOnTheSamePortExitsWithARuntimeError) {
+  Child first = Spawn({"--listen", "127.0.0.1:0", "--metrics-port", "-1", "--data-plane", "none",
+                       "--capacity", "4MiB"});
+  ASSERT_GT(first.pid, 0);
+  int grpc_port = 0, metrics_port = 0;
+  ASSERT_EQ(fscanf(first.out, "grpc_port=%d metrics_port=%d", &grpc_port, &metrics_port), 2);
+  ASSERT_GT(grpc_port, 0);
+  const std::string addr = absl::StrCat("127.0.0.1:", grpc_port);
+  auto [rc, text] = RunToExit(
+      {"--listen", addr, "--metrics-port", "-1", "--data-plane", "none", "--capacity", "4MiB"});
+  EXPECT_EQ(rc, 2) << text;
+  EXPECT_NE(text.find("cannot bind " + addr), std::string::npos) << text;
+  EXPECT_EQ(text.find("grpc_port="), std::string::npos) << text;
+  // The first server still serves.
+  auto ch = grpc::CreateChannel(addr, grpc::InsecureChannelCredentials());
+  EXPECT_EQ(HealthCheck(ch, ""), 1);
+  ASSERT_EQ(kill(first.pid, SIGTERM), 0);
+  EXPECT_EQ(WaitExit(first.pid), 0);
+  fclose(first.out);
 }
 
 }  // namespace
