@@ -15,8 +15,7 @@ namespace {
 // multiple inputs. Keys are flag names without the leading dashes.
 class YamlConfig : public CLI::Config {
  public:
-  std::string to_config(const CLI::App* app, bool default_also, bool,
-                        std::string) const override {
+  std::string to_config(const CLI::App* app, bool default_also, bool, std::string) const override {
     YAML::Emitter out;
     out << YAML::BeginMap;
     for (const CLI::Option* opt : app->get_options()) {
@@ -80,6 +79,10 @@ void Setup(CLI::App& app, const std::string& program_name) {
   app.set_version_flag("--version", program_name + " " + VersionString());
   app.config_formatter(std::make_shared<YamlConfig>());
   app.set_config("--config", "", "YAML file whose keys are flag names; explicit flags win");
+  // A misspelt key ("metrics_port", "lease-msec") must not be dropped silently: refuse keys that
+  // match no flag, also inside subcommand sections (the check runs for the whole tree at the
+  // root; subcommands added later are looked up by name).
+  app.allow_config_extras(CLI::config_extras_mode::error);
   app.add_option_function<std::string>(
          "--log-level",
          [](const std::string& lvl) {
@@ -95,6 +98,20 @@ int Parse(CLI::App& app, int argc, char** argv) {
   } catch (const CLI::Success& e) {
     app.exit(e);
     return kExitOk;
+  } catch (const CLI::ConfigError& e) {
+    // CLI11 2.1.2 words an unknown key as "INI was not able to parse KEY" (KEY is
+    // "section.name" inside a subcommand section); say what it means for a YAML file.
+    const std::string what = e.what();
+    const std::string prefix = "INI was not able to parse ";
+    if (what.rfind(prefix, 0) == 0) {
+      std::cerr << app.get_name() << ": --config: unknown key \"" << what.substr(prefix.size())
+                << "\" (keys are flag names without the leading dashes; a subcommand's flags go "
+                   "in a section named after it)\n";
+    } else {
+      std::cerr << app.get_name() << ": --config: " << what << "\n";
+    }
+    std::cerr << "Run with --help for more information.\n";
+    return kExitUsage;
   } catch (const CLI::ParseError& e) {
     std::cerr << app.get_name() << ": " << e.what() << "\n";
     std::cerr << "Run with --help for more information.\n";

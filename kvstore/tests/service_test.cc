@@ -591,5 +591,17 @@ TEST(ServerBinaryTest, SecondServerOnTheSamePortExitsWithARuntimeError) {
   fclose(first.out);
 }
 
+TEST(ServerBinaryTest, ConfigFileWithAnUnknownKeyIsAUsageError) {
+  for (const char* key : {"metrics_port: -1", "bogus_key: 3"}) {
+    const std::string path = ::testing::TempDir() + "/kvpool_server_bad_key.yaml";
+    std::ofstream(path) << "listen: 127.0.0.1:0\ndata-plane: none\ncapacity: 4MiB\n" << key << "\n";
+    auto [rc, text] = RunToExit({"--config", path});
+    EXPECT_EQ(rc, 1) << key << ": " << text;
+    const std::string name = std::string(key).substr(0, std::string(key).find(':'));
+    EXPECT_NE(text.find("unknown key \"" + name + "\""), std::string::npos) << text;
+    EXPECT_EQ(text.find("grpc_port="), std::string::npos) << text;
+  }
+}
+
 }  // namespace
 }  // namespace kvpool::kvstore

@@ -30,6 +30,10 @@ inline constexpr int kExitRuntime = 2;
 std::string VersionString();
 
 // Adds --version, --config FILE (YAML) and --log-level to `app`, and shows defaults in --help.
+// The YAML is a map of flag names (without dashes) to values; a subcommand's flags go in a
+// nested map named after the subcommand ("generate: {model: m.gguf}"). A key that names no flag
+// or subcommand is a usage error (Parse returns kExitUsage naming the key, e.g. "bogus_key" or
+// "generate.bogus"). Not thread-safe (touches `app` only).
 void Setup(CLI::App& app, const std::string& program_name);
 
 // Parses; on --help/--version prints and returns kExitOk, on a usage error prints a one-line
@@ -38,8 +42,8 @@ int Parse(CLI::App& app, int argc, char** argv);
 
 }  // namespace kvpool::cli
 
-#define KVPOOL_CLI_PARSE(app, argc, argv)                          \
-  do {                                                             \
+#define KVPOOL_CLI_PARSE(app, argc, argv)                             \
+  do {                                                                \
     int kvpool_cli_rc_ = ::kvpool::cli::Parse((app), (argc), (argv)); \
-    if (kvpool_cli_rc_ >= 0) return kvpool_cli_rc_;                \
+    if (kvpool_cli_rc_ >= 0) return kvpool_cli_rc_;                   \
   } while (0)
