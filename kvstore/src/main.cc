@@ -52,7 +52,8 @@ int main(int argc, char** argv) {
   int64_t tick_ms = 100, drain_ms = 10000, readiness_delay_ms = 0;
   app.add_option("--listen", o.listen, "gRPC address HOST:PORT (port 0 = any free port)");
   app.add_option("--metrics-port", o.metrics_port,
-                 "HTTP port of /metrics (Prometheus text); 0 = any free port, -1 = off");
+                 "HTTP port of /metrics (Prometheus text); 0 = any free port, -1 = off")
+      ->check(CLI::Range(-1, 65535));
   app.add_option("--capacity", capacity,
                  "Pool memory for blocks and staging: bytes or with a unit (KiB, MiB, GiB, TiB, "
                  "KB, MB, GB, TB)");

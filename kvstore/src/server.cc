@@ -12,6 +12,7 @@
 #include <random>
 #include <thread>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "kvpool/common/log.h"
 #include "kvpool/common/status.h"
@@ -53,10 +54,8 @@ std::pair<std::string, int> SplitHostPort(const std::string& hp) {
     host = host.substr(1, host.size() - 2);
   }
   int port = -1;
-  try {
-    port = std::stoi(hp.substr(colon + 1));
-  } catch (...) {
-    port = -1;
+  if (!absl::SimpleAtoi(hp.substr(colon + 1), &port)) {
+    port = -1;  // not a number, or trailing junk ("7070x")
   }
   return {host, port};
 }
@@ -135,6 +134,10 @@ absl::StatusOr<std::unique_ptr<PoolServer>> PoolServer::Create(const PoolServerO
   if (host.empty() || port < 0 || port > 65535) {
     return absl::InvalidArgumentError(
         absl::StrCat("listen: expected HOST:PORT, got \"", o.listen, "\""));
+  }
+  if (o.metrics_port < -1 || o.metrics_port > 65535) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "metrics-port: expected -1 (off), 0 (any free port) or 1..65535, got ", o.metrics_port));
   }
 
   // Data plane memory.

@@ -591,6 +591,23 @@ TEST(ServerBinaryTest, SecondServerOnTheSamePortExitsWithARuntimeError) {
   fclose(first.out);
 }
 
+TEST(ServerBinaryTest, PortsOutOfRangeAreUsageErrorsNamingTheFlag) {
+  for (const char* bad : {"70000", "-7", "65536"}) {
+    auto [rc, text] = RunToExit({"--listen", "127.0.0.1:0", "--metrics-port", bad, "--data-plane",
+                                 "none", "--capacity", "4MiB"});
+    EXPECT_EQ(rc, 1) << bad << ": " << text;
+    EXPECT_NE(text.find("--metrics-port"), std::string::npos) << bad << ": " << text;
+    EXPECT_EQ(text.find("grpc_port="), std::string::npos) << text;
+  }
+  for (const char* bad : {"127.0.0.1:70000", "127.0.0.1:-5", "127.0.0.1:70x", "127.0.0.1"}) {
+    auto [rc, text] = RunToExit(
+        {"--listen", bad, "--metrics-port", "-1", "--data-plane", "none", "--capacity", "4MiB"});
+    EXPECT_EQ(rc, 1) << bad << ": " << text;
+    EXPECT_NE(text.find("listen"), std::string::npos) << bad << ": " << text;
+    EXPECT_EQ(text.find("grpc_port="), std::string::npos) << text;
+  }
+}
+
 TEST(ServerBinaryTest, ConfigFileWithAnUnknownKeyIsAUsageError) {
   for (const char* key : {"metrics_port: -1", "bogus_key: 3"}) {
     const std::string path = ::testing::TempDir() + "/kvpool_server_bad_key.yaml";

@@ -24,7 +24,8 @@ namespace kvpool::kvstore {
 struct PoolServerOptions {
   // gRPC address "HOST:PORT"; port 0 picks a free port (see grpc_port()). Default 0.0.0.0:7070.
   std::string listen = "0.0.0.0:7070";
-  // HTTP port for /metrics; 0 picks a free port; -1 disables. Default 9090.
+  // HTTP port for /metrics; 0 picks a free port; -1 disables; other values outside 1..65535
+  // make Create fail with INVALID_ARGUMENT. Default 9090.
   int metrics_port = 9090;
   // Bytes of pool memory (blocks and staging). Default 1 GiB.
   uint64_t capacity_bytes = 1ull << 30;
