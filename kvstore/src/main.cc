@@ -98,12 +98,15 @@ int main(int argc, char** argv) {
   o.store.max_lease = std::max(absl::Milliseconds(max_lease_ms), o.store.default_lease);
   o.tick_interval = absl::Milliseconds(tick_ms);
 
-  // Block the termination signals in every thread (threads inherit the mask), then wait for
-  // them here.
+  // Block the termination signals (and SIGHUP) in every thread (threads inherit the mask), then
+  // wait for them here. SIGHUP is logged and ignored whatever the parent's disposition was: there
+  // is no configuration reload, and a lost terminal must not drop the pool's contents.
   sigset_t signals;
   sigemptyset(&signals);
   sigaddset(&signals, SIGTERM);
   sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGHUP);
+  signal(SIGHUP, SIG_DFL);  // an inherited SIG_IGN would discard it before sigwait sees it
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
   auto server = kvpool::kvstore::PoolServer::Create(o);
@@ -117,7 +120,9 @@ int main(int argc, char** argv) {
   std::fflush(stdout);
 
   int sig = 0;
-  sigwait(&signals, &sig);
+  while (sigwait(&signals, &sig) == 0 && sig == SIGHUP) {
+    KVPOOL_LOG_WARN("SIGHUP ignored: no configuration reload; SIGTERM or SIGINT drains and exits");
+  }
   KVPOOL_LOG_INFO("signal {}: draining (readiness off, in-flight calls get {} ms)", sig, drain_ms);
   (*server)->MarkNotReady();
   if (readiness_delay_ms > 0) {
