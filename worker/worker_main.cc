@@ -143,7 +143,8 @@ int main(int argc, char** argv) {
 
   auto fault_or = kw::ParseFault(fault);
   if (!fault_or.ok()) {
-    std::fprintf(stderr, "--fault: %s\n", std::string(fault_or.status().message()).c_str());
+    std::fprintf(stderr, "kvpool-worker: --fault: %s\n",
+                 std::string(fault_or.status().message()).c_str());
     return kvpool::cli::kExitUsage;
   }
   auto t_start = std::chrono::steady_clock::now();
