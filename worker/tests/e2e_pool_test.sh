@@ -129,6 +129,21 @@ print(f"killed prefill: Lookup finds {p['lookup_blocks']} blocks, Acquire {p['hi
       f"(of {p['wanted_blocks']} wanted)")
 PY
 
+echo "== registration conflict: the pool's FAILED_PRECONDITION is kept, its code printed once"
+"${tool_bin}" calibrate --model "${model}" --text "${demo}/calibration.txt" --clip-k 0.9 \
+  --out "${work}/rot2.safetensors" >/dev/null 2>>"${work}/calibrate.log" || fail "calibrate 2"
+"${worker_bin}" --role prefill --pool "${pool}" --revision conflict-test "${common[@]}" \
+  --prompt-file "${demo}/prompts/01_kite.txt" >/dev/null 2>"${work}/conflict1.log" \
+  || { cat "${work}/conflict1.log" >&2; fail "prefill (first registration)"; }
+rc=0
+"${worker_bin}" --role prefill --pool "${pool}" --revision conflict-test --model "${model}" \
+  --rotations "${work}/rot2.safetensors" --prompt-file "${demo}/prompts/01_kite.txt" \
+  >/dev/null 2>"${work}/conflict2.log" || rc=$?
+cat "${work}/conflict2.log"
+[[ ${rc} -eq 2 ]] || fail "conflicting registration: exit ${rc}, want 2"
+grep -q ": FAILED_PRECONDITION: " "${work}/conflict2.log" || fail "conflict: code not FAILED_PRECONDITION"
+if grep -q "UNAVAILABLE" "${work}/conflict2.log"; then fail "conflict reported as UNAVAILABLE"; fi
+
 echo "== pool killed mid-fetch: same answer as without the pool"
 "${worker_bin}" --role decode --pool "${pool}" "${common[@]}" "${prompts[@]}" \
   --fault kill-pool-mid-fetch --fault-pool-pid "${server_pid}" --teacher-force false \
