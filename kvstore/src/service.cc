@@ -68,18 +68,12 @@ class KvPoolService final : public pb::KvPool::Service {
 
   grpc::Status BeginPut(grpc::ServerContext*, const pb::BeginPutRequest* req,
                         pb::BeginPutResponse* resp) override {
-    const absl::Time start = absl::Now();
-    absl::Status s = BeginPutImpl(*req, resp);
-    store_.metrics().put_latency.Observe(absl::ToDoubleSeconds(absl::Now() - start));
-    return Finish(s);
+    return Timed(store_.metrics().put_latency, [&] { return BeginPutImpl(*req, resp); });
   }
 
   grpc::Status CommitPut(grpc::ServerContext*, const pb::CommitPutRequest* req,
                          pb::CommitPutResponse* resp) override {
-    const absl::Time start = absl::Now();
-    absl::Status s = CommitImpl(*req, resp);
-    store_.metrics().commit_latency.Observe(absl::ToDoubleSeconds(absl::Now() - start));
-    return Finish(s);
+    return Timed(store_.metrics().commit_latency, [&] { return CommitImpl(*req, resp); });
   }
 
   grpc::Status AbortPut(grpc::ServerContext*, const pb::AbortPutRequest* req,
@@ -93,18 +87,12 @@ class KvPoolService final : public pb::KvPool::Service {
 
   grpc::Status Lookup(grpc::ServerContext*, const pb::LookupRequest* req,
                       pb::LookupResponse* resp) override {
-    const absl::Time start = absl::Now();
-    absl::Status s = LookupImpl(*req, resp);
-    store_.metrics().lookup_latency.Observe(absl::ToDoubleSeconds(absl::Now() - start));
-    return Finish(s);
+    return Timed(store_.metrics().lookup_latency, [&] { return LookupImpl(*req, resp); });
   }
 
   grpc::Status Acquire(grpc::ServerContext*, const pb::AcquireRequest* req,
                        pb::AcquireResponse* resp) override {
-    const absl::Time start = absl::Now();
-    absl::Status s = AcquireImpl(*req, resp);
-    store_.metrics().fetch_latency.Observe(absl::ToDoubleSeconds(absl::Now() - start));
-    return Finish(s);
+    return Timed(store_.metrics().fetch_latency, [&] { return AcquireImpl(*req, resp); });
   }
 
   grpc::Status Renew(grpc::ServerContext*, const pb::RenewRequest* req,
@@ -174,6 +162,15 @@ class KvPoolService final : public pb::KvPool::Service {
   }
 
  private:
+  // Runs `impl`, records its wall time in the `latency` histogram and maps its status.
+  template <typename Histogram, typename Impl>
+  grpc::Status Timed(Histogram& latency, Impl&& impl) {
+    const absl::Time start = absl::Now();
+    absl::Status s = impl();
+    latency.Observe(absl::ToDoubleSeconds(absl::Now() - start));
+    return Finish(s);
+  }
+
   grpc::Status Finish(const absl::Status& s) {
     if (!s.ok()) {
       store_.metrics().grpc_errors.fetch_add(1, std::memory_order_relaxed);
