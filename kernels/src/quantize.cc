@@ -217,6 +217,13 @@ uint32_t CountOverflowGroups(const float* row, uint32_t d) {
   return n == 0 ? 1 : n;
 }
 
+// Counts an fp16-overflow row (FORMAT.md §2.3: the block keeps its BF16 form) in `result`.
+void RecordOverflow(const float* row, uint32_t d, uint64_t r, QuantizeRowsResult& result) {
+  ++result.overflow_rows;
+  result.overflow_groups += CountOverflowGroups(row, d);
+  if (result.first_overflow_row < 0) result.first_overflow_row = static_cast<int64_t>(r);
+}
+
 }  // namespace
 
 absl::Status QuantizeRows(const float* x, uint64_t n, uint32_t d, float ratio, uint8_t* codes,
@@ -230,11 +237,7 @@ absl::Status QuantizeRows(const float* x, uint64_t n, uint32_t d, float ratio, u
     const float* row = x + r * d;
     RowQuantStatus s = QuantizeRow(row, d, ratio, codes + r * (d / 4), params + r * 2 * ng, use);
     if (s == RowQuantStatus::kNonFinite) return NonFiniteError(row, r, d);
-    if (s == RowQuantStatus::kFp16Overflow) {
-      ++local.overflow_rows;
-      local.overflow_groups += CountOverflowGroups(row, d);
-      if (local.first_overflow_row < 0) local.first_overflow_row = static_cast<int64_t>(r);
-    }
+    if (s == RowQuantStatus::kFp16Overflow) RecordOverflow(row, d, r, local);
   }
   if (result) *result = local;
   return absl::OkStatus();
@@ -265,11 +268,7 @@ absl::Status QuantizeRowsBf16(const uint16_t* x, uint64_t n, uint32_t d, float r
     WidenBf16(x + r * d, d, row, use);
     RowQuantStatus s = QuantizeRow(row, d, ratio, codes + r * (d / 4), params + r * 2 * ng, use);
     if (s == RowQuantStatus::kNonFinite) return NonFiniteError(row, r, d);
-    if (s == RowQuantStatus::kFp16Overflow) {
-      ++local.overflow_rows;
-      local.overflow_groups += CountOverflowGroups(row, d);
-      if (local.first_overflow_row < 0) local.first_overflow_row = static_cast<int64_t>(r);
-    }
+    if (s == RowQuantStatus::kFp16Overflow) RecordOverflow(row, d, r, local);
   }
   if (result) *result = local;
   return absl::OkStatus();
@@ -376,11 +375,7 @@ absl::Status RotateQuantizeRowsBf16(const uint16_t* x, uint64_t n, uint32_t d,
         return absl::InvalidArgumentError(absl::StrCat(
             "row ", r, " is finite but its rotation overflows to inf/nan (input too large)"));
       }
-      if (s == RowQuantStatus::kFp16Overflow) {
-        ++local.overflow_rows;
-        local.overflow_groups += CountOverflowGroups(row, d);
-        if (local.first_overflow_row < 0) local.first_overflow_row = static_cast<int64_t>(r);
-      }
+      if (s == RowQuantStatus::kFp16Overflow) RecordOverflow(row, d, r, local);
     }
   }
   if (result) *result = local;
