@@ -386,8 +386,16 @@ int main(int argc, char** argv) {
 
   // decode
   if (client == nullptr) {
-    KVPOOL_LOG_WARN("pool at {} unreachable ({}); every request computes its prefix locally", pool,
-                    kw::StatusText(client_error));
+    // Only an unreachable pool is "unreachable"; a refused registration (e.g. a recipe that
+    // conflicts with the pool's, FAILED_PRECONDITION) is reported with the pool's own status.
+    const bool unreachable = absl::IsUnavailable(client_error) ||
+                             absl::IsDeadlineExceeded(client_error) ||
+                             absl::IsCancelled(client_error);
+    nopts.no_pool_reason = absl::StrCat(
+        unreachable ? "pool unreachable at start-up: " : "pool refused the registration: ",
+        kw::StatusText(client_error));
+    KVPOOL_LOG_WARN("pool at {} not usable ({}); every request computes its prefix locally", pool,
+                    nopts.no_pool_reason);
   }
   kw::DecodeNode node(&engine, client.get(), rotations, nopts);
   kw::TeacherForcedResult tf_all;

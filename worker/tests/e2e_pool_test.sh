@@ -143,6 +143,20 @@ cat "${work}/conflict2.log"
 [[ ${rc} -eq 2 ]] || fail "conflicting registration: exit ${rc}, want 2"
 grep -q ": FAILED_PRECONDITION: " "${work}/conflict2.log" || fail "conflict: code not FAILED_PRECONDITION"
 if grep -q "UNAVAILABLE" "${work}/conflict2.log"; then fail "conflict reported as UNAVAILABLE"; fi
+# The decode role falls back to local compute, and its report names the refusal, not an outage.
+"${worker_bin}" --role decode --pool "${pool}" --revision conflict-test --model "${model}" \
+  --rotations "${work}/rot2.safetensors" --prompt-file "${demo}/prompts/01_kite.txt" \
+  --max-new-tokens 4 --teacher-force false --report "${work}/conflict_decode.json" \
+  >/dev/null 2>"${work}/conflict3.log" || { cat "${work}/conflict3.log" >&2; fail "decode (conflict)"; }
+python3 - "${work}/conflict_decode.json" <<'PY' || fail "decode conflict report"
+import json, sys
+p = json.load(open(sys.argv[1]))["prompts"][0]
+assert p["fallback"], p
+r = p["fallback_reason"]
+assert r.startswith("pool refused the registration: ") and "FAILED_PRECONDITION" in r, r
+assert "unreachable" not in r, r
+print(f"decode with a conflicting registration: fallback, reason {r[:70]!r}")
+PY
 
 echo "== pool killed mid-fetch: same answer as without the pool"
 "${worker_bin}" --role decode --pool "${pool}" "${common[@]}" "${prompts[@]}" \

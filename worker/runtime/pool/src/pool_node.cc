@@ -194,7 +194,8 @@ absl::StatusOr<DecodeReport> DecodeNode::Run(absl::Span<const int> prompt, int m
   std::string failure;
   auto t0 = std::chrono::steady_clock::now();
   if (client_ == nullptr) {
-    failure = "pool unreachable at start-up";
+    failure =
+        options_.no_pool_reason.empty() ? "pool unreachable at start-up" : options_.no_pool_reason;
   } else if (rep.wanted_blocks > 0) {
     const std::vector<uint32_t> tokens = ToU32(prompt);
     // Side-effect-free probe first (what a scheduler asks), then the lease.

@@ -45,6 +45,10 @@ struct NodeOptions {
   MixedCacheOptions cache;  // page size, S, W, history precision, clip ratios, capacity
   int fault_pool_pid = 0;   // for kKillPoolMidFetch
   Fault fault = Fault::kNone;
+  // Why a DecodeNode built with a null client has no pool (reported as fallback_reason), e.g.
+  // "pool unreachable at start-up: UNAVAILABLE: …" or "pool refused the registration:
+  // FAILED_PRECONDITION: …". Empty: "pool unreachable at start-up".
+  std::string no_pool_reason;
 };
 
 // The ModelSpec a worker registers: geometry from the engine, recipe from `cache`,
