@@ -1,0 +1,394 @@
+// cuda_write_bench — H200 benchmark of the kvpool CUDA write kernels (issue 3, PERF.md rules):
+// quantize-only (already-rotated bf16 rows -> INT2 pages), fused rotate+quantize, rotate-only
+// BF16 write, and demotion (BF16 pages -> INT2 pages), against their memory floor (bytes the
+// kernel must read + write, at the 4.6 TB/s PERF.md roofline) and against a plain
+// device-to-device cudaMemcpyAsync timed in the same run (the bandwidth a copy achieves).
+//
+// Method: per token count, fresh random inputs (device-side fill, seed from --seed, default
+// random), shuffled destination pages; every timed run is preceded (untimed) by poisoning its
+// output (0xff bytes: scale16 = 0xffff and bf16 0xffff are NaN, which the kernels never write)
+// and a 256 MiB memset that flushes L2; CUDA events around the launch; --warmup runs first;
+// the median (and min) of --iters runs. After timing, the outputs are checked: no poisoned
+// params / bf16 element may remain and no row may be flagged (exit 2 otherwise).
+//
+// Standard output: the table; --json FILE: every number with config, git SHA, device, clocks.
+// Exit codes 0 ok, 1 usage, 2 runtime (CUDA error, unwritten output).
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "kvpool/common/cli.h"
+#include "kvpool/common/log.h"
+#include "kvpool/common/version.h"
+#include "kvpool/kernels/block_format.h"
+#include "kvpool/kernels/cuda/fill.h"
+#include "kvpool/kernels/cuda/kv_write.h"
+
+namespace {
+
+using kvpool::BlockGeometry;
+namespace kc = kvpool::cuda;
+using json = nlohmann::json;
+
+constexpr double kRooflineGBs = 4600.0;  // PERF.md: HBM streaming roofline of this H200
+
+struct CudaError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+void Check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw CudaError(std::string(what) + ": " + cudaGetErrorString(e));
+}
+void Check(const kc::KernelStatus& s, const char* what) {
+  if (!s.ok()) throw CudaError(std::string(what) + ": " + s.message);
+}
+
+struct Buf {
+  void* p = nullptr;
+  size_t n = 0;
+  explicit Buf(size_t bytes) : n(bytes) {
+    if (bytes) Check(cudaMalloc(&p, bytes), "cudaMalloc");
+  }
+  ~Buf() {
+    if (p) cudaFree(p);
+  }
+  Buf(const Buf&) = delete;
+  Buf& operator=(const Buf&) = delete;
+  template <typename T>
+  T* as() const {
+    return static_cast<T*>(p);
+  }
+};
+
+template <typename T>
+std::unique_ptr<Buf> UploadVec(const std::vector<T>& v) {
+  auto b = std::make_unique<Buf>(std::max<size_t>(v.size() * sizeof(T), 16));
+  if (!v.empty())
+    Check(cudaMemcpy(b->p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice), "upload");
+  return b;
+}
+
+struct Stats {
+  double median_ms = 0, min_ms = 0;
+};
+
+struct Timer {
+  cudaStream_t stream;
+  Buf flush{256ull << 20};
+  cudaEvent_t e0{}, e1{};
+  int iters, warmup;
+  Timer(cudaStream_t s, int it, int wu) : stream(s), iters(it), warmup(wu) {
+    Check(cudaEventCreate(&e0), "event");
+    Check(cudaEventCreate(&e1), "event");
+  }
+  ~Timer() {
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
+  }
+  // prepare() runs (untimed) before each run, then L2 is flushed, then run() is timed.
+  Stats Time(const std::function<void()>& prepare, const std::function<void()>& run) {
+    for (int i = 0; i < warmup; ++i) {
+      prepare();
+      run();
+    }
+    Check(cudaStreamSynchronize(stream), "warmup");
+    std::vector<float> ms;
+    for (int i = 0; i < iters; ++i) {
+      prepare();
+      Check(cudaMemsetAsync(flush.p, i & 0xff, flush.n, stream), "flush");
+      Check(cudaEventRecord(e0, stream), "record");
+      run();
+      Check(cudaEventRecord(e1, stream), "record");
+      Check(cudaEventSynchronize(e1), "sync");
+      float t = 0;
+      Check(cudaEventElapsedTime(&t, e0, e1), "elapsed");
+      ms.push_back(t);
+    }
+    std::sort(ms.begin(), ms.end());
+    return {ms[ms.size() / 2], ms.front()};
+  }
+};
+
+// Random orthogonal d x d matrix (Gram-Schmidt on Gaussian columns, float64), row-major fp32.
+std::vector<float> RandomOrthogonal(int d, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<double> nd;
+  std::vector<double> q(size_t(d) * d);
+  for (auto& x : q) x = nd(rng);
+  for (int c = 0; c < d; ++c) {
+    for (int p = 0; p < c; ++p) {
+      double dot = 0;
+      for (int r = 0; r < d; ++r) dot += q[size_t(r) * d + c] * q[size_t(r) * d + p];
+      for (int r = 0; r < d; ++r) q[size_t(r) * d + c] -= dot * q[size_t(r) * d + p];
+    }
+    double nrm = 0;
+    for (int r = 0; r < d; ++r) nrm += q[size_t(r) * d + c] * q[size_t(r) * d + c];
+    nrm = std::sqrt(nrm);
+    for (int r = 0; r < d; ++r) q[size_t(r) * d + c] /= nrm;
+  }
+  return std::vector<float>(q.begin(), q.end());
+}
+
+std::vector<int> ParseInts(const std::string& s, const char* flag) {
+  std::vector<int> out;
+  size_t b = 0;
+  while (b <= s.size()) {
+    const size_t e = s.find(',', b);
+    const std::string item = s.substr(b, e == std::string::npos ? std::string::npos : e - b);
+    size_t used = 0;
+    int v = 0;
+    try {
+      v = std::stoi(item, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used != item.size() || item.empty() || v <= 0)
+      throw std::invalid_argument(std::string(flag) + ": '" + item + "' is not a positive integer");
+    out.push_back(v);
+    if (e == std::string::npos) break;
+    b = e + 1;
+  }
+  return out;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"cuda_write_bench — INT2 quantize / rotate / demote write kernels on the GPU"};
+  kvpool::cli::Setup(app, "cuda_write_bench");
+  std::string tokens_arg = "8192,32768,131072";
+  int heads = 8, head_dim = 128, page = 16, iters = 30, warmup = 5;
+  float clip_k = 0.96f, clip_v = 0.92f;
+  uint64_t seed = 0;
+  std::string json_out;
+  app.add_option("--tokens", tokens_arg, "comma-separated token counts per launch")
+      ->capture_default_str();
+  app.add_option("--kv-heads", heads, "KV heads (32 q / 8 KV: 8)")->capture_default_str();
+  app.add_option("--head-dim", head_dim, "head dim (64, 128, 256)")->capture_default_str();
+  app.add_option("--page-size", page, "tokens per page (16, 64)")->capture_default_str();
+  app.add_option("--iters", iters, "timed runs per kernel (median reported)")
+      ->capture_default_str();
+  app.add_option("--warmup", warmup, "untimed runs first")->capture_default_str();
+  app.add_option("--clip-k", clip_k, "K clip ratio (FORMAT.md §2.2)")->capture_default_str();
+  app.add_option("--clip-v", clip_v, "V clip ratio")->capture_default_str();
+  app.add_option("--seed", seed, "input seed (0: random)")->capture_default_str();
+  app.add_option("--json", json_out, "write all results as JSON here");
+  KVPOOL_CLI_PARSE(app, argc, argv);
+  std::vector<int> token_counts;
+  try {
+    token_counts = ParseInts(tokens_arg, "--tokens");
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "cuda_write_bench: %s\n", e.what());
+    return kvpool::cli::kExitUsage;
+  }
+  if (heads < 1 || (head_dim != 64 && head_dim != 128 && head_dim != 256) ||
+      (page != 16 && page != 64) || iters < 1 || warmup < 0) {
+    std::fprintf(stderr,
+                 "cuda_write_bench: --kv-heads >= 1, --head-dim 64/128/256, --page-size 16/64, "
+                 "--iters >= 1, --warmup >= 0\n");
+    return kvpool::cli::kExitUsage;
+  }
+  if (iters < 20) KVPOOL_LOG_WARN("--iters {} < 20: PERF.md asks for the median of >= 20", iters);
+  if (seed == 0) seed = std::random_device{}() | 1ull;
+
+  json doc;
+  try {
+    int dev = 0;
+    Check(cudaGetDevice(&dev), "cudaGetDevice");
+    cudaDeviceProp prop{};
+    Check(cudaGetDeviceProperties(&prop, dev), "props");
+    int clk = 0, memclk = 0;
+    cudaDeviceGetAttribute(&clk, cudaDevAttrClockRate, dev);
+    cudaDeviceGetAttribute(&memclk, cudaDevAttrMemoryClockRate, dev);
+    const BlockGeometry geo{1, uint32_t(heads), uint32_t(head_dim), uint32_t(page)};
+    doc["config"] = {{"iters", iters},
+                     {"warmup", warmup},
+                     {"kv_heads", heads},
+                     {"head_dim", head_dim},
+                     {"page_size", page},
+                     {"clip_k", clip_k},
+                     {"clip_v", clip_v},
+                     {"seed", seed},
+                     {"roofline_gbs", kRooflineGBs},
+                     {"l2_flush_bytes", 256 << 20}};
+    doc["git_sha"] = kvpool::kGitSha;
+    doc["version"] = kvpool::kVersion;
+    doc["device"] = {{"name", prop.name},
+                     {"sms", prop.multiProcessorCount},
+                     {"l2_bytes", prop.l2CacheSize},
+                     {"max_sm_clock_khz", clk},
+                     {"max_mem_clock_khz", memclk},
+                     {"cc", std::to_string(prop.major) + "." + std::to_string(prop.minor)}};
+    cudaStream_t stream;
+    Check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+    Timer timer(stream, iters, warmup);
+    const int d = head_dim, ng = int(geo.GroupsPerRow());
+    auto rot = UploadVec(RandomOrthogonal(d, seed ^ 0x5eedull));
+    json rows = json::array();
+    std::printf("%-18s %8s %9s %9s %9s %9s %9s %8s %8s\n", "kernel", "tokens", "tok-heads",
+                "med_ms", "min_ms", "MB", "GB/s", "%floor", "%copy");
+    for (int n : token_counts) {
+      const size_t npages = size_t((n + page - 1) / page);
+      const double th = double(n) * heads;
+      const size_t in_bytes = size_t(n) * heads * d * 2;  // one of K or V
+      Buf k(in_bytes), v(in_bytes), i2(npages * geo.Int2LayerBytes()),
+          bfp(npages * geo.Bf16LayerBytes()), copy_dst(2 * in_bytes), bad(16);
+      const uint64_t s = seed + uint64_t(n) * 7919;
+      Check(kc::LaunchFillRandomBf16(k.as<uint16_t>(), k.n / 2, s + 1, stream), "fill");
+      Check(kc::LaunchFillRandomBf16(v.as<uint16_t>(), v.n / 2, s + 2, stream), "fill");
+      std::vector<int32_t> ids(npages), pg(n), sl(n);
+      std::iota(ids.begin(), ids.end(), 0);
+      std::shuffle(ids.begin(), ids.end(), std::mt19937_64(s + 3));
+      for (int t = 0; t < n; ++t) {
+        pg[t] = ids[t / page];
+        sl[t] = t % page;
+      }
+      auto d_pg = UploadVec(pg), d_sl = UploadVec(sl), d_ids = UploadVec(ids);
+      Check(cudaMemsetAsync(bad.p, 0, bad.n, stream), "memset");
+
+      kc::KvWriteParams wp;
+      wp.num_tokens = n;
+      wp.num_kv_heads = heads;
+      wp.head_dim = d;
+      wp.page_size = page;
+      wp.k = k.as<uint16_t>();
+      wp.v = v.as<uint16_t>();
+      wp.dst_page = d_pg->as<int32_t>();
+      wp.dst_slot = d_sl->as<int32_t>();
+      wp.clip_ratio_k = clip_k;
+      wp.clip_ratio_v = clip_v;
+      wp.bad_rows = bad.as<uint32_t>();
+
+      double copy_gbs = 0;
+      auto emit = [&](const char* name, const Stats& st, double bytes) {
+        const double floor_ms = bytes / (kRooflineGBs * 1e9) * 1e3;
+        const double gbs = bytes / (st.median_ms * 1e-3) / 1e9;
+        if (copy_gbs == 0) copy_gbs = gbs;  // the first row is the copy baseline
+        std::printf("%-18s %8d %9.0f %9.4f %9.4f %9.1f %9.1f %7.1f%% %7.1f%%\n", name, n, th,
+                    st.median_ms, st.min_ms, bytes / 1e6, gbs, 100 * floor_ms / st.median_ms,
+                    100 * gbs / copy_gbs);
+        std::fflush(stdout);
+        rows.push_back({{"kernel", name},
+                        {"tokens", n},
+                        {"kv_heads", heads},
+                        {"token_heads", th},
+                        {"head_dim", d},
+                        {"ms", st.median_ms},
+                        {"min_ms", st.min_ms},
+                        {"bytes", bytes},
+                        {"gbs", gbs},
+                        {"floor_ms", floor_ms},
+                        {"pct_floor", 100 * floor_ms / st.median_ms},
+                        {"pct_copy", 100 * gbs / copy_gbs}});
+      };
+      auto poison_i2 = [&] { Check(cudaMemsetAsync(i2.p, 0xff, i2.n, stream), "poison"); };
+      auto poison_bf = [&] { Check(cudaMemsetAsync(bfp.p, 0xff, bfp.n, stream), "poison"); };
+      // Every (page, head, K/V, slot) param word must have been written (scale16 != 0xffff).
+      auto check_i2 = [&](const char* what) {
+        Check(cudaStreamSynchronize(stream), "sync");
+        std::vector<uint8_t> h(i2.n);
+        Check(cudaMemcpy(h.data(), i2.p, i2.n, cudaMemcpyDeviceToHost), "download");
+        uint64_t unwritten = 0;
+        for (size_t p = 0; p < npages; ++p)
+          for (int hd = 0; hd < heads; ++hd) {
+            const uint8_t* chunk = h.data() + p * geo.Int2LayerBytes() + geo.Int2ChunkOffset(0, hd);
+            for (int kvi = 0; kvi < 2; ++kvi) {
+              const uint8_t* par =
+                  chunk + (kvi ? geo.Int2VParamsOffset() : geo.Int2KParamsOffset());
+              for (int w = 0; w < page * ng; ++w) {
+                uint16_t sc;
+                std::memcpy(&sc, par + 4 * w, 2);
+                unwritten += sc == 0xffff;
+              }
+            }
+          }
+        uint32_t nbad = 0;
+        Check(cudaMemcpy(&nbad, bad.p, 4, cudaMemcpyDeviceToHost), "download");
+        if (unwritten || nbad)
+          throw CudaError(std::string(what) + ": " + std::to_string(unwritten) +
+                          " param words unwritten, " + std::to_string(nbad) + " rows flagged");
+      };
+      auto check_bf = [&](const char* what) {
+        Check(cudaStreamSynchronize(stream), "sync");
+        std::vector<uint16_t> h(bfp.n / 2);
+        Check(cudaMemcpy(h.data(), bfp.p, bfp.n, cudaMemcpyDeviceToHost), "download");
+        const auto left = std::count(h.begin(), h.end(), uint16_t(0xffff));
+        if (left) throw CudaError(std::string(what) + ": " + std::to_string(left) + " unwritten");
+      };
+      const double q_bytes = th * (4.0 * d + d / 2 + 8.0 * ng);
+      auto none = [] {};
+
+      emit("memcpy-d2d",
+           timer.Time(none,
+                      [&] {
+                        Check(cudaMemcpyAsync(copy_dst.p, k.p, in_bytes, cudaMemcpyDeviceToDevice,
+                                              stream),
+                              "copy");
+                        Check(cudaMemcpyAsync(copy_dst.as<uint8_t>() + in_bytes, v.p, in_bytes,
+                                              cudaMemcpyDeviceToDevice, stream),
+                              "copy");
+                      }),
+           4.0 * in_bytes);
+
+      wp.rotation_k = wp.rotation_v = nullptr;
+      wp.dst = {i2.p, geo.Int2LayerBytes()};
+      emit("quantize-only",
+           timer.Time(poison_i2, [&] { Check(kc::LaunchQuantizeWrite(wp, stream), "quantize"); }),
+           q_bytes);
+      check_i2("quantize-only");
+
+      wp.rotation_k = wp.rotation_v = rot->as<float>();
+      emit("rotate+quantize",
+           timer.Time(poison_i2, [&] { Check(kc::LaunchQuantizeWrite(wp, stream), "quantize"); }),
+           q_bytes);
+      check_i2("rotate+quantize");
+
+      wp.dst = {bfp.p, geo.Bf16LayerBytes()};
+      emit("rotate-bf16",
+           timer.Time(poison_bf, [&] { Check(kc::LaunchRotateWriteBf16(wp, stream), "rotate"); }),
+           th * 8.0 * d);
+      check_bf("rotate-bf16");
+
+      // Demotion reads the rotated BF16 pages just written.
+      kc::DemoteParams dp;
+      dp.num_blocks = int(npages);
+      dp.num_kv_heads = heads;
+      dp.head_dim = d;
+      dp.page_size = page;
+      dp.src_pages = d_ids->as<int32_t>();
+      dp.dst_pages = d_ids->as<int32_t>();
+      dp.src = {bfp.p, geo.Bf16LayerBytes()};
+      dp.dst = {i2.p, geo.Int2LayerBytes()};
+      dp.clip_ratio_k = clip_k;
+      dp.clip_ratio_v = clip_v;
+      dp.bad_rows = bad.as<uint32_t>();
+      emit("demote", timer.Time(poison_i2, [&] { Check(kc::LaunchDemote(dp, stream), "demote"); }),
+           double(npages) * page * heads * (4.0 * d + d / 2 + 8.0 * ng));
+      check_i2("demote");
+    }
+    doc["results"] = rows;
+    Check(cudaStreamDestroy(stream), "stream");
+  } catch (const std::exception& e) {
+    KVPOOL_LOG_ERROR("{}", e.what());
+    if (!json_out.empty()) {
+      doc["error"] = e.what();
+      std::ofstream(json_out) << doc.dump(2) << "\n";
+    }
+    return kvpool::cli::kExitRuntime;
+  }
+  if (!json_out.empty()) std::ofstream(json_out) << doc.dump(2) << "\n";
+  return kvpool::cli::kExitOk;
+}

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# device_write_run.sh — one call on the GPU machine for the write kernels (kv_write.cu): the
+# GPU tests of kv_write_test.cc, then bench/cuda_write_bench (table + JSON), optionally Nsight
+# Compute counters of the four d=128 write kernels (clocks left alone) and their SASS profile.
+# Binaries are built on the development machine and carried, with their non-system shared
+# libraries, in .devlibs-write/. Results under $OUT.
+#   kernels/cuda/device_write_run.sh            tests + bench
+#   NCU=1 kernels/cuda/device_write_run.sh      ... + ncu + SASS instruction mix
+#   TEST_FILTER='KvWrite.*' ...                 a subset of the tests (default: KvWrite.*:EndToEnd.*)
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+L=.devlibs-write
+export LD_LIBRARY_PATH="$PWD/$L:${LD_LIBRARY_PATH:-}"
+LOG="$OUT/write_log.txt"
+{
+  echo "== $(date -u) $(git rev-parse --short HEAD 2>/dev/null)"
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,clocks.max.sm,temperature.gpu,power.draw --format=csv
+} 2>&1 | tee "$LOG"
+if [ "${SKIP_TESTS:-0}" != 1 ]; then
+  echo "== tests" | tee -a "$LOG"
+  $L/cuda_kernels_test --gtest_filter="${TEST_FILTER:-KvWrite.*:EndToEnd.*}" > "$OUT/write_test_log.txt" 2>&1
+  echo "test exit $?" | tee -a "$LOG"
+  grep -E "^\[( +OK|  FAILED|  PASSED|  SKIPPED)|^\[(quantize|rotate|e2e)|Failure|Expected|Which|actual" \
+    "$OUT/write_test_log.txt" | head -80 | tee -a "$LOG"
+fi
+echo "== bench" | tee -a "$LOG"
+$L/cuda_write_bench --tokens "${TOKENS:-8192,32768,131072}" --iters 30 --warmup 5 \
+  --json "$OUT/cuda_write_bench.json" 2>&1 | tee -a "$LOG"
+if [ "${NCU:-0}" = 1 ]; then
+  echo "== ncu (d=128, 32768 tokens x 8 KV heads; quantize-only, rotate+quantize, rotate-bf16, demote)" | tee -a "$LOG"
+  S="--section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats --section LaunchStats --section InstructionStats --section MemoryWorkloadAnalysis"
+  ncu --clock-control none --kernel-name-base mangled --kernel-name regex:KvWriteKernelILi128 \
+    --launch-count 4 $S $L/cuda_write_bench --tokens 32768 --iters 1 --warmup 0 > "$OUT/ncu_write.txt" 2>&1
+  grep -E "KvWriteKernel|Duration|Memory Throughput|DRAM Throughput|Issue Slots Busy|Issued Warp|Eligible Warps|Registers Per|Achieved Active|Executed Instructions  |Stall|Theoretical Occ" \
+    "$OUT/ncu_write.txt" | tee -a "$LOG"
+  cuobjdump -sass $L/cuda_write_bench > /tmp/all.sass 2>&1
+  python3 - <<'PY' > "$OUT/sass_write.txt" 2>&1
+import re, collections
+txt = open('/tmp/all.sass').read()
+for fn in re.split(r'\n\s*Function : ', txt)[1:]:
+    name = fn.split('\n', 1)[0]
+    if 'KvWriteKernel' not in name:
+        continue
+    ops = collections.Counter()
+    for m in re.finditer(r'/\*[0-9a-f]{4}\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)', fn):
+        ops[m.group(2).split('.')[0]] += 1
+    print(name, 'static instructions:', sum(ops.values()))
+    print('  ', ', '.join(f'{k}:{v}' for k, v in ops.most_common(40)))
+PY
+  head -c 6000 "$OUT/sass_write.txt" | tee -a "$LOG"
+fi
+nvidia-smi --query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv 2>&1 | tee -a "$LOG"
