@@ -5,8 +5,13 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "kvpool/common/log.h"
 #include "kvpool/common/status.h"
 #include "kvpool/kernels/quantize.h"
+
+#if defined(KVPOOL_HAVE_GPU_ENCODER)
+#include "gpu_encoder.h"
+#endif
 
 namespace kvpool::kvstore {
 
@@ -82,6 +87,90 @@ absl::Status EncodeBlock(const BlockGeometry& g, const RotationSet& rotation, fl
   result->overflow_rows = total.overflow_rows;
   result->int2_ok = int2_out != nullptr && total.overflow_rows == 0;
   return absl::OkStatus();
+}
+
+const char* CommitDeviceName(CommitDevice d) {
+  switch (d) {
+    case CommitDevice::kAuto:
+      return "auto";
+    case CommitDevice::kCpu:
+      return "cpu";
+    case CommitDevice::kGpu:
+      return "gpu";
+  }
+  return "?";
+}
+
+absl::StatusOr<CommitDevice> ParseCommitDevice(std::string_view text, const char* field) {
+  for (CommitDevice d : {CommitDevice::kAuto, CommitDevice::kCpu, CommitDevice::kGpu}) {
+    if (text == CommitDeviceName(d)) {
+      return d;
+    }
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat(field, ": \"", std::string(text), "\" is not one of auto, cpu, gpu"));
+}
+
+namespace {
+
+class CpuEncoder final : public BlockEncoder {
+ public:
+  absl::Status EncodeBlocks(const BlockGeometry& g, const RotationSet& rotation, float clip_k,
+                            float clip_v, absl::Span<EncodeJob> jobs) override {
+    KVPOOL_RETURN_IF_ERROR(ValidateBatch(g, clip_k, clip_v, jobs));
+    for (EncodeJob& j : jobs) {
+      j.result = EncodeResult{};
+      j.status =
+          EncodeBlock(g, rotation, clip_k, clip_v, j.staging, j.bf16_out, j.int2_out, &j.result);
+    }
+    return absl::OkStatus();
+  }
+  std::string_view device_name() const override { return "cpu"; }
+  std::string Describe() const override { return "cpu: kernels library (RotateQuantizeRowsBf16)"; }
+};
+
+}  // namespace
+
+absl::Status ValidateBatch(const BlockGeometry& g, float clip_k, float clip_v,
+                           absl::Span<const EncodeJob> jobs) {
+  if (!g.Valid()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "geometry: num_layers ", g.num_layers, ", num_kv_heads ", g.num_kv_heads, ", head_dim ",
+        g.head_dim, ", page_size ", g.page_size, " is not a valid block geometry"));
+  }
+  KVPOOL_RETURN_IF_ERROR(ValidateHeadDim(g.head_dim, "geometry.head_dim"));
+  KVPOOL_RETURN_IF_ERROR(ValidateClipRatio(clip_k, "recipe.clip_ratio_k"));
+  KVPOOL_RETURN_IF_ERROR(ValidateClipRatio(clip_v, "recipe.clip_ratio_v"));
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    if (jobs[i].staging == nullptr || jobs[i].bf16_out == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "jobs[", i, "].", jobs[i].staging == nullptr ? "staging" : "bf16_out", " is null"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+std::unique_ptr<BlockEncoder> NewCpuEncoder() { return std::make_unique<CpuEncoder>(); }
+
+absl::StatusOr<std::unique_ptr<BlockEncoder>> CreateEncoder(CommitDevice device) {
+  if (device == CommitDevice::kCpu) {
+    return NewCpuEncoder();
+  }
+#if defined(KVPOOL_HAVE_GPU_ENCODER)
+  absl::StatusOr<std::unique_ptr<BlockEncoder>> gpu = CreateGpuEncoder(GpuEncoderOptions{});
+#else
+  absl::StatusOr<std::unique_ptr<BlockEncoder>> gpu = absl::FailedPreconditionError(
+      "this build has no CUDA support (built without nvcc; KVPOOL_HAVE_CUDA off)");
+#endif
+  if (gpu.ok() || device == CommitDevice::kGpu) {
+    if (!gpu.ok()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("commit-device gpu: ", gpu.status().message()));
+    }
+    return gpu;
+  }
+  KVPOOL_LOG_INFO("commit device auto: using the CPU ({})", std::string(gpu.status().message()));
+  return NewCpuEncoder();
 }
 
 }  // namespace kvpool::kvstore

@@ -85,7 +85,14 @@ int main(int argc, char** argv) {
                  "On SIGTERM: time between readiness off and refusing new calls (lets load "
                  "balancers stop routing)")
       ->check(CLI::Range(int64_t{0}, int64_t{600000}));
+  std::string commit_device = "auto";
+  app.add_option("--commit-device", commit_device,
+                 "Where commits rotate and quantize: auto (the GPU when this build has CUDA and "
+                 "a compute-capability-9.0 device is present, else the CPU), cpu, or gpu (start-up "
+                 "fails without a usable GPU); /metrics kvpool_commit_device says which is used")
+      ->check(CLI::IsMember({"auto", "cpu", "gpu"}));
   KVPOOL_CLI_PARSE(app, argc, argv);
+  o.store.commit_device = *kvpool::kvstore::ParseCommitDevice(commit_device);
 
   if (!ParseBytes(capacity, &o.capacity_bytes) || o.capacity_bytes == 0) {
     std::fprintf(stderr, "--capacity: cannot parse \"%s\" as a positive byte count\n",

@@ -78,6 +78,9 @@ std::string RenderStoreMetrics(BlockStore& store) {
        double(s.open_puts)},
       {"kvpool_leases", "Active leases.", "", double(s.leases)},
       {"kvpool_models", "Registered models.", "", double(s.models)},
+      {"kvpool_commit_device", "Where commits rotate and quantize (1 = in use).",
+       "device=\"cpu\"", s.commit_device == "cpu" ? 1.0 : 0.0},
+      {"kvpool_commit_device", "", "device=\"gpu\"", s.commit_device == "gpu" ? 1.0 : 0.0},
   };
   return RenderPrometheus(store.metrics(), g);
 }

@@ -125,8 +125,13 @@ absl::StatusOr<std::unique_ptr<BlockStore>> BlockStore::Create(const StoreOption
   if (!metrics) {
     metrics = std::make_shared<Metrics>();
   }
-  return std::unique_ptr<BlockStore>(
+  KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<BlockEncoder> encoder,
+                          CreateEncoder(options.commit_device));
+  KVPOOL_LOG_INFO("commit encoder: {}", encoder->Describe());
+  std::unique_ptr<BlockStore> store(
       new BlockStore(options, memory, clock ? clock : Clock::Real(), std::move(metrics)));
+  store->encoder_ = std::move(encoder);
+  return store;
 }
 
 BlockStore::BlockStore(const StoreOptions& options, PoolMemory* memory, Clock* clock,
@@ -599,6 +604,9 @@ absl::StatusOr<CommitResult> BlockStore::CommitPut(const Digest& namespace_id, u
   std::vector<Encoded> enc(blocks.size());
   uint64_t ingested = 0;
   uint8_t* base = memory_->data();
+  // All WRITE blocks are encoded in one call (one device batch on the GPU encoder).
+  std::vector<EncodeJob> jobs;
+  std::vector<uint32_t> job_block;
   for (const PutBlockState& b : blocks) {
     if (b.plan.action != PutAction::kWrite) {
       continue;
@@ -622,16 +630,29 @@ absl::StatusOr<CommitResult> BlockStore::CommitPut(const Digest& namespace_id, u
     if (want_int2) {
       e.bytes[int(FormKind::kInt2)].resize(sizes[1]);
     }
-    EncodeResult r;
-    absl::Status s =
-        EncodeBlock(g, *m->rotation, m->spec.clip_ratio_k, m->spec.clip_ratio_v, staging,
-                    e.bytes[0].data(), want_int2 ? e.bytes[1].data() : nullptr, &r);
+    jobs.push_back(EncodeJob{.staging = staging,
+                             .bf16_out = e.bytes[0].data(),
+                             .int2_out = want_int2 ? e.bytes[1].data() : nullptr});
+    job_block.push_back(i);
+    ingested += b.plan.size;
+  }
+  if (absl::Status s = encoder_->EncodeBlocks(g, *m->rotation, m->spec.clip_ratio_k,
+                                              m->spec.clip_ratio_v, absl::MakeSpan(jobs));
+      !s.ok()) {
+    return fail(s);
+  }
+  for (size_t k = 0; k < jobs.size(); ++k) {
+    const uint32_t i = job_block[k];
+    Encoded& e = enc[i];
+    const EncodeResult& r = jobs[k].result;
+    const absl::Status& s = jobs[k].status;
     if (!s.ok()) {
       if (s.code() == absl::StatusCode::kInvalidArgument) {
         metrics_->nonfinite_refusals.fetch_add(1, std::memory_order_relaxed);
       }
       return fail(Annotate(s, absl::StrCat("block ", i)));
     }
+    const bool want_int2 = e.wanted[int(FormKind::kInt2)];
     if (want_int2 && !r.int2_ok) {
       // FORMAT.md §2.3: a group beyond fp16 is not quantized; the block keeps its BF16 form.
       e.wanted[int(FormKind::kInt2)] = false;
@@ -647,7 +668,6 @@ absl::StatusOr<CommitResult> BlockStore::CommitPut(const Digest& namespace_id, u
         e.xxh3[f] = Xxh3(e.bytes[f].data(), e.bytes[f].size());
       }
     }
-    ingested += b.plan.size;
   }
 
   // Phase C (lock): reserve slots for the new forms and pin the blocks this commit builds on.
@@ -968,6 +988,7 @@ StoreStats BlockStore::Stats() const {
   }
   s.open_puts = puts_.size();
   s.leases = leases_.size();
+  s.commit_device = std::string(encoder_->device_name());
   {
     std::shared_lock models_lock(models_mu_);
     s.models = static_cast<uint32_t>(models_.size());

@@ -75,5 +75,107 @@ TEST(EncoderTest, NonFiniteNamesLayerHeadKvTokenElement) {
   EXPECT_EQ(CheckFinite(g, in.data()).message(), "layer 1 head 0 V token 2 element 5 is -inf");
 }
 
+TEST(EncoderTest, ParseCommitDevice) {
+  for (CommitDevice d : {CommitDevice::kAuto, CommitDevice::kCpu, CommitDevice::kGpu}) {
+    absl::StatusOr<CommitDevice> p = ParseCommitDevice(CommitDeviceName(d));
+    ASSERT_TRUE(p.ok());
+    EXPECT_EQ(*p, d);
+  }
+  absl::StatusOr<CommitDevice> bad = ParseCommitDevice("cuda");
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(bad.status().message(), "commit-device: \"cuda\" is not one of auto, cpu, gpu");
+}
+
+TEST(EncoderTest, CreateEncoderPicksTheDevice) {
+  absl::StatusOr<std::unique_ptr<BlockEncoder>> cpu = CreateEncoder(CommitDevice::kCpu);
+  ASSERT_TRUE(cpu.ok());
+  EXPECT_EQ((*cpu)->device_name(), "cpu");
+  absl::StatusOr<std::unique_ptr<BlockEncoder>> gpu = CreateEncoder(CommitDevice::kGpu);
+  absl::StatusOr<std::unique_ptr<BlockEncoder>> automatic = CreateEncoder(CommitDevice::kAuto);
+  ASSERT_TRUE(automatic.ok());
+#if !defined(KVPOOL_HAVE_GPU_ENCODER)
+  // CI: built without CUDA. gpu is refused naming the reason; auto falls back to the CPU.
+  EXPECT_EQ(gpu.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(gpu.status().message(),
+            "commit-device gpu: this build has no CUDA support (built without nvcc; "
+            "KVPOOL_HAVE_CUDA off)");
+  EXPECT_EQ((*automatic)->device_name(), "cpu");
+#else
+  // A CUDA build: gpu works exactly when a usable device is present, and auto follows it.
+  if (gpu.ok()) {
+    EXPECT_EQ((*gpu)->device_name(), "gpu");
+    EXPECT_EQ((*automatic)->device_name(), "gpu");
+  } else {
+    EXPECT_EQ(gpu.status().code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_EQ((*automatic)->device_name(), "cpu");
+  }
+#endif
+}
+
+TEST(EncoderTest, CpuBatchMatchesPerBlockAndIsolatesBadBlocks) {
+  BlockGeometry g{.num_layers = 2, .num_kv_heads = 2, .head_dim = 8, .page_size = 4};
+  RotationMetadata meta{.model_name = "t", .head_dim = 8, .num_layers = 2, .num_kv_heads = 2};
+  auto rot = RotationSet::Hadamard(meta);
+  ASSERT_TRUE(rot.ok());
+  std::vector<std::vector<uint8_t>> in;
+  for (int i = 0; i < 3; ++i) {
+    in.push_back(BlockBytes(g, i, 1));
+  }
+  const uint16_t nan = 0x7fc0;
+  std::memcpy(in[1].data() + g.Bf16ChunkOffset(0, 1) + 6, &nan, 2);
+  std::vector<std::vector<uint8_t>> bf16(3, std::vector<uint8_t>(g.Bf16FormBytes()));
+  std::vector<std::vector<uint8_t>> int2(3, std::vector<uint8_t>(g.Int2FormBytes()));
+  std::vector<EncodeJob> jobs(3);
+  for (int i = 0; i < 3; ++i) {
+    jobs[i].staging = in[i].data();
+    jobs[i].bf16_out = bf16[i].data();
+    jobs[i].int2_out = i == 2 ? nullptr : int2[i].data();
+  }
+  auto enc = NewCpuEncoder();
+  ASSERT_TRUE(enc->EncodeBlocks(g, *rot, 0.96f, 0.92f, absl::MakeSpan(jobs)).ok());
+  EXPECT_EQ(jobs[1].status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(jobs[1].status.message(), "layer 0 head 1 K token 0 element 3 is nan");
+  for (int i : {0, 2}) {
+    ASSERT_TRUE(jobs[i].status.ok()) << jobs[i].status;
+    std::vector<uint8_t> b(g.Bf16FormBytes()), q(g.Int2FormBytes());
+    EncodeResult r;
+    ASSERT_TRUE(
+        EncodeBlock(g, *rot, 0.96f, 0.92f, in[i].data(), b.data(), i == 2 ? nullptr : q.data(), &r)
+            .ok());
+    EXPECT_EQ(b, bf16[i]);
+    EXPECT_EQ(jobs[i].result.int2_ok, r.int2_ok);
+    EXPECT_EQ(jobs[i].result.int2_ok, i == 0);
+    if (i == 0) {
+      EXPECT_EQ(q, int2[i]);
+    }
+  }
+}
+
+TEST(EncoderTest, BatchRefusesMalformedCalls) {
+  BlockGeometry g{.num_layers = 1, .num_kv_heads = 1, .head_dim = 8, .page_size = 4};
+  RotationMetadata meta{.model_name = "t", .head_dim = 8, .num_layers = 1, .num_kv_heads = 1};
+  auto rot = RotationSet::Identity(meta);
+  ASSERT_TRUE(rot.ok());
+  std::vector<uint8_t> in = BlockBytes(g, 0, 0), out(g.Bf16FormBytes());
+  std::vector<EncodeJob> jobs(2);
+  jobs[0].staging = in.data();
+  jobs[0].bf16_out = out.data();
+  jobs[1].bf16_out = out.data();
+  auto enc = NewCpuEncoder();
+  absl::Status s = enc->EncodeBlocks(g, *rot, 0.96f, 0.92f, absl::MakeSpan(jobs));
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(s.message(), "jobs[1].staging is null");
+  jobs[1].staging = in.data();
+  s = enc->EncodeBlocks(g, *rot, 1.5f, 0.92f, absl::MakeSpan(jobs));
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("recipe.clip_ratio_k"), std::string::npos) << s.message();
+  BlockGeometry odd = g;
+  odd.head_dim = 12;
+  s = enc->EncodeBlocks(odd, *rot, 0.96f, 0.92f, absl::MakeSpan(jobs));
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("geometry"), std::string::npos) << s.message();
+  EXPECT_TRUE(enc->EncodeBlocks(g, *rot, 0.96f, 0.92f, {}).ok());
+}
+
 }  // namespace
 }  // namespace kvpool::kvstore

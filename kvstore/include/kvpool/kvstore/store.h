@@ -116,6 +116,10 @@ struct StoreOptions {
   uint32_t max_put_blocks = 65536;
   // Allocation granularity, power of two. Default 256 bytes.
   uint64_t alignment = 256;
+  // Where commits rotate and quantize (encoder.h CreateEncoder): auto = the GPU when this build
+  // has CUDA and a usable device, else the CPU; gpu makes Create fail (FAILED_PRECONDITION)
+  // without one. Default auto.
+  CommitDevice commit_device = CommitDevice::kAuto;
 };
 
 enum class PutAction : uint8_t { kSkip, kWrite };
@@ -193,6 +197,7 @@ struct StoreStats {
   uint64_t open_puts = 0;
   uint64_t leases = 0;
   uint32_t models = 0;
+  std::string commit_device;  // "cpu" or "gpu": where commits encode (BlockEncoder)
 };
 
 // Either token ids (keys computed by the store) or an explicit key chain.
@@ -258,6 +263,8 @@ class BlockStore {
 
   StoreStats Stats() const;
   Metrics& metrics() { return *metrics_; }
+  // The commit encoder (thread-safe); device_name() says where commits run.
+  const BlockEncoder& encoder() const { return *encoder_; }
   PoolMemory& memory() { return *memory_; }
 
  private:
@@ -332,6 +339,7 @@ class BlockStore {
   PoolMemory* const memory_;
   Clock* const clock_;
   std::shared_ptr<Metrics> metrics_;
+  std::unique_ptr<BlockEncoder> encoder_;  // set by Create; thread-safe
 
   mutable std::shared_mutex mu_;
   Arena arena_;  // guarded by mu_
