@@ -1,13 +1,21 @@
 #!/usr/bin/env bash
-# device_run.sh — one call on the GPU machine: GPU tests, then the benchmarks (PyTorch SDPA
-# baseline first, then ours, in the same run). Binaries are built on the development machine
-# and carried in .devlibs/ with their non-system shared libraries.
-#   kernels/cuda/device_run.sh [quick|full]     (results under $OUT)
+# device_run.sh — one call on the GPU machine: the decode GPU tests, then the decode benchmarks
+# (PyTorch SDPA baseline first, then ours, in the same run). Binaries are built on the
+# development machine and carried with their non-system shared libraries in $DEVLIBS
+# (default .devlibs-decode).
+#   kernels/cuda/device_run.sh [quick|grid|full]     (results under $OUT)
+#     quick: B 1, 32 x 4K, 32K and B 8 x 128K (32q/8kv, d128, page 16), plus the same launcher
+#            without programmatic dependent launch (KVPOOL_DECODE_PDL=0) at B 32 x 32K
+#     grid:  the PERF.md grid the issue asks for: B {1, 8, 32, 128} x {4K, 32K, 128K} for
+#            32q/8kv page 16, page 64 and the 64q/8kv and 32q/4kv rows at B 32 x 32K
+#     full:  every shape of PERF.md (long)
+# TEST_FILTER (gtest filter) and SKIP_TESTS=1 control the tests; SANITIZE=1 adds memcheck.
 set -u
 MODE=${1:-quick}
 OUT=${OUT:-/tmp/out}
+DEVLIBS=${DEVLIBS:-.devlibs-decode}
 mkdir -p "$OUT"
-export LD_LIBRARY_PATH="$PWD/.devlibs:${LD_LIBRARY_PATH:-}"
+export LD_LIBRARY_PATH="$PWD/$DEVLIBS:${LD_LIBRARY_PATH:-}"
 LOG="$OUT/device_log.txt"
 {
   echo "== $(date -u) mode=$MODE"
@@ -15,35 +23,43 @@ LOG="$OUT/device_log.txt"
 } 2>&1 | tee "$LOG"
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   echo "== tests" | tee -a "$LOG"
-  .devlibs/cuda_kernels_test ${TEST_FILTER:+--gtest_filter=$TEST_FILTER} 2>&1 | tee "$OUT/test_log.txt" | grep -E "^\[( +OK|  FAILED|  PASSED|  SKIPPED|case|quantize|rotate|e2e)|Failure|Expected|Which|actual|error" | tee -a "$LOG"
+  "$DEVLIBS"/cuda_kernels_test --gtest_filter="${TEST_FILTER:-PagedDecode.*:EndToEnd.*}" 2>&1 |
+    tee "$OUT/test_log.txt" |
+    grep -E "^\[( +OK|  FAILED|  PASSED|  SKIPPED|case|e2e)|Failure|Expected|Which|actual|error" | tee -a "$LOG"
 fi
-if [ "$MODE" = quick ]; then
-  ARGS="--batches 1,32 --contexts 4096,32768 --gqa 32:8 --page-sizes 16 --iters 20"
-  BARGS=(--batches 8 --contexts 131072 --gqa 32:8 --page-sizes 16 --iters 20 --skip-write)
-else
-  ARGS=""
-  BARGS=()
-fi
-echo "== sdpa" | tee -a "$LOG"
-PYTHONUNBUFFERED=1 python3 bench/cuda_sdpa_baseline.py --out "$OUT/cuda_sdpa_baseline.json" \
-  $(echo $ARGS | sed 's/--page-sizes 16//') 2>>"$OUT/sdpa_log.txt"
-if [ "$MODE" = quick ]; then
-  PYTHONUNBUFFERED=1 python3 bench/cuda_sdpa_baseline.py --out "$OUT/cuda_sdpa_baseline_b8.json" \
-    --batches 8 --contexts 131072 --gqa 32:8 --iters 20 2>>"$OUT/sdpa_log.txt"
-fi
-echo "== ours" | tee -a "$LOG"
-.devlibs/cuda_decode_bench $ARGS --sdpa-json "$OUT/cuda_sdpa_baseline.json" --json "$OUT/cuda_decode_bench.json" 2>&1 | tee -a "$LOG"
-if [ "$MODE" = quick ]; then
-  .devlibs/cuda_decode_bench "${BARGS[@]}" --sdpa-json "$OUT/cuda_sdpa_baseline_b8.json" --json "$OUT/cuda_decode_bench_b8.json" 2>&1 | tee -a "$LOG"
-else
-  echo "== ours, contiguous page ids (page-gather cost)" | tee -a "$LOG"
-  .devlibs/cuda_decode_bench --batches 8,32 --contexts 32768,131072 --gqa 32:8 --page-sizes 16 --skip-write \
-    --contiguous-pages --sdpa-json "$OUT/cuda_sdpa_baseline.json" --json "$OUT/cuda_decode_bench_contig.json" 2>&1 | tee -a "$LOG"
-fi
+B="$DEVLIBS/cuda_decode_bench"
+SDPA="python3 bench/cuda_sdpa_baseline.py"
+run_pair() {  # name, bench args...   (SDPA for the same shapes first, then ours)
+  local name=$1
+  shift
+  echo "== $name" | tee -a "$LOG"
+  PYTHONUNBUFFERED=1 $SDPA --out "$OUT/sdpa_$name.json" $(echo "$@" | sed -E 's/--page-sizes [0-9,]+//; s/--skip-write//') \
+    2>>"$OUT/sdpa_log.txt"
+  "$B" "$@" --skip-write --sdpa-json "$OUT/sdpa_$name.json" --json "$OUT/cuda_decode_bench_$name.json" 2>&1 | tee -a "$LOG"
+}
+case "$MODE" in
+  quick)
+    run_pair quick --batches 1,32 --contexts 4096,32768 --gqa 32:8 --page-sizes 16 --iters 20
+    run_pair b8 --batches 8 --contexts 131072 --gqa 32:8 --page-sizes 16 --iters 20
+    echo "== without PDL" | tee -a "$LOG"
+    KVPOOL_DECODE_PDL=0 "$B" --batches 32 --contexts 32768 --gqa 32:8 --page-sizes 16 --iters 20 --skip-write 2>&1 | tee -a "$LOG"
+    # SASS of the INT2 kernel at d128 / one n-tile: instruction mix per 32-token step.
+    cuobjdump -sass "$B" 2>/dev/null | awk '/Function : .*Int2DecodeKernelILi128ELi1E/{p=1} p&&/Function : /&&!/Int2DecodeKernelILi128ELi1E/{p=0} p' \
+      > "$OUT/sass_int2_d128.txt"
+    ;;
+  grid)
+    run_pair grid --batches 1,8,32,128 --contexts 4096,32768,131072 --gqa 32:8 --page-sizes 16
+    run_pair grid_p64_gqa --batches 32 --contexts 32768 --gqa 32:8,64:8,32:4 --page-sizes 64
+    run_pair grid_gqa --batches 32 --contexts 32768 --gqa 64:8,32:4 --page-sizes 16
+    ;;
+  full)
+    run_pair full
+    ;;
+esac
 nvidia-smi --query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv 2>&1 | tee -a "$LOG"
 if [ "${SANITIZE:-0}" = 1 ]; then
   echo "== compute-sanitizer (memcheck, small cases)" | tee -a "$LOG"
-  compute-sanitizer --tool memcheck --print-limit 20 .devlibs/cuda_kernels_test \
-    --gtest_filter='PagedDecode.OddAndShortLengths:PagedDecode.EachSegmentEmptyInTurn:KvWrite.NonFinite*:KvWrite.DemoteMatchesCpu' \
+  compute-sanitizer --tool memcheck --print-limit 20 "$DEVLIBS"/cuda_kernels_test \
+    --gtest_filter='PagedDecode.OddAndShortLengths:PagedDecode.EachSegmentEmptyInTurn' \
     2>&1 | tail -25 | tee -a "$LOG"
 fi

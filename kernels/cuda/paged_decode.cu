@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <string>
 
 #include "device_utils.cuh"
@@ -58,7 +59,64 @@ struct AttnArgs {
   float* part_lse;     // [B][Hq][S], log2 units
   SegArgs seg0;
   SegArgs seg1;  // BF16 kernel only: the recent segment (seg0 = sink)
+  // BF16 kernel: wait for the previous kernel (QRotateKernel) before reading q̃. False when it
+  // runs behind the INT2 kernel, whose CTAs only let it start after q̃ was complete.
+  int32_t pdl_wait_first;
 };
+
+__device__ __forceinline__ void ImmaU8S8(int (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                         uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ float Ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ void MbarInit(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(SmemAddr(bar)), "r"(count)
+               : "memory");
+}
+__device__ __forceinline__ void MbarExpectTx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(SmemAddr(bar)),
+               "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void MbarWait(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "KVPOOL_WAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      "@!p bra KVPOOL_WAIT_%=;\n"
+      "}\n" ::"r"(SmemAddr(bar)),
+      "r"(parity)
+      : "memory");
+}
+// Bulk global -> shared copy of `bytes` (multiple of 16, both addresses 16-byte aligned),
+// completing on `bar` (TMA, no tensor map).
+__device__ __forceinline__ void BulkCopy(void* dst, const void* src, uint32_t bytes,
+                                         uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+          SmemAddr(dst)),
+      "l"(src), "r"(bytes), "r"(SmemAddr(bar))
+      : "memory");
+}
+
+// Programmatic dependent launch (PDL, sm_90): let the next kernel of the stream be scheduled,
+// and wait for the previous one (a no-op when the kernel was launched without the attribute).
+__device__ __forceinline__ void PdlLaunchDependents() {
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+}
+__device__ __forceinline__ void PdlWait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+
 
 template <bool kInt2, int D>
 struct TileCfg {
@@ -156,6 +214,7 @@ __global__ void __launch_bounds__(kThreads, (DecodeMinBlocks<kInt2, D, NT>()))
   const int32_t* page_ids = seg.indices + pbeg + p0;
   const uint8_t* head_base = seg.base + uint64_t(kvh) * chunk_bytes;
 
+  if (a.pdl_wait_first) PdlWait();
   // ---- q fragments (B operand of S = K·q̃ᵀ) ----
   uint32_t qb[kSteps][NT][2];
   // BF16 path: q̃ = hi + lo, both bf16 (two MMAs), so q̃ keeps ~16 significant bits.
@@ -614,6 +673,519 @@ __global__ void __launch_bounds__(kThreads, (DecodeMinBlocks<kInt2, D, NT>()))
     a.part_o[row * D + dim] = nan ? NAN : (l > 0.f ? o / l : 0.f);
     if (dim == 0) a.part_lse[row] = (overflow || nan) ? NAN : (l > 0.f ? ms + log2f(l) : -INFINITY);
   }
+  // The merge kernel waits for this grid only: make its completion imply the INT2 grid's.
+  PdlLaunchDependents();
+  PdlWait();
+}
+
+// ---------------------------------------------------------------------------------------------
+// INT2 history kernel (v4). One CTA = (split of the history segment, KV head, head chunk,
+// request), 4 warps, each warp streaming 32-token steps (two 16-token units) of its pages.
+//
+// * Loads: one lane per warp issues TMA bulk copies (cp.async.bulk) of whole units into a
+//   private 4-stage ring completed through mbarriers; page ids are prefetched 32 units ahead
+//   into registers and broadcast with a shuffle, so nothing on the issue path waits for memory.
+// * S = K·q̃ᵀ on integer tensor cores (mma m16n8k32, u8 codes × s8 q, s32 accumulators): the
+//   32-bit word at code byte 4w holds channels 4w..4w+3 of all four quarters, so
+//   (word >> 2k) & 0x03030303 are four u8 codes of quarter k (2 ops per 4 codes, no bias,
+//   exact). q̃ is quantized per head to 16 bits, v = rint(q̃·S) = 256·hi + lo (hi, lo int8), and
+//   hi / lo sit in adjacent N columns (2h, 2h+1), so a thread's two accumulator columns are the
+//   two halves of ONE head: the dot product is 256·acc_hi + acc_lo, exact in int32, and every
+//   lane's softmax work is on a real head (4 heads per n-tile). Per token the logit is
+//   scale16·(Σ c·v)/S + min16·(Σ v)/S (FORMAT.md §2.8): the same quantized q̃ in both terms, so
+//   it is the exact dot product of the dequantized key with q̃ rounded to 2^-15 of its largest
+//   element (finer than fp16).
+// * Oᵀ += Vᵀ·P' on fp16 tensor cores (m16n8k16): a masked code is used directly as an fp16
+//   SUBNORMAL, (x & (0x00030003 << 2k)) = code·4^k·2^-24 exactly, one LOP3 per two codes, no
+//   bias to remove (the 0x6400 + HSUB2 form cost two ops; folding the bias out after the MMA
+//   failed the tolerances, KERNELS.md). 2^24·4^-k is applied once to the accumulator.
+//   P' = p·scale16 (fp16), Σ p·min16 in fp32 per head (FORMAT.md §2.8). Heads sit on the even
+//   (head h) and odd (head 4 + h) N columns, matching the S layout after movmatrix.trans.
+// * Online softmax in log2 units; the running max is only re-reduced across lanes when some
+//   logit of the step exceeds it (one warp vote per step otherwise). Invalid rows (past the last
+//   page's length, or units not loaded) are masked by selection only in the (at most one) step
+//   that contains them.
+template <int D>
+struct I2Cfg {
+  static constexpr int kNG = (D == 256) ? 2 : 1;          // INT2 groups per row
+  static constexpr int kCR = D / 4;                       // code bytes per token row
+  static constexpr int kTile = 32 * kCR + 128 * kNG;      // one 16-token unit: K, V, params
+  static constexpr int kSub = 2;                          // units per warp step
+  static constexpr int kStages = (D == 256) ? 3 : 4;      // ring stages per warp
+  static constexpr int kTW = D / 64;                      // K words per row per lane (1, 2, 4)
+  static constexpr int kMma = 2 * kTW;                    // k32 MMAs per unit per n-tile
+  static constexpr int kVB = D / 32;                      // V bytes per row per lane group
+  static constexpr int kMt = D / 16;                      // m-tiles of Oᵀ
+};
+
+template <int D, int KT>
+constexpr int Int2SmemBytes() {
+  using C = I2Cfg<D>;
+  constexpr int ring = kWarps * C::kStages * C::kSub * C::kTile;
+  constexpr int combine = kWarps * 8 * (D + 2) * 4;
+  return ring > combine ? ring : combine;
+}
+
+// MMA m of a unit uses the code words (w0, w1) of quarters (k0, k1) (K-index halves 0-15 and
+// 16-31 of the k32 step; any pairing works as long as q̃'s fragments follow it).
+template <int D>
+struct I2Chunk {
+  static constexpr __host__ __device__ int W0(int m) { return I2Cfg<D>::kTW == 1 ? 0 : 2 * (m % (I2Cfg<D>::kTW / 2)); }
+  static constexpr __host__ __device__ int W1(int m) { return I2Cfg<D>::kTW == 1 ? 0 : W0(m) + 1; }
+  static constexpr __host__ __device__ int K0(int m) { return I2Cfg<D>::kTW == 1 ? 2 * m : m / (I2Cfg<D>::kTW / 2); }
+  static constexpr __host__ __device__ int K1(int m) { return I2Cfg<D>::kTW == 1 ? 2 * m + 1 : K0(m); }
+  static constexpr __host__ __device__ int Grp(int m) { return I2Cfg<D>::kNG == 2 ? K0(m) / 2 : 0; }
+  // Channel of byte b of word w, quarter k, for lane-in-group tig.
+  static constexpr __host__ __device__ int Channel(int tig, int w, int k, int b) {
+    return tig * (D / 16) + 4 * w + b + (D / 4) * k;
+  }
+};
+
+template <int D, int KT>
+__global__ void __launch_bounds__(kThreads, (D <= 128 ? (KT == 1 ? 5 : 4) : 2))
+    Int2DecodeKernel(const AttnArgs a) {
+  using C = I2Cfg<D>;
+  using CH = I2Chunk<D>;
+  constexpr int kNG = C::kNG;
+  constexpr int kSub = C::kSub;
+  constexpr int kStages = C::kStages;
+  constexpr int kMma = C::kMma;
+  constexpr int kMt = C::kMt;
+  constexpr int kTW = C::kTW;
+  constexpr int kHeads = 4 * KT;  // q heads per CTA
+  extern __shared__ __align__(128) uint8_t smem[];
+  __shared__ uint64_t bars[kWarps][kStages];
+  __shared__ int16_t q_int[kHeads][D];
+  __shared__ float q_inv_s[kHeads];
+  __shared__ float q_sum[kHeads][kNG];  // Σ v over the group, times 1/S
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, tig = lane & 3;
+  const SegArgs& seg = a.seg0;
+  const int sx = blockIdx.x;
+  const int b = blockIdx.z;
+  const int kvh = blockIdx.y / a.head_chunks;
+  const int chunk = blockIdx.y % a.head_chunks;
+  const int h_first = kvh * a.group + chunk * kHeads;
+  const int nh = min(kHeads, a.group - chunk * kHeads);
+  const int page_size = a.page_size;
+  const int tpp_log2 = page_size == 64 ? 2 : 0;
+
+  int pbeg = 0, npg = 0, last_len = 0;
+  if (seg.indptr != nullptr) {
+    pbeg = seg.indptr[b];
+    npg = seg.indptr[b + 1] - pbeg;
+    if (npg > 0) last_len = min(max(seg.last_len[b], 0), page_size);
+  }
+  const int p0 = sx * seg.pages_per_split;
+  const int p1 = min(npg, p0 + seg.pages_per_split);
+  const bool overflow = (sx == seg.num_splits - 1) && npg > p1;
+  const int nunits = max(0, p1 - p0) << tpp_log2;
+  // Tokens of the segment before this split's first unit, and in the whole segment.
+  const int seg_tokens = npg > 0 ? (npg - 1) * page_size + last_len : 0;
+  const int tok_base = p0 * page_size;
+  const int first_unit = kSub * warp;
+  const int my_steps =
+      nunits > first_unit ? (nunits - first_unit + kSub * kWarps - 1) / (kSub * kWarps) : 0;
+  const uint64_t chunk_bytes = uint64_t(page_size) * (D / 2 + 8 * kNG);
+  const int32_t* page_ids = seg.indices + pbeg + p0;
+  const uint8_t* head_base = seg.base + uint64_t(kvh) * chunk_bytes;
+
+  uint8_t* ring = smem + warp * kStages * kSub * C::kTile;
+  uint64_t* bar = bars[warp];
+  if (lane == 0) {
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) MbarInit(&bar[s], 1);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncwarp();
+
+  // Page ids of this warp's units, 32 slots (16 steps) per batch, one slot per lane.
+  auto slot_unit = [&](int slot) { return first_unit + (slot / kSub) * kSub * kWarps + slot % kSub; };
+  auto load_pid = [&](int batch) -> int {
+    const int u = slot_unit(32 * batch + lane);
+    return u < nunits ? __ldg(page_ids + (u >> tpp_log2)) : 0;
+  };
+  int pid_cur = load_pid(0), pid_nxt = load_pid(1), pid_batch = 0;
+  auto issue = [&](int t) {
+    if (t >= my_steps) return;  // warp-uniform
+    const int slot0 = t * kSub;
+    if ((slot0 >> 5) != pid_batch) {  // advances by at most one batch per step
+      pid_batch = slot0 >> 5;
+      pid_cur = pid_nxt;
+      pid_nxt = load_pid(pid_batch + 1);
+    }
+    int pid[kSub];
+#pragma unroll
+    for (int j = 0; j < kSub; ++j) pid[j] = __shfl_sync(0xffffffffu, pid_cur, (slot0 + j) & 31);
+    if (lane == 0) {
+      const int s = t % kStages;
+      uint8_t* stage = ring + s * kSub * C::kTile;
+      const int u0 = slot_unit(slot0);
+      const int nvalid = min(kSub, nunits - u0);
+      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+      MbarExpectTx(&bar[s], uint32_t(nvalid * C::kTile));
+#pragma unroll
+      for (int j = 0; j < kSub; ++j) {
+        if (j < nvalid) {
+          const int u = u0 + j;
+          const uint8_t* src = head_base + uint64_t(uint32_t(pid[j])) * seg.page_stride;
+          uint8_t* dst = stage + j * C::kTile;
+          if (page_size == 16) {
+            BulkCopy(dst, src, C::kTile, &bar[s]);
+          } else {
+            const int sub = u & 3;
+            const uint64_t code_part = uint64_t(page_size) * C::kCR;
+            BulkCopy(dst, src + sub * 16 * C::kCR, 16 * C::kCR, &bar[s]);
+            BulkCopy(dst + 16 * C::kCR, src + code_part + sub * 16 * C::kCR, 16 * C::kCR, &bar[s]);
+            BulkCopy(dst + 32 * C::kCR, src + 2 * code_part + sub * 64 * kNG, 64 * kNG, &bar[s]);
+            BulkCopy(dst + 32 * C::kCR + 64 * kNG,
+                     src + 2 * code_part + uint64_t(page_size) * 4 * kNG + sub * 64 * kNG,
+                     64 * kNG, &bar[s]);
+          }
+        }
+      }
+    }
+  };
+#pragma unroll
+  for (int t = 0; t < kStages - 1; ++t) issue(t);
+
+  // ---- q̃ (written by QRotateKernel) → 16-bit integers per head, in shared memory ----
+  PdlWait();
+  PdlLaunchDependents();
+  for (int h = warp; h < kHeads; h += kWarps) {
+    const bool real = h < nh;
+    const float* qh = a.q_rot + (size_t(b) * a.num_q_heads + h_first + h) * D;
+    float v[D / 32];
+    float amax = 0.f;
+    bool bad = false;
+#pragma unroll
+    for (int i = 0; i < D / 32; ++i) {
+      v[i] = real ? qh[lane + 32 * i] : 0.f;
+      bad |= !isfinite(v[i]);
+      amax = fmaxf(amax, fabsf(v[i]));
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+      bad |= __shfl_xor_sync(0xffffffffu, int(bad), o) != 0;
+    }
+    // |v| <= 32512 = 127·256: hi = (v - lo) / 256 stays within int8 for lo in [-128, 127].
+    const float s = (amax > 0.f && !bad) ? 32512.f / amax : 0.f;
+    const float inv_s = bad ? NAN : (amax > 0.f ? amax / 32512.f : 0.f);
+    int sum[kNG];
+#pragma unroll
+    for (int grp = 0; grp < kNG; ++grp) sum[grp] = 0;
+#pragma unroll
+    for (int i = 0; i < D / 32; ++i) {
+      const int iv = bad ? 0 : __float2int_rn(v[i] * s);
+      q_int[h][lane + 32 * i] = int16_t(iv);
+      sum[(kNG == 2) ? (i / 4) : 0] += iv;
+    }
+#pragma unroll
+    for (int grp = 0; grp < kNG; ++grp) {
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) sum[grp] += __shfl_xor_sync(0xffffffffu, sum[grp], o);
+      if (lane == 0) q_sum[h][grp] = float(sum[grp]) * inv_s;
+    }
+    if (lane == 0) q_inv_s[h] = inv_s;
+  }
+  __syncthreads();
+  // B fragments: column n = g is head 4kt + g/2, part g&1 (0: hi byte, 1: lo byte).
+  uint32_t qb[kMma][KT][2];
+  float inv_s[KT], sqs[KT][kNG];
+#pragma unroll
+  for (int kt = 0; kt < KT; ++kt) {
+    const int hb = 4 * kt + (g >> 1);
+    const bool hi_part = (g & 1) == 0;
+#pragma unroll
+    for (int m = 0; m < kMma; ++m) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int w = half ? CH::W1(m) : CH::W0(m);
+        const int k = half ? CH::K1(m) : CH::K0(m);
+        uint32_t packed = 0;
+#pragma unroll
+        for (int bb = 0; bb < 4; ++bb) {
+          const int v = q_int[hb][CH::Channel(tig, w, k, bb)];
+          const int lo = ((v + 128) & 0xff) - 128;
+          const int part = hi_part ? ((v - lo) >> 8) : lo;
+          packed |= uint32_t(part & 0xff) << (8 * bb);
+        }
+        qb[m][kt][half] = packed;
+      }
+    }
+    inv_s[kt] = q_inv_s[4 * kt + tig];
+#pragma unroll
+    for (int grp = 0; grp < kNG; ++grp) sqs[kt][grp] = q_sum[4 * kt + tig][grp];
+  }
+
+  float acc[kMt][4];
+#pragma unroll
+  for (int mt = 0; mt < kMt; ++mt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[mt][i] = 0.f;
+  float m_run[KT], l_run[KT], mn_run[KT][kNG];
+#pragma unroll
+  for (int kt = 0; kt < KT; ++kt) {
+    m_run[kt] = -INFINITY;
+    l_run[kt] = 0.f;
+#pragma unroll
+    for (int grp = 0; grp < kNG; ++grp) mn_run[kt][grp] = 0.f;
+  }
+
+  for (int t = 0; t < my_steps; ++t) {
+    issue(t + kStages - 1);
+    const int s = t % kStages;
+    MbarWait(&bar[s], uint32_t(t / kStages) & 1u);
+    const uint8_t* stage = ring + s * kSub * C::kTile;
+    // Tokens of this step's units (split-local unit u covers 16 tokens from tok_base + 16u).
+    const int u0 = first_unit + t * kSub * kWarps;
+    const bool partial =
+        (u0 + kSub > nunits) || (tok_base + 16 * (u0 + kSub) > seg_tokens);  // warp-uniform
+
+    float logit[kSub][KT][2];
+    float vmin[kSub][2][kNG];
+    uint32_t vsc[kSub][2][kNG];  // half2 {scale16, scale16}
+#pragma unroll
+    for (int j = 0; j < kSub; ++j) {
+      const uint8_t* st = stage + j * C::kTile;
+      const uint32_t* kpar = reinterpret_cast<const uint32_t*>(st + 32 * C::kCR);
+      const uint32_t* vpar = kpar + 16 * kNG;
+      int valid[2] = {1, 1};
+      if (partial) {
+        const int u = u0 + j;
+        const int n = u < nunits ? min(max(seg_tokens - tok_base - 16 * u, 0), 16) : 0;
+        valid[0] = g < n;
+        valid[1] = g + 8 < n;
+      }
+      float ks[2][kNG], km[2][kNG];
+#pragma unroll
+      for (int r = 0; r < 2; ++r)
+#pragma unroll
+        for (int grp = 0; grp < kNG; ++grp) {
+          uint32_t kp = kpar[(g + 8 * r) * kNG + grp];
+          uint32_t vp = vpar[(g + 8 * r) * kNG + grp];
+          if (!valid[r]) kp = vp = 0u;  // unused slots may hold anything (NaN included)
+          const __half2 kh = *reinterpret_cast<const __half2*>(&kp);
+          const __half2 vh = *reinterpret_cast<const __half2*>(&vp);
+          ks[r][grp] = __low2float(kh);
+          km[r][grp] = __high2float(kh);
+          vmin[j][r][grp] = __high2float(vh);
+          const __half2 vs2 = __low2half2(vh);
+          vsc[j][r][grp] = *reinterpret_cast<const uint32_t*>(&vs2);
+        }
+      // K words of rows g and g+8 for this lane.
+      uint32_t kw[2][kTW];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const uint8_t* rowp = st + (g + 8 * r) * C::kCR + tig * (D / 16);
+        if constexpr (kTW == 1) {
+          kw[r][0] = *reinterpret_cast<const uint32_t*>(rowp);
+        } else if constexpr (kTW == 2) {
+          const uint2 x = *reinterpret_cast<const uint2*>(rowp);
+          kw[r][0] = x.x;
+          kw[r][1] = x.y;
+        } else {
+          const uint4 x = *reinterpret_cast<const uint4*>(rowp);
+          kw[r][0] = x.x;
+          kw[r][1] = x.y;
+          kw[r][2] = x.z;
+          kw[r][3] = x.w;
+        }
+      }
+      int sacc[kNG][KT][4];
+#pragma unroll
+      for (int grp = 0; grp < kNG; ++grp)
+#pragma unroll
+        for (int kt = 0; kt < KT; ++kt)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) sacc[grp][kt][i] = 0;
+#pragma unroll
+      for (int m = 0; m < kMma; ++m) {
+        const int w0 = CH::W0(m), w1 = CH::W1(m), k0 = CH::K0(m), k1 = CH::K1(m);
+        const uint32_t a0 = (kw[0][w0] >> (2 * k0)) & 0x03030303u;
+        const uint32_t a1 = (kw[1][w0] >> (2 * k0)) & 0x03030303u;
+        const uint32_t a2 = (kw[0][w1] >> (2 * k1)) & 0x03030303u;
+        const uint32_t a3 = (kw[1][w1] >> (2 * k1)) & 0x03030303u;
+#pragma unroll
+        for (int kt = 0; kt < KT; ++kt)
+          ImmaU8S8(sacc[CH::Grp(m)][kt], a0, a1, a2, a3, qb[m][kt][0], qb[m][kt][1]);
+      }
+#pragma unroll
+      for (int kt = 0; kt < KT; ++kt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          float x = 0.f;
+#pragma unroll
+          for (int grp = 0; grp < kNG; ++grp) {
+            const int dot = sacc[grp][kt][2 * r] * 256 + sacc[grp][kt][2 * r + 1];
+            x = fmaf(ks[r][grp] * inv_s[kt], float(dot), fmaf(km[r][grp], sqs[kt][grp], x));
+          }
+          logit[j][kt][r] = valid[r] ? x : -INFINITY;
+        }
+    }
+
+    // ---- online softmax (log2 units) ----
+    bool grow = false;
+    float lmax[KT];
+#pragma unroll
+    for (int kt = 0; kt < KT; ++kt) {
+      lmax[kt] = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < kSub; ++j)
+        lmax[kt] = fmaxf(lmax[kt], fmaxf(logit[j][kt][0], logit[j][kt][1]));
+      grow |= lmax[kt] > m_run[kt];
+    }
+    if (__any_sync(0xffffffffu, grow)) {
+#pragma unroll
+      for (int kt = 0; kt < KT; ++kt) {
+        float x = lmax[kt];
+        x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 4));
+        x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 8));
+        x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 16));
+        const float m_new = fmaxf(m_run[kt], x);
+        const float alpha = (m_new == -INFINITY) ? 1.f : Ex2(m_run[kt] - m_new);
+        m_run[kt] = m_new;
+        l_run[kt] *= alpha;
+#pragma unroll
+        for (int grp = 0; grp < kNG; ++grp) mn_run[kt][grp] *= alpha;
+#pragma unroll
+        for (int mt = 0; mt < kMt; ++mt) {
+          acc[mt][kt] *= alpha;
+          acc[mt][2 + kt] *= alpha;
+        }
+      }
+    }
+    uint32_t pb[kSub][kNG][2];
+#pragma unroll
+    for (int j = 0; j < kSub; ++j) {
+      float p[KT][2];
+#pragma unroll
+      for (int kt = 0; kt < KT; ++kt) {
+        const float ms = m_run[kt] == -INFINITY ? 0.f : m_run[kt];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          p[kt][r] = Ex2(logit[j][kt][r] - ms);
+          l_run[kt] += p[kt][r];
+#pragma unroll
+          for (int grp = 0; grp < kNG; ++grp)
+            mn_run[kt][grp] = fmaf(p[kt][r], vmin[j][r][grp], mn_run[kt][grp]);
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        // {p(head tig), p(head 4 + tig)} of token g + 8r, times its scale16.
+        const uint32_t pk = PackHalf2(p[0][r], KT == 2 ? p[KT - 1][r] : 0.f);
+#pragma unroll
+        for (int grp = 0; grp < kNG; ++grp) {
+          __half2 h = __hmul2(*reinterpret_cast<const __half2*>(&pk),
+                              *reinterpret_cast<const __half2*>(&vsc[j][r][grp]));
+          pb[j][grp][r] = MovMatrixTrans(*reinterpret_cast<const uint32_t*>(&h));
+        }
+      }
+    }
+
+    // ---- Oᵀ += Vᵀ·P' ----
+#pragma unroll
+    for (int j = 0; j < kSub; ++j) {
+      const uint8_t* vc = stage + j * C::kTile + 16 * C::kCR;
+      constexpr int kVB = C::kVB;
+      constexpr int kVW = (kVB + 3) / 4;
+      uint32_t vw[4][kVW];
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int row = 2 * tig + (q & 1) + 8 * (q >> 1);
+        const uint8_t* rp = vc + row * C::kCR + g * kVB;
+        if constexpr (kVB == 2) {
+          vw[q][0] = *reinterpret_cast<const uint16_t*>(rp);
+        } else if constexpr (kVB == 4) {
+          vw[q][0] = *reinterpret_cast<const uint32_t*>(rp);
+        } else {
+          const uint2 x = *reinterpret_cast<const uint2*>(rp);
+          vw[q][0] = x.x;
+          vw[q][1] = x.y;
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < kVB; ++i) {
+        const int wi = i >> 2, bs = i & 3;
+        // bytes bs of tokens (2tig, 2tig+1) and (2tig+8, 2tig+9) in the low byte of each lane
+        const uint32_t sel = bs | ((4 + bs) << 8);
+        const uint32_t x0 = Prmt(vw[0][wi], vw[1][wi], sel);
+        const uint32_t x1 = Prmt(vw[2][wi], vw[3][wi], sel);
+#pragma unroll
+        for (int kk = 0; kk < 2; ++kk) {
+          const int k0 = 2 * kk;  // quarters k0 (row g) and k0 + 1 (row g + 8)
+          const int mt = 2 * i + kk;
+          const uint32_t m0 = 0x00030003u << (2 * k0), m1 = 0x00030003u << (2 * k0 + 2);
+          const int grp = (kNG == 2) ? kk : 0;
+          MmaF16(acc[mt], x0 & m0, x0 & m1, x1 & m0, x1 & m1, pb[j][grp][0], pb[j][grp][1]);
+        }
+      }
+    }
+    __syncwarp();
+  }
+
+  // ---- reduce per-lane sums over the 8 lane groups ----
+#pragma unroll
+  for (int kt = 0; kt < KT; ++kt)
+#pragma unroll
+    for (int o = 4; o < 32; o <<= 1) {
+      l_run[kt] += __shfl_xor_sync(0xffffffffu, l_run[kt], o);
+#pragma unroll
+      for (int grp = 0; grp < kNG; ++grp)
+        mn_run[kt][grp] += __shfl_xor_sync(0xffffffffu, mn_run[kt][grp], o);
+    }
+
+  // ---- combine the warps in shared memory ----
+  constexpr int kN = 8;  // head slots per warp in the combine buffers
+  __syncthreads();       // every warp is done with its ring (all issued copies were consumed)
+  float* cm = reinterpret_cast<float*>(smem);
+  float* cl = cm + kWarps * kN;
+  float* co = cl + kWarps * kN;
+  if (g == 0) {
+#pragma unroll
+    for (int kt = 0; kt < KT; ++kt) {
+      cm[warp * kN + 4 * kt + tig] = m_run[kt];
+      cl[warp * kN + 4 * kt + tig] = l_run[kt];
+    }
+  }
+#pragma unroll
+  for (int mt = 0; mt < kMt; ++mt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int kt = i & 1, r = i >> 1;
+      if (kt < KT) {
+        const int idx = 2 * mt + r;
+        const int k = idx & 3;
+        const int dim = g * (D / 32) + (idx >> 2) + (D / 4) * k;
+        const int grp = (kNG == 2) ? (dim >= 128) : 0;
+        // 2^24 undoes the subnormal code encoding, 4^-k the quarter's bit position.
+        const float o = acc[mt][i] * (16777216.f / float(1 << (2 * k))) + mn_run[kt][grp];
+        co[(warp * kN + 4 * kt + tig) * D + dim] = o;
+      }
+    }
+  __syncthreads();
+  const int split = seg.split_offset + sx;
+  for (int idx = threadIdx.x; idx < nh * D; idx += kThreads) {
+    const int h = idx / D, dim = idx % D;
+    float mx = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, cm[w * kN + h]);
+    const float ms = (mx == -INFINITY) ? 0.f : mx;
+    float l = 0.f, o = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const float f = exp2f(cm[w * kN + h] - ms);
+      l += cl[w * kN + h] * f;
+      o += co[(w * kN + h) * D + dim] * f;
+    }
+    const size_t row = (size_t(b) * a.num_q_heads + h_first + h) * a.s_total + split;
+    const bool nan = isnan(l);
+    a.part_o[row * D + dim] = nan ? NAN : (l > 0.f ? o / l : 0.f);
+    if (dim == 0) a.part_lse[row] = (overflow || nan) ? NAN : (l > 0.f ? ms + log2f(l) : -INFINITY);
+  }
 }
 
 // q̃[b, i, :] = q[b, i, :]·R_K(kvh) · scale; grid (H_kv, B), block D threads.
@@ -624,6 +1196,7 @@ __global__ void __launch_bounds__(D)
                   float* __restrict__ q_rot) {
   __shared__ float qs[16][D];
   const int kvh = blockIdx.x, b = blockIdx.y, j = threadIdx.x;
+  PdlLaunchDependents();
   const size_t row0 = size_t(b) * num_q_heads + size_t(kvh) * group;
   for (int h = 0; h < group; ++h) qs[h][j] = Bf16BitsToFloat(q[(row0 + h) * D + j]);
   __syncthreads();
@@ -658,6 +1231,7 @@ __global__ void __launch_bounds__(kMergeThreads)
                 uint16_t* __restrict__ out, float* __restrict__ lse_out) {
   __shared__ float os[16][D];
   const int kvh = blockIdx.x, b = blockIdx.y;
+  PdlWait();  // partials of the decode kernels
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const size_t row0 = size_t(b) * num_q_heads + size_t(kvh) * group;
   for (int h = warp; h < group; h += kMergeThreads / 32) {
@@ -744,8 +1318,10 @@ struct SegPlan {
 };
 
 struct Plan {
-  int nt = 1;
-  int head_chunks = 1;
+  int nt = 1;           // BF16 kernel: 8-head n-tiles
+  int head_chunks = 1;  // BF16 kernel: CTAs per KV head
+  int kt = 1;           // INT2 kernel: 4-head n-tiles (1 or 2)
+  int i2_chunks = 1;    // INT2 kernel: CTAs per KV head
   SegPlan sink, history, recent;
   int s_total = 0;
   size_t off_q = 0, off_o = 0, off_lse = 0, total = 0;
@@ -807,10 +1383,36 @@ KernelStatus Validate(const PagedDecodeParams& p) {
   return KernelStatus::Ok();
 }
 
-template <bool kInt2, int D, int NT>
-int BlocksPerSm() {
-  constexpr int smem = DecodeSmemBytes<kInt2, D, NT>();
-  auto kernel = DecodeKernel<kInt2, D, NT>;
+// Whether launches use programmatic dependent launch (PDL): on unless the environment sets
+// KVPOOL_DECODE_PDL=0 (kept for A/B measurements). Read once per process.
+bool UsePdl() {
+  static const bool on = [] {
+    const char* e = std::getenv("KVPOOL_DECODE_PDL");
+    return e == nullptr || std::string(e) != "0";
+  }();
+  return on;
+}
+
+// Launches `kernel` on `stream`, with the PDL attribute when `pdl` (the kernel may then start
+// before its predecessor in the stream finished; it synchronizes with griddepcontrol.wait).
+template <typename Kernel, typename... Args>
+cudaError_t Launch(Kernel kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                   bool pdl, Args... args) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = (pdl && UsePdl()) ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kernel, args...);
+}
+
+template <typename Kernel>
+int ResidentCtas(Kernel kernel, int smem) {
   int n = 0;
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) !=
           cudaSuccess ||
@@ -821,12 +1423,13 @@ int BlocksPerSm() {
   return std::max(n, 1);
 }
 
-// Resident CTAs of the decode kernel for (precision, head_dim, n-tiles) on the current device:
-// occupancy × multiprocessors, computed once per process (host calls only, no device sync).
-int DecodeSlots(bool int2, int d, int nt) {
+// Resident CTAs of a decode kernel on the current device: occupancy × multiprocessors, computed
+// once per process (host calls only, no device sync). int2: `tiles` = KT (4-head n-tiles);
+// bf16: `tiles` = NT (8-head n-tiles).
+int DecodeSlots(bool int2, int d, int tiles) {
   static std::atomic<int> cache[2][3][2] = {};
   const int di = d == 64 ? 0 : (d == 128 ? 1 : 2);
-  std::atomic<int>& c = cache[int2][di][nt - 1];
+  std::atomic<int>& c = cache[int2][di][tiles - 1];
   int v = c.load(std::memory_order_relaxed);
   if (v > 0) return v;
   int dev = 0, sms = 132;
@@ -837,13 +1440,18 @@ int DecodeSlots(bool int2, int d, int nt) {
   }
   int per_sm = 1;
   if (int2) {
-    per_sm = d == 64    ? (nt == 2 ? BlocksPerSm<true, 64, 2>() : BlocksPerSm<true, 64, 1>())
-             : d == 128 ? (nt == 2 ? BlocksPerSm<true, 128, 2>() : BlocksPerSm<true, 128, 1>())
-                        : BlocksPerSm<true, 256, 1>();
+    per_sm = d == 64    ? (tiles == 2 ? ResidentCtas(Int2DecodeKernel<64, 2>, Int2SmemBytes<64, 2>())
+                                      : ResidentCtas(Int2DecodeKernel<64, 1>, Int2SmemBytes<64, 1>()))
+             : d == 128 ? (tiles == 2 ? ResidentCtas(Int2DecodeKernel<128, 2>, Int2SmemBytes<128, 2>())
+                                      : ResidentCtas(Int2DecodeKernel<128, 1>, Int2SmemBytes<128, 1>()))
+                        : (tiles == 2 ? ResidentCtas(Int2DecodeKernel<256, 2>, Int2SmemBytes<256, 2>())
+                                      : ResidentCtas(Int2DecodeKernel<256, 1>, Int2SmemBytes<256, 1>()));
   } else {
-    per_sm = d == 64    ? (nt == 2 ? BlocksPerSm<false, 64, 2>() : BlocksPerSm<false, 64, 1>())
-             : d == 128 ? (nt == 2 ? BlocksPerSm<false, 128, 2>() : BlocksPerSm<false, 128, 1>())
-                        : BlocksPerSm<false, 256, 1>();
+    per_sm = d == 64    ? (tiles == 2 ? ResidentCtas(DecodeKernel<false, 64, 2>, DecodeSmemBytes<false, 64, 2>())
+                                      : ResidentCtas(DecodeKernel<false, 64, 1>, DecodeSmemBytes<false, 64, 1>()))
+             : d == 128 ? (tiles == 2 ? ResidentCtas(DecodeKernel<false, 128, 2>, DecodeSmemBytes<false, 128, 2>())
+                                      : ResidentCtas(DecodeKernel<false, 128, 1>, DecodeSmemBytes<false, 128, 1>()))
+                        : ResidentCtas(DecodeKernel<false, 256, 1>, DecodeSmemBytes<false, 256, 1>());
   }
   v = per_sm * sms;
   c.store(v, std::memory_order_relaxed);
@@ -882,17 +1490,20 @@ KernelStatus MakePlan(const PagedDecodeParams& p, Plan* plan) {
   const int group = p.num_q_heads / p.num_kv_heads;
   plan->nt = (group > 8 && p.head_dim <= 128) ? 2 : 1;
   plan->head_chunks = (group + 8 * plan->nt - 1) / (8 * plan->nt);
+  plan->kt = group <= 4 ? 1 : 2;
+  plan->i2_chunks = (group + 4 * plan->kt - 1) / (4 * plan->kt);
   int64_t slots_i2, slots_bf;
   if (p.target_ctas > 0) {
     slots_i2 = slots_bf = p.target_ctas;
   } else {
-    slots_i2 = DecodeSlots(true, p.head_dim, plan->nt);
+    slots_i2 = DecodeSlots(true, p.head_dim, plan->kt);
     slots_bf = DecodeSlots(false, p.head_dim, plan->nt);
   }
   const int64_t base = int64_t(p.batch) * p.num_kv_heads * plan->head_chunks;
+  const int64_t base_i2 = int64_t(p.batch) * p.num_kv_heads * plan->i2_chunks;
   // Sink and recent share one launch: plan them as one segment's worth of slots.
   plan->sink = PlanSegment(p.sink, p.page_size, base, slots_bf);
-  plan->history = PlanSegment(p.history, p.page_size, base, slots_i2);
+  plan->history = PlanSegment(p.history, p.page_size, base_i2, slots_i2);
   plan->recent = PlanSegment(p.recent, p.page_size, base, slots_bf);
   plan->s_total = plan->sink.splits + plan->history.splits + plan->recent.splits;
   const size_t rows = size_t(p.batch) * p.num_q_heads;
@@ -910,26 +1521,48 @@ KernelStatus LaunchError(const char* what) {
                              std::string(what) + ": " + cudaGetErrorString(e));
 }
 
-template <bool kInt2, int D, int NT>
-KernelStatus LaunchDecodeKernel(const AttnArgs& args, dim3 grid, cudaStream_t stream) {
-  constexpr int smem = DecodeSmemBytes<kInt2, D, NT>();
-  auto kernel = DecodeKernel<kInt2, D, NT>;
+template <int D, int NT>
+KernelStatus LaunchBf16Kernel(const AttnArgs& args, dim3 grid, cudaStream_t stream, bool pdl) {
+  constexpr int smem = DecodeSmemBytes<false, D, NT>();
+  auto kernel = DecodeKernel<false, D, NT>;
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) !=
       cudaSuccess)
-    return LaunchError("cudaFuncSetAttribute(DecodeKernel)");
-  kernel<<<grid, kThreads, smem, stream>>>(args);
-  return LaunchError(kInt2 ? "DecodeKernel<int2>" : "DecodeKernel<bf16>");
+    return LaunchError("cudaFuncSetAttribute(DecodeKernel<bf16>)");
+  if (Launch(kernel, grid, dim3(kThreads), smem, stream, pdl, args) != cudaSuccess)
+    return LaunchError("DecodeKernel<bf16>");
+  return LaunchError("DecodeKernel<bf16>");
+}
+template <int D, int KT>
+KernelStatus LaunchInt2Kernel(const AttnArgs& args, dim3 grid, cudaStream_t stream) {
+  constexpr int smem = Int2SmemBytes<D, KT>();
+  auto kernel = Int2DecodeKernel<D, KT>;
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) !=
+      cudaSuccess)
+    return LaunchError("cudaFuncSetAttribute(Int2DecodeKernel)");
+  if (Launch(kernel, grid, dim3(kThreads), smem, stream, true, args) != cudaSuccess)
+    return LaunchError("Int2DecodeKernel");
+  return LaunchError("Int2DecodeKernel");
 }
 
-template <bool kInt2>
-KernelStatus DispatchDecode(int d, int nt, const AttnArgs& args, dim3 grid, cudaStream_t stream) {
+KernelStatus DispatchBf16(int d, int nt, const AttnArgs& args, dim3 grid, cudaStream_t stream,
+                          bool pdl) {
   if (d == 64)
-    return nt == 2 ? LaunchDecodeKernel<kInt2, 64, 2>(args, grid, stream)
-                   : LaunchDecodeKernel<kInt2, 64, 1>(args, grid, stream);
+    return nt == 2 ? LaunchBf16Kernel<64, 2>(args, grid, stream, pdl)
+                   : LaunchBf16Kernel<64, 1>(args, grid, stream, pdl);
   if (d == 128)
-    return nt == 2 ? LaunchDecodeKernel<kInt2, 128, 2>(args, grid, stream)
-                   : LaunchDecodeKernel<kInt2, 128, 1>(args, grid, stream);
-  return LaunchDecodeKernel<kInt2, 256, 1>(args, grid, stream);
+    return nt == 2 ? LaunchBf16Kernel<128, 2>(args, grid, stream, pdl)
+                   : LaunchBf16Kernel<128, 1>(args, grid, stream, pdl);
+  return LaunchBf16Kernel<256, 1>(args, grid, stream, pdl);
+}
+KernelStatus DispatchInt2(int d, int kt, const AttnArgs& args, dim3 grid, cudaStream_t stream) {
+  if (d == 64)
+    return kt == 2 ? LaunchInt2Kernel<64, 2>(args, grid, stream)
+                   : LaunchInt2Kernel<64, 1>(args, grid, stream);
+  if (d == 128)
+    return kt == 2 ? LaunchInt2Kernel<128, 2>(args, grid, stream)
+                   : LaunchInt2Kernel<128, 1>(args, grid, stream);
+  return kt == 2 ? LaunchInt2Kernel<256, 2>(args, grid, stream)
+                 : LaunchInt2Kernel<256, 1>(args, grid, stream);
 }
 
 SegArgs MakeSeg(const SegmentTable& t, const PagePool& pool, const SegPlan& sp, int offset) {
@@ -1011,38 +1644,49 @@ KernelStatus LaunchPagedDecode(const PagedDecodeParams& p, Stream stream_handle)
   st = LaunchError("QRotateKernel");
   if (!st.ok()) return st;
 
+  // Order: INT2 history first (the bulk of the work), then the BF16 sink + recent kernel, which
+  // PDL lets fill the INT2 kernel's last wave, then the merge (docs/KERNELS.md).
   AttnArgs args{};
   args.num_q_heads = p.num_q_heads;
   args.group = group;
-  args.head_chunks = plan.head_chunks;
   args.page_size = p.page_size;
   args.s_total = plan.s_total;
   args.q_rot = q_rot;
   args.part_o = part_o;
   args.part_lse = part_lse;
-  const int y = p.num_kv_heads * plan.head_chunks;
-  if (plan.sink.splits + plan.recent.splits > 0) {
-    args.seg0 = MakeSeg(p.sink, p.bf16_pool, plan.sink, 0);
-    args.seg1 = MakeSeg(p.recent, p.bf16_pool, plan.recent, plan.sink.splits + plan.history.splits);
-    st = DispatchDecode<false>(d, plan.nt, args,
-                               dim3(plan.sink.splits + plan.recent.splits, y, p.batch), stream);
-    if (!st.ok()) return st;
-  }
   if (plan.history.splits > 0) {
+    args.head_chunks = plan.i2_chunks;
     args.seg0 = MakeSeg(p.history, p.int2_pool, plan.history, plan.sink.splits);
     args.seg1 = SegArgs{};
-    st = DispatchDecode<true>(d, plan.nt, args, dim3(plan.history.splits, y, p.batch), stream);
+    st = DispatchInt2(d, plan.kt, args,
+                      dim3(plan.history.splits, p.num_kv_heads * plan.i2_chunks, p.batch), stream);
     if (!st.ok()) return st;
   }
+  if (plan.sink.splits + plan.recent.splits > 0) {
+    args.head_chunks = plan.head_chunks;
+    args.pdl_wait_first = plan.history.splits == 0;
+    args.seg0 = MakeSeg(p.sink, p.bf16_pool, plan.sink, 0);
+    args.seg1 = MakeSeg(p.recent, p.bf16_pool, plan.recent, plan.sink.splits + plan.history.splits);
+    st = DispatchBf16(d, plan.nt, args,
+                      dim3(plan.sink.splits + plan.recent.splits,
+                           p.num_kv_heads * plan.head_chunks, p.batch),
+                      stream, true);
+    if (!st.ok()) return st;
+  }
+  cudaError_t e;
   if (d == 64)
-    MergeKernel<64><<<hb, kMergeThreads, 0, stream>>>(part_o, part_lse, plan.s_total, p.rotation_v,
-                                                      rstride, p.num_q_heads, group, p.out, p.lse);
+    e = Launch(MergeKernel<64>, hb, dim3(kMergeThreads), 0, stream, true, (const float*)part_o,
+               (const float*)part_lse, plan.s_total, p.rotation_v, rstride, p.num_q_heads, group,
+               p.out, p.lse);
   else if (d == 128)
-    MergeKernel<128><<<hb, kMergeThreads, 0, stream>>>(part_o, part_lse, plan.s_total, p.rotation_v,
-                                                       rstride, p.num_q_heads, group, p.out, p.lse);
+    e = Launch(MergeKernel<128>, hb, dim3(kMergeThreads), 0, stream, true, (const float*)part_o,
+               (const float*)part_lse, plan.s_total, p.rotation_v, rstride, p.num_q_heads, group,
+               p.out, p.lse);
   else
-    MergeKernel<256><<<hb, kMergeThreads, 0, stream>>>(part_o, part_lse, plan.s_total, p.rotation_v,
-                                                       rstride, p.num_q_heads, group, p.out, p.lse);
+    e = Launch(MergeKernel<256>, hb, dim3(kMergeThreads), 0, stream, true, (const float*)part_o,
+               (const float*)part_lse, plan.s_total, p.rotation_v, rstride, p.num_q_heads, group,
+               p.out, p.lse);
+  if (e != cudaSuccess) return LaunchError("MergeKernel");
   return LaunchError("MergeKernel");
 }
 
