@@ -61,8 +61,9 @@ uint32_t ClipIndex(float ratio, uint32_t d) {
   return static_cast<uint32_t>(v);
 }
 
-float ClipThreshold(const float* x, uint32_t d, float ratio) {
+float ClipThreshold(const float* x, uint32_t d, float ratio, KernelIsa isa) {
   if (!(ratio > 0.0f)) return INFINITY;
+  if (ResolveIsa(isa) == KernelIsa::kAvx2) return internal::ClipThresholdAvx2(x, d, ratio);
   std::vector<float> mag(d);
   for (uint32_t j = 0; j < d; ++j) mag[j] = std::fabs(x[j]);
   return internal::KthLargest(mag.data(), d, d - ClipIndex(ratio, d));
@@ -274,7 +275,8 @@ absl::Status QuantizeRowsBf16(const uint16_t* x, uint64_t n, uint32_t d, float r
   return absl::OkStatus();
 }
 
-void DequantizeRow(const uint8_t* codes, const uint16_t* params, uint32_t d, float* out) {
+void internal::DequantizeRowScalar(const uint8_t* codes, const uint16_t* params, uint32_t d,
+                                   float* out) {
   const uint32_t G = std::min<uint32_t>(d, 128);
   const uint32_t q = d / 4;
   for (uint32_t j = 0; j < d; ++j) {
@@ -284,6 +286,23 @@ void DequantizeRow(const uint8_t* codes, const uint16_t* params, uint32_t d, flo
     const float scale = Fp16ToFp32(params[2 * g]);
     const float mn = Fp16ToFp32(params[2 * g + 1]);
     out[j] = mn + static_cast<float>(c) * scale;
+  }
+}
+
+void DequantizeRow(const uint8_t* codes, const uint16_t* params, uint32_t d, float* out,
+                   KernelIsa isa) {
+  DequantizeRows(codes, params, 1, d, out, isa);
+}
+
+void DequantizeRows(const uint8_t* codes, const uint16_t* params, uint64_t n, uint32_t d,
+                    float* out, KernelIsa isa) {
+  if (ResolveIsa(isa) == KernelIsa::kAvx2) {
+    internal::DequantizeRowsAvx2(codes, params, n, d, out);
+    return;
+  }
+  const uint32_t ng = d / std::min<uint32_t>(d, 128);
+  for (uint64_t r = 0; r < n; ++r) {
+    internal::DequantizeRowScalar(codes + r * (d / 4), params + r * 2 * ng, d, out + r * d);
   }
 }
 

@@ -13,13 +13,19 @@ float KthLargest(float* a, uint32_t d, uint32_t k);
 
 RowQuantStatus QuantizeRowScalar(const float* x, uint32_t d, float ratio, uint8_t* codes,
                                  uint16_t* params);
+void DequantizeRowScalar(const uint8_t* codes, const uint16_t* params, uint32_t d, float* out);
 void RotateRowsScalar(const float* x, uint64_t n, uint32_t d, const float* rotation, float* out);
 
 // Defined in quantize_avx2.cc (compiled for AVX2/FMA/F16C through a target pragma); call
 // only when CpuHasAvx2().
+// The clip threshold through the AVX2 selection (same value as ClipThreshold's scalar path;
+// NaN when x holds NaN/Inf).
+float ClipThresholdAvx2(const float* x, uint32_t d, float ratio);
 RowQuantStatus QuantizeRowAvx2(const float* x, uint32_t d, float ratio, uint8_t* codes,
                                uint16_t* params);
 void RotateRowsAvx2(const float* x, uint64_t n, uint32_t d, const float* rotation, float* out);
+void DequantizeRowsAvx2(const uint8_t* codes, const uint16_t* params, uint64_t n, uint32_t d,
+                        float* out);
 void Bf16ToFp32RowsAvx2(const uint16_t* x, uint64_t count, float* out);
 void Fp32ToBf16RowsAvx2(const float* x, uint64_t count, uint16_t* out);
 

@@ -160,6 +160,182 @@ TEST(QuantizeTest, Avx2BitIdenticalToScalarManyShapes) {
   EXPECT_EQ(rows, 8u * 7 * 7 * 20);
 }
 
+// Rows for the selection test: many ties, bf16-rounded values, and adversarial layouts where
+// one 8-element lane (j % 8 == lane) holds all the large magnitudes (the AVX2 selection's
+// exactness check then fails and its exact fallback runs).
+std::vector<float> SelectionRow(std::mt19937& rng, uint32_t d, int kind) {
+  std::vector<float> x(d);
+  std::normal_distribution<float> n01(0, 1);
+  const uint32_t lane = rng() % 8;
+  for (uint32_t j = 0; j < d; ++j) {
+    switch (kind % 8) {
+      case 0:  // few distinct magnitudes: heavy ties everywhere, also at τ
+        x[j] = static_cast<float>(static_cast<int>(rng() % 7) - 3) * 0.5f;
+        break;
+      case 1:  // bf16-rounded Gaussian (ties among the largest magnitudes)
+        x[j] = Bf16ToFp32(Fp32ToBf16(n01(rng)));
+        break;
+      case 2:  // all large magnitudes in one lane
+        x[j] = j % 8 == lane ? 100.0f + static_cast<float>(rng() % 50) : n01(rng);
+        break;
+      case 3:  // one lane, all tied at the top
+        x[j] = j % 8 == lane ? (rng() % 2 ? -7.0f : 7.0f) : 0.25f * n01(rng);
+        break;
+      case 4:  // equal magnitudes, random signs, some signed zeros
+        x[j] = rng() % 5 == 0 ? (rng() % 2 ? -0.0f : 0.0f) : (rng() % 2 ? -2.0f : 2.0f);
+        break;
+      case 5:  // two lanes share the outliers, integer-valued (ties)
+        x[j] = (j % 8 == lane || j % 8 == (lane + 3) % 8) ? static_cast<float>(rng() % 4 + 10)
+                                                          : static_cast<float>(rng() % 3);
+        break;
+      case 6:  // subnormal and tiny magnitudes
+        x[j] = BitsToFloat(static_cast<uint32_t>(rng() % 64) | (rng() % 2 ? 0x80000000u : 0u));
+        break;
+      default:
+        x[j] = n01(rng) * (rng() % 16 == 0 ? 30.0f : 1.0f);
+        break;
+    }
+  }
+  return x;
+}
+
+TEST(QuantizeTest, ClipSelectionMatchesFullSortWithTies) {
+  std::mt19937 rng(2024);
+  std::uniform_real_distribution<float> any_ratio(0.0f, 1.0f);
+  uint64_t rows = 0, fallback_layouts = 0;
+  for (uint32_t d : {8u, 16u, 32u, 64u, 128u, 256u, 512u, 1024u}) {
+    for (int kind = 0; kind < 8; ++kind) {
+      for (int rep = 0; rep < 40; ++rep) {
+        const auto x = SelectionRow(rng, d, kind);
+        std::vector<float> mag(d);
+        for (uint32_t j = 0; j < d; ++j) mag[j] = std::fabs(x[j]);
+        std::sort(mag.begin(), mag.end());  // the definition: sorted ascending, index
+        for (float ratio :
+             {1.0f, 0.999f, 0.96f, 0.92f, 0.75f, 0.5f, 0.05f, 1e-6f, any_ratio(rng)}) {
+          const float expect = mag[ClipIndex(ratio, d)];
+          for (KernelIsa isa : Isas()) {
+            const float got = ClipThreshold(x.data(), d, ratio, isa);
+            ASSERT_EQ(FloatBits(got), FloatBits(expect))
+                << IsaName(isa) << " d=" << d << " kind=" << kind << " ratio=" << ratio;
+          }
+          ++rows;
+          if (kind == 2 || kind == 3 || kind == 5) ++fallback_layouts;
+        }
+        for (KernelIsa isa : Isas()) {
+          EXPECT_TRUE(std::isinf(ClipThreshold(x.data(), d, 0.0f, isa)));
+        }
+      }
+    }
+  }
+  EXPECT_EQ(rows, 8u * 8 * 40 * 9);
+  EXPECT_EQ(fallback_layouts, 8u * 3 * 40 * 9);
+}
+
+// Elements placed exactly on, and a few ulps around, the code boundaries mn16 + (k − ½)·scale16
+// (in u = x − mn16 as well as in x), over many magnitudes, including groups whose |mn16| is
+// far larger than their range (where fl(x − mn16) is coarse): the AVX2 compare-based codes
+// must equal the scalar division-based ones.
+TEST(QuantizeTest, Avx2CodesAtLevelBoundariesEqualScalar) {
+  if (!CpuHasAvx2()) GTEST_SKIP() << "CPU without AVX2/FMA/F16C: only the scalar path exists";
+  std::mt19937 rng(77);
+  std::uniform_real_distribution<double> u01(0.0, 1.0);
+  uint64_t rows = 0;
+  for (uint32_t d : {32u, 64u, 128u, 256u}) {
+    const uint32_t G = std::min(d, 128u);
+    const uint32_t ng = d / G;
+    for (int rep = 0; rep < 1500; ++rep) {
+      const double scale = std::ldexp(1.0, static_cast<int>(rng() % 36) - 24);  // 2^-24 .. 2^11
+      const double lo = (u01(rng) - 0.5) * 2.0 * std::min(60000.0, scale * (1 << (rng() % 20)));
+      const double hi = lo + scale * (0.001 + 4.0 * u01(rng));
+      const float mn = static_cast<float>(lo), mx = static_cast<float>(hi);
+      if (!(mx > mn) || std::fabs(mx) > 60000.0f) continue;
+      // The fp16 parameters exactly as FORMAT.md §2.3 (no clipping).
+      const float mn16 = Fp16ToFp32(Fp32ToFp16(mn, RoundMode::kDown));
+      const float sc = Fp16ToFp32(Fp32ToFp16((mx - mn16) / 3.0f, RoundMode::kUp));
+      std::vector<float> cand;
+      for (int k = 0; k < 3; ++k) {
+        const float p = (k + 0.5f) * sc;
+        float v = mn16 + p;  // x on the boundary
+        float w = p;         // u on the boundary: x with fl(x − mn16) near p
+        for (int i = 0; i < 3; ++i) {
+          v = std::nextafter(v, -INFINITY);
+          w = std::nextafter(w, -INFINITY);
+        }
+        for (int i = 0; i < 7; ++i) {
+          cand.push_back(v);
+          cand.push_back(w + mn16);
+          cand.push_back(std::nextafter(w + mn16, INFINITY));
+          cand.push_back(std::nextafter(w + mn16, -INFINITY));
+          v = std::nextafter(v, INFINITY);
+          w = std::nextafter(w, INFINITY);
+        }
+      }
+      std::vector<float> x(d);
+      for (uint32_t g = 0; g < ng; ++g) {
+        x[g * G] = mn;
+        x[g * G + 1] = mx;
+        for (uint32_t j = 2; j < G; ++j) {
+          const float c = cand[rng() % cand.size()];
+          x[g * G + j] = (c >= mn && c <= mx) ? c : mn;
+        }
+        std::shuffle(x.begin() + g * G, x.begin() + (g + 1) * G, rng);
+      }
+      for (float ratio : {0.0f, 0.96f, 0.92f}) {
+        std::vector<uint8_t> c1(d / 4), c2(d / 4);
+        std::vector<uint16_t> p1(2 * ng), p2(2 * ng);
+        const auto s1 = QuantizeRow(x.data(), d, ratio, c1.data(), p1.data(), KernelIsa::kScalar);
+        const auto s2 = QuantizeRow(x.data(), d, ratio, c2.data(), p2.data(), KernelIsa::kAvx2);
+        ASSERT_EQ(s1, s2);
+        ASSERT_EQ(c1, c2) << "d=" << d << " mn=" << mn << " mx=" << mx << " ratio=" << ratio;
+        ASSERT_EQ(p1, p2) << "d=" << d << " mn=" << mn << " mx=" << mx << " ratio=" << ratio;
+        if (ratio == 0.0f && s1 == RowQuantStatus::kOk) {
+          ASSERT_EQ(p1[0], Fp32ToFp16(sc, RoundMode::kNearestEven)) << "test's fp16 rule drifted";
+          ++rows;
+        }
+      }
+    }
+  }
+  EXPECT_GT(rows, 4000u);
+}
+
+TEST(QuantizeTest, DequantAvx2BitIdenticalToScalar) {
+  if (!CpuHasAvx2()) GTEST_SKIP() << "CPU without AVX2/FMA/F16C: only the scalar path exists";
+  std::mt19937 rng(31);
+  for (uint32_t d : {8u, 16u, 32u, 64u, 128u, 256u, 512u, 1024u}) {
+    const uint32_t ng = d / std::min(d, 128u);
+    for (uint64_t n : {1ull, 3ull, 17ull}) {
+      std::vector<uint8_t> codes(n * d / 4);
+      std::vector<uint16_t> params(n * 2 * ng);
+      for (auto& c : codes) c = static_cast<uint8_t>(rng());
+      for (auto& p : params) {
+        // any finite fp16 (normal, subnormal, ±0, either sign; also the largest ones)
+        do {
+          p = static_cast<uint16_t>(rng());
+        } while (Fp16IsNonFinite(p));
+      }
+      std::vector<float> a(n * d), b(n * d), one(d);
+      DequantizeRows(codes.data(), params.data(), n, d, a.data(), KernelIsa::kScalar);
+      DequantizeRows(codes.data(), params.data(), n, d, b.data(), KernelIsa::kAvx2);
+      for (size_t i = 0; i < a.size(); ++i) {
+        ASSERT_EQ(FloatBits(a[i]), FloatBits(b[i])) << "d=" << d << " i=" << i;
+      }
+      // the single-row entry point and the definition out = mn16 + code·scale16
+      const uint64_t r = n - 1;
+      DequantizeRow(codes.data() + r * d / 4, params.data() + r * 2 * ng, d, one.data());
+      std::vector<uint8_t> unpacked(d);
+      UnpackCodes(codes.data() + r * d / 4, d, unpacked.data());
+      for (uint32_t j = 0; j < d; ++j) {
+        const uint32_t g = j / std::min(d, 128u);
+        const float scale = Fp16ToFp32(params[r * 2 * ng + 2 * g]);
+        const float mn = Fp16ToFp32(params[r * 2 * ng + 2 * g + 1]);
+        const float expect = mn + static_cast<float>(unpacked[j]) * scale;
+        ASSERT_EQ(FloatBits(one[j]), FloatBits(expect)) << "d=" << d << " j=" << j;
+        ASSERT_EQ(FloatBits(one[j]), FloatBits(a[r * d + j]));
+      }
+    }
+  }
+}
+
 TEST(QuantizeTest, DequantErrorWithinHalfScaleOnNonClippedElements) {
   std::mt19937 rng(7);
   for (KernelIsa isa : Isas()) {

@@ -72,8 +72,11 @@ absl::Status ValidateClipRatio(float ratio, const char* field = "clip_ratio");
 uint32_t ClipIndex(float ratio, uint32_t d);
 
 // The clip threshold τ of one row (FORMAT.md §2.2): the ClipIndex-th smallest |x_j|;
-// +inf when ratio == 0 (clipping disabled). x: [d] finite fp32. Pure.
-float ClipThreshold(const float* x, uint32_t d, float ratio);
+// +inf when ratio == 0 (clipping disabled). x: [d] finite fp32 (with NaN/Inf the AVX2 path
+// returns NaN). kScalar (the default, the reference) selects with a sorted top-k insertion /
+// nth_element; kAvx2/kAuto use the quantizer's vectorized selection (per-lane top lists with an
+// exactness check), the same value for every input. Pure.
+float ClipThreshold(const float* x, uint32_t d, float ratio, KernelIsa isa = KernelIsa::kScalar);
 
 // Result of quantizing one row.
 enum class RowQuantStatus : uint8_t {
@@ -113,9 +116,16 @@ absl::Status QuantizeRowsBf16(const uint16_t* x, uint64_t n, uint32_t d, float r
                               uint8_t* codes, uint16_t* params, QuantizeRowsResult* result,
                               KernelIsa isa = KernelIsa::kAuto);
 
-// Dequantizes one packed row: out[j] = mn16 + code_j·scale16 (fp32). codes [d/4], params
-// [2·d/G], out [d].
-void DequantizeRow(const uint8_t* codes, const uint16_t* params, uint32_t d, float* out);
+// Dequantizes one packed row: out[j] = mn16 + code_j·scale16 (fp32, multiply then add; the
+// product is exact, so this equals the fused form). codes [d/4], params [2·d/G], out [d];
+// d a power of two 8..kMaxHeadDim (unchecked). The AVX2 path (kAuto on an AVX2 CPU) is
+// bit-identical to the scalar one.
+void DequantizeRow(const uint8_t* codes, const uint16_t* params, uint32_t d, float* out,
+                   KernelIsa isa = KernelIsa::kAuto);
+
+// Dequantizes n rows: codes [n][d/4], params [n][2·d/G], out [n][d] (same rule as above).
+void DequantizeRows(const uint8_t* codes, const uint16_t* params, uint64_t n, uint32_t d,
+                    float* out, KernelIsa isa = KernelIsa::kAuto);
 
 // Quarter-planar packing of d codes (each 0..3) into d/4 bytes, and its inverse.
 void PackCodes(const uint8_t* codes, uint32_t d, uint8_t* packed);
