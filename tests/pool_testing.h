@@ -10,12 +10,14 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "kvpool/client/client.h"
 #include "kvpool/kernels/rotation.h"
@@ -55,6 +57,13 @@ class ServerProcess {
                                        "--drain-ms",
                                        "0"};
       args.insert(args.end(), extra_.begin(), extra_.end());
+      // Reproductions: KVPOOL_ITEST_SERVER_FLAGS adds flags to every server, e.g.
+      // "--transfer-initiator client" to run the kill tests against client-initiated tcp.
+      if (const char* more = std::getenv("KVPOOL_ITEST_SERVER_FLAGS"); more != nullptr) {
+        for (absl::string_view f : absl::StrSplit(more, ' ', absl::SkipEmpty())) {
+          args.emplace_back(f);
+        }
+      }
       std::vector<char*> argv;
       for (auto& a : args) argv.push_back(a.data());
       argv.push_back(nullptr);
@@ -95,6 +104,15 @@ class ServerProcess {
       close(fd_);
       fd_ = -1;
     }
+  }
+
+  // True while the child runs (not exited or killed by a signal); reaps it when it has died.
+  bool Alive() {
+    if (pid_ <= 0) return false;
+    int st;
+    if (waitpid(pid_, &st, WNOHANG) == 0) return true;
+    pid_ = -1;
+    return false;
   }
 
   int port() const { return port_; }
@@ -205,5 +223,33 @@ inline bool ExpectedForms(const Sequence& s, uint32_t b, const client::ModelSpec
              .ok() &&
          r.int2_ok;
 }
+
+// Caller-registered page pools for `blocks` blocks of each form, and a fetch plan that puts
+// block i (of either form) on page i. Movable only as a whole (the plan points into it).
+struct FetchPools {
+  std::vector<uint8_t> bf16_mem, int2_mem;
+  client::PagePool bf16, int2;
+  client::FetchPlan plan;
+
+  static absl::StatusOr<std::unique_ptr<FetchPools>> Create(client::Client& c, uint32_t blocks) {
+    auto p = std::make_unique<FetchPools>();
+    BlockGeometry g = Geometry();
+    p->bf16_mem.assign(blocks * g.Bf16FormBytes(), 0xCD);
+    p->int2_mem.assign(blocks * g.Int2FormBytes(), 0xCD);
+    auto rb = c.RegisterBuffer(p->bf16_mem.data(), p->bf16_mem.size());
+    if (!rb.ok()) return rb.status();
+    auto ri = c.RegisterBuffer(p->int2_mem.data(), p->int2_mem.size());
+    if (!ri.ok()) return ri.status();
+    p->bf16 = {*rb, g.Bf16FormBytes()};
+    p->int2 = {*ri, g.Int2FormBytes()};
+    p->plan.bf16_pool = &p->bf16;
+    p->plan.int2_pool = &p->int2;
+    for (uint32_t i = 0; i < blocks; ++i) {
+      p->plan.bf16_pages.push_back(static_cast<int32_t>(i));
+      p->plan.int2_pages.push_back(static_cast<int32_t>(i));
+    }
+    return p;
+  }
+};
 
 }  // namespace kvpool::testing

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstring>
 #include <map>
+#include <tuple>
 #include <utility>
 
 #include <grpcpp/grpcpp.h>
@@ -113,6 +114,7 @@ struct ConnSnapshot {
   BlockGeometry geometry;
   ModelInfo info;
   bool bf16_history = false;
+  std::string worker_address;  // this client's (sealed), for pool-initiated transfers
 };
 
 class PutSessionImpl final : public PutSession {
@@ -135,9 +137,7 @@ class PutSessionImpl final : public PutSession {
         cancel_(std::move(cancel)) {
     for (size_t i = 0; i < writes_.size(); ++i) hashes_.push_back(std::make_unique<Xxh3Stream>());
   }
-  ~PutSessionImpl() override {
-    if (!finished_) (void)Abort();
-  }
+  ~PutSessionImpl() override;
 
   absl::Status WriteLayer(uint32_t layer, absl::Span<const uint16_t> k,
                           absl::Span<const uint16_t> v) override;
@@ -149,6 +149,9 @@ class PutSessionImpl final : public PutSession {
 
  private:
   absl::Status WaitSlot(int slot);
+  // Pool-initiated mode: asks the pool to pull layers [pulled_layers_, next_layer_).
+  absl::Status PullPending();
+  bool pool_initiates() const { return conn_.info.pool_initiates_transfers; }
 
   ClientImpl* client_;
   ConnSnapshot conn_;
@@ -161,6 +164,10 @@ class PutSessionImpl final : public PutSession {
   // Double-buffered layer staging: slot s holds writes_.size() layer slices.
   std::shared_ptr<transport::MemoryRegion> slots_[2];
   std::vector<std::shared_ptr<Transfer>> inflight_[2];
+  // Pool-initiated mode: every WRITE block's staging bytes, block after block (block i at
+  // i * bf16_form_bytes, layer l of it at + l * layer slice), pulled by the pool.
+  std::shared_ptr<transport::MemoryRegion> whole_;
+  uint32_t pulled_layers_ = 0;
   uint32_t next_layer_ = 0;
   uint64_t bytes_written_ = 0;
   bool finished_ = false;
@@ -264,6 +271,7 @@ class ClientImpl final : public Client {
     c.geometry = info_->geometry;
     c.info = *info_;
     c.bf16_history = spec_->history_precision == "bf16";
+    c.worker_address = transport_->WorkerAddress();
     return c;
   }
 
@@ -336,6 +344,7 @@ class ClientImpl final : public Client {
     info.int2_form_bytes = resp.int2_form_bytes();
     info.sink_blocks = resp.sink_blocks();
     info.recent_blocks = resp.recent_blocks();
+    info.pool_initiates_transfers = resp.pool_initiates_transfers();
     info.geometry =
         BlockGeometry{spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.page_size};
     if (info.bf16_form_bytes != info.geometry.Bf16FormBytes()) {
@@ -344,13 +353,21 @@ class ClientImpl final : public Client {
                        ", kvpool-block-v1 says ", info.geometry.Bf16FormBytes()));
     }
 
-    // Connect the data plane to this pool incarnation, unless already connected to it.
+    // Connect the data plane to this pool incarnation, unless already connected to it. When
+    // the pool initiates transfers the client needs no endpoint of its own (the pool connects
+    // to this client's worker address, sent with WritePut/ReadLeased).
     EndpointId old;
     bool need_connect;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      need_connect = !info_ || info_->pool_epoch != info.pool_epoch || endpoint_.value == 0 ||
-                     worker_address_ != resp.ucx_worker_address();
+      need_connect = !info.pool_initiates_transfers &&
+                     (!info_ || info_->pool_epoch != info.pool_epoch || endpoint_.value == 0 ||
+                      worker_address_ != resp.ucx_worker_address());
+      if (info.pool_initiates_transfers && endpoint_.value != 0) {
+        old = endpoint_;  // from a previous incarnation that let clients initiate
+        endpoint_ = EndpointId{};
+        rkeys_.clear();
+      }
     }
     EndpointId fresh;
     if (need_connect) {
@@ -363,7 +380,7 @@ class ClientImpl final : public Client {
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (need_connect) {
-        old = endpoint_;
+        if (old.value == 0) old = endpoint_;
         endpoint_ = fresh;
         rkeys_.clear();  // keys of the old endpoint die with it
         worker_address_ = resp.ucx_worker_address();
@@ -422,12 +439,16 @@ class ClientImpl final : public Client {
             absl::StrCat("pool returned a malformed staging block ", b.index()));
         break;
       }
-      auto key = Key(c, b.rkey());
-      if (!key.ok()) {
-        bad = key.status();
-        break;
+      RemoteKeyId key;
+      if (!c.info.pool_initiates_transfers) {  // else the pool pulls: no key needed here
+        auto k = Key(c, b.rkey());
+        if (!k.ok()) {
+          bad = k.status();
+          break;
+        }
+        key = *k;
       }
-      writes.push_back({b.index(), b.staging_addr(), *key});
+      writes.push_back({b.index(), b.staging_addr(), key});
     }
     auto session = std::make_unique<PutSessionImpl>(this, c, resp.put_id(), num_blocks,
                                                     std::move(writes), deadline, call.cancel);
@@ -600,6 +621,12 @@ class ClientImpl final : public Client {
       if (!info_) return absl::FailedPreconditionError("model: RegisterModel first");
       c.epoch = info_->pool_epoch;
       c.endpoint = endpoint_;
+      c.info = *info_;
+    }
+    if (c.info.pool_initiates_transfers) {
+      return absl::FailedPreconditionError(
+          "pool_initiates_transfers: the pool moves the bytes itself (ReadLeased); clients do not "
+          "address its memory");
     }
     if (c.epoch != pool_epoch) {
       return absl::UnavailableError("pool_epoch: the pool restarted since this key was issued");
@@ -629,6 +656,64 @@ class ClientImpl final : public Client {
     return s;
   }
 
+  // Pool-initiated put: the pool pulls `sources` from `region` into the put's staging.
+  absl::Status WritePutRpc(
+      const ConnSnapshot& c, uint64_t put_id, const transport::MemoryRegion& region,
+      const std::vector<std::tuple<uint32_t, uint64_t, uint64_t, uint64_t>>& src,
+      absl::Time deadline, const std::shared_ptr<CancelToken>& cancel) {
+    pb::WritePutRequest req;
+    req.set_namespace_id(DigestBytes(c.namespace_id));
+    req.set_put_id(put_id);
+    req.set_client_worker_address(c.worker_address);
+    req.set_source_rkey(region.packed_rkey());
+    for (const auto& [index, offset, length, addr] : src) {
+      pb::PutSource* ps = req.add_sources();
+      ps->set_index(index);
+      ps->set_offset(offset);
+      ps->set_length(length);
+      ps->set_source_addr(addr);
+    }
+    pb::WritePutResponse resp;
+    CallOptions call{deadline, cancel};
+    absl::Status s = Rpc(call, deadline, &pb::KvPool::Stub::WritePut, req, &resp);
+    if (!s.ok()) return CheckRestart(s, c.epoch, deadline);
+    return s;
+  }
+
+  // A registered buffer of at least `bytes` from this client's cache (or a new one). Reusing
+  // buffers keeps memory registration (ucp_mem_map + mlock) off the per-put path.
+  absl::StatusOr<std::shared_ptr<transport::MemoryRegion>> TakeBuffer(size_t bytes) {
+    {
+      std::lock_guard<std::mutex> lock(buffers_mu_);
+      auto best = buffers_.end();
+      for (auto it = buffers_.begin(); it != buffers_.end(); ++it) {
+        if ((*it)->size() >= bytes && (best == buffers_.end() || (*it)->size() < (*best)->size()))
+          best = it;
+      }
+      if (best != buffers_.end()) {
+        auto r = *best;
+        buffers_.erase(best);
+        return r;
+      }
+    }
+    // Round up to a power of two (>= 64 KiB) so that buffers fit later puts of other sizes.
+    size_t alloc = 64 << 10;
+    while (alloc < bytes) alloc *= 2;
+    return transport_->AllocateMemory(alloc);
+  }
+  // Returns a buffer to the cache (at most kMaxCachedBuffers are kept; the largest stay).
+  void GiveBuffer(std::shared_ptr<transport::MemoryRegion> r) {
+    if (r == nullptr) return;
+    std::lock_guard<std::mutex> lock(buffers_mu_);
+    buffers_.push_back(std::move(r));
+    if (buffers_.size() > kMaxCachedBuffers) {
+      auto smallest =
+          std::min_element(buffers_.begin(), buffers_.end(),
+                           [](const auto& a, const auto& b) { return a->size() < b->size(); });
+      buffers_.erase(smallest);
+    }
+  }
+
   absl::Status AbortRpc(const ConnSnapshot& c, uint64_t put_id) {
     pb::AbortPutRequest req;
     req.set_namespace_id(DigestBytes(c.namespace_id));
@@ -653,9 +738,40 @@ class ClientImpl final : public Client {
   std::string worker_address_;
   std::map<std::string, RemoteKeyId> rkeys_;  // packed key → unpacked on endpoint_
   bool stale_ = false;
+
+  static constexpr size_t kMaxCachedBuffers = 8;
+  std::mutex buffers_mu_;  // guards buffers_; never held across gRPC or UCX calls
+  std::vector<std::shared_ptr<transport::MemoryRegion>> buffers_;  // idle registered buffers
 };
 
 // ---- PutSessionImpl ----
+PutSessionImpl::~PutSessionImpl() {
+  if (!finished_) (void)Abort();
+  for (auto& slot : slots_) client_->GiveBuffer(std::move(slot));
+  client_->GiveBuffer(std::move(whole_));
+}
+
+absl::Status PutSessionImpl::PullPending() {
+  if (!error_.ok()) return error_;
+  if (writes_.empty() || pulled_layers_ == next_layer_) return absl::OkStatus();
+  const BlockGeometry& g = conn_.geometry;
+  const uint64_t slice = g.Bf16LayerBytes(), form = g.Bf16FormBytes();
+  const uint64_t from = uint64_t(pulled_layers_) * slice;
+  const uint64_t length = uint64_t(next_layer_ - pulled_layers_) * slice;
+  std::vector<std::tuple<uint32_t, uint64_t, uint64_t, uint64_t>> src;
+  src.reserve(writes_.size());
+  for (size_t i = 0; i < writes_.size(); ++i) {
+    src.emplace_back(writes_[i].index, from, length, whole_->address() + i * form + from);
+  }
+  absl::Status s = client_->WritePutRpc(conn_, put_id_, *whole_, src, deadline_, cancel_);
+  if (!s.ok()) {
+    error_ = s;  // sticky: Commit must see it
+    return s;
+  }
+  pulled_layers_ = next_layer_;
+  return absl::OkStatus();
+}
+
 absl::Status PutSessionImpl::WaitSlot(int slot) {
   absl::Status first;
   for (auto& t : inflight_[slot]) {
@@ -710,11 +826,24 @@ absl::Status PutSessionImpl::WriteLayer(uint32_t layer, absl::Span<const uint16_
   if (writes_.empty()) return absl::OkStatus();
 
   const uint64_t slice = g.Bf16LayerBytes();
+  if (pool_initiates()) {
+    // Pack into the whole-put buffer; the pool pulls pending layers at Flush/Commit.
+    const uint64_t form = g.Bf16FormBytes();
+    if (whole_ == nullptr) {
+      KVPOOL_ASSIGN_OR_RETURN(whole_, client_->TakeBuffer(form * writes_.size()));
+    }
+    for (size_t i = 0; i < writes_.size(); ++i) {
+      uint8_t* out = whole_->data() + i * form + uint64_t(layer) * slice;
+      PackLayerSlice(g, writes_[i].index, k.data(), v.data(), out);
+      hashes_[i]->Update(out, slice);
+    }
+    bytes_written_ += slice * writes_.size();
+    return absl::OkStatus();
+  }
   const int slot = layer % 2;
   KVPOOL_RETURN_IF_ERROR(WaitSlot(slot));
   if (slots_[slot] == nullptr) {
-    KVPOOL_ASSIGN_OR_RETURN(slots_[slot],
-                            client_->transport().AllocateMemory(slice * writes_.size()));
+    KVPOOL_ASSIGN_OR_RETURN(slots_[slot], client_->TakeBuffer(slice * writes_.size()));
   }
   uint8_t* buf = slots_[slot]->data();
   // Ops grouped by remote key (normally one: the pool's arena).
@@ -740,6 +869,7 @@ absl::Status PutSessionImpl::WriteLayer(uint32_t layer, absl::Span<const uint16_
 }
 
 absl::Status PutSessionImpl::Flush() {
+  if (pool_initiates()) return PullPending();
   absl::Status s0 = WaitSlot(0);
   absl::Status s1 = WaitSlot(1);
   if (!s0.ok() || !s1.ok()) return !s0.ok() ? s0 : s1;
@@ -765,6 +895,12 @@ absl::StatusOr<PutResult> PutSessionImpl::Commit() {
   if (!s0.ok() || !s1.ok()) {
     (void)Abort();
     return !s0.ok() ? s0 : s1;
+  }
+  if (pool_initiates()) {
+    if (absl::Status s = PullPending(); !s.ok()) {
+      (void)Abort();
+      return s;
+    }
   }
   std::vector<std::pair<uint32_t, uint64_t>> sums;
   for (size_t i = 0; i < writes_.size(); ++i)
@@ -899,59 +1035,91 @@ absl::StatusOr<FetchResult> ClientImpl::Fetch(const Lease& lease, const FetchPla
     out.block_status.push_back(absl::OkStatus());
   }
 
-  // One transfer per (pool, remote key), all posted before waiting.
-  struct Group {
-    std::shared_ptr<transport::MemoryRegion> region;
-    RemoteKeyId key;
-    std::vector<TransferOp> ops;
-    std::vector<size_t> items;
-  };
-  std::map<std::pair<int, uint64_t>, Group> groups;
-  for (size_t j = 0; j < items.size(); ++j) {
-    const Item& it = items[j];
-    KVPOOL_ASSIGN_OR_RETURN(RemoteKeyId key, Key(c, it.loc->rkey));
-    const PagePool* pool = it.form == Form::kInt2 ? plan.int2_pool : plan.bf16_pool;
-    Group& g = groups[{static_cast<int>(it.form), key.value}];
-    g.region = pool->region;
-    g.key = key;
-    g.ops.push_back({it.local_offset, it.loc->remote_addr, it.loc->size});
-    g.items.push_back(j);
-  }
-  std::vector<std::pair<std::shared_ptr<Transfer>, const Group*>> transfers;
-  for (auto& [gk, g] : groups) {
-    KVPOOL_ASSIGN_OR_RETURN(
-        auto t, transport_->Prepare({TransferKind::kGet, c.endpoint, g.key, g.region, g.ops}));
-    KVPOOL_RETURN_IF_ERROR(transport_->Post(t));
-    transfers.emplace_back(std::move(t), &g);
-  }
-  uint64_t cancel_id = 0;
-  if (call.cancel) {
-    std::vector<std::shared_ptr<Transfer>> ts;
-    for (auto& [t, g] : transfers) ts.push_back(t);
-    cancel_id = call.cancel->Add([ts] {
-      for (auto& t : ts) t->Cancel();
-    });
-  }
-  absl::Status whole;
-  for (auto& [t, g] : transfers) {
-    absl::Status s = t->Wait(deadline);
-    if (absl::IsDeadlineExceeded(s)) {
-      for (auto& [t2, g2] : transfers) t2->Cancel();
-      whole = s;
-      break;
+  if (c.info.pool_initiates_transfers) {
+    // The pool pushes every form into the page pools (ReadLeased) and answers once they are
+    // visible here; one status per block.
+    if (!items.empty()) {
+      pb::ReadLeasedRequest req;
+      req.set_lease_id(lease.id);
+      req.set_client_worker_address(transport_->WorkerAddress());
+      for (const Item& it : items) {
+        const PagePool* pool = it.form == Form::kInt2 ? plan.int2_pool : plan.bf16_pool;
+        pb::LeasedRead* r = req.add_reads();
+        r->set_remote_addr(it.loc->remote_addr);
+        r->set_size(it.loc->size);
+        r->set_dest_addr(pool->region->address() + it.local_offset);
+        r->set_dest_rkey(pool->region->packed_rkey());
+      }
+      pb::ReadLeasedResponse resp;
+      absl::Status s = Rpc(call, deadline, &pb::KvPool::Stub::ReadLeased, req, &resp);
+      if (!s.ok()) return CheckRestart(s, c.epoch, deadline);
+      if (resp.results_size() != static_cast<int>(items.size())) {
+        return absl::InternalError(absl::StrCat("pool returned ", resp.results_size(),
+                                                " results for ", items.size(), " reads"));
+      }
+      for (size_t j = 0; j < items.size(); ++j) {
+        const pb::ItemStatus& r = resp.results(static_cast<int>(j));
+        if (r.code() != 0) {
+          out.block_status[items[j].block] =
+              absl::Status(static_cast<absl::StatusCode>(r.code()), r.message());
+        }
+      }
     }
-    auto per_op = t->item_status();
-    for (size_t k = 0; k < g->items.size(); ++k) {
-      const Item& it = items[g->items[k]];
-      if (!per_op[k].ok()) out.block_status[it.block] = per_op[k];
+  } else {
+    // One transfer per (pool, remote key), all posted before waiting.
+    struct Group {
+      std::shared_ptr<transport::MemoryRegion> region;
+      RemoteKeyId key;
+      std::vector<TransferOp> ops;
+      std::vector<size_t> items;
+    };
+    std::map<std::pair<int, uint64_t>, Group> groups;
+    for (size_t j = 0; j < items.size(); ++j) {
+      const Item& it = items[j];
+      KVPOOL_ASSIGN_OR_RETURN(RemoteKeyId key, Key(c, it.loc->rkey));
+      const PagePool* pool = it.form == Form::kInt2 ? plan.int2_pool : plan.bf16_pool;
+      Group& g = groups[{static_cast<int>(it.form), key.value}];
+      g.region = pool->region;
+      g.key = key;
+      g.ops.push_back({it.local_offset, it.loc->remote_addr, it.loc->size});
+      g.items.push_back(j);
     }
-  }
-  if (call.cancel && cancel_id != 0) call.cancel->Remove(cancel_id);
-  if (!whole.ok()) {
-    // Destinations may still be written by ops in flight; wait for them (bounded) so the
-    // caller can reuse its pages.
-    for (auto& [t, g] : transfers) (void)t->Wait(absl::Now() + absl::Seconds(5));
-    return whole;
+    std::vector<std::pair<std::shared_ptr<Transfer>, const Group*>> transfers;
+    for (auto& [gk, g] : groups) {
+      KVPOOL_ASSIGN_OR_RETURN(
+          auto t, transport_->Prepare({TransferKind::kGet, c.endpoint, g.key, g.region, g.ops}));
+      KVPOOL_RETURN_IF_ERROR(transport_->Post(t));
+      transfers.emplace_back(std::move(t), &g);
+    }
+    uint64_t cancel_id = 0;
+    if (call.cancel) {
+      std::vector<std::shared_ptr<Transfer>> ts;
+      for (auto& [t, g] : transfers) ts.push_back(t);
+      cancel_id = call.cancel->Add([ts] {
+        for (auto& t : ts) t->Cancel();
+      });
+    }
+    absl::Status whole;
+    for (auto& [t, g] : transfers) {
+      absl::Status s = t->Wait(deadline);
+      if (absl::IsDeadlineExceeded(s)) {
+        for (auto& [t2, g2] : transfers) t2->Cancel();
+        whole = s;
+        break;
+      }
+      auto per_op = t->item_status();
+      for (size_t k = 0; k < g->items.size(); ++k) {
+        const Item& it = items[g->items[k]];
+        if (!per_op[k].ok()) out.block_status[it.block] = per_op[k];
+      }
+    }
+    if (call.cancel && cancel_id != 0) call.cancel->Remove(cancel_id);
+    if (!whole.ok()) {
+      // Destinations may still be written by ops in flight; wait for them (bounded) so the
+      // caller can reuse its pages.
+      for (auto& [t, g] : transfers) (void)t->Wait(absl::Now() + absl::Seconds(5));
+      return whole;
+    }
   }
   if (call.cancel && call.cancel->cancelled()) return absl::CancelledError("fetch cancelled");
 

@@ -62,6 +62,13 @@ int main(int argc, char** argv) {
   app.add_option("--ucx-tls", o.ucx_tls,
                  "UCX_TLS for the data plane, e.g. tcp or posix,cma "
                  "(empty = UCX default)");
+  app.add_option("--transfer-initiator", o.transfer_initiator,
+                 "Who starts RMA transfers: pool (clients call WritePut/ReadLeased; a client "
+                 "killed mid-transfer cannot abort the pool over tcp), client (clients put/get "
+                 "the pool's memory themselves), or auto (pool when --ucx-tls is empty or names "
+                 "tcp, else client)")
+      ->check(CLI::IsMember({"auto", "pool", "client"}))
+      ->capture_default_str();
   app.add_option("--high-watermark", o.store.high_watermark,
                  "Eviction starts above this fraction of capacity")
       ->check(CLI::Range(0.0, 1.0));

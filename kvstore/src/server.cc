@@ -12,6 +12,7 @@
 #include <random>
 #include <thread>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "kvpool/common/log.h"
@@ -78,8 +79,8 @@ std::string RenderStoreMetrics(BlockStore& store) {
        double(s.open_puts)},
       {"kvpool_leases", "Active leases.", "", double(s.leases)},
       {"kvpool_models", "Registered models.", "", double(s.models)},
-      {"kvpool_commit_device", "Where commits rotate and quantize (1 = in use).",
-       "device=\"cpu\"", s.commit_device == "cpu" ? 1.0 : 0.0},
+      {"kvpool_commit_device", "Where commits rotate and quantize (1 = in use).", "device=\"cpu\"",
+       s.commit_device == "cpu" ? 1.0 : 0.0},
       {"kvpool_commit_device", "", "device=\"gpu\"", s.commit_device == "gpu" ? 1.0 : 0.0},
   };
   return RenderPrometheus(store.metrics(), g);
@@ -145,11 +146,29 @@ absl::StatusOr<std::unique_ptr<PoolServer>> PoolServer::Create(const PoolServerO
 
   // Data plane memory.
   std::string worker_address;
+  if (o.transfer_initiator != "auto" && o.transfer_initiator != "pool" &&
+      o.transfer_initiator != "client") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "transfer-initiator: expected auto, pool or client, got \"", o.transfer_initiator, "\""));
+  }
+  bool pool_initiates = o.transfer_initiator == "pool";
+  if (o.transfer_initiator == "auto") {
+    pool_initiates = o.ucx_tls.empty() || absl::StrContains(o.ucx_tls, "tcp");
+  }
+#if defined(KVPOOL_HAVE_TRANSPORT)
+  std::shared_ptr<transport::MemoryRegion> arena;
+#else
+  (void)pool_initiates;
+#endif
   if (o.data_plane == "ucx") {
 #if defined(KVPOOL_HAVE_TRANSPORT)
-    KVPOOL_ASSIGN_OR_RETURN(impl->transport, transport::CreateUcxTransport({.tls = o.ucx_tls}));
-    KVPOOL_ASSIGN_OR_RETURN(auto region, impl->transport->AllocateMemory(o.capacity_bytes));
-    impl->memory = std::make_unique<RegionPoolMemory>(std::move(region));
+    if (o.transport_factory) {
+      KVPOOL_ASSIGN_OR_RETURN(impl->transport, o.transport_factory());
+    } else {
+      KVPOOL_ASSIGN_OR_RETURN(impl->transport, transport::CreateUcxTransport({.tls = o.ucx_tls}));
+    }
+    KVPOOL_ASSIGN_OR_RETURN(arena, impl->transport->AllocateMemory(o.capacity_bytes));
+    impl->memory = std::make_unique<RegionPoolMemory>(arena);
     worker_address = impl->transport->WorkerAddress();
 #else
     return absl::InvalidArgumentError(
@@ -167,6 +186,11 @@ absl::StatusOr<std::unique_ptr<PoolServer>> PoolServer::Create(const PoolServerO
   ServiceContext ctx;
   ctx.store = impl->store.get();
   ctx.ucx_worker_address = worker_address;
+#if defined(KVPOOL_HAVE_TRANSPORT)
+  ctx.transport = impl->transport.get();
+  ctx.arena = arena;
+  ctx.pool_initiates_transfers = pool_initiates && impl->transport != nullptr;
+#endif
   ctx.pool_epoch = std::random_device{}() | (uint64_t{std::random_device{}()} << 32);
   if (ctx.pool_epoch == 0) {
     ctx.pool_epoch = 1;
@@ -211,8 +235,11 @@ absl::StatusOr<std::unique_ptr<PoolServer>> PoolServer::Create(const PoolServerO
   }
   Impl* raw = impl.get();
   raw->tick_thread = std::thread([raw] { raw->TickLoop(); });
-  KVPOOL_LOG_INFO("kvpool-server ready: grpc {}:{} metrics {} capacity {} bytes data-plane {}",
-                  host, raw->grpc_port, raw->http_port, o.capacity_bytes, o.data_plane);
+  KVPOOL_LOG_INFO(
+      "kvpool-server ready: grpc {}:{} metrics {} capacity {} bytes data-plane {} transfers "
+      "initiated by the {}",
+      host, raw->grpc_port, raw->http_port, o.capacity_bytes, o.data_plane,
+      ctx.pool_initiates_transfers ? "pool" : "client");
   return std::unique_ptr<PoolServer>(new PoolServer(std::move(impl)));
 }
 

@@ -3,13 +3,20 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <algorithm>
 #include <fstream>
+#include <map>
+#include <mutex>
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
 #include "kvpool/common/log.h"
+#include "kvpool/common/status.h"
 #include "kvpool/v1/pool.grpc.pb.h"
 #include "kvpool/v1/pool.pb.h"
+#if defined(KVPOOL_HAVE_TRANSPORT)
+#include "kvpool/transport/transport.h"
+#endif
 
 namespace kvpool::kvstore {
 namespace {
@@ -57,9 +64,105 @@ absl::StatusOr<std::string> ReadFile(const std::string& path) {
   return ss.str();
 }
 
+#if defined(KVPOOL_HAVE_TRANSPORT)
+using transport::EndpointId;
+using transport::RemoteKeyId;
+
+// Endpoints to clients and the remote keys unpacked on them, for pool-initiated transfers
+// (WritePut, ReadLeased). One endpoint per client worker address, reused across calls; a failed
+// one (its client died) is replaced on the next use. Bounded: at most kMaxPeers peers (the
+// least recently used is dropped) and kMaxKeys keys per peer (then the peer is replaced by a
+// fresh endpoint without keys). A Peer is disconnected — its keys destroyed — only when the last
+// call using it has finished (shared_ptr), never under a transfer in flight. Thread-safe.
+class PeerLinks {
+ public:
+  struct Peer {
+    transport::Transport* transport = nullptr;
+    EndpointId endpoint;
+    std::map<std::string, RemoteKeyId> keys;  // guarded by PeerLinks::mu_
+    uint64_t last_use = 0;                    // guarded by PeerLinks::mu_
+    ~Peer() { (void)transport->Disconnect(endpoint); }
+  };
+  struct Link {
+    std::shared_ptr<Peer> peer;  // keeps endpoint and key alive while held
+    RemoteKeyId key;
+  };
+
+  explicit PeerLinks(transport::Transport* t) : transport_(t) {}
+
+  // The endpoint to `address` (sealed worker address) and `rkey` (sealed packed key) unpacked
+  // on it. Errors: INVALID_ARGUMENT naming `address_field` / `rkey_field` for malformed blobs,
+  // UNAVAILABLE when the client cannot be reached.
+  absl::StatusOr<Link> Get(const std::string& address, const std::string& rkey,
+                           const char* address_field, const char* rkey_field) {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::shared_ptr<Peer>& slot = peers_[address];
+    if (slot != nullptr &&
+        (!transport_->EndpointStatus(slot->endpoint).ok() || slot->keys.size() >= kMaxKeys)) {
+      slot.reset();  // failed, or too many keys: a fresh endpoint
+    }
+    if (slot == nullptr) {
+      auto ep = transport_->Connect(address);
+      if (!ep.ok()) {
+        peers_.erase(address);
+        return Annotated(ep.status(), address_field);
+      }
+      slot = std::make_shared<Peer>();
+      slot->transport = transport_;
+      slot->endpoint = *ep;
+    }
+    std::shared_ptr<Peer> peer = slot;
+    peer->last_use = ++clock_;
+    auto k = peer->keys.find(rkey);
+    if (k == peer->keys.end()) {
+      auto key = transport_->UnpackRemoteKey(peer->endpoint, rkey);
+      if (!key.ok()) return Annotated(key.status(), rkey_field);
+      k = peer->keys.emplace(rkey, *key).first;
+    }
+    Link link{peer, k->second};
+    if (peers_.size() > kMaxPeers) {
+      auto lru = std::min_element(peers_.begin(), peers_.end(), [](const auto& a, const auto& b) {
+        return a.second->last_use < b.second->last_use;
+      });
+      peers_.erase(lru);
+    }
+    return link;
+  }
+
+ private:
+  static constexpr size_t kMaxPeers = 1024;
+  static constexpr size_t kMaxKeys = 64;
+
+  static absl::Status Annotated(const absl::Status& s, const char* field) {
+    return absl::Status(s.code(), absl::StrCat(field, ": ", s.message()));
+  }
+
+  transport::Transport* const transport_;
+  std::mutex mu_;
+  std::map<std::string, std::shared_ptr<Peer>> peers_;  // guarded by mu_
+  uint64_t clock_ = 0;                                  // guarded by mu_
+};
+#endif  // KVPOOL_HAVE_TRANSPORT
+
+// Wall-clock deadline of a call: the client's, capped at 60 s.
+absl::Time CallDeadline(const grpc::ServerContext* ctx) {
+  const absl::Time cap = absl::Now() + absl::Seconds(60);
+  if (ctx == nullptr) return cap;
+  const absl::Time d = absl::FromChrono(ctx->deadline());
+  return std::min(d, cap);
+}
+
 class KvPoolService final : public pb::KvPool::Service {
  public:
-  explicit KvPoolService(const ServiceContext& ctx) : ctx_(ctx), store_(*ctx.store) {}
+  explicit KvPoolService(const ServiceContext& ctx)
+      : ctx_(ctx),
+        store_(*ctx.store)
+#if defined(KVPOOL_HAVE_TRANSPORT)
+        ,
+        peers_(ctx.transport)
+#endif
+  {
+  }
 
   grpc::Status RegisterModel(grpc::ServerContext*, const pb::RegisterModelRequest* req,
                              pb::RegisterModelResponse* resp) override {
@@ -83,6 +186,18 @@ class KvPoolService final : public pb::KvPool::Service {
       return Finish(ns.status());
     }
     return Finish(store_.AbortPut(*ns, req->put_id()));
+  }
+
+  grpc::Status WritePut(grpc::ServerContext* context, const pb::WritePutRequest* req,
+                        pb::WritePutResponse* resp) override {
+    return Timed(store_.metrics().put_latency,
+                 [&] { return WritePutImpl(*req, resp, CallDeadline(context)); });
+  }
+
+  grpc::Status ReadLeased(grpc::ServerContext* context, const pb::ReadLeasedRequest* req,
+                          pb::ReadLeasedResponse* resp) override {
+    return Timed(store_.metrics().fetch_latency,
+                 [&] { return ReadLeasedImpl(*req, resp, CallDeadline(context)); });
   }
 
   grpc::Status Lookup(grpc::ServerContext*, const pb::LookupRequest* req,
@@ -243,7 +358,7 @@ class KvPoolService final : public pb::KvPool::Service {
     resp->set_rotation_id(DigestBytes(info->rotation_id));
     resp->set_created(info->created);
     resp->set_ucx_worker_address(ctx_.ucx_worker_address);
-    resp->set_ucx_listen_address(ctx_.ucx_listen_address);
+    resp->set_pool_initiates_transfers(ctx_.pool_initiates_transfers);
     resp->set_pool_epoch(ctx_.pool_epoch);
     resp->set_bf16_form_bytes(info->bf16_form_bytes);
     resp->set_int2_form_bytes(info->int2_form_bytes);
@@ -377,8 +492,175 @@ class KvPoolService final : public pb::KvPool::Service {
     return absl::OkStatus();
   }
 
+  absl::Status NotInitiating(const char* rpc) const {
+    return absl::FailedPreconditionError(
+        absl::StrCat(rpc,
+                     ": this pool does not initiate transfers (RegisterModelResponse."
+                     "pool_initiates_transfers is false); address its memory directly"));
+  }
+
+#if defined(KVPOOL_HAVE_TRANSPORT)
+  // Waits for `t` until `deadline`; past it cancels and keeps waiting (bounded by 30 s more) so
+  // that nothing is released while UCX may still write. Returns the transfer's status.
+  static absl::Status WaitTransfer(const std::shared_ptr<transport::Transfer>& t,
+                                   absl::Time deadline) {
+    absl::Status s = t->Wait(deadline);
+    if (!absl::IsDeadlineExceeded(s)) return s;
+    t->Cancel();
+    if (absl::IsDeadlineExceeded(t->Wait(absl::Now() + absl::Seconds(30)))) {
+      KVPOOL_LOG_WARN("a pool-initiated transfer did not finish 30 s after its deadline");
+    }
+    return s;
+  }
+#endif
+
+  absl::Status WritePutImpl(const pb::WritePutRequest& req, pb::WritePutResponse* resp,
+                            absl::Time deadline) {
+#if defined(KVPOOL_HAVE_TRANSPORT)
+    if (!ctx_.pool_initiates_transfers || ctx_.transport == nullptr || ctx_.arena == nullptr) {
+      return NotInitiating("WritePut");
+    }
+    KVPOOL_ASSIGN_OR_RETURN(Digest ns, ParseNamespace(req.namespace_id()));
+    if (req.sources().empty()) return absl::InvalidArgumentError("sources: empty");
+    KVPOOL_ASSIGN_OR_RETURN(std::vector<StagingRange> ranges,
+                            store_.BeginPutWrite(ns, req.put_id()));
+    struct Claim {
+      BlockStore& store;
+      uint64_t put_id;
+      ~Claim() { store.EndPutWrite(put_id); }
+    } claim{store_, req.put_id()};
+    std::map<uint32_t, const StagingRange*> by_index;
+    for (const StagingRange& r : ranges) by_index[r.index] = &r;
+    std::vector<transport::TransferOp> ops;
+    uint64_t total = 0;
+    for (int i = 0; i < req.sources_size(); ++i) {
+      const pb::PutSource& src = req.sources(i);
+      auto it = by_index.find(src.index());
+      if (it == by_index.end()) {
+        return absl::InvalidArgumentError(absl::StrCat("sources[", i, "].index: ", src.index(),
+                                                       " is not a WRITE block of this put"));
+      }
+      if (src.length() == 0) {
+        return absl::InvalidArgumentError(absl::StrCat("sources[", i, "].length: zero"));
+      }
+      if (src.offset() > it->second->size || src.length() > it->second->size - src.offset()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("sources[", i, "].length: [", src.offset(), ", +", src.length(),
+                         ") exceeds the block's staging size ", it->second->size));
+      }
+      ops.push_back({it->second->offset + src.offset(), src.source_addr(), src.length()});
+      total += src.length();
+    }
+    KVPOOL_ASSIGN_OR_RETURN(PeerLinks::Link link,
+                            peers_.Get(req.client_worker_address(), req.source_rkey(),
+                                       "client_worker_address", "source_rkey"));
+    KVPOOL_ASSIGN_OR_RETURN(
+        auto t, ctx_.transport->Prepare({transport::TransferKind::kGet, link.peer->endpoint,
+                                         link.key, ctx_.arena, std::move(ops)}));
+    KVPOOL_RETURN_IF_ERROR(ctx_.transport->Post(t));
+    KVPOOL_RETURN_IF_ERROR(WaitTransfer(t, deadline));
+    resp->set_bytes_written(total);
+    return absl::OkStatus();
+#else
+    (void)req;
+    (void)resp;
+    (void)deadline;
+    return NotInitiating("WritePut");
+#endif
+  }
+
+  absl::Status ReadLeasedImpl(const pb::ReadLeasedRequest& req, pb::ReadLeasedResponse* resp,
+                              absl::Time deadline) {
+#if defined(KVPOOL_HAVE_TRANSPORT)
+    if (!ctx_.pool_initiates_transfers || ctx_.transport == nullptr || ctx_.arena == nullptr) {
+      return NotInitiating("ReadLeased");
+    }
+    if (req.reads().empty()) return absl::InvalidArgumentError("reads: empty");
+    KVPOOL_ASSIGN_OR_RETURN(auto leased, store_.LeasedRanges(req.lease_id()));
+    const uint64_t base = store_.memory().remote_address();
+    std::vector<absl::Status> results(req.reads_size());
+    // One transfer per destination key (normally one or two: the caller's page pools).
+    struct Group {
+      std::vector<transport::TransferOp> ops;
+      std::vector<int> reads;
+    };
+    std::map<std::string, Group> groups;
+    for (int i = 0; i < req.reads_size(); ++i) {
+      const pb::LeasedRead& r = req.reads(i);
+      const uint64_t off = r.remote_addr() - base;
+      const bool held =
+          r.remote_addr() >= base &&
+          std::binary_search(leased.begin(), leased.end(), std::make_pair(off, r.size()));
+      if (!held) {
+        results[i] = absl::NotFoundError(
+            absl::StrCat("reads[", i, "]: not a form held by lease ", req.lease_id()));
+        continue;
+      }
+      Group& g = groups[r.dest_rkey()];
+      g.ops.push_back({off, r.dest_addr(), r.size()});
+      g.reads.push_back(i);
+    }
+    std::vector<std::pair<std::shared_ptr<transport::Transfer>, const Group*>> posted;
+    std::vector<PeerLinks::Link> links;  // endpoints and keys stay alive until the waits below
+    for (auto& [rkey, g] : groups) {
+      auto fail = [&](const absl::Status& s) {
+        for (int i : g.reads) results[i] = s;
+      };
+      auto link =
+          peers_.Get(req.client_worker_address(), rkey, "client_worker_address", "reads.dest_rkey");
+      if (!link.ok()) {
+        if (absl::IsInvalidArgument(link.status())) return link.status();
+        fail(link.status());
+        continue;
+      }
+      auto t = ctx_.transport->Prepare({transport::TransferKind::kPut, link->peer->endpoint,
+                                        link->key, ctx_.arena, g.ops, /*flush=*/true});
+      if (!t.ok()) {
+        fail(t.status());
+        continue;
+      }
+      if (absl::Status s = ctx_.transport->Post(*t); !s.ok()) {
+        fail(s);
+        continue;
+      }
+      links.push_back(*std::move(link));
+      posted.emplace_back(*t, &g);
+    }
+    for (auto& [t, g] : posted) {
+      absl::Status s = WaitTransfer(t, deadline);
+      std::vector<absl::Status> items = t->item_status();
+      for (size_t k = 0; k < g->reads.size(); ++k) {
+        const int i = g->reads[k];
+        results[i] = !s.ok() ? s : (k < items.size() ? items[k] : absl::OkStatus());
+      }
+    }
+    // A lease that ended while the bytes moved may have had its slots reused: fail closed.
+    if (!store_.LeasedRanges(req.lease_id()).ok()) {
+      for (auto& r : results) {
+        if (r.ok()) {
+          r = absl::FailedPreconditionError("lease: expired during the read; discard the bytes");
+        }
+      }
+    }
+    for (const absl::Status& r : results) {
+      pb::ItemStatus* st = resp->add_results();
+      st->set_code(static_cast<int32_t>(r.code()));
+      st->set_message(std::string(r.message()));
+    }
+    return absl::OkStatus();
+#else
+    (void)req;
+    (void)resp;
+    (void)deadline;
+    return NotInitiating("ReadLeased");
+#endif
+  }
+
   ServiceContext ctx_;
   BlockStore& store_;
+#if defined(KVPOOL_HAVE_TRANSPORT)
+  PeerLinks peers_;
+#endif
 };
 
 }  // namespace

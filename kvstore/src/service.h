@@ -11,14 +11,24 @@
 namespace grpc {
 class Service;
 }
+namespace kvpool::transport {
+class Transport;
+class MemoryRegion;
+}  // namespace kvpool::transport
 
 namespace kvpool::kvstore {
 
 struct ServiceContext {
   BlockStore* store = nullptr;     // not owned; outlives the service
   std::string ucx_worker_address;  // the data plane's worker address ("" without one)
-  std::string ucx_listen_address;  // "" (sockaddr listener not used)
   uint64_t pool_epoch = 0;         // random per process start
+  // The pool's data plane for pool-initiated transfers (WritePut, ReadLeased): not owned,
+  // outlives the service; null without a data plane. `arena` is the registered region behind
+  // the store's PoolMemory (same data()).
+  transport::Transport* transport = nullptr;
+  std::shared_ptr<transport::MemoryRegion> arena;
+  // Tell clients to use WritePut/ReadLeased instead of addressing the pool's memory.
+  bool pool_initiates_transfers = false;
 };
 
 std::unique_ptr<grpc::Service> MakeKvPoolService(const ServiceContext& ctx);

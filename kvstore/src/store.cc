@@ -407,7 +407,7 @@ void BlockStore::ExpireLocked(absl::Time now) {
     }
   }
   for (auto it = puts_.begin(); it != puts_.end();) {
-    if (!it->second.committing && it->second.deadline <= now) {
+    if (!it->second.committing && it->second.writers == 0 && it->second.deadline <= now) {
       ReleasePutLocked(it->second, true);
       metrics_->put_expiries.fetch_add(1, std::memory_order_relaxed);
       KVPOOL_LOG_INFO("put {} expired uncommitted; staging reclaimed", it->first);
@@ -532,6 +532,10 @@ absl::Status BlockStore::AbortPut(const Digest& namespace_id, uint64_t put_id) {
   if (it->second.committing) {
     return absl::FailedPreconditionError(absl::StrCat("put_id: ", put_id, " is committing"));
   }
+  if (it->second.writers > 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("put_id: ", put_id, " is being written by the pool (WritePut)"));
+  }
   ReleasePutLocked(it->second, true);
   puts_.erase(it);
   metrics_->put_aborts.fetch_add(1, std::memory_order_relaxed);
@@ -554,6 +558,10 @@ absl::StatusOr<CommitResult> BlockStore::CommitPut(const Digest& namespace_id, u
     if (it->second.committing) {
       return absl::FailedPreconditionError(
           absl::StrCat("put_id: ", put_id, " is already committing"));
+    }
+    if (it->second.writers > 0) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("put_id: ", put_id, " is still being written by the pool (WritePut)"));
     }
     it->second.committing = true;
     m = it->second.model;
@@ -632,7 +640,8 @@ absl::StatusOr<CommitResult> BlockStore::CommitPut(const Digest& namespace_id, u
     }
     jobs.push_back(EncodeJob{.staging = staging,
                              .bf16_out = e.bytes[0].data(),
-                             .int2_out = want_int2 ? e.bytes[1].data() : nullptr});
+                             .int2_out = want_int2 ? e.bytes[1].data() : nullptr,
+                             .bf16_wanted = e.wanted[int(FormKind::kBf16)]});
     job_block.push_back(i);
     ingested += b.plan.size;
   }
@@ -994,6 +1003,61 @@ StoreStats BlockStore::Stats() const {
     s.models = static_cast<uint32_t>(models_.size());
   }
   return s;
+}
+
+absl::StatusOr<std::vector<StagingRange>> BlockStore::BeginPutWrite(const Digest& namespace_id,
+                                                                    uint64_t put_id) {
+  std::unique_lock lock(mu_);
+  auto it = puts_.find(put_id);
+  if (it == puts_.end() || it->second.model->info.namespace_id != namespace_id) {
+    return absl::NotFoundError(absl::StrCat("put_id: ", put_id,
+                                            " is not an open put of this "
+                                            "namespace (expired, aborted or committed)"));
+  }
+  if (it->second.committing) {
+    return absl::FailedPreconditionError(absl::StrCat("put_id: ", put_id, " is committing"));
+  }
+  std::vector<StagingRange> out;
+  for (const PutBlockState& b : it->second.blocks) {
+    if (b.plan.action == PutAction::kWrite) {
+      out.push_back({b.plan.index, b.staging_offset, b.plan.size});
+    }
+  }
+  ++it->second.writers;
+  return out;
+}
+
+void BlockStore::EndPutWrite(uint64_t put_id) {
+  std::unique_lock lock(mu_);
+  auto it = puts_.find(put_id);
+  if (it != puts_.end() && it->second.writers > 0) {
+    --it->second.writers;
+  }
+}
+
+absl::StatusOr<std::vector<std::pair<uint64_t, uint64_t>>> BlockStore::LeasedRanges(
+    uint64_t lease_id) {
+  std::shared_lock lock(mu_);
+  auto it = leases_.find(lease_id);
+  if (it == leases_.end() || it->second.deadline <= clock_->Now()) {
+    return absl::NotFoundError(absl::StrCat("lease_id: ", lease_id, " is unknown or expired"));
+  }
+  std::vector<std::pair<uint64_t, uint64_t>> out;
+  for (const Digest& k : it->second.keys) {
+    const Shard& shard = ShardOf(k);
+    std::shared_lock shard_lock(shard.mu);
+    auto b = shard.blocks.find(k);
+    if (b == shard.blocks.end()) {
+      continue;
+    }
+    for (const Slot& slot : b->second.forms) {
+      if (slot.present) {
+        out.emplace_back(slot.offset, slot.size);
+      }
+    }
+  }
+  std::sort(out.begin(), out.end());
+  return out;
 }
 
 }  // namespace kvpool::kvstore

@@ -124,6 +124,10 @@ struct ModelInfo {
   uint32_t sink_blocks = 0;
   uint32_t recent_blocks = 0;
   BlockGeometry geometry;
+  // true: the pool initiates every RMA transfer (it pulls puts with WritePut and pushes fetches
+  // with ReadLeased; chosen by the pool, e.g. over UCX tcp) and the client never addresses the
+  // pool's memory itself, so DataPlaneTarget is refused. docs/TRANSPORT.md.
+  bool pool_initiates_transfers = false;
 };
 
 enum class Form { kBf16, kInt2 };
@@ -146,7 +150,9 @@ class PutSession {
   // Sends layer `layer` of the sequence: `k` and `v` are [num_tokens][num_kv_heads][head_dim]
   // bf16 (uint16 bit patterns), un-rotated (post-RoPE, as the engine has them), with
   // num_tokens >= num_blocks * page_size (extra tokens are ignored). The bytes are copied
-  // before return; the transfer proceeds in the background.
+  // before return; the transfer proceeds in the background. When the pool initiates transfers
+  // (ModelInfo::pool_initiates_transfers) the layer is packed into a registered buffer and the
+  // pool pulls every pending layer at Flush or Commit (one WritePut call).
   // Errors: INVALID_ARGUMENT ("layer", "k", "v" sizes; non-finite values naming layer/token),
   // FAILED_PRECONDITION (layer out of order, session finished), UNAVAILABLE (data plane).
   virtual absl::Status WriteLayer(uint32_t layer, absl::Span<const uint16_t> k,
@@ -327,7 +333,8 @@ class Client {
 
   // The endpoint and unpacked remote key for a leased form, for callers that drive the data
   // plane themselves (transport().Prepare/Post). Valid until the pool's epoch changes.
-  // Errors: UNAVAILABLE (epoch changed or data plane down), INVALID_ARGUMENT (rkey bytes).
+  // Errors: UNAVAILABLE (epoch changed or data plane down), INVALID_ARGUMENT (rkey bytes),
+  // FAILED_PRECONDITION when the pool initiates transfers (ModelInfo::pool_initiates_transfers).
   virtual absl::StatusOr<std::pair<transport::EndpointId, transport::RemoteKeyId>> DataPlaneTarget(
       uint64_t pool_epoch, const std::string& packed_rkey) = 0;
 

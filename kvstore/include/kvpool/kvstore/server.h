@@ -12,12 +12,17 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "kvpool/kvstore/store.h"
+
+namespace kvpool::transport {
+class Transport;
+}  // namespace kvpool::transport
 
 namespace kvpool::kvstore {
 
@@ -35,6 +40,15 @@ struct PoolServerOptions {
   std::string data_plane = "ucx";
   // UCX_TLS for the data plane ("" = UCX's default). Default "".
   std::string ucx_tls;
+  // Who initiates RMA transfers: "client" (clients put into staging and get leased forms
+  // themselves), "pool" (clients call WritePut/ReadLeased and the pool gets/puts; a client dying
+  // mid-transfer then fails only the pool's own request), or "auto": "pool" when `ucx_tls` is
+  // empty or names tcp — UCX 1.13 emulates RMA over tcp with messages the target answers, and a
+  // target answering a dead client aborts (docs/TRANSPORT.md) — else "client". Default "auto".
+  std::string transfer_initiator = "auto";
+  // Tests: builds the data plane instead of CreateUcxTransport (e.g. a FakeFabric transport).
+  // Ignored unless data_plane is "ucx". Default: none.
+  std::function<absl::StatusOr<std::unique_ptr<transport::Transport>>()> transport_factory;
   // Period of lease/put expiry and watermark eviction. Default 100 ms.
   absl::Duration tick_interval = absl::Milliseconds(100);
   StoreOptions store;

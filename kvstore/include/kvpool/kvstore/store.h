@@ -187,6 +187,13 @@ struct ItemResult {
   absl::Status status;
 };
 
+// Where one WRITE block of an open put stages its bytes (for pool-initiated writes).
+struct StagingRange {
+  uint32_t index = 0;   // block index in the put
+  uint64_t offset = 0;  // bytes from PoolMemory::data()
+  uint64_t size = 0;    // the block's staging bytes (its BF16 form size)
+};
+
 struct StoreStats {
   uint64_t capacity_bytes = 0;
   uint64_t used_bytes = 0;
@@ -238,6 +245,21 @@ class BlockStore {
 
   // Drops an open put. Errors: NOT_FOUND, FAILED_PRECONDITION (committing, other namespace).
   absl::Status AbortPut(const Digest& namespace_id, uint64_t put_id);
+
+  // Claims open put `put_id` for a write into its staging by the pool itself (WritePut): while
+  // claimed, the put neither expires nor can be aborted or committed (FAILED_PRECONDITION), so
+  // its staging stays allocated while a transfer writes into it. Several claims may overlap.
+  // Returns the staging ranges of its WRITE blocks. Every successful call must be matched by
+  // EndPutWrite. Errors: NOT_FOUND (unknown, expired, committed or other namespace),
+  // FAILED_PRECONDITION (committing). Thread-safe.
+  absl::StatusOr<std::vector<StagingRange>> BeginPutWrite(const Digest& namespace_id,
+                                                          uint64_t put_id);
+  // Drops one claim of BeginPutWrite. No-op for an unknown put. Thread-safe.
+  void EndPutWrite(uint64_t put_id);
+  // (offset from PoolMemory::data(), size) of every form held by live lease `lease_id`, sorted
+  // by offset. Leased forms are never evicted, demoted or reused while the lease lives.
+  // Errors: NOT_FOUND (unknown or expired lease). Thread-safe.
+  absl::StatusOr<std::vector<std::pair<uint64_t, uint64_t>>> LeasedRanges(uint64_t lease_id);
 
   // Leading held blocks of `query`. Side-effect free (no LRU touch). Errors: NOT_FOUND
   // (namespace), INVALID_ARGUMENT (both or neither of token_ids/keys).
@@ -306,6 +328,7 @@ class BlockStore {
     const Model* model = nullptr;
     absl::Time deadline;
     bool committing = false;
+    uint32_t writers = 0;  // BeginPutWrite claims in progress
     std::vector<PutBlockState> blocks;
   };
   struct Lease {
