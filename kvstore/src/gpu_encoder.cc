@@ -262,9 +262,13 @@ class GpuEncoder final : public BlockEncoder {
                       "cudaMemcpyAsync(nonfinite)");
       for (uint32_t i = 0; i < n; ++i) {
         EncodeJob& j = jobs[start + i];
-        KVPOOL_CUDA_TRY(
-            cudaMemcpyAsync(j.bf16_out, buf_.bf16 + i * F, F, cudaMemcpyDeviceToHost, stream_),
-            "cudaMemcpyAsync(bf16 form)");
+        // A BF16 form kept only as the fallback of a refused INT2 form is not copied back: a
+        // refused block is re-encoded on the CPU below.
+        if (j.bf16_wanted || j.int2_out == nullptr) {
+          KVPOOL_CUDA_TRY(
+              cudaMemcpyAsync(j.bf16_out, buf_.bf16 + i * F, F, cudaMemcpyDeviceToHost, stream_),
+              "cudaMemcpyAsync(bf16 form)");
+        }
         if (j.int2_out != nullptr) {
           KVPOOL_CUDA_TRY(
               cudaMemcpyAsync(j.int2_out, buf_.int2 + i * Q, Q, cudaMemcpyDeviceToHost, stream_),

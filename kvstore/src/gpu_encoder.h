@@ -8,7 +8,8 @@
 //      bf16(x·R) straight into BF16 forms (fp16 copy of R on tensor cores, fp32 accumulation),
 //   4. one kvpool::cuda::LaunchDemote over all (block, layer) pages quantizing exactly those
 //      stored bf16 rows into INT2 forms, with per-row refusal flags,
-//   5. copy the forms back into each job's buffers, synchronize the stream once.
+//   5. copy the forms back into each job's buffers (not a BF16 form the job does not want,
+//      EncodeJob::bf16_wanted), synchronize the stream once.
 // A block with a NaN/Inf, or with any row the demotion refused (fp16 overflow of a group, or a
 // GPU rotation that overflowed fp16 because an input exceeded ±65504), is re-encoded on the CPU
 // with EncodeBlock, so refusals, error messages and int2_ok are the CPU path's.

@@ -13,6 +13,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "../test_util.h"
@@ -378,6 +379,74 @@ TEST(GpuEncoder, StoreCommitsOnTheGpu) {
   EXPECT_EQ(both, 2);
 }
 
+// Concurrent commits share one encoder (mutex-serialized device work) and more distinct
+// rotations than the encoder caches (uploads and evictions): every thread's bytes equal a
+// single-threaded encode of the same blocks.
+TEST(GpuEncoder, ConcurrentCallsAndRotationCacheGiveSameBytes) {
+  GPU_ENCODER_OR_SKIP(gpu);
+  const BlockGeometry g{.num_layers = 2, .num_kv_heads = 2, .head_dim = 128, .page_size = 16};
+  constexpr int kThreads = 6;  // > the 4 cached rotations
+  std::vector<RotationSet> rots;
+  std::vector<std::vector<std::vector<uint8_t>>> in(kThreads);
+  std::vector<std::vector<Buffers>> ref(kThreads);
+  for (int t = 0; t < kThreads; ++t) {
+    rots.push_back(RandomRotation(g, t % 2 == 1, 300 + t));
+    for (int i = 0; i < 5; ++i) in[t].push_back(RandomBlock(g, 9000 + 10 * t + i));
+    std::vector<EncodeJob> jobs = MakeJobs(g, in[t], ref[t], MostInt2);
+    ASSERT_TRUE(gpu->EncodeBlocks(g, rots[t], 0.96f, 0.92f, absl::MakeSpan(jobs)).ok());
+  }
+  std::vector<int> mismatches(kThreads, 0);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      for (int rep = 0; rep < 4; ++rep) {
+        std::vector<Buffers> out;
+        std::vector<EncodeJob> jobs = MakeJobs(g, in[t], out, MostInt2);
+        if (!gpu->EncodeBlocks(g, rots[t], 0.96f, 0.92f, absl::MakeSpan(jobs)).ok()) {
+          ++mismatches[t];
+          continue;
+        }
+        for (size_t i = 0; i < jobs.size(); ++i) {
+          if (!jobs[i].status.ok() || out[i].bf16 != ref[t][i].bf16 ||
+              out[i].int2 != ref[t][i].int2) {
+            ++mismatches[t];
+          }
+        }
+      }
+    });
+  }
+  for (std::thread& th : threads) th.join();
+  for (int t = 0; t < kThreads; ++t) EXPECT_EQ(mismatches[t], 0) << "thread " << t;
+  EXPECT_EQ(gpu->device_name(), "gpu");
+}
+
+// A job that keeps BF16 only as the INT2 fallback (bf16_wanted false) gets the same INT2 bytes
+// and result; a refused block still gets its CPU-encoded BF16 form.
+TEST(GpuEncoder, HistoryBlocksSkipTheBf16CopyButKeepTheFallback) {
+  GPU_ENCODER_OR_SKIP(gpu);
+  const BlockGeometry g{.num_layers = 2, .num_kv_heads = 2, .head_dim = 128, .page_size = 16};
+  RotationSet rot = RandomRotation(g, false, 77);
+  std::vector<std::vector<uint8_t>> in;
+  for (int i = 0; i < 5; ++i) in.push_back(RandomBlock(g, 7000 + i));
+  const uint16_t big = Fp32ToBf16(1e5f);  // block 3: beyond fp16, re-encoded on the CPU
+  std::memcpy(in[3].data() + g.Bf16ChunkOffset(1, 1) + 64, &big, 2);
+  std::vector<Buffers> a, b, c;
+  std::vector<EncodeJob> ja = MakeJobs(g, in, a, AllInt2);
+  std::vector<EncodeJob> jb = MakeJobs(g, in, b, AllInt2);
+  std::vector<EncodeJob> jc = MakeJobs(g, in, c, AllInt2);
+  for (EncodeJob& j : jb) j.bf16_wanted = false;
+  ASSERT_TRUE(gpu->EncodeBlocks(g, rot, 0.96f, 0.92f, absl::MakeSpan(ja)).ok());
+  ASSERT_TRUE(gpu->EncodeBlocks(g, rot, 0.96f, 0.92f, absl::MakeSpan(jb)).ok());
+  ASSERT_TRUE(NewCpuEncoder()->EncodeBlocks(g, rot, 0.96f, 0.92f, absl::MakeSpan(jc)).ok());
+  for (size_t i = 0; i < in.size(); ++i) {
+    ASSERT_TRUE(jb[i].status.ok()) << jb[i].status;
+    EXPECT_EQ(jb[i].result.int2_ok, ja[i].result.int2_ok) << "block " << i;
+    EXPECT_EQ(b[i].int2, a[i].int2) << "block " << i;
+  }
+  EXPECT_EQ(b[3].bf16, c[3].bf16);  // re-encoded on the CPU: its BF16 form is there
+  EXPECT_EQ(b[3].int2, c[3].int2);
+}
+
 double Seconds(std::chrono::steady_clock::time_point a, std::chrono::steady_clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
 }
@@ -405,6 +474,29 @@ TEST(GpuEncoder, CommitThroughput) {
   t0 = std::chrono::steady_clock::now();
   ASSERT_TRUE(cpu->EncodeBlocks(g, rot, 0.96f, 0.92f, absl::MakeSpan(cj)).ok());
   const double cpu_s = Seconds(t0, std::chrono::steady_clock::now());
+  // Smaller puts (per-put overhead): 4 blocks = 8 MiB, 1 block = 2 MiB.
+  for (int small : {4, 1}) {
+    auto span = absl::MakeSpan(gj.data(), small);
+    t0 = std::chrono::steady_clock::now();
+    for (int it = 0; it < iters; ++it) {
+      ASSERT_TRUE(gpu->EncodeBlocks(g, rot, 0.96f, 0.92f, span).ok());
+    }
+    const double s_small = Seconds(t0, std::chrono::steady_clock::now()) / iters;
+    std::printf("gpu commit of %d block(s) (%.0f MiB): %.3f GB/s (%.2f ms)\n", small,
+                small * double(g.Bf16FormBytes()) / (1 << 20),
+                small * double(g.Bf16FormBytes()) / s_small / 1e9, s_small * 1e3);
+  }
+  // A put of history blocks (INT2 kept, BF16 only as fallback): no BF16 copy back.
+  for (EncodeJob& j : gj) j.bf16_wanted = false;
+  t0 = std::chrono::steady_clock::now();
+  for (int it = 0; it < iters; ++it) {
+    ASSERT_TRUE(gpu->EncodeBlocks(g, rot, 0.96f, 0.92f, absl::MakeSpan(gj)).ok());
+  }
+  const double hist_s = Seconds(t0, std::chrono::steady_clock::now()) / iters;
+  std::printf("gpu commit of %d history blocks (INT2 only back): %.3f GB/s (%.1f ms)\n", n,
+              bytes / hist_s / 1e9, hist_s * 1e3);
+  for (EncodeJob& j : gj) j.bf16_wanted = true;
+  ASSERT_TRUE(gpu->EncodeBlocks(g, rot, 0.96f, 0.92f, absl::MakeSpan(gj)).ok());
   RotationDiff diff;
   for (int i = 0; i < n; ++i) {
     ASSERT_TRUE(gj[i].status.ok());

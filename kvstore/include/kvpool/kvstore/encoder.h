@@ -64,8 +64,12 @@ struct EncodeJob {
   const uint8_t* staging = nullptr;  // [Bf16FormBytes]
   uint8_t* bf16_out = nullptr;       // [Bf16FormBytes], required
   uint8_t* int2_out = nullptr;       // [Int2FormBytes] or null (BF16 form only)
-  absl::Status status;               // OK, or EncodeBlock's error for this block
-  EncodeResult result;               // valid when status is OK
+  // false: the caller keeps the BF16 form only as the fallback of a refused INT2 form (a
+  // history block, FORMAT.md §2.3), so when result.int2_ok is true an encoder may leave bf16_out
+  // unwritten (the GPU encoder then skips copying it back). Ignored when int2_out is null.
+  bool bf16_wanted = true;
+  absl::Status status;  // OK, or EncodeBlock's error for this block
+  EncodeResult result;  // valid when status is OK
 };
 
 // Where commits rotate and quantize: kAuto = the GPU when this build has CUDA and a usable
