@@ -44,7 +44,7 @@ case "$MODE" in
     echo "== without PDL" | tee -a "$LOG"
     KVPOOL_DECODE_PDL=0 "$B" --batches 32 --contexts 32768 --gqa 32:8 --page-sizes 16 --iters 20 --skip-write 2>&1 | tee -a "$LOG"
     # SASS of the INT2 kernel at d128 / one n-tile: instruction mix per 32-token step.
-    cuobjdump -sass "$B" 2>/dev/null | awk '/Function : .*Int2DecodeKernelILi128ELi1E/{p=1} p&&/Function : /&&!/Int2DecodeKernelILi128ELi1E/{p=0} p' \
+    [ "${SASS:-0}" = 1 ] && cuobjdump -sass "$B" 2>/dev/null | awk '/Function : .*Int2DecodeKernelILi128ELi1E/{p=1} p&&/Function : /&&!/Int2DecodeKernelILi128ELi1E/{p=0} p' \
       > "$OUT/sass_int2_d128.txt"
     ;;
   grid)
@@ -57,6 +57,7 @@ case "$MODE" in
     ;;
 esac
 nvidia-smi --query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv 2>&1 | tee -a "$LOG"
+[ "${PROFILE:-0}" = 1 ] && DEVLIBS=$DEVLIBS bash kernels/cuda/device_profile.sh 2>&1 | tee -a "$LOG"
 if [ "${SANITIZE:-0}" = 1 ]; then
   echo "== compute-sanitizer (memcheck, small cases)" | tee -a "$LOG"
   compute-sanitizer --tool memcheck --print-limit 20 "$DEVLIBS"/cuda_kernels_test \

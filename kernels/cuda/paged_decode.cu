@@ -59,8 +59,8 @@ struct AttnArgs {
   float* part_lse;     // [B][Hq][S], log2 units
   SegArgs seg0;
   SegArgs seg1;  // BF16 kernel only: the recent segment (seg0 = sink)
-  // BF16 kernel: wait for the previous kernel (QRotateKernel) before reading q̃. False when it
-  // runs behind the INT2 kernel, whose CTAs only let it start after q̃ was complete.
+  // INT2 kernel: wait for the previous kernel (QRotateKernel) before reading q̃. False when it
+  // runs behind the BF16 kernel, whose CTAs only let it start once q̃ was complete.
   int32_t pdl_wait_first;
 };
 
@@ -214,7 +214,8 @@ __global__ void __launch_bounds__(kThreads, (DecodeMinBlocks<kInt2, D, NT>()))
   const int32_t* page_ids = seg.indices + pbeg + p0;
   const uint8_t* head_base = seg.base + uint64_t(kvh) * chunk_bytes;
 
-  if (a.pdl_wait_first) PdlWait();
+  PdlWait();  // q̃ of QRotateKernel
+  PdlLaunchDependents();
   // ---- q fragments (B operand of S = K·q̃ᵀ) ----
   uint32_t qb[kSteps][NT][2];
   // BF16 path: q̃ = hi + lo, both bf16 (two MMAs), so q̃ keeps ~16 significant bits.
@@ -673,9 +674,6 @@ __global__ void __launch_bounds__(kThreads, (DecodeMinBlocks<kInt2, D, NT>()))
     a.part_o[row * D + dim] = nan ? NAN : (l > 0.f ? o / l : 0.f);
     if (dim == 0) a.part_lse[row] = (overflow || nan) ? NAN : (l > 0.f ? ms + log2f(l) : -INFINITY);
   }
-  // The merge kernel waits for this grid only: make its completion imply the INT2 grid's.
-  PdlLaunchDependents();
-  PdlWait();
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -761,6 +759,12 @@ __global__ void __launch_bounds__(kThreads, (D <= 128 ? (KT == 1 ? 5 : 4) : 2))
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, tig = lane & 3;
+  // Token order inside a 16-token unit. Lane group g holds the logits of tokens krow and
+  // krow + 8, krow = σ(g) = [0, 4, 1, 5, 2, 6, 3, 7][g], so that after movmatrix.trans the P'
+  // fragment of lane (g, tig) covers tokens tig and tig + 4 (+ 8): the V code rows a lane reads
+  // are then 4·32 bytes apart across tig, which keeps the V loads free of bank conflicts
+  // (tokens 2tig, 2tig + 1 would put lanes tig and tig + 2 on the same bank).
+  const int krow = (g >> 1) + 4 * (g & 1);
   const SegArgs& seg = a.seg0;
   const int sx = blockIdx.x;
   const int b = blockIdx.z;
@@ -810,10 +814,10 @@ __global__ void __launch_bounds__(kThreads, (D <= 128 ? (KT == 1 ? 5 : 4) : 2))
   auto issue = [&](int t) {
     if (t >= my_steps) return;  // warp-uniform
     const int slot0 = t * kSub;
-    if ((slot0 >> 5) != pid_batch) {  // advances by at most one batch per step
+    const bool next_batch = (slot0 >> 5) != pid_batch;  // advances by at most one per step
+    if (next_batch) {
       pid_batch = slot0 >> 5;
       pid_cur = pid_nxt;
-      pid_nxt = load_pid(pid_batch + 1);
     }
     int pid[kSub];
 #pragma unroll
@@ -846,12 +850,13 @@ __global__ void __launch_bounds__(kThreads, (D <= 128 ? (KT == 1 ? 5 : 4) : 2))
         }
       }
     }
+    if (next_batch) pid_nxt = load_pid(pid_batch + 1);  // after the copies: nothing waits on it
   };
 #pragma unroll
   for (int t = 0; t < kStages - 1; ++t) issue(t);
 
   // ---- q̃ (written by QRotateKernel) → 16-bit integers per head, in shared memory ----
-  PdlWait();
+  if (a.pdl_wait_first) PdlWait();
   PdlLaunchDependents();
   for (int h = warp; h < kHeads; h += kWarps) {
     const bool real = h < nh;
@@ -915,7 +920,7 @@ __global__ void __launch_bounds__(kThreads, (D <= 128 ? (KT == 1 ? 5 : 4) : 2))
         qb[m][kt][half] = packed;
       }
     }
-    inv_s[kt] = q_inv_s[4 * kt + tig];
+    inv_s[kt] = q_inv_s[4 * kt + tig] * (1.f / 64.f);  // the codes enter the MMA as code·64
 #pragma unroll
     for (int grp = 0; grp < kNG; ++grp) sqs[kt][grp] = q_sum[4 * kt + tig][grp];
   }
@@ -956,16 +961,16 @@ __global__ void __launch_bounds__(kThreads, (D <= 128 ? (KT == 1 ? 5 : 4) : 2))
       if (partial) {
         const int u = u0 + j;
         const int n = u < nunits ? min(max(seg_tokens - tok_base - 16 * u, 0), 16) : 0;
-        valid[0] = g < n;
-        valid[1] = g + 8 < n;
+        valid[0] = krow < n;
+        valid[1] = krow + 8 < n;
       }
       float ks[2][kNG], km[2][kNG];
 #pragma unroll
       for (int r = 0; r < 2; ++r)
 #pragma unroll
         for (int grp = 0; grp < kNG; ++grp) {
-          uint32_t kp = kpar[(g + 8 * r) * kNG + grp];
-          uint32_t vp = vpar[(g + 8 * r) * kNG + grp];
+          uint32_t kp = kpar[(krow + 8 * r) * kNG + grp];
+          uint32_t vp = vpar[(krow + 8 * r) * kNG + grp];
           if (!valid[r]) kp = vp = 0u;  // unused slots may hold anything (NaN included)
           const __half2 kh = *reinterpret_cast<const __half2*>(&kp);
           const __half2 vh = *reinterpret_cast<const __half2*>(&vp);
@@ -979,7 +984,7 @@ __global__ void __launch_bounds__(kThreads, (D <= 128 ? (KT == 1 ? 5 : 4) : 2))
       uint32_t kw[2][kTW];
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const uint8_t* rowp = st + (g + 8 * r) * C::kCR + tig * (D / 16);
+        const uint8_t* rowp = st + (krow + 8 * r) * C::kCR + tig * (D / 16);
         if constexpr (kTW == 1) {
           kw[r][0] = *reinterpret_cast<const uint32_t*>(rowp);
         } else if constexpr (kTW == 2) {
@@ -1004,10 +1009,12 @@ __global__ void __launch_bounds__(kThreads, (D <= 128 ? (KT == 1 ? 5 : 4) : 2))
 #pragma unroll
       for (int m = 0; m < kMma; ++m) {
         const int w0 = CH::W0(m), w1 = CH::W1(m), k0 = CH::K0(m), k1 = CH::K1(m);
-        const uint32_t a0 = (kw[0][w0] >> (2 * k0)) & 0x03030303u;
-        const uint32_t a1 = (kw[1][w0] >> (2 * k0)) & 0x03030303u;
-        const uint32_t a2 = (kw[0][w1] >> (2 * k1)) & 0x03030303u;
-        const uint32_t a3 = (kw[1][w1] >> (2 * k1)) & 0x03030303u;
+        // code·64 of quarter k: a left shift (IMAD.SHL, FMA pipe) and one LOP3 (ALU pipe, the
+        // busier one: ncu showed it at 65 % with right shifts).
+        const uint32_t a0 = (kw[0][w0] << (6 - 2 * k0)) & 0xc0c0c0c0u;
+        const uint32_t a1 = (kw[1][w0] << (6 - 2 * k0)) & 0xc0c0c0c0u;
+        const uint32_t a2 = (kw[0][w1] << (6 - 2 * k1)) & 0xc0c0c0c0u;
+        const uint32_t a3 = (kw[1][w1] << (6 - 2 * k1)) & 0xc0c0c0c0u;
 #pragma unroll
         for (int kt = 0; kt < KT; ++kt)
           ImmaU8S8(sacc[CH::Grp(m)][kt], a0, a1, a2, a3, qb[m][kt][0], qb[m][kt][1]);
@@ -1095,7 +1102,7 @@ __global__ void __launch_bounds__(kThreads, (D <= 128 ? (KT == 1 ? 5 : 4) : 2))
       uint32_t vw[4][kVW];
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
-        const int row = 2 * tig + (q & 1) + 8 * (q >> 1);
+        const int row = tig + 4 * (q & 1) + 8 * (q >> 1);
         const uint8_t* rp = vc + row * C::kCR + g * kVB;
         if constexpr (kVB == 2) {
           vw[q][0] = *reinterpret_cast<const uint16_t*>(rp);
@@ -1186,43 +1193,71 @@ __global__ void __launch_bounds__(kThreads, (D <= 128 ? (KT == 1 ? 5 : 4) : 2))
     a.part_o[row * D + dim] = nan ? NAN : (l > 0.f ? o / l : 0.f);
     if (dim == 0) a.part_lse[row] = (overflow || nan) ? NAN : (l > 0.f ? ms + log2f(l) : -INFINITY);
   }
+  // The merge kernel waits for this grid only: make its completion imply the BF16 grid's.
+  PdlWait();
 }
 
-// q̃[b, i, :] = q[b, i, :]·R_K(kvh) · scale; grid (H_kv, B), block D threads.
+// q̃[b, i, :] = q[b, i, :]·R_K(kvh) · scale; grid (H_kv, B), 256 threads. Thread t owns column
+// j = t % D and the slice of the reduction index i ≡ t / D (mod 256 / D); heads go four at a time
+// (a float4 of q per i), so a group of 4 costs 4 FMAs per loaded R element, and the partial sums
+// of the slices meet in shared memory. (v3 gave each CTA D threads and computed 16 heads for any
+// group: 16.6 µs at B = 32, 8 KV heads, d 128, latency-bound on 8 warps per SM.)
+constexpr int kRotThreads = 256;
 template <int D>
-__global__ void __launch_bounds__(D)
+__global__ void __launch_bounds__(kRotThreads)
     QRotateKernel(const uint16_t* __restrict__ q, const float* __restrict__ rk,
                   int64_t r_head_stride, int num_q_heads, int group, float scale,
                   float* __restrict__ q_rot) {
-  __shared__ float qs[16][D];
-  const int kvh = blockIdx.x, b = blockIdx.y, j = threadIdx.x;
+  constexpr int kParts = kRotThreads / D;  // slices of the reduction index (1, 2 or 4)
+  __shared__ __align__(16) float qs[D][16];  // [i][head]
+  __shared__ float red[kParts][4][D];
   PdlLaunchDependents();
+  const int kvh = blockIdx.x, b = blockIdx.y;
+  const int j = threadIdx.x % D, part = threadIdx.x / D;
   const size_t row0 = size_t(b) * num_q_heads + size_t(kvh) * group;
-  for (int h = 0; h < group; ++h) qs[h][j] = Bf16BitsToFloat(q[(row0 + h) * D + j]);
-  __syncthreads();
-  float acc[16];
-#pragma unroll
-  for (int h = 0; h < 16; ++h) acc[h] = 0.f;
-  if (rk == nullptr) {
-#pragma unroll
-    for (int h = 0; h < 16; ++h) acc[h] = h < group ? qs[h][j] : 0.f;
-  } else {
-    const float* r = rk + kvh * r_head_stride;
-#pragma unroll 8
-    for (int i = 0; i < D; ++i) {
-      const float rij = r[size_t(i) * D + j];
-#pragma unroll
-      for (int h = 0; h < 16; ++h) acc[h] = fmaf(qs[h][i], rij, acc[h]);
-    }
+  for (int idx = threadIdx.x; idx < 16 * D; idx += kRotThreads) {
+    const int h = idx / D, i = idx % D;
+    qs[i][h] = h < group ? Bf16BitsToFloat(q[(row0 + h) * D + i]) : 0.f;
   }
+  __syncthreads();
+  const float* r = rk == nullptr ? nullptr : rk + kvh * r_head_stride;
+  for (int h0 = 0; h0 < group; h0 += 4) {
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    if (r == nullptr) {
+      if (part == 0) {
 #pragma unroll
-  for (int h = 0; h < 16; ++h)
-    if (h < group) q_rot[(row0 + h) * D + j] = acc[h] * scale;
+        for (int e = 0; e < 4; ++e) acc[e] = qs[j][h0 + e];
+      }
+    } else {
+#pragma unroll 16
+      for (int i = part; i < D; i += kParts) {
+        const float rij = __ldg(r + size_t(i) * D + j);
+        const float4 qv = *reinterpret_cast<const float4*>(&qs[i][h0]);
+        acc[0] = fmaf(qv.x, rij, acc[0]);
+        acc[1] = fmaf(qv.y, rij, acc[1]);
+        acc[2] = fmaf(qv.z, rij, acc[2]);
+        acc[3] = fmaf(qv.w, rij, acc[3]);
+      }
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) red[part][e][j] = acc[e];
+    __syncthreads();
+    if (part == 0) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float x = 0.f;
+#pragma unroll
+        for (int pp = 0; pp < kParts; ++pp) x += red[pp][e][j];
+        if (h0 + e < group) q_rot[(row0 + h0 + e) * D + j] = x * scale;
+      }
+    }
+    __syncthreads();
+  }
 }
 
 // out[b, i, :] = (LSE-merge over splits of part_o)·R_Vᵀ; grid (H_kv, B), 256 threads:
 // warp w merges heads w, w+8 (lanes over splits for the LSE, over head_dim for the output),
-// then thread j applies R_Vᵀ to column j of every head of the group.
+// then the warps apply R_Vᵀ row by row (below).
 constexpr int kMergeThreads = 256;
 template <int D>
 __global__ void __launch_bounds__(kMergeThreads)
@@ -1271,40 +1306,41 @@ __global__ void __launch_bounds__(kMergeThreads)
       lse_out[row] = nan ? NAN : (l > 0.f ? (mx + log2f(l)) * kLn2 : -INFINITY);
   }
   __syncthreads();
-  const int j = threadIdx.x % D;
-  constexpr int kHeadStride = kMergeThreads / D;
-  const int h0 = threadIdx.x / D;
   if (rv == nullptr) {
-    for (int h = h0; h < group; h += kHeadStride) {
+    for (int idx = threadIdx.x; idx < group * D; idx += kMergeThreads) {
+      const int h = idx / D, j = idx % D;
       const __nv_bfloat16 v = __float2bfloat16_rn(os[h][j]);
       out[(row0 + h) * D + j] = *reinterpret_cast<const uint16_t*>(&v);
     }
     return;
   }
-  float acc[16];
+  // out[h][j] = Σ_i os[h][i]·R_V[j][i]: warp w takes rows j ≡ w (mod 8); the lanes read row j
+  // coalesced, each multiplies its D/32 elements with every head's, and a butterfly reduces
+  // four heads at a time. (v3: thread j walked row j alone over 16 heads: 20 µs at B = 32.)
+  const float* r = rv + kvh * r_head_stride;
+  for (int j = warp; j < D; j += kMergeThreads / 32) {
+    float rr[D / 32];
 #pragma unroll
-  for (int h = 0; h < 16; ++h) acc[h] = 0.f;
-  const float4* r = reinterpret_cast<const float4*>(rv + kvh * r_head_stride + size_t(j) * D);
-#pragma unroll 8
-  for (int i4 = 0; i4 < D / 4; ++i4) {
-    const float4 rr = r[i4];
+    for (int i = 0; i < D / 32; ++i) rr[i] = __ldg(r + size_t(j) * D + lane + 32 * i);
+    for (int h0 = 0; h0 < group; h0 += 4) {
+      float x[4];
 #pragma unroll
-    for (int hh = 0; hh < 16; ++hh) {
-      const int h = h0 + hh * kHeadStride;
-      if (hh * kHeadStride < 16 && h < group) {
-        acc[hh] = fmaf(os[h][4 * i4 + 0], rr.x, acc[hh]);
-        acc[hh] = fmaf(os[h][4 * i4 + 1], rr.y, acc[hh]);
-        acc[hh] = fmaf(os[h][4 * i4 + 2], rr.z, acc[hh]);
-        acc[hh] = fmaf(os[h][4 * i4 + 3], rr.w, acc[hh]);
+      for (int e = 0; e < 4; ++e) {
+        x[e] = 0.f;
+        if (h0 + e < group) {
+#pragma unroll
+          for (int i = 0; i < D / 32; ++i) x[e] = fmaf(os[h0 + e][lane + 32 * i], rr[i], x[e]);
+        }
       }
-    }
-  }
 #pragma unroll
-  for (int hh = 0; hh < 16; ++hh) {
-    const int h = h0 + hh * kHeadStride;
-    if (hh * kHeadStride < 16 && h < group) {
-      const __nv_bfloat16 v = __float2bfloat16_rn(acc[hh]);
-      out[(row0 + h) * D + j] = *reinterpret_cast<const uint16_t*>(&v);
+      for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) x[e] += __shfl_xor_sync(0xffffffffu, x[e], o);
+      if (lane < 4 && h0 + lane < group) {
+        const float v = lane == 0 ? x[0] : lane == 1 ? x[1] : lane == 2 ? x[2] : x[3];
+        const __nv_bfloat16 bv = __float2bfloat16_rn(v);
+        out[(row0 + h0 + lane) * D + j] = *reinterpret_cast<const uint16_t*>(&bv);
+      }
     }
   }
 }
@@ -1634,18 +1670,18 @@ KernelStatus LaunchPagedDecode(const PagedDecodeParams& p, Stream stream_handle)
   const float qscale = p.sm_scale * kLog2e;
   if (d == 64)
     QRotateKernel<64>
-        <<<hb, 64, 0, stream>>>(p.q, p.rotation_k, rstride, p.num_q_heads, group, qscale, q_rot);
+        <<<hb, kRotThreads, 0, stream>>>(p.q, p.rotation_k, rstride, p.num_q_heads, group, qscale, q_rot);
   else if (d == 128)
     QRotateKernel<128>
-        <<<hb, 128, 0, stream>>>(p.q, p.rotation_k, rstride, p.num_q_heads, group, qscale, q_rot);
+        <<<hb, kRotThreads, 0, stream>>>(p.q, p.rotation_k, rstride, p.num_q_heads, group, qscale, q_rot);
   else
     QRotateKernel<256>
-        <<<hb, 256, 0, stream>>>(p.q, p.rotation_k, rstride, p.num_q_heads, group, qscale, q_rot);
+        <<<hb, kRotThreads, 0, stream>>>(p.q, p.rotation_k, rstride, p.num_q_heads, group, qscale, q_rot);
   st = LaunchError("QRotateKernel");
   if (!st.ok()) return st;
 
-  // Order: INT2 history first (the bulk of the work), then the BF16 sink + recent kernel, which
-  // PDL lets fill the INT2 kernel's last wave, then the merge (docs/KERNELS.md).
+  // Order: the BF16 sink + recent kernel, then the INT2 history kernel, which PDL starts as soon
+  // as every BF16 CTA is running (the two overlap), then the merge (docs/KERNELS.md).
   AttnArgs args{};
   args.num_q_heads = p.num_q_heads;
   args.group = group;
@@ -1654,23 +1690,23 @@ KernelStatus LaunchPagedDecode(const PagedDecodeParams& p, Stream stream_handle)
   args.q_rot = q_rot;
   args.part_o = part_o;
   args.part_lse = part_lse;
-  if (plan.history.splits > 0) {
-    args.head_chunks = plan.i2_chunks;
-    args.seg0 = MakeSeg(p.history, p.int2_pool, plan.history, plan.sink.splits);
-    args.seg1 = SegArgs{};
-    st = DispatchInt2(d, plan.kt, args,
-                      dim3(plan.history.splits, p.num_kv_heads * plan.i2_chunks, p.batch), stream);
-    if (!st.ok()) return st;
-  }
   if (plan.sink.splits + plan.recent.splits > 0) {
     args.head_chunks = plan.head_chunks;
-    args.pdl_wait_first = plan.history.splits == 0;
     args.seg0 = MakeSeg(p.sink, p.bf16_pool, plan.sink, 0);
     args.seg1 = MakeSeg(p.recent, p.bf16_pool, plan.recent, plan.sink.splits + plan.history.splits);
     st = DispatchBf16(d, plan.nt, args,
                       dim3(plan.sink.splits + plan.recent.splits,
                            p.num_kv_heads * plan.head_chunks, p.batch),
                       stream, true);
+    if (!st.ok()) return st;
+  }
+  if (plan.history.splits > 0) {
+    args.head_chunks = plan.i2_chunks;
+    args.pdl_wait_first = plan.sink.splits + plan.recent.splits == 0;
+    args.seg0 = MakeSeg(p.history, p.int2_pool, plan.history, plan.sink.splits);
+    args.seg1 = SegArgs{};
+    st = DispatchInt2(d, plan.kt, args,
+                      dim3(plan.history.splits, p.num_kv_heads * plan.i2_chunks, p.batch), stream);
     if (!st.ok()) return st;
   }
   cudaError_t e;
