@@ -1,16 +1,35 @@
 // kv_write.cu — rotate / clip / INT2-quantize / pack write kernels (see kv_write.h).
 //
-// One kernel template KvWriteKernel<D, kRotate, kOutBf16>: a CTA owns one (KV head, K or V)
-// and walks 64-token chunks (grid-stride); each of its 4 warps takes 16 tokens:
-//   1. the 16 bf16 rows are staged in shared memory with cp.async (16-byte pieces, swizzled);
-//   2. kRotate: X̃ = X·R on tensor cores (mma.sync m16n8k16, fp16 operands, fp32
-//      accumulators; R is converted once per CTA to fp16 and kept transposed in shared memory),
-//      else X̃ = X exactly (bf16 -> fp32);
-//   3. each row (spread over the 4 lanes of a quad, D/4 values per lane): non-finite check,
-//      clip threshold τ by exact selection (repeated max extraction with tie counts), clamp,
-//      per-group min/max, fp16 (scale, min) with directed rounding, codes by threshold
-//      comparison, quarter-planar packing, 16-bit stores (FORMAT.md §2);
-//   kOutBf16 instead stores X̃ rounded to bf16 into BF16 pages.
+// One kernel template KvWriteKernel<D, kRotate, kOutBf16>. A CTA of 4 warps owns one (KV head,
+// K or V); each warp is persistent and walks 16-row tiles (16 consecutive tokens) with its own
+// two-stage cp.async ring in shared memory, so the next tile's 16 rows are in flight while the
+// current one is processed. Per tile:
+//   1. kRotate: X̃ = X·R on tensor cores (mma.sync m16n8k16, fp16 operands, fp32 accumulators;
+//      Rᵀ converted once per CTA to fp16 in shared memory with its columns permuted so that
+//      the accumulators land in the register layout of step 2), rounded to bf16;
+//      else X̃ = X (already rotated bf16).
+//   2. Register layout: lane (g = lane/4, tig = lane%4) holds rows g and g+8 of the tile as
+//      D/4 packed registers {row g, row g+8} (bf16x2, one column each); the columns are
+//      tig·D/16 + q·D/4 + i (quarter q = 0..3, i < D/16), exactly the columns whose 2-bit
+//      codes make up bytes tig·D/16 .. tig·D/16 + D/16 - 1 of the quarter-planar row
+//      (FORMAT.md §2.6). Every per-element step below works on both rows at once.
+//      NaN/Inf rows are found from the NaN-propagating group min/max of step 4.
+//   3. Clip threshold τ (FORMAT.md §2.2, the need-th largest |x̃| with need = d − clip index):
+//      the two rows' magnitudes (sign cleared) are sorted together with packed bf16x2 min/max
+//      (integer u16x2 min/max give the same order): each lane sorts runs of K (Batcher
+//      odd-even merge network),
+//      keeps the top K of its runs (bitonic max-merge), then the quad merges its lists through
+//      two shuffle rounds; the last round only follows the path to position need−1. K = 8 for
+//      need ≤ 8, 16 for need ≤ 16, else a 15-step bitwise search on counts. Ties are exact
+//      (a sorting network permutes the multiset).
+//   4. Per-group min/max of the clipped row (the clamped raw min/max; clipped values are never
+//      formed), fp16 (scale, min) with directed rounding (FORMAT.md §2.3); the three exact
+//      code thresholds per row (the smallest bf16 whose CPU code is ≥ j, computed without
+//      division, spread over the quad) are adjusted to the clip range, so codes are packed
+//      bf16 comparisons of the raw values.
+//   5. Codes are assembled straight into the quarter-planar bytes (2 bits per quarter) and
+//      stored as D/16 contiguous bytes per row and lane.
+//   kOutBf16 instead stores X̃ (bf16) into BF16 pages with 16-byte stores.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -27,7 +46,8 @@ namespace {
 
 constexpr int kWWarps = 4;
 constexpr int kWThreads = 32 * kWWarps;
-constexpr int kChunkTokens = 16 * kWWarps;
+constexpr int kTileRows = 16;
+constexpr int kStages = 2;
 
 struct WriteArgs {
   int32_t num_tokens;
@@ -53,102 +73,275 @@ struct WriteArgs {
   uint32_t* bad_rows;
 };
 
-template <int D>
-__device__ __forceinline__ const uint8_t* SourceRow(const WriteArgs& a, int t, int h, int kv) {
-  if (a.src_pages != nullptr) {
-    const int blk = t / a.page_size, slot = t % a.page_size;
-    const uint64_t chunk = 4ull * a.page_size * D;
-    return a.src_base + uint64_t(a.src_pages[blk]) * a.src_stride + uint64_t(h) * chunk +
-           uint64_t(kv) * 2 * a.page_size * D + uint64_t(slot) * 2 * D;
-  }
-  const uint16_t* base = kv ? a.src_v : a.src_k;
-  return reinterpret_cast<const uint8_t*>(base + int64_t(t) * a.token_stride + int64_t(h) * D);
+// ---- packed 16-bit helpers ------------------------------------------------------------------
+
+__device__ __forceinline__ uint32_t MaxU16x2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("max.u16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+__device__ __forceinline__ uint32_t MinU16x2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("min.u16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+// NaN-propagating forms (a NaN in either half gives NaN in that half).
+__device__ __forceinline__ uint32_t MaxNanBf16x2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("max.NaN.bf16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+__device__ __forceinline__ uint32_t MinNanBf16x2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("min.NaN.bf16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+__device__ __forceinline__ uint32_t MaxBf16x2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("max.bf16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+__device__ __forceinline__ uint32_t MinBf16x2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("min.bf16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+// 0xffff in each half where a >= b (bf16x2, ordered compare).
+__device__ __forceinline__ uint32_t GeMaskBf16x2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("set.ge.u32.bf16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+__device__ __forceinline__ uint32_t Lop3Xor3(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0x96;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+__device__ __forceinline__ float Bf16LoToFloat(uint32_t w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float Bf16HiToFloat(uint32_t w) {
+  return __uint_as_float(w & 0xffff0000u);
 }
 
-__device__ __forceinline__ void DestPageSlot(const WriteArgs& a, int t, int* page, int* slot) {
-  if (a.dst_slot != nullptr) {
-    *page = a.dst_page[t];
-    *slot = a.dst_slot[t];
-  } else {
-    *page = a.dst_page[t / a.page_size];
-    *slot = t % a.page_size;
+// Comparators of the selection networks on packed magnitudes (15-bit, sign cleared). For
+// finite and infinite bf16 magnitudes the integer and the bf16 order agree; NaN rows are
+// detected separately and never quantized, so either instruction form gives the same τ.
+#if defined(KVPOOL_WRITE_SORT_U16)
+__device__ __forceinline__ uint32_t SortMax(uint32_t a, uint32_t b) { return MaxU16x2(a, b); }
+__device__ __forceinline__ uint32_t SortMin(uint32_t a, uint32_t b) { return MinU16x2(a, b); }
+#else
+__device__ __forceinline__ uint32_t SortMax(uint32_t a, uint32_t b) { return MaxBf16x2(a, b); }
+__device__ __forceinline__ uint32_t SortMin(uint32_t a, uint32_t b) { return MinBf16x2(a, b); }
+#endif
+
+// ---- compile-time sorting networks (comparator lists; indices become constants) ------------
+
+struct Net {
+  int n = 0;
+  unsigned char lo[256] = {};
+  unsigned char hi[256] = {};
+};
+
+// Batcher's odd-even merge sort on `size` elements (19 comparators for 8, 63 for 16).
+constexpr Net OddEvenSortNet(int size) {
+  Net net;
+  for (int p = 1; p < size; p *= 2)
+    for (int k = p; k >= 1; k /= 2)
+      for (int j = k % p; j + k < size; j += 2 * k)
+        for (int i = 0; i < k && i + j + k < size; ++i)
+          if ((i + j) / (2 * p) == (i + j + k) / (2 * p)) {
+            net.lo[net.n] = static_cast<unsigned char>(i + j);
+            net.hi[net.n] = static_cast<unsigned char>(i + j + k);
+            ++net.n;
+          }
+  return net;
+}
+
+// Bitonic merge of a bitonic sequence of `size` elements into descending order.
+constexpr Net BitonicMergeNet(int size) {
+  Net net;
+  for (int j = size / 2; j >= 1; j /= 2)
+    for (int i = 0; i < size; ++i)
+      if ((i & j) == 0) {
+        net.lo[net.n] = static_cast<unsigned char>(i);
+        net.hi[net.n] = static_cast<unsigned char>(i + j);
+        ++net.n;
+      }
+  return net;
+}
+
+template <int K>
+struct Nets {
+  static constexpr Net kSort = OddEvenSortNet(K);
+  static constexpr Net kMerge = BitonicMergeNet(K);
+};
+
+// Applies the descending comparator network of K elements (sort or bitonic merge) to
+// a[off .. off+K); packed u16x2, so both halves (rows) are sorted independently.
+template <int K, int N, bool kMergeNet>
+__device__ __forceinline__ void RunNet(uint32_t (&a)[N], int off) {
+  constexpr Net net = kMergeNet ? Nets<K>::kMerge : Nets<K>::kSort;
+#pragma unroll
+  for (int c = 0; c < net.n; ++c) {
+    const uint32_t x = a[off + net.lo[c]], y = a[off + net.hi[c]];
+    a[off + net.lo[c]] = SortMax(x, y);
+    a[off + net.hi[c]] = SortMin(x, y);
   }
+}
+
+// τ (packed magnitude bits, one half per row) of the quad's two rows, from the magnitudes m
+// (destroyed). need in 1..K.
+template <int K, int N>
+__device__ __forceinline__ uint32_t SelectTopK(uint32_t (&m)[N], int need) {
+  static_assert(N % K == 0 && (K == 8 || K == 16), "runs of K");
+  constexpr int kRuns = N / K;
+#pragma unroll
+  for (int r = 0; r < kRuns; ++r) RunNet<K, N, false>(m, r * K);
+  // Tree merge of the runs into run 0: the top K of two descending lists A, B are
+  // max(A[i], B[K-1-i]) (a bitonic sequence), then a bitonic merge sorts them.
+  constexpr int kRunLevels = kRuns >= 8 ? 3 : kRuns >= 4 ? 2 : kRuns >= 2 ? 1 : 0;
+#pragma unroll
+  for (int lv = 0; lv < kRunLevels; ++lv)
+#pragma unroll
+    for (int r = 0; r + (1 << lv) < kRuns; r += 2 << lv) {
+      const int step = 1 << lv;
+#pragma unroll
+      for (int i = 0; i < K; ++i)
+        m[r * K + i] = SortMax(m[r * K + i], m[(r + step) * K + K - 1 - i]);
+      RunNet<K, N, true>(m, r * K);
+    }
+  // Quad round 1: full merge with the partner lane (xor 1).
+  {
+    uint32_t b[K];
+#pragma unroll
+    for (int i = 0; i < K; ++i) b[i] = __shfl_xor_sync(0xffffffffu, m[i], 1);
+#pragma unroll
+    for (int i = 0; i < K; ++i) m[i] = SortMax(m[i], b[K - 1 - i]);
+    RunNet<K, N, true>(m, 0);
+  }
+  // Quad round 2 (xor 2): only the element at position need-1 of the merged list.
+  uint32_t c[K];
+  {
+    uint32_t b[K];
+#pragma unroll
+    for (int i = 0; i < K; ++i) b[i] = __shfl_xor_sync(0xffffffffu, m[i], 2);
+#pragma unroll
+    for (int i = 0; i < K; ++i) c[i] = SortMax(m[i], b[K - 1 - i]);
+  }
+  const int p = need - 1;
+  constexpr int kLevels = K == 8 ? 3 : 4;
+#pragma unroll
+  for (int lv = 0; lv < kLevels; ++lv) {
+    const int j = (K / 2) >> lv;
+    if (p & j) {
+#pragma unroll
+      for (int i = 0; i < K / 2; ++i)
+        if (i < j) c[i] = SortMin(c[i], c[i + j]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < K / 2; ++i)
+        if (i < j) c[i] = SortMax(c[i], c[i + j]);
+    }
+  }
+  return c[0];
+}
+
+// Any `need` (1..d): τ = the largest t with count(|x| >= t) >= need, built bit by bit (the
+// count is non-increasing in t, and the largest such t is the need-th largest magnitude).
+template <int N>
+__device__ __forceinline__ uint32_t SelectBySearch(const uint32_t (&m)[N], int need) {
+  uint32_t t = 0;
+#pragma unroll 1
+  for (int bit = 14; bit >= 0; --bit) {
+    const uint32_t cand = t | (0x00010001u << bit);
+    uint32_t cnt = 0;
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      // bit 15 of each half of (m | 0x8000) - cand is set iff m >= cand (no borrow across).
+      const uint32_t d = (m[i] | 0x80008000u) - cand;
+      cnt += (d >> 15) & 0x00010001u;
+    }
+    cnt += __shfl_xor_sync(0xffffffffu, cnt, 1);
+    cnt += __shfl_xor_sync(0xffffffffu, cnt, 2);
+    const uint32_t n = uint32_t(need);
+    if ((cnt & 0xffffu) >= n) t |= (1u << bit);
+    if ((cnt >> 16) >= n) t |= (0x10000u << bit);
+  }
+  return t;
+}
+
+__device__ __forceinline__ float NextUp(float f) {  // finite f
+  const int b = __float_as_int(f);
+  return f == 0.f ? __int_as_float(1) : __int_as_float(b < 0 ? b - 1 : b + 1);
+}
+__device__ __forceinline__ float NextDown(float f) {  // finite f
+  const int b = __float_as_int(f);
+  return f == 0.f ? __int_as_float(int(0x80000001u)) : __int_as_float(b < 0 ? b + 1 : b - 1);
+}
+
+// Code threshold of level j (0, 1, 2: codes >= 1, 2, 3) as bf16 bits: the smallest bf16 x with
+// round-half-up(fl(fl(x - mn) / s)) >= j + 1, the CPU rule of FORMAT.md §2.3 (quantize.cc), so
+// that for every bf16 x, code(x) >= j + 1 iff x >= threshold; +inf (0x7f80) when s is 0.
+// Exact and division-free: with w = j + 0.5, round-half-up(t) >= j + 1 iff t >= w, and the
+// correctly rounded quotient fl(a/s) >= w iff a/s >= β_w, the midpoint between w and the fp32
+// value below it (a tie rounds to w, whose significand is even): β = 0.5 - 2^-26, 1.5 - 2^-24,
+// 2.5 - 2^-23. β·s (25 x 11 significant bits) is exact in fp64, so fl(a/s) >= w iff
+// a >= a* = fp32-round-up(β·s). The smallest fp32 x with fl(x - mn) >= a* is found by stepping
+// a few ulps from fl(mn + a*); rounding it up to bf16 gives the smallest such bf16 x.
+__device__ __forceinline__ uint32_t CodeThresholdBf16(float mn, float s, int j) {
+  if (!(s > 0.f)) return 0x7f80u;
+  const double beta = j == 0 ? 0.5 - 0x1p-26 : (j == 1 ? 1.5 - 0x1p-24 : 2.5 - 0x1p-23);
+  const float astar = __double2float_ru(beta * double(s));
+  float th = __fadd_rn(mn, astar);
+#pragma unroll 1
+  for (int it = 0; it < 16 && __fsub_rn(th, mn) >= astar; ++it) th = NextDown(th);
+#pragma unroll 1
+  for (int it = 0; it < 16 && !(__fsub_rn(th, mn) >= astar); ++it) th = NextUp(th);
+  const __nv_bfloat16 bt = __float2bfloat16_ru(th);
+  return uint32_t(*reinterpret_cast<const uint16_t*>(&bt));
+}
+
+// Swizzled 16-byte chunk of tile row r: conflict-free both for ldmatrix (8 consecutive rows,
+// one chunk) and for the quad reads of step 2 (rows 2m and 2m+1, four chunks each).
+__device__ __forceinline__ int Swz(int chunk, int row) {
+  return chunk ^ (((row & 1) << 2) | ((row >> 1) & 3));
 }
 
 template <int D, bool kRotate>
 constexpr int WriteSmemBytes() {
-  return (kRotate ? D * D * 2 : 0) + kWWarps * 16 * 2 * D;
+  return (kRotate ? D * D * 2 : 0) + kWWarps * kStages * kTileRows * 2 * D;
 }
 
-// τ per row (FORMAT.md §2.2): the `need`-th largest |x| of the row, ties counted (the value
-// with count(>= τ) >= need and count(> τ) < need). Each lane keeps its kL largest magnitudes
-// sorted (insertion network: 2 ops per element and slot), then the 4 lanes of the quad pop
-// their heads in descending order; the need-th popped value is τ (the union of the lanes'
-// top-kL lists contains the row's top-need, since kL >= need).
-template <int kL, int kNt>
-__device__ __forceinline__ void SelectTau(const float (&x)[kNt][4], int need, const bool (&skip)[2],
-                                          float (&tau)[2]) {
-  const int lane = threadIdx.x & 31;
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    float top[kL];
-#pragma unroll
-    for (int i = 0; i < kL; ++i) top[i] = -1.f;
-#pragma unroll
-    for (int nt = 0; nt < kNt; ++nt)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        float v = fabsf(x[nt][2 * r + e]);
-#pragma unroll
-        for (int i = 0; i < kL; ++i) {
-          const float hi = fmaxf(top[i], v);
-          v = fminf(top[i], v);
-          top[i] = hi;
-        }
-      }
-    int remaining = need;
-    float t = INFINITY;
-    bool done = skip[r];
-#pragma unroll
-    for (int it = 0; it < kL; ++it) {
-      if (it >= need) break;
-      float m = fmaxf(top[0], __shfl_xor_sync(0xffffffffu, top[0], 1));
-      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-      const bool mine = top[0] == m;
-      const unsigned bal = __ballot_sync(0xffffffffu, mine);
-      const int cnt = __popc((bal >> (lane & ~3)) & 0xfu);
-      if (!done) {
-        if (cnt >= remaining) {
-          t = m;
-          done = true;
-        } else {
-          remaining -= cnt;
-        }
-      }
-#pragma unroll
-      for (int i = 0; i < kL - 1; ++i) top[i] = mine ? top[i + 1] : top[i];
-      top[kL - 1] = mine ? -1.f : top[kL - 1];
-    }
-    tau[r] = t;
-  }
+// CTAs per SM the register budget is sized for (the rotating kernels hold Rᵀ in shared memory,
+// so at most 3 of them fit per SM anyway).
+template <int D, bool kRotate>
+constexpr int MinBlocks() {
+  return D >= 256 ? 1 : kRotate ? 3 : 4;
 }
 
 template <int D, bool kRotate, bool kOutBf16>
-__global__ void __launch_bounds__(kWThreads) KvWriteKernel(const WriteArgs a) {
-  constexpr int kNt = D / 8;  // n-tiles of the rotated row (8 columns each)
-  constexpr int kNG = D / (D < 128 ? D : 128);
-  constexpr int kRowPieces = D / 8;
+__global__ void __launch_bounds__(kWThreads, MinBlocks<D, kRotate>())
+    KvWriteKernel(const WriteArgs a) {
+  constexpr int kRegs = D / 4;   // packed registers per lane
+  constexpr int kSpan = D / 16;  // columns per quarter per lane (= code bytes per row)
+  constexpr int kNG = D > 128 ? D / 128 : 1;
+  constexpr int kRowBytes = 2 * D;
+  constexpr int kChunks = D / 8;  // 16-byte chunks per row
+  constexpr int kStageBytes = kTileRows * kRowBytes;
   extern __shared__ __align__(128) uint8_t smem[];
   const int h = blockIdx.y, kv = blockIdx.z;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, tig = lane & 3;
-  uint8_t* rt = smem;  // [D][D] fp16, Rᵀ, swizzled
-  uint8_t* xs = smem + (kRotate ? D * D * 2 : 0) + warp * 16 * 2 * D;  // [16][D] bf16, swizzled
+  uint8_t* rt = smem;  // [D][D] fp16: row n = column π(n) of R (Rᵀ, permuted), swizzled
+  uint8_t* ring = smem + (kRotate ? D * D * 2 : 0) + warp * kStages * kStageBytes;
 
   if constexpr (kRotate) {
     const float* r = (kv ? a.rot_v : a.rot_k) + h * a.rot_head_stride;
     for (int idx = threadIdx.x; idx < D * D; idx += kWThreads) {
-      const int k = idx / D, n = idx % D;  // R[k][n] -> Rᵀ[n][k]
+      const int k = idx / D, col = idx % D;  // R[k][col]
+      // col = tig'·D/16 + q·D/4 + i  ->  MMA column n = 8·(q·D/32 + i/2) + 2·tig' + i%2
+      const int q = col / (D / 4), rem = col % (D / 4);
+      const int tg = rem / kSpan, i = rem % kSpan;
+      const int n = 8 * (q * (D / 32) + i / 2) + 2 * tg + (i & 1);
       const __half v = __float2half_rn(r[idx]);
       const int c = (k >> 3) ^ (n & 7);
       *reinterpret_cast<__half*>(rt + n * 2 * D + 16 * c + 2 * (k & 7)) = v;
@@ -156,39 +349,100 @@ __global__ void __launch_bounds__(kWThreads) KvWriteKernel(const WriteArgs a) {
     __syncthreads();
   }
 
+  const bool demote = a.src_pages != nullptr;
   const float clip = kv ? a.clip_v : a.clip_k;
-  int need = 0;  // elements at or above τ (τ = sorted_ascending[idx])
+  int need = 0;  // elements at or above τ (τ = sorted_ascending[D - need])
   if (clip > 0.f) {
     int idx = int(floorf(clip * D));
     idx = min(max(idx, 0), D - 1);
     need = D - idx;
   }
-  const uint64_t int2_chunk = uint64_t(a.page_size) * (D / 2 + 8 * kNG);
-  const uint64_t bf16_chunk = 4ull * a.page_size * D;
-  const int nchunks = (a.num_tokens + kChunkTokens - 1) / kChunkTokens;
+  const int P = a.page_size;
+  const uint64_t int2_chunk = uint64_t(P) * (D / 2 + 8 * kNG);
+  const uint64_t bf16_chunk = 4ull * P * D;
+  const int ntiles = (a.num_tokens + kTileRows - 1) / kTileRows;
+  const int first = blockIdx.x * kWWarps + warp;
+  const int stride = gridDim.x * kWWarps;
+  const uint8_t* tok_src =
+      reinterpret_cast<const uint8_t*>((kv ? a.src_v : a.src_k)) + uint64_t(h) * kRowBytes;
+  const uint64_t tok_row_bytes = uint64_t(a.token_stride) * 2;
 
-  for (int ch = blockIdx.x; ch < nchunks; ch += gridDim.x) {
-    const int t0 = ch * kChunkTokens + warp * 16;
-    // ---- stage 16 rows ----
-    for (int p = lane; p < 16 * kRowPieces; p += 32) {
-      const int row = p / kRowPieces, c = p % kRowPieces;
-      const int t = t0 + row;
-      const bool ok = t < a.num_tokens;
-      const uint8_t* src = ok ? SourceRow<D>(a, t, h, kv) + 16 * c : nullptr;
-      CpAsync16(xs + row * 2 * D + 16 * (c ^ (row & 7)),
-                ok ? src : reinterpret_cast<const uint8_t*>(a.dst_base), ok);
+  // Source page of a tile (demotion; every tile lies in one page since P % 16 == 0).
+  auto src_page_of = [&](int tile) -> int {
+    return (demote && tile < ntiles) ? __ldg(a.src_pages + (tile * kTileRows) / P) : 0;
+  };
+  // Issues the cp.async of tile `tile` into stage `st` (zero-filled rows past the end).
+  auto issue = [&](int tile, int st, int src_page) {
+    if (tile < ntiles) {
+      const int t0 = tile * kTileRows;
+      const uint8_t* base;
+      uint64_t row_bytes;
+      if (demote) {
+        base = a.src_base + uint64_t(src_page) * a.src_stride + uint64_t(h) * bf16_chunk +
+               uint64_t(kv) * 2 * P * D + uint64_t(t0 % P) * kRowBytes;
+        row_bytes = kRowBytes;
+      } else {
+        base = tok_src + uint64_t(t0) * tok_row_bytes;
+        row_bytes = tok_row_bytes;
+      }
+      uint8_t* dst = ring + st * kStageBytes;
+#pragma unroll
+      for (int q = 0; q < kTileRows * kChunks / 32; ++q) {
+        const int p = lane + 32 * q;
+        const int row = p / kChunks, c = p % kChunks;
+        const bool ok = t0 + row < a.num_tokens;
+        CpAsync16(dst + row * kRowBytes + 16 * Swz(c, row),
+                  ok ? base + uint64_t(row) * row_bytes + 16 * c : a.dst_base, ok);
+      }
     }
     CpAsyncCommit();
-    CpAsyncWait<0>();
-    __syncwarp();
+  };
+  // Destination page and slot of tile rows g and g+8.
+  auto dest_of = [&](int tile, int(&pg)[2], int(&sl)[2]) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int t = tile * kTileRows + g + 8 * r;
+      pg[r] = 0;
+      sl[r] = 0;
+      if (tile < ntiles && t < a.num_tokens) {
+        if (demote) {
+          pg[r] = __ldg(a.dst_page + t / P);
+          sl[r] = t % P;
+        } else {
+          pg[r] = __ldg(a.dst_page + t);
+          sl[r] = __ldg(a.dst_slot + t);
+        }
+      }
+    }
+  };
 
-    // ---- rotated values: x[nt][j], j: 0,1 row g cols 8nt+2tig+{0,1}; 2,3 row g+8 ----
-    float x[kNt][4];
+  int src_pg_next = src_page_of(first);
+  issue(first, 0, src_pg_next);
+  src_pg_next = src_page_of(first + stride);
+  int pg[2], sl[2];
+  dest_of(first, pg, sl);
+  int stage = 0;
+
+  for (int tile = first; tile < ntiles; tile += stride) {
+    // Prefetch: the next tile's rows, its destinations and the source page after it.
+    const int next = tile + stride;
+    issue(next, stage ^ 1, src_pg_next);
+    src_pg_next = src_page_of(next + stride);
+    int npg[2], nsl[2];
+    dest_of(next, npg, nsl);
+    CpAsyncWait<1>();
+    __syncwarp();
+    const uint8_t* xs = ring + stage * kStageBytes;
+
+    // ---- step 1/2: packed registers P[q·kSpan + i] = {row g, row g+8} of column
+    //      tig·kSpan + q·D/4 + i ----
+    uint32_t x[kRegs];
     if constexpr (kRotate) {
+      float acc[D / 8][4];
 #pragma unroll
-      for (int nt = 0; nt < kNt; ++nt)
+      for (int nt = 0; nt < D / 8; ++nt)
 #pragma unroll
-        for (int j = 0; j < 4; ++j) x[nt][j] = 0.f;
+        for (int j = 0; j < 4; ++j) acc[nt][j] = 0.f;
       const int q4 = lane >> 3, r8 = lane & 7;
 #pragma unroll
       for (int s = 0; s < D / 16; ++s) {
@@ -196,206 +450,267 @@ __global__ void __launch_bounds__(kWThreads) KvWriteKernel(const WriteArgs a) {
         {
           const int row = r8 + 8 * (q4 & 1);
           const int c = 2 * s + (q4 >> 1);
-          LdMatrixX4(af, xs + row * 2 * D + 16 * (c ^ (row & 7)));
+          LdMatrixX4(af, xs + row * kRowBytes + 16 * Swz(c, row));
         }
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {  // bf16x2 -> f16x2 (inf when out of fp16 range)
-          const float lo = __uint_as_float(af[i] << 16), hi = __uint_as_float(af[i] & 0xffff0000u);
-          af[i] = PackHalf2(lo, hi);
-        }
+        for (int i = 0; i < 4; ++i)  // bf16x2 -> f16x2 (inf when out of fp16 range)
+          af[i] = PackHalf2(Bf16LoToFloat(af[i]), Bf16HiToFloat(af[i]));
 #pragma unroll
-        for (int nt = 0; nt < kNt; nt += 2) {
+        for (int nt = 0; nt < D / 8; nt += 2) {
           uint32_t bf[4];
           const int n = 8 * (nt + (q4 >> 1)) + r8;
           const int c = 2 * s + (q4 & 1);
           LdMatrixX4(bf, rt + n * 2 * D + 16 * (c ^ (n & 7)));
-          MmaF16(x[nt], af[0], af[1], af[2], af[3], bf[0], bf[1]);
-          MmaF16(x[nt + 1], af[0], af[1], af[2], af[3], bf[2], bf[3]);
+          MmaF16(acc[nt], af[0], af[1], af[2], af[3], bf[0], bf[1]);
+          MmaF16(acc[nt + 1], af[0], af[1], af[2], af[3], bf[2], bf[3]);
         }
       }
-      // Round to bf16: the INT2 bytes are those of the rotated BF16 form, so demoting that
-      // form later gives identical bytes (kvpool::RotateQuantizeRowsBf16 contract).
+      // acc[nt][e] = row g, acc[nt][2+e] = row g+8 of MMA column 8nt+2tig+e, i.e. of the
+      // permuted column with q = nt/(D/32), i = 2·(nt%(D/32)) + e. Rounded to bf16: the INT2
+      // bytes are those of the rotated BF16 form (kvpool::RotateQuantizeRowsBf16 contract).
 #pragma unroll
-      for (int nt = 0; nt < kNt; ++nt)
+      for (int nt = 0; nt < D / 8; ++nt)
 #pragma unroll
-        for (int j = 0; j < 4; ++j) x[nt][j] = __bfloat162float(__float2bfloat16_rn(x[nt][j]));
+        for (int e = 0; e < 2; ++e) {
+          const int q = nt / (D / 32), i = 2 * (nt % (D / 32)) + e;
+          x[q * kSpan + i] = PackBf162(acc[nt][e], acc[nt][2 + e]);
+        }
     } else {
 #pragma unroll
-      for (int nt = 0; nt < kNt; ++nt)
+      for (int q = 0; q < 4; ++q)
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const int row = g + 8 * r;
-          const uint32_t w = *reinterpret_cast<const uint32_t*>(xs + row * 2 * D +
-                                                                16 * (nt ^ (row & 7)) + 4 * tig);
-          x[nt][2 * r] = __uint_as_float(w << 16);
-          x[nt][2 * r + 1] = __uint_as_float(w & 0xffff0000u);
+        for (int m4 = 0; m4 < kSpan / 4; m4 += (kSpan >= 8 ? 2 : 1)) {
+          const int byte = (tig * kSpan + q * (D / 4) + 4 * m4) * 2;
+          const int c = byte >> 4, off = byte & 15;
+          const uint8_t* p0 = xs + g * kRowBytes + 16 * Swz(c, g) + off;
+          const uint8_t* p1 = xs + (g + 8) * kRowBytes + 16 * Swz(c, g + 8) + off;
+          uint32_t w[4], u[4];
+          if constexpr (kSpan >= 8) {
+            const uint4 a4 = *reinterpret_cast<const uint4*>(p0);
+            const uint4 b4 = *reinterpret_cast<const uint4*>(p1);
+            w[0] = a4.x, w[1] = a4.y, w[2] = a4.z, w[3] = a4.w;
+            u[0] = b4.x, u[1] = b4.y, u[2] = b4.z, u[3] = b4.w;
+          } else {
+            const uint2 a2 = *reinterpret_cast<const uint2*>(p0);
+            const uint2 b2 = *reinterpret_cast<const uint2*>(p1);
+            w[0] = a2.x, w[1] = a2.y, w[2] = 0, w[3] = 0;
+            u[0] = b2.x, u[1] = b2.y, u[2] = 0, u[3] = 0;
+          }
+          const int j = q * kSpan + 4 * m4;
+#pragma unroll
+          for (int e = 0; e < (kSpan >= 8 ? 4 : 2); ++e) {
+            x[j + 2 * e] = Prmt(w[e], u[e], 0x5410);
+            x[j + 2 * e + 1] = Prmt(w[e], u[e], 0x7632);
+          }
         }
     }
-    __syncwarp();  // xs is rewritten next chunk
+    __syncwarp();  // this stage is refilled by the next iteration's prefetch
 
     if constexpr (kOutBf16) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const int t = t0 + g + 8 * r;
+        const int t = tile * kTileRows + g + 8 * r;
         if (t < a.num_tokens) {
-          int page, slot;
-          DestPageSlot(a, t, &page, &slot);
-          uint8_t* dst = a.dst_base + uint64_t(page) * a.dst_stride + uint64_t(h) * bf16_chunk +
-                         uint64_t(kv) * 2 * a.page_size * D + uint64_t(slot) * 2 * D;
+          uint8_t* dst = a.dst_base + uint64_t(pg[r]) * a.dst_stride + uint64_t(h) * bf16_chunk +
+                         uint64_t(kv) * 2 * P * D + uint64_t(sl[r]) * kRowBytes;
+          const uint32_t sel = r ? 0x7632u : 0x5410u;
 #pragma unroll
-          for (int nt = 0; nt < kNt; ++nt)
-            *reinterpret_cast<uint32_t*>(dst + 2 * (8 * nt + 2 * tig)) =
-                PackBf162(x[nt][2 * r], x[nt][2 * r + 1]);
+          for (int q = 0; q < 4; ++q) {
+            uint8_t* p = dst + 2 * (tig * kSpan + q * (D / 4));
+            if constexpr (kSpan >= 8) {
+#pragma unroll
+              for (int m8 = 0; m8 < kSpan / 8; ++m8) {
+                const int j = q * kSpan + 8 * m8;
+                uint4 v;
+                v.x = Prmt(x[j + 0], x[j + 1], sel);
+                v.y = Prmt(x[j + 2], x[j + 3], sel);
+                v.z = Prmt(x[j + 4], x[j + 5], sel);
+                v.w = Prmt(x[j + 6], x[j + 7], sel);
+                *reinterpret_cast<uint4*>(p + 16 * m8) = v;
+              }
+            } else {
+              const int j = q * kSpan;
+              uint2 v;
+              v.x = Prmt(x[j + 0], x[j + 1], sel);
+              v.y = Prmt(x[j + 2], x[j + 3], sel);
+              *reinterpret_cast<uint2*>(p) = v;
+            }
+          }
         }
       }
     } else {
-      // ---- per row: finite check, clip, quantize ----
-      bool bad[2];
-      float tau[2];
-      bool done[2];
-      int remaining[2];
-      float below[2];
+      // ---- step 3: τ (rows with NaN get an arbitrary τ; they are refused below) ----
+      uint32_t tau = 0x7f807f80u;  // +inf: no clipping
+      if (need > 0) {
+        uint32_t m[kRegs];
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        bool fin = true;
-#pragma unroll
-        for (int nt = 0; nt < kNt; ++nt)
-          fin = fin && isfinite(x[nt][2 * r]) && isfinite(x[nt][2 * r + 1]);
-        int b = fin ? 0 : 1;
-        b |= __shfl_xor_sync(0xffffffffu, b, 1);
-        b |= __shfl_xor_sync(0xffffffffu, b, 2);
-        bad[r] = b != 0;
-        done[r] = bad[r] || need == 0;
-        tau[r] = INFINITY;
-        remaining[r] = need;
-        below[r] = INFINITY;
-      }
-      if (need > 0 && need <= 8) {
-        SelectTau<8, kNt>(x, need, bad, tau);
-      } else if (need > 8 && need <= 12) {
-        SelectTau<12, kNt>(x, need, bad, tau);
-      } else {
-        // Large `need` (small clip ratios): repeated max extraction with tie counts.
-        while (__any_sync(0xffffffffu, !(done[0] && done[1]))) {
-#pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            float m = -1.f;
-#pragma unroll
-            for (int nt = 0; nt < kNt; ++nt)
-#pragma unroll
-              for (int e = 0; e < 2; ++e) {
-                const float v = fabsf(x[nt][2 * r + e]);
-                m = (v < below[r]) ? fmaxf(m, v) : m;
-              }
-            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
-            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-            int cnt = 0;
-#pragma unroll
-            for (int nt = 0; nt < kNt; ++nt)
-#pragma unroll
-              for (int e = 0; e < 2; ++e) cnt += fabsf(x[nt][2 * r + e]) == m;
-            cnt += __shfl_xor_sync(0xffffffffu, cnt, 1);
-            cnt += __shfl_xor_sync(0xffffffffu, cnt, 2);
-            if (!done[r]) {
-              if (cnt >= remaining[r]) {
-                tau[r] = m;
-                done[r] = true;
-              } else {
-                remaining[r] -= cnt;
-                below[r] = m;
-              }
-            }
-          }
+        for (int j = 0; j < kRegs; ++j) m[j] = x[j] & 0x7fff7fffu;
+        if (need <= 8) {
+          tau = SelectTopK<8>(m, need);
+        } else if (need <= 16) {
+          tau = SelectTopK<16>(m, need);
+        } else {
+          tau = SelectBySearch(m, need);
         }
       }
+      bool bad[2] = {false, false};
+
+      // ---- step 4: group min/max of the clipped row, (scale16, min16), code thresholds.
+      // The clipped values clamp(x, -τ, τ) are never formed: their group min/max are the
+      // clamped raw min/max, and the codes of the raw x against adjusted thresholds equal the
+      // codes of the clipped x (see the adjustment below). ----
+      uint32_t par[2][kNG];  // {scale16, min16} per row and group
+      float mnf[2][kNG], sf[2][kNG], lof[2][kNG], hif[2][kNG];
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int t = t0 + g + 8 * r;
-        const bool live = t < a.num_tokens;
-        float thr[kNG][3];
-        uint32_t par[kNG];
+      for (int grp = 0; grp < kNG; ++grp) {
+        constexpr int kQPerGroup = 4 / kNG;
+        uint32_t lo = x[grp * kQPerGroup * kSpan], hi = lo;
 #pragma unroll
-        for (int grp = 0; grp < kNG; ++grp) {
-          float lo = INFINITY, hi = -INFINITY;
+        for (int j = grp * kQPerGroup * kSpan + 1; j < (grp + 1) * kQPerGroup * kSpan; ++j) {
+          lo = MinNanBf16x2(lo, x[j]);
+          hi = MaxNanBf16x2(hi, x[j]);
+        }
+        lo = MinNanBf16x2(lo, __shfl_xor_sync(0xffffffffu, lo, 1));
+        hi = MaxNanBf16x2(hi, __shfl_xor_sync(0xffffffffu, hi, 1));
+        lo = MinNanBf16x2(lo, __shfl_xor_sync(0xffffffffu, lo, 2));
+        hi = MaxNanBf16x2(hi, __shfl_xor_sync(0xffffffffu, hi, 2));
+        // Non-finite input (FORMAT.md §2.5): NaN propagates into both, ±inf reaches lo or hi.
 #pragma unroll
-          for (int nt = grp * (kNt / kNG); nt < (grp + 1) * (kNt / kNG); ++nt)
+        for (int r = 0; r < 2; ++r) {
+          const float l = r ? Bf16HiToFloat(lo) : Bf16LoToFloat(lo);
+          const float u = r ? Bf16HiToFloat(hi) : Bf16LoToFloat(hi);
+          if (!(isfinite(l) && isfinite(u))) bad[r] = true;
+        }
+        if (need > 0) {  // clamp is monotone; min x <= τ and max x >= -τ (τ >= some |x|)
+          lo = MaxBf16x2(lo, tau | 0x80008000u);
+          hi = MinBf16x2(hi, tau);
+        }
 #pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              const float v = fminf(fmaxf(x[nt][2 * r + e], -tau[r]), tau[r]);
-              x[nt][2 * r + e] = v;
-              lo = fminf(lo, v);
-              hi = fmaxf(hi, v);
-            }
-          lo = fminf(lo, __shfl_xor_sync(0xffffffffu, lo, 1));
-          lo = fminf(lo, __shfl_xor_sync(0xffffffffu, lo, 2));
-          hi = fmaxf(hi, __shfl_xor_sync(0xffffffffu, hi, 1));
-          hi = fmaxf(hi, __shfl_xor_sync(0xffffffffu, hi, 2));
-          lo += 0.f;  // -0 -> +0, as the CPU quantizer
-          const __half mn16 = __float2half_rd(lo);
-          const float mnf = __half2float(mn16);
+        for (int r = 0; r < 2; ++r) {
+          const float l = (r ? Bf16HiToFloat(lo) : Bf16LoToFloat(lo)) + 0.f;  // -0 -> +0
+          const float u = (r ? Bf16HiToFloat(hi) : Bf16LoToFloat(hi)) + 0.f;
+          const __half mn16 = __float2half_rd(l);
+          const float mn = __half2float(mn16);
           __half s16 = __ushort_as_half(0);
-          if (!(hi <= 65504.f) || !isfinite(mnf)) bad[r] = true;
-          if (hi != lo) {
-            s16 = __float2half_ru(__fdiv_rn(__fsub_rn(hi, mnf), 3.f));
+          if (!(u <= 65504.f) || !isfinite(mn)) bad[r] = true;
+          if (u != l) {
+            s16 = __float2half_ru(__fdiv_rn(__fsub_rn(u, mn), 3.f));
             if (!isfinite(__half2float(s16))) bad[r] = true;
           }
-          const float sf = __half2float(s16);
-          // Exact code thresholds: the smallest v with fl(fl(v - mn16) / scale16) >= j - 0.5,
-          // i.e. the CPU rule round-half-up((v - mn16)/scale16) (FORMAT.md §2.3) bit for bit,
-          // found by stepping from mn16 + (j - 0.5)·scale16 (a few ulps away at most).
-#pragma unroll
-          for (int j = 0; j < 3; ++j) {
-            float th = INFINITY;
-            if (sf > 0.f && !bad[r]) {
-              const float want = float(j) + 0.5f;
-              auto pred = [&](float v) { return __fdiv_rn(__fsub_rn(v, mnf), sf) >= want; };
-              th = __fmaf_rn(want, sf, mnf);
-              for (int it = 0; it < 16 && pred(th); ++it) th = nextafterf(th, -INFINITY);
-              for (int it = 0; it < 16 && !pred(th); ++it) th = nextafterf(th, INFINITY);
-            }
-            thr[grp][j] = th;
-          }
-          par[grp] = uint32_t(__half_as_ushort(s16)) | (uint32_t(__half_as_ushort(mn16)) << 16);
+          mnf[r][grp] = mn;
+          sf[r][grp] = __half2float(s16);
+          lof[r][grp] = l;
+          hif[r][grp] = u;
+          par[r][grp] = uint32_t(__half_as_ushort(s16)) | (uint32_t(__half_as_ushort(mn16)) << 16);
         }
-        if (!live) continue;
-        int page, slot;
-        DestPageSlot(a, t, &page, &slot);
-        uint8_t* chunk = a.dst_base + uint64_t(page) * a.dst_stride + uint64_t(h) * int2_chunk;
-        uint8_t* codes = chunk + uint64_t(kv) * a.page_size * (D / 4) + uint64_t(slot) * (D / 4);
-        uint8_t* params = chunk + 2ull * a.page_size * (D / 4) +
-                          uint64_t(kv) * a.page_size * 4 * kNG + uint64_t(slot) * 4 * kNG;
-        constexpr int kQn = D / 32;  // n-tiles per quarter
+      }
+      // Code thresholds: job = (row r, group, level j) spread over the 4 lanes of the quad.
+      constexpr int kJobs = 2 * kNG * 3;
+      constexpr int kJobRounds = (kJobs + 3) / 4;
+      uint32_t mine[kJobRounds];
 #pragma unroll
-        for (int ntq = 0; ntq < kQn; ++ntq) {
-          uint32_t bytes2 = 0;
+      for (int s = 0; s < kJobRounds; ++s) {
+        const int job = min(tig + 4 * s, kJobs - 1);
+        const int r = job / (3 * kNG), grp = (job / 3) % kNG, j = job % 3;
+        float mn = mnf[0][0], sc = sf[0][0], l = lof[0][0], u = hif[0][0];
 #pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            uint32_t byte = 0;
+        for (int rr = 0; rr < 2; ++rr)
 #pragma unroll
-            for (int k = 0; k < 4; ++k) {
-              const int nt = ntq + kQn * k;
-              const int grp = (nt * 8) / (D < 128 ? D : 128);
-              const float v = x[nt][2 * r + e];
-              const uint32_t c = uint32_t(v >= thr[grp][0]) + uint32_t(v >= thr[grp][1]) +
-                                 uint32_t(v >= thr[grp][2]);
-              byte |= c << (2 * k);
+          for (int gg = 0; gg < kNG; ++gg)
+            if (rr == r && gg == grp) {
+              mn = mnf[rr][gg];
+              sc = sf[rr][gg];
+              l = lof[rr][gg];
+              u = hif[rr][gg];
             }
-            bytes2 |= byte << (8 * e);
-          }
-          if (bad[r]) bytes2 = 0;
-          *reinterpret_cast<uint16_t*>(codes + 8 * ntq + 2 * tig) = uint16_t(bytes2);
-        }
-        if (tig == 0) {
+        const bool skip = r ? bad[1] : bad[0];
+        uint32_t th = skip ? 0x7f80u : CodeThresholdBf16(mn, sc, j);
+        // Raw x instead of clamp(x, l, u) (l, u: the clipped group min/max): a threshold
+        // <= l is passed by every clipped value (so -inf: by every x), one > u by none (+inf);
+        // for l < th <= u, an x < l fails like l and an x > u passes like u.
+        const float thf = __uint_as_float(th << 16);
+        if (l >= thf) th = 0xff80u;
+        if (u < thf) th = 0x7f80u;
+        mine[s] = th;
+      }
+      uint32_t thr[kNG][3];  // packed {row g, row g+8} bf16 thresholds
 #pragma unroll
-          for (int grp = 0; grp < kNG; ++grp)
-            reinterpret_cast<uint32_t*>(params)[grp] = bad[r] ? 0u : par[grp];
+      for (int grp = 0; grp < kNG; ++grp)
+#pragma unroll
+        for (int j = 0; j < 3; ++j) {
+          uint32_t v[2];
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            const int job = r * 3 * kNG + grp * 3 + j;
+            v[r] = __shfl_sync(0xffffffffu, mine[job / 4], (lane & ~3) | (job % 4));
+          }
+          thr[grp][j] = v[0] | (v[1] << 16);
+        }
+
+      // ---- step 5: codes (b0 = m1^m2^m3, b1 = m2 for the nested masks m1 ⊇ m2 ⊇ m3) ----
+      uint32_t accb[kSpan];
+#pragma unroll
+      for (int i = 0; i < kSpan; ++i) accb[i] = 0;
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int grp = q / (4 / kNG);
+#pragma unroll
+        for (int i = 0; i < kSpan; ++i) {
+          const uint32_t v = x[q * kSpan + i];
+          const uint32_t m1 = GeMaskBf16x2(v, thr[grp][0]);
+          const uint32_t m2 = GeMaskBf16x2(v, thr[grp][1]);
+          const uint32_t m3 = GeMaskBf16x2(v, thr[grp][2]);
+          const uint32_t b0 = Lop3Xor3(m1, m2, m3);
+          accb[i] |= (b0 & (0x00010001u << (2 * q))) | (m2 & (0x00020002u << (2 * q)));
+        }
+      }
+      const uint32_t keep0 = bad[0] ? 0u : 0xffffffffu, keep1 = bad[1] ? 0u : 0xffffffffu;
+      uint32_t row0[kSpan / 4], row1[kSpan / 4];
+#pragma unroll
+      for (int w = 0; w < kSpan / 4; ++w) {
+        const uint32_t t01 = Prmt(accb[4 * w], accb[4 * w + 1], 0x6240);
+        const uint32_t t23 = Prmt(accb[4 * w + 2], accb[4 * w + 3], 0x6240);
+        row0[w] = Prmt(t01, t23, 0x5410) & keep0;
+        row1[w] = Prmt(t01, t23, 0x7632) & keep1;
+      }
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int t = tile * kTileRows + g + 8 * r;
+        if (t >= a.num_tokens) continue;
+        uint8_t* chunk = a.dst_base + uint64_t(pg[r]) * a.dst_stride + uint64_t(h) * int2_chunk;
+        uint8_t* codes =
+            chunk + uint64_t(kv) * P * (D / 4) + uint64_t(sl[r]) * (D / 4) + tig * kSpan;
+        uint32_t rw[kSpan / 4];
+#pragma unroll
+        for (int w = 0; w < kSpan / 4; ++w) rw[w] = r ? row1[w] : row0[w];
+        if constexpr (kSpan == 4) {
+          *reinterpret_cast<uint32_t*>(codes) = rw[0];
+        } else if constexpr (kSpan == 8) {
+          *reinterpret_cast<uint2*>(codes) = make_uint2(rw[0], rw[1]);
+        } else {
+          *reinterpret_cast<uint4*>(codes) = make_uint4(rw[0], rw[1], rw[2], rw[3]);
+        }
+        // params (and the row flag) of row r: lane tig == r·kNG + grp of the quad
+        uint8_t* params =
+            chunk + 2ull * P * (D / 4) + uint64_t(kv) * P * 4 * kNG + uint64_t(sl[r]) * 4 * kNG;
+#pragma unroll
+        for (int grp = 0; grp < kNG; ++grp)
+          if (tig == r * kNG + grp)
+            reinterpret_cast<uint32_t*>(params)[grp] = bad[r] ? 0u : par[r][grp];
+        if (tig == r * kNG) {
           if (a.row_flags != nullptr)
             a.row_flags[(size_t(t) * a.num_kv_heads + h) * 2 + kv] = bad[r] ? 1 : 0;
           if (bad[r] && a.bad_rows != nullptr) atomicAdd(a.bad_rows, 1u);
         }
       }
     }
+    pg[0] = npg[0];
+    pg[1] = npg[1];
+    sl[0] = nsl[0];
+    sl[1] = nsl[1];
+    stage ^= 1;
   }
+  CpAsyncWait<0>();
 }
 
 KernelStatus WLaunchError(const char* what) {
@@ -409,17 +724,28 @@ template <int D, bool kRotate, bool kOutBf16>
 KernelStatus LaunchWrite(const WriteArgs& a, cudaStream_t stream) {
   constexpr int smem = WriteSmemBytes<D, kRotate>();
   auto kernel = KvWriteKernel<D, kRotate, kOutBf16>;
+  // Resident CTAs per SM, queried once per instantiation (function attributes and the SM
+  // count do not change within a process for one device; a different device gets the same
+  // kernel resources).
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) !=
       cudaSuccess)
     return WLaunchError("cudaFuncSetAttribute(KvWriteKernel)");
+  static const int per_sm = [&] {
+    int n = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kWThreads, smem) != cudaSuccess)
+      n = 1;
+    cudaGetLastError();
+    return std::max(n, 1);
+  }();
   int dev = 0, sms = 132;
   if (cudaGetDevice(&dev) != cudaSuccess ||
       cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
     sms = 132;
   cudaGetLastError();
-  const int nchunks = (a.num_tokens + kChunkTokens - 1) / kChunkTokens;
-  const int per_head = std::max(1, (4 * sms) / (2 * a.num_kv_heads));
-  const dim3 grid(std::min(nchunks, per_head), a.num_kv_heads, 2);
+  const int ntiles = (a.num_tokens + kTileRows - 1) / kTileRows;
+  const int ctas_for_tiles = (ntiles + kWWarps - 1) / kWWarps;
+  const int per_pair = std::max(1, (per_sm * sms) / (2 * a.num_kv_heads));
+  const dim3 grid(std::min(ctas_for_tiles, per_pair), a.num_kv_heads, 2);
   kernel<<<grid, kWThreads, smem, stream>>>(a);
   return WLaunchError("KvWriteKernel");
 }

@@ -8,6 +8,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -145,6 +146,87 @@ TEST(KvWrite, QuantizeOnlyMatchesCpuBitForBit) {
       std::printf("[quantize-only] d=%d page=%d rows=%lld mismatched=%lld\n", d, page,
                   (long long)rows, (long long)mismatched_rows);
       EXPECT_EQ(mismatched_rows, 0) << "d=" << d << " page=" << page;
+      EXPECT_EQ(Download<uint32_t>(bad.get(), 1)[0], 0u);
+    }
+  }
+}
+
+// Every clip-threshold path of the kernel (no clipping; the top-8 and top-16 sorting paths;
+// the bitwise count search for larger `need`) on rows full of exact ties (few distinct values,
+// many equal magnitudes of both signs), all-equal rows and all-zero rows: bit-identical to the
+// CPU quantizer, since the selection is exact on the multiset.
+TEST(KvWrite, QuantizeOnlyClipRatiosAndTiesMatchCpu) {
+  SKIP_WITHOUT_GPU();
+  // (clip_k, clip_v): need = d - clamp(floor(ratio*d), 0, d-1) covers 0, 1, <= 8, <= 16, > 16.
+  const std::pair<float, float> ratios[] = {
+      {0.f, 1.f}, {0.97f, 0.875f}, {0.5f, 0.9f}, {0.25f, 0.999f}};
+  for (int d : {64, 128, 256}) {
+    for (const auto& [rk, rv] : ratios) {
+      const int n = 203, H = 2, page = 16;
+      WriteSetup s = MakeSetup(n, H, d, page, 3000 + d + int(rk * 100) + int(rv * 1000));
+      std::mt19937_64 rng(4000 + d);
+      std::uniform_int_distribution<int> pick(-3, 3), kind(0, 9);
+      for (int t = 0; t < n; ++t)
+        for (int h = 0; h < H; ++h)
+          for (int kv = 0; kv < 2; ++kv) {
+            uint16_t* row = (kv ? s.v.data() : s.k.data()) + (size_t(t) * H + h) * d;
+            const int k = kind(rng);
+            if (k < 5) {  // ties: 7 distinct values, scaled
+              const double sc = k == 0 ? 1e-3 : (k == 1 ? 37.0 : 1.0);
+              for (int j = 0; j < d; ++j) row[j] = ToBf16(pick(rng) * sc);
+            } else if (k == 5) {  // all equal
+              for (int j = 0; j < d; ++j) row[j] = ToBf16(-1.5);
+            } else if (k == 6) {  // all zero (some -0)
+              for (int j = 0; j < d; ++j) row[j] = (j % 3) ? 0x0000 : 0x8000;
+            }  // else: the random row of MakeSetup
+          }
+      const BlockGeometry geo{1, uint32_t(H), uint32_t(d), uint32_t(page)};
+      DeviceBuffer dk, dv, dp, ds, flags(size_t(n) * H * 2), bad(4);
+      Upload(dk, s.k);
+      Upload(dv, s.v);
+      Upload(dp, s.dst_page);
+      Upload(ds, s.dst_slot);
+      DeviceBuffer pool(size_t(s.num_pages) * geo.Int2LayerBytes());
+      cudaMemset(pool.get(), 0xa5, pool.bytes());
+      cudaMemset(flags.get(), 0x77, flags.bytes());
+      cudaMemset(bad.get(), 0, 4);
+      KvWriteParams p;
+      p.num_tokens = n;
+      p.num_kv_heads = H;
+      p.head_dim = d;
+      p.page_size = page;
+      p.k = dk.as<uint16_t>();
+      p.v = dv.as<uint16_t>();
+      p.dst_page = dp.as<int32_t>();
+      p.dst_slot = ds.as<int32_t>();
+      p.dst = {pool.get(), geo.Int2LayerBytes()};
+      p.clip_ratio_k = rk;
+      p.clip_ratio_v = rv;
+      p.row_flags = flags.as<uint8_t>();
+      p.bad_rows = bad.as<uint32_t>();
+      KernelStatus st = LaunchQuantizeWrite(p, nullptr);
+      ASSERT_TRUE(st.ok()) << st.message;
+      KVPOOL_CUDA_OK(cudaDeviceSynchronize());
+      auto host = Download<uint8_t>(pool.get(), pool.bytes());
+      auto fl = Download<uint8_t>(flags.get(), flags.bytes());
+      int64_t mismatched = 0;
+      for (int t = 0; t < n; ++t)
+        for (int h = 0; h < H; ++h)
+          for (int kv = 0; kv < 2; ++kv) {
+            const uint16_t* src = (kv ? s.v.data() : s.k.data()) + (size_t(t) * H + h) * d;
+            std::vector<float> x(d);
+            for (int j = 0; j < d; ++j) x[j] = Bf16ToFp32(src[j]);
+            std::vector<uint8_t> codes;
+            std::vector<uint16_t> params;
+            RowQuantStatus rs;
+            CpuQuantRow(x, kv ? rv : rk, &codes, &params, &rs);
+            const Int2Row g = ReadInt2Row(host, geo, s.dst_page[t], s.dst_slot[t], h, kv);
+            if (g.codes != codes || g.params != params) ++mismatched;
+            EXPECT_EQ(fl[(size_t(t) * H + h) * 2 + kv], rs == RowQuantStatus::kOk ? 0 : 1);
+          }
+      std::printf("[quantize-ratios] d=%d clip_k=%.3f clip_v=%.3f mismatched rows=%lld/%d\n", d, rk,
+                  rv, (long long)mismatched, n * H * 2);
+      EXPECT_EQ(mismatched, 0) << "d=" << d << " clip_k=" << rk << " clip_v=" << rv;
       EXPECT_EQ(Download<uint32_t>(bad.get(), 1)[0], 0u);
     }
   }
