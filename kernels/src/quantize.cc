@@ -266,8 +266,16 @@ absl::Status QuantizeRowsBf16(const uint16_t* x, uint64_t n, uint32_t d, float r
   QuantizeRowsResult local;
   float row[kMaxHeadDim];
   for (uint64_t r = 0; r < n; ++r) {
-    WidenBf16(x + r * d, d, row, use);
-    RowQuantStatus s = QuantizeRow(row, d, ratio, codes + r * (d / 4), params + r * 2 * ng, use);
+    RowQuantStatus s;
+    if (use == KernelIsa::kAvx2) {
+      // bf16-native statistics (no widened copy unless the row needs an error report)
+      s = internal::QuantizeRowBf16Avx2(x + r * d, d, ratio, codes + r * (d / 4),
+                                        params + r * 2 * ng);
+      if (s != RowQuantStatus::kOk) WidenBf16(x + r * d, d, row, use);
+    } else {
+      WidenBf16(x + r * d, d, row, use);
+      s = QuantizeRow(row, d, ratio, codes + r * (d / 4), params + r * 2 * ng, use);
+    }
     if (s == RowQuantStatus::kNonFinite) return NonFiniteError(row, r, d);
     if (s == RowQuantStatus::kFp16Overflow) RecordOverflow(row, d, r, local);
   }
@@ -373,7 +381,6 @@ absl::Status RotateQuantizeRowsBf16(const uint16_t* x, uint64_t n, uint32_t d,
     uint16_t* dst = rotated_bf16 ? rotated_bf16 + r0 * d : rb;
     if (use == KernelIsa::kAvx2) {
       internal::Fp32ToBf16RowsAvx2(rot, nr * d, dst);
-      internal::Bf16ToFp32RowsAvx2(dst, nr * d, rot);
     } else {
       for (uint64_t i = 0; i < nr * d; ++i) {
         dst[i] = Fp32ToBf16(rot[i]);
@@ -382,8 +389,15 @@ absl::Status RotateQuantizeRowsBf16(const uint16_t* x, uint64_t n, uint32_t d,
     }
     for (uint64_t k = 0; k < nr; ++k) {
       const uint64_t r = r0 + k;
-      const float* row = rot + k * d;
-      RowQuantStatus s = QuantizeRow(row, d, ratio, codes + r * (d / 4), params + r * 2 * ng, use);
+      float* row = rot + k * d;
+      RowQuantStatus s;
+      if (use == KernelIsa::kAvx2) {
+        s = internal::QuantizeRowBf16Avx2(dst + k * d, d, ratio, codes + r * (d / 4),
+                                          params + r * 2 * ng);
+        if (s != RowQuantStatus::kOk) internal::Bf16ToFp32RowsAvx2(dst + k * d, d, row);
+      } else {
+        s = QuantizeRow(row, d, ratio, codes + r * (d / 4), params + r * 2 * ng, use);
+      }
       if (s == RowQuantStatus::kNonFinite) {
         // Name the input element when the input itself is bad, else the rotated one.
         std::vector<float> in(d);

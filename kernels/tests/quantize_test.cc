@@ -298,6 +298,56 @@ TEST(QuantizeTest, Avx2CodesAtLevelBoundariesEqualScalar) {
   EXPECT_GT(rows, 4000u);
 }
 
+// The bf16-native AVX2 path (16-bit-lane statistics) against the scalar path on bf16 rows of
+// every shape and ratio, including tie-heavy and adversarial layouts, overflow and NaN/Inf.
+TEST(QuantizeTest, Bf16RowsAvx2BitIdenticalToScalar) {
+  if (!CpuHasAvx2()) GTEST_SKIP() << "CPU without AVX2/FMA/F16C: only the scalar path exists";
+  std::mt19937 rng(4242);
+  uint64_t rows = 0;
+  for (uint32_t d : {8u, 16u, 32u, 64u, 128u, 256u, 512u, 1024u}) {
+    const uint32_t ng = d / std::min(d, 128u);
+    for (float ratio : {0.0f, 0.96f, 0.92f, 0.5f, 1.0f, 0.05f, 0.999f}) {
+      for (int kind = 0; kind < 15; ++kind) {
+        const uint64_t n = 5;
+        std::vector<uint16_t> x(n * d);
+        for (uint64_t r = 0; r < n; ++r) {
+          const auto row = kind < 7 ? RandomRow(rng, d, kind) : SelectionRow(rng, d, kind - 7);
+          for (uint32_t j = 0; j < d; ++j) x[r * d + j] = Fp32ToBf16(row[j]);
+        }
+        if (kind == 4) x[2 * d + 3] = Fp32ToBf16(70000.0f);  // fp16 overflow unless clipped
+        std::vector<uint8_t> c1(n * d / 4), c2(n * d / 4);
+        std::vector<uint16_t> p1(n * 2 * ng), p2(n * 2 * ng);
+        QuantizeRowsResult r1, r2;
+        ASSERT_TRUE(
+            QuantizeRowsBf16(x.data(), n, d, ratio, c1.data(), p1.data(), &r1, KernelIsa::kScalar)
+                .ok());
+        ASSERT_TRUE(
+            QuantizeRowsBf16(x.data(), n, d, ratio, c2.data(), p2.data(), &r2, KernelIsa::kAvx2)
+                .ok());
+        ASSERT_EQ(c1, c2) << d << " " << ratio << " " << kind;
+        ASSERT_EQ(p1, p2) << d << " " << ratio << " " << kind;
+        ASSERT_EQ(r1.overflow_rows, r2.overflow_rows);
+        ASSERT_EQ(r1.overflow_groups, r2.overflow_groups);
+        ++rows;
+      }
+      // NaN / ±inf: the same refusal and message from both paths
+      for (uint16_t bad : {uint16_t{0x7fc0}, uint16_t{0x7f80}, uint16_t{0xff80}}) {
+        std::vector<uint16_t> x(2 * d, Fp32ToBf16(0.5f));
+        x[d + d / 2] = bad;
+        std::vector<uint8_t> c(2 * d / 4);
+        std::vector<uint16_t> p(2 * 2 * ng);
+        const absl::Status s1 = QuantizeRowsBf16(x.data(), 2, d, ratio, c.data(), p.data(), nullptr,
+                                                 KernelIsa::kScalar);
+        const absl::Status s2 =
+            QuantizeRowsBf16(x.data(), 2, d, ratio, c.data(), p.data(), nullptr, KernelIsa::kAvx2);
+        ASSERT_EQ(s1.code(), absl::StatusCode::kInvalidArgument);
+        ASSERT_EQ(s1, s2);
+      }
+    }
+  }
+  EXPECT_EQ(rows, 8u * 7 * 15);
+}
+
 TEST(QuantizeTest, DequantAvx2BitIdenticalToScalar) {
   if (!CpuHasAvx2()) GTEST_SKIP() << "CPU without AVX2/FMA/F16C: only the scalar path exists";
   std::mt19937 rng(31);
