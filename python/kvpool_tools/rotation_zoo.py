@@ -1,10 +1,35 @@
 """Convert OSCAR RotationZoo ``.pt`` rotation files to kvpool rotation files (FORMAT.md §4).
 
-A RotationZoo file is a ``torch.save`` pickle of
-``{format_version, objective, source_grouping, layers: {layer_id: {rotation, eigenvalues}}}``
-(``rotation`` [d, d] for format_version 1, [H_kv, d, d] for 2). A layer entry may also hold
-separate key and value rotations as ``{"k": {...}, "v": {...}}`` (or ``"key"``/``"value"``);
-otherwise give the key file and the value file separately.
+Layout of the published files, checked against the OSCAR reference code (FutureMLS-Lab/OSCAR;
+read for understanding only, nothing copied):
+
+* ``rotation/compute_kv_rotation.py`` (offline fitter; functions ``empty_result`` /
+  ``add_layer`` and the save at the end of ``main``) and
+  ``python/sglang/srt/mem_cache/oscar_calibration.py`` (online calibrator,
+  ``_checkpoint_state``) write ONE FILE PER KIND: keys ``k_rotation_qqt_r_h_pbr.pt`` and values
+  ``v_rotation_sst_r_h_pbr.pt`` (names fixed in ``oscar_rotation_paths.py``; the published zoo
+  is ``rotation/OSCAR-RotationZoo/<model>/<setting>/{k_rotation_qqt_r_h_pbr,
+  v_rotation_sst_r_h_pbr}.pt``). Each is a ``torch.save`` dict
+  ``{"format_version": 1, "objective": "<target>_<composition>", "source_grouping": "layer",
+  ["calibration": {...},] "layers": {layer_id: {"layer_id": layer_id, "rotation": R,
+  "eigenvalues": λ}}}``; the objective names the target (``qqt`` = query-weighted key target,
+  ``sst`` = attention-weighted value target, ``ktk``/``vtv``, ``hadamard``, ``uresidual``) and
+  the composition in matrix-product order (``r_h_pbr`` = U·H·P_br, the default).
+* ``rotation`` is float32 ``[d, d]`` (per layer) or ``[H_kv, d, d]`` (per KV head); the
+  runtime loader (``load_oscar_rotations``) branches on the tensor's rank, not on
+  ``format_version``, so this converter does the same. ``eigenvalues`` is float32 ``[d]``
+  straight from ``torch.linalg.eigh`` (ascending; all ones for ``hadamard``).
+* R is stored as is and applied to rows on the right: ``k_rot = k @ R_k``, queries
+  ``q @ R_k``, the attention output rotated back with ``o @ R_vᵀ``
+  (``python/sglang/QuantKernel/oscar_rotate_rows.py``) — the same convention as FORMAT.md §1,
+  so no transpose is needed.
+* Layer ids are GLOBAL layer ids (int keys): contiguous 0..L−1 for dense models, sparse for
+  hybrid ones (only the full-attention layers, e.g. 3, 7, 11, …). kvpool files index layers
+  0..L−1: sparse ids are refused unless ``--renumber-layers`` maps them in ascending order
+  (metadata ``source_layer_ids`` keeps the originals).
+
+A layer entry may also hold both kinds as ``{"k": {...}, "v": {...}}`` (or ``"key"`` /
+``"value"``); otherwise give the key file and the value file separately.
 
 torch is NOT needed: a ``.pt`` written by ``torch.save`` (zip format, torch >= 1.6) is a zip
 holding ``<prefix>/data.pkl`` (a pickle whose tensors are persistent ids
@@ -17,10 +42,13 @@ Output: safetensors with tensors ``layers.{i}.{k,v}.rotation`` and ``layers.{i}.
 (F32) and ``__metadata__`` exactly as the C++ writer (kernels/src/rotation_file.cc) lays it out:
 JSON keys sorted, compact separators, header padded with spaces to 8 bytes, tensors in name
 order — so the same rotations give the same bytes (and the same rotation id) from either side.
+Rotations whose orthogonality error max|R·Rᵀ − I| exceeds 1e-4 are refused (the C++ reader
+refuses them too).
 
 Usage (from build/venv)::
 
-    python -m kvpool_tools.rotation_zoo --keys K.pt --values V.pt --out rot.safetensors \\
+    python -m kvpool_tools.rotation_zoo --keys k_rotation_qqt_r_h_pbr.pt \\
+        --values v_rotation_sst_r_h_pbr.pt --out rot.safetensors \\
         --model-name qwen3-8b --num-kv-heads 8
 """
 from __future__ import annotations
@@ -180,88 +208,169 @@ def _kind_entry(layer: Dict[str, Any], kind: str) -> Optional[Dict[str, Any]]:
     return None
 
 
+# OSCAR composition names (factors in matrix-product order) -> kvpool metadata notation.
+_COMPOSITIONS = {
+    "r_h_pbr": "U*H*P_br", "plain": "U", "pbr": "P_br", "br": "U*P_br", "br_h128": "U*P_br*H",
+    "r_h": "U*H", "h_pbr": "H*P_br", "h_r_pbr": "H*U*P_br", "h_pbr_r": "H*P_br*U",
+}
+_TARGETS = ("qqt", "sst", "ktk", "vtv")
+ORTHOGONALITY_LIMIT = 1e-4  # as the C++ reader (kernels/src/rotation_file.cc)
+
+
+def _objective_and_composition(k_obj: str, v_obj: str) -> Tuple[str, str]:
+    """kvpool (objective, composition) metadata from the two files' OSCAR objective strings."""
+    def split(o: str) -> Tuple[str, str]:
+        if o in ("oscar", "hadamard", "identity", "uresidual"):
+            return o, {"oscar": "U*H*P_br", "hadamard": "H", "identity": "I",
+                       "uresidual": "U_e*Pi*U^T"}[o]
+        target, _, comp = o.partition("_")
+        if target in _TARGETS and comp:
+            return target, _COMPOSITIONS.get(comp, comp)
+        return o, o
+
+    (kt, kc), (vt, vc) = split(k_obj), split(v_obj)
+    if kc != vc:
+        raise ConversionError(f"keys and values use different compositions ({k_obj!r} vs "
+                              f"{v_obj!r})")
+    if (kt, vt) == ("qqt", "sst"):
+        return "oscar", kc  # the paper's targets: query-weighted keys, attention-weighted values
+    if kt == vt:
+        return kt, kc
+    return f"k:{k_obj},v:{v_obj}", kc
+
+
+def _layer_map(obj: Dict[str, Any], name: str) -> Dict[int, Any]:
+    out: Dict[int, Any] = {}
+    for key, entry in obj["layers"].items():
+        try:
+            lid = int(key)
+        except (TypeError, ValueError):
+            raise ConversionError(f"{name} file: layer key {key!r} is not an integer") from None
+        if lid in out:
+            raise ConversionError(f"{name} file: layer {lid} appears twice")
+        if not isinstance(entry, dict):
+            raise ConversionError(f"{name} file: layer {lid} is not a dict")
+        if "layer_id" in entry and int(entry["layer_id"]) != lid:
+            raise ConversionError(f"{name} file: layer key {lid} holds layer_id "
+                                  f"{entry['layer_id']}")
+        out[lid] = entry
+    return out
+
+
 def convert(keys_obj: Dict[str, Any], values_obj: Optional[Dict[str, Any]], *, model_name: str,
             num_kv_heads: Optional[int], clip_k: float = 0.96, clip_v: float = 0.92,
-            source_hash: str = "") -> bytes:
-    """Builds the kvpool rotation file bytes from loaded RotationZoo objects."""
+            source_hash: str = "", renumber_layers: bool = False) -> bytes:
+    """Builds the kvpool rotation file bytes from loaded RotationZoo objects.
+
+    keys_obj / values_obj: the loaded ``.pt`` dicts (values_obj None when keys_obj holds both
+    kinds per layer). Per-layer vs per-head comes from the rotation tensors' rank. Raises
+    ConversionError naming the layer, kind and problem for any malformed input.
+    """
     for name, obj in (("keys", keys_obj), ("values", values_obj)):
         if obj is None:
             continue
-        if not isinstance(obj, dict) or "layers" not in obj:
-            raise ConversionError(f"{name} file: expected a dict with 'layers'")
-    version = int(keys_obj.get("format_version", 1))
-    if version not in (1, 2):
-        raise ConversionError(f"format_version {version} is not 1 or 2")
-    if values_obj is not None and int(values_obj.get("format_version", 1)) != version:
-        raise ConversionError("keys and values files have different format_version")
-    layers_k = keys_obj["layers"]
-    layer_ids = sorted(int(i) for i in layers_k)
-    if layer_ids != list(range(len(layer_ids))):
-        raise ConversionError(f"layer ids must be 0..L-1, got {layer_ids}")
+        if not isinstance(obj, dict) or not isinstance(obj.get("layers"), dict):
+            raise ConversionError(f"{name} file: expected a dict with a 'layers' dict")
+        fv = int(obj.get("format_version", 1))
+        if fv not in (1, 2):
+            raise ConversionError(f"{name} file: format_version {fv} is not 1 or 2")
+    layers_k = _layer_map(keys_obj, "keys")
+    layers_v = _layer_map(values_obj, "values") if values_obj is not None else None
+    src_ids = sorted(layers_k)
+    if not src_ids:
+        raise ConversionError("keys file: no layers")
+    if layers_v is not None and sorted(layers_v) != src_ids:
+        raise ConversionError(f"keys file has layers {src_ids}, values file "
+                              f"{sorted(layers_v)}")
+    if src_ids != list(range(len(src_ids))) and not renumber_layers:
+        raise ConversionError(
+            f"layer ids {src_ids} are not 0..{len(src_ids) - 1} (global ids of a hybrid "
+            "model's attention layers?): pass --renumber-layers to store them as 0..L-1 in "
+            "ascending order")
     tensors: Dict[str, np.ndarray] = {}
     d = None
     heads = None
-    for i in layer_ids:
-        lk = layers_k.get(i, layers_k.get(str(i)))
+    ndim = None
+    for i, lid in enumerate(src_ids):
+        lk = layers_k[lid]
         for kind in ("k", "v"):
             entry = _kind_entry(lk, kind)
             if entry is None:
-                if values_obj is None:
+                if layers_v is None:
                     raise ConversionError(
-                        f"layer {i} has no '{kind}' entry: give --values for the value rotations")
-                src = keys_obj if kind == "k" else values_obj
-                lay = src["layers"].get(i, src["layers"].get(str(i)))
-                if lay is None:
-                    raise ConversionError(f"layer {i} missing from the {kind} file")
-                entry = lay
+                        f"layer {lid} has no '{kind}' entry: give --values for the value rotations")
+                entry = lk if kind == "k" else layers_v[lid]
+            if "rotation" not in entry:
+                raise ConversionError(f"layer {lid} {kind}: no 'rotation' tensor")
             r = np.asarray(entry["rotation"], dtype=np.float64)
             e = entry.get("eigenvalues")
-            want_nd = 2 if version == 1 else 3
-            if r.ndim != want_nd or r.shape[-1] != r.shape[-2]:
-                raise ConversionError(f"layer {i} {kind} rotation has shape {r.shape}, expected "
-                                      f"{'[d, d]' if version == 1 else '[H_kv, d, d]'}")
+            if r.ndim not in (2, 3) or r.shape[-1] != r.shape[-2]:
+                raise ConversionError(f"layer {lid} {kind} rotation has shape {r.shape}, expected "
+                                      "[d, d] or [H_kv, d, d]")
+            if ndim is None:
+                ndim = r.ndim
+            if r.ndim != ndim:
+                raise ConversionError(f"layer {lid} {kind}: per-layer and per-head rotations mixed "
+                                      f"(rank {r.ndim} after rank {ndim})")
             if d is None:
                 d = r.shape[-1]
             if r.shape[-1] != d:
-                raise ConversionError(f"layer {i} {kind}: head_dim {r.shape[-1]} != {d}")
+                raise ConversionError(f"layer {lid} {kind}: head_dim {r.shape[-1]} != {d}")
             if d < 8 or d & (d - 1):
                 raise ConversionError(f"head_dim {d} is not a power of two >= 8")
-            if version == 2:
+            if r.ndim == 3:
                 if heads is None:
                     heads = r.shape[0]
                 if r.shape[0] != heads:
-                    raise ConversionError(f"layer {i} {kind}: {r.shape[0]} heads != {heads}")
+                    raise ConversionError(f"layer {lid} {kind}: {r.shape[0]} heads != {heads}")
             if not np.all(np.isfinite(r)):
-                raise ConversionError(f"layer {i} {kind} rotation has non-finite values")
-            tensors[f"layers.{i}.{kind}.rotation"] = r.astype(np.float32)
+                raise ConversionError(f"layer {lid} {kind} rotation has non-finite values")
+            r32 = r.astype(np.float32)
+            err = float(np.max(np.abs(np.matmul(r32.astype(np.float64),
+                                                np.swapaxes(r32, -1, -2).astype(np.float64))
+                                      - np.eye(d))))
+            if err > ORTHOGONALITY_LIMIT:
+                raise ConversionError(f"layer {lid} {kind} rotation is not orthogonal: "
+                                      f"max|R*R^T - I| = {err:.3g} > {ORTHOGONALITY_LIMIT}")
+            tensors[f"layers.{i}.{kind}.rotation"] = r32
             if e is not None:
                 e = np.asarray(e, dtype=np.float32)
                 if e.shape != r.shape[:-1]:
-                    raise ConversionError(f"layer {i} {kind} eigenvalues shape {e.shape} != "
+                    raise ConversionError(f"layer {lid} {kind} eigenvalues shape {e.shape} != "
                                           f"{r.shape[:-1]}")
                 tensors[f"layers.{i}.{kind}.eigenvalues"] = e
     has_eig = [n for n in tensors if n.endswith("eigenvalues")]
-    if has_eig and len(has_eig) != 2 * len(layer_ids):
+    if has_eig and len(has_eig) != 2 * len(src_ids):
         raise ConversionError("eigenvalues must be present for every layer and kind, or none")
+    version = 2 if ndim == 3 else 1
+    for name, obj in (("keys", keys_obj), ("values", values_obj)):
+        if obj is not None and int(obj.get("format_version", version)) == 2 and version == 1:
+            raise ConversionError(f"{name} file says format_version 2 (per head) but its "
+                                  "rotations are [d, d]")
     if version == 2:
         if num_kv_heads is not None and num_kv_heads != heads:
             raise ConversionError(f"--num-kv-heads {num_kv_heads} != the file's {heads} heads")
         num_kv_heads = heads
     if num_kv_heads is None or num_kv_heads < 1:
         raise ConversionError("--num-kv-heads is required for per-layer (format_version 1) files")
+    k_obj = str(keys_obj.get("objective", "oscar"))
+    v_obj = str(values_obj.get("objective", k_obj)) if values_obj is not None else k_obj
+    objective, composition = _objective_and_composition(k_obj, v_obj)
     meta = {
         "format": FORMAT_NAME,
         "format_version": str(version),
-        "objective": str(keys_obj.get("objective", "oscar")),
-        "composition": "U*H*P_br",
+        "objective": objective,
+        "composition": composition,
         "model_name": model_name,
         "head_dim": str(d),
-        "num_layers": str(len(layer_ids)),
+        "num_layers": str(len(src_ids)),
         "num_kv_heads": str(num_kv_heads),
         "clip_ratio_k": _f32_str(clip_k),
         "clip_ratio_v": _f32_str(clip_v),
         "source_hash": source_hash,
     }
+    if src_ids != list(range(len(src_ids))):
+        meta["source_layer_ids"] = ",".join(str(i) for i in src_ids)
     return write_safetensors(tensors, meta)
 
 
@@ -274,6 +383,8 @@ def main(argv=None) -> int:
     p.add_argument("--num-kv-heads", type=int, help="required for format_version 1 files")
     p.add_argument("--clip-k", type=float, default=0.96)
     p.add_argument("--clip-v", type=float, default=0.92)
+    p.add_argument("--renumber-layers", action="store_true",
+                   help="store sparse global layer ids (hybrid models) as 0..L-1, ascending")
     a = p.parse_args(argv)
     try:
         kb = open(a.keys, "rb").read()
@@ -281,7 +392,7 @@ def main(argv=None) -> int:
         src = hashlib.sha256(kb + (vb or b"")).hexdigest()
         out = convert(load_pt(kb), load_pt(vb) if vb else None, model_name=a.model_name,
                       num_kv_heads=a.num_kv_heads, clip_k=a.clip_k, clip_v=a.clip_v,
-                      source_hash="sha256:" + src)
+                      source_hash="sha256:" + src, renumber_layers=a.renumber_layers)
     except (OSError, ConversionError, pickle.UnpicklingError) as e:
         print(f"rotation_zoo: {e}", file=sys.stderr)
         return 2
