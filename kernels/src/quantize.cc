@@ -265,17 +265,30 @@ absl::Status QuantizeRowsBf16(const uint16_t* x, uint64_t n, uint32_t d, float r
   const uint32_t ng = d / std::min<uint32_t>(d, 128);
   QuantizeRowsResult local;
   float row[kMaxHeadDim];
-  for (uint64_t r = 0; r < n; ++r) {
-    RowQuantStatus s;
-    if (use == KernelIsa::kAvx2) {
-      // bf16-native statistics (no widened copy unless the row needs an error report)
-      s = internal::QuantizeRowBf16Avx2(x + r * d, d, ratio, codes + r * (d / 4),
-                                        params + r * 2 * ng);
-      if (s != RowQuantStatus::kOk) WidenBf16(x + r * d, d, row, use);
-    } else {
-      WidenBf16(x + r * d, d, row, use);
-      s = QuantizeRow(row, d, ratio, codes + r * (d / 4), params + r * 2 * ng, use);
+  if (use == KernelIsa::kAvx2) {
+    // bf16-native statistics, a few rows at a time (no widened copy unless a row needs an
+    // error report)
+    constexpr uint64_t kBlock = 64;
+    RowQuantStatus st[kBlock];
+    for (uint64_t r0 = 0; r0 < n; r0 += kBlock) {
+      const uint64_t nb = std::min(kBlock, n - r0);
+      internal::QuantizeRowsBf16Avx2(x + r0 * d, static_cast<uint32_t>(nb), d, ratio,
+                                     codes + r0 * (d / 4), params + r0 * 2 * ng, st);
+      for (uint64_t i = 0; i < nb; ++i) {
+        if (st[i] == RowQuantStatus::kOk) continue;
+        const uint64_t r = r0 + i;
+        WidenBf16(x + r * d, d, row, use);
+        if (st[i] == RowQuantStatus::kNonFinite) return NonFiniteError(row, r, d);
+        RecordOverflow(row, d, r, local);
+      }
     }
+    if (result) *result = local;
+    return absl::OkStatus();
+  }
+  for (uint64_t r = 0; r < n; ++r) {
+    WidenBf16(x + r * d, d, row, use);
+    const RowQuantStatus s =
+        QuantizeRow(row, d, ratio, codes + r * (d / 4), params + r * 2 * ng, use);
     if (s == RowQuantStatus::kNonFinite) return NonFiniteError(row, r, d);
     if (s == RowQuantStatus::kFp16Overflow) RecordOverflow(row, d, r, local);
   }
@@ -387,13 +400,17 @@ absl::Status RotateQuantizeRowsBf16(const uint16_t* x, uint64_t n, uint32_t d,
         rot[i] = Bf16ToFp32(dst[i]);
       }
     }
+    RowQuantStatus st[kTile * 128 / 8];  // tile <= kTile·128/d rows, d >= 8
+    if (use == KernelIsa::kAvx2) {
+      internal::QuantizeRowsBf16Avx2(dst, static_cast<uint32_t>(nr), d, ratio, codes + r0 * (d / 4),
+                                     params + r0 * 2 * ng, st);
+    }
     for (uint64_t k = 0; k < nr; ++k) {
       const uint64_t r = r0 + k;
       float* row = rot + k * d;
       RowQuantStatus s;
       if (use == KernelIsa::kAvx2) {
-        s = internal::QuantizeRowBf16Avx2(dst + k * d, d, ratio, codes + r * (d / 4),
-                                          params + r * 2 * ng);
+        s = st[k];
         if (s != RowQuantStatus::kOk) internal::Bf16ToFp32RowsAvx2(dst + k * d, d, row);
       } else {
         s = QuantizeRow(row, d, ratio, codes + r * (d / 4), params + r * 2 * ng, use);

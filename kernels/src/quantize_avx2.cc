@@ -492,29 +492,59 @@ RowQuantStatus QuantizeRowAvx2(const float* x, uint32_t d, float ratio, uint8_t*
   return EncodeRow(F32Row{x}, d, tau, raw_mn, raw_mx, codes, params);
 }
 
-RowQuantStatus QuantizeRowBf16Avx2(const uint16_t* x, uint32_t d, float ratio, uint8_t* codes,
-                                   uint16_t* params) {
-  if (d < 32) {
-    float wide[32];
-    for (uint32_t j = 0; j < d; ++j) wide[j] = Bf16ToFp32(x[j]);
-    return QuantizeRowScalar(wide, d, ratio, codes, params);
-  }
+namespace {
+
+// Up to kBf16Batch rows: statistics and τ of every row first, then the encodings, so the
+// out-of-order core overlaps one row's latency chain (selection -> fp16 parameters ->
+// thresholds) with the next row's work (~15% faster than row by row at d = 128).
+template <int M>
+void BatchBf16(const uint16_t* x, uint32_t n, uint32_t d, uint32_t k, uint8_t* codes,
+               uint16_t* params, RowQuantStatus* status) {
   const uint32_t G = d < 128 ? d : 128;
+  const uint32_t ng = d / G;
+  alignas(32) float mn[kBf16Batch][kMaxHeadDim / 8], mx[kBf16Batch][kMaxHeadDim / 8];
+  float tau[kBf16Batch];
+  bool finite[kBf16Batch];
+  for (uint32_t i = 0; i < n; ++i) {
+    finite[i] = StatsAndTauBf16<M>(x + i * d, d, G, k, mn[i], mx[i], &tau[i]);
+  }
+  for (uint32_t i = 0; i < n; ++i) {
+    uint8_t* c = codes + i * (d / 4);
+    uint16_t* p = params + i * 2 * ng;
+    status[i] = finite[i] ? EncodeRow(Bf16Row{x + i * d}, d, tau[i], mn[i], mx[i], c, p)
+                          : Fail(RowQuantStatus::kNonFinite, d, c, p);
+  }
+}
+
+}  // namespace
+
+void QuantizeRowsBf16Avx2(const uint16_t* x, uint32_t n, uint32_t d, float ratio, uint8_t* codes,
+                          uint16_t* params, RowQuantStatus* status) {
+  const uint32_t ng = d / (d < 128 ? d : 128);
+  if (d < 32) {
+    for (uint32_t i = 0; i < n; ++i) {
+      float wide[32];
+      for (uint32_t j = 0; j < d; ++j) wide[j] = Bf16ToFp32(x[i * d + j]);
+      status[i] = QuantizeRowScalar(wide, d, ratio, codes + i * (d / 4), params + i * 2 * ng);
+    }
+    return;
+  }
   const uint32_t k = ratio > 0.0f ? d - ClipIndex(ratio, d) : 0;
-  alignas(32) float raw_mn[kMaxHeadDim / 8], raw_mx[kMaxHeadDim / 8];
-  float tau = INFINITY;
   // 16 lanes: k = 6 (K at d = 128) falls back for ~5% of Gaussian rows with M = 3, k = 11 (V)
   // for ~3% with M = 4 (simulated); larger k use the exact selection directly.
-  bool finite;
-  if (k == 0 || k > 32) {
-    finite = StatsAndTauBf16<1>(x, d, G, k, raw_mn, raw_mx, &tau);
-  } else if (k <= 8) {
-    finite = StatsAndTauBf16<3>(x, d, G, k, raw_mn, raw_mx, &tau);
-  } else {
-    finite = StatsAndTauBf16<4>(x, d, G, k, raw_mn, raw_mx, &tau);
+  for (uint32_t r = 0; r < n; r += kBf16Batch) {
+    const uint32_t nb = n - r < kBf16Batch ? n - r : kBf16Batch;
+    const uint16_t* xr = x + static_cast<uint64_t>(r) * d;
+    uint8_t* c = codes + static_cast<uint64_t>(r) * (d / 4);
+    uint16_t* p = params + static_cast<uint64_t>(r) * 2 * ng;
+    if (k == 0 || k > 32) {
+      BatchBf16<1>(xr, nb, d, k, c, p, status + r);
+    } else if (k <= 8) {
+      BatchBf16<3>(xr, nb, d, k, c, p, status + r);
+    } else {
+      BatchBf16<4>(xr, nb, d, k, c, p, status + r);
+    }
   }
-  if (!finite) return Fail(RowQuantStatus::kNonFinite, d, codes, params);
-  return EncodeRow(Bf16Row{x}, d, tau, raw_mn, raw_mx, codes, params);
 }
 
 namespace {
@@ -649,11 +679,14 @@ RowQuantStatus QuantizeRowAvx2(const float* x, uint32_t d, float ratio, uint8_t*
                                uint16_t* params) {
   return QuantizeRowScalar(x, d, ratio, codes, params);
 }
-RowQuantStatus QuantizeRowBf16Avx2(const uint16_t* x, uint32_t d, float ratio, uint8_t* codes,
-                                   uint16_t* params) {
-  float wide[kMaxHeadDim];
-  for (uint32_t j = 0; j < d; ++j) wide[j] = Bf16ToFp32(x[j]);
-  return QuantizeRowScalar(wide, d, ratio, codes, params);
+void QuantizeRowsBf16Avx2(const uint16_t* x, uint32_t n, uint32_t d, float ratio, uint8_t* codes,
+                          uint16_t* params, RowQuantStatus* status) {
+  const uint32_t ng = d / (d < 128 ? d : 128);
+  for (uint32_t i = 0; i < n; ++i) {
+    float wide[kMaxHeadDim];
+    for (uint32_t j = 0; j < d; ++j) wide[j] = Bf16ToFp32(x[i * d + j]);
+    status[i] = QuantizeRowScalar(wide, d, ratio, codes + i * (d / 4), params + i * 2 * ng);
+  }
 }
 void RotateRowsAvx2(const float* x, uint64_t n, uint32_t d, const float* r, float* out) {
   RotateRowsScalar(x, n, d, r, out);

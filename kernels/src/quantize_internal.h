@@ -23,9 +23,12 @@ void RotateRowsScalar(const float* x, uint64_t n, uint32_t d, const float* rotat
 float ClipThresholdAvx2(const float* x, uint32_t d, float ratio);
 RowQuantStatus QuantizeRowAvx2(const float* x, uint32_t d, float ratio, uint8_t* codes,
                                uint16_t* params);
-// The same for a row of bf16 bit patterns (widened exactly; statistics on 16-bit lanes).
-RowQuantStatus QuantizeRowBf16Avx2(const uint16_t* x, uint32_t d, float ratio, uint8_t* codes,
-                                   uint16_t* params);
+// The same for n consecutive rows of bf16 bit patterns (widened exactly; statistics on
+// 16-bit lanes; rows interleaved in batches of kBf16Batch): x [n][d], codes [n][d/4], params
+// [n][2·d/G], status [n] out (one per row, as QuantizeRowAvx2 returns).
+inline constexpr uint32_t kBf16Batch = 4;
+void QuantizeRowsBf16Avx2(const uint16_t* x, uint32_t n, uint32_t d, float ratio, uint8_t* codes,
+                          uint16_t* params, RowQuantStatus* status);
 void RotateRowsAvx2(const float* x, uint64_t n, uint32_t d, const float* rotation, float* out);
 void DequantizeRowsAvx2(const uint8_t* codes, const uint16_t* params, uint64_t n, uint32_t d,
                         float* out);
