@@ -7,7 +7,10 @@ client, commit throughput, lookup p99 with 16 clients), then runs ucx_perftest (
 ucp_get) with the same UCX_TLS and message sizes, and prints a table with the ratio
 kvpool / ucx_perftest. Results go to bench/results/pool_bench_<tls>.json.
 
-    bench/pool_bench.py --build build [--tls tcp --tls posix,cma] [--iters 50]
+    bench/pool_bench.py --build build [--tls tcp --tls posix,cma] [--iters 50] [--repeat 3]
+
+Each transport is measured --repeat times (a fresh server each time, ucx_perftest after each
+pool_bench run) and the medians are reported: on a shared machine single runs are noisy.
 
 Standard library only. Exit codes: 0 ok, 1 usage, 2 runtime error.
 """
@@ -21,6 +24,7 @@ import socket
 import subprocess
 import sys
 import time
+from statistics import median
 
 SIZES_KIB = [16, 64, 256, 1024, 4096]
 
@@ -31,10 +35,10 @@ def free_port():
         return s.getsockname()[1]
 
 
-def start_server(build, tls, capacity):
+def start_server(build, tls, capacity, extra):
     cmd = [os.path.join(build, "bin", "kvpool-server"), "--listen", "127.0.0.1:0",
            "--metrics-port", "-1", "--ucx-tls", tls, "--capacity", capacity,
-           "--drain-ms", "0"]
+           "--drain-ms", "0"] + list(extra)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     ready, _, _ = select.select([proc.stdout], [], [], 30)
     line = proc.stdout.readline() if ready else ""
@@ -67,10 +71,6 @@ def perftest(tls, test, size, iters, warmup):
     raise RuntimeError(f"ucx_perftest {test} {size}: no Final line:\n{out}")
 
 
-def get_bw_of(t):
-    return t["perftest"]["ucp_get_gbps"] * 1e9
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--build", default="build", help="build directory (bin/ holds the binaries)")
@@ -79,6 +79,11 @@ def main():
     ap.add_argument("--perftest-iters", type=int, default=200, help="ucx_perftest iterations")
     ap.add_argument("--capacity", default="1GiB", help="kvpool-server --capacity")
     ap.add_argument("--results", default=os.path.join(os.path.dirname(__file__), "results"))
+    ap.add_argument("--repeat", type=int, default=3,
+                    help="runs of pool_bench and ucx_perftest per transport; medians reported")
+    ap.add_argument("--server-flag", action="append",
+                    help="extra kvpool-server flag (repeatable), e.g. --server-flag=--transfer-"
+                         "initiator=client")
     args = ap.parse_args()
     # Loopback only for kvpool and ucx_perftest alike (UCX's tcp would add an eth0 lane).
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
@@ -90,48 +95,71 @@ def main():
             return 1
     os.makedirs(args.results, exist_ok=True)
     for tls in tls_list:
-        server, port = start_server(args.build, tls, args.capacity)
         json_path = os.path.join(args.results, f"pool_bench_{tls.replace(',', '_')}.json")
-        try:
-            r = subprocess.run([bench_bin, "--server", f"127.0.0.1:{port}", "--ucx-tls", tls,
-                                "--iters", str(args.iters), "--json", json_path],
-                               capture_output=True, text=True, timeout=1200)
-        finally:
-            server.kill()
-            server.wait()
-        if r.returncode != 0:
-            print(r.stdout, r.stderr, sep="\n", file=sys.stderr)
-            return 2
-        with open(json_path) as f:
-            res = json.load(f)
-        rows = []
-        for t in res["transfers"]:
-            size = t["bytes"]
-            put_bw, put_lat = perftest(tls, "ucp_put_bw", size, args.perftest_iters, 10)
-            get_bw, get_lat = perftest(tls, "ucp_get", size, args.perftest_iters, 10)
-            t["perftest"] = {"ucp_put_bw_gbps": put_bw / 1e9, "ucp_put_bw_p50_us": put_lat,
-                             "ucp_get_gbps": get_bw / 1e9, "ucp_get_p50_us": get_lat}
-            t["put_ratio"] = t["put_gbps"] * 1e9 / put_bw
-            t["fetch_ratio"] = t["fetch_gbps"] * 1e9 / get_bw
-            rows.append(t)
+        runs = []
+        for rep in range(args.repeat):
+            server, port = start_server(args.build, tls, args.capacity, args.server_flag or [])
+            rep_path = json_path + f".rep{rep}"
+            try:
+                r = subprocess.run([bench_bin, "--server", f"127.0.0.1:{port}", "--ucx-tls", tls,
+                                    "--iters", str(args.iters), "--json", rep_path],
+                                   capture_output=True, text=True, timeout=1200)
+            finally:
+                server.kill()
+                server.wait()
+            if r.returncode != 0:
+                print(r.stdout, r.stderr, sep="\n", file=sys.stderr)
+                return 2
+            with open(rep_path) as f:
+                res = json.load(f)
+            os.remove(rep_path)
+            for t in res["transfers"]:
+                size = t["bytes"]
+                put_bw, put_lat = perftest(tls, "ucp_put_bw", size, args.perftest_iters, 10)
+                get_bw, get_lat = perftest(tls, "ucp_get", size, args.perftest_iters, 10)
+                t["perftest"] = {"ucp_put_bw_gbps": put_bw / 1e9, "ucp_put_bw_p50_us": put_lat,
+                                 "ucp_get_gbps": get_bw / 1e9, "ucp_get_p50_us": get_lat}
+            runs.append(res)
+        # Medians over the repeats, metric by metric (kvpool and ucx_perftest alike); each
+        # repeat is kept under "repeats".
+        res = json.loads(json.dumps(runs[0]))
+        for i, t in enumerate(res["transfers"]):
+            for k, v in t.items():
+                if isinstance(v, float):
+                    t[k] = median([r["transfers"][i][k] for r in runs])
+            for k in t["perftest"]:
+                t["perftest"][k] = median([r["transfers"][i]["perftest"][k] for r in runs])
+            t["put_ratio"] = t["put_gbps"] / t["perftest"]["ucp_put_bw_gbps"]
+            t["fetch_ratio"] = t["fetch_gbps"] / t["perftest"]["ucp_get_gbps"]
+        for sect in ("commit", "lookup"):
+            for k, v in res[sect].items():
+                if isinstance(v, float):
+                    res[sect][k] = median([r[sect][k] for r in runs])
+        res["repeats"] = runs
+        res["repeat_count"] = args.repeat
+        res["statistic"] = "median over repeats (each repeat: mean bandwidth, p50/p99 latency)"
         res["perftest_iters"] = args.perftest_iters
         res["python"] = platform.python_version()
         res["load_average_1m_at_end"] = os.getloadavg()[0]
         with open(json_path, "w") as f:
             json.dump(res, f, indent=2)
-        print(f"\n== UCX_TLS={tls} (kvpool-server on 127.0.0.1:{port}; load average "
-              f"{res.get('load_average_1m_at_start', 0):.1f} → {res['load_average_1m_at_end']:.1f} "
-              f"on {res['hardware_threads']} hardware threads) ==")
+        loads = [r.get("load_average_1m_at_start", 0) for r in runs]
+        print(f"\n== UCX_TLS={tls}: median of {args.repeat} runs (load average at the starts "
+              f"{', '.join(f'{x:.1f}' for x in loads)}, at the end "
+              f"{res['load_average_1m_at_end']:.1f}, on {res['hardware_threads']} hardware "
+              f"threads; transfers initiated by the "
+              f"{'pool' if res['transfers'][0].get('pool_initiated') else 'client'}) ==")
         print(f"{'size':>9} | {'put GB/s':>9} {'perftest':>9} {'ratio':>6} "
               f"{'p50 us':>8} {'p99 us':>8} | {'fetch GB/s':>10} {'perftest':>9} {'ratio':>6} "
               f"{'p50 us':>8} {'p99 us':>8} | {'raw get':>8} {'ratio':>6}")
-        for t in rows:
+        for t in res["transfers"]:
             p = t["perftest"]
+            raw = (f"{t['raw_get_gbps']:8.3f} {t['raw_get_gbps'] / p['ucp_get_gbps']:6.2f}"
+                   if "raw_get_gbps" in t else f"{'-':>8} {'-':>6}")
             print(f"{t['bytes'] // 1024:>5} KiB | {t['put_gbps']:9.3f} {p['ucp_put_bw_gbps']:9.3f} "
                   f"{t['put_ratio']:6.2f} {t['put_p50_us']:8.1f} {t['put_p99_us']:8.1f} | "
                   f"{t['fetch_gbps']:10.3f} {p['ucp_get_gbps']:9.3f} {t['fetch_ratio']:6.2f} "
-                  f"{t['fetch_p50_us']:8.1f} {t['fetch_p99_us']:8.1f} | "
-                  f"{t['raw_get_gbps']:8.3f} {t['raw_get_gbps'] * 1e9 / get_bw_of(t):6.2f}")
+                  f"{t['fetch_p50_us']:8.1f} {t['fetch_p99_us']:8.1f} | {raw}")
         c = res["commit"]
         print(f"commit (rotate + INT2 quantize on the pool, {c['blocks']} blocks): "
               f"{c['gbps']:.3f} GB/s of BF16 input, p50 {c['p50_ms']:.1f} ms")

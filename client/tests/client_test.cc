@@ -125,7 +125,8 @@ class ClientTest : public ::testing::TestWithParam<std::string> {
     o.listen = absl::StrCat("127.0.0.1:", port);
     o.metrics_port = -1;
     o.capacity_bytes = 16 << 20;
-    o.ucx_tls = GetParam();
+    o.ucx_tls = Tls();
+    o.transfer_initiator = Initiator();
     o.tick_interval = absl::Milliseconds(20);
     auto s = kvstore::PoolServer::Create(o);
     ASSERT_TRUE(s.ok()) << s.status();
@@ -136,7 +137,7 @@ class ClientTest : public ::testing::TestWithParam<std::string> {
   std::unique_ptr<Client> NewClient(bool check_finite = true) {
     ClientOptions o;
     o.server = absl::StrCat("127.0.0.1:", port_);
-    o.ucx_tls = GetParam();
+    o.ucx_tls = Tls();
     o.default_timeout = absl::Seconds(20);
     o.check_finite = check_finite;
     auto c = Client::Create(o);
@@ -168,6 +169,14 @@ class ClientTest : public ::testing::TestWithParam<std::string> {
       p->plan.int2_pages.push_back(i);
     }
     return p;
+  }
+
+  // Parameter "TLS" or "TLS/INITIATOR": the UCX transports, and who initiates RMA transfers
+  // (the server's transfer_initiator; default auto = pool over tcp, client over shared memory).
+  std::string Tls() const { return GetParam().substr(0, GetParam().find('/')); }
+  std::string Initiator() const {
+    const size_t slash = GetParam().find('/');
+    return slash == std::string::npos ? "auto" : GetParam().substr(slash + 1);
   }
 
   std::unique_ptr<kvstore::PoolServer> server_;
@@ -451,10 +460,12 @@ TEST_P(ClientTest, PoolRestartGivesUnavailableThenWorksAgain) {
   EXPECT_TRUE(c->Release(*lease2).ok());
 }
 
-INSTANTIATE_TEST_SUITE_P(Ucx, ClientTest, ::testing::Values("tcp", "posix,cma"),
+INSTANTIATE_TEST_SUITE_P(Ucx, ClientTest,
+                         ::testing::Values("tcp", "posix,cma", "tcp/client", "posix,cma/pool"),
                          [](const auto& info) {
                            std::string n = info.param;
                            std::replace(n.begin(), n.end(), ',', '_');
+                           std::replace(n.begin(), n.end(), '/', '_');
                            return n;
                          });
 

@@ -19,6 +19,7 @@
 #include "kvpool/common/keys.h"
 #include "kvpool/kvstore/encoder.h"
 #include "kvpool/kvstore/server.h"
+#include "kvpool/transport/fake_transport.h"
 #include "kvpool/v1/pool.grpc.pb.h"
 #include "test_util.h"
 
@@ -416,6 +417,161 @@ TEST_F(ServiceTest, SixteenConcurrentClientsByteExact) {
   EXPECT_EQ(s.leases, 0u);
   EXPECT_EQ(s.open_puts, 0u);
   EXPECT_EQ(s.staging_bytes, 0u);
+}
+
+// Pool-initiated transfers through a server built on an injected in-process transport
+// (FakeFabric): WritePut pulls staging bytes from the client's region, ReadLeased pushes leased
+// forms into it; malformed requests are refused naming the field; a pool that does not
+// initiate refuses both calls.
+TEST(PoolInitiatedTest, WritePutAndReadLeasedOverAFakeFabric) {
+  transport::FakeFabric fabric;  // outlives the server and the client transport
+  PoolServerOptions o;
+  o.listen = "127.0.0.1:0";
+  o.metrics_port = -1;
+  o.capacity_bytes = 4 << 20;
+  o.transfer_initiator = "pool";
+  o.transport_factory = [&fabric]() -> absl::StatusOr<std::unique_ptr<transport::Transport>> {
+    return fabric.CreateTransport("pool");
+  };
+  auto server = PoolServer::Create(o);
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto stub = pb::KvPool::NewStub(grpc::CreateChannel(
+      absl::StrCat("127.0.0.1:", (*server)->grpc_port()), grpc::InsecureChannelCredentials()));
+  auto ctx = [] {
+    auto c = std::make_unique<grpc::ClientContext>();
+    c->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    return c;
+  };
+  const ModelSpec spec = testing::TinySpec();
+  pb::RegisterModelResponse reg;
+  ASSERT_TRUE(stub->RegisterModel(ctx().get(), RegisterRequest(spec), &reg).ok());
+  EXPECT_TRUE(reg.pool_initiates_transfers());
+  EXPECT_TRUE(reg.ucx_listen_address().empty());
+
+  // The client's side: its own transport on the fabric and one region holding 6 blocks.
+  std::unique_ptr<transport::Transport> client = fabric.CreateTransport("client");
+  auto region = client->AllocateMemory(6 * 512);
+  ASSERT_TRUE(region.ok()) << region.status();
+  const std::vector<uint32_t> tokens = testing::Tokens(3, 24);  // 6 full blocks
+  pb::BeginPutRequest bp;
+  bp.set_namespace_id(reg.namespace_id());
+  for (uint32_t t : tokens) bp.add_token_ids(t);
+  bp.set_num_blocks(6);
+  pb::BeginPutResponse put;
+  ASSERT_TRUE(stub->BeginPut(ctx().get(), bp, &put).ok());
+  ASSERT_EQ(put.blocks_size(), 6);
+  pb::WritePutRequest wp;
+  wp.set_namespace_id(reg.namespace_id());
+  wp.set_put_id(put.put_id());
+  wp.set_client_worker_address(client->WorkerAddress());
+  wp.set_source_rkey((*region)->packed_rkey());
+  pb::CommitPutRequest cp;
+  cp.set_namespace_id(reg.namespace_id());
+  cp.set_put_id(put.put_id());
+  for (const pb::PutBlock& b : put.blocks()) {
+    auto bytes = testing::BlockBytes(spec.geometry, 3, b.index());
+    std::memcpy((*region)->data() + b.index() * 512, bytes.data(), bytes.size());
+    // Two pieces per block (as two layers would be), the second first.
+    for (uint64_t off : {uint64_t{256}, uint64_t{0}}) {
+      pb::PutSource* src = wp.add_sources();
+      src->set_index(b.index());
+      src->set_offset(off);
+      src->set_length(256);
+      src->set_source_addr((*region)->address() + b.index() * 512 + off);
+    }
+    auto* c = cp.add_checksums();
+    c->set_index(b.index());
+    c->set_xxh3(Xxh3(bytes.data(), bytes.size()));
+  }
+  // Malformed requests name the field and write nothing.
+  auto refused = [&](pb::WritePutRequest bad, const std::string& field) {
+    pb::WritePutResponse r;
+    grpc::Status st = stub->WritePut(ctx().get(), bad, &r);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << field;
+    EXPECT_NE(st.error_message().find(field), std::string::npos) << st.error_message();
+  };
+  pb::WritePutRequest bad = wp;
+  bad.mutable_sources(0)->set_index(9);
+  refused(bad, "sources[0].index");
+  bad = wp;
+  bad.mutable_sources(0)->set_length(257);  // offset 256 + 257 > 512
+  refused(bad, "sources[0].length");
+  bad = wp;
+  bad.set_client_worker_address("garbage");
+  refused(bad, "client_worker_address");
+  pb::WritePutResponse written;
+  grpc::Status st = stub->WritePut(ctx().get(), wp, &written);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  EXPECT_EQ(written.bytes_written(), 6u * 512);
+  pb::CommitPutResponse committed;
+  st = stub->CommitPut(ctx().get(), cp, &committed);
+  ASSERT_TRUE(st.ok()) << st.error_message();  // the checksums match the pulled bytes
+
+  // ReadLeased: every held form into a fresh client region; a form the lease does not hold is
+  // NOT_FOUND and nothing is written for it.
+  pb::AcquireRequest ar;
+  ar.set_namespace_id(reg.namespace_id());
+  for (uint32_t t : tokens) ar.add_token_ids(t);
+  pb::AcquireResponse lease;
+  ASSERT_TRUE(stub->Acquire(ctx().get(), ar, &lease).ok());
+  ASSERT_EQ(lease.num_blocks(), 6u);
+  auto dest = client->AllocateMemory(64 << 10);
+  ASSERT_TRUE(dest.ok());
+  pb::ReadLeasedRequest rl;
+  rl.set_lease_id(lease.lease_id());
+  rl.set_client_worker_address(client->WorkerAddress());
+  uint64_t at = 0;
+  std::vector<std::pair<uint64_t, const pb::FormLocation*>> placed;
+  for (const pb::LeasedBlock& b : lease.blocks()) {
+    for (const pb::FormLocation& f : b.forms()) {
+      pb::LeasedRead* r = rl.add_reads();
+      r->set_remote_addr(f.remote_addr());
+      r->set_size(f.size());
+      r->set_dest_addr((*dest)->address() + at);
+      r->set_dest_rkey((*dest)->packed_rkey());
+      placed.emplace_back(at, &f);
+      at += f.size();
+    }
+  }
+  pb::LeasedRead* stray = rl.add_reads();
+  stray->set_remote_addr(lease.blocks(0).forms(0).remote_addr() + 64);
+  stray->set_size(64);
+  stray->set_dest_addr((*dest)->address() + at);
+  stray->set_dest_rkey((*dest)->packed_rkey());
+  std::memset((*dest)->data(), 0xEE, (*dest)->size());
+  pb::ReadLeasedResponse read;
+  st = stub->ReadLeased(ctx().get(), rl, &read);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  ASSERT_EQ(read.results_size(), rl.reads_size());
+  for (size_t i = 0; i < placed.size(); ++i) {
+    EXPECT_EQ(read.results(static_cast<int>(i)).code(), 0) << read.results(i).message();
+    EXPECT_EQ(Xxh3((*dest)->data() + placed[i].first, placed[i].second->size()),
+              placed[i].second->xxh3());
+  }
+  EXPECT_EQ(read.results(rl.reads_size() - 1).code(), int(grpc::StatusCode::NOT_FOUND));
+  EXPECT_EQ((*dest)->data()[at], 0xEE);
+  pb::ReleaseRequest rel;
+  rel.set_lease_id(lease.lease_id());
+  pb::ReleaseResponse released;
+  ASSERT_TRUE(stub->Release(ctx().get(), rel, &released).ok());
+  // An expired (released) lease: the whole call is NOT_FOUND.
+  EXPECT_EQ(stub->ReadLeased(ctx().get(), rl, &read).error_code(), grpc::StatusCode::NOT_FOUND);
+  (*server)->Shutdown(absl::Seconds(1));
+}
+
+TEST_F(ServiceTest, PoolInitiatedCallsNeedAPoolThatInitiates) {
+  pb::RegisterModelResponse reg;
+  ASSERT_TRUE(stub_->RegisterModel(Ctx().get(), RegisterRequest(testing::TinySpec()), &reg).ok());
+  EXPECT_FALSE(reg.pool_initiates_transfers());  // data_plane none
+  pb::WritePutRequest wp;
+  wp.set_namespace_id(reg.namespace_id());
+  pb::WritePutResponse wr;
+  EXPECT_EQ(stub_->WritePut(Ctx().get(), wp, &wr).error_code(),
+            grpc::StatusCode::FAILED_PRECONDITION);
+  pb::ReadLeasedRequest rl;
+  pb::ReadLeasedResponse rr;
+  EXPECT_EQ(stub_->ReadLeased(Ctx().get(), rl, &rr).error_code(),
+            grpc::StatusCode::FAILED_PRECONDITION);
 }
 
 TEST_F(ServiceTest, ReflectionListsTheServices) {

@@ -8,6 +8,7 @@
 #include "kvpool/transport/ucx_transport.h"
 
 #include <poll.h>
+#include <sched.h>
 #include <sys/eventfd.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -449,7 +450,13 @@ void UcxCore::Loop() {
       last_activity = absl::Now();
       continue;
     }
-    if (!inflight_.empty() || absl::Now() - last_activity < options_.busy_poll) continue;
+    if (!inflight_.empty() || absl::Now() - last_activity < options_.busy_poll) {
+      // Keep polling, but let other runnable threads (the caller waiting for this transfer,
+      // the peer's threads on a shared host) have the core: on an oversubscribed machine a
+      // tight spin delays exactly the work it waits for.
+      sched_yield();
+      continue;
+    }
     ucs_status_t st = ucp_worker_arm(w);
     if (st == UCS_ERR_BUSY) continue;
     pollfd fds[2] = {{worker_->event_fd(), POLLIN, 0}, {wake_fd_, POLLIN, 0}};
