@@ -44,8 +44,12 @@ namespace kvpool::cuda {
 namespace detail {
 namespace {
 
-constexpr int kWWarps = 4;
-constexpr int kWThreads = 32 * kWWarps;
+// Warps per CTA: 8 for the rotating kernels at d <= 128 (they share one Rᵀ in shared memory,
+// so 2 CTAs give 16 warps per SM), else 4.
+template <int D, bool kRotate>
+__host__ __device__ constexpr int WarpsPerCta() {
+  return kRotate && D <= 128 ? 8 : 4;
+}
 constexpr int kTileRows = 16;
 constexpr int kStages = 2;
 
@@ -308,18 +312,18 @@ __device__ __forceinline__ int Swz(int chunk, int row) {
 
 template <int D, bool kRotate>
 constexpr int WriteSmemBytes() {
-  return (kRotate ? D * D * 2 : 0) + kWWarps * kStages * kTileRows * 2 * D;
+  return (kRotate ? D * D * 2 : 0) + WarpsPerCta<D, kRotate>() * kStages * kTileRows * 2 * D;
 }
 
-// CTAs per SM the register budget is sized for (the rotating kernels hold Rᵀ in shared memory,
-// so at most 3 of them fit per SM anyway).
+// CTAs per SM the register budget is sized for (quantize: 5 x 4 warps; rotating: 2 x 8 warps,
+// which shared memory allows anyway).
 template <int D, bool kRotate>
 constexpr int MinBlocks() {
-  return D >= 256 ? 1 : kRotate ? 3 : 4;
+  return D >= 256 ? 1 : kRotate ? 2 : 5;
 }
 
 template <int D, bool kRotate, bool kOutBf16>
-__global__ void __launch_bounds__(kWThreads, MinBlocks<D, kRotate>())
+__global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate>(), MinBlocks<D, kRotate>())
     KvWriteKernel(const WriteArgs a) {
   constexpr int kRegs = D / 4;   // packed registers per lane
   constexpr int kSpan = D / 16;  // columns per quarter per lane (= code bytes per row)
@@ -327,6 +331,9 @@ __global__ void __launch_bounds__(kWThreads, MinBlocks<D, kRotate>())
   constexpr int kRowBytes = 2 * D;
   constexpr int kChunks = D / 8;  // 16-byte chunks per row
   constexpr int kStageBytes = kTileRows * kRowBytes;
+  constexpr int kWarps = WarpsPerCta<D, kRotate>();
+  constexpr int kThreads = 32 * kWarps;
+  static_assert(32 * kRegs * 4 == kStageBytes, "a stage holds the warp's packed registers");
   extern __shared__ __align__(128) uint8_t smem[];
   const int h = blockIdx.y, kv = blockIdx.z;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -336,7 +343,7 @@ __global__ void __launch_bounds__(kWThreads, MinBlocks<D, kRotate>())
 
   if constexpr (kRotate) {
     const float* r = (kv ? a.rot_v : a.rot_k) + h * a.rot_head_stride;
-    for (int idx = threadIdx.x; idx < D * D; idx += kWThreads) {
+    for (int idx = threadIdx.x; idx < D * D; idx += kThreads) {
       const int k = idx / D, col = idx % D;  // R[k][col]
       // col = tig'·D/16 + q·D/4 + i  ->  MMA column n = 8·(q·D/32 + i/2) + 2·tig' + i%2
       const int q = col / (D / 4), rem = col % (D / 4);
@@ -361,8 +368,8 @@ __global__ void __launch_bounds__(kWThreads, MinBlocks<D, kRotate>())
   const uint64_t int2_chunk = uint64_t(P) * (D / 2 + 8 * kNG);
   const uint64_t bf16_chunk = 4ull * P * D;
   const int ntiles = (a.num_tokens + kTileRows - 1) / kTileRows;
-  const int first = blockIdx.x * kWWarps + warp;
-  const int stride = gridDim.x * kWWarps;
+  const int first = blockIdx.x * kWarps + warp;
+  const int stride = gridDim.x * kWarps;
   const uint8_t* tok_src =
       reinterpret_cast<const uint8_t*>((kv ? a.src_v : a.src_k)) + uint64_t(h) * kRowBytes;
   const uint64_t tok_row_bytes = uint64_t(a.token_stride) * 2;
@@ -504,7 +511,7 @@ __global__ void __launch_bounds__(kWThreads, MinBlocks<D, kRotate>())
           }
         }
     }
-    __syncwarp();  // this stage is refilled by the next iteration's prefetch
+    __syncwarp();  // every lane has read its rows: the stage may be reused (parking, prefetch)
 
     if constexpr (kOutBf16) {
 #pragma unroll
@@ -540,17 +547,32 @@ __global__ void __launch_bounds__(kWThreads, MinBlocks<D, kRotate>())
       }
     } else {
       // ---- step 3: τ (rows with NaN get an arbitrary τ; they are refused below) ----
+      // The packed row values wait in this tile's (already consumed) stage while the sorting
+      // networks run, which keeps the register count low enough for 5 CTAs per SM: lane L
+      // owns bytes [L·4·kRegs, (L+1)·4·kRegs), its 16-byte pieces rotated by L (no bank
+      // conflicts).
+      uint8_t* park = ring + stage * kStageBytes + lane * (4 * kRegs);
+      auto park_at = [&](int c) { return park + 16 * ((c + lane) & (kRegs / 4 - 1)); };
       uint32_t tau = 0x7f807f80u;  // +inf: no clipping
       if (need > 0) {
         uint32_t m[kRegs];
 #pragma unroll
         for (int j = 0; j < kRegs; ++j) m[j] = x[j] & 0x7fff7fffu;
+#pragma unroll
+        for (int c = 0; c < kRegs / 4; ++c)
+          *reinterpret_cast<uint4*>(park_at(c)) =
+              make_uint4(x[4 * c], x[4 * c + 1], x[4 * c + 2], x[4 * c + 3]);
         if (need <= 8) {
           tau = SelectTopK<8>(m, need);
         } else if (need <= 16) {
           tau = SelectTopK<16>(m, need);
         } else {
           tau = SelectBySearch(m, need);
+        }
+#pragma unroll
+        for (int c = 0; c < kRegs / 4; ++c) {
+          const uint4 v = *reinterpret_cast<const uint4*>(park_at(c));
+          x[4 * c] = v.x, x[4 * c + 1] = v.y, x[4 * c + 2] = v.z, x[4 * c + 3] = v.w;
         }
       }
       bool bad[2] = {false, false};
@@ -704,6 +726,7 @@ __global__ void __launch_bounds__(kWThreads, MinBlocks<D, kRotate>())
         }
       }
     }
+    __syncwarp();  // this stage (and its parked values) is refilled by the next prefetch
     pg[0] = npg[0];
     pg[1] = npg[1];
     sl[0] = nsl[0];
@@ -723,6 +746,7 @@ KernelStatus WLaunchError(const char* what) {
 template <int D, bool kRotate, bool kOutBf16>
 KernelStatus LaunchWrite(const WriteArgs& a, cudaStream_t stream) {
   constexpr int smem = WriteSmemBytes<D, kRotate>();
+  constexpr int threads = 32 * WarpsPerCta<D, kRotate>();
   auto kernel = KvWriteKernel<D, kRotate, kOutBf16>;
   // Resident CTAs per SM, queried once per instantiation (function attributes and the SM
   // count do not change within a process for one device; a different device gets the same
@@ -732,7 +756,7 @@ KernelStatus LaunchWrite(const WriteArgs& a, cudaStream_t stream) {
     return WLaunchError("cudaFuncSetAttribute(KvWriteKernel)");
   static const int per_sm = [&] {
     int n = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kWThreads, smem) != cudaSuccess)
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem) != cudaSuccess)
       n = 1;
     cudaGetLastError();
     return std::max(n, 1);
@@ -743,10 +767,10 @@ KernelStatus LaunchWrite(const WriteArgs& a, cudaStream_t stream) {
     sms = 132;
   cudaGetLastError();
   const int ntiles = (a.num_tokens + kTileRows - 1) / kTileRows;
-  const int ctas_for_tiles = (ntiles + kWWarps - 1) / kWWarps;
+  const int ctas_for_tiles = (ntiles + threads / 32 - 1) / (threads / 32);
   const int per_pair = std::max(1, (per_sm * sms) / (2 * a.num_kv_heads));
   const dim3 grid(std::min(ctas_for_tiles, per_pair), a.num_kv_heads, 2);
-  kernel<<<grid, kWThreads, smem, stream>>>(a);
+  kernel<<<grid, threads, smem, stream>>>(a);
   return WLaunchError("KvWriteKernel");
 }
 
