@@ -7,7 +7,7 @@
 #     quick: B 1, 32 x 4K, 32K and B 8 x 128K (32q/8kv, d128, page 16), plus the same launcher
 #            without programmatic dependent launch (KVPOOL_DECODE_PDL=0) at B 32 x 32K
 #     grid:  the PERF.md grid the issue asks for: B {1, 8, 32, 128} x {4K, 32K, 128K} for
-#            32q/8kv page 16, page 64 and the 64q/8kv and 32q/4kv rows at B 32 x 32K
+#            32q/8kv page 16, and 32q/8kv, 64q/8kv, 32q/4kv at B 32 x 32K for pages 16 and 64
 #     full:  every shape of PERF.md (long)
 # TEST_FILTER (gtest filter) and SKIP_TESTS=1 control the tests; SANITIZE=1 adds memcheck.
 set -u
@@ -34,7 +34,7 @@ run_pair() {  # name, bench args...   (SDPA for the same shapes first, then ours
   shift
   echo "== $name" | tee -a "$LOG"
   PYTHONUNBUFFERED=1 $SDPA --out "$OUT/sdpa_$name.json" $(echo "$@" | sed -E 's/--page-sizes [0-9,]+//; s/--skip-write//') \
-    2>>"$OUT/sdpa_log.txt"
+    2>>"$LOG"
   "$B" "$@" --skip-write --sdpa-json "$OUT/sdpa_$name.json" --json "$OUT/cuda_decode_bench_$name.json" 2>&1 | tee -a "$LOG"
 }
 case "$MODE" in
@@ -49,8 +49,9 @@ case "$MODE" in
     ;;
   grid)
     run_pair grid --batches 1,8,32,128 --contexts 4096,32768,131072 --gqa 32:8 --page-sizes 16
-    run_pair grid_p64_gqa --batches 32 --contexts 32768 --gqa 32:8,64:8,32:4 --page-sizes 64
-    run_pair grid_gqa --batches 32 --contexts 32768 --gqa 64:8,32:4 --page-sizes 16
+    run_pair gqa_p64 --batches 32 --contexts 32768 --gqa 32:8,64:8,32:4 --page-sizes 16,64
+    echo "== without PDL" | tee -a "$LOG"
+    KVPOOL_DECODE_PDL=0 "$B" --batches 1,32 --contexts 32768 --gqa 32:8 --page-sizes 16 --skip-write 2>&1 | tee -a "$LOG"
     ;;
   full)
     run_pair full

@@ -1229,7 +1229,8 @@ __global__ void __launch_bounds__(kRotThreads)
         for (int e = 0; e < 4; ++e) acc[e] = qs[j][h0 + e];
       }
     } else {
-#pragma unroll 16
+      // All loads of the slice are issued before the FMAs (R comes from DRAM the first time).
+#pragma unroll 64
       for (int i = part; i < D; i += kParts) {
         const float rij = __ldg(r + size_t(i) * D + j);
         const float4 qv = *reinterpret_cast<const float4*>(&qs[i][h0]);
@@ -1264,8 +1265,10 @@ __global__ void __launch_bounds__(kMergeThreads)
     MergeKernel(const float* __restrict__ part_o, const float* __restrict__ part_lse, int s_total,
                 const float* __restrict__ rv, int64_t r_head_stride, int num_q_heads, int group,
                 uint16_t* __restrict__ out, float* __restrict__ lse_out) {
-  __shared__ float os[16][D];
+  __shared__ __align__(16) float os[D][16];  // merged outputs, [i][head]
   const int kvh = blockIdx.x, b = blockIdx.y;
+  for (int idx = threadIdx.x; idx < 16 * D; idx += kMergeThreads) os[idx / 16][idx % 16] = 0.f;
+  __syncthreads();
   PdlWait();  // partials of the decode kernels
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const size_t row0 = size_t(b) * num_q_heads + size_t(kvh) * group;
@@ -1301,45 +1304,54 @@ __global__ void __launch_bounds__(kMergeThreads)
       }
     }
 #pragma unroll
-    for (int i = 0; i < D / 32; ++i) os[h][lane + 32 * i] = nan ? NAN : (l > 0.f ? o[i] / l : 0.f);
+    for (int i = 0; i < D / 32; ++i) os[lane + 32 * i][h] = nan ? NAN : (l > 0.f ? o[i] / l : 0.f);
     if (lane == 0 && lse_out != nullptr)
       lse_out[row] = nan ? NAN : (l > 0.f ? (mx + log2f(l)) * kLn2 : -INFINITY);
   }
   __syncthreads();
   if (rv == nullptr) {
     for (int idx = threadIdx.x; idx < group * D; idx += kMergeThreads) {
-      const int h = idx / D, j = idx % D;
-      const __nv_bfloat16 v = __float2bfloat16_rn(os[h][j]);
-      out[(row0 + h) * D + j] = *reinterpret_cast<const uint16_t*>(&v);
+      const int h = idx / D, jj = idx % D;
+      const __nv_bfloat16 v = __float2bfloat16_rn(os[jj][h]);
+      out[(row0 + h) * D + jj] = *reinterpret_cast<const uint16_t*>(&v);
     }
     return;
   }
-  // out[h][j] = Σ_i os[h][i]·R_V[j][i]: warp w takes rows j ≡ w (mod 8); the lanes read row j
-  // coalesced, each multiplies its D/32 elements with every head's, and a butterfly reduces
-  // four heads at a time. (v3: thread j walked row j alone over 16 heads: 20 µs at B = 32.)
+  // out[h][j] = Σ_i os[h][i]·R_V[j][i]: warp w takes rows j ≡ w (mod 8), lanes read a row
+  // coalesced and a butterfly sums each (row, head). All rows of a batch are loaded before any
+  // is used (R_V may come from DRAM; a first version that loaded row by row spent ~25 µs on
+  // latency at B = 32 × 8 KV heads).
+  constexpr int kRows = D / (kMergeThreads / 32);       // rows per warp
+  constexpr int kBatch = kRows < 2048 / D ? kRows : 2048 / D;  // ≤ 64 floats of R per lane
   const float* r = rv + kvh * r_head_stride;
-  for (int j = warp; j < D; j += kMergeThreads / 32) {
-    float rr[D / 32];
+#pragma unroll 1
+  for (int rb = 0; rb < kRows; rb += kBatch) {
+    float rr[kBatch][D / 32];
 #pragma unroll
-    for (int i = 0; i < D / 32; ++i) rr[i] = __ldg(r + size_t(j) * D + lane + 32 * i);
+    for (int k = 0; k < kBatch; ++k)
+#pragma unroll
+      for (int i = 0; i < D / 32; ++i)
+        rr[k][i] = __ldg(r + size_t(warp + 8 * (rb + k)) * D + lane + 32 * i);
     for (int h0 = 0; h0 < group; h0 += 4) {
-      float x[4];
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        x[e] = 0.f;
-        if (h0 + e < group) {
+      for (int k = 0; k < kBatch; ++k) {
+        const int j = warp + 8 * (rb + k);
+        float x[4];
 #pragma unroll
-          for (int i = 0; i < D / 32; ++i) x[e] = fmaf(os[h0 + e][lane + 32 * i], rr[i], x[e]);
+        for (int e = 0; e < 4; ++e) {
+          x[e] = 0.f;
+#pragma unroll
+          for (int i = 0; i < D / 32; ++i) x[e] = fmaf(os[lane + 32 * i][h0 + e], rr[k][i], x[e]);
         }
-      }
 #pragma unroll
-      for (int o = 16; o > 0; o >>= 1)
+        for (int o = 16; o > 0; o >>= 1)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) x[e] += __shfl_xor_sync(0xffffffffu, x[e], o);
-      if (lane < 4 && h0 + lane < group) {
-        const float v = lane == 0 ? x[0] : lane == 1 ? x[1] : lane == 2 ? x[2] : x[3];
-        const __nv_bfloat16 bv = __float2bfloat16_rn(v);
-        out[(row0 + h0 + lane) * D + j] = *reinterpret_cast<const uint16_t*>(&bv);
+          for (int e = 0; e < 4; ++e) x[e] += __shfl_xor_sync(0xffffffffu, x[e], o);
+        if (lane < 4 && h0 + lane < group) {
+          const float v = lane == 0 ? x[0] : lane == 1 ? x[1] : lane == 2 ? x[2] : x[3];
+          const __nv_bfloat16 bv = __float2bfloat16_rn(v);
+          out[(row0 + h0 + lane) * D + j] = *reinterpret_cast<const uint16_t*>(&bv);
+        }
       }
     }
   }
@@ -1669,14 +1681,14 @@ KernelStatus LaunchPagedDecode(const PagedDecodeParams& p, Stream stream_handle)
   const dim3 hb(p.num_kv_heads, p.batch);
   const float qscale = p.sm_scale * kLog2e;
   if (d == 64)
-    QRotateKernel<64>
-        <<<hb, kRotThreads, 0, stream>>>(p.q, p.rotation_k, rstride, p.num_q_heads, group, qscale, q_rot);
+    QRotateKernel<64><<<hb, kRotThreads, 0, stream>>>(p.q, p.rotation_k, rstride, p.num_q_heads,
+                                                       group, qscale, q_rot);
   else if (d == 128)
-    QRotateKernel<128>
-        <<<hb, kRotThreads, 0, stream>>>(p.q, p.rotation_k, rstride, p.num_q_heads, group, qscale, q_rot);
+    QRotateKernel<128><<<hb, kRotThreads, 0, stream>>>(p.q, p.rotation_k, rstride, p.num_q_heads,
+                                                       group, qscale, q_rot);
   else
-    QRotateKernel<256>
-        <<<hb, kRotThreads, 0, stream>>>(p.q, p.rotation_k, rstride, p.num_q_heads, group, qscale, q_rot);
+    QRotateKernel<256><<<hb, kRotThreads, 0, stream>>>(p.q, p.rotation_k, rstride, p.num_q_heads,
+                                                       group, qscale, q_rot);
   st = LaunchError("QRotateKernel");
   if (!st.ok()) return st;
 
