@@ -79,6 +79,9 @@ class GpuEncoder final : public BlockEncoder {
     if (stream_ != nullptr) {
       cudaStreamDestroy(stream_);
     }
+    if (registered_ != nullptr) {
+      cudaHostUnregister(registered_);
+    }
   }
 
   absl::Status Init() {
@@ -132,6 +135,24 @@ class GpuEncoder final : public BlockEncoder {
 
   std::string_view device_name() const override {
     return failed_.load(std::memory_order_relaxed) ? "cpu" : "gpu";
+  }
+
+  void RegisterHostMemory(void* base, size_t bytes) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (registered_ != nullptr || base == nullptr || bytes == 0) {
+      return;
+    }
+    cudaSetDevice(options_.device);
+    const cudaError_t e = cudaHostRegister(base, bytes, cudaHostRegisterDefault);
+    if (e != cudaSuccess) {
+      cudaGetLastError();  // not sticky; clear it
+      KVPOOL_LOG_WARN(
+          "GPU encoder: cannot page-lock {} bytes of pool memory for the device ({}); "
+          "staging copies go through the driver's bounce buffer",
+          bytes, cudaGetErrorString(e));
+      return;
+    }
+    registered_ = base;
   }
 
   std::string Describe() const override {
@@ -303,6 +324,7 @@ class GpuEncoder final : public BlockEncoder {
   cudaStream_t stream_ = nullptr;
   DeviceBuffers buf_;
   std::list<CachedRotation> rotations_;  // most recently used first
+  void* registered_ = nullptr;           // RegisterHostMemory's base, or null
   std::vector<uint8_t> host_flags_;
   std::vector<uint8_t> host_nonfinite_;
 };

@@ -16,6 +16,8 @@
 // Geometries the kernels do not implement (head_dim other than 64/128/256, page_size other than
 // 16/64) and blocks larger than a batch go to the CPU encoder.
 //
+// Staging copies are direct DMA when the pool's memory was registered (RegisterHostMemory,
+// called by BlockStore::Create), else they go through the driver's pageable-memory path.
 // Resources: one CUDA stream and every device buffer are created in Create and reused (the
 // launchers never allocate); rotations are uploaded once per distinct rotation (a small cache,
 // keyed by the rotation id, or by a content hash when it has none).

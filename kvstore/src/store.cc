@@ -131,6 +131,7 @@ absl::StatusOr<std::unique_ptr<BlockStore>> BlockStore::Create(const StoreOption
   std::unique_ptr<BlockStore> store(
       new BlockStore(options, memory, clock ? clock : Clock::Real(), std::move(metrics)));
   store->encoder_ = std::move(encoder);
+  store->encoder_->RegisterHostMemory(memory->data(), memory->size());  // staging → device DMA
   return store;
 }
 

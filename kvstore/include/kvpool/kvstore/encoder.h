@@ -100,6 +100,13 @@ class BlockEncoder {
   virtual std::string_view device_name() const = 0;
   // One line for logs: the device and why ("gpu: NVIDIA H200 (cc 9.0), batch 64 MiB").
   virtual std::string Describe() const = 0;
+
+  // Hint: [base, base + bytes) is the host memory staging pointers point into (the pool's
+  // memory). The GPU encoder page-locks it for the device once (cudaHostRegister), so staging is
+  // copied by DMA instead of through the driver's bounce buffer; a failure is logged and ignored
+  // (copies stay correct, only slower). The CPU encoder ignores it. Call at most once, before
+  // any EncodeBlocks; the memory must outlive the encoder (it is unregistered on destruction).
+  virtual void RegisterHostMemory(void* base, size_t bytes) {}
 };
 
 // The call-level checks every BlockEncoder::EncodeBlocks makes first (the errors listed there).
