@@ -12,8 +12,10 @@
 // Quantization rule (FORMAT.md §2.2-2.3): τ = (|x̃| sorted ascending)[clamp(⌊ratio·d⌋,0,d-1)]
 // (ratio 0 disables), x̃ clamped to ±τ; per group of min(d,128): mn16 = fp16 round-down(min),
 // scale16 = fp16 round-up((max - mn16)/3) (computed in fp32), code = round-half-up((x̃ -
-// mn16)/scale16) clamped to 0..3 (0 when scale16 = 0), evaluated as comparisons against the
-// fp32 thresholds mn16 + (j - 0.5)·scale16, j = 1..3.
+// mn16)/scale16) clamped to 0..3 (0 when scale16 = 0), evaluated as comparisons of the bf16
+// values against exact per-row thresholds (the smallest bf16 whose code under that rule is
+// >= j, j = 1..3, derived without division; see kv_write.cu), so the bytes equal the CPU
+// quantizer's (kvpool::QuantizeRow) on the same rotated bf16 rows, ties included.
 // A row (token, head, K or V) whose input or rotated values are not finite, or whose (scale,
 // min) do not fit fp16, is not quantized: its codes and params are written as zeros (it
 // dequantizes to 0), row_flags[(token·H + head)·2 + (0 for K, 1 for V)] is set to 1 and *bad_rows
