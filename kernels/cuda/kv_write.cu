@@ -79,16 +79,6 @@ struct WriteArgs {
 
 // ---- packed 16-bit helpers ------------------------------------------------------------------
 
-__device__ __forceinline__ uint32_t MaxU16x2(uint32_t a, uint32_t b) {
-  uint32_t d;
-  asm("max.u16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
-  return d;
-}
-__device__ __forceinline__ uint32_t MinU16x2(uint32_t a, uint32_t b) {
-  uint32_t d;
-  asm("min.u16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
-  return d;
-}
 // NaN-propagating forms (a NaN in either half gives NaN in that half).
 __device__ __forceinline__ uint32_t MaxNanBf16x2(uint32_t a, uint32_t b) {
   uint32_t d;
@@ -126,16 +116,12 @@ __device__ __forceinline__ float Bf16HiToFloat(uint32_t w) {
   return __uint_as_float(w & 0xffff0000u);
 }
 
-// Comparators of the selection networks on packed magnitudes (15-bit, sign cleared). For
-// finite and infinite bf16 magnitudes the integer and the bf16 order agree; NaN rows are
-// detected separately and never quantized, so either instruction form gives the same τ.
-#if defined(KVPOOL_WRITE_SORT_U16)
-__device__ __forceinline__ uint32_t SortMax(uint32_t a, uint32_t b) { return MaxU16x2(a, b); }
-__device__ __forceinline__ uint32_t SortMin(uint32_t a, uint32_t b) { return MinU16x2(a, b); }
-#else
+// Comparators of the selection networks on packed magnitudes (sign cleared): bf16x2 min/max.
+// For finite and infinite magnitudes the integer order (max/min.u16x2) is the same and was
+// measured equally fast on the H200 (both run on the ALU pipe); NaN rows are detected
+// separately and never quantized, so their τ does not matter.
 __device__ __forceinline__ uint32_t SortMax(uint32_t a, uint32_t b) { return MaxBf16x2(a, b); }
 __device__ __forceinline__ uint32_t SortMin(uint32_t a, uint32_t b) { return MinBf16x2(a, b); }
-#endif
 
 // ---- compile-time sorting networks (comparator lists; indices become constants) ------------
 
