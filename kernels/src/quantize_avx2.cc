@@ -451,6 +451,129 @@ inline int16_t KthOfLaneTops16(const __m256i* t, uint32_t k) {
   return KeyMax(best);
 }
 
+// ---- bf16 rows: codes by 16-bit key compares --------------------------------------------------
+//
+// For a bf16 row, code >= k  <=>  clamp(x) >= V_k with V_k the smallest bf16 value whose
+// fl(V_k − mn16) >= P_k (monotone, see "Codes without a division"), and x >= V <=> key(x) >=
+// key(V) on the order-preserving int16 keys (±0 never straddle V: fl(−0 − m) = fl(+0 − m)
+// in value, so the smallest such bf16 in key order is never +0). V_k is found as the bf16
+// ceiling of fl(mn16 + P_k) and accepted only after checking the definition on it and on its
+// bf16 predecessor; when the check fails (the boundary's fp32 rounding grid is coarser than
+// bf16 there, e.g. a threshold at ~0 in a group with a large |mn16|) the row takes the fp32
+// compare path instead. Clipping folds in as before: never when τ < V_k, always when −τ >= V_k.
+
+// key(V_k) − 1 for k = 1..3 into tm1 (code_k = [key(x) > tm1_k]); false when a candidate
+// fails its check. The candidate is exact: fl(v − mn16) >= P  <=>  v − mn16 >= B (reals), B the
+// midpoint between P and its float predecessor, inclusive when P's significand is even (ties
+// to even); B and mn16 + B are exact in fp64 (25 + 11 significant bits) but for absurd
+// exponent gaps, which the check catches. V_k = the bf16 ceiling of the smallest float at or
+// above (inclusive) / above mn16 + B.
+inline bool Bf16KeyThresholds(float mn16f, float sc, float tau, int32_t* tm1) {
+  const __m128 m = _mm_set1_ps(mn16f);
+  const __m128 p = _mm_mul_ps(_mm_setr_ps(0.5f, 1.5f, 2.5f, 2.5f), _mm_set1_ps(sc));  // exact
+  const __m128i pbits = _mm_castps_si128(p);                                          // P > 0
+  const __m128 pprev = _mm_castsi128_ps(_mm_sub_epi32(pbits, _mm_set1_epi32(1)));
+  const __m256d bnd =
+      _mm256_mul_pd(_mm256_add_pd(_mm256_cvtps_pd(p), _mm256_cvtps_pd(pprev)), _mm256_set1_pd(0.5));
+  const __m256d y = _mm256_add_pd(bnd, _mm256_set1_pd(static_cast<double>(mn16f)));
+  const __m128 f = _mm256_cvtpd_ps(y);  // nearest
+  const __m256d fd = _mm256_cvtps_pd(f);
+  // need the next float up: inclusive (P even) when f < y, exclusive when f <= y
+  const __m256i lt = _mm256_castpd_si256(_mm256_cmp_pd(fd, y, _CMP_LT_OQ));
+  const __m256i le = _mm256_castpd_si256(_mm256_cmp_pd(fd, y, _CMP_LE_OQ));
+  const __m256i pick = _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6);
+  const __m128i lt32 = _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(lt, pick));
+  const __m128i le32 = _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(le, pick));
+  const __m128i odd = _mm_slli_epi32(pbits, 31);  // sign bit set when P's significand is odd
+  const __m128i up = _mm_blendv_epi8(lt32, le32, odd);
+  const __m128i fb = _mm_castps_si128(f);
+  const __m128i step = _mm_or_si128(_mm_srai_epi32(fb, 31), _mm_set1_epi32(1));  // ±1
+  const __m128i zero =
+      _mm_cmpeq_epi32(_mm_and_si128(fb, _mm_set1_epi32(0x7fffffff)), _mm_setzero_si128());
+  const __m128i next = _mm_blendv_epi8(_mm_add_epi32(fb, step), _mm_set1_epi32(1), zero);
+  const __m128i c = _mm_blendv_epi8(fb, next, up);
+  // bf16 ceiling (toward +inf): positives round the magnitude up, negatives truncate it
+  const __m128i neg = _mm_srai_epi32(c, 31);
+  const __m128i cb = _mm_and_si128(_mm_add_epi32(c, _mm_andnot_si128(neg, _mm_set1_epi32(0xffff))),
+                                   _mm_set1_epi32(static_cast<int32_t>(0xffff0000u)));
+  // int16 keys (kept in 32-bit lanes): b ^ (b < 0 ? 0x7fff : 0), sign-extended
+  const __m128i b16 = _mm_srai_epi32(cb, 16);  // the bf16 pattern, sign-extended
+  const __m128i key =
+      _mm_xor_si128(b16, _mm_and_si128(_mm_srai_epi32(b16, 31), _mm_set1_epi32(0x7fff)));
+  const __m128i kp = _mm_sub_epi32(key, _mm_set1_epi32(1));  // predecessor's key
+  const __m128i bp = _mm_slli_epi32(
+      _mm_xor_si128(kp, _mm_and_si128(_mm_srai_epi32(kp, 31), _mm_set1_epi32(0x7fff))), 16);
+  // the definition, checked on V_k and its predecessor
+  const __m128 vc = _mm_castsi128_ps(cb), vp = _mm_castsi128_ps(bp);
+  const int ok_c = _mm_movemask_ps(_mm_cmp_ps(_mm_sub_ps(vc, m), p, _CMP_GE_OQ));
+  const int ok_p = _mm_movemask_ps(_mm_cmp_ps(_mm_sub_ps(vp, m), p, _CMP_GE_OQ));
+  if ((ok_c & 7) != 7 || (ok_p & 7) != 0) return false;
+  const __m128 vt = _mm_set1_ps(tau);
+  const __m128i never = _mm_castps_si128(_mm_cmp_ps(vt, vc, _CMP_LT_OQ));
+  const __m128i always =
+      _mm_castps_si128(_mm_cmp_ps(_mm_sub_ps(_mm_setzero_ps(), vt), vc, _CMP_GE_OQ));
+  __m128i t = _mm_blendv_epi8(kp, _mm_set1_epi32(-32768), always);
+  t = _mm_blendv_epi8(t, _mm_set1_epi32(32767), never);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(tm1), t);
+  return true;
+}
+
+// EncodeRow for bf16 rows with d >= 64: key compares on 16 elements per vector.
+RowQuantStatus EncodeRowBf16(const uint16_t* x, uint32_t d, float tau, const float* raw_mn,
+                             const float* raw_mx, uint8_t* codes, uint16_t* params) {
+  const uint32_t G = d < 128 ? d : 128;
+  const uint32_t ng = d / G;
+  uint16_t out_params[2 * (kMaxHeadDim / 128)];
+  __m256i tv[3 * (kMaxHeadDim / 128)];
+  for (uint32_t g = 0; g < ng; ++g) {
+    const float mn = ClampScalar(raw_mn[g], tau) + 0.0f;
+    const float mx = ClampScalar(raw_mx[g], tau) + 0.0f;
+    const uint16_t mn16 = ToFp16Down(mn);
+    if (mx > kFp16Max || Fp16IsNonFinite(mn16)) {
+      return Fail(RowQuantStatus::kFp16Overflow, d, codes, params);
+    }
+    const float mn16f = FromFp16(mn16);
+    uint16_t scale16 = 0;
+    if (mx != mn) {
+      const float s = (mx - mn16f) / 3.0f;
+      scale16 = ToFp16Up(s);
+      if (Fp16IsNonFinite(scale16)) return Fail(RowQuantStatus::kFp16Overflow, d, codes, params);
+    }
+    out_params[2 * g] = scale16;
+    out_params[2 * g + 1] = mn16;
+    alignas(16) int32_t tm1[4] = {32767, 32767, 32767, 32767};  // scale16 = 0: every code 0
+    if (scale16 != 0 && !Bf16KeyThresholds(mn16f, FromFp16(scale16), tau, tm1)) {
+      return EncodeRow(Bf16Row{x}, d, tau, raw_mn, raw_mx, codes, params);
+    }
+    for (int k = 0; k < 3; ++k) tv[3 * g + k] = _mm256_set1_epi16(static_cast<int16_t>(tm1[k]));
+  }
+  const uint32_t q = d / 4;
+  const uint32_t gshift = static_cast<uint32_t>(__builtin_ctz(G));
+  const __m256i abs_mask = _mm256_set1_epi16(0x7fff);
+  for (uint32_t b = 0; b < q; b += 16) {
+    __m256i acc = _mm256_setzero_si256();
+#pragma GCC unroll 4
+    for (uint32_t p = 0; p < 4; ++p) {
+      const uint32_t j = b + p * q;
+      const __m256i* t = tv + 3 * (j >> gshift);
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + j));
+      const __m256i key = _mm256_xor_si256(v, _mm256_and_si256(_mm256_srai_epi16(v, 15), abs_mask));
+      const __m256i s = _mm256_add_epi16(
+          _mm256_add_epi16(_mm256_cmpgt_epi16(key, t[0]), _mm256_cmpgt_epi16(key, t[1])),
+          _mm256_cmpgt_epi16(key, t[2]));  // −code
+      acc = _mm256_sub_epi16(acc, _mm256_slli_epi16(s, static_cast<int>(2 * p)));
+    }
+    // 16 codes bytes (one per 16-bit lane) -> bytes b..b+15
+    const __m256i packed = _mm256_packus_epi16(acc, acc);  // lane0: 0..7 x2, lane1: 8..15 x2
+    const uint64_t lo = static_cast<uint64_t>(_mm256_extract_epi64(packed, 0));
+    const uint64_t hi = static_cast<uint64_t>(_mm256_extract_epi64(packed, 2));
+    std::memcpy(codes + b, &lo, 8);
+    std::memcpy(codes + b + 8, &hi, 8);
+  }
+  std::memcpy(params, out_params, 4 * ng);
+  return RowQuantStatus::kOk;
+}
+
 template <int M>
 bool StatsAndTauBf16(const uint16_t* x, uint32_t d, uint32_t G, uint32_t k, float* raw_mn,
                      float* raw_mx, float* tau) {
@@ -511,8 +634,13 @@ void BatchBf16(const uint16_t* x, uint32_t n, uint32_t d, uint32_t k, uint8_t* c
   for (uint32_t i = 0; i < n; ++i) {
     uint8_t* c = codes + i * (d / 4);
     uint16_t* p = params + i * 2 * ng;
-    status[i] = finite[i] ? EncodeRow(Bf16Row{x + i * d}, d, tau[i], mn[i], mx[i], c, p)
-                          : Fail(RowQuantStatus::kNonFinite, d, c, p);
+    if (!finite[i]) {
+      status[i] = Fail(RowQuantStatus::kNonFinite, d, c, p);
+    } else if (d >= 64) {
+      status[i] = EncodeRowBf16(x + i * d, d, tau[i], mn[i], mx[i], c, p);
+    } else {
+      status[i] = EncodeRow(Bf16Row{x + i * d}, d, tau[i], mn[i], mx[i], c, p);
+    }
   }
 }
 

@@ -348,6 +348,91 @@ TEST(QuantizeTest, Bf16RowsAvx2BitIdenticalToScalar) {
   EXPECT_EQ(rows, 8u * 7 * 15);
 }
 
+// bf16 rows whose values sit on and around the code boundaries in x (bf16 neighbours of
+// mn16 + (k − ½)·scale16), including symmetric groups whose middle boundary is ~0 (where the
+// boundary's fp32 rounding grid is coarser than bf16), tiny values at ±2^-23·|mn16| and
+// signed zeros, with and without clipping: the AVX2 key-compare codes must equal the scalar
+// division-based ones.
+TEST(QuantizeTest, Bf16CodesAtLevelBoundariesEqualScalar) {
+  if (!CpuHasAvx2()) GTEST_SKIP() << "CPU without AVX2/FMA/F16C: only the scalar path exists";
+  std::mt19937 rng(99);
+  std::uniform_real_distribution<double> u01(0.0, 1.0);
+  auto bf16_step = [](float v, int steps) {  // move by bf16 steps in value order
+    uint16_t b = Fp32ToBf16(v);
+    for (int i = 0; i < std::abs(steps); ++i) {
+      const float f = Bf16ToFp32(b);
+      const bool up = steps > 0;
+      if (f == 0.0f) {
+        b = up ? 0x0001 : 0x8001;
+      } else if ((f > 0) == up) {
+        ++b;
+      } else {
+        --b;
+      }
+    }
+    return Bf16ToFp32(b);
+  };
+  uint64_t rows = 0;
+  for (uint32_t d : {64u, 128u, 256u}) {
+    const uint32_t G = std::min(d, 128u);
+    const uint32_t ng = d / G;
+    for (int rep = 0; rep < 600; ++rep) {
+      const double scale = std::ldexp(1.0, static_cast<int>(rng() % 30) - 20);
+      // every third group symmetric with mx = 3·2^e: mn16 = −mx exactly, scale16 = 2^(e+1),
+      // so the middle boundary in u is exactly −mn16 and its x boundary is an exact tie at
+      // −2^(e−22) (rounding of fl(x − mn16) to even decides)
+      float mx = rep % 3 == 0
+                     ? std::ldexp(3.0f, static_cast<int>(rng() % 24) - 16)
+                     : Bf16ToFp32(Fp32ToBf16(static_cast<float>(scale * (0.5 + 8 * u01(rng)))));
+      float mn =
+          rep % 3 == 0
+              ? -mx  // symmetric: middle boundary near 0
+              : Bf16ToFp32(Fp32ToBf16(static_cast<float>(mx - scale * (0.01 + 8 * u01(rng)))));
+      if (!(mx > mn)) continue;
+      const float mn16 = Fp16ToFp32(Fp32ToFp16(mn, RoundMode::kDown));
+      const float sc = Fp16ToFp32(Fp32ToFp16((mx - mn16) / 3.0f, RoundMode::kUp));
+      std::vector<float> cand = {0.0f, -0.0f};
+      for (int k = 0; k < 3; ++k) {
+        const float b = mn16 + (k + 0.5f) * sc;
+        for (int st = -3; st <= 3; ++st) cand.push_back(bf16_step(b, st));
+      }
+      for (int k = 0; k < 3; ++k) {
+        for (int e : {16, 22, 23, 24, 25}) {  // half-ulps of the u boundary, both signs
+          const float t = std::ldexp((k + 0.5f) * sc, -e);
+          for (int st = -1; st <= 1; ++st) {
+            cand.push_back(bf16_step(t, st));
+            cand.push_back(bf16_step(-t, st));
+          }
+        }
+      }
+      std::vector<uint16_t> x(d);
+      for (uint32_t g = 0; g < ng; ++g) {
+        x[g * G] = Fp32ToBf16(mn);
+        x[g * G + 1] = Fp32ToBf16(mx);
+        for (uint32_t j = 2; j < G; ++j) {
+          const float c = cand[rng() % cand.size()];
+          x[g * G + j] = Fp32ToBf16((c >= mn && c <= mx) ? c : mn);
+        }
+        std::shuffle(x.begin() + g * G, x.begin() + (g + 1) * G, rng);
+      }
+      for (float ratio : {0.0f, 0.96f, 0.92f, 0.5f}) {
+        std::vector<uint8_t> c1(d / 4), c2(d / 4);
+        std::vector<uint16_t> p1(2 * ng), p2(2 * ng);
+        ASSERT_TRUE(QuantizeRowsBf16(x.data(), 1, d, ratio, c1.data(), p1.data(), nullptr,
+                                     KernelIsa::kScalar)
+                        .ok());
+        ASSERT_TRUE(
+            QuantizeRowsBf16(x.data(), 1, d, ratio, c2.data(), p2.data(), nullptr, KernelIsa::kAvx2)
+                .ok());
+        ASSERT_EQ(c1, c2) << "d=" << d << " mn=" << mn << " mx=" << mx << " ratio=" << ratio;
+        ASSERT_EQ(p1, p2) << "d=" << d << " mn=" << mn << " mx=" << mx << " ratio=" << ratio;
+        ++rows;
+      }
+    }
+  }
+  EXPECT_GT(rows, 5000u);
+}
+
 TEST(QuantizeTest, DequantAvx2BitIdenticalToScalar) {
   if (!CpuHasAvx2()) GTEST_SKIP() << "CPU without AVX2/FMA/F16C: only the scalar path exists";
   std::mt19937 rng(31);
