@@ -1,20 +1,19 @@
 // paged_decode.cu — mixed-precision paged decode attention (see paged_decode.h, docs/KERNELS.md).
 //
-// Three kernels per call:
+// Four kernels per call, chained with programmatic dependent launch (PDL):
 //   1. QRotateKernel  q̃ = q·R_K · sm_scale·log2(e), fp32, into the workspace.
-//   2. DecodeKernel<kInt2, D, NT>  one CTA = (split of one segment, KV head [, head chunk],
-//      request). 4 warps; each warp streams 16-token tiles of its pages through a private
-//      cp.async ring in shared memory, computes S = K·q̃ᵀ (tokens = M, heads = N, head_dim = K)
-//      and Oᵀ += Vᵀ·P (head_dim = M, heads = N, tokens = K) with mma.sync m16n8k16, and keeps
-//      an online softmax. The 4 warps' states are combined in shared memory and written as one
-//      partial (output normalized by its own sum, log2-sum-exp) per (request, q head, split).
-//      INT2 tiles: codes become fp16 by LOP3 with 0x6400 and one HSUB2 (exact: code·4^k for
-//      quarter k); 4^-k is folded into q̃ (keys) or applied once to the accumulator (values);
-//      the per-token (scale, min) enter as s = scale·(q̃·c) + min·Σq̃ and P' = p·scale plus a
-//      per-head Σ p·min term (FORMAT.md §2.8). The head_dim permutation implied by the packed
-//      byte order is absorbed into the q̃ fragments (any permutation of the reduction index
-//      leaves a dot product unchanged) and into the output index map.
-//   3. MergeKernel  LSE-merges the partials of every split and segment (empty ones carry
+//   2. Bf16DecodeKernel<D, NT>  sink + recent segments (BF16 pages): one CTA = (split of one
+//      segment, KV head [, head chunk], request), 4 warps, cp.async rings, bf16 mma.sync.
+//   3. Int2DecodeKernel<D, KT>  history segment (INT2 pages): TMA bulk copies into per-warp
+//      mbarrier rings, q·k on integer tensor cores (u8 codes × s8 hi/lo halves of a 16-bit q̃),
+//      p·v on fp16 tensor cores with the masked codes read as fp16 subnormals, the per-token
+//      (scale, min) applied as s = scale·(q̃·c) + min·Σq̃ and P' = p·scale plus a per-head
+//      Σ p·min term (FORMAT.md §2.8). The head_dim permutation implied by the packed byte order
+//      is absorbed into the q̃ fragments (any permutation of the reduction index leaves a dot
+//      product unchanged) and into the output index map.
+//   Each decode CTA writes one partial (output normalized by its own sum, log2-sum-exp) per
+//   (request, q head, split).
+//   4. MergeKernel  LSE-merges the partials of every split and segment (empty ones carry
 //      lse = -inf and contribute nothing) and applies R_Vᵀ.
 #include <cuda_runtime.h>
 
@@ -104,8 +103,8 @@ __device__ __forceinline__ void MbarWait(uint64_t* bar, uint32_t parity) {
 __device__ __forceinline__ void BulkCopy(void* dst, const void* src, uint32_t bytes,
                                          uint64_t* bar) {
   asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
-          SmemAddr(dst)),
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::
+          "r"(SmemAddr(dst)),
       "l"(src), "r"(bytes), "r"(SmemAddr(bar))
       : "memory");
 }
@@ -117,76 +116,44 @@ __device__ __forceinline__ void PdlLaunchDependents() {
 }
 __device__ __forceinline__ void PdlWait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
 
-
-template <bool kInt2, int D>
-struct TileCfg {
-  static constexpr int kNG = (D == 256) ? 2 : 1;               // INT2 groups per row
-  static constexpr int kCodeRow = D / 4;                       // bytes of codes per row
-  static constexpr int kInt2Tile = 32 * kCodeRow + 128 * kNG;  // 16 tokens, K+V+params
-  static constexpr int kBf16Tile = 64 * D;                     // 16 tokens, K+V bf16
-  static constexpr int kTile = kInt2 ? kInt2Tile : kBf16Tile;
-  static constexpr int kSub = kInt2 ? 2 : 1;  // 16-token units per warp step
-  static constexpr int kStages = kInt2 ? (D == 256 ? 3 : 4) : (D == 256 ? 2 : 3);
+// ---------------------------------------------------------------------------------------------
+// BF16 kernel (sink and recent segments; also the BF16 baseline). One CTA = (split of the sink or
+// recent segment, KV head, head chunk, request), 4 warps; each warp streams 16-token units of its
+// pages through a private cp.async ring (swizzled rows, ldmatrix), computes S = K·q̃ᵀ (tokens =
+// M, heads = N, head_dim = K) and Oᵀ += Vᵀ·P (head_dim = M, heads = N, tokens = K) with
+// mma.sync m16n8k16, and keeps an online softmax; the warps' states are combined in shared
+// memory into one partial per (request, q head, split).
+template <int D>
+struct Bf16Cfg {
+  static constexpr int kTile = 64 * D;                // 16 tokens, K + V bf16
+  static constexpr int kStages = (D == 256) ? 2 : 3;  // ring stages per warp
   __host__ __device__ static constexpr uint64_t ChunkBytes(int page_size) {
-    return kInt2 ? uint64_t(page_size) * (D / 2 + 8 * kNG) : 4ull * page_size * D;
+    return 4ull * page_size * D;
   }
 };
 
-template <bool kInt2, int D, int NT>
-constexpr int DecodeSmemBytes() {
-  using C = TileCfg<kInt2, D>;
-  constexpr int ring = kWarps * C::kStages * C::kTile * C::kSub;
+template <int D, int NT>
+constexpr int Bf16SmemBytes() {
+  using C = Bf16Cfg<D>;
+  constexpr int ring = kWarps * C::kStages * C::kTile;
   constexpr int combine = kWarps * 8 * NT * (D + 2) * 4;
   return ring > combine ? ring : combine;
 }
 
-// Head-dim index held by accumulator row r (0: row g, 1: row g+8) of m-tile mt, for lane group
-// g, in the Oᵀ = Vᵀ·P product. INT2: dims follow the packed byte order (quarter k of byte
-// g·D/32 + i); BF16: natural order.
-template <bool kInt2, int D>
-__device__ __forceinline__ int OutDim(int mt, int r, int g) {
-  if constexpr (kInt2) {
-    const int idx = 2 * mt + r;
-    const int i = idx >> 2, k = idx & 3;
-    return g * (D / 32) + i + (D / 4) * k;
-  } else {
-    return 16 * mt + 8 * r + g;
-  }
-}
-template <bool kInt2, int D>
-__device__ __forceinline__ float OutQuarterScale(int mt, int r) {
-  if constexpr (kInt2) {
-    const int k = (2 * mt + r) & 3;
-    return 1.f / float(1 << (2 * k));
-  } else {
-    return 1.f;
-  }
-}
-
-// Minimum resident CTAs per SM asked of the register allocator: the INT2 kernel at one n-tile
-// is latency-bound at 4 CTAs (122 registers, ncu: 1.4 eligible warps per scheduler), so it is
-// capped at 102 registers for 5.
-template <bool kInt2, int D, int NT>
-constexpr int DecodeMinBlocks() {
-  return (kInt2 && NT == 1 && D <= 128) ? 5 : 1;
-}
-
-template <bool kInt2, int D, int NT>
-__global__ void __launch_bounds__(kThreads, (DecodeMinBlocks<kInt2, D, NT>()))
-    DecodeKernel(const AttnArgs a) {
-  using C = TileCfg<kInt2, D>;
-  constexpr int kNG = C::kNG;
+template <int D, int NT>
+__global__ void __launch_bounds__(kThreads, 1) Bf16DecodeKernel(const AttnArgs a) {
+  using C = Bf16Cfg<D>;
   constexpr int kN = 8 * NT;
   constexpr int kSteps = D / 16;  // k-steps of q·kᵀ, and m-tiles of Vᵀ·P
   constexpr int kMt = D / 16;
-  constexpr int kSub = C::kSub;  // 16-token units per warp step
+  constexpr int kSub = 1;  // 16-token units per warp step
   extern __shared__ __align__(128) uint8_t smem[];
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, tig = lane & 3;
 
   int sx = blockIdx.x;
-  const bool second = (!kInt2) && sx >= a.seg0.num_splits;
+  const bool second = sx >= a.seg0.num_splits;  // recent (seg1) after sink (seg0)
   if (second) sx -= a.seg0.num_splits;
   const SegArgs seg = second ? a.seg1 : a.seg0;
   const int b = blockIdx.z;
@@ -218,15 +185,9 @@ __global__ void __launch_bounds__(kThreads, (DecodeMinBlocks<kInt2, D, NT>()))
   PdlLaunchDependents();
   // ---- q fragments (B operand of S = K·q̃ᵀ) ----
   uint32_t qb[kSteps][NT][2];
-  // BF16 path: q̃ = hi + lo, both bf16 (two MMAs), so q̃ keeps ~16 significant bits.
-  uint32_t qlo[kInt2 ? 1 : kSteps][NT][2];
-  float sqv[kNG][NT][2];  // INT2: Σ q̃ over each group, heads 8nt + 2tig + e
+  // q̃ = hi + lo, both bf16 (two MMAs), so q̃ keeps ~16 significant bits.
+  uint32_t qlo[kSteps][NT][2];
   {
-    float sqh[kNG][NT];
-#pragma unroll
-    for (int grp = 0; grp < kNG; ++grp)
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) sqh[grp][nt] = 0.f;
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
       const int hl = 8 * nt + g;
@@ -237,47 +198,14 @@ __global__ void __launch_bounds__(kThreads, (DecodeMinBlocks<kInt2, D, NT>()))
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           float v[2];
-          int dims[2];
-          float qscale = 1.f;
-          if constexpr (kInt2) {
-            constexpr int kKW = D / 64;
-            const int k = s / kKW, w = s % kKW;
-            qscale = 1.f / float(1 << (2 * k));
 #pragma unroll
-            for (int e = 0; e < 2; ++e)
-              dims[e] = tig * (D / 16) + 4 * w + half + 2 * e + (D / 4) * k;
-          } else {
-#pragma unroll
-            for (int e = 0; e < 2; ++e) dims[e] = 16 * s + 8 * half + 2 * tig + e;
-          }
-#pragma unroll
-          for (int e = 0; e < 2; ++e) v[e] = real ? qh[dims[e]] * qscale : 0.f;
-          if constexpr (kInt2) {
-            qb[s][nt][half] = PackHalf2(v[0], v[1]);
-            const __half2 hq = *reinterpret_cast<const __half2*>(&qb[s][nt][half]);
-            const int grp = (kNG == 2) ? (s / (D / 64)) / 2 : 0;
-            const float pair = __low2float(hq) + __high2float(hq);
-            sqh[grp][nt] += pair / qscale;
-          } else {
-            qb[s][nt][half] = PackBf162(v[0], v[1]);
-            const __nv_bfloat162 hi = *reinterpret_cast<const __nv_bfloat162*>(&qb[s][nt][half]);
-            qlo[s][nt][half] = PackBf162(v[0] - __low2float(hi), v[1] - __high2float(hi));
-          }
+          for (int e = 0; e < 2; ++e) v[e] = real ? qh[16 * s + 8 * half + 2 * tig + e] : 0.f;
+          qb[s][nt][half] = PackBf162(v[0], v[1]);
+          const __nv_bfloat162 hi = *reinterpret_cast<const __nv_bfloat162*>(&qb[s][nt][half]);
+          qlo[s][nt][half] = PackBf162(v[0] - __low2float(hi), v[1] - __high2float(hi));
         }
       }
     }
-#pragma unroll
-    for (int grp = 0; grp < kNG; ++grp)
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        float x = sqh[grp][nt];
-        x += __shfl_xor_sync(0xffffffffu, x, 1);
-        x += __shfl_xor_sync(0xffffffffu, x, 2);
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          sqv[grp][nt][e] = __shfl_sync(0xffffffffu, x, (2 * tig + e) * 4);
-        }
-      }
   }
 
   // ---- per-warp cp.async ring; a stage holds kSub 16-token units ----
@@ -299,37 +227,17 @@ __global__ void __launch_bounds__(kThreads, (DecodeMinBlocks<kInt2, D, NT>()))
           const int sub = u & ((1 << tpp_log2) - 1);
           const uint8_t* src = head_base + uint64_t(page_ids[u >> tpp_log2]) * seg.page_stride;
           uint8_t* dst = stage + j * C::kTile;
-          if constexpr (kInt2) {
-            constexpr int kCR = C::kCodeRow;
-            constexpr int kCodePieces = D / 4;  // 16-byte pieces of one kind's codes per unit
-            const uint64_t code_part = uint64_t(page_size) * kCR;
-            const uint8_t* kc = src + uint64_t(sub) * 16 * kCR;
-            // 2·kCodePieces (32, 64, 128) pieces over 32 lanes: a compile-time trip count.
-#pragma unroll
-            for (int it = 0; it < (2 * kCodePieces) / 32; ++it) {
-              const int p = lane + 32 * it;
-              const int kv = p / kCodePieces, pp = p % kCodePieces;
-              CpAsync16(dst + 16 * p, kc + kv * code_part + 16 * pp);
-            }
-            if (lane < 8 * kNG) {
-              const int kv = lane / (4 * kNG), pp = lane % (4 * kNG);
-              const uint8_t* ps = src + 2 * code_part + uint64_t(kv) * page_size * 4 * kNG +
-                                  uint64_t(sub) * 64 * kNG + 16 * pp;
-              CpAsync16(dst + 32 * kCR + 16 * lane, ps);
-            }
-          } else {
-            const int valid = unit_valid(u);
-            constexpr int kRowPieces = D / 8;  // 16-byte pieces per bf16 row
-            const uint64_t v_part = 2ull * page_size * D;
-            const uint8_t* ks = src + uint64_t(sub) * 16 * 2 * D;
+          const int valid = unit_valid(u);
+          constexpr int kRowPieces = D / 8;  // 16-byte pieces per bf16 row
+          const uint64_t v_part = 2ull * page_size * D;
+          const uint8_t* ks = src + uint64_t(sub) * 16 * 2 * D;
 #pragma unroll 4
-            for (int p = lane; p < 32 * kRowPieces; p += 32) {
-              const int kv = p / (16 * kRowPieces);
-              const int rp = p % (16 * kRowPieces);
-              const int row = rp / kRowPieces, c = rp % kRowPieces;
-              uint8_t* d = dst + kv * 32 * D + row * 2 * D + 16 * (c ^ (row & 7));
-              CpAsync16(d, ks + kv * v_part + row * 2 * D + 16 * c, row < valid);
-            }
+          for (int p = lane; p < 32 * kRowPieces; p += 32) {
+            const int kv = p / (16 * kRowPieces);
+            const int rp = p % (16 * kRowPieces);
+            const int row = rp / kRowPieces, c = rp % kRowPieces;
+            uint8_t* d = dst + kv * 32 * D + row * 2 * D + 16 * (c ^ (row & 7));
+            CpAsync16(d, ks + kv * v_part + row * 2 * D + 16 * c, row < valid);
           }
         }
       }
@@ -344,15 +252,13 @@ __global__ void __launch_bounds__(kThreads, (DecodeMinBlocks<kInt2, D, NT>()))
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
       for (int j = 0; j < 4; ++j) acc[mt][nt][j] = 0.f;
-  float m_run[NT][2], l_run[NT][2], mn_run[NT][kNG][2];
+  float m_run[NT][2], l_run[NT][2];
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       m_run[nt][e] = -INFINITY;
       l_run[nt][e] = 0.f;
-#pragma unroll
-      for (int grp = 0; grp < kNG; ++grp) mn_run[nt][grp][e] = 0.f;
     }
 
 #pragma unroll
@@ -373,109 +279,31 @@ __global__ void __launch_bounds__(kThreads, (DecodeMinBlocks<kInt2, D, NT>()))
 
     // ---- S = K·q̃ᵀ for each unit ----
     float logit[kSub][NT][4];
-    float vscale[kSub][2][kNG], vmin[kSub][2][kNG];
 #pragma unroll
     for (int j = 0; j < kSub; ++j) {
       const uint8_t* st = stage + j * C::kTile;
-      if constexpr (kInt2) {
-        constexpr int kCR = C::kCodeRow;
-        constexpr int kKW = D / 64;
-        const uint32_t* kp = reinterpret_cast<const uint32_t*>(st + 32 * kCR);
-        const uint32_t* vp = kp + 16 * kNG;
-        float kscale[2][kNG], kmin[2][kNG];
 #pragma unroll
-        for (int grp = 0; grp < kNG; ++grp) {
+      for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            const int row = g + 8 * r;
-            const uint32_t kpr = kp[row * kNG + grp], vpr = vp[row * kNG + grp];
-            const __half2 kh = *reinterpret_cast<const __half2*>(&kpr);
-            const __half2 vh = *reinterpret_cast<const __half2*>(&vpr);
-            kscale[r][grp] = __low2float(kh);
-            kmin[r][grp] = __high2float(kh);
-            vscale[j][r][grp] = __low2float(vh);
-            vmin[j][r][grp] = __high2float(vh);
-          }
+        for (int i = 0; i < 4; ++i) logit[j][nt][i] = 0.f;
+      const int q4 = lane >> 3, r8 = lane & 7;
+#pragma unroll
+      for (int s = 0; s < kSteps; ++s) {
+        const int row = r8 + 8 * (q4 & 1);
+        const int c = 2 * s + (q4 >> 1);
+        uint32_t af[4];
+        LdMatrixX4(af, st + row * 2 * D + 16 * (c ^ (row & 7)));
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          MmaBf16(logit[j][nt], af[0], af[1], af[2], af[3], qb[s][nt][0], qb[s][nt][1]);
+          MmaBf16(logit[j][nt], af[0], af[1], af[2], af[3], qlo[s][nt][0], qlo[s][nt][1]);
         }
-        uint32_t kw[2][kKW];
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const uint8_t* rowp = st + (g + 8 * r) * kCR + tig * (D / 16);
-          if constexpr (kKW == 1) {
-            kw[r][0] = *reinterpret_cast<const uint32_t*>(rowp);
-          } else if constexpr (kKW == 2) {
-            const uint2 x = *reinterpret_cast<const uint2*>(rowp);
-            kw[r][0] = x.x;
-            kw[r][1] = x.y;
-          } else {
-            const uint4 x = *reinterpret_cast<const uint4*>(rowp);
-            kw[r][0] = x.x;
-            kw[r][1] = x.y;
-            kw[r][2] = x.z;
-            kw[r][3] = x.w;
-          }
-        }
-        float s[kNG][NT][4];
-#pragma unroll
-        for (int grp = 0; grp < kNG; ++grp)
-#pragma unroll
-          for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) s[grp][nt][i] = 0.f;
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          const uint32_t mask = 0x00030003u << (2 * k);
-          const int grp = (kNG == 2) ? k / 2 : 0;
-#pragma unroll
-          for (int w = 0; w < kKW; ++w) {
-            const int step = k * kKW + w;
-            // code·4^k per lane, exact (0x6400 trick + HSUB2). Folding the 1024 bias out after
-            // the MMA instead saves the HSUB2s but costs ~5e-4 of systematic LSE error
-            // (tensor-core fp32 accumulation of the large bias term), measured on the H200.
-            const uint32_t a0 = CodesToHalf2(kw[0][w], mask);
-            const uint32_t a1 = CodesToHalf2(kw[1][w], mask);
-            const uint32_t a2 = CodesToHalf2(kw[0][w] >> 8, mask);
-            const uint32_t a3 = CodesToHalf2(kw[1][w] >> 8, mask);
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-              MmaF16(s[grp][nt], a0, a1, a2, a3, qb[step][nt][0], qb[step][nt][1]);
-          }
-        }
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const int r = i >> 1, e = i & 1;
-            float x = 0.f;
-#pragma unroll
-            for (int grp = 0; grp < kNG; ++grp)
-              x += kscale[r][grp] * s[grp][nt][i] + kmin[r][grp] * sqv[grp][nt][e];
-            logit[j][nt][i] = vrow[j][r] ? x : -INFINITY;
-          }
-      } else {
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-          for (int i = 0; i < 4; ++i) logit[j][nt][i] = 0.f;
-        const int q4 = lane >> 3, r8 = lane & 7;
-#pragma unroll
-        for (int s = 0; s < kSteps; ++s) {
-          const int row = r8 + 8 * (q4 & 1);
-          const int c = 2 * s + (q4 >> 1);
-          uint32_t af[4];
-          LdMatrixX4(af, st + row * 2 * D + 16 * (c ^ (row & 7)));
-#pragma unroll
-          for (int nt = 0; nt < NT; ++nt) {
-            MmaBf16(logit[j][nt], af[0], af[1], af[2], af[3], qb[s][nt][0], qb[s][nt][1]);
-            MmaBf16(logit[j][nt], af[0], af[1], af[2], af[3], qlo[s][nt][0], qlo[s][nt][1]);
-          }
-        }
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-          for (int i = 0; i < 4; ++i)
-            if (!vrow[j][i >> 1]) logit[j][nt][i] = -INFINITY;
       }
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+          if (!vrow[j][i >> 1]) logit[j][nt][i] = -INFINITY;
     }
 
     // ---- online softmax over the kSub·16 tokens of this step ----
@@ -506,17 +334,6 @@ __global__ void __launch_bounds__(kThreads, (DecodeMinBlocks<kInt2, D, NT>()))
           lsum += p[j][nt][e] + p[j][nt][2 + e];
         }
         l_run[nt][e] = l_run[nt][e] * alpha[nt][e] + lsum;
-        if constexpr (kInt2) {
-#pragma unroll
-          for (int grp = 0; grp < kNG; ++grp) {
-            float msum = mn_run[nt][grp][e] * alpha[nt][e];
-#pragma unroll
-            for (int j = 0; j < kSub; ++j)
-              msum += (vrow[j][0] ? p[j][nt][e] * vmin[j][0][grp] : 0.f) +
-                      (vrow[j][1] ? p[j][nt][2 + e] * vmin[j][1][grp] : 0.f);
-            mn_run[nt][grp][e] = msum;
-          }
-        }
       }
     if (__any_sync(0xffffffffu, grew)) {  // rescale only when some running max moved
 #pragma unroll
@@ -531,78 +348,23 @@ __global__ void __launch_bounds__(kThreads, (DecodeMinBlocks<kInt2, D, NT>()))
 #pragma unroll
     for (int j = 0; j < kSub; ++j) {
       const uint8_t* st = stage + j * C::kTile;
-      if constexpr (kInt2) {
-        constexpr int kCR = C::kCodeRow;
-        constexpr int kVB = D / 32;  // bytes per row for this lane group
-        uint32_t pb[kNG][NT][2];
+      uint32_t pb[NT][2];
 #pragma unroll
-        for (int grp = 0; grp < kNG; ++grp)
+      for (int nt = 0; nt < NT; ++nt) {
+        pb[nt][0] = MovMatrixTrans(PackBf162(p[j][nt][0], p[j][nt][1]));
+        pb[nt][1] = MovMatrixTrans(PackBf162(p[j][nt][2], p[j][nt][3]));
+      }
+      const uint8_t* vt = st + 32 * D;
+      const int q4 = lane >> 3, r8 = lane & 7;
 #pragma unroll
-          for (int nt = 0; nt < NT; ++nt) {
-            const float p0v = vrow[j][0] ? p[j][nt][0] * vscale[j][0][grp] : 0.f;
-            const float p1v = vrow[j][0] ? p[j][nt][1] * vscale[j][0][grp] : 0.f;
-            const float p2v = vrow[j][1] ? p[j][nt][2] * vscale[j][1][grp] : 0.f;
-            const float p3v = vrow[j][1] ? p[j][nt][3] * vscale[j][1][grp] : 0.f;
-            pb[grp][nt][0] = MovMatrixTrans(PackHalf2(p0v, p1v));
-            pb[grp][nt][1] = MovMatrixTrans(PackHalf2(p2v, p3v));
-          }
-        const uint8_t* vc = st + 16 * kCR;
-        constexpr int kVW = (kVB + 3) / 4;
-        uint32_t vw[4][kVW];
+      for (int mt = 0; mt < kMt; ++mt) {
+        const int row = r8 + 8 * (q4 >> 1);
+        const int c = 2 * mt + (q4 & 1);
+        uint32_t af[4];
+        LdMatrixX4Trans(af, vt + row * 2 * D + 16 * (c ^ (row & 7)));
 #pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          const int row = 2 * tig + (q & 1) + 8 * (q >> 1);
-          const uint8_t* rp = vc + row * kCR + g * kVB;
-          if constexpr (kVB == 2) {
-            vw[q][0] = *reinterpret_cast<const uint16_t*>(rp);
-          } else if constexpr (kVB == 4) {
-            vw[q][0] = *reinterpret_cast<const uint32_t*>(rp);
-          } else {
-            const uint2 x = *reinterpret_cast<const uint2*>(rp);
-            vw[q][0] = x.x;
-            vw[q][1] = x.y;
-          }
-        }
-#pragma unroll
-        for (int i = 0; i < kVB; ++i) {
-          const int wi = i >> 2, bs = i & 3;
-          const uint32_t sel = bs | (bs << 4) | ((4 + bs) << 8) | ((4 + bs) << 12);
-          const uint32_t x0 = Prmt(vw[0][wi], vw[1][wi], sel);
-          const uint32_t x1 = Prmt(vw[2][wi], vw[3][wi], sel);
-#pragma unroll
-          for (int kk = 0; kk < 2; ++kk) {
-            const int k0 = 2 * kk;  // quarters k0 (row g) and k0+1 (row g+8)
-            const int mt = (i * 4 + k0) >> 1;
-            const uint32_t m0 = 0x00030003u << (2 * k0), m1 = 0x00030003u << (2 * k0 + 2);
-            const uint32_t a0 = CodesToHalf2(x0, m0);
-            const uint32_t a1 = CodesToHalf2(x0, m1);
-            const uint32_t a2 = CodesToHalf2(x1, m0);
-            const uint32_t a3 = CodesToHalf2(x1, m1);
-            const int grp = (kNG == 2) ? (k0 >> 1) : 0;
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-              MmaF16(acc[mt][nt], a0, a1, a2, a3, pb[grp][nt][0], pb[grp][nt][1]);
-          }
-        }
-      } else {
-        uint32_t pb[NT][2];
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          pb[nt][0] = MovMatrixTrans(PackBf162(p[j][nt][0], p[j][nt][1]));
-          pb[nt][1] = MovMatrixTrans(PackBf162(p[j][nt][2], p[j][nt][3]));
-        }
-        const uint8_t* vt = st + 32 * D;
-        const int q4 = lane >> 3, r8 = lane & 7;
-#pragma unroll
-        for (int mt = 0; mt < kMt; ++mt) {
-          const int row = r8 + 8 * (q4 >> 1);
-          const int c = 2 * mt + (q4 & 1);
-          uint32_t af[4];
-          LdMatrixX4Trans(af, vt + row * 2 * D + 16 * (c ^ (row & 7)));
-#pragma unroll
-          for (int nt = 0; nt < NT; ++nt)
-            MmaBf16(acc[mt][nt], af[0], af[1], af[2], af[3], pb[nt][0], pb[nt][1]);
-        }
+        for (int nt = 0; nt < NT; ++nt)
+          MmaBf16(acc[mt][nt], af[0], af[1], af[2], af[3], pb[nt][0], pb[nt][1]);
       }
     }
     __syncwarp();
@@ -615,12 +377,8 @@ __global__ void __launch_bounds__(kThreads, (DecodeMinBlocks<kInt2, D, NT>()))
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
 #pragma unroll
-      for (int o = 4; o < 32; o <<= 1) {
+      for (int o = 4; o < 32; o <<= 1)
         l_run[nt][e] += __shfl_xor_sync(0xffffffffu, l_run[nt][e], o);
-#pragma unroll
-        for (int grp = 0; grp < kNG; ++grp)
-          mn_run[nt][grp][e] += __shfl_xor_sync(0xffffffffu, mn_run[nt][grp][e], o);
-      }
     }
 
   // ---- combine the warps in shared memory ----
@@ -644,13 +402,7 @@ __global__ void __launch_bounds__(kThreads, (DecodeMinBlocks<kInt2, D, NT>()))
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int r = i >> 1, e = i & 1;
-        const int dim = OutDim<kInt2, D>(mt, r, g);
-        float o = acc[mt][nt][i] * OutQuarterScale<kInt2, D>(mt, r);
-        if constexpr (kInt2) {
-          const int grp = (kNG == 2) ? (dim >= 128) : 0;
-          o += mn_run[nt][grp][e];
-        }
-        co[(warp * kN + 8 * nt + 2 * tig + e) * D + dim] = o;
+        co[(warp * kN + 8 * nt + 2 * tig + e) * D + 16 * mt + 8 * r + g] = acc[mt][nt][i];
       }
   __syncthreads();
   const int split = seg.split_offset + sx;
@@ -705,15 +457,15 @@ __global__ void __launch_bounds__(kThreads, (DecodeMinBlocks<kInt2, D, NT>()))
 //   that contains them.
 template <int D>
 struct I2Cfg {
-  static constexpr int kNG = (D == 256) ? 2 : 1;          // INT2 groups per row
-  static constexpr int kCR = D / 4;                       // code bytes per token row
-  static constexpr int kTile = 32 * kCR + 128 * kNG;      // one 16-token unit: K, V, params
-  static constexpr int kSub = 2;                          // units per warp step
-  static constexpr int kStages = (D == 256) ? 3 : 4;      // ring stages per warp
-  static constexpr int kTW = D / 64;                      // K words per row per lane (1, 2, 4)
-  static constexpr int kMma = 2 * kTW;                    // k32 MMAs per unit per n-tile
-  static constexpr int kVB = D / 32;                      // V bytes per row per lane group
-  static constexpr int kMt = D / 16;                      // m-tiles of Oᵀ
+  static constexpr int kNG = (D == 256) ? 2 : 1;      // INT2 groups per row
+  static constexpr int kCR = D / 4;                   // code bytes per token row
+  static constexpr int kTile = 32 * kCR + 128 * kNG;  // one 16-token unit: K, V, params
+  static constexpr int kSub = 2;                      // units per warp step
+  static constexpr int kStages = (D == 256) ? 3 : 4;  // ring stages per warp
+  static constexpr int kTW = D / 64;                  // K words per row per lane (1, 2, 4)
+  static constexpr int kMma = 2 * kTW;                // k32 MMAs per unit per n-tile
+  static constexpr int kVB = D / 32;                  // V bytes per row per lane group
+  static constexpr int kMt = D / 16;                  // m-tiles of Oᵀ
 };
 
 template <int D, int KT>
@@ -728,10 +480,16 @@ constexpr int Int2SmemBytes() {
 // 16-31 of the k32 step; any pairing works as long as q̃'s fragments follow it).
 template <int D>
 struct I2Chunk {
-  static constexpr __host__ __device__ int W0(int m) { return I2Cfg<D>::kTW == 1 ? 0 : 2 * (m % (I2Cfg<D>::kTW / 2)); }
+  static constexpr __host__ __device__ int W0(int m) {
+    return I2Cfg<D>::kTW == 1 ? 0 : 2 * (m % (I2Cfg<D>::kTW / 2));
+  }
   static constexpr __host__ __device__ int W1(int m) { return I2Cfg<D>::kTW == 1 ? 0 : W0(m) + 1; }
-  static constexpr __host__ __device__ int K0(int m) { return I2Cfg<D>::kTW == 1 ? 2 * m : m / (I2Cfg<D>::kTW / 2); }
-  static constexpr __host__ __device__ int K1(int m) { return I2Cfg<D>::kTW == 1 ? 2 * m + 1 : K0(m); }
+  static constexpr __host__ __device__ int K0(int m) {
+    return I2Cfg<D>::kTW == 1 ? 2 * m : m / (I2Cfg<D>::kTW / 2);
+  }
+  static constexpr __host__ __device__ int K1(int m) {
+    return I2Cfg<D>::kTW == 1 ? 2 * m + 1 : K0(m);
+  }
   static constexpr __host__ __device__ int Grp(int m) { return I2Cfg<D>::kNG == 2 ? K0(m) / 2 : 0; }
   // Channel of byte b of word w, quarter k, for lane-in-group tig.
   static constexpr __host__ __device__ int Channel(int tig, int w, int k, int b) {
@@ -805,7 +563,9 @@ __global__ void __launch_bounds__(kThreads, (D <= 128 ? (KT == 1 ? 5 : 4) : 2))
   __syncwarp();
 
   // Page ids of this warp's units, 32 slots (16 steps) per batch, one slot per lane.
-  auto slot_unit = [&](int slot) { return first_unit + (slot / kSub) * kSub * kWarps + slot % kSub; };
+  auto slot_unit = [&](int slot) {
+    return first_unit + (slot / kSub) * kSub * kWarps + slot % kSub;
+  };
   auto load_pid = [&](int batch) -> int {
     const int u = slot_unit(32 * batch + lane);
     return u < nunits ? __ldg(page_ids + (u >> tpp_log2)) : 0;
@@ -844,8 +604,8 @@ __global__ void __launch_bounds__(kThreads, (D <= 128 ? (KT == 1 ? 5 : 4) : 2))
             BulkCopy(dst + 16 * C::kCR, src + code_part + sub * 16 * C::kCR, 16 * C::kCR, &bar[s]);
             BulkCopy(dst + 32 * C::kCR, src + 2 * code_part + sub * 64 * kNG, 64 * kNG, &bar[s]);
             BulkCopy(dst + 32 * C::kCR + 64 * kNG,
-                     src + 2 * code_part + uint64_t(page_size) * 4 * kNG + sub * 64 * kNG,
-                     64 * kNG, &bar[s]);
+                     src + 2 * code_part + uint64_t(page_size) * 4 * kNG + sub * 64 * kNG, 64 * kNG,
+                     &bar[s]);
           }
         }
       }
@@ -1208,7 +968,7 @@ __global__ void __launch_bounds__(kRotThreads)
     QRotateKernel(const uint16_t* __restrict__ q, const float* __restrict__ rk,
                   int64_t r_head_stride, int num_q_heads, int group, float scale,
                   float* __restrict__ q_rot) {
-  constexpr int kParts = kRotThreads / D;  // slices of the reduction index (1, 2 or 4)
+  constexpr int kParts = kRotThreads / D;    // slices of the reduction index (1, 2 or 4)
   __shared__ __align__(16) float qs[D][16];  // [i][head]
   __shared__ float red[kParts][4][D];
   PdlLaunchDependents();
@@ -1321,7 +1081,7 @@ __global__ void __launch_bounds__(kMergeThreads)
   // coalesced and a butterfly sums each (row, head). All rows of a batch are loaded before any
   // is used (R_V may come from DRAM; a first version that loaded row by row spent ~25 µs on
   // latency at B = 32 × 8 KV heads).
-  constexpr int kRows = D / (kMergeThreads / 32);       // rows per warp
+  constexpr int kRows = D / (kMergeThreads / 32);              // rows per warp
   constexpr int kBatch = kRows < 2048 / D ? kRows : 2048 / D;  // ≤ 64 floats of R per lane
   const float* r = rv + kvh * r_head_stride;
 #pragma unroll 1
@@ -1444,8 +1204,8 @@ bool UsePdl() {
 // Launches `kernel` on `stream`, with the PDL attribute when `pdl` (the kernel may then start
 // before its predecessor in the stream finished; it synchronizes with griddepcontrol.wait).
 template <typename Kernel, typename... Args>
-cudaError_t Launch(Kernel kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
-                   bool pdl, Args... args) {
+cudaError_t Launch(Kernel kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t stream, bool pdl,
+                   Args... args) {
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = grid;
   cfg.blockDim = block;
@@ -1488,18 +1248,20 @@ int DecodeSlots(bool int2, int d, int tiles) {
   }
   int per_sm = 1;
   if (int2) {
-    per_sm = d == 64    ? (tiles == 2 ? ResidentCtas(Int2DecodeKernel<64, 2>, Int2SmemBytes<64, 2>())
-                                      : ResidentCtas(Int2DecodeKernel<64, 1>, Int2SmemBytes<64, 1>()))
-             : d == 128 ? (tiles == 2 ? ResidentCtas(Int2DecodeKernel<128, 2>, Int2SmemBytes<128, 2>())
-                                      : ResidentCtas(Int2DecodeKernel<128, 1>, Int2SmemBytes<128, 1>()))
-                        : (tiles == 2 ? ResidentCtas(Int2DecodeKernel<256, 2>, Int2SmemBytes<256, 2>())
-                                      : ResidentCtas(Int2DecodeKernel<256, 1>, Int2SmemBytes<256, 1>()));
+    per_sm = d == 64 ? (tiles == 2 ? ResidentCtas(Int2DecodeKernel<64, 2>, Int2SmemBytes<64, 2>())
+                                   : ResidentCtas(Int2DecodeKernel<64, 1>, Int2SmemBytes<64, 1>()))
+             : d == 128
+                 ? (tiles == 2 ? ResidentCtas(Int2DecodeKernel<128, 2>, Int2SmemBytes<128, 2>())
+                               : ResidentCtas(Int2DecodeKernel<128, 1>, Int2SmemBytes<128, 1>()))
+                 : (tiles == 2 ? ResidentCtas(Int2DecodeKernel<256, 2>, Int2SmemBytes<256, 2>())
+                               : ResidentCtas(Int2DecodeKernel<256, 1>, Int2SmemBytes<256, 1>()));
   } else {
-    per_sm = d == 64    ? (tiles == 2 ? ResidentCtas(DecodeKernel<false, 64, 2>, DecodeSmemBytes<false, 64, 2>())
-                                      : ResidentCtas(DecodeKernel<false, 64, 1>, DecodeSmemBytes<false, 64, 1>()))
-             : d == 128 ? (tiles == 2 ? ResidentCtas(DecodeKernel<false, 128, 2>, DecodeSmemBytes<false, 128, 2>())
-                                      : ResidentCtas(DecodeKernel<false, 128, 1>, DecodeSmemBytes<false, 128, 1>()))
-                        : ResidentCtas(DecodeKernel<false, 256, 1>, DecodeSmemBytes<false, 256, 1>());
+    per_sm = d == 64 ? (tiles == 2 ? ResidentCtas(Bf16DecodeKernel<64, 2>, Bf16SmemBytes<64, 2>())
+                                   : ResidentCtas(Bf16DecodeKernel<64, 1>, Bf16SmemBytes<64, 1>()))
+             : d == 128
+                 ? (tiles == 2 ? ResidentCtas(Bf16DecodeKernel<128, 2>, Bf16SmemBytes<128, 2>())
+                               : ResidentCtas(Bf16DecodeKernel<128, 1>, Bf16SmemBytes<128, 1>()))
+                 : ResidentCtas(Bf16DecodeKernel<256, 1>, Bf16SmemBytes<256, 1>());
   }
   v = per_sm * sms;
   c.store(v, std::memory_order_relaxed);
@@ -1571,14 +1333,14 @@ KernelStatus LaunchError(const char* what) {
 
 template <int D, int NT>
 KernelStatus LaunchBf16Kernel(const AttnArgs& args, dim3 grid, cudaStream_t stream, bool pdl) {
-  constexpr int smem = DecodeSmemBytes<false, D, NT>();
-  auto kernel = DecodeKernel<false, D, NT>;
+  constexpr int smem = Bf16SmemBytes<D, NT>();
+  auto kernel = Bf16DecodeKernel<D, NT>;
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) !=
       cudaSuccess)
-    return LaunchError("cudaFuncSetAttribute(DecodeKernel<bf16>)");
+    return LaunchError("cudaFuncSetAttribute(Bf16DecodeKernel)");
   if (Launch(kernel, grid, dim3(kThreads), smem, stream, pdl, args) != cudaSuccess)
-    return LaunchError("DecodeKernel<bf16>");
-  return LaunchError("DecodeKernel<bf16>");
+    return LaunchError("Bf16DecodeKernel");
+  return LaunchError("Bf16DecodeKernel");
 }
 template <int D, int KT>
 KernelStatus LaunchInt2Kernel(const AttnArgs& args, dim3 grid, cudaStream_t stream) {
@@ -1682,7 +1444,7 @@ KernelStatus LaunchPagedDecode(const PagedDecodeParams& p, Stream stream_handle)
   const float qscale = p.sm_scale * kLog2e;
   if (d == 64)
     QRotateKernel<64><<<hb, kRotThreads, 0, stream>>>(p.q, p.rotation_k, rstride, p.num_q_heads,
-                                                       group, qscale, q_rot);
+                                                      group, qscale, q_rot);
   else if (d == 128)
     QRotateKernel<128><<<hb, kRotThreads, 0, stream>>>(p.q, p.rotation_k, rstride, p.num_q_heads,
                                                        group, qscale, q_rot);
@@ -1706,10 +1468,10 @@ KernelStatus LaunchPagedDecode(const PagedDecodeParams& p, Stream stream_handle)
     args.head_chunks = plan.head_chunks;
     args.seg0 = MakeSeg(p.sink, p.bf16_pool, plan.sink, 0);
     args.seg1 = MakeSeg(p.recent, p.bf16_pool, plan.recent, plan.sink.splits + plan.history.splits);
-    st = DispatchBf16(d, plan.nt, args,
-                      dim3(plan.sink.splits + plan.recent.splits,
-                           p.num_kv_heads * plan.head_chunks, p.batch),
-                      stream, true);
+    st = DispatchBf16(
+        d, plan.nt, args,
+        dim3(plan.sink.splits + plan.recent.splits, p.num_kv_heads * plan.head_chunks, p.batch),
+        stream, true);
     if (!st.ok()) return st;
   }
   if (plan.history.splits > 0) {

@@ -20,12 +20,15 @@
 //   p.workspace = my_ws; p.workspace_bytes = ws;          // caller-owned device memory
 //   kvpool::cuda::KernelStatus st = kvpool::cuda::LaunchPagedDecode(p, stream);
 //
-// Algorithm (docs/KERNELS.md): split-K over pages (flash-decoding); each CTA streams its pages
-// through shared memory with cp.async, computes q·k and p·v on tensor cores (tokens on the M
-// side of q·kᵀ; INT2 codes turned into fp16 by OR with 0x6400; the per-token affine form of
-// FORMAT.md §2.8, so no per-element scale multiply), keeps an online softmax, and writes a
-// (partial output, log-sum-exp) pair; a merge kernel combines the partials of all splits and
-// segments (empty ones contribute nothing) and applies R_Vᵀ.
+// Algorithm (docs/KERNELS.md): split-K over pages (flash-decoding); each warp streams its pages
+// through a shared-memory ring (TMA bulk copies for INT2 pages, cp.async for BF16 pages),
+// computes q·k and p·v on tensor cores with tokens on the M side of q·kᵀ — INT2: integer MMA
+// of the masked u8 codes with a 16-bit integer q̃ split into int8 halves for q·k, the masked
+// codes used as fp16 subnormals for p·v; the per-token affine form of FORMAT.md §2.8, so no
+// per-element scale multiply — keeps an online softmax, and writes a (partial output,
+// log-sum-exp) pair; a merge kernel combines the partials of all splits and segments (empty
+// ones contribute nothing) and applies R_Vᵀ. The kernels are chained with programmatic
+// dependent launch (KVPOOL_DECODE_PDL=0 in the environment launches them plainly).
 //
 // Supported: head_dim 64/128/256; page_size 16 or 64; group 1..16 (padded at run time);
 // batch 1..65535. Everything else is refused with kUnsupported.
@@ -101,7 +104,8 @@ struct PagedDecodeParams {
 // Errors: kInvalidArgument / kUnsupported as LaunchPagedDecode.
 KernelStatus PagedDecodeWorkspaceBytes(const PagedDecodeParams& params, size_t* bytes);
 
-// Enqueues the decode on `stream` (3-4 kernel launches). Never allocates or synchronizes.
+// Enqueues the decode on `stream` (up to 4 kernel launches: q rotation, BF16 segments, INT2
+// history, merge). Never allocates or synchronizes.
 // Errors: kInvalidArgument (field named), kUnsupported (shape), kWorkspaceTooSmall,
 // kLaunchFailed. Device-side contract violations (page ids out of the pool, a request with more
 // pages than max_pages) are the caller's; the latter yields NaN output for that request.
