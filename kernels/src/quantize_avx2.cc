@@ -518,6 +518,38 @@ inline bool Bf16KeyThresholds(float mn16f, float sc, float tau, int32_t* tm1) {
   return true;
 }
 
+// Codes of a bf16 row from its per-group key thresholds tv[3·g + k] (d >= 64) and the
+// quarter-planar packing, 16 output bytes per step. kOneGroup: d <= 128 (thresholds stay in
+// registers).
+template <bool kOneGroup>
+inline void KeyCodes(const uint16_t* x, uint32_t d, const __m256i* tv, uint8_t* codes) {
+  const uint32_t q = d / 4;
+  const uint32_t gshift = d < 128 ? static_cast<uint32_t>(__builtin_ctz(d)) : 7;
+  const __m256i abs_mask = _mm256_set1_epi16(0x7fff);
+  const __m256i t0 = tv[0], t1 = tv[1], t2 = tv[2];
+  for (uint32_t b = 0; b < q; b += 16) {
+    __m256i acc = _mm256_setzero_si256();
+#pragma GCC unroll 4
+    for (uint32_t p = 0; p < 4; ++p) {
+      const uint32_t j = b + p * q;
+      const __m256i* t = kOneGroup ? nullptr : tv + 3 * (j >> gshift);
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + j));
+      const __m256i key = _mm256_xor_si256(v, _mm256_and_si256(_mm256_srai_epi16(v, 15), abs_mask));
+      const __m256i s =
+          _mm256_add_epi16(_mm256_add_epi16(_mm256_cmpgt_epi16(key, kOneGroup ? t0 : t[0]),
+                                            _mm256_cmpgt_epi16(key, kOneGroup ? t1 : t[1])),
+                           _mm256_cmpgt_epi16(key, kOneGroup ? t2 : t[2]));  // −code
+      acc = _mm256_sub_epi16(acc, _mm256_slli_epi16(s, static_cast<int>(2 * p)));
+    }
+    // 16 code bytes (one per 16-bit lane) -> bytes b..b+15
+    const __m256i packed = _mm256_packus_epi16(acc, acc);  // lane0: 0..7 x2, lane1: 8..15 x2
+    const uint64_t lo = static_cast<uint64_t>(_mm256_extract_epi64(packed, 0));
+    const uint64_t hi = static_cast<uint64_t>(_mm256_extract_epi64(packed, 2));
+    std::memcpy(codes + b, &lo, 8);
+    std::memcpy(codes + b + 8, &hi, 8);
+  }
+}
+
 // EncodeRow for bf16 rows with d >= 64: key compares on 16 elements per vector.
 RowQuantStatus EncodeRowBf16(const uint16_t* x, uint32_t d, float tau, const float* raw_mn,
                              const float* raw_mx, uint8_t* codes, uint16_t* params) {
@@ -547,28 +579,10 @@ RowQuantStatus EncodeRowBf16(const uint16_t* x, uint32_t d, float tau, const flo
     }
     for (int k = 0; k < 3; ++k) tv[3 * g + k] = _mm256_set1_epi16(static_cast<int16_t>(tm1[k]));
   }
-  const uint32_t q = d / 4;
-  const uint32_t gshift = static_cast<uint32_t>(__builtin_ctz(G));
-  const __m256i abs_mask = _mm256_set1_epi16(0x7fff);
-  for (uint32_t b = 0; b < q; b += 16) {
-    __m256i acc = _mm256_setzero_si256();
-#pragma GCC unroll 4
-    for (uint32_t p = 0; p < 4; ++p) {
-      const uint32_t j = b + p * q;
-      const __m256i* t = tv + 3 * (j >> gshift);
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + j));
-      const __m256i key = _mm256_xor_si256(v, _mm256_and_si256(_mm256_srai_epi16(v, 15), abs_mask));
-      const __m256i s = _mm256_add_epi16(
-          _mm256_add_epi16(_mm256_cmpgt_epi16(key, t[0]), _mm256_cmpgt_epi16(key, t[1])),
-          _mm256_cmpgt_epi16(key, t[2]));  // −code
-      acc = _mm256_sub_epi16(acc, _mm256_slli_epi16(s, static_cast<int>(2 * p)));
-    }
-    // 16 codes bytes (one per 16-bit lane) -> bytes b..b+15
-    const __m256i packed = _mm256_packus_epi16(acc, acc);  // lane0: 0..7 x2, lane1: 8..15 x2
-    const uint64_t lo = static_cast<uint64_t>(_mm256_extract_epi64(packed, 0));
-    const uint64_t hi = static_cast<uint64_t>(_mm256_extract_epi64(packed, 2));
-    std::memcpy(codes + b, &lo, 8);
-    std::memcpy(codes + b + 8, &hi, 8);
+  if (ng == 1) {
+    KeyCodes<true>(x, d, tv, codes);
+  } else {
+    KeyCodes<false>(x, d, tv, codes);
   }
   std::memcpy(params, out_params, 4 * ng);
   return RowQuantStatus::kOk;
@@ -592,6 +606,9 @@ bool StatsAndTauBf16(const uint16_t* x, uint32_t d, uint32_t G, uint32_t k, floa
       *tau = BitsToFloat(static_cast<uint32_t>(static_cast<uint16_t>(t0)) << 16);
       return true;
     }
+    // a lane holds more than M−1 of the top k: retry once with deeper lists (a second pass
+    // costs less than the exact selection), then the exact selection
+    if constexpr (M == 3) return StatsAndTauBf16<4>(x, d, G, k, raw_mn, raw_mx, tau);
   }
   alignas(32) float wide[kMaxHeadDim];
   Bf16ToFp32RowsAvx2(x, d, wide);
