@@ -1,6 +1,8 @@
-// tests/pool_testing.h — helpers for the cross-component tests: a kvpool-server child process
-// on a loopback port, model specs with a Hadamard rotation file, random K/V sequences and the
-// pool's CPU encoder as the oracle for stored bytes.
+// tests/pool_testing.h — helpers shared by the client and cross-component tests
+// (client/tests/client_test.cc, tests/pool_integration_test.cc, tests/pool_put_helper.cc): a
+// kvpool-server child process on a loopback port (only where KVPOOL_SERVER_BIN is defined),
+// model specs with a Hadamard rotation file, random K/V sequences, the pool's CPU encoder as the
+// oracle for stored bytes, registered page pools for fetches and a client factory.
 #pragma once
 
 #include <poll.h>
@@ -26,6 +28,7 @@
 
 namespace kvpool::testing {
 
+#ifdef KVPOOL_SERVER_BIN
 // A kvpool-server child process. Start() launches it on 127.0.0.1 (port 0 = any free port, read
 // back from its "grpc_port=N" line) and returns once that line appeared (the server prints it
 // when ready). Destruction kills it.
@@ -131,6 +134,7 @@ class ServerProcess {
   int port_ = 0;
   std::string error_;
 };
+#endif  // KVPOOL_SERVER_BIN
 
 inline constexpr uint32_t kLayers = 2, kHeads = 2, kDim = 64, kPage = 16;
 
@@ -226,12 +230,15 @@ inline bool ExpectedForms(const Sequence& s, uint32_t b, const client::ModelSpec
 
 // Caller-registered page pools for `blocks` blocks of each form, and a fetch plan that puts
 // block i (of either form) on page i. Movable only as a whole (the plan points into it).
+// With `reverse_pages`, block i goes to page blocks-1-i instead (page ids differ from block
+// indices).
 struct FetchPools {
   std::vector<uint8_t> bf16_mem, int2_mem;
   client::PagePool bf16, int2;
   client::FetchPlan plan;
 
-  static absl::StatusOr<std::unique_ptr<FetchPools>> Create(client::Client& c, uint32_t blocks) {
+  static absl::StatusOr<std::unique_ptr<FetchPools>> Create(client::Client& c, uint32_t blocks,
+                                                            bool reverse_pages = false) {
     auto p = std::make_unique<FetchPools>();
     BlockGeometry g = Geometry();
     p->bf16_mem.assign(blocks * g.Bf16FormBytes(), 0xCD);
@@ -245,11 +252,30 @@ struct FetchPools {
     p->plan.bf16_pool = &p->bf16;
     p->plan.int2_pool = &p->int2;
     for (uint32_t i = 0; i < blocks; ++i) {
-      p->plan.bf16_pages.push_back(static_cast<int32_t>(i));
-      p->plan.int2_pages.push_back(static_cast<int32_t>(i));
+      const auto page = static_cast<int32_t>(reverse_pages ? blocks - 1 - i : i);
+      p->plan.bf16_pages.push_back(page);
+      p->plan.int2_pages.push_back(page);
     }
     return p;
   }
 };
+
+// A client of the pool at `server` ("host:port") over UCX `tls`, 20 s default deadline; null
+// (with the status in *error when given) when it cannot be created.
+inline std::unique_ptr<client::Client> NewClient(const std::string& server, const std::string& tls,
+                                                 bool check_finite = true,
+                                                 absl::Status* error = nullptr) {
+  client::ClientOptions o;
+  o.server = server;
+  o.ucx_tls = tls;
+  o.default_timeout = absl::Seconds(20);
+  o.check_finite = check_finite;
+  auto c = client::Client::Create(o);
+  if (!c.ok()) {
+    if (error != nullptr) *error = c.status();
+    return nullptr;
+  }
+  return *std::move(c);
+}
 
 }  // namespace kvpool::testing

@@ -18,95 +18,21 @@
 #include "kvpool/kernels/rotation_file.h"
 #include "kvpool/kvstore/encoder.h"
 #include "kvpool/kvstore/server.h"
+#include "pool_testing.h"
 
 namespace kvpool::client {
 namespace {
 
 using ::testing::HasSubstr;
 
-constexpr uint32_t kLayers = 2, kHeads = 2, kDim = 64, kPage = 16;
-
-std::string HadamardRotationFile(const std::string& model_id, float clip_k, float clip_v) {
-  RotationMetadata meta;
-  meta.model_name = model_id;
-  meta.head_dim = kDim;
-  meta.num_layers = kLayers;
-  meta.num_kv_heads = kHeads;
-  meta.clip_ratio_k = clip_k;
-  meta.clip_ratio_v = clip_v;
-  auto rot = RotationSet::Hadamard(meta);
-  EXPECT_TRUE(rot.ok()) << rot.status();
-  return SerializeRotations(*rot);
-}
-
-ModelSpec Spec(const std::string& precision) {
-  ModelSpec s;
-  s.model_id = "client-test-" + precision;
-  s.revision = "r1";
-  s.num_layers = kLayers;
-  s.num_kv_heads = kHeads;
-  s.head_dim = kDim;
-  s.page_size = kPage;
-  s.sink_tokens = 16;    // 1 sink block
-  s.recent_tokens = 32;  // 2 window blocks
-  s.history_precision = precision;
-  s.rotation_file = HadamardRotationFile(s.model_id, s.clip_ratio_k, s.clip_ratio_v);
-  return s;
-}
-
-uint16_t ToBf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
-}
-
-// Per-layer K/V of a sequence: [tokens][heads][dim] bf16.
-struct Sequence {
-  std::vector<uint32_t> tokens;
-  std::vector<std::vector<uint16_t>> k, v;
-  std::vector<absl::Span<const uint16_t>> ks() const { return {k.begin(), k.end()}; }
-  std::vector<absl::Span<const uint16_t>> vs() const { return {v.begin(), v.end()}; }
-};
-
-Sequence MakeSequence(uint32_t num_tokens, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> n(0.f, 1.f);
-  Sequence s;
-  for (uint32_t t = 0; t < num_tokens; ++t) s.tokens.push_back(rng() % 32000);
-  for (uint32_t l = 0; l < kLayers; ++l) {
-    s.k.emplace_back(size_t(num_tokens) * kHeads * kDim);
-    s.v.emplace_back(size_t(num_tokens) * kHeads * kDim);
-    for (auto& x : s.k.back()) x = ToBf16(n(rng) * 2.f);
-    for (auto& x : s.v.back()) x = ToBf16(n(rng));
-  }
-  return s;
-}
-
-// The staging bytes of block b (un-rotated BF16 form), as the client packs them.
-std::vector<uint8_t> StagingForm(const Sequence& s, uint32_t b) {
-  BlockGeometry g{kLayers, kHeads, kDim, kPage};
-  std::vector<uint8_t> out(g.Bf16FormBytes());
-  for (uint32_t l = 0; l < kLayers; ++l) {
-    PackLayerSlice(g, b, s.k[l].data(), s.v[l].data(), out.data() + l * g.Bf16LayerBytes());
-  }
-  return out;
-}
-
-// Expected stored forms of block b from the pool's own CPU encoder.
-void ExpectedForms(const Sequence& s, uint32_t b, const ModelSpec& spec, std::vector<uint8_t>* bf16,
-                   std::vector<uint8_t>* int2) {
-  BlockGeometry g{kLayers, kHeads, kDim, kPage};
-  auto rot = ParseRotations(spec.rotation_file);
-  ASSERT_TRUE(rot.ok());
-  auto staging = StagingForm(s, b);
-  bf16->assign(g.Bf16FormBytes(), 0);
-  int2->assign(g.Int2FormBytes(), 0);
-  kvstore::EncodeResult r;
-  ASSERT_TRUE(kvstore::EncodeBlock(g, *rot, spec.clip_ratio_k, spec.clip_ratio_v, staging.data(),
-                                   bf16->data(), int2->data(), &r)
-                  .ok());
-  ASSERT_TRUE(r.int2_ok);
-}
+using testing::ExpectedForms;
+using testing::kDim;
+using testing::kHeads;
+using testing::kLayers;
+using testing::kPage;
+using testing::MakeSequence;
+using testing::Sequence;
+using testing::Spec;
 
 // Loopback only: UCX's tcp transport otherwise also opens lanes over eth0. A value from the
 // environment wins.
@@ -135,40 +61,19 @@ class ClientTest : public ::testing::TestWithParam<std::string> {
   }
 
   std::unique_ptr<Client> NewClient(bool check_finite = true) {
-    ClientOptions o;
-    o.server = absl::StrCat("127.0.0.1:", port_);
-    o.ucx_tls = Tls();
-    o.default_timeout = absl::Seconds(20);
-    o.check_finite = check_finite;
-    auto c = Client::Create(o);
-    EXPECT_TRUE(c.ok()) << c.status();
-    return c.ok() ? *std::move(c) : nullptr;
+    absl::Status error;
+    auto c = testing::NewClient(absl::StrCat("127.0.0.1:", port_), Tls(), check_finite, &error);
+    EXPECT_NE(c, nullptr) << error;
+    return c;
   }
 
-  // Page pools large enough for `blocks` blocks of each form.
-  struct Pools {
-    std::vector<uint8_t> bf16_mem, int2_mem;
-    PagePool bf16, int2;
-    FetchPlan plan;
-  };
+  // Page pools for `blocks` blocks of each form; pages in reverse order, so page ids differ
+  // from block indices.
+  using Pools = testing::FetchPools;
   std::unique_ptr<Pools> MakePools(Client& c, uint32_t blocks) {
-    auto p = std::make_unique<Pools>();
-    BlockGeometry g{kLayers, kHeads, kDim, kPage};
-    p->bf16_mem.assign(blocks * g.Bf16FormBytes(), 0xCD);
-    p->int2_mem.assign(blocks * g.Int2FormBytes(), 0xCD);
-    auto rb = c.RegisterBuffer(p->bf16_mem.data(), p->bf16_mem.size());
-    auto ri = c.RegisterBuffer(p->int2_mem.data(), p->int2_mem.size());
-    EXPECT_TRUE(rb.ok() && ri.ok());
-    p->bf16 = {*rb, g.Bf16FormBytes()};
-    p->int2 = {*ri, g.Int2FormBytes()};
-    p->plan.bf16_pool = &p->bf16;
-    p->plan.int2_pool = &p->int2;
-    // Pages in reverse order, so page ids differ from block indices.
-    for (int32_t i = blocks - 1; i >= 0; --i) {
-      p->plan.bf16_pages.push_back(i);
-      p->plan.int2_pages.push_back(i);
-    }
-    return p;
+    auto p = Pools::Create(c, blocks, /*reverse_pages=*/true);
+    EXPECT_TRUE(p.ok()) << p.status();
+    return p.ok() ? *std::move(p) : nullptr;
   }
 
   // Parameter "TLS" or "TLS/INITIATOR": the UCX transports, and who initiates RMA transfers
@@ -226,7 +131,7 @@ TEST_P(ClientTest, PutThenFetchIsByteExactAgainstTheCpuEncoderInt2) {
   EXPECT_EQ(f->tables.recent.last_page_len, (std::vector<int32_t>{int32_t(kPage)}));
   for (uint32_t b = 0; b < 8; ++b) {
     std::vector<uint8_t> bf16, int2;
-    ExpectedForms(s, b, spec, &bf16, &int2);
+    ASSERT_TRUE(ExpectedForms(s, b, spec, &bf16, &int2));
     const bool is_int2 = b >= 1 && b <= 5;
     EXPECT_EQ(f->forms[b], is_int2 ? Form::kInt2 : Form::kBf16) << b;
     const int32_t page = f->pages[b];
@@ -262,7 +167,7 @@ TEST_P(ClientTest, Bf16HistoryStoresTheRotatedInputExactly) {
   BlockGeometry g{kLayers, kHeads, kDim, kPage};
   for (uint32_t b = 0; b < 5; ++b) {
     std::vector<uint8_t> bf16, int2;
-    ExpectedForms(s, b, spec, &bf16, &int2);
+    ASSERT_TRUE(ExpectedForms(s, b, spec, &bf16, &int2));
     EXPECT_EQ(0, std::memcmp(pools->bf16_mem.data() + f->pages[b] * g.Bf16FormBytes(), bf16.data(),
                              bf16.size()))
         << b;

@@ -2,6 +2,7 @@
 #include "ucx_handles.h"
 
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -42,6 +43,18 @@ absl::StatusOr<std::unique_ptr<UcxConfig>> UcxConfig::Create(const std::string& 
   ucs_status_t st = ucp_config_read(nullptr, nullptr, &config);
   if (st != UCS_OK) return FromUcs(st, "ucp_config_read");
   auto out = std::unique_ptr<UcxConfig>(new UcxConfig(config));
+  // RMA of every size goes zero-copy (cma's process_vm_readv/writev over shared memory) instead
+  // of being emulated with active messages below UCX's auto threshold. Over posix/sysv those
+  // messages are written into the *target's* shared receive FIFO, and a process killed halfway
+  // through writing an element leaves that FIFO blocked for every later sender: a client
+  // SIGKILLed mid-put wedged the pool's data plane for all new clients (docs/TRANSPORT.md).
+  // UCX_ZCOPY_THRESH in the environment still wins.
+  if (std::getenv("UCX_ZCOPY_THRESH") == nullptr) {
+    st = ucp_config_modify(config, "ZCOPY_THRESH", "0");
+    if (st != UCS_OK) {
+      KVPOOL_LOG_WARN("transport: cannot set ZCOPY_THRESH=0: {}", ucs_status_string(st));
+    }
+  }
   if (!tls.empty()) {
     st = ucp_config_modify(config, "TLS", tls.c_str());
     if (st != UCS_OK) {
