@@ -23,8 +23,13 @@
 // Params layout: per row NG = d / G pairs, each {uint16 scale16, uint16 mn16} (4 bytes,
 // little-endian, scale first) — docs/BLOCK_FORMAT.md.
 //
-// Two implementations: portable scalar code and an AVX2/FMA/F16C path, chosen at run time
-// (KernelIsa::kAuto) and bit-identical to the scalar path (tested on random inputs).
+// Two implementations: portable scalar code (the reference: sorted selection of τ, a division
+// per element) and an AVX2/FMA/F16C path, chosen at run time (KernelIsa::kAuto) and
+// bit-identical to the scalar path for every input (tested on random, tie-heavy, adversarial
+// and level-boundary inputs). The AVX2 quantizer finds the same τ from per-lane top lists
+// (with an exactness check and an exact fallback) and the same codes by comparisons that are
+// proven equivalent to the division (kernels/src/quantize_avx2.cc); bf16 rows are processed
+// natively on 16-bit lanes, a few rows at a time.
 //
 //   uint8_t codes[32]; uint16_t params[2];
 //   RowQuantStatus s = QuantizeRow(x, 128, kDefaultClipRatioK, codes, params);
