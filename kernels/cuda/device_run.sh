@@ -8,8 +8,12 @@
 #            without programmatic dependent launch (KVPOOL_DECODE_PDL=0) at B 32 x 32K
 #     grid:  the PERF.md grid the issue asks for: B {1, 8, 32, 128} x {4K, 32K, 128K} for
 #            32q/8kv page 16, and 32q/8kv, 64q/8kv, 32q/4kv at B 32 x 32K for pages 16 and 64
+#     v5:    B 1 and 32 x 32K, 8 x 128K, 128 x 128K (32q/8kv, page 16) with SDPA, then B 1 / 32 x 32K
+#            and 8 x 128K again with KVPOOL_DECODE_ORDER=$ALT_ORDER (default int2) for A/B
 #     full:  every shape of PERF.md (long)
-# TEST_FILTER (gtest filter) and SKIP_TESTS=1 control the tests; SANITIZE=1 adds memcheck.
+# TEST_FILTER (gtest filter) and SKIP_TESTS=1 control the tests (TEST_ENV="VAR=value ..." runs them
+# under those environment settings, e.g. an A/B switch of the launcher; ALT_TEST_ENV and
+# ALT_TEST_FILTER run them a second time under other settings); SANITIZE=1 adds memcheck.
 set -u
 MODE=${1:-quick}
 OUT=${OUT:-/tmp/out}
@@ -22,10 +26,16 @@ LOG="$OUT/device_log.txt"
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,clocks.max.sm,temperature.gpu,power.draw --format=csv
 } 2>&1 | tee "$LOG"
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  echo "== tests" | tee -a "$LOG"
-  "$DEVLIBS"/cuda_kernels_test --gtest_filter="${TEST_FILTER:-PagedDecode.*:EndToEnd.*}" 2>&1 |
+  echo "== tests ${TEST_ENV:-}" | tee -a "$LOG"
+  env ${TEST_ENV:-} "$DEVLIBS"/cuda_kernels_test --gtest_filter="${TEST_FILTER:-PagedDecode.*:EndToEnd.*}" 2>&1 |
     tee "$OUT/test_log.txt" |
     grep -E "^\[( +OK|  FAILED|  PASSED|  SKIPPED|case|e2e)|Failure|Expected|Which|actual|error" | tee -a "$LOG"
+fi
+if [ -n "${ALT_TEST_ENV:-}" ]; then  # the same tests again under an A/B switch of the launcher
+  echo "== tests $ALT_TEST_ENV (${ALT_TEST_FILTER:-PagedDecode.*})" | tee -a "$LOG"
+  env $ALT_TEST_ENV "$DEVLIBS"/cuda_kernels_test --gtest_filter="${ALT_TEST_FILTER:-PagedDecode.*}" 2>&1 |
+    tee "$OUT/test_log_alt.txt" |
+    grep -E "^\[( +OK|  FAILED|  PASSED|  SKIPPED)|Failure|Expected|Which|actual|error" | tee -a "$LOG"
 fi
 B="$DEVLIBS/cuda_decode_bench"
 SDPA="python3 bench/cuda_sdpa_baseline.py"
@@ -52,6 +62,14 @@ case "$MODE" in
     run_pair gqa_p64 --batches 32 --contexts 32768 --gqa 32:8,64:8,32:4 --page-sizes 16,64
     echo "== without PDL" | tee -a "$LOG"
     KVPOOL_DECODE_PDL=0 "$B" --batches 1,32 --contexts 32768 --gqa 32:8 --page-sizes 16 --skip-write 2>&1 | tee -a "$LOG"
+    ;;
+  v5)  # headline shapes with SDPA, then the v4 launch sequence (separate MergeKernel) for A/B
+    run_pair quick --batches 1,32 --contexts 32768 --gqa 32:8 --page-sizes 16 --iters 20
+    run_pair b8 --batches 8 --contexts 131072 --gqa 32:8 --page-sizes 16 --iters 20
+    run_pair b128 --batches 128 --contexts 131072 --gqa 32:8 --page-sizes 16 --iters 10 --warmup 3
+    echo "== KVPOOL_DECODE_ORDER=${ALT_ORDER:-int2} (A/B of the launch order)" | tee -a "$LOG"
+    KVPOOL_DECODE_ORDER=${ALT_ORDER:-int2} "$B" --batches 1,32 --contexts 32768 --gqa 32:8 --page-sizes 16 --iters 20 --skip-write 2>&1 | tee -a "$LOG"
+    KVPOOL_DECODE_ORDER=${ALT_ORDER:-int2} "$B" --batches 8 --contexts 131072 --gqa 32:8 --page-sizes 16 --iters 20 --skip-write 2>&1 | tee -a "$LOG"
     ;;
   full)
     run_pair full

@@ -15,6 +15,8 @@
 //   (request, q head, split).
 //   4. MergeKernel  LSE-merges the partials of every split and segment (empty ones carry
 //      lse = -inf and contribute nothing) and applies R_Vᵀ.
+// KVPOOL_DECODE_ORDER=int2 launches 3 before 2 (A/B switch, docs/KERNELS.md v5 notes): the decode
+// kernel launched second then reads q̃ without waiting and waits for the first one at its end.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -58,8 +60,9 @@ struct AttnArgs {
   float* part_lse;     // [B][Hq][S], log2 units
   SegArgs seg0;
   SegArgs seg1;  // BF16 kernel only: the recent segment (seg0 = sink)
-  // INT2 kernel: wait for the previous kernel (QRotateKernel) before reading q̃. False when it
-  // runs behind the BF16 kernel, whose CTAs only let it start once q̃ was complete.
+  // Wait for the previous kernel (QRotateKernel) before reading q̃. False when the kernel runs
+  // behind the other decode kernel, whose CTAs only let it start once q̃ was complete; it then
+  // waits for that kernel at its very end instead, so the merge kernel's wait covers both.
   int32_t pdl_wait_first;
 };
 
@@ -181,7 +184,7 @@ __global__ void __launch_bounds__(kThreads, 1) Bf16DecodeKernel(const AttnArgs a
   const int32_t* page_ids = seg.indices + pbeg + p0;
   const uint8_t* head_base = seg.base + uint64_t(kvh) * chunk_bytes;
 
-  PdlWait();  // q̃ of QRotateKernel
+  if (a.pdl_wait_first) PdlWait();  // q̃ of QRotateKernel
   PdlLaunchDependents();
   // ---- q fragments (B operand of S = K·q̃ᵀ) ----
   uint32_t qb[kSteps][NT][2];
@@ -426,6 +429,9 @@ __global__ void __launch_bounds__(kThreads, 1) Bf16DecodeKernel(const AttnArgs a
     a.part_o[row * D + dim] = nan ? NAN : (l > 0.f ? o / l : 0.f);
     if (dim == 0) a.part_lse[row] = (overflow || nan) ? NAN : (l > 0.f ? ms + log2f(l) : -INFINITY);
   }
+  // Behind the INT2 kernel: the merge kernel waits for this grid only, make its completion imply
+  // the INT2 grid's.
+  if (!a.pdl_wait_first) PdlWait();
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1201,6 +1207,17 @@ bool UsePdl() {
   return on;
 }
 
+// Launch order of the two decode kernels: BF16 sink + recent first (v4, default), or the INT2
+// history kernel first with KVPOOL_DECODE_ORDER=int2 (its second wave is then shared with the
+// BF16 CTAs). Read once per process.
+bool Int2First() {
+  static const bool on = [] {
+    const char* e = std::getenv("KVPOOL_DECODE_ORDER");
+    return e != nullptr && std::string(e) == "int2";
+  }();
+  return on;
+}
+
 // Launches `kernel` on `stream`, with the PDL attribute when `pdl` (the kernel may then start
 // before its predecessor in the stream finished; it synchronizes with griddepcontrol.wait).
 template <typename Kernel, typename... Args>
@@ -1454,8 +1471,9 @@ KernelStatus LaunchPagedDecode(const PagedDecodeParams& p, Stream stream_handle)
   st = LaunchError("QRotateKernel");
   if (!st.ok()) return st;
 
-  // Order: the BF16 sink + recent kernel, then the INT2 history kernel, which PDL starts as soon
-  // as every BF16 CTA is running (the two overlap), then the merge (docs/KERNELS.md).
+  // Order (v4 default): the BF16 sink + recent kernel, then the INT2 history kernel, which PDL
+  // starts as soon as every BF16 CTA is running (the two overlap), then the merge
+  // (docs/KERNELS.md). KVPOOL_DECODE_ORDER=int2 swaps the two decode kernels.
   AttnArgs args{};
   args.num_q_heads = p.num_q_heads;
   args.group = group;
@@ -1464,24 +1482,44 @@ KernelStatus LaunchPagedDecode(const PagedDecodeParams& p, Stream stream_handle)
   args.q_rot = q_rot;
   args.part_o = part_o;
   args.part_lse = part_lse;
-  if (plan.sink.splits + plan.recent.splits > 0) {
-    args.head_chunks = plan.head_chunks;
-    args.seg0 = MakeSeg(p.sink, p.bf16_pool, plan.sink, 0);
-    args.seg1 = MakeSeg(p.recent, p.bf16_pool, plan.recent, plan.sink.splits + plan.history.splits);
-    st = DispatchBf16(
-        d, plan.nt, args,
+  const bool has_bf16 = plan.sink.splits + plan.recent.splits > 0;
+  const bool has_int2 = plan.history.splits > 0;
+  const bool int2_first = has_bf16 && has_int2 && Int2First();
+  auto launch_bf16 = [&]() {
+    AttnArgs ab = args;
+    ab.head_chunks = plan.head_chunks;
+    ab.pdl_wait_first = !int2_first;
+    ab.seg0 = MakeSeg(p.sink, p.bf16_pool, plan.sink, 0);
+    ab.seg1 = MakeSeg(p.recent, p.bf16_pool, plan.recent, plan.sink.splits + plan.history.splits);
+    return DispatchBf16(
+        d, plan.nt, ab,
         dim3(plan.sink.splits + plan.recent.splits, p.num_kv_heads * plan.head_chunks, p.batch),
         stream, true);
+  };
+  auto launch_int2 = [&]() {
+    AttnArgs ai = args;
+    ai.head_chunks = plan.i2_chunks;
+    ai.pdl_wait_first = int2_first || !has_bf16;
+    ai.seg0 = MakeSeg(p.history, p.int2_pool, plan.history, plan.sink.splits);
+    ai.seg1 = SegArgs{};
+    return DispatchInt2(d, plan.kt, ai,
+                        dim3(plan.history.splits, p.num_kv_heads * plan.i2_chunks, p.batch),
+                        stream);
+  };
+  if (int2_first) {
+    st = launch_int2();
     if (!st.ok()) return st;
-  }
-  if (plan.history.splits > 0) {
-    args.head_chunks = plan.i2_chunks;
-    args.pdl_wait_first = plan.sink.splits + plan.recent.splits == 0;
-    args.seg0 = MakeSeg(p.history, p.int2_pool, plan.history, plan.sink.splits);
-    args.seg1 = SegArgs{};
-    st = DispatchInt2(d, plan.kt, args,
-                      dim3(plan.history.splits, p.num_kv_heads * plan.i2_chunks, p.batch), stream);
+    st = launch_bf16();
     if (!st.ok()) return st;
+  } else {
+    if (has_bf16) {
+      st = launch_bf16();
+      if (!st.ok()) return st;
+    }
+    if (has_int2) {
+      st = launch_int2();
+      if (!st.ok()) return st;
+    }
   }
   cudaError_t e;
   if (d == 64)
