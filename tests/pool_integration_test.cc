@@ -340,17 +340,12 @@ TEST_P(PoolIntegrationTest, ClientKilledMidPutLeavesNothingAndSpaceIsReclaimed) 
 // Before the pool initiated the transfers over tcp (docs/TRANSPORT.md), UCX 1.13 aborted the
 // pool in some of these runs ("ucp_put_handler: Fatal: unexpected error: Endpoint timeout").
 //
-// tcp only. Over shared memory (posix,cma) the pool stays up too, but UCX's posix transport has
-// a weakness this test hits: active messages are written into the receiver's shared FIFO, and a
-// sender killed halfway through an element blocks that FIFO for every later sender, so after
-// some kill the pool's data plane hangs for new clients (their first transfer never completes).
-// The transport sends all RMA zero-copy through cma to avoid active messages, which made it
-// rarer but not gone (docs/TRANSPORT.md has the counts); until that is solved this test would be
-// flaky there.
+// Over shared memory this also guards against a wedge found with these storms: while the pool's
+// memory was private (only reachable through RMA emulated with active messages written into
+// the pool's posix FIFO), a client killed halfway through writing a FIFO element blocked the
+// FIFO for every later client. The pool's memory is now a UCX-allocated shared segment that
+// clients copy to and from directly (docs/TRANSPORT.md).
 TEST_P(PoolIntegrationTest, ClientsKilledWithTransfersInFlightNeverTakeThePoolDown) {
-  if (GetParam().find("tcp") == std::string::npos) {
-    GTEST_SKIP() << "shared memory: posix FIFO wedge after a mid-message kill (docs/TRANSPORT.md)";
-  }
   constexpr int kRuns = 30;
   constexpr uint32_t kBlocks = 32;
   StartServer({"--capacity", "512MiB", "--put-timeout-ms", "500"});

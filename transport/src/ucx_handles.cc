@@ -191,9 +191,32 @@ absl::StatusOr<std::unique_ptr<UcxMemHandle>> UcxMemHandle::Create(const UcxCont
   params.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
   params.address = addr;
   params.length = length;
+  return Map(context, params);
+}
+
+absl::StatusOr<std::unique_ptr<UcxMemHandle>> UcxMemHandle::Allocate(const UcxContext& context,
+                                                                     size_t length) {
+  ucp_mem_map_params_t params;
+  std::memset(&params, 0, sizeof(params));
+  params.field_mask = UCP_MEM_MAP_PARAM_FIELD_LENGTH | UCP_MEM_MAP_PARAM_FIELD_FLAGS;
+  params.length = length;
+  params.flags = UCP_MEM_MAP_ALLOCATE;
+  return Map(context, params);
+}
+
+absl::StatusOr<std::unique_ptr<UcxMemHandle>> UcxMemHandle::Map(
+    const UcxContext& context, const ucp_mem_map_params_t& params) {
   ucp_mem_h memh = nullptr;
   ucs_status_t st = ucp_mem_map(context.get(), &params, &memh);
   if (st != UCS_OK) return FromUcs(st, "ucp_mem_map");
+  ucp_mem_attr_t attr;
+  std::memset(&attr, 0, sizeof(attr));
+  attr.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS | UCP_MEM_ATTR_FIELD_LENGTH;
+  st = ucp_mem_query(memh, &attr);
+  if (st != UCS_OK) {
+    ucp_mem_unmap(context.get(), memh);
+    return FromUcs(st, "ucp_mem_query");
+  }
   void* rkey_buf = nullptr;
   size_t rkey_len = 0;
   st = ucp_rkey_pack(context.get(), memh, &rkey_buf, &rkey_len);
@@ -203,7 +226,8 @@ absl::StatusOr<std::unique_ptr<UcxMemHandle>> UcxMemHandle::Create(const UcxCont
   }
   std::string packed(static_cast<const char*>(rkey_buf), rkey_len);
   ucp_rkey_buffer_release(rkey_buf);
-  return std::unique_ptr<UcxMemHandle>(new UcxMemHandle(context.get(), memh, std::move(packed)));
+  return std::unique_ptr<UcxMemHandle>(
+      new UcxMemHandle(context.get(), memh, std::move(packed), attr.address, attr.length));
 }
 
 UcxMemHandle::~UcxMemHandle() { ucp_mem_unmap(context_, memh_); }

@@ -107,6 +107,16 @@ class UcxMemHandle {
  public:
   static absl::StatusOr<std::unique_ptr<UcxMemHandle>> Create(const UcxContext& context, void* addr,
                                                               size_t length);
+  // Lets UCX allocate and map `length` bytes (UCP_MEM_MAP_ALLOCATE, methods by UCX_ALLOC_PRIO:
+  // a shared-memory segment of the posix/sysv md when one is enabled, else mmap). Peers on the
+  // same host then reach the memory with true one-sided RMA (the segment is attached and
+  // copied with loads/stores); registered private memory is only reachable through RMA
+  // emulated with active messages that the owner's worker must answer. The memory is freed
+  // with the handle. address()/length() say where it is.
+  static absl::StatusOr<std::unique_ptr<UcxMemHandle>> Allocate(const UcxContext& context,
+                                                                size_t length);
+  void* address() const { return address_; }
+  size_t length() const { return length_; }
   ~UcxMemHandle();
   UcxMemHandle(const UcxMemHandle&) = delete;
   UcxMemHandle& operator=(const UcxMemHandle&) = delete;
@@ -114,11 +124,15 @@ class UcxMemHandle {
   const std::string& packed_rkey() const { return packed_rkey_; }
 
  private:
-  UcxMemHandle(ucp_context_h c, ucp_mem_h m, std::string rkey)
-      : context_(c), memh_(m), packed_rkey_(std::move(rkey)) {}
+  UcxMemHandle(ucp_context_h c, ucp_mem_h m, std::string rkey, void* address, size_t length)
+      : context_(c), memh_(m), packed_rkey_(std::move(rkey)), address_(address), length_(length) {}
+  static absl::StatusOr<std::unique_ptr<UcxMemHandle>> Map(const UcxContext& context,
+                                                           const ucp_mem_map_params_t& params);
   ucp_context_h context_;
   ucp_mem_h memh_;
   std::string packed_rkey_;
+  void* address_;
+  size_t length_;
 };
 
 // ucp_rkey_h unpacked on one endpoint.

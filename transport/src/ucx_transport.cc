@@ -130,6 +130,9 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
   absl::StatusOr<std::unique_ptr<UcxMemHandle>> MapMemory(void* addr, size_t len) {
     return UcxMemHandle::Create(*context_, addr, len);
   }
+  absl::StatusOr<std::unique_ptr<UcxMemHandle>> AllocateMemory(size_t len) {
+    return UcxMemHandle::Allocate(*context_, len);
+  }
 
   absl::StatusOr<EndpointId> Connect(std::string payload) {
     if (shutting_down_) return absl::UnavailableError("transport is shutting down");
@@ -490,7 +493,7 @@ class UcxRegion final : public MemoryRegion {
       memh.reset();
       return 0;
     });
-    if (owned_) munmap(data_, size_);
+    if (owned_) munmap(data_, size_);  // else the memory went with the handle (UCX allocated it)
   }
 
   uint8_t* data() const override { return data_; }
@@ -534,21 +537,26 @@ class UcxTransport final : public Transport {
 
   absl::StatusOr<std::shared_ptr<MemoryRegion>> AllocateMemory(size_t length) override {
     if (length == 0) return absl::InvalidArgumentError("length: zero");
-    void* p = mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (p == MAP_FAILED) {
+    // UCX allocates (a shared-memory segment when posix/sysv is enabled), so that peers on this
+    // host reach it with one-sided RMA instead of RMA emulated through this worker (see
+    // UcxMemHandle::Allocate).
+    auto memh = core_->RunSync<absl::StatusOr<std::unique_ptr<UcxMemHandle>>>(
+        [c = core_.get(), length] { return c->AllocateMemory(length); });
+    if (!memh.ok()) {
       return absl::ResourceExhaustedError(
-          absl::StrCat("length: cannot allocate ", length, " bytes: ", std::strerror(errno)));
+          absl::StrCat("length: cannot allocate ", length, " bytes: ", memh.status().message()));
     }
-    if (core_->options().lock_memory && mlock(p, length) != 0) {
+    auto* data = static_cast<uint8_t*>((*memh)->address());
+    std::memset(data, 0, length);  // zeroed whatever method UCX used (heap is not)
+    if (core_->options().lock_memory && mlock(data, length) != 0) {
       static std::once_flag once;
       std::call_once(once, [] {
         KVPOOL_LOG_WARN("transport: mlock failed ({}); memory is registered but not locked",
                         std::strerror(errno));
       });
     }
-    auto region = Map(static_cast<uint8_t*>(p), length, /*owned=*/true);
-    if (!region.ok()) munmap(p, length);
-    return region;
+    return std::shared_ptr<MemoryRegion>(
+        std::make_shared<UcxRegion>(core_, data, length, /*owned=*/false, *std::move(memh)));
   }
 
   absl::StatusOr<EndpointId> Connect(std::string_view peer_worker_address) override {
