@@ -7,8 +7,7 @@
 //    read, GB/s, % of the 4.6 TB/s roofline, and speed-ups over our BF16 kernel and over
 //    PyTorch SDPA measured by bench/cuda_sdpa_baseline.py in the same device run (--sdpa-json).
 //    Batch 1 is also timed as a replayed CUDA graph.
-//  * write: fused rotate+quantize (LaunchQuantizeWrite), quantize-only, rotate-only BF16 write
-//    and demotion, against their memory floor (bytes read + written at 4.6 TB/s).
+//  The write kernels have their own benchmark, bench/cuda_write_bench.cc.
 //
 // Standard output: the human table; --json FILE: every number with config, git SHA, device,
 // clocks. Exit codes 0 ok, 1 usage, 2 runtime (CUDA error, wrong output).
@@ -28,12 +27,11 @@
 
 #include <nlohmann/json.hpp>
 
+#include "cuda_bench_util.h"
 #include "kvpool/common/cli.h"
 #include "kvpool/common/log.h"
-#include "kvpool/common/version.h"
 #include "kvpool/kernels/block_format.h"
 #include "kvpool/kernels/cuda/fill.h"
-#include "kvpool/kernels/cuda/kv_write.h"
 #include "kvpool/kernels/cuda/paged_decode.h"
 
 namespace {
@@ -41,82 +39,7 @@ namespace {
 using kvpool::BlockGeometry;
 namespace kc = kvpool::cuda;
 using json = nlohmann::json;
-
-constexpr double kRooflineGBs = 4600.0;  // PERF.md: HBM streaming read on this H200
-
-struct CudaError : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
-
-void Check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw CudaError(std::string(what) + ": " + cudaGetErrorString(e));
-}
-void Check(const kc::KernelStatus& s, const char* what) {
-  if (!s.ok()) throw CudaError(std::string(what) + ": " + s.message);
-}
-
-struct Buf {
-  void* p = nullptr;
-  size_t n = 0;
-  Buf() = default;
-  explicit Buf(size_t bytes) : n(bytes) {
-    if (bytes) Check(cudaMalloc(&p, bytes), "cudaMalloc");
-  }
-  ~Buf() {
-    if (p) cudaFree(p);
-  }
-  Buf(const Buf&) = delete;
-  Buf& operator=(const Buf&) = delete;
-  template <typename T>
-  T* as() const {
-    return static_cast<T*>(p);
-  }
-};
-
-template <typename T>
-std::unique_ptr<Buf> UploadVec(const std::vector<T>& v) {
-  auto b = std::make_unique<Buf>(std::max<size_t>(v.size() * sizeof(T), 16));
-  if (!v.empty())
-    Check(cudaMemcpy(b->p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice), "upload");
-  return b;
-}
-
-struct Timer {
-  cudaStream_t stream;
-  Buf flush{256ull << 20};
-  cudaEvent_t e0, e1;
-  int iters, warmup;
-  Timer(cudaStream_t s, int it, int wu) : stream(s), iters(it), warmup(wu) {
-    Check(cudaEventCreate(&e0), "event");
-    Check(cudaEventCreate(&e1), "event");
-  }
-  ~Timer() {
-    cudaEventDestroy(e0);
-    cudaEventDestroy(e1);
-  }
-  // Median time in ms of `run` (prepare() runs before each, untimed).
-  double Median(const std::function<void()>& prepare, const std::function<void()>& run) {
-    for (int i = 0; i < warmup; ++i) {
-      prepare();
-      run();
-    }
-    Check(cudaStreamSynchronize(stream), "warmup");
-    std::vector<float> ms;
-    for (int i = 0; i < iters; ++i) {
-      prepare();
-      Check(cudaMemsetAsync(flush.p, i & 0xff, flush.n, stream), "flush");
-      Check(cudaEventRecord(e0, stream), "record");
-      run();
-      Check(cudaEventRecord(e1, stream), "record");
-      Check(cudaEventSynchronize(e1), "sync");
-      float t = 0;
-      Check(cudaEventElapsedTime(&t, e0, e1), "elapsed");
-      ms.push_back(t);
-    }
-    std::sort(ms.begin(), ms.end());
-    return ms[ms.size() / 2];
-  }
-};
+using namespace kvpool::bench;  // Check, Buf, UploadVec, Timer, Shuffled
 
 struct Shape {
   int batch, ctx, hq, hkv, d, page;
@@ -162,14 +85,6 @@ struct Table {
     return t;
   }
 };
-
-std::vector<int32_t> Shuffled(size_t n, uint64_t seed) {
-  std::vector<int32_t> v(n);
-  std::iota(v.begin(), v.end(), 0);
-  std::mt19937_64 rng(seed);
-  std::shuffle(v.begin(), v.end(), rng);
-  return v;
-}
 
 struct DecodeRun {
   double ms = 0, graph_ms = -1;
@@ -294,16 +209,16 @@ std::vector<std::string> Split(const std::string& s, char c) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"cuda_decode_bench — INT2 mixed vs BF16 paged decode and write kernels on the GPU"};
+  CLI::App app{"cuda_decode_bench — INT2 mixed vs BF16 paged decode on the GPU"};
   kvpool::cli::Setup(app, "cuda_decode_bench");
   std::vector<int> batches{1, 8, 32, 128};
   std::vector<int> contexts{1024, 4096, 32768, 100000, 131072};
   std::vector<std::string> gqa{"32:8", "64:8", "32:4"};
   std::vector<int> page_sizes{16, 64};
-  int head_dim = 128, iters = 30, warmup = 5, write_tokens = 32768;
+  int head_dim = 128, iters = 30, warmup = 5;
   double max_gb = 110.0;
   std::string json_out, sdpa_json;
-  bool skip_decode = false, skip_write = false, contiguous = false;
+  bool contiguous = false;
   app.add_option("--batches", batches, "batch sizes")->delimiter(',')->capture_default_str();
   app.add_option("--contexts", contexts, "context lengths (tokens)")
       ->delimiter(',')
@@ -315,13 +230,9 @@ int main(int argc, char** argv) {
   app.add_option("--warmup", warmup, "untimed runs first")->capture_default_str();
   app.add_option("--max-gb", max_gb, "skip shapes whose BF16 pool exceeds this (GB)")
       ->capture_default_str();
-  app.add_option("--write-tokens", write_tokens, "tokens per write-kernel launch")
-      ->capture_default_str();
   app.add_option("--json", json_out, "write all results as JSON here");
   app.add_option("--sdpa-json", sdpa_json,
                  "PyTorch SDPA results of the same run (cuda_sdpa_baseline.py)");
-  app.add_flag("--skip-decode", skip_decode, "skip the decode grid");
-  app.add_flag("--skip-write", skip_write, "skip the write kernels");
   app.add_flag("--contiguous-pages", contiguous,
                "allocate each request's pages adjacently (default: shuffled page ids)");
   KVPOOL_CLI_PARSE(app, argc, argv);
@@ -329,26 +240,12 @@ int main(int argc, char** argv) {
 
   json doc;
   try {
-    int dev = 0;
-    Check(cudaGetDevice(&dev), "cudaGetDevice");
-    cudaDeviceProp prop{};
-    Check(cudaGetDeviceProperties(&prop, dev), "props");
-    int clk = 0, memclk = 0;
-    cudaDeviceGetAttribute(&clk, cudaDevAttrClockRate, dev);
-    cudaDeviceGetAttribute(&memclk, cudaDevAttrMemoryClockRate, dev);
     doc["config"] = {{"iters", iters},
                      {"warmup", warmup},
                      {"head_dim", head_dim},
                      {"roofline_gbs", kRooflineGBs},
-                     {"l2_flush_bytes", 256 << 20}};
-    doc["git_sha"] = kvpool::kGitSha;
-    doc["version"] = kvpool::kVersion;
-    doc["device"] = {{"name", prop.name},
-                     {"sms", prop.multiProcessorCount},
-                     {"l2_bytes", prop.l2CacheSize},
-                     {"max_sm_clock_khz", clk},
-                     {"max_mem_clock_khz", memclk},
-                     {"cc", std::to_string(prop.major) + "." + std::to_string(prop.minor)}};
+                     {"l2_flush_bytes", kL2FlushBytes}};
+    DescribeDevice(&doc);
     std::map<std::tuple<int, int, int, int, int>, double> sdpa;
     if (!sdpa_json.empty()) {
       std::ifstream f(sdpa_json);
@@ -369,7 +266,7 @@ int main(int argc, char** argv) {
     Check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
     Timer timer(stream, iters, warmup);
 
-    if (!skip_decode) {
+    {
       std::printf("%-6s %4s %7s %6s %3s %9s %9s %7s %8s %8s %8s %9s\n", "kernel", "B", "ctx",
                   "heads", "P", "ms", "GB/s", "%roof", "x_bf16", "x_sdpa", "sdpa_ms", "graph_ms");
       json rows = json::array();
@@ -425,81 +322,6 @@ int main(int argc, char** argv) {
       doc["decode"] = rows;
     }
 
-    if (!skip_write) {
-      const int H = 8, d = head_dim, P = 16, n = write_tokens;
-      const BlockGeometry geo{1, uint32_t(H), uint32_t(d), uint32_t(P)};
-      const size_t npages = size_t((n + P - 1) / P);
-      Buf k(size_t(n) * H * d * 2), v(size_t(n) * H * d * 2), i2(npages * geo.Int2LayerBytes()),
-          bfp(npages * geo.Bf16LayerBytes());
-      Check(kc::LaunchFillRandomBf16(k.as<uint16_t>(), k.n / 2, 11, stream), "fill");
-      Check(kc::LaunchFillRandomBf16(v.as<uint16_t>(), v.n / 2, 12, stream), "fill");
-      Check(kc::LaunchFillRandomBf16(bfp.as<uint16_t>(), bfp.n / 2, 13, stream), "fill");
-      std::vector<int32_t> ids = Shuffled(npages, 14), pg(n), sl(n);
-      for (int t = 0; t < n; ++t) {
-        pg[t] = ids[t / P];
-        sl[t] = t % P;
-      }
-      auto d_pg = UploadVec(pg), d_sl = UploadVec(sl), d_ids = UploadVec(ids);
-      std::vector<float> rot(size_t(d) * d, 0.f);
-      std::mt19937_64 rng(15);
-      std::normal_distribution<double> nd;
-      for (auto& x : rot)
-        x = float(nd(rng) / std::sqrt(double(d)));  // content does not change timing
-      auto d_rot = UploadVec(rot);
-      kc::KvWriteParams wp;
-      wp.num_tokens = n;
-      wp.num_kv_heads = H;
-      wp.head_dim = d;
-      wp.page_size = P;
-      wp.k = k.as<uint16_t>();
-      wp.v = v.as<uint16_t>();
-      wp.dst_page = d_pg->as<int32_t>();
-      wp.dst_slot = d_sl->as<int32_t>();
-      json wrows = json::array();
-      std::printf("\n%-22s %8s %9s %10s %9s %8s\n", "write kernel", "tokens", "ms", "floor_ms",
-                  "GB/s", "%floor");
-      auto emit = [&](const char* name, double ms, double bytes) {
-        const double floor_ms = bytes / (kRooflineGBs * 1e9) * 1e3;
-        std::printf("%-22s %8d %9.4f %10.4f %9.1f %7.1f%%\n", name, n, ms, floor_ms,
-                    bytes / (ms * 1e-3) / 1e9, 100 * floor_ms / ms);
-        wrows.push_back({{"kernel", name},
-                         {"tokens", n},
-                         {"heads", H},
-                         {"d", d},
-                         {"ms", ms},
-                         {"bytes", bytes},
-                         {"floor_ms", floor_ms},
-                         {"pct_floor", 100 * floor_ms / ms}});
-      };
-      auto none = [] {};
-      const double th = double(n) * H;
-      wp.rotation_k = wp.rotation_v = d_rot->as<float>();
-      wp.dst = {i2.p, geo.Int2LayerBytes()};
-      emit("rotate+quantize",
-           timer.Median(none, [&] { Check(kc::LaunchQuantizeWrite(wp, stream), "quantize"); }),
-           th * (4.0 * d + d / 2 + 8));
-      wp.rotation_k = wp.rotation_v = nullptr;
-      emit("quantize-only",
-           timer.Median(none, [&] { Check(kc::LaunchQuantizeWrite(wp, stream), "quantize"); }),
-           th * (4.0 * d + d / 2 + 8));
-      wp.rotation_k = wp.rotation_v = d_rot->as<float>();
-      wp.dst = {bfp.p, geo.Bf16LayerBytes()};
-      emit("rotate-write-bf16",
-           timer.Median(none, [&] { Check(kc::LaunchRotateWriteBf16(wp, stream), "rotate"); }),
-           th * 8.0 * d);
-      kc::DemoteParams dp;
-      dp.num_blocks = int(npages);
-      dp.num_kv_heads = H;
-      dp.head_dim = d;
-      dp.page_size = P;
-      dp.src_pages = d_ids->as<int32_t>();
-      dp.dst_pages = d_ids->as<int32_t>();
-      dp.src = {bfp.p, geo.Bf16LayerBytes()};
-      dp.dst = {i2.p, geo.Int2LayerBytes()};
-      emit("demote", timer.Median(none, [&] { Check(kc::LaunchDemote(dp, stream), "demote"); }),
-           double(npages) * P * H * (4.0 * d + d / 2 + 8));
-      doc["write"] = wrows;
-    }
     Check(cudaStreamDestroy(stream), "stream");
   } catch (const std::exception& e) {
     KVPOOL_LOG_ERROR("{}", e.what());

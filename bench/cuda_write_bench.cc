@@ -30,9 +30,9 @@
 
 #include <nlohmann/json.hpp>
 
+#include "cuda_bench_util.h"
 #include "kvpool/common/cli.h"
 #include "kvpool/common/log.h"
-#include "kvpool/common/version.h"
 #include "kvpool/kernels/block_format.h"
 #include "kvpool/kernels/cuda/fill.h"
 #include "kvpool/kernels/cuda/kv_write.h"
@@ -42,105 +42,7 @@ namespace {
 using kvpool::BlockGeometry;
 namespace kc = kvpool::cuda;
 using json = nlohmann::json;
-
-constexpr double kRooflineGBs = 4600.0;  // PERF.md: HBM streaming roofline of this H200
-
-struct CudaError : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
-
-void Check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw CudaError(std::string(what) + ": " + cudaGetErrorString(e));
-}
-void Check(const kc::KernelStatus& s, const char* what) {
-  if (!s.ok()) throw CudaError(std::string(what) + ": " + s.message);
-}
-
-struct Buf {
-  void* p = nullptr;
-  size_t n = 0;
-  explicit Buf(size_t bytes) : n(bytes) {
-    if (bytes) Check(cudaMalloc(&p, bytes), "cudaMalloc");
-  }
-  ~Buf() {
-    if (p) cudaFree(p);
-  }
-  Buf(const Buf&) = delete;
-  Buf& operator=(const Buf&) = delete;
-  template <typename T>
-  T* as() const {
-    return static_cast<T*>(p);
-  }
-};
-
-template <typename T>
-std::unique_ptr<Buf> UploadVec(const std::vector<T>& v) {
-  auto b = std::make_unique<Buf>(std::max<size_t>(v.size() * sizeof(T), 16));
-  if (!v.empty())
-    Check(cudaMemcpy(b->p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice), "upload");
-  return b;
-}
-
-struct Stats {
-  double median_ms = 0, min_ms = 0;
-};
-
-struct Timer {
-  cudaStream_t stream;
-  Buf flush{256ull << 20};
-  cudaEvent_t e0{}, e1{};
-  int iters, warmup;
-  Timer(cudaStream_t s, int it, int wu) : stream(s), iters(it), warmup(wu) {
-    Check(cudaEventCreate(&e0), "event");
-    Check(cudaEventCreate(&e1), "event");
-  }
-  ~Timer() {
-    cudaEventDestroy(e0);
-    cudaEventDestroy(e1);
-  }
-  // prepare() runs (untimed) before each run, then L2 is flushed, then run() is timed.
-  Stats Time(const std::function<void()>& prepare, const std::function<void()>& run) {
-    for (int i = 0; i < warmup; ++i) {
-      prepare();
-      run();
-    }
-    Check(cudaStreamSynchronize(stream), "warmup");
-    std::vector<float> ms;
-    for (int i = 0; i < iters; ++i) {
-      prepare();
-      Check(cudaMemsetAsync(flush.p, i & 0xff, flush.n, stream), "flush");
-      Check(cudaEventRecord(e0, stream), "record");
-      run();
-      Check(cudaEventRecord(e1, stream), "record");
-      Check(cudaEventSynchronize(e1), "sync");
-      float t = 0;
-      Check(cudaEventElapsedTime(&t, e0, e1), "elapsed");
-      ms.push_back(t);
-    }
-    std::sort(ms.begin(), ms.end());
-    return {ms[ms.size() / 2], ms.front()};
-  }
-};
-
-// Random orthogonal d x d matrix (Gram-Schmidt on Gaussian columns, float64), row-major fp32.
-std::vector<float> RandomOrthogonal(int d, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<double> nd;
-  std::vector<double> q(size_t(d) * d);
-  for (auto& x : q) x = nd(rng);
-  for (int c = 0; c < d; ++c) {
-    for (int p = 0; p < c; ++p) {
-      double dot = 0;
-      for (int r = 0; r < d; ++r) dot += q[size_t(r) * d + c] * q[size_t(r) * d + p];
-      for (int r = 0; r < d; ++r) q[size_t(r) * d + c] -= dot * q[size_t(r) * d + p];
-    }
-    double nrm = 0;
-    for (int r = 0; r < d; ++r) nrm += q[size_t(r) * d + c] * q[size_t(r) * d + c];
-    nrm = std::sqrt(nrm);
-    for (int r = 0; r < d; ++r) q[size_t(r) * d + c] /= nrm;
-  }
-  return std::vector<float>(q.begin(), q.end());
-}
+using namespace kvpool::bench;  // Check, Buf, UploadVec, Timer, RandomOrthogonal
 
 std::vector<int> ParseInts(const std::string& s, const char* flag) {
   std::vector<int> out;
@@ -206,13 +108,6 @@ int main(int argc, char** argv) {
 
   json doc;
   try {
-    int dev = 0;
-    Check(cudaGetDevice(&dev), "cudaGetDevice");
-    cudaDeviceProp prop{};
-    Check(cudaGetDeviceProperties(&prop, dev), "props");
-    int clk = 0, memclk = 0;
-    cudaDeviceGetAttribute(&clk, cudaDevAttrClockRate, dev);
-    cudaDeviceGetAttribute(&memclk, cudaDevAttrMemoryClockRate, dev);
     const BlockGeometry geo{1, uint32_t(heads), uint32_t(head_dim), uint32_t(page)};
     doc["config"] = {{"iters", iters},
                      {"warmup", warmup},
@@ -223,15 +118,8 @@ int main(int argc, char** argv) {
                      {"clip_v", clip_v},
                      {"seed", seed},
                      {"roofline_gbs", kRooflineGBs},
-                     {"l2_flush_bytes", 256 << 20}};
-    doc["git_sha"] = kvpool::kGitSha;
-    doc["version"] = kvpool::kVersion;
-    doc["device"] = {{"name", prop.name},
-                     {"sms", prop.multiProcessorCount},
-                     {"l2_bytes", prop.l2CacheSize},
-                     {"max_sm_clock_khz", clk},
-                     {"max_mem_clock_khz", memclk},
-                     {"cc", std::to_string(prop.major) + "." + std::to_string(prop.minor)}};
+                     {"l2_flush_bytes", kL2FlushBytes}};
+    DescribeDevice(&doc);
     cudaStream_t stream;
     Check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
     Timer timer(stream, iters, warmup);

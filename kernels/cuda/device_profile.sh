@@ -15,10 +15,10 @@ done
 ST=${ST#,}
 ncu --clock-control none --kernel-name-base mangled --kernel-name regex:Int2DecodeKernelILi128ELi1 --launch-skip 2 --launch-count 1 $S \
   --metrics "$ST,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_lsu.avg.pct_of_peak_sustained_active" \
-  $B --batches 32 --contexts 32768 --gqa 32:8 --page-sizes 16 --iters 2 --warmup 1 --skip-write > "$OUT/ncu_int2.txt" 2>&1
+  $B --batches 32 --contexts 32768 --gqa 32:8 --page-sizes 16 --iters 2 --warmup 1 > "$OUT/ncu_int2.txt" 2>&1
 grep -E "Duration|Issue Slots Busy|Eligible Warps|Registers Per|Achieved Active|Executed Instructions  |DRAM Throughput|issue_stalled|pipe_|Compute \(SM\)" "$OUT/ncu_int2.txt"
 # Durations of the four kernels of one INT2 mixed launch (ncu serializes them: no PDL overlap).
 ncu --clock-control none --kernel-name-base mangled --kernel-name "regex:QRotateKernel|DecodeKernel|MergeKernel" \
   --launch-skip 4 --launch-count 4 --section SpeedOfLight \
-  $B --batches 32 --contexts 32768 --gqa 32:8 --page-sizes 16 --iters 2 --warmup 1 --skip-write > "$OUT/ncu_launch.txt" 2>&1
+  $B --batches 32 --contexts 32768 --gqa 32:8 --page-sizes 16 --iters 2 --warmup 1 > "$OUT/ncu_launch.txt" 2>&1
 grep -E "^  [A-Za-z_].*\(|Duration|DRAM Throughput" "$OUT/ncu_launch.txt" | sed -E 's/\(.*//' | cut -c1-120

@@ -43,16 +43,16 @@ run_pair() {  # name, bench args...   (SDPA for the same shapes first, then ours
   local name=$1
   shift
   echo "== $name" | tee -a "$LOG"
-  PYTHONUNBUFFERED=1 $SDPA --out "$OUT/sdpa_$name.json" $(echo "$@" | sed -E 's/--page-sizes [0-9,]+//; s/--skip-write//') \
+  PYTHONUNBUFFERED=1 $SDPA --out "$OUT/sdpa_$name.json" $(echo "$@" | sed -E 's/--page-sizes [0-9,]+//') \
     2>>"$LOG"
-  "$B" "$@" --skip-write --sdpa-json "$OUT/sdpa_$name.json" --json "$OUT/cuda_decode_bench_$name.json" 2>&1 | tee -a "$LOG"
+  "$B" "$@" --sdpa-json "$OUT/sdpa_$name.json" --json "$OUT/cuda_decode_bench_$name.json" 2>&1 | tee -a "$LOG"
 }
 case "$MODE" in
   quick)
     run_pair quick --batches 1,32 --contexts 4096,32768 --gqa 32:8 --page-sizes 16 --iters 20
     run_pair b8 --batches 8 --contexts 131072 --gqa 32:8 --page-sizes 16 --iters 20
     echo "== without PDL" | tee -a "$LOG"
-    KVPOOL_DECODE_PDL=0 "$B" --batches 32 --contexts 32768 --gqa 32:8 --page-sizes 16 --iters 20 --skip-write 2>&1 | tee -a "$LOG"
+    KVPOOL_DECODE_PDL=0 "$B" --batches 32 --contexts 32768 --gqa 32:8 --page-sizes 16 --iters 20 2>&1 | tee -a "$LOG"
     # SASS of the INT2 kernel at d128 / one n-tile: instruction mix per 32-token step.
     [ "${SASS:-0}" = 1 ] && cuobjdump -sass "$B" 2>/dev/null | awk '/Function : .*Int2DecodeKernelILi128ELi1E/{p=1} p&&/Function : /&&!/Int2DecodeKernelILi128ELi1E/{p=0} p' \
       > "$OUT/sass_int2_d128.txt"
@@ -61,15 +61,15 @@ case "$MODE" in
     run_pair grid --batches 1,8,32,128 --contexts 4096,32768,131072 --gqa 32:8 --page-sizes 16
     run_pair gqa_p64 --batches 32 --contexts 32768 --gqa 32:8,64:8,32:4 --page-sizes 16,64
     echo "== without PDL" | tee -a "$LOG"
-    KVPOOL_DECODE_PDL=0 "$B" --batches 1,32 --contexts 32768 --gqa 32:8 --page-sizes 16 --skip-write 2>&1 | tee -a "$LOG"
+    KVPOOL_DECODE_PDL=0 "$B" --batches 1,32 --contexts 32768 --gqa 32:8 --page-sizes 16 2>&1 | tee -a "$LOG"
     ;;
   v5)  # headline shapes with SDPA, then the v4 launch sequence (separate MergeKernel) for A/B
     run_pair quick --batches 1,32 --contexts 32768 --gqa 32:8 --page-sizes 16 --iters 20
     run_pair b8 --batches 8 --contexts 131072 --gqa 32:8 --page-sizes 16 --iters 20
     run_pair b128 --batches 128 --contexts 131072 --gqa 32:8 --page-sizes 16 --iters 10 --warmup 3
     echo "== KVPOOL_DECODE_ORDER=${ALT_ORDER:-int2} (A/B of the launch order)" | tee -a "$LOG"
-    KVPOOL_DECODE_ORDER=${ALT_ORDER:-int2} "$B" --batches 1,32 --contexts 32768 --gqa 32:8 --page-sizes 16 --iters 20 --skip-write 2>&1 | tee -a "$LOG"
-    KVPOOL_DECODE_ORDER=${ALT_ORDER:-int2} "$B" --batches 8 --contexts 131072 --gqa 32:8 --page-sizes 16 --iters 20 --skip-write 2>&1 | tee -a "$LOG"
+    KVPOOL_DECODE_ORDER=${ALT_ORDER:-int2} "$B" --batches 1,32 --contexts 32768 --gqa 32:8 --page-sizes 16 --iters 20 2>&1 | tee -a "$LOG"
+    KVPOOL_DECODE_ORDER=${ALT_ORDER:-int2} "$B" --batches 8 --contexts 131072 --gqa 32:8 --page-sizes 16 --iters 20 2>&1 | tee -a "$LOG"
     ;;
   full)
     run_pair full
