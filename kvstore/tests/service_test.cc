@@ -127,6 +127,13 @@ pb::RegisterModelRequest RegisterRequest(const ModelSpec& spec) {
   return r;
 }
 
+// A client context with a 10 s deadline (every unary call of these tests).
+std::unique_ptr<grpc::ClientContext> Ctx() {
+  auto c = std::make_unique<grpc::ClientContext>();
+  c->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  return c;
+}
+
 class ServiceTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -147,12 +154,6 @@ class ServiceTest : public ::testing::Test {
       server_->Shutdown(absl::Seconds(1));
     }
   }
-  std::unique_ptr<grpc::ClientContext> Ctx() {
-    auto c = std::make_unique<grpc::ClientContext>();
-    c->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
-    return c;
-  }
-
   std::unique_ptr<PoolServer> server_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<pb::KvPool::Stub> stub_;
@@ -437,14 +438,9 @@ TEST(PoolInitiatedTest, WritePutAndReadLeasedOverAFakeFabric) {
   ASSERT_TRUE(server.ok()) << server.status();
   auto stub = pb::KvPool::NewStub(grpc::CreateChannel(
       absl::StrCat("127.0.0.1:", (*server)->grpc_port()), grpc::InsecureChannelCredentials()));
-  auto ctx = [] {
-    auto c = std::make_unique<grpc::ClientContext>();
-    c->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
-    return c;
-  };
   const ModelSpec spec = testing::TinySpec();
   pb::RegisterModelResponse reg;
-  ASSERT_TRUE(stub->RegisterModel(ctx().get(), RegisterRequest(spec), &reg).ok());
+  ASSERT_TRUE(stub->RegisterModel(Ctx().get(), RegisterRequest(spec), &reg).ok());
   EXPECT_TRUE(reg.pool_initiates_transfers());
   EXPECT_TRUE(reg.ucx_listen_address().empty());
 
@@ -458,7 +454,7 @@ TEST(PoolInitiatedTest, WritePutAndReadLeasedOverAFakeFabric) {
   for (uint32_t t : tokens) bp.add_token_ids(t);
   bp.set_num_blocks(6);
   pb::BeginPutResponse put;
-  ASSERT_TRUE(stub->BeginPut(ctx().get(), bp, &put).ok());
+  ASSERT_TRUE(stub->BeginPut(Ctx().get(), bp, &put).ok());
   ASSERT_EQ(put.blocks_size(), 6);
   pb::WritePutRequest wp;
   wp.set_namespace_id(reg.namespace_id());
@@ -486,7 +482,7 @@ TEST(PoolInitiatedTest, WritePutAndReadLeasedOverAFakeFabric) {
   // Malformed requests name the field and write nothing.
   auto refused = [&](pb::WritePutRequest bad, const std::string& field) {
     pb::WritePutResponse r;
-    grpc::Status st = stub->WritePut(ctx().get(), bad, &r);
+    grpc::Status st = stub->WritePut(Ctx().get(), bad, &r);
     EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << field;
     EXPECT_NE(st.error_message().find(field), std::string::npos) << st.error_message();
   };
@@ -500,11 +496,11 @@ TEST(PoolInitiatedTest, WritePutAndReadLeasedOverAFakeFabric) {
   bad.set_client_worker_address("garbage");
   refused(bad, "client_worker_address");
   pb::WritePutResponse written;
-  grpc::Status st = stub->WritePut(ctx().get(), wp, &written);
+  grpc::Status st = stub->WritePut(Ctx().get(), wp, &written);
   ASSERT_TRUE(st.ok()) << st.error_message();
   EXPECT_EQ(written.bytes_written(), 6u * 512);
   pb::CommitPutResponse committed;
-  st = stub->CommitPut(ctx().get(), cp, &committed);
+  st = stub->CommitPut(Ctx().get(), cp, &committed);
   ASSERT_TRUE(st.ok()) << st.error_message();  // the checksums match the pulled bytes
 
   // ReadLeased: every held form into a fresh client region; a form the lease does not hold is
@@ -513,7 +509,7 @@ TEST(PoolInitiatedTest, WritePutAndReadLeasedOverAFakeFabric) {
   ar.set_namespace_id(reg.namespace_id());
   for (uint32_t t : tokens) ar.add_token_ids(t);
   pb::AcquireResponse lease;
-  ASSERT_TRUE(stub->Acquire(ctx().get(), ar, &lease).ok());
+  ASSERT_TRUE(stub->Acquire(Ctx().get(), ar, &lease).ok());
   ASSERT_EQ(lease.num_blocks(), 6u);
   auto dest = client->AllocateMemory(64 << 10);
   ASSERT_TRUE(dest.ok());
@@ -540,7 +536,7 @@ TEST(PoolInitiatedTest, WritePutAndReadLeasedOverAFakeFabric) {
   stray->set_dest_rkey((*dest)->packed_rkey());
   std::memset((*dest)->data(), 0xEE, (*dest)->size());
   pb::ReadLeasedResponse read;
-  st = stub->ReadLeased(ctx().get(), rl, &read);
+  st = stub->ReadLeased(Ctx().get(), rl, &read);
   ASSERT_TRUE(st.ok()) << st.error_message();
   ASSERT_EQ(read.results_size(), rl.reads_size());
   for (size_t i = 0; i < placed.size(); ++i) {
@@ -553,9 +549,9 @@ TEST(PoolInitiatedTest, WritePutAndReadLeasedOverAFakeFabric) {
   pb::ReleaseRequest rel;
   rel.set_lease_id(lease.lease_id());
   pb::ReleaseResponse released;
-  ASSERT_TRUE(stub->Release(ctx().get(), rel, &released).ok());
+  ASSERT_TRUE(stub->Release(Ctx().get(), rel, &released).ok());
   // An expired (released) lease: the whole call is NOT_FOUND.
-  EXPECT_EQ(stub->ReadLeased(ctx().get(), rl, &read).error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(stub->ReadLeased(Ctx().get(), rl, &read).error_code(), grpc::StatusCode::NOT_FOUND);
   (*server)->Shutdown(absl::Seconds(1));
 }
 
