@@ -387,68 +387,114 @@ inline float KeyToFloat(int16_t key) {
   return BitsToFloat(b << 16);
 }
 
+// One group of kG (>= 16, or 0: G at run time) bf16 elements x[0..G): key min/max into raw_mn /
+// raw_mx, magnitudes into the lane lists t[0..M).
+template <int M, uint32_t kG>
+inline void GroupStatsBf16(const uint16_t* x, uint32_t G, float* raw_mn, float* raw_mx,
+                           __m256i* t) {
+  const __m256i abs_mask = _mm256_set1_epi16(0x7fff);
+  const uint32_t n = kG != 0 ? kG : G;
+  __m256i kmn = _mm256_set1_epi16(0x7fff), kmx = _mm256_set1_epi16(-32768);
+#pragma GCC unroll 8
+  for (uint32_t j = 0; j < n; j += 16) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + j));
+    __m256i a = _mm256_and_si256(v, abs_mask);
+    const __m256i key = _mm256_xor_si256(v, _mm256_and_si256(_mm256_srai_epi16(v, 15), abs_mask));
+    kmn = _mm256_min_epi16(kmn, key);
+    kmx = _mm256_max_epi16(kmx, key);
+#pragma GCC unroll 8
+    for (int i = 0; i + 1 < M; ++i) {
+      const __m256i hi = _mm256_max_epi16(t[i], a);
+      a = _mm256_min_epi16(t[i], a);
+      t[i] = hi;
+    }
+    t[M - 1] = _mm256_max_epi16(t[M - 1], a);
+  }
+  *raw_mn = KeyToFloat(KeyMin(kmn));
+  *raw_mx = KeyToFloat(KeyMax(kmx));
+}
+
 template <int M>
 inline void RowStatsBf16(const uint16_t* x, uint32_t d, uint32_t G, float* raw_mn, float* raw_mx,
                          __m256i* t) {
-  const __m256i abs_mask = _mm256_set1_epi16(0x7fff);
 #pragma GCC unroll 8
   for (int i = 0; i < M; ++i) t[i] = _mm256_set1_epi16(-1);
-  for (uint32_t g = 0; g < d / G; ++g) {
-    __m256i kmn = _mm256_set1_epi16(0x7fff), kmx = _mm256_set1_epi16(-32768);
-    for (uint32_t j = g * G; j < (g + 1) * G; j += 16) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + j));
-      __m256i a = _mm256_and_si256(v, abs_mask);
-      const __m256i key = _mm256_xor_si256(v, _mm256_and_si256(_mm256_srai_epi16(v, 15), abs_mask));
-      kmn = _mm256_min_epi16(kmn, key);
-      kmx = _mm256_max_epi16(kmx, key);
-#pragma GCC unroll 8
-      for (int i = 0; i + 1 < M; ++i) {
-        const __m256i hi = _mm256_max_epi16(t[i], a);
-        a = _mm256_min_epi16(t[i], a);
-        t[i] = hi;
-      }
-      t[M - 1] = _mm256_max_epi16(t[M - 1], a);
+  if (G == 128) {  // d >= 128: groups of a compile-time size (fully unrolled)
+    for (uint32_t g = 0; g < d / 128; ++g) {
+      GroupStatsBf16<M, 128>(x + 128 * g, 128, raw_mn + g, raw_mx + g, t);
     }
-    raw_mn[g] = KeyToFloat(KeyMin(kmn));
-    raw_mx[g] = KeyToFloat(KeyMax(kmx));
+  } else {  // d < 128: one group of G = d elements
+    GroupStatsBf16<M, 0>(x, G, raw_mn, raw_mx, t);
   }
 }
 
-// k-th largest of the 16·m int16 values of t[0..m) (k <= 16·m), as in KthOfLaneTops. Every
-// value of S reaches every candidate lane through the 8 dword rotations of word-duplicated
-// copies (register permutes instead of a store and 16·m narrow reloads).
+// k-th largest of the 16·m int16 values of S = t[0..m) (k <= number of non-marker values;
+// each lane sorted descending, t[0] >= t[1] >= ..., -1 markers below every magnitude), as in
+// KthOfLaneTops but by extraction in descending order: the maximum c of the lane heads t[0]
+// is the largest value not yet extracted; the n lanes whose head equals c hold n copies of it
+// (further copies below a head come out in the next steps with the same value). With `cum`
+// values extracted before, c is the k-th largest as soon as cum + n >= k; otherwise those heads
+// are popped (each such lane's list moves up one level, a -1 marker enters at the bottom). Each
+// step extracts at least one value, so at most k steps run (k when all of the top k are
+// distinct, the usual case); ~14 vector ops per step instead of the 16·m² compare-count.
 template <int m>
-inline int16_t KthOfLaneTops16(const __m256i* t, uint32_t k) {
-  __m256i dup[2 * m];
+inline int16_t KthOfLaneTops16(const __m256i* t_in, uint32_t k) {
+  __m256i t[m];
 #pragma GCC unroll 4
-  for (int i = 0; i < m; ++i) {
-    dup[2 * i] = _mm256_unpacklo_epi16(t[i], t[i]);
-    dup[2 * i + 1] = _mm256_unpackhi_epi16(t[i], t[i]);
+  for (int i = 0; i < m; ++i) t[i] = t_in[i];
+  const __m128i rev = _mm_set1_epi16(0x7fff);  // v ^ 0x7fff reverses the signed int16 order
+  const uint32_t k2 = 2 * k;                   // counts are in bytes (two per 16-bit lane)
+  uint32_t cum2 = 0;
+  for (;;) {
+    const __m128i h =
+        _mm_max_epi16(_mm256_castsi256_si128(t[0]), _mm256_extracti128_si256(t[0], 1));
+    const __m128i mx = _mm_xor_si128(_mm_minpos_epu16(_mm_xor_si128(h, rev)), rev);  // lane 0
+    const __m256i c = _mm256_broadcastw_epi16(mx);
+    const __m256i eq = _mm256_cmpeq_epi16(t[0], c);
+    cum2 +=
+        static_cast<uint32_t>(__builtin_popcount(static_cast<unsigned>(_mm256_movemask_epi8(eq))));
+    if (cum2 >= k2) return static_cast<int16_t>(_mm_cvtsi128_si32(mx));
+#pragma GCC unroll 4
+    for (int i = 0; i + 1 < m; ++i) t[i] = _mm256_blendv_epi8(t[i], t[i + 1], eq);
+    t[m - 1] = _mm256_or_si256(t[m - 1], eq);
   }
-  const __m256i rot = _mm256_setr_epi32(1, 2, 3, 4, 5, 6, 7, 0);
-  __m256i lt[m];  // per candidate lane: #(S < c)
+}
+
+// KthOfLaneTops16 for kBf16Batch rows at once (lists[r][0..m) of row r; k-th largest into
+// out[r]), as exactly k steps without a data-dependent branch: a step after the one that
+// reached k changes no result, and k steps always reach k (each extracts at least one value).
+// The rows' step chains are independent, so their latencies overlap and no loop exit is
+// mispredicted when ties change the number of steps a row needs.
+template <int m, int M>
+inline void KthOfLaneTops16Batch(const __m256i (*lists)[M], uint32_t k, int16_t* out) {
+  constexpr int B = static_cast<int>(kBf16Batch);
+  __m256i t[B][m];
 #pragma GCC unroll 4
-  for (int i = 0; i < m; ++i) lt[i] = _mm256_setzero_si256();
-#pragma GCC unroll 8
-  for (int r = 0; r < 8; ++r) {
-#pragma GCC unroll 8
-    for (int v = 0; v < 2 * m; ++v) {
+  for (int r = 0; r < B; ++r)
 #pragma GCC unroll 4
-      for (int i = 0; i < m; ++i) {
-        lt[i] = _mm256_sub_epi16(lt[i], _mm256_cmpgt_epi16(t[i], dup[v]));
-      }
-      dup[v] = _mm256_permutevar8x32_epi32(dup[v], rot);
+    for (int i = 0; i < m; ++i) t[r][i] = lists[r][i];
+  const __m128i rev = _mm_set1_epi16(0x7fff);
+  const uint32_t k2 = 2 * k;
+  uint32_t cum2[B] = {};
+  int32_t res[B] = {};
+  for (uint32_t step = 0; step < k; ++step) {
+#pragma GCC unroll 4
+    for (int r = 0; r < B; ++r) {
+      const __m128i h =
+          _mm_max_epi16(_mm256_castsi256_si128(t[r][0]), _mm256_extracti128_si256(t[r][0], 1));
+      const __m128i mx = _mm_xor_si128(_mm_minpos_epu16(_mm_xor_si128(h, rev)), rev);
+      const __m256i eq = _mm256_cmpeq_epi16(t[r][0], _mm256_broadcastw_epi16(mx));
+      const uint32_t before = cum2[r];
+      cum2[r] = before + static_cast<uint32_t>(
+                             __builtin_popcount(static_cast<unsigned>(_mm256_movemask_epi8(eq))));
+      res[r] = before < k2 ? _mm_cvtsi128_si32(mx) : res[r];
+#pragma GCC unroll 4
+      for (int i = 0; i + 1 < m; ++i) t[r][i] = _mm256_blendv_epi8(t[r][i], t[r][i + 1], eq);
+      t[r][m - 1] = _mm256_or_si256(t[r][m - 1], eq);
     }
   }
-  // #(S < c) <= 16m − k  <=>  #(S >= c) >= k; the largest such c is the k-th largest
-  const __m256i lim = _mm256_set1_epi16(static_cast<int16_t>(16 * m - k + 1));
-  __m256i best = _mm256_setzero_si256();
 #pragma GCC unroll 4
-  for (int i = 0; i < m; ++i) {
-    const __m256i sel = _mm256_cmpgt_epi16(lim, lt[i]);
-    best = _mm256_max_epi16(best, _mm256_and_si256(sel, t[i]));  // -1 markers -> -1 or 0
-  }
-  return KeyMax(best);
+  for (int r = 0; r < B; ++r) out[r] = static_cast<int16_t>(res[r]);
 }
 
 // ---- bf16 rows: codes by 16-bit key compares --------------------------------------------------
@@ -555,7 +601,6 @@ RowQuantStatus EncodeRowBf16(const uint16_t* x, uint32_t d, float tau, const flo
                              const float* raw_mx, uint8_t* codes, uint16_t* params) {
   const uint32_t G = d < 128 ? d : 128;
   const uint32_t ng = d / G;
-  uint16_t out_params[2 * (kMaxHeadDim / 128)];
   __m256i tv[3 * (kMaxHeadDim / 128)];
   for (uint32_t g = 0; g < ng; ++g) {
     const float mn = ClampScalar(raw_mn[g], tau) + 0.0f;
@@ -571,8 +616,8 @@ RowQuantStatus EncodeRowBf16(const uint16_t* x, uint32_t d, float tau, const flo
       scale16 = ToFp16Up(s);
       if (Fp16IsNonFinite(scale16)) return Fail(RowQuantStatus::kFp16Overflow, d, codes, params);
     }
-    out_params[2 * g] = scale16;
-    out_params[2 * g + 1] = mn16;
+    params[2 * g] = scale16;  // overwritten by Fail or the fp32 fallback if needed
+    params[2 * g + 1] = mn16;
     alignas(16) int32_t tm1[4] = {32767, 32767, 32767, 32767};  // scale16 = 0: every code 0
     if (scale16 != 0 && !Bf16KeyThresholds(mn16f, FromFp16(scale16), tau, tm1)) {
       return EncodeRow(Bf16Row{x}, d, tau, raw_mn, raw_mx, codes, params);
@@ -584,7 +629,6 @@ RowQuantStatus EncodeRowBf16(const uint16_t* x, uint32_t d, float tau, const flo
   } else {
     KeyCodes<false>(x, d, tv, codes);
   }
-  std::memcpy(params, out_params, 4 * ng);
   return RowQuantStatus::kOk;
 }
 
@@ -645,8 +689,40 @@ void BatchBf16(const uint16_t* x, uint32_t n, uint32_t d, uint32_t k, uint8_t* c
   alignas(32) float mn[kBf16Batch][kMaxHeadDim / 8], mx[kBf16Batch][kMaxHeadDim / 8];
   float tau[kBf16Batch];
   bool finite[kBf16Batch];
+  __m256i t[kBf16Batch][M];
   for (uint32_t i = 0; i < n; ++i) {
-    finite[i] = StatsAndTauBf16<M>(x + i * d, d, G, k, mn[i], mx[i], &tau[i]);
+    RowStatsBf16<M>(x + i * d, d, G, mn[i], mx[i], t[i]);
+    // t[0] holds each lane's largest magnitude: NaN or ±inf iff above the largest finite bf16
+    finite[i] = _mm256_movemask_epi8(_mm256_cmpgt_epi16(t[i][0], _mm256_set1_epi16(0x7f7f))) == 0;
+    tau[i] = INFINITY;
+  }
+  if constexpr (M >= 2) {                        // 1 <= k <= 32
+    for (uint32_t i = n; i < kBf16Batch; ++i) {  // a short batch: copies of row 0 (ignored)
+#pragma GCC unroll 8
+      for (int l = 0; l < M; ++l) t[i][l] = t[0][l];
+    }
+    int16_t t0[kBf16Batch];
+    KthOfLaneTops16Batch<M - 1, M>(t, k, t0);
+    for (uint32_t i = 0; i < n; ++i) {
+      if (!finite[i]) continue;
+      // τ = T0 unless a lane holds more than M−1 of the top k (see "per-lane top lists")
+      if (_mm256_movemask_epi8(_mm256_cmpgt_epi16(t[i][M - 1], _mm256_set1_epi16(t0[i]))) == 0) {
+        tau[i] = BitsToFloat(static_cast<uint32_t>(static_cast<uint16_t>(t0[i])) << 16);
+      } else if constexpr (M == 3) {  // deeper lists first, then the exact selection
+        StatsAndTauBf16<4>(x + i * d, d, G, k, mn[i], mx[i], &tau[i]);
+      } else {
+        alignas(32) float wide[kMaxHeadDim];
+        Bf16ToFp32RowsAvx2(x + i * d, d, wide);
+        tau[i] = ExactTau(wide, d, k);
+      }
+    }
+  } else if (k != 0) {  // k > 32: the exact selection
+    for (uint32_t i = 0; i < n; ++i) {
+      if (!finite[i]) continue;
+      alignas(32) float wide[kMaxHeadDim];
+      Bf16ToFp32RowsAvx2(x + i * d, d, wide);
+      tau[i] = ExactTau(wide, d, k);
+    }
   }
   for (uint32_t i = 0; i < n; ++i) {
     uint8_t* c = codes + i * (d / 4);
