@@ -2,7 +2,8 @@
 // C++ client (the path engines use):
 //   * put:   one block of S bytes per put (S = 16 KiB … 4 MiB), timed from the first WriteLayer
 //            to Flush (bytes in the pool's staging memory; excludes BeginPut and CommitPut);
-//   * fetch: one leased block of S bytes per Fetch (RMA get + xxh3 verification);
+//   * fetch: one leased block of S bytes per Fetch (RMA get + xxh3 verification), and the same
+//            without the xxh3 check (FetchPlan::verify_checksums = false);
 //   * commit: CommitPut of many INT2 blocks (rotate + quantize on the pool), reported apart;
 //   * lookup: p50/p99 of Lookup with N concurrent clients.
 // Block sizes are set by the model geometry (d = 128, P = 16: 8 KiB per layer·head), with
@@ -184,7 +185,7 @@ int main(int argc, char** argv) {
     BENCH_CHECK(region.status());
     kvpool::client::PagePool pool{*region, bytes};
 
-    std::vector<double> put_us, fetch_us, raw_us;
+    std::vector<double> put_us, fetch_us, fetch_nv_us, raw_us;
     for (int it = 0; it < warmup + iters; ++it) {
       std::vector<uint32_t> tokens(16);
       for (auto& t : tokens) t = rng();
@@ -204,6 +205,12 @@ int main(int argc, char** argv) {
       auto f = client->Fetch(*lease, plan);
       absl::Time t3 = absl::Now();
       BENCH_CHECK(f.status());
+      // The same fetch without the xxh3 check (FetchPlan::verify_checksums = false).
+      kvpool::client::FetchPlan unverified = plan;
+      unverified.verify_checksums = false;
+      absl::Time t6 = absl::Now();
+      BENCH_CHECK(client->Fetch(*lease, unverified).status());
+      absl::Time t7 = absl::Now();
       if (f->num_blocks != 1) {
         KVPOOL_LOG_ERROR("fetch returned {} blocks", f->num_blocks);
         return kvpool::cli::kExitRuntime;
@@ -229,10 +236,12 @@ int main(int argc, char** argv) {
       if (it >= warmup) {
         put_us.push_back(absl::ToDoubleMicroseconds(t1 - t0));
         fetch_us.push_back(absl::ToDoubleMicroseconds(t3 - t2));
+        fetch_nv_us.push_back(absl::ToDoubleMicroseconds(t7 - t6));
         if (t5 > t4) raw_us.push_back(absl::ToDoubleMicroseconds(t5 - t4));
       }
     }
-    Stats ps = Summarize(put_us), fs = Summarize(fetch_us), rs = Summarize(raw_us);
+    Stats ps = Summarize(put_us), fs = Summarize(fetch_us), rs = Summarize(raw_us),
+          nvs = Summarize(fetch_nv_us);
     const double put_gbs = bytes / (ps.mean_us * 1e3);
     const double fetch_gbs = bytes / (fs.mean_us * 1e3);
     std::printf("%-10s %12.3f %10.1f %10.1f %12.3f %10.1f %10.1f\n",
@@ -250,6 +259,9 @@ int main(int argc, char** argv) {
                                 {"fetch_p99_us", fs.p99_us},
                                 {"put_gbps_at_p50", bytes / (ps.p50_us * 1e3)},
                                 {"fetch_gbps_at_p50", bytes / (fs.p50_us * 1e3)},
+                                {"fetch_unverified_gbps", bytes / (nvs.mean_us * 1e3)},
+                                {"fetch_unverified_p50_us", nvs.p50_us},
+                                {"fetch_unverified_p99_us", nvs.p99_us},
                                 {"pool_initiated", info->pool_initiates_transfers}});
     if (!raw_us.empty()) {
       out["transfers"].back()["raw_get_gbps"] = bytes / (rs.mean_us * 1e3);

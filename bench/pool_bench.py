@@ -151,7 +151,7 @@ def main():
               f"{'pool' if res['transfers'][0].get('pool_initiated') else 'client'}) ==")
         print(f"{'size':>9} | {'put GB/s':>9} {'perftest':>9} {'ratio':>6} "
               f"{'p50 us':>8} {'p99 us':>8} | {'fetch GB/s':>10} {'perftest':>9} {'ratio':>6} "
-              f"{'p50 us':>8} {'p99 us':>8} | {'raw get':>8} {'ratio':>6}")
+              f"{'p50 us':>8} {'p99 us':>8} | {'no-xxh3':>8} {'ratio':>6} | {'raw get':>8} {'ratio':>6}")
         for t in res["transfers"]:
             p = t["perftest"]
             raw = (f"{t['raw_get_gbps']:8.3f} {t['raw_get_gbps'] / p['ucp_get_gbps']:6.2f}"
@@ -159,7 +159,9 @@ def main():
             print(f"{t['bytes'] // 1024:>5} KiB | {t['put_gbps']:9.3f} {p['ucp_put_bw_gbps']:9.3f} "
                   f"{t['put_ratio']:6.2f} {t['put_p50_us']:8.1f} {t['put_p99_us']:8.1f} | "
                   f"{t['fetch_gbps']:10.3f} {p['ucp_get_gbps']:9.3f} {t['fetch_ratio']:6.2f} "
-                  f"{t['fetch_p50_us']:8.1f} {t['fetch_p99_us']:8.1f} | {raw}")
+                  f"{t['fetch_p50_us']:8.1f} {t['fetch_p99_us']:8.1f} | "
+                  f"{t['fetch_unverified_gbps']:8.3f} "
+                  f"{t['fetch_unverified_gbps'] / p['ucp_get_gbps']:6.2f} | {raw}")
         c = res["commit"]
         print(f"commit (rotate + INT2 quantize on the pool, {c['blocks']} blocks): "
               f"{c['gbps']:.3f} GB/s of BF16 input, p50 {c['p50_ms']:.1f} ms")

@@ -26,6 +26,7 @@ namespace {
 using ::testing::HasSubstr;
 
 using testing::ExpectedForms;
+using testing::Geometry;
 using testing::kDim;
 using testing::kHeads;
 using testing::kLayers;
@@ -316,6 +317,14 @@ TEST_P(ClientTest, CorruptedStoredBytesAreDataLoss) {
   EXPECT_TRUE(f->block_status[2].ok());
   EXPECT_EQ(f->tables.history.indices.size(), 0u);  // tables stop before the bad block
   EXPECT_EQ(f->tables.sink.indices.size(), 1u);
+  // Without the checksum (verify_checksums = false) the corrupted bytes are delivered as they
+  // are: the option trades corruption detection for speed.
+  FetchPlan unverified = pools->plan;
+  unverified.verify_checksums = false;
+  auto g = c->Fetch(*lease, unverified);
+  ASSERT_TRUE(g.ok()) << g.status();
+  EXPECT_EQ(g->num_blocks, 4u);
+  EXPECT_EQ(pools->int2_mem[g->pages[1] * Geometry().Int2FormBytes() + 17], stored[17]);
   stored[17] ^= 0x40;
   EXPECT_TRUE(c->Release(*lease).ok());
 }

@@ -230,6 +230,12 @@ struct FetchPlan {
   // form: true → fetch the whole window as INT2 (history); false → stop before the window
   // (num_blocks < leased, the caller recomputes the window). Default false (FORMAT.md §3).
   bool accept_int2_window = false;
+  // Compare the xxh3 of every fetched form with the lease's (DATA_LOSS per block on mismatch).
+  // The lease alone already fails closed against slot reuse (a leased slot is never reused and
+  // a lease that expired before the fetch ended fails it); the checksum adds detection of
+  // corrupted bytes, at roughly the cost of the copy itself (xxh3 runs at 5–9 GB/s on the
+  // benchmark host). false skips it (e.g. a caller that verifies later on the GPU). Default true.
+  bool verify_checksums = true;
 };
 
 // CSR page table of one segment for one request (docs/BLOCK_FORMAT.md "Page tables").
