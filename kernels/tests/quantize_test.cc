@@ -348,6 +348,62 @@ TEST(QuantizeTest, Bf16RowsAvx2BitIdenticalToScalar) {
   EXPECT_EQ(rows, 8u * 7 * 15);
 }
 
+// Every clip count k = d − ClipIndex(ratio, d) from 1 to 40 on bf16 rows, in calls of 7 rows
+// (a full batch of 4, then a short one of 3) that mix the AVX2 selection's outcomes within a
+// batch: Gaussian rows (lane lists exact), rows whose largest magnitudes all sit in one 16-lane
+// (the lists overflow: deeper lists, then the exact selection), rows with a few tied outliers in
+// one lane, tie-heavy rows and rows with outliers; k > 32 takes the exact selection directly.
+TEST(QuantizeTest, Bf16BatchSelectionEveryClipCount) {
+  if (!CpuHasAvx2()) GTEST_SKIP() << "CPU without AVX2/FMA/F16C: only the scalar path exists";
+  std::mt19937 rng(777);
+  std::normal_distribution<float> n01(0, 1);
+  uint64_t rows = 0;
+  for (uint32_t d : {32u, 64u, 128u, 256u, 1024u}) {
+    const uint32_t ng = d / std::min(d, 128u);
+    for (uint32_t k = 1; k <= std::min(d, 40u); ++k) {
+      const float ratio = (static_cast<float>(d - k) + 0.5f) / static_cast<float>(d);
+      ASSERT_EQ(d - ClipIndex(ratio, d), k) << d << " " << k;
+      const uint64_t n = 7;
+      std::vector<uint16_t> x(n * d);
+      for (uint64_t r = 0; r < n; ++r) {
+        const uint32_t lane = rng() % 16;
+        for (uint32_t j = 0; j < d; ++j) {
+          float v = n01(rng);
+          switch (r) {
+            case 1:  // one lane holds all the largest magnitudes (distinct)
+              if (j % 16 == lane) v = (rng() % 2 ? -1.0f : 1.0f) * (100.0f + static_cast<float>(j));
+              break;
+            case 3:  // four tied outliers in one lane
+              if (j % 16 == lane && j < 64) v = rng() % 2 ? -50.0f : 50.0f;
+              break;
+            case 4:  // few distinct magnitudes
+              v = static_cast<float>(static_cast<int>(rng() % 5) - 2) * 0.5f;
+              break;
+            case 5:  // sparse outliers
+              v *= rng() % 16 == 0 ? 30.0f : 1.0f;
+              break;
+            default:
+              break;
+          }
+          x[r * d + j] = Fp32ToBf16(v);
+        }
+      }
+      std::vector<uint8_t> c1(n * d / 4), c2(n * d / 4);
+      std::vector<uint16_t> p1(n * 2 * ng), p2(n * 2 * ng);
+      ASSERT_TRUE(
+          QuantizeRowsBf16(x.data(), n, d, ratio, c1.data(), p1.data(), nullptr, KernelIsa::kScalar)
+              .ok());
+      ASSERT_TRUE(
+          QuantizeRowsBf16(x.data(), n, d, ratio, c2.data(), p2.data(), nullptr, KernelIsa::kAvx2)
+              .ok());
+      ASSERT_EQ(c1, c2) << "d=" << d << " k=" << k;
+      ASSERT_EQ(p1, p2) << "d=" << d << " k=" << k;
+      rows += n;
+    }
+  }
+  EXPECT_EQ(rows, 7u * (32 + 4 * 40));
+}
+
 // bf16 rows whose values sit on and around the code boundaries in x (bf16 neighbours of
 // mn16 + (k − ½)·scale16), including symmetric groups whose middle boundary is ~0 (where the
 // boundary's fp32 rounding grid is coarser than bf16), tiny values at ±2^-23·|mn16| and
