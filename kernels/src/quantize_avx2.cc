@@ -596,39 +596,69 @@ inline void KeyCodes(const uint16_t* x, uint32_t d, const __m256i* tv, uint8_t* 
   }
 }
 
-// EncodeRow for bf16 rows with d >= 64: key compares on 16 elements per vector.
-RowQuantStatus EncodeRowBf16(const uint16_t* x, uint32_t d, float tau, const float* raw_mn,
-                             const float* raw_mx, uint8_t* codes, uint16_t* params) {
-  const uint32_t G = d < 128 ? d : 128;
-  const uint32_t ng = d / G;
+// One group's fp16 parameters into p[0] (scale16), p[1] (mn16) and its key thresholds
+// key(V_k) − 1 into tm1[0..2] (32767: code never reached).
+enum class GroupParams { kOk, kFp16Overflow, kFp32Path /* key thresholds unusable */ };
+inline GroupParams GroupParamsBf16(float raw_mn, float raw_mx, float tau, uint16_t* p,
+                                   int32_t* tm1) {
+  const float mn = ClampScalar(raw_mn, tau) + 0.0f;
+  const float mx = ClampScalar(raw_mx, tau) + 0.0f;
+  const uint16_t mn16 = ToFp16Down(mn);
+  if (mx > kFp16Max || Fp16IsNonFinite(mn16)) return GroupParams::kFp16Overflow;
+  const float mn16f = FromFp16(mn16);
+  uint16_t scale16 = 0;
+  if (mx != mn) {
+    const float s = (mx - mn16f) / 3.0f;
+    scale16 = ToFp16Up(s);
+    if (Fp16IsNonFinite(scale16)) return GroupParams::kFp16Overflow;
+  }
+  p[0] = scale16;  // overwritten by Fail or the fp32 fallback if needed
+  p[1] = mn16;
+  tm1[0] = tm1[1] = tm1[2] = 32767;  // scale16 = 0: every code 0
+  if (scale16 != 0 && !Bf16KeyThresholds(mn16f, FromFp16(scale16), tau, tm1)) {
+    return GroupParams::kFp32Path;
+  }
+  return GroupParams::kOk;
+}
+
+// EncodeRowBf16 for d > 128 (several groups; thresholds in memory).
+__attribute__((noinline)) RowQuantStatus EncodeRowBf16Groups(const uint16_t* x, uint32_t d,
+                                                             float tau, const float* raw_mn,
+                                                             const float* raw_mx, uint8_t* codes,
+                                                             uint16_t* params) {
+  const uint32_t ng = d / 128;
   __m256i tv[3 * (kMaxHeadDim / 128)];
   for (uint32_t g = 0; g < ng; ++g) {
-    const float mn = ClampScalar(raw_mn[g], tau) + 0.0f;
-    const float mx = ClampScalar(raw_mx[g], tau) + 0.0f;
-    const uint16_t mn16 = ToFp16Down(mn);
-    if (mx > kFp16Max || Fp16IsNonFinite(mn16)) {
+    alignas(16) int32_t tm1[4];
+    const GroupParams st = GroupParamsBf16(raw_mn[g], raw_mx[g], tau, params + 2 * g, tm1);
+    if (st == GroupParams::kFp16Overflow) {
       return Fail(RowQuantStatus::kFp16Overflow, d, codes, params);
     }
-    const float mn16f = FromFp16(mn16);
-    uint16_t scale16 = 0;
-    if (mx != mn) {
-      const float s = (mx - mn16f) / 3.0f;
-      scale16 = ToFp16Up(s);
-      if (Fp16IsNonFinite(scale16)) return Fail(RowQuantStatus::kFp16Overflow, d, codes, params);
-    }
-    params[2 * g] = scale16;  // overwritten by Fail or the fp32 fallback if needed
-    params[2 * g + 1] = mn16;
-    alignas(16) int32_t tm1[4] = {32767, 32767, 32767, 32767};  // scale16 = 0: every code 0
-    if (scale16 != 0 && !Bf16KeyThresholds(mn16f, FromFp16(scale16), tau, tm1)) {
+    if (st == GroupParams::kFp32Path) {
       return EncodeRow(Bf16Row{x}, d, tau, raw_mn, raw_mx, codes, params);
     }
     for (int k = 0; k < 3; ++k) tv[3 * g + k] = _mm256_set1_epi16(static_cast<int16_t>(tm1[k]));
   }
-  if (ng == 1) {
-    KeyCodes<true>(x, d, tv, codes);
-  } else {
-    KeyCodes<false>(x, d, tv, codes);
+  KeyCodes<false>(x, d, tv, codes);
+  return RowQuantStatus::kOk;
+}
+
+// EncodeRow for bf16 rows with d >= 64: key compares on 16 elements per vector. One group
+// (d <= 128) keeps its thresholds in registers.
+inline RowQuantStatus EncodeRowBf16(const uint16_t* x, uint32_t d, float tau, const float* raw_mn,
+                                    const float* raw_mx, uint8_t* codes, uint16_t* params) {
+  if (d > 128) return EncodeRowBf16Groups(x, d, tau, raw_mn, raw_mx, codes, params);
+  alignas(16) int32_t tm1[4];
+  const GroupParams st = GroupParamsBf16(raw_mn[0], raw_mx[0], tau, params, tm1);
+  if (st == GroupParams::kFp16Overflow)
+    return Fail(RowQuantStatus::kFp16Overflow, d, codes, params);
+  if (st == GroupParams::kFp32Path) {
+    return EncodeRow(Bf16Row{x}, d, tau, raw_mn, raw_mx, codes, params);
   }
+  const __m256i tv[3] = {_mm256_set1_epi16(static_cast<int16_t>(tm1[0])),
+                         _mm256_set1_epi16(static_cast<int16_t>(tm1[1])),
+                         _mm256_set1_epi16(static_cast<int16_t>(tm1[2]))};
+  KeyCodes<true>(x, d, tv, codes);
   return RowQuantStatus::kOk;
 }
 
