@@ -11,6 +11,7 @@
 #include <sched.h>
 #include <sys/eventfd.h>
 #include <sys/mman.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -537,24 +538,16 @@ class UcxTransport final : public Transport {
 
   absl::StatusOr<std::shared_ptr<MemoryRegion>> AllocateMemory(size_t length) override {
     if (length == 0) return absl::InvalidArgumentError("length: zero");
+    if (!FitsInSharedMemory(length)) return AllocatePrivate(length);
     // UCX allocates (a shared-memory segment when posix/sysv is enabled), so that peers on this
     // host reach it with one-sided RMA instead of RMA emulated through this worker (see
     // UcxMemHandle::Allocate).
     auto memh = core_->RunSync<absl::StatusOr<std::unique_ptr<UcxMemHandle>>>(
         [c = core_.get(), length] { return c->AllocateMemory(length); });
-    if (!memh.ok()) {
-      return absl::ResourceExhaustedError(
-          absl::StrCat("length: cannot allocate ", length, " bytes: ", memh.status().message()));
-    }
+    if (!memh.ok()) return AllocatePrivate(length);
     auto* data = static_cast<uint8_t*>((*memh)->address());
     std::memset(data, 0, length);  // zeroed whatever method UCX used (heap is not)
-    if (core_->options().lock_memory && mlock(data, length) != 0) {
-      static std::once_flag once;
-      std::call_once(once, [] {
-        KVPOOL_LOG_WARN("transport: mlock failed ({}); memory is registered but not locked",
-                        std::strerror(errno));
-      });
-    }
+    LockOnce(data, length);
     return std::shared_ptr<MemoryRegion>(
         std::make_shared<UcxRegion>(core_, data, length, /*owned=*/false, *std::move(memh)));
   }
@@ -625,6 +618,40 @@ class UcxTransport final : public Transport {
   }
 
  private:
+  // A UCX allocation may be a tmpfs segment under /dev/shm (RAM; a process that dies by a
+  // signal can leave it behind). Use it only while it takes at most a quarter of the free space
+  // there, so a large capacity never fills /dev/shm (writing past its end is SIGBUS).
+  static bool FitsInSharedMemory(size_t length) {
+    struct statvfs fs;
+    if (statvfs("/dev/shm", &fs) != 0) return false;
+    const unsigned __int128 free_bytes = (unsigned __int128)fs.f_bavail * fs.f_frsize;
+    return (unsigned __int128)length * 4 <= free_bytes;
+  }
+
+  void LockOnce(uint8_t* data, size_t length) {
+    if (core_->options().lock_memory && mlock(data, length) != 0) {
+      static std::once_flag once;
+      std::call_once(once, [] {
+        KVPOOL_LOG_WARN("transport: mlock failed ({}); memory is registered but not locked",
+                        std::strerror(errno));
+      });
+    }
+  }
+
+  // Private anonymous memory registered with UCX (reached by same-host peers only through RMA
+  // emulated by this worker over posix; fine for tcp and RDMA).
+  absl::StatusOr<std::shared_ptr<MemoryRegion>> AllocatePrivate(size_t length) {
+    void* p = mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("length: cannot allocate ", length, " bytes: ", std::strerror(errno)));
+    }
+    LockOnce(static_cast<uint8_t*>(p), length);
+    auto region = Map(static_cast<uint8_t*>(p), length, /*owned=*/true);
+    if (!region.ok()) munmap(p, length);
+    return region;
+  }
+
   absl::StatusOr<std::shared_ptr<MemoryRegion>> Map(uint8_t* data, size_t length, bool owned) {
     auto memh = core_->RunSync<absl::StatusOr<std::unique_ptr<UcxMemHandle>>>(
         [c = core_.get(), data, length] { return c->MapMemory(data, length); });
