@@ -522,17 +522,25 @@ absl::StatusOr<PutPlan> BlockStore::BeginPut(const Digest& namespace_id,
   return plan;
 }
 
-absl::Status BlockStore::AbortPut(const Digest& namespace_id, uint64_t put_id) {
-  std::unique_lock lock(mu_);
+absl::StatusOr<std::unordered_map<uint64_t, BlockStore::Put>::iterator>
+BlockStore::FindOpenPutLocked(const Digest& namespace_id, uint64_t put_id) {
   auto it = puts_.find(put_id);
   if (it == puts_.end() || it->second.model->info.namespace_id != namespace_id) {
-    return absl::NotFoundError(absl::StrCat("put_id: ", put_id,
-                                            " is not an open put of this "
-                                            "namespace (expired, committed or never begun)"));
+    return absl::NotFoundError(
+        absl::StrCat("put_id: ", put_id,
+                     " is not an open put of this namespace (never begun, expired, aborted or "
+                     "committed)"));
   }
   if (it->second.committing) {
-    return absl::FailedPreconditionError(absl::StrCat("put_id: ", put_id, " is committing"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("put_id: ", put_id, " is already committing"));
   }
+  return it;
+}
+
+absl::Status BlockStore::AbortPut(const Digest& namespace_id, uint64_t put_id) {
+  std::unique_lock lock(mu_);
+  KVPOOL_ASSIGN_OR_RETURN(auto it, FindOpenPutLocked(namespace_id, put_id));
   if (it->second.writers > 0) {
     return absl::FailedPreconditionError(
         absl::StrCat("put_id: ", put_id, " is being written by the pool (WritePut)"));
@@ -550,16 +558,7 @@ absl::StatusOr<CommitResult> BlockStore::CommitPut(const Digest& namespace_id, u
   std::vector<PutBlockState> blocks;
   {
     std::unique_lock lock(mu_);
-    auto it = puts_.find(put_id);
-    if (it == puts_.end() || it->second.model->info.namespace_id != namespace_id) {
-      return absl::NotFoundError(absl::StrCat("put_id: ", put_id,
-                                              " is not an open put of this "
-                                              "namespace (expired, aborted or committed)"));
-    }
-    if (it->second.committing) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("put_id: ", put_id, " is already committing"));
-    }
+    KVPOOL_ASSIGN_OR_RETURN(auto it, FindOpenPutLocked(namespace_id, put_id));
     if (it->second.writers > 0) {
       return absl::FailedPreconditionError(
           absl::StrCat("put_id: ", put_id, " is still being written by the pool (WritePut)"));
@@ -1009,15 +1008,7 @@ StoreStats BlockStore::Stats() const {
 absl::StatusOr<std::vector<StagingRange>> BlockStore::BeginPutWrite(const Digest& namespace_id,
                                                                     uint64_t put_id) {
   std::unique_lock lock(mu_);
-  auto it = puts_.find(put_id);
-  if (it == puts_.end() || it->second.model->info.namespace_id != namespace_id) {
-    return absl::NotFoundError(absl::StrCat("put_id: ", put_id,
-                                            " is not an open put of this "
-                                            "namespace (expired, aborted or committed)"));
-  }
-  if (it->second.committing) {
-    return absl::FailedPreconditionError(absl::StrCat("put_id: ", put_id, " is committing"));
-  }
+  KVPOOL_ASSIGN_OR_RETURN(auto it, FindOpenPutLocked(namespace_id, put_id));
   std::vector<StagingRange> out;
   for (const PutBlockState& b : it->second.blocks) {
     if (b.plan.action == PutAction::kWrite) {

@@ -354,6 +354,11 @@ class BlockStore {
   // Requires mu_ exclusive; takes the block's shard lock.
   void RemoveBlockLocked(const Digest& key, const char* reason);
   void ReleasePutLocked(Put& put, bool free_staging);
+  // The open put `put_id` of `namespace_id` that is not committing. Caller holds mu_
+  // exclusively. Errors: NOT_FOUND (unknown, expired, aborted, committed or another
+  // namespace's put), FAILED_PRECONDITION (already committing), both naming put_id.
+  absl::StatusOr<std::unordered_map<uint64_t, Put>::iterator> FindOpenPutLocked(
+      const Digest& namespace_id, uint64_t put_id);
   void UnpinLocked(const Digest& key);
   void ExpireLocked(absl::Time now);
   uint64_t NextGeneration() { return ++generation_; }
