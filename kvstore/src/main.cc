@@ -1,5 +1,6 @@
 // kvpool-server — the KV-cache pool. Flags: `kvpool-server --help`; docs/OPERATIONS.md.
 #include <signal.h>
+#include <unistd.h>
 
 #include <cstdio>
 #include <string>
@@ -104,6 +105,20 @@ int main(int argc, char** argv) {
   if (!ParseBytes(capacity, &o.capacity_bytes) || o.capacity_bytes == 0) {
     std::fprintf(stderr, "--capacity: cannot parse \"%s\" as a positive byte count\n",
                  capacity.c_str());
+    return kvpool::cli::kExitUsage;
+  }
+  // The pool's memory is allocated (and pinned) up front: a capacity beyond this machine's
+  // physical memory can only end in swapping or the OOM killer, and one below 1 MiB cannot hold a
+  // block of any real model.
+  constexpr uint64_t kMinCapacity = 1ull << 20;
+  const uint64_t physical =
+      static_cast<uint64_t>(sysconf(_SC_PHYS_PAGES)) * static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+  if (o.capacity_bytes < kMinCapacity || (physical > 0 && o.capacity_bytes > physical)) {
+    std::fprintf(stderr,
+                 "--capacity: %s (%llu bytes) is outside 1 MiB .. this machine's physical memory "
+                 "(%llu bytes)\n",
+                 capacity.c_str(), static_cast<unsigned long long>(o.capacity_bytes),
+                 static_cast<unsigned long long>(physical));
     return kvpool::cli::kExitUsage;
   }
   o.store.default_put_timeout = absl::Milliseconds(put_timeout_ms);

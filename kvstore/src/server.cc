@@ -221,6 +221,13 @@ absl::StatusOr<std::unique_ptr<PoolServer>> PoolServer::Create(const PoolServerO
       res.set_content(RenderStoreMetrics(*raw->store), "text/plain; version=0.0.4");
     });
     const std::string mhost = host == "localhost" ? "127.0.0.1" : host;
+    // cpp-httplib's default socket options set SO_REUSEPORT, which lets a second pool bind the
+    // same metrics port and split the scrapes between two processes; SO_REUSEADDR alone lets a
+    // restarted pool rebind while old connections sit in TIME_WAIT, and nothing more.
+    raw->http.set_socket_options([](int sock) {
+      int yes = 1;
+      setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+    });
     if (o.metrics_port == 0) {
       raw->http_port = raw->http.bind_to_any_port(mhost);
     } else {

@@ -743,6 +743,36 @@ TEST(ServerBinaryTest, SecondServerOnTheSamePortExitsWithARuntimeError) {
   fclose(first.out);
 }
 
+TEST(ServerBinaryTest, SecondServerOnTheSameMetricsPortExitsWithARuntimeError) {
+  Child first = Spawn({"--listen", "127.0.0.1:0", "--metrics-port", "0", "--data-plane", "none",
+                       "--capacity", "4MiB"});
+  ASSERT_GT(first.pid, 0);
+  int grpc_port = 0, metrics_port = 0;
+  ASSERT_EQ(fscanf(first.out, "grpc_port=%d metrics_port=%d", &grpc_port, &metrics_port), 2);
+  ASSERT_GT(metrics_port, 0);
+  // cpp-httplib's default SO_REUSEPORT used to let this one share the port and half the scrapes.
+  auto [rc, text] =
+      RunToExit({"--listen", "127.0.0.1:0", "--metrics-port", std::to_string(metrics_port),
+                 "--data-plane", "none", "--capacity", "4MiB"});
+  EXPECT_EQ(rc, 2) << text;
+  EXPECT_NE(text.find("metrics-port: cannot bind"), std::string::npos) << text;
+  EXPECT_EQ(text.find("grpc_port="), std::string::npos) << text;
+  ASSERT_EQ(kill(first.pid, SIGTERM), 0);
+  EXPECT_EQ(WaitExit(first.pid), 0);
+  fclose(first.out);
+}
+
+TEST(ServerBinaryTest, CapacityOutsideOneMiBToPhysicalMemoryIsAUsageError) {
+  // 99999TiB used to reach UCX's allocator and fill the machine's RAM and /dev/shm.
+  for (const char* bad : {"99999TiB", "1", "1000KB"}) {
+    auto [rc, text] = RunToExit({"--listen", "127.0.0.1:0", "--metrics-port", "-1", "--data-plane",
+                                 "none", "--capacity", bad});
+    EXPECT_EQ(rc, 1) << bad << ": " << text;
+    EXPECT_NE(text.find("--capacity"), std::string::npos) << bad << ": " << text;
+    EXPECT_EQ(text.find("grpc_port="), std::string::npos) << text;
+  }
+}
+
 TEST(ServerBinaryTest, PortsOutOfRangeAreUsageErrorsNamingTheFlag) {
   for (const char* bad : {"70000", "-7", "65536"}) {
     auto [rc, text] = RunToExit({"--listen", "127.0.0.1:0", "--metrics-port", bad, "--data-plane",
