@@ -208,6 +208,22 @@ absl::StatusOr<RotationSet> ParseRotations(const std::string& bytes) {
       }
     }
   }
+  // Every tensor must be one the metadata describes: a file whose num_layers understates its
+  // content (hand-edited, or truncated metadata) would otherwise load as a smaller model.
+  const size_t expected = size_t(m.num_layers) * 2 * (has_eig ? 2 : 1);
+  if (f.tensors().size() != expected) {
+    for (const SafetensorsTensor& t : f.tensors()) {
+      bool described = false;
+      for (uint32_t l = 0; l < m.num_layers && !described; ++l)
+        for (KvKind kind : {KvKind::kKey, KvKind::kValue})
+          for (const char* what : {"rotation", "eigenvalues"})
+            described = described || t.name == TensorName(l, kind, what);
+      if (!described)
+        return absl::InvalidArgumentError(
+            absl::StrCat("rotation file: tensor '", t.name,
+                         "' is not described by the metadata (num_layers ", m.num_layers, ")"));
+    }
+  }
   auto set = RotationSet::FromMatrices(std::move(m), std::move(k), std::move(v), std::move(ke),
                                        std::move(ve));
   if (!set.ok()) return Annotate(set.status(), "rotation file");

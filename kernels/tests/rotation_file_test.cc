@@ -73,6 +73,24 @@ TEST(RotationFileOrthogonalityTest, OneCorruptElementRefusedWithTensorAndError) 
   std::remove(path.c_str());
 }
 
+TEST(RotationFileMetadataTest, TensorsBeyondTheMetadataLayerCountAreRefused) {
+  // A file holding 2 layers whose metadata claims 1 (same-length edit of the JSON header) used to
+  // load as a 1-layer file and silently drop layer 1.
+  auto rot = RotationSet::Hadamard(HadamardMeta(1, 16, 2, 1));
+  ASSERT_TRUE(rot.ok()) << rot.status();
+  std::string bytes = SerializeRotations(*rot);
+  const std::string claim = "\"num_layers\":\"2\"";
+  const size_t at = bytes.find(claim);
+  ASSERT_NE(at, std::string::npos) << "header layout changed; update the edit";
+  bytes[at + claim.size() - 2] = '1';
+  auto parsed = ParseRotations(bytes);
+  ASSERT_FALSE(parsed.ok());
+  EXPECT_EQ(parsed.status().code(), absl::StatusCode::kInvalidArgument);
+  const std::string msg(parsed.status().message());
+  EXPECT_NE(msg.find("'layers.1."), std::string::npos) << msg;
+  EXPECT_NE(msg.find("not described by the metadata (num_layers 1)"), std::string::npos) << msg;
+}
+
 TEST(RotationFileOrthogonalityTest, PerHeadFileNamesTheHead) {
   const uint32_t d = 8;
   std::vector<float> k = HadamardStack(d, 2), v = HadamardStack(d, 2);

@@ -83,7 +83,8 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(int64_t{1}, int64_t{3600000}));
   app.add_option("--max-lease-ms", max_lease_ms, "Longest lease a client may request")
       ->check(CLI::Range(int64_t{1}, int64_t{86400000}));
-  app.add_option("--max-put-blocks", o.store.max_put_blocks, "Most blocks in one put");
+  app.add_option("--max-put-blocks", o.store.max_put_blocks, "Most blocks in one put")
+      ->check(CLI::Range(uint32_t{1}, uint32_t{1} << 24));
   app.add_option("--tick-ms", tick_ms, "Period of expiry and watermark eviction")
       ->check(CLI::Range(int64_t{1}, int64_t{60000}));
   app.add_option("--drain-ms", drain_ms,

@@ -75,9 +75,12 @@ absl::StatusOr<std::unique_ptr<MixedKvCache>> MixedKvCache::Create(
   }
   KVPOOL_RETURN_IF_ERROR(
       ValidateHeadDim(static_cast<uint32_t>(std::max(shape.head_dim, 0)), "shape.head_dim"));
-  if (!IsPow2(options.page_size)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("page_size ", options.page_size, " must be a power of two"));
+  // Engines page in 16..256 tokens (ENGINES.md in ../shared/design); far beyond that a "page" is a
+  // whole prompt and the sink/recent multiples below would blame the wrong flag.
+  constexpr int kMaxPageSize = 1024;
+  if (!IsPow2(options.page_size) || options.page_size > kMaxPageSize) {
+    return absl::InvalidArgumentError(absl::StrCat("page_size ", options.page_size,
+                                                   " must be a power of two in 1..", kMaxPageSize));
   }
   if (options.sink_tokens < 0 || options.sink_tokens % options.page_size != 0) {
     return absl::InvalidArgumentError(absl::StrCat("sink_tokens ", options.sink_tokens,
