@@ -1,3 +1,4 @@
+"""make test runs the Python tests with the tooling venv that scripts/setup.sh creates."""
 import sys
 
 
