@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <fstream>
 #include <functional>
 #include <memory>
 #include <numeric>
@@ -169,6 +170,11 @@ inline void DescribeDevice(nlohmann::json* doc) {
                       {"max_sm_clock_khz", clk},
                       {"max_mem_clock_khz", memclk},
                       {"cc", std::to_string(prop.major) + "." + std::to_string(prop.minor)}};
+}
+
+// Writes `doc` (indented) to `path`; an empty path writes nothing.
+inline void WriteJson(const std::string& path, const nlohmann::json& doc) {
+  if (!path.empty()) std::ofstream(path) << doc.dump(2) << "\n";
 }
 
 }  // namespace kvpool::bench

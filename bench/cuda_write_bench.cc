@@ -19,7 +19,6 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
-#include <fstream>
 #include <functional>
 #include <memory>
 #include <numeric>
@@ -271,12 +270,10 @@ int main(int argc, char** argv) {
     Check(cudaStreamDestroy(stream), "stream");
   } catch (const std::exception& e) {
     KVPOOL_LOG_ERROR("{}", e.what());
-    if (!json_out.empty()) {
-      doc["error"] = e.what();
-      std::ofstream(json_out) << doc.dump(2) << "\n";
-    }
+    doc["error"] = e.what();
+    WriteJson(json_out, doc);
     return kvpool::cli::kExitRuntime;
   }
-  if (!json_out.empty()) std::ofstream(json_out) << doc.dump(2) << "\n";
+  WriteJson(json_out, doc);
   return kvpool::cli::kExitOk;
 }

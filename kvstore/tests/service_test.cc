@@ -599,7 +599,8 @@ struct Child {
   FILE* out = nullptr;
 };
 
-Child Spawn(const std::vector<std::string>& args) {
+// Starts the binary with its stdout (and, with merge_stderr, its stderr) on `out`.
+Child Spawn(const std::vector<std::string>& args, bool merge_stderr = false) {
   int fds[2];
   if (pipe(fds) != 0) {
     return {};
@@ -607,6 +608,7 @@ Child Spawn(const std::vector<std::string>& args) {
   pid_t pid = fork();
   if (pid == 0) {
     dup2(fds[1], 1);
+    if (merge_stderr) dup2(fds[1], 2);
     close(fds[0]);
     close(fds[1]);
     std::vector<char*> argv;
@@ -634,35 +636,18 @@ int WaitExit(pid_t pid) {
 // Runs the binary to its exit with stdout and stderr in one pipe; returns the exit code and
 // everything it printed.
 std::pair<int, std::string> RunToExit(const std::vector<std::string>& args) {
-  int fds[2];
-  if (pipe(fds) != 0) {
+  Child c = Spawn(args, /*merge_stderr=*/true);
+  if (c.out == nullptr) {
     return {-1, "pipe failed"};
   }
-  pid_t pid = fork();
-  if (pid == 0) {
-    dup2(fds[1], 1);
-    dup2(fds[1], 2);
-    close(fds[0]);
-    close(fds[1]);
-    std::vector<char*> argv;
-    std::string bin = KVPOOL_SERVER_BIN;
-    argv.push_back(bin.data());
-    for (const auto& a : args) {
-      argv.push_back(const_cast<char*>(a.c_str()));
-    }
-    argv.push_back(nullptr);
-    execv(bin.c_str(), argv.data());
-    _exit(127);
-  }
-  close(fds[1]);
   std::string text;
   char buf[4096];
-  ssize_t n;
-  while ((n = read(fds[0], buf, sizeof(buf))) > 0) {
-    text.append(buf, static_cast<size_t>(n));
+  size_t n;
+  while ((n = fread(buf, 1, sizeof(buf), c.out)) > 0) {
+    text.append(buf, n);
   }
-  close(fds[0]);
-  return {WaitExit(pid), text};
+  fclose(c.out);
+  return {WaitExit(c.pid), text};
 }
 
 TEST(ServerBinaryTest, FlagsHelpAndUsageErrors) {
