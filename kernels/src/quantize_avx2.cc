@@ -801,51 +801,171 @@ void QuantizeRowsBf16Avx2(const uint16_t* x, uint32_t n, uint32_t d, float ratio
 
 namespace {
 
-// Register-blocked x·R: NR rows × NC vectors of 8 columns per tile. Each accumulator follows
-// acc ← fma(x_i, R_ij, acc) for i = 0..d−1 from acc = 0, as the scalar path.
-template <int NR, int NC>
-inline void RotTile(const float* x, uint32_t d, const float* rot, float* out, uint32_t j0) {
+// 8 fp32 lanes -> 8 bf16 patterns, round to nearest even, NaN quieted (Fp32ToBf16 of
+// numeric.h lane by lane).
+inline __m128i Bf16Of(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i is_nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
+                                            _mm256_set1_epi32(0x7f800000));
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb));
+  const __m256i r =
+      _mm256_blendv_epi8(rounded, _mm256_or_si256(u, _mm256_set1_epi32(0x00400000)), is_nan);
+  const __m256i s = _mm256_srli_epi32(r, 16);  // 8 × u32 < 65536
+  return _mm_packus_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+}
+
+// The rotation micro-kernel: NR rows × NC vectors of 8 output columns, all NR·NC accumulators
+// in ymm registers (6 × 2 = 12 of the 16, plus 2 for R and 1 for the broadcast x). Column
+// vector c of R's row i is read at r + i·r_stride + 8·c: r_stride = d for the row-major R
+// (r = R + j0) and the panel width for a packed panel (see PackRotationAvx2). Each accumulator
+// follows acc ← fma(x_i, R_ij, acc) for i = 0..d−1 from acc = 0, exactly the scalar path's
+// operations in its order (the blocking over rows and columns never reorders one element's
+// sum over i). Output: fp32 to out (row stride d) or, with kBf16, bf16(acc) rounded to nearest
+// even to out16 (row stride d) — the fused rounding of RotateQuantizeRowsBf16.
+template <int NR, int NC, bool kBf16>
+inline void RotTile(const float* x, uint32_t d, const float* r, uint64_t r_stride, float* out,
+                    uint16_t* out16) {
   __m256 acc[NR][NC];
 #pragma GCC unroll 16
-  for (int r = 0; r < NR; ++r)
+  for (int k = 0; k < NR; ++k)
 #pragma GCC unroll 4
-    for (int c = 0; c < NC; ++c) acc[r][c] = _mm256_setzero_ps();
+    for (int c = 0; c < NC; ++c) acc[k][c] = _mm256_setzero_ps();
+#pragma GCC unroll 2
   for (uint32_t i = 0; i < d; ++i) {
     __m256 rv[NC];
 #pragma GCC unroll 4
-    for (int c = 0; c < NC; ++c) {
-      rv[c] = _mm256_loadu_ps(rot + static_cast<uint64_t>(i) * d + j0 + 8 * c);
-    }
+    for (int c = 0; c < NC; ++c) rv[c] = _mm256_loadu_ps(r + i * r_stride + 8 * c);
 #pragma GCC unroll 16
-    for (int r = 0; r < NR; ++r) {
-      const __m256 xb = _mm256_broadcast_ss(x + static_cast<uint64_t>(r) * d + i);
+    for (int k = 0; k < NR; ++k) {
+      const __m256 xb = _mm256_broadcast_ss(x + static_cast<uint64_t>(k) * d + i);
 #pragma GCC unroll 4
-      for (int c = 0; c < NC; ++c) acc[r][c] = _mm256_fmadd_ps(xb, rv[c], acc[r][c]);
+      for (int c = 0; c < NC; ++c) acc[k][c] = _mm256_fmadd_ps(xb, rv[c], acc[k][c]);
     }
   }
 #pragma GCC unroll 16
-  for (int r = 0; r < NR; ++r)
+  for (int k = 0; k < NR; ++k) {
 #pragma GCC unroll 4
-    for (int c = 0; c < NC; ++c)
-      _mm256_storeu_ps(out + static_cast<uint64_t>(r) * d + j0 + 8 * c, acc[r][c]);
+    for (int c = 0; c < NC; ++c) {
+      if constexpr (kBf16) {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out16 + static_cast<uint64_t>(k) * d + 8 * c),
+                         Bf16Of(acc[k][c]));
+      } else {
+        _mm256_storeu_ps(out + static_cast<uint64_t>(k) * d + 8 * c, acc[k][c]);
+      }
+    }
+  }
 }
 
-template <int NR>
-inline void RotRows(const float* x, uint32_t d, const float* rot, float* out) {
-  if (d % 16 == 0) {
-    for (uint32_t j0 = 0; j0 < d; j0 += 16) RotTile<NR, 2>(x, d, rot, out, j0);
-  } else {
-    for (uint32_t j0 = 0; j0 < d; j0 += 8) RotTile<NR, 1>(x, d, rot, out, j0);
+// All n rows of x against one column slab (NC·8 columns starting at column j0 of the output)
+// whose R columns are at r with stride r_stride: blocks of 6 rows, then 4, 2, 1.
+template <int NC, bool kBf16>
+inline void RotSlab(const float* x, uint64_t n, uint32_t d, const float* r, uint64_t r_stride,
+                    float* out, uint16_t* out16, uint32_t j0) {
+  uint64_t k = 0;
+  auto at = [&](uint64_t row) { return row * d + j0; };
+  for (; k + 6 <= n; k += 6) {
+    RotTile<6, NC, kBf16>(x + k * d, d, r, r_stride, out + (out ? at(k) : 0),
+                          out16 + (out16 ? at(k) : 0));
+  }
+  if (k + 4 <= n) {
+    RotTile<4, NC, kBf16>(x + k * d, d, r, r_stride, out + (out ? at(k) : 0),
+                          out16 + (out16 ? at(k) : 0));
+    k += 4;
+  }
+  if (k + 2 <= n) {
+    RotTile<2, NC, kBf16>(x + k * d, d, r, r_stride, out + (out ? at(k) : 0),
+                          out16 + (out16 ? at(k) : 0));
+    k += 2;
+  }
+  if (k < n) {
+    RotTile<1, NC, kBf16>(x + k * d, d, r, r_stride, out + (out ? at(k) : 0),
+                          out16 + (out16 ? at(k) : 0));
+  }
+}
+
+// Row-major R: per block of rows, every column slab (the block's x rows stay in L1; R streams
+// from L2 once per block). For few rows, where packing would not pay.
+template <bool kBf16>
+void RotDirect(const float* x, uint64_t n, uint32_t d, const float* rot, float* out,
+               uint16_t* out16) {
+  constexpr uint64_t kRowBlock = 6;
+  for (uint64_t r0 = 0; r0 < n; r0 += kRowBlock) {
+    const uint64_t nr = n - r0 < kRowBlock ? n - r0 : kRowBlock;
+    const float* xr = x + r0 * d;
+    float* o = out ? out + r0 * d : nullptr;
+    uint16_t* o16 = out16 ? out16 + r0 * d : nullptr;
+    if (d % 16 == 0) {
+      for (uint32_t j0 = 0; j0 < d; j0 += 16) RotSlab<2, kBf16>(xr, nr, d, rot + j0, d, o, o16, j0);
+    } else {
+      RotSlab<1, kBf16>(xr, nr, d, rot, d, o, o16, 0);  // d = 8
+    }
+  }
+}
+
+// Packed R: panel by panel over all n rows (the caller keeps n·d·4 bytes of x within L1, about
+// 24 rows at d = 128), so each 8 KiB panel (d = 128) is read from L2 once per call and then
+// reused from L1 by every row block, with unit-stride loads.
+template <bool kBf16>
+void RotPacked(const float* x, uint64_t n, uint32_t d, const float* packed, float* out,
+               uint16_t* out16) {
+  const uint32_t w = RotationPanelWidth(d);
+  for (uint32_t j0 = 0; j0 < d; j0 += w) {
+    const float* panel = packed + static_cast<uint64_t>(j0) * d;
+    if (w == 16) {
+      RotSlab<2, kBf16>(x, n, d, panel, 16, out, out16, j0);
+    } else {
+      RotSlab<1, kBf16>(x, n, d, panel, 8, out, out16, j0);
+    }
   }
 }
 
 }  // namespace
 
-void RotateRowsAvx2(const float* x, uint64_t n, uint32_t d, const float* rotation, float* out) {
-  uint64_t r = 0;
-  for (; r + 6 <= n; r += 6) RotRows<6>(x + r * d, d, rotation, out + r * d);
-  for (; r + 2 <= n; r += 2) RotRows<2>(x + r * d, d, rotation, out + r * d);
-  for (; r < n; ++r) RotRows<1>(x + r * d, d, rotation, out + r * d);
+void PackRotationAvx2(const float* rotation, uint32_t d, float* packed) {
+  const uint32_t w = RotationPanelWidth(d);
+  for (uint32_t j0 = 0; j0 < d; j0 += w) {
+    float* panel = packed + static_cast<uint64_t>(j0) * d;
+    for (uint32_t i = 0; i < d; ++i) {
+      for (uint32_t c = 0; c < w; c += 8) {
+        _mm256_storeu_ps(panel + static_cast<uint64_t>(i) * w + c,
+                         _mm256_loadu_ps(rotation + static_cast<uint64_t>(i) * d + j0 + c));
+      }
+    }
+  }
+}
+
+void RotateRowsPackedAvx2(const float* x, uint64_t n, uint32_t d, const float* packed, float* out,
+                          uint16_t* out_bf16) {
+  if (out_bf16 != nullptr) {
+    RotPacked<true>(x, n, d, packed, nullptr, out_bf16);
+  } else {
+    RotPacked<false>(x, n, d, packed, out, nullptr);
+  }
+}
+
+void RotateSlabAvx2(const float* x, uint64_t n, uint32_t d, const float* r, uint64_t r_stride,
+                    uint32_t j0, float* out, uint16_t* out_bf16) {
+  if (RotationPanelWidth(d) == 16) {
+    if (out_bf16 != nullptr) {
+      RotSlab<2, true>(x, n, d, r, r_stride, nullptr, out_bf16, j0);
+    } else {
+      RotSlab<2, false>(x, n, d, r, r_stride, out, nullptr, j0);
+    }
+  } else if (out_bf16 != nullptr) {
+    RotSlab<1, true>(x, n, d, r, r_stride, nullptr, out_bf16, j0);
+  } else {
+    RotSlab<1, false>(x, n, d, r, r_stride, out, nullptr, j0);
+  }
+}
+
+void RotateRowsDirectAvx2(const float* x, uint64_t n, uint32_t d, const float* rotation, float* out,
+                          uint16_t* out_bf16) {
+  if (out_bf16 != nullptr) {
+    RotDirect<true>(x, n, d, rotation, nullptr, out_bf16);
+  } else {
+    RotDirect<false>(x, n, d, rotation, out, nullptr);
+  }
 }
 
 void DequantizeRowsAvx2(const uint8_t* codes, const uint16_t* params, uint64_t n, uint32_t d,
@@ -898,21 +1018,8 @@ void Bf16ToFp32RowsAvx2(const uint16_t* x, uint64_t count, float* out) {
 
 void Fp32ToBf16RowsAvx2(const float* x, uint64_t count, uint16_t* out) {
   uint64_t i = 0;
-  const __m256i exp_mask = _mm256_set1_epi32(0x7fffffff);
-  const __m256i inf = _mm256_set1_epi32(0x7f800000);
-  const __m256i bias = _mm256_set1_epi32(0x7fff);
-  const __m256i one = _mm256_set1_epi32(1);
-  const __m256i qnan = _mm256_set1_epi32(0x00400000);
   for (; i + 8 <= count; i += 8) {
-    const __m256i u = _mm256_castps_si256(_mm256_loadu_ps(x + i));
-    const __m256i is_nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, exp_mask), inf);
-    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), one);
-    const __m256i rounded = _mm256_add_epi32(u, _mm256_add_epi32(bias, lsb));
-    const __m256i r = _mm256_blendv_epi8(rounded, _mm256_or_si256(u, qnan), is_nan);
-    __m256i s = _mm256_srli_epi32(r, 16);
-    // pack 8 × u32 (< 65536) to 8 × u16
-    const __m128i lo = _mm256_castsi256_si128(s), hi = _mm256_extracti128_si256(s, 1);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm_packus_epi32(lo, hi));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), Bf16Of(_mm256_loadu_ps(x + i)));
   }
   for (; i < count; ++i) out[i] = Fp32ToBf16(x[i]);
 }
@@ -940,8 +1047,54 @@ void QuantizeRowsBf16Avx2(const uint16_t* x, uint32_t n, uint32_t d, float ratio
     status[i] = QuantizeRowScalar(wide, d, ratio, codes + i * (d / 4), params + i * 2 * ng);
   }
 }
-void RotateRowsAvx2(const float* x, uint64_t n, uint32_t d, const float* r, float* out) {
-  RotateRowsScalar(x, n, d, r, out);
+void PackRotationAvx2(const float* rotation, uint32_t d, float* packed) {
+  const uint32_t w = RotationPanelWidth(d);
+  for (uint32_t j0 = 0; j0 < d; j0 += w)
+    for (uint32_t i = 0; i < d; ++i)
+      for (uint32_t c = 0; c < w; ++c) packed[j0 * d + i * w + c] = rotation[i * d + j0 + c];
+}
+void RotateRowsPackedAvx2(const float* x, uint64_t n, uint32_t d, const float* packed, float* out,
+                          uint16_t* out_bf16) {
+  const uint32_t w = RotationPanelWidth(d);
+  for (uint64_t r = 0; r < n; ++r) {
+    for (uint32_t j = 0; j < d; ++j) {
+      const float* col = packed + static_cast<uint64_t>(j / w) * w * d + j % w;
+      float acc = 0.0f;
+      for (uint32_t i = 0; i < d; ++i) acc = std::fma(x[r * d + i], col[i * w], acc);
+      if (out_bf16 != nullptr) {
+        out_bf16[r * d + j] = Fp32ToBf16(acc);
+      } else {
+        out[r * d + j] = acc;
+      }
+    }
+  }
+}
+void RotateSlabAvx2(const float* x, uint64_t n, uint32_t d, const float* r, uint64_t r_stride,
+                    uint32_t j0, float* out, uint16_t* out_bf16) {
+  const uint32_t w = RotationPanelWidth(d);
+  for (uint64_t k = 0; k < n; ++k) {
+    for (uint32_t c = 0; c < w; ++c) {
+      float acc = 0.0f;
+      for (uint32_t i = 0; i < d; ++i) acc = std::fma(x[k * d + i], r[i * r_stride + c], acc);
+      if (out_bf16 != nullptr) {
+        out_bf16[k * d + j0 + c] = Fp32ToBf16(acc);
+      } else {
+        out[k * d + j0 + c] = acc;
+      }
+    }
+  }
+}
+void RotateRowsDirectAvx2(const float* x, uint64_t n, uint32_t d, const float* rotation, float* out,
+                          uint16_t* out_bf16) {
+  if (out_bf16 == nullptr) {
+    RotateRowsScalar(x, n, d, rotation, out);
+    return;
+  }
+  float row[kMaxHeadDim];
+  for (uint64_t r = 0; r < n; ++r) {
+    RotateRowsScalar(x + r * d, 1, d, rotation, row);
+    for (uint32_t j = 0; j < d; ++j) out_bf16[r * d + j] = Fp32ToBf16(row[j]);
+  }
 }
 void DequantizeRowsAvx2(const uint8_t* codes, const uint16_t* params, uint64_t n, uint32_t d,
                         float* out) {
