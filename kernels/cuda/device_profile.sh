@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # device_profile.sh — Nsight Compute counters (clocks left alone) for the INT2 decode kernel at
 # B=32 x 32K (32q/8kv, d128, page 16): speed of light, occupancy, instruction counts and the
-# per-issue stall breakdown. Results under $OUT (ncu_int2.txt).
+# per-issue stall breakdown. Results under $OUT (ncu_int2.txt); PROFILE_LAUNCH=0 skips the second
+# pass (durations of the four kernels of one launch, ncu_launch.txt).
 set -u
 OUT=${OUT:-/tmp/out}
 DEVLIBS=${DEVLIBS:-.devlibs-decode}
@@ -17,6 +18,7 @@ ncu --clock-control none --kernel-name-base mangled --kernel-name regex:Int2Deco
   --metrics "$ST,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_lsu.avg.pct_of_peak_sustained_active" \
   $B --batches 32 --contexts 32768 --gqa 32:8 --page-sizes 16 --iters 2 --warmup 1 > "$OUT/ncu_int2.txt" 2>&1
 grep -E "Duration|Issue Slots Busy|Eligible Warps|Registers Per|Achieved Active|Executed Instructions  |DRAM Throughput|issue_stalled|pipe_|Compute \(SM\)" "$OUT/ncu_int2.txt"
+[ "${PROFILE_LAUNCH:-1}" = 1 ] || exit 0
 # Durations of the four kernels of one INT2 mixed launch (ncu serializes them: no PDL overlap).
 ncu --clock-control none --kernel-name-base mangled --kernel-name "regex:QRotateKernel|DecodeKernel|MergeKernel" \
   --launch-skip 4 --launch-count 4 --section SpeedOfLight \

@@ -10,6 +10,9 @@
 #            32q/8kv page 16, and 32q/8kv, 64q/8kv, 32q/4kv at B 32 x 32K for pages 16 and 64
 #     v5:    B 1 and 32 x 32K, 8 x 128K, 128 x 128K (32q/8kv, page 16) with SDPA, then B 1 / 32 x 32K
 #            and 8 x 128K again with KVPOOL_DECODE_ORDER=$ALT_ORDER (default int2) for A/B
+#     v6:    B 1 and 32 x 32K, 8 x 128K with SDPA; then OLD_BENCH (a previous build's
+#            cuda_decode_bench, if set), KVPOOL_DECODE_ORDER=$ALT_ORDER (if set) and each VAR=value
+#            of ALT_ENVS on the same shapes; EXTRA=1 adds B 32/128 x 128K and the GQA/page-64 shapes
 #     full:  every shape of PERF.md (long)
 # TEST_FILTER (gtest filter) and SKIP_TESTS=1 control the tests (TEST_ENV="VAR=value ..." runs them
 # under those environment settings, e.g. an A/B switch of the launcher; ALT_TEST_ENV and
@@ -70,6 +73,29 @@ case "$MODE" in
     echo "== KVPOOL_DECODE_ORDER=${ALT_ORDER:-int2} (A/B of the launch order)" | tee -a "$LOG"
     KVPOOL_DECODE_ORDER=${ALT_ORDER:-int2} "$B" --batches 1,32 --contexts 32768 --gqa 32:8 --page-sizes 16 --iters 20 2>&1 | tee -a "$LOG"
     KVPOOL_DECODE_ORDER=${ALT_ORDER:-int2} "$B" --batches 8 --contexts 131072 --gqa 32:8 --page-sizes 16 --iters 20 2>&1 | tee -a "$LOG"
+    ;;
+  v6)  # headline shapes with SDPA, then the previous build (OLD_BENCH) on the same shapes for A/B
+    run_pair quick --batches 1,32 --contexts 32768 --gqa 32:8 --page-sizes 16 --iters 20
+    run_pair b8 --batches 8 --contexts 131072 --gqa 32:8 --page-sizes 16 --iters 20
+    if [ -n "${OLD_BENCH:-}" ] && [ -x "$OLD_BENCH" ]; then
+      echo "== previous build $OLD_BENCH (A/B, same run)" | tee -a "$LOG"
+      "$OLD_BENCH" --batches 1,32 --contexts 32768 --gqa 32:8 --page-sizes 16 --iters 20 2>&1 | tee -a "$LOG"
+      "$OLD_BENCH" --batches 8 --contexts 131072 --gqa 32:8 --page-sizes 16 --iters 20 2>&1 | tee -a "$LOG"
+    fi
+    if [ -n "${ALT_ORDER:-}" ]; then
+      echo "== KVPOOL_DECODE_ORDER=$ALT_ORDER (A/B of the launch order)" | tee -a "$LOG"
+      KVPOOL_DECODE_ORDER=$ALT_ORDER "$B" --batches 1,32 --contexts 32768 --gqa 32:8 --page-sizes 16 --iters 20 2>&1 | tee -a "$LOG"
+      KVPOOL_DECODE_ORDER=$ALT_ORDER "$B" --batches 8 --contexts 131072 --gqa 32:8 --page-sizes 16 --iters 20 2>&1 | tee -a "$LOG"
+    fi
+    for e in ${ALT_ENVS:-}; do  # further A/B switches of the launcher, one VAR=value each
+      echo "== $e (A/B)" | tee -a "$LOG"
+      env "$e" "$B" --batches 1,32 --contexts 32768 --gqa 32:8 --page-sizes 16 --iters 20 2>&1 | tee -a "$LOG"
+      env "$e" "$B" --batches 8 --contexts 131072 --gqa 32:8 --page-sizes 16 --iters 20 2>&1 | tee -a "$LOG"
+    done
+    if [ "${EXTRA:-0}" = 1 ]; then  # larger launches, other GQA shapes and page 64
+      run_pair big --batches 32,128 --contexts 131072 --gqa 32:8 --page-sizes 16 --iters 10 --warmup 3
+      run_pair gqa_p64 --batches 32 --contexts 32768 --gqa 32:8,64:8,32:4 --page-sizes 16,64 --iters 20
+    fi
     ;;
   full)
     run_pair full

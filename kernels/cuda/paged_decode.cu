@@ -466,18 +466,20 @@ struct I2Cfg {
   static constexpr int kNG = (D == 256) ? 2 : 1;      // INT2 groups per row
   static constexpr int kCR = D / 4;                   // code bytes per token row
   static constexpr int kTile = 32 * kCR + 128 * kNG;  // one 16-token unit: K, V, params
-  static constexpr int kSub = 2;                      // units per warp step
-  static constexpr int kStages = (D == 256) ? 3 : 4;  // ring stages per warp
-  static constexpr int kTW = D / 64;                  // K words per row per lane (1, 2, 4)
-  static constexpr int kMma = 2 * kTW;                // k32 MMAs per unit per n-tile
-  static constexpr int kVB = D / 32;                  // V bytes per row per lane group
-  static constexpr int kMt = D / 16;                  // m-tiles of Oᵀ
+  static constexpr int kSub = 2;            // units per warp step (the online-softmax granularity)
+  static constexpr int kStepsPerStage = 2;  // warp steps per ring stage (one wait, one TMA issue)
+  static constexpr int kStageUnits = kSub * kStepsPerStage;
+  static constexpr int kStages = 2;     // ring stages per warp
+  static constexpr int kTW = D / 64;    // K words per row per lane (1, 2, 4)
+  static constexpr int kMma = 2 * kTW;  // k32 MMAs per unit per n-tile
+  static constexpr int kVB = D / 32;    // V bytes per row per lane group
+  static constexpr int kMt = D / 16;    // m-tiles of Oᵀ
 };
 
 template <int D, int KT>
 constexpr int Int2SmemBytes() {
   using C = I2Cfg<D>;
-  constexpr int ring = kWarps * C::kStages * C::kSub * C::kTile;
+  constexpr int ring = kWarps * C::kStages * C::kStageUnits * C::kTile;
   constexpr int combine = kWarps * 8 * (D + 2) * 4;
   return ring > combine ? ring : combine;
 }
@@ -511,6 +513,8 @@ __global__ void __launch_bounds__(kThreads, (D <= 128 ? (KT == 1 ? 5 : 4) : 2))
   constexpr int kNG = C::kNG;
   constexpr int kSub = C::kSub;
   constexpr int kStages = C::kStages;
+  constexpr int kStepsPerStage = C::kStepsPerStage;
+  constexpr int kStageUnits = C::kStageUnits;
   constexpr int kMma = C::kMma;
   constexpr int kMt = C::kMt;
   constexpr int kTW = C::kTW;
@@ -555,11 +559,12 @@ __global__ void __launch_bounds__(kThreads, (D <= 128 ? (KT == 1 ? 5 : 4) : 2))
   const int first_unit = kSub * warp;
   const int my_steps =
       nunits > first_unit ? (nunits - first_unit + kSub * kWarps - 1) / (kSub * kWarps) : 0;
+  const int my_stages = (my_steps + kStepsPerStage - 1) / kStepsPerStage;
   const uint64_t chunk_bytes = uint64_t(page_size) * (D / 2 + 8 * kNG);
   const int32_t* page_ids = seg.indices + pbeg + p0;
   const uint8_t* head_base = seg.base + uint64_t(kvh) * chunk_bytes;
 
-  uint8_t* ring = smem + warp * kStages * kSub * C::kTile;
+  uint8_t* ring = smem + warp * kStages * kStageUnits * C::kTile;
   uint64_t* bar = bars[warp];
   if (lane == 0) {
 #pragma unroll
@@ -577,43 +582,43 @@ __global__ void __launch_bounds__(kThreads, (D <= 128 ? (KT == 1 ? 5 : 4) : 2))
     return u < nunits ? __ldg(page_ids + (u >> tpp_log2)) : 0;
   };
   int pid_cur = load_pid(0), pid_nxt = load_pid(1), pid_batch = 0;
+  // Ring stage t holds the units of warp steps kStepsPerStage·t .. kStepsPerStage·t + 1: one
+  // expect_tx, one wait and one page-id batch check per stage instead of per step. The lane that
+  // holds a unit's page id (slot mod 32) issues that unit's copies itself: no shuffles, and the
+  // address arithmetic of the stage's units runs once, in parallel lanes.
   auto issue = [&](int t) {
-    if (t >= my_steps) return;  // warp-uniform
-    const int slot0 = t * kSub;
-    const bool next_batch = (slot0 >> 5) != pid_batch;  // advances by at most one per step
+    if (t >= my_stages) return;  // warp-uniform
+    const int slot0 = t * kStageUnits;
+    const bool next_batch = (slot0 >> 5) != pid_batch;  // advances by at most one per stage
     if (next_batch) {
       pid_batch = slot0 >> 5;
       pid_cur = pid_nxt;
     }
-    int pid[kSub];
+    const int s = t % kStages;
+    // Units grow with the slot, so the valid ones are a prefix of the stage.
+    int nvalid = 0;
 #pragma unroll
-    for (int j = 0; j < kSub; ++j) pid[j] = __shfl_sync(0xffffffffu, pid_cur, (slot0 + j) & 31);
-    if (lane == 0) {
-      const int s = t % kStages;
-      uint8_t* stage = ring + s * kSub * C::kTile;
-      const int u0 = slot_unit(slot0);
-      const int nvalid = min(kSub, nunits - u0);
-      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-      MbarExpectTx(&bar[s], uint32_t(nvalid * C::kTile));
-#pragma unroll
-      for (int j = 0; j < kSub; ++j) {
-        if (j < nvalid) {
-          const int u = u0 + j;
-          const uint8_t* src = head_base + uint64_t(uint32_t(pid[j])) * seg.page_stride;
-          uint8_t* dst = stage + j * C::kTile;
-          if (page_size == 16) {
-            BulkCopy(dst, src, C::kTile, &bar[s]);
-          } else {
-            const int sub = u & 3;
-            const uint64_t code_part = uint64_t(page_size) * C::kCR;
-            BulkCopy(dst, src + sub * 16 * C::kCR, 16 * C::kCR, &bar[s]);
-            BulkCopy(dst + 16 * C::kCR, src + code_part + sub * 16 * C::kCR, 16 * C::kCR, &bar[s]);
-            BulkCopy(dst + 32 * C::kCR, src + 2 * code_part + sub * 64 * kNG, 64 * kNG, &bar[s]);
-            BulkCopy(dst + 32 * C::kCR + 64 * kNG,
-                     src + 2 * code_part + uint64_t(page_size) * 4 * kNG + sub * 64 * kNG, 64 * kNG,
-                     &bar[s]);
-          }
-        }
+    for (int j = 0; j < kStageUnits; ++j) nvalid += slot_unit(slot0 + j) < nunits ? 1 : 0;
+    const int j = (lane - slot0) & 31;  // this lane's unit in the stage, if < kStageUnits
+    // No proxy fence before the copies: the generic-proxy reads of this stage completed (their
+    // values were consumed) before the __syncwarp that ended its previous use, as in a TMA
+    // pipeline's consumer release. expect_tx comes first in program order (same warp).
+    if (j == 0) MbarExpectTx(&bar[s], uint32_t(nvalid * C::kTile));
+    if (j < nvalid) {
+      const int u = slot_unit(slot0 + j);
+      const uint8_t* src = head_base + uint64_t(uint32_t(pid_cur)) * seg.page_stride;
+      uint8_t* dst = ring + (s * kStageUnits + j) * C::kTile;
+      if (page_size == 16) {
+        BulkCopy(dst, src, C::kTile, &bar[s]);
+      } else {
+        const int sub = u & 3;
+        const uint64_t code_part = uint64_t(page_size) * C::kCR;
+        BulkCopy(dst, src + sub * 16 * C::kCR, 16 * C::kCR, &bar[s]);
+        BulkCopy(dst + 16 * C::kCR, src + code_part + sub * 16 * C::kCR, 16 * C::kCR, &bar[s]);
+        BulkCopy(dst + 32 * C::kCR, src + 2 * code_part + sub * 64 * kNG, 64 * kNG, &bar[s]);
+        BulkCopy(dst + 32 * C::kCR + 64 * kNG,
+                 src + 2 * code_part + uint64_t(page_size) * 4 * kNG + sub * 64 * kNG, 64 * kNG,
+                 &bar[s]);
       }
     }
     if (next_batch) pid_nxt = load_pid(pid_batch + 1);  // after the copies: nothing waits on it
@@ -696,207 +701,222 @@ __global__ void __launch_bounds__(kThreads, (D <= 128 ? (KT == 1 ? 5 : 4) : 2))
   for (int mt = 0; mt < kMt; ++mt)
 #pragma unroll
     for (int i = 0; i < 4; ++i) acc[mt][i] = 0.f;
-  float m_run[KT], l_run[KT], mn_run[KT][kNG];
+  // m_run: running max (log2 units). Logits are formed relative to mref = m_run (0 while m_run is
+  // -inf), i.e. the FFMA chain that builds a logit starts from -mref, so p = 2^logit needs no
+  // subtraction; a logit exceeds the running max iff it exceeds gth = m_run - mref (0 or -inf).
+  float m_run[KT], mref[KT], gth[KT], l_run[KT], mn_run[KT][kNG];
 #pragma unroll
   for (int kt = 0; kt < KT; ++kt) {
     m_run[kt] = -INFINITY;
+    mref[kt] = 0.f;
+    gth[kt] = -INFINITY;
     l_run[kt] = 0.f;
 #pragma unroll
     for (int grp = 0; grp < kNG; ++grp) mn_run[kt][grp] = 0.f;
   }
 
-  for (int t = 0; t < my_steps; ++t) {
-    issue(t + kStages - 1);
-    const int s = t % kStages;
-    MbarWait(&bar[s], uint32_t(t / kStages) & 1u);
-    const uint8_t* stage = ring + s * kSub * C::kTile;
-    // Tokens of this step's units (split-local unit u covers 16 tokens from tok_base + 16u).
-    const int u0 = first_unit + t * kSub * kWarps;
-    const bool partial =
-        (u0 + kSub > nunits) || (tok_base + 16 * (u0 + kSub) > seg_tokens);  // warp-uniform
+  for (int ts = 0; ts < my_stages; ++ts) {
+    issue(ts + kStages - 1);
+    const int s = ts % kStages;
+    MbarWait(&bar[s], uint32_t(ts / kStages) & 1u);
+#pragma unroll 1
+    for (int t = ts * kStepsPerStage; t < min(my_steps, (ts + 1) * kStepsPerStage); ++t) {
+      const uint8_t* stage = ring + (s * kStageUnits + (t - ts * kStepsPerStage) * kSub) * C::kTile;
+      // Tokens of this step's units (split-local unit u covers 16 tokens from tok_base + 16u).
+      const int u0 = first_unit + t * kSub * kWarps;
+      const bool partial =
+          (u0 + kSub > nunits) || (tok_base + 16 * (u0 + kSub) > seg_tokens);  // warp-uniform
 
-    float logit[kSub][KT][2];
-    float vmin[kSub][2][kNG];
-    uint32_t vsc[kSub][2][kNG];  // half2 {scale16, scale16}
+      float logit[kSub][KT][2];    // relative to mref
+      uint32_t vpw[kSub][2][kNG];  // V params {scale16, min16} of rows krow, krow + 8
 #pragma unroll
-    for (int j = 0; j < kSub; ++j) {
-      const uint8_t* st = stage + j * C::kTile;
-      const uint32_t* kpar = reinterpret_cast<const uint32_t*>(st + 32 * C::kCR);
-      const uint32_t* vpar = kpar + 16 * kNG;
-      int valid[2] = {1, 1};
-      if (partial) {
-        const int u = u0 + j;
-        const int n = u < nunits ? min(max(seg_tokens - tok_base - 16 * u, 0), 16) : 0;
-        valid[0] = krow < n;
-        valid[1] = krow + 8 < n;
-      }
-      float ks[2][kNG], km[2][kNG];
+      for (int j = 0; j < kSub; ++j) {
+        const uint8_t* st = stage + j * C::kTile;
+        const uint32_t* kpar = reinterpret_cast<const uint32_t*>(st + 32 * C::kCR);
+        const uint32_t* vpar = kpar + 16 * kNG;
+        float ks[2][kNG], km[2][kNG];
 #pragma unroll
-      for (int r = 0; r < 2; ++r)
-#pragma unroll
-        for (int grp = 0; grp < kNG; ++grp) {
-          uint32_t kp = kpar[(krow + 8 * r) * kNG + grp];
-          uint32_t vp = vpar[(krow + 8 * r) * kNG + grp];
-          if (!valid[r]) kp = vp = 0u;  // unused slots may hold anything (NaN included)
-          const __half2 kh = *reinterpret_cast<const __half2*>(&kp);
-          const __half2 vh = *reinterpret_cast<const __half2*>(&vp);
-          ks[r][grp] = __low2float(kh);
-          km[r][grp] = __high2float(kh);
-          vmin[j][r][grp] = __high2float(vh);
-          const __half2 vs2 = __low2half2(vh);
-          vsc[j][r][grp] = *reinterpret_cast<const uint32_t*>(&vs2);
-        }
-      // K words of rows g and g+8 for this lane.
-      uint32_t kw[2][kTW];
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const uint8_t* rowp = st + (krow + 8 * r) * C::kCR + tig * (D / 16);
-        if constexpr (kTW == 1) {
-          kw[r][0] = *reinterpret_cast<const uint32_t*>(rowp);
-        } else if constexpr (kTW == 2) {
-          const uint2 x = *reinterpret_cast<const uint2*>(rowp);
-          kw[r][0] = x.x;
-          kw[r][1] = x.y;
-        } else {
-          const uint4 x = *reinterpret_cast<const uint4*>(rowp);
-          kw[r][0] = x.x;
-          kw[r][1] = x.y;
-          kw[r][2] = x.z;
-          kw[r][3] = x.w;
-        }
-      }
-      int sacc[kNG][KT][4];
-#pragma unroll
-      for (int grp = 0; grp < kNG; ++grp)
-#pragma unroll
-        for (int kt = 0; kt < KT; ++kt)
-#pragma unroll
-          for (int i = 0; i < 4; ++i) sacc[grp][kt][i] = 0;
-#pragma unroll
-      for (int m = 0; m < kMma; ++m) {
-        const int w0 = CH::W0(m), w1 = CH::W1(m), k0 = CH::K0(m), k1 = CH::K1(m);
-        // code·64 of quarter k: a left shift (IMAD.SHL, FMA pipe) and one LOP3 (ALU pipe, the
-        // busier one: ncu showed it at 65 % with right shifts).
-        const uint32_t a0 = (kw[0][w0] << (6 - 2 * k0)) & 0xc0c0c0c0u;
-        const uint32_t a1 = (kw[1][w0] << (6 - 2 * k0)) & 0xc0c0c0c0u;
-        const uint32_t a2 = (kw[0][w1] << (6 - 2 * k1)) & 0xc0c0c0c0u;
-        const uint32_t a3 = (kw[1][w1] << (6 - 2 * k1)) & 0xc0c0c0c0u;
-#pragma unroll
-        for (int kt = 0; kt < KT; ++kt)
-          ImmaU8S8(sacc[CH::Grp(m)][kt], a0, a1, a2, a3, qb[m][kt][0], qb[m][kt][1]);
-      }
-#pragma unroll
-      for (int kt = 0; kt < KT; ++kt)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          float x = 0.f;
+        for (int r = 0; r < 2; ++r)
 #pragma unroll
           for (int grp = 0; grp < kNG; ++grp) {
-            const int dot = sacc[grp][kt][2 * r] * 256 + sacc[grp][kt][2 * r + 1];
-            x = fmaf(ks[r][grp] * inv_s[kt], float(dot), fmaf(km[r][grp], sqs[kt][grp], x));
+            const uint32_t kp = kpar[(krow + 8 * r) * kNG + grp];
+            vpw[j][r][grp] = vpar[(krow + 8 * r) * kNG + grp];
+            const __half2 kh = *reinterpret_cast<const __half2*>(&kp);
+            ks[r][grp] = __low2float(kh);
+            km[r][grp] = __high2float(kh);
           }
-          logit[j][kt][r] = valid[r] ? x : -INFINITY;
-        }
-    }
-
-    // ---- online softmax (log2 units) ----
-    bool grow = false;
-    float lmax[KT];
-#pragma unroll
-    for (int kt = 0; kt < KT; ++kt) {
-      lmax[kt] = -INFINITY;
-#pragma unroll
-      for (int j = 0; j < kSub; ++j)
-        lmax[kt] = fmaxf(lmax[kt], fmaxf(logit[j][kt][0], logit[j][kt][1]));
-      grow |= lmax[kt] > m_run[kt];
-    }
-    if (__any_sync(0xffffffffu, grow)) {
-#pragma unroll
-      for (int kt = 0; kt < KT; ++kt) {
-        float x = lmax[kt];
-        x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 4));
-        x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 8));
-        x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 16));
-        const float m_new = fmaxf(m_run[kt], x);
-        const float alpha = (m_new == -INFINITY) ? 1.f : Ex2(m_run[kt] - m_new);
-        m_run[kt] = m_new;
-        l_run[kt] *= alpha;
-#pragma unroll
-        for (int grp = 0; grp < kNG; ++grp) mn_run[kt][grp] *= alpha;
-#pragma unroll
-        for (int mt = 0; mt < kMt; ++mt) {
-          acc[mt][kt] *= alpha;
-          acc[mt][2 + kt] *= alpha;
-        }
-      }
-    }
-    uint32_t pb[kSub][kNG][2];
-#pragma unroll
-    for (int j = 0; j < kSub; ++j) {
-      float p[KT][2];
-#pragma unroll
-      for (int kt = 0; kt < KT; ++kt) {
-        const float ms = m_run[kt] == -INFINITY ? 0.f : m_run[kt];
+        // K words of rows g and g+8 for this lane.
+        uint32_t kw[2][kTW];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          p[kt][r] = Ex2(logit[j][kt][r] - ms);
-          l_run[kt] += p[kt][r];
+          const uint8_t* rowp = st + (krow + 8 * r) * C::kCR + tig * (D / 16);
+          if constexpr (kTW == 1) {
+            kw[r][0] = *reinterpret_cast<const uint32_t*>(rowp);
+          } else if constexpr (kTW == 2) {
+            const uint2 x = *reinterpret_cast<const uint2*>(rowp);
+            kw[r][0] = x.x;
+            kw[r][1] = x.y;
+          } else {
+            const uint4 x = *reinterpret_cast<const uint4*>(rowp);
+            kw[r][0] = x.x;
+            kw[r][1] = x.y;
+            kw[r][2] = x.z;
+            kw[r][3] = x.w;
+          }
+        }
+        int sacc[kNG][KT][4];
 #pragma unroll
-          for (int grp = 0; grp < kNG; ++grp)
-            mn_run[kt][grp] = fmaf(p[kt][r], vmin[j][r][grp], mn_run[kt][grp]);
+        for (int grp = 0; grp < kNG; ++grp)
+#pragma unroll
+          for (int kt = 0; kt < KT; ++kt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) sacc[grp][kt][i] = 0;
+#pragma unroll
+        for (int m = 0; m < kMma; ++m) {
+          const int w0 = CH::W0(m), w1 = CH::W1(m), k0 = CH::K0(m), k1 = CH::K1(m);
+          // code·64 of quarter k: a left shift (IMAD.SHL, FMA pipe) and one LOP3 (ALU pipe, the
+          // busier one: ncu showed it at 65 % with right shifts).
+          const uint32_t a0 = (kw[0][w0] << (6 - 2 * k0)) & 0xc0c0c0c0u;
+          const uint32_t a1 = (kw[1][w0] << (6 - 2 * k0)) & 0xc0c0c0c0u;
+          const uint32_t a2 = (kw[0][w1] << (6 - 2 * k1)) & 0xc0c0c0c0u;
+          const uint32_t a3 = (kw[1][w1] << (6 - 2 * k1)) & 0xc0c0c0c0u;
+#pragma unroll
+          for (int kt = 0; kt < KT; ++kt)
+            ImmaU8S8(sacc[CH::Grp(m)][kt], a0, a1, a2, a3, qb[m][kt][0], qb[m][kt][1]);
+        }
+#pragma unroll
+        for (int kt = 0; kt < KT; ++kt)
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            float x = -mref[kt];
+#pragma unroll
+            for (int grp = 0; grp < kNG; ++grp) {
+              const int dot = sacc[grp][kt][2 * r] * 256 + sacc[grp][kt][2 * r + 1];
+              x = fmaf(ks[r][grp] * inv_s[kt], float(dot), fmaf(km[r][grp], sqs[kt][grp], x));
+            }
+            logit[j][kt][r] = x;
+          }
+        if (partial) {  // warp-uniform: rows past the segment's end, or of units not loaded
+          const int u = u0 + j;
+          const int n = u < nunits ? min(max(seg_tokens - tok_base - 16 * u, 0), 16) : 0;
+#pragma unroll
+          for (int r = 0; r < 2; ++r)
+            if (krow + 8 * r >= n) {  // unused slots may hold anything (NaN included)
+#pragma unroll
+              for (int kt = 0; kt < KT; ++kt) logit[j][kt][r] = -INFINITY;
+#pragma unroll
+              for (int grp = 0; grp < kNG; ++grp) vpw[j][r][grp] = 0u;
+            }
         }
       }
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        // {p(head tig), p(head 4 + tig)} of token g + 8r, times its scale16.
-        const uint32_t pk = PackHalf2(p[0][r], KT == 2 ? p[KT - 1][r] : 0.f);
-#pragma unroll
-        for (int grp = 0; grp < kNG; ++grp) {
-          __half2 h = __hmul2(*reinterpret_cast<const __half2*>(&pk),
-                              *reinterpret_cast<const __half2*>(&vsc[j][r][grp]));
-          pb[j][grp][r] = MovMatrixTrans(*reinterpret_cast<const uint32_t*>(&h));
-        }
-      }
-    }
 
-    // ---- Oᵀ += Vᵀ·P' ----
+      // ---- online softmax (log2 units) ----
+      bool grow = false;
+      float lmax[KT];
 #pragma unroll
-    for (int j = 0; j < kSub; ++j) {
-      const uint8_t* vc = stage + j * C::kTile + 16 * C::kCR;
-      constexpr int kVB = C::kVB;
-      constexpr int kVW = (kVB + 3) / 4;
-      uint32_t vw[4][kVW];
+      for (int kt = 0; kt < KT; ++kt) {
+        lmax[kt] = -INFINITY;
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const int row = tig + 4 * (q & 1) + 8 * (q >> 1);
-        const uint8_t* rp = vc + row * C::kCR + g * kVB;
-        if constexpr (kVB == 2) {
-          vw[q][0] = *reinterpret_cast<const uint16_t*>(rp);
-        } else if constexpr (kVB == 4) {
-          vw[q][0] = *reinterpret_cast<const uint32_t*>(rp);
-        } else {
-          const uint2 x = *reinterpret_cast<const uint2*>(rp);
-          vw[q][0] = x.x;
-          vw[q][1] = x.y;
+        for (int j = 0; j < kSub; ++j)
+          lmax[kt] = fmaxf(lmax[kt], fmaxf(logit[j][kt][0], logit[j][kt][1]));
+        grow |= lmax[kt] > gth[kt];
+      }
+      if (__any_sync(0xffffffffu, grow)) {
+#pragma unroll
+        for (int kt = 0; kt < KT; ++kt) {
+          float x = lmax[kt];
+          x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 4));
+          x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 8));
+          x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 16));
+          const float m_new = fmaxf(m_run[kt], x + mref[kt]);
+          const float alpha = (m_new == -INFINITY) ? 1.f : Ex2(m_run[kt] - m_new);
+          const float ref = (m_new == -INFINITY) ? 0.f : m_new;
+#pragma unroll
+          for (int j = 0; j < kSub; ++j)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) logit[j][kt][r] += mref[kt] - ref;
+          m_run[kt] = m_new;
+          mref[kt] = ref;
+          gth[kt] = m_new - ref;
+          l_run[kt] *= alpha;
+#pragma unroll
+          for (int grp = 0; grp < kNG; ++grp) mn_run[kt][grp] *= alpha;
+#pragma unroll
+          for (int mt = 0; mt < kMt; ++mt) {
+            acc[mt][kt] *= alpha;
+            acc[mt][2 + kt] *= alpha;
+          }
         }
       }
+      uint32_t pb[kSub][kNG][2];
 #pragma unroll
-      for (int i = 0; i < kVB; ++i) {
-        const int wi = i >> 2, bs = i & 3;
-        // bytes bs of tokens (2tig, 2tig+1) and (2tig+8, 2tig+9) in the low byte of each lane
-        const uint32_t sel = bs | ((4 + bs) << 8);
-        const uint32_t x0 = Prmt(vw[0][wi], vw[1][wi], sel);
-        const uint32_t x1 = Prmt(vw[2][wi], vw[3][wi], sel);
+      for (int j = 0; j < kSub; ++j) {
+        float p[KT][2];
 #pragma unroll
-        for (int kk = 0; kk < 2; ++kk) {
-          const int k0 = 2 * kk;  // quarters k0 (row g) and k0 + 1 (row g + 8)
-          const int mt = 2 * i + kk;
-          const uint32_t m0 = 0x00030003u << (2 * k0), m1 = 0x00030003u << (2 * k0 + 2);
-          const int grp = (kNG == 2) ? kk : 0;
-          MmaF16(acc[mt], x0 & m0, x0 & m1, x1 & m0, x1 & m1, pb[j][grp][0], pb[j][grp][1]);
+        for (int kt = 0; kt < KT; ++kt) {
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            p[kt][r] = Ex2(logit[j][kt][r]);
+            l_run[kt] += p[kt][r];
+#pragma unroll
+            for (int grp = 0; grp < kNG; ++grp)
+              mn_run[kt][grp] =
+                  fmaf(p[kt][r], __high2float(*reinterpret_cast<const __half2*>(&vpw[j][r][grp])),
+                       mn_run[kt][grp]);
+          }
+        }
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          // {p(head tig), p(head 4 + tig)} of token g + 8r, times its scale16.
+          const uint32_t pk = PackHalf2(p[0][r], KT == 2 ? p[KT - 1][r] : 0.f);
+#pragma unroll
+          for (int grp = 0; grp < kNG; ++grp) {
+            __half2 h = __hmul2(*reinterpret_cast<const __half2*>(&pk),
+                                __low2half2(*reinterpret_cast<const __half2*>(&vpw[j][r][grp])));
+            pb[j][grp][r] = MovMatrixTrans(*reinterpret_cast<const uint32_t*>(&h));
+          }
         }
       }
-    }
+
+      // ---- Oᵀ += Vᵀ·P' ----
+#pragma unroll
+      for (int j = 0; j < kSub; ++j) {
+        const uint8_t* vc = stage + j * C::kTile + 16 * C::kCR;
+        constexpr int kVB = C::kVB;
+        constexpr int kVW = (kVB + 3) / 4;
+        uint32_t vw[4][kVW];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const int row = tig + 4 * (q & 1) + 8 * (q >> 1);
+          const uint8_t* rp = vc + row * C::kCR + g * kVB;
+          if constexpr (kVB == 2) {
+            vw[q][0] = *reinterpret_cast<const uint16_t*>(rp);
+          } else if constexpr (kVB == 4) {
+            vw[q][0] = *reinterpret_cast<const uint32_t*>(rp);
+          } else {
+            const uint2 x = *reinterpret_cast<const uint2*>(rp);
+            vw[q][0] = x.x;
+            vw[q][1] = x.y;
+          }
+        }
+#pragma unroll
+        for (int i = 0; i < kVB; ++i) {
+          const int wi = i >> 2, bs = i & 3;
+          // bytes bs of tokens (2tig, 2tig+1) and (2tig+8, 2tig+9) in the low byte of each lane
+          const uint32_t sel = bs | ((4 + bs) << 8);
+          const uint32_t x0 = Prmt(vw[0][wi], vw[1][wi], sel);
+          const uint32_t x1 = Prmt(vw[2][wi], vw[3][wi], sel);
+#pragma unroll
+          for (int kk = 0; kk < 2; ++kk) {
+            const int k0 = 2 * kk;  // quarters k0 (row g) and k0 + 1 (row g + 8)
+            const int mt = 2 * i + kk;
+            const uint32_t m0 = 0x00030003u << (2 * k0), m1 = 0x00030003u << (2 * k0 + 2);
+            const int grp = (kNG == 2) ? kk : 0;
+            MmaF16(acc[mt], x0 & m0, x0 & m1, x1 & m0, x1 & m1, pb[j][grp][0], pb[j][grp][1]);
+          }
+        }
+      }
+    }  // step t of stage ts
     __syncwarp();
   }
 
@@ -1207,15 +1227,28 @@ bool UsePdl() {
   return on;
 }
 
-// Launch order of the two decode kernels: BF16 sink + recent first (v4, default), or the INT2
-// history kernel first with KVPOOL_DECODE_ORDER=int2 (its second wave is then shared with the
-// BF16 CTAs). Read once per process.
+// Launch order of the two decode kernels: the INT2 history kernel first (v6 default: it starts
+// while q̃ is being rotated, and the BF16 CTAs fill its last wave), or BF16 sink + recent first
+// (the v4/v5 default) with KVPOOL_DECODE_ORDER=bf16. Read once per process.
 bool Int2First() {
   static const bool on = [] {
     const char* e = std::getenv("KVPOOL_DECODE_ORDER");
-    return e != nullptr && std::string(e) == "int2";
+    return e == nullptr || std::string(e) != "bf16";
   }();
   return on;
+}
+
+// Fixed cost of one split (one CTA) in 16-token units of streaming work, for the split planner:
+// the prologue (q̃ quantization, fragments), the first load's latency, the epilogue (warp
+// combine, partial store) and the merge's share; ~2 CTA steps (16 units) by the v6a profile.
+// KVPOOL_DECODE_SPLIT_FIXED overrides it (A/B); a negative value selects the v5 rule
+// (cost factor 1 + 0.002·s). Read once per process.
+double SplitFixedUnits() {
+  static const double v = [] {
+    const char* e = std::getenv("KVPOOL_DECODE_SPLIT_FIXED");
+    return e == nullptr ? 16.0 : std::atof(e);
+  }();
+  return v;
 }
 
 // Launches `kernel` on `stream`, with the PDL attribute when `pdl` (the kernel may then start
@@ -1286,21 +1319,26 @@ int DecodeSlots(bool int2, int d, int tiles) {
 }
 
 // Splits of one segment. With base = batch·KV heads·head chunks CTAs per split and `slots`
-// resident CTAs, the decode takes ⌈base·s / slots⌉ waves of 1/s of a request's pages each, so
-// s is chosen to minimize ⌈base·s / slots⌉ / s · (1 + 0.002·s) (the last factor charges each
-// split's epilogue and partial), with at least `min_pps` pages per split. (A plain "one wave" rule,
-// s = ⌊slots / base⌋, left 22 % of the slots idle at B = 32, 8 KV heads on the H200.)
+// resident CTAs, the decode takes ⌈base·s / slots⌉ waves, each CTA streaming U/s units (U = the
+// longest request's 16-token units) plus a fixed cost F (SplitFixedUnits), so s minimizes
+// ⌈base·s / slots⌉ · (U/s + F), with at least `min_pps` pages per split. (A plain "one wave"
+// rule, s = ⌊slots / base⌋, left 22 % of the slots idle at B = 32, 8 KV heads on the H200; the v5
+// rule, F = 0.002·U, chose 18 splits = 7 waves of short CTAs at B = 32 × 32K, where the CTAs'
+// fixed work was ~12 % of the INT2 kernel's instructions.)
 SegPlan PlanSegment(const SegmentTable& t, int page_size, int64_t base_ctas, int64_t slots) {
   SegPlan sp;
   if (!SegmentUsed(t)) return sp;
   const int min_pps = page_size == 16 ? 16 : 4;  // >= 2 steps per warp
   const int64_t max_splits =
       std::min<int64_t>(64, std::max<int64_t>(1, (t.max_pages + min_pps - 1) / min_pps));
+  const double units = double(t.max_pages) * (page_size / 16);
+  const double fixed = SplitFixedUnits() >= 0 ? SplitFixedUnits() : -1.0;
   double best_cost = 1e30;
   int64_t best = 1;
   for (int64_t s = 1; s <= max_splits; ++s) {
-    const double cost =
-        double((base_ctas * s + slots - 1) / slots) / double(s) * (1.0 + 0.002 * double(s));
+    const double waves = double((base_ctas * s + slots - 1) / slots);
+    const double cost = fixed >= 0 ? waves * (units / double(s) + fixed)
+                                   : waves / double(s) * (1.0 + 0.002 * double(s));
     if (cost < best_cost) {
       best_cost = cost;
       best = s;

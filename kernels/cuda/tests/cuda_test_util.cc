@@ -152,7 +152,7 @@ DecodeResult RunDecodeCase(const DecodeCase& c) {
 
   // ---- q, rotations ----
   std::vector<uint16_t> q(size_t(B) * hq * d);
-  for (auto& v : q) v = ToBf16(nd(rng));
+  for (auto& v : q) v = ToBf16(c.q_scale * nd(rng));
   if (c.nan_q_request >= 0) q[(size_t(c.nan_q_request) * hq + c.nan_q_head) * d + 3] = 0x7fc0;
   if (c.nan_k_request >= 0 && seg[0].indptr[c.nan_k_request + 1] > seg[0].indptr[c.nan_k_request]) {
     const int page = seg[0].indices[seg[0].indptr[c.nan_k_request]] - int32_t(c.page_id_offset);

@@ -81,6 +81,9 @@ struct DecodeCase {
   // NaN injection: q of (nan_q_request, nan_q_head) and one valid sink K element of request
   // nan_k_request (-1 = none). Affected outputs must be NaN, all others unaffected.
   int nan_q_request = -1, nan_q_head = -1, nan_k_request = -1;
+  // Standard deviation of the random q elements (1 = N(0, 1)). Large values sharpen the softmax
+  // until one token holds most of the mass (peaked attention).
+  double q_scale = 1.0;
 };
 
 struct DecodeResult {

@@ -124,6 +124,23 @@ TEST(PagedDecode, LongContextManySplitsAndBatch) {
   Expect(Mixed(64, 8, 2, 64, 16, 300, 602), "B64 short");
 }
 
+// Peaked attention: q scaled so the logits spread over several nats and one token (or a few)
+// holds most of the softmax mass; with history alone the dominant token is an INT2 one. The
+// LSE is then the top logit itself, so |ΔLSE| measures one logit's error instead of an average.
+TEST(PagedDecode, PeakedAttention) {
+  SKIP_WITHOUT_GPU();
+  for (double qs : {6.0, 12.0}) {
+    DecodeCase h = Mixed(2, 32, 8, 128, 16, 4096, 900 + int(qs));
+    h.q_scale = qs;
+    h.sink_len = {0, 0};
+    h.recent_len = {0, 0};
+    Expect(h, "peaked history only, q x" + std::to_string(int(qs)));
+    DecodeCase m = Mixed(2, 32, 8, 128, 16, 4096, 950 + int(qs));
+    m.q_scale = qs;
+    Expect(m, "peaked mixed, q x" + std::to_string(int(qs)));
+  }
+}
+
 TEST(PagedDecode, RotationVariants) {
   SKIP_WITHOUT_GPU();
   DecodeCase c = Mixed(2, 8, 2, 128, 16, 640, 700);
