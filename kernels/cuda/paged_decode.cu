@@ -15,8 +15,9 @@
 //   (request, q head, split).
 //   4. MergeKernel  LSE-merges the partials of every split and segment (empty ones carry
 //      lse = -inf and contribute nothing) and applies R_Vᵀ.
-// KVPOOL_DECODE_ORDER=int2 launches 3 before 2 (A/B switch, docs/KERNELS.md v5 notes): the decode
-// kernel launched second then reads q̃ without waiting and waits for the first one at its end.
+// Kernel 3 is launched before kernel 2 (v6 default; KVPOOL_DECODE_ORDER=bf16 restores the v4
+// order, docs/KERNELS.md v5/v6 notes): the decode kernel launched second reads q̃ without waiting
+// and waits for the first one at its end.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -435,12 +436,13 @@ __global__ void __launch_bounds__(kThreads, 1) Bf16DecodeKernel(const AttnArgs a
 }
 
 // ---------------------------------------------------------------------------------------------
-// INT2 history kernel (v4). One CTA = (split of the history segment, KV head, head chunk,
+// INT2 history kernel (v6). One CTA = (split of the history segment, KV head, head chunk,
 // request), 4 warps, each warp streaming 32-token steps (two 16-token units) of its pages.
 //
-// * Loads: one lane per warp issues TMA bulk copies (cp.async.bulk) of whole units into a
-//   private 4-stage ring completed through mbarriers; page ids are prefetched 32 units ahead
-//   into registers and broadcast with a shuffle, so nothing on the issue path waits for memory.
+// * Loads: TMA bulk copies (cp.async.bulk) of whole units into a private 2-stage ring per warp,
+//   completed through mbarriers; a stage holds two steps (4 units), so the wait, the expect_tx and
+//   the page-id bookkeeping are paid once per 64 tokens. Page ids are prefetched 32 units ahead,
+//   one per lane, and the lane holding a unit's page id issues that unit's copy itself.
 // * S = K·q̃ᵀ on integer tensor cores (mma m16n8k32, u8 codes × s8 q, s32 accumulators): the
 //   32-bit word at code byte 4w holds channels 4w..4w+3 of all four quarters, so
 //   (word >> 2k) & 0x03030303 are four u8 codes of quarter k (2 ops per 4 codes, no bias,
@@ -457,10 +459,10 @@ __global__ void __launch_bounds__(kThreads, 1) Bf16DecodeKernel(const AttnArgs a
 //   failed the tolerances, KERNELS.md). 2^24·4^-k is applied once to the accumulator.
 //   P' = p·scale16 (fp16), Σ p·min16 in fp32 per head (FORMAT.md §2.8). Heads sit on the even
 //   (head h) and odd (head 4 + h) N columns, matching the S layout after movmatrix.trans.
-// * Online softmax in log2 units; the running max is only re-reduced across lanes when some
-//   logit of the step exceeds it (one warp vote per step otherwise). Invalid rows (past the last
-//   page's length, or units not loaded) are masked by selection only in the (at most one) step
-//   that contains them.
+// * Online softmax in log2 units; logits are formed relative to the running max (the FFMA chain
+//   starts from -max), which is re-reduced across lanes only when some logit of the step exceeds
+//   it (one warp vote per step otherwise). Invalid rows (past the last page's length, or units
+//   not loaded) are masked in a branch taken only by the steps that hold them.
 template <int D>
 struct I2Cfg {
   static constexpr int kNG = (D == 256) ? 2 : 1;      // INT2 groups per row
@@ -719,9 +721,13 @@ __global__ void __launch_bounds__(kThreads, (D <= 128 ? (KT == 1 ? 5 : 4) : 2))
     issue(ts + kStages - 1);
     const int s = ts % kStages;
     MbarWait(&bar[s], uint32_t(ts / kStages) & 1u);
-#pragma unroll 1
-    for (int t = ts * kStepsPerStage; t < min(my_steps, (ts + 1) * kStepsPerStage); ++t) {
-      const uint8_t* stage = ring + (s * kStageUnits + (t - ts * kStepsPerStage) * kSub) * C::kTile;
+#pragma unroll
+    for (int h = 0; h < kStepsPerStage; ++h) {
+      // A step past my_steps (the last stage of an odd step count) is run fully masked (its units
+      // were not loaded: partial below, with every row invalid) rather than skipped, so the two
+      // steps of a stage form one basic block the compiler can interleave.
+      const int t = ts * kStepsPerStage + h;
+      const uint8_t* stage = ring + (s * kStageUnits + h * kSub) * C::kTile;
       // Tokens of this step's units (split-local unit u covers 16 tokens from tok_base + 16u).
       const int u0 = first_unit + t * kSub * kWarps;
       const bool partial =
@@ -1509,9 +1515,10 @@ KernelStatus LaunchPagedDecode(const PagedDecodeParams& p, Stream stream_handle)
   st = LaunchError("QRotateKernel");
   if (!st.ok()) return st;
 
-  // Order (v4 default): the BF16 sink + recent kernel, then the INT2 history kernel, which PDL
-  // starts as soon as every BF16 CTA is running (the two overlap), then the merge
-  // (docs/KERNELS.md). KVPOOL_DECODE_ORDER=int2 swaps the two decode kernels.
+  // Order (v6 default): the INT2 history kernel right after QRotateKernel (it issues its first
+  // copies, then waits for q̃), the BF16 sink + recent kernel behind it (filling the INT2 grid's
+  // last wave), then the merge (docs/KERNELS.md). KVPOOL_DECODE_ORDER=bf16 swaps the two decode
+  // kernels back (the v4 order).
   AttnArgs args{};
   args.num_q_heads = p.num_q_heads;
   args.group = group;
