@@ -3,14 +3,17 @@
 # GPU tests of kv_write_test.cc, then bench/cuda_write_bench (table + JSON), optionally Nsight
 # Compute counters of the four d=128 write kernels (clocks left alone) and their SASS profile.
 # Binaries are built on the development machine and carried, with their non-system shared
-# libraries, in .devlibs-write/. Results under $OUT.
+# libraries, in $L (default .devlibs-write3/). Results under $OUT.
 #   kernels/cuda/device_write_run.sh            tests + bench
 #   NCU=1 kernels/cuda/device_write_run.sh      ... + ncu + SASS instruction mix
+#   SRC=1 kernels/cuda/device_write_run.sh      ... + ncu source counters of quantize-only (d 128):
+#                                               executed instructions per SASS line (CSV) and
+#                                               the ALU / FMA pipe utilization
 #   TEST_FILTER='KvWrite.*' ...                 a subset of the tests (default: KvWrite.*:EndToEnd.*)
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-L=.devlibs-write
+L=${L:-.devlibs-write3}
 export LD_LIBRARY_PATH="$PWD/$L:${LD_LIBRARY_PATH:-}"
 LOG="$OUT/write_log.txt"
 {
@@ -49,5 +52,16 @@ for fn in re.split(r'\n\s*Function : ', txt)[1:]:
     print('  ', ', '.join(f'{k}:{v}' for k, v in ops.most_common(40)))
 PY
   head -c 6000 "$OUT/sass_write.txt" | tee -a "$LOG"
+fi
+if [ "${SRC:-0}" = 1 ]; then
+  echo "== ncu source counters (quantize-only, d=128, 32768 tokens x 8 KV heads)" | tee -a "$LOG"
+  M=sm__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_fmaheavy.avg.pct_of_peak_sustained_active,sm__pipe_alu_cycles_active.avg.pct_of_peak_sustained_active,sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum,smsp__issue_active.avg.pct_of_peak_sustained_active,dram__throughput.avg.pct_of_peak_sustained_elapsed,gpu__time_duration.sum
+  ncu --clock-control none --kernel-name-base mangled --kernel-name regex:KvWriteKernelILi128ELb0ELb0E \
+    --launch-count 1 --section SourceCounters --section WarpStateStats --metrics "$M" \
+    -o "$OUT/ncu_src" $L/cuda_write_bench --tokens 32768 --iters 1 --warmup 0 > "$OUT/ncu_src_log.txt" 2>&1
+  ncu --import "$OUT/ncu_src.ncu-rep" --page details --print-details all > "$OUT/ncu_src_details.txt" 2>&1
+  grep -E "pipe|inst_executed|issue_active|dram__|duration" "$OUT/ncu_src_details.txt" | tee -a "$LOG"
+  ncu --import "$OUT/ncu_src.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_src_sass.csv" 2>&1
+  head -c 600 "$OUT/ncu_src_sass.csv" | tee -a "$LOG"; echo | tee -a "$LOG"
 fi
 nvidia-smi --query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv 2>&1 | tee -a "$LOG"

@@ -100,15 +100,22 @@ __device__ __forceinline__ uint32_t MinBf16x2(uint32_t a, uint32_t b) {
   asm("min.bf16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
   return d;
 }
+// |a| per half (sign bits cleared; ptxas can fold it into the first comparators' operands).
+__device__ __forceinline__ uint32_t AbsBf16x2(uint32_t a) {
+  uint32_t d;
+  asm("abs.bf16x2 %0, %1;\n" : "=r"(d) : "r"(a));
+  return d;
+}
 // 0xffff in each half where a >= b (bf16x2, ordered compare).
 __device__ __forceinline__ uint32_t GeMaskBf16x2(uint32_t a, uint32_t b) {
   uint32_t d;
   asm("set.ge.u32.bf16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
   return d;
 }
-__device__ __forceinline__ uint32_t Lop3Xor3(uint32_t a, uint32_t b, uint32_t c) {
+// (x & c) | (y & ~c): the bits of x where c is set, of y elsewhere (one LOP3).
+__device__ __forceinline__ uint32_t SelBits(uint32_t c, uint32_t x, uint32_t y) {
   uint32_t d;
-  asm("lop3.b32 %0, %1, %2, %3, 0x96;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  asm("lop3.b32 %0, %1, %2, %3, 0xe4;\n" : "=r"(d) : "r"(x), "r"(y), "r"(c));
   return d;
 }
 __device__ __forceinline__ float Bf16LoToFloat(uint32_t w) { return __uint_as_float(w << 16); }
@@ -159,33 +166,72 @@ constexpr Net BitonicMergeNet(int size) {
   return net;
 }
 
-template <int K>
+// A network pruned to its first L outputs (descending: the L largest): walking backwards, a
+// comparator whose max output (position lo) and min output (hi) are both dead is dropped, one
+// with a single live output keeps only that max or min; the inputs of a kept comparator are live.
+struct PrunedNet {
+  Net net;
+  unsigned char mode[256] = {};  // bit 0: max needed, bit 1: min needed
+};
+constexpr PrunedNet Prune(const Net& net, int live_out) {
+  PrunedNet p{net};
+  bool live[64] = {};
+  for (int i = 0; i < live_out; ++i) live[i] = true;
+  for (int c = net.n - 1; c >= 0; --c) {
+    const int lo = net.lo[c], hi = net.hi[c];
+    p.mode[c] = static_cast<unsigned char>((live[lo] ? 1 : 0) | (live[hi] ? 2 : 0));
+    if (p.mode[c] != 0) live[lo] = live[hi] = true;
+  }
+  return p;
+}
+
+template <int K, int L>
 struct Nets {
-  static constexpr Net kSort = OddEvenSortNet(K);
-  static constexpr Net kMerge = BitonicMergeNet(K);
+  static constexpr PrunedNet kSort = Prune(OddEvenSortNet(K), L);
+  static constexpr PrunedNet kMerge = Prune(BitonicMergeNet(K), L);
 };
 
-// Applies the descending comparator network of K elements (sort or bitonic merge) to
-// a[off .. off+K); packed u16x2, so both halves (rows) are sorted independently.
-template <int K, int N, bool kMergeNet>
+// Applies the descending comparator network of K elements (sort or bitonic merge), pruned to
+// its L largest outputs, to a[off .. off+K); packed u16x2, so both halves (rows) are sorted
+// independently. Positions >= L hold no meaningful value afterwards.
+template <int K, int N, bool kMergeNet, int L = K>
 __device__ __forceinline__ void RunNet(uint32_t (&a)[N], int off) {
-  constexpr Net net = kMergeNet ? Nets<K>::kMerge : Nets<K>::kSort;
+  constexpr PrunedNet net = kMergeNet ? Nets<K, L>::kMerge : Nets<K, L>::kSort;
 #pragma unroll
-  for (int c = 0; c < net.n; ++c) {
-    const uint32_t x = a[off + net.lo[c]], y = a[off + net.hi[c]];
-    a[off + net.lo[c]] = SortMax(x, y);
-    a[off + net.hi[c]] = SortMin(x, y);
+  for (int c = 0; c < net.net.n; ++c) {
+    const uint32_t x = a[off + net.net.lo[c]], y = a[off + net.net.hi[c]];
+    if (net.mode[c] & 1) a[off + net.net.lo[c]] = SortMax(x, y);
+    if (net.mode[c] & 2) a[off + net.net.hi[c]] = SortMin(x, y);
+  }
+}
+
+// The top K of two descending lists A = a[ia ..], B = b[ib ..] whose first L entries are
+// meaningful (entries >= L count as 0, below every magnitude: a lane contributes at most L of
+// the L largest): c[i] = max(A[i], B[K-1-i]) is bitonic and holds them.
+template <int K, int L, int NA, int NB>
+__device__ __forceinline__ void TopKBitonic(uint32_t (&c)[K], const uint32_t (&a)[NA], int ia,
+                                            const uint32_t (&b)[NB], int ib) {
+#pragma unroll
+  for (int i = 0; i < K; ++i) {
+    if (i < K - L) {
+      c[i] = a[ia + i];
+    } else if (i >= L) {
+      c[i] = b[ib + K - 1 - i];
+    } else {
+      c[i] = SortMax(a[ia + i], b[ib + K - 1 - i]);
+    }
   }
 }
 
 // τ (packed magnitude bits, one half per row) of the quad's two rows, from the magnitudes m
-// (destroyed). need in 1..K.
-template <int K, int N>
+// (destroyed). need in 1..L: each lane keeps only its L largest (L <= K: a lane contributes at
+// most `need` of the row's need largest), so the networks are pruned to L outputs.
+template <int K, int L, int N>
 __device__ __forceinline__ uint32_t SelectTopK(uint32_t (&m)[N], int need) {
-  static_assert(N % K == 0 && (K == 8 || K == 16), "runs of K");
+  static_assert(N % K == 0 && (K == 8 || K == 16) && 2 * L >= K && L <= K, "runs of K");
   constexpr int kRuns = N / K;
 #pragma unroll
-  for (int r = 0; r < kRuns; ++r) RunNet<K, N, false>(m, r * K);
+  for (int r = 0; r < kRuns; ++r) RunNet<K, N, false, L>(m, r * K);
   // Tree merge of the runs into run 0: the top K of two descending lists A, B are
   // max(A[i], B[K-1-i]) (a bitonic sequence), then a bitonic merge sorts them.
   constexpr int kRunLevels = kRuns >= 8 ? 3 : kRuns >= 4 ? 2 : kRuns >= 2 ? 1 : 0;
@@ -194,28 +240,29 @@ __device__ __forceinline__ uint32_t SelectTopK(uint32_t (&m)[N], int need) {
 #pragma unroll
     for (int r = 0; r + (1 << lv) < kRuns; r += 2 << lv) {
       const int step = 1 << lv;
+      uint32_t c[K];
+      TopKBitonic<K, L>(c, m, r * K, m, (r + step) * K);
 #pragma unroll
-      for (int i = 0; i < K; ++i)
-        m[r * K + i] = SortMax(m[r * K + i], m[(r + step) * K + K - 1 - i]);
-      RunNet<K, N, true>(m, r * K);
+      for (int i = 0; i < K; ++i) m[r * K + i] = c[i];
+      RunNet<K, N, true, L>(m, r * K);
     }
   // Quad round 1: full merge with the partner lane (xor 1).
   {
-    uint32_t b[K];
+    uint32_t b[K], c[K];
 #pragma unroll
-    for (int i = 0; i < K; ++i) b[i] = __shfl_xor_sync(0xffffffffu, m[i], 1);
+    for (int i = 0; i < L; ++i) b[i] = __shfl_xor_sync(0xffffffffu, m[i], 1);
+    TopKBitonic<K, L>(c, m, 0, b, 0);
 #pragma unroll
-    for (int i = 0; i < K; ++i) m[i] = SortMax(m[i], b[K - 1 - i]);
-    RunNet<K, N, true>(m, 0);
+    for (int i = 0; i < K; ++i) m[i] = c[i];
+    RunNet<K, N, true, L>(m, 0);
   }
   // Quad round 2 (xor 2): only the element at position need-1 of the merged list.
   uint32_t c[K];
   {
     uint32_t b[K];
 #pragma unroll
-    for (int i = 0; i < K; ++i) b[i] = __shfl_xor_sync(0xffffffffu, m[i], 2);
-#pragma unroll
-    for (int i = 0; i < K; ++i) c[i] = SortMax(m[i], b[K - 1 - i]);
+    for (int i = 0; i < L; ++i) b[i] = __shfl_xor_sync(0xffffffffu, m[i], 2);
+    TopKBitonic<K, L>(c, m, 0, b, 0);
   }
   const int p = need - 1;
   constexpr int kLevels = K == 8 ? 3 : 4;
@@ -232,6 +279,71 @@ __device__ __forceinline__ uint32_t SelectTopK(uint32_t (&m)[N], int need) {
         if (i < j) c[i] = SortMax(c[i], c[i + j]);
     }
   }
+  return c[0];
+}
+
+// need in 9..16 from per-lane top-8 lists (the top-8 pass costs 248 comparator instructions per
+// lane against 332 for top-16 lists): the quad merges the four lists into the top 16 of their
+// union and reads position need-1, τ'. Elements outside a lane's list are <= its 8th value ℓ,
+// so when ℓ <= τ' on every lane of the quad, no element outside the lists exceeds τ' and the
+// lists hold every element >= τ' that matters: τ' is the need-th largest of the whole row (ties
+// included: the count of elements >= τ' in the lists is already >= need). *exact is false when
+// some lane of the quad (either row) has ℓ > τ'; then the caller selects again with top-16
+// lists. On heavy-tailed random rows of d 128 this is about 0.2 % of rows.
+template <int N>
+__device__ __forceinline__ uint32_t SelectTop8Merge16(uint32_t (&m)[N], int need, bool* exact) {
+  static_assert(N % 8 == 0, "runs of 8");
+  constexpr int K = 8, kRuns = N / K;
+#pragma unroll
+  for (int r = 0; r < kRuns; ++r) RunNet<K, N, false>(m, r * K);
+  constexpr int kRunLevels = kRuns >= 8 ? 3 : kRuns >= 4 ? 2 : kRuns >= 2 ? 1 : 0;
+#pragma unroll
+  for (int lv = 0; lv < kRunLevels; ++lv)
+#pragma unroll
+    for (int r = 0; r + (1 << lv) < kRuns; r += 2 << lv) {
+      const int step = 1 << lv;
+#pragma unroll
+      for (int i = 0; i < K; ++i)
+        m[r * K + i] = SortMax(m[r * K + i], m[(r + step) * K + K - 1 - i]);
+      RunNet<K, N, true>(m, r * K);
+    }
+  const uint32_t ell = m[K - 1];
+  // Quad round 1 (xor 1): the two sorted lists -> one sorted list of 16 (A descending followed
+  // by B ascending is bitonic).
+  uint32_t c[16];
+#pragma unroll
+  for (int i = 0; i < K; ++i) {
+    c[i] = m[i];
+    c[2 * K - 1 - i] = __shfl_xor_sync(0xffffffffu, m[i], 1);
+  }
+  RunNet<16, 16, true>(c, 0);
+  // Quad round 2 (xor 2): top 16 of the two sorted 16-lists (bitonic), position need-1 only.
+  {
+    uint32_t b[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) b[i] = __shfl_xor_sync(0xffffffffu, c[i], 2);
+#pragma unroll
+    for (int i = 0; i < 16; ++i) c[i] = SortMax(c[i], b[15 - i]);
+  }
+  const int p = need - 1;
+#pragma unroll
+  for (int lv = 0; lv < 4; ++lv) {
+    const int j = 8 >> lv;
+    if (p & j) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+        if (i < j) c[i] = SortMin(c[i], c[i + j]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+        if (i < j) c[i] = SortMax(c[i], c[i + j]);
+    }
+  }
+  // ℓ <= τ' in both halves on all four lanes (τ' is the same on the quad's lanes).
+  uint32_t ok = GeMaskBf16x2(c[0], ell);
+  ok &= __shfl_xor_sync(0xffffffffu, ok, 1);
+  ok &= __shfl_xor_sync(0xffffffffu, ok, 2);
+  *exact = ok == 0xffffffffu;
   return c[0];
 }
 
@@ -259,35 +371,50 @@ __device__ __forceinline__ uint32_t SelectBySearch(const uint32_t (&m)[N], int n
   return t;
 }
 
-__device__ __forceinline__ float NextUp(float f) {  // finite f
-  const int b = __float_as_int(f);
-  return f == 0.f ? __int_as_float(1) : __int_as_float(b < 0 ? b - 1 : b + 1);
+// cp.async of 16 bytes to a shared-memory address (32-bit, as SmemAddr gives); `valid` false
+// zero-fills the destination without reading global memory.
+__device__ __forceinline__ void CpAsync16Sa(uint32_t sa, const void* gmem, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(sa), "l"(gmem),
+               "r"(valid ? 16 : 0)
+               : "memory");
 }
-__device__ __forceinline__ float NextDown(float f) {  // finite f
-  const int b = __float_as_int(f);
-  return f == 0.f ? __int_as_float(int(0x80000001u)) : __int_as_float(b < 0 ? b + 1 : b - 1);
+
+// Ordered key of a bf16 pattern (not NaN): larger value, larger key; -0 and +0 are adjacent.
+__device__ __forceinline__ int Bf16Key(uint32_t b) {
+  return (b & 0x8000u) ? int(0x7fffu - (b & 0x7fffu)) : int(b + 0x8000u);
+}
+__device__ __forceinline__ uint32_t Bf16FromKey(int k) {
+  return k >= 0x8000 ? uint32_t(k - 0x8000) : (0x8000u | uint32_t(0x7fff - k));
 }
 
 // Code threshold of level j (0, 1, 2: codes >= 1, 2, 3) as bf16 bits: the smallest bf16 x with
 // round-half-up(fl(fl(x - mn) / s)) >= j + 1, the CPU rule of FORMAT.md §2.3 (quantize.cc), so
 // that for every bf16 x, code(x) >= j + 1 iff x >= threshold; +inf (0x7f80) when s is 0.
-// Exact and division-free: with w = j + 0.5, round-half-up(t) >= j + 1 iff t >= w, and the
-// correctly rounded quotient fl(a/s) >= w iff a/s >= β_w, the midpoint between w and the fp32
-// value below it (a tie rounds to w, whose significand is even): β = 0.5 - 2^-26, 1.5 - 2^-24,
-// 2.5 - 2^-23. β·s (25 x 11 significant bits) is exact in fp64, so fl(a/s) >= w iff
-// a >= a* = fp32-round-up(β·s). The smallest fp32 x with fl(x - mn) >= a* is found by stepping
-// a few ulps from fl(mn + a*); rounding it up to bf16 gives the smallest such bf16 x.
+// Exact, division-free and without search: with w = j + 0.5, round-half-up(t) >= j + 1 iff
+// t >= w, and the correctly rounded quotient fl(a/s) >= w iff a/s >= β_w, the midpoint between w
+// and the fp32 value below it (a tie rounds to w, whose significand is even): β = 0.5 - 2^-26,
+// 1.5 - 2^-24, 2.5 - 2^-23. β·s (25 x 11 significant bits) is exact in fp64, so fl(a/s) >= w iff
+// a >= A = fp32-round-up(β·s). Then fl(x - mn) >= A iff the exact difference x - mn reaches the
+// midpoint m between A and its fp32 predecessor (at m itself iff the tie rounds to A, i.e. A's
+// significand is even; m is exact in fp64), i.e. iff x >= c = mn + m (or x > c). c is bracketed
+// by the fp64 sums rounded down and up; the smallest bf16 >= c is bf16↑(fp32↑(c rounded up)) (a
+// bf16 value between c and its upward rounding would be that rounding itself), and when the tie
+// fails and c is exactly a bf16 value, the next bf16 above it. (Earlier versions stepped fp32
+// ulps from fl(mn + A); when |mn| >> |x|, e.g. the middle threshold of a symmetric group, that
+// took up to 16 steps and was most of the kernel's threshold time.)
 __device__ __forceinline__ uint32_t CodeThresholdBf16(float mn, float s, int j) {
   if (!(s > 0.f)) return 0x7f80u;
   const double beta = j == 0 ? 0.5 - 0x1p-26 : (j == 1 ? 1.5 - 0x1p-24 : 2.5 - 0x1p-23);
-  const float astar = __double2float_ru(beta * double(s));
-  float th = __fadd_rn(mn, astar);
-#pragma unroll 1
-  for (int it = 0; it < 16 && __fsub_rn(th, mn) >= astar; ++it) th = NextDown(th);
-#pragma unroll 1
-  for (int it = 0; it < 16 && !(__fsub_rn(th, mn) >= astar); ++it) th = NextUp(th);
-  const __nv_bfloat16 bt = __float2bfloat16_ru(th);
-  return uint32_t(*reinterpret_cast<const uint16_t*>(&bt));
+  const float a_hi = __double2float_ru(beta * double(s));       // A > 0, finite (s <= 65504)
+  const float a_lo = __int_as_float(__float_as_int(a_hi) - 1);  // its fp32 predecessor
+  const double mid = 0.5 * (double(a_hi) + double(a_lo));
+  const bool tie_passes = (__float_as_int(a_hi) & 1) == 0;
+  const double c_up = __dadd_ru(double(mn), mid), c_dn = __dadd_rd(double(mn), mid);
+  const __nv_bfloat16 b = __float2bfloat16_ru(__double2float_ru(c_up));
+  uint32_t bits = __bfloat16_as_ushort(b);
+  if (!tie_passes && c_up == c_dn && double(__bfloat162float(b)) == c_up)
+    bits = Bf16FromKey(Bf16Key(bits) + 1);
+  return bits;
 }
 
 // Swizzled 16-byte chunk of tile row r: conflict-free both for ldmatrix (8 consecutive rows,
@@ -360,10 +487,19 @@ __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate>(), MinBlocks<D, k
       reinterpret_cast<const uint8_t*>((kv ? a.src_v : a.src_k)) + uint64_t(h) * kRowBytes;
   const uint64_t tok_row_bytes = uint64_t(a.token_stride) * 2;
 
+  // P is 16 or 64 (CheckShape): token -> (page, slot) by shifts.
+  const int lg_p = P == 64 ? 6 : 4;
   // Source page of a tile (demotion; every tile lies in one page since P % 16 == 0).
   auto src_page_of = [&](int tile) -> int {
-    return (demote && tile < ntiles) ? __ldg(a.src_pages + (tile * kTileRows) / P) : 0;
+    return (demote && tile < ntiles) ? __ldg(a.src_pages + ((tile * kTileRows) >> lg_p)) : 0;
   };
+  // cp.async pattern of one tile: lane copies 16-byte chunk c = lane % kChunks of rows
+  // r0 + kRowStep·q (q < kCopies); the shared offsets are per-lane constants (the swizzle of
+  // row r0 + kRowStep·q depends on q only through compile-time terms).
+  constexpr int kRowStep = 32 / kChunks;
+  constexpr int kCopies = kTileRows / kRowStep;
+  const int cp_r0 = lane / kChunks, cp_c = lane % kChunks;
+  const uint32_t ring_sa = SmemAddr(ring);
   // Issues the cp.async of tile `tile` into stage `st` (zero-filled rows past the end).
   auto issue = [&](int tile, int st, int src_page) {
     if (tile < ntiles) {
@@ -372,20 +508,23 @@ __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate>(), MinBlocks<D, k
       uint64_t row_bytes;
       if (demote) {
         base = a.src_base + uint64_t(src_page) * a.src_stride + uint64_t(h) * bf16_chunk +
-               uint64_t(kv) * 2 * P * D + uint64_t(t0 % P) * kRowBytes;
+               uint64_t(kv) * 2 * P * D + uint64_t(t0 & (P - 1)) * kRowBytes;
         row_bytes = kRowBytes;
       } else {
         base = tok_src + uint64_t(t0) * tok_row_bytes;
         row_bytes = tok_row_bytes;
       }
-      uint8_t* dst = ring + st * kStageBytes;
+      const uint8_t* src = base + uint64_t(cp_r0) * row_bytes + 16 * cp_c;
+      const uint64_t step = kRowStep * row_bytes;
+      const uint32_t dst = ring_sa + st * kStageBytes + cp_r0 * kRowBytes;
+      const bool full = t0 + kTileRows <= a.num_tokens;
 #pragma unroll
-      for (int q = 0; q < kTileRows * kChunks / 32; ++q) {
-        const int p = lane + 32 * q;
-        const int row = p / kChunks, c = p % kChunks;
-        const bool ok = t0 + row < a.num_tokens;
-        CpAsync16(dst + row * kRowBytes + 16 * Swz(c, row),
-                  ok ? base + uint64_t(row) * row_bytes + 16 * c : a.dst_base, ok);
+      for (int q = 0; q < kCopies; ++q) {
+        const int row = cp_r0 + kRowStep * q;
+        const uint32_t sa = dst + q * kRowStep * kRowBytes + 16 * Swz(cp_c, row);
+        // Rows past the end: source size 0 zero-fills and reads no global memory.
+        CpAsync16Sa(sa, src, full || t0 + row < a.num_tokens);
+        src += step;
       }
     }
     CpAsyncCommit();
@@ -399,8 +538,8 @@ __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate>(), MinBlocks<D, k
       sl[r] = 0;
       if (tile < ntiles && t < a.num_tokens) {
         if (demote) {
-          pg[r] = __ldg(a.dst_page + t / P);
-          sl[r] = t % P;
+          pg[r] = __ldg(a.dst_page + (t >> lg_p));
+          sl[r] = t & (P - 1);
         } else {
           pg[r] = __ldg(a.dst_page + t);
           sl[r] = __ldg(a.dst_slot + t);
@@ -543,15 +682,27 @@ __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate>(), MinBlocks<D, k
       if (need > 0) {
         uint32_t m[kRegs];
 #pragma unroll
-        for (int j = 0; j < kRegs; ++j) m[j] = x[j] & 0x7fff7fffu;
+        for (int j = 0; j < kRegs; ++j) m[j] = AbsBf16x2(x[j]);
 #pragma unroll
         for (int c = 0; c < kRegs / 4; ++c)
           *reinterpret_cast<uint4*>(park_at(c)) =
               make_uint4(x[4 * c], x[4 * c + 1], x[4 * c + 2], x[4 * c + 3]);
-        if (need <= 8) {
-          tau = SelectTopK<8>(m, need);
+        if (need <= 6) {
+          tau = SelectTopK<8, 6>(m, need);
+        } else if (need <= 8) {
+          tau = SelectTopK<8, 8>(m, need);
         } else if (need <= 16) {
-          tau = SelectTopK<16>(m, need);
+          bool exact;
+          tau = SelectTop8Merge16(m, need, &exact);
+          if (!__all_sync(0xffffffffu, exact)) {  // rare: again from the parked values
+#pragma unroll
+            for (int c = 0; c < kRegs / 4; ++c) {
+              const uint4 v = *reinterpret_cast<const uint4*>(park_at(c));
+              m[4 * c] = v.x & 0x7fff7fffu, m[4 * c + 1] = v.y & 0x7fff7fffu;
+              m[4 * c + 2] = v.z & 0x7fff7fffu, m[4 * c + 3] = v.w & 0x7fff7fffu;
+            }
+            tau = SelectTopK<16, 16>(m, need);
+          }
         } else {
           tau = SelectBySearch(m, need);
         }
@@ -656,21 +807,25 @@ __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate>(), MinBlocks<D, k
         }
 
       // ---- step 5: codes (b0 = m1^m2^m3, b1 = m2 for the nested masks m1 ⊇ m2 ⊇ m3) ----
+      // Per column i the four quarters' 2-bit codes are merged by bitwise selects (the masks
+      // are all-ones or all-zeros per half, so any bit of them carries the flag): pr[q] holds
+      // b0 in its even bits and b1 in its odd bits, then bits 0-1 come from quarter 0, 2-3 from
+      // quarter 1, ...; the high byte of each half is junk the byte assembly below ignores.
       uint32_t accb[kSpan];
 #pragma unroll
-      for (int i = 0; i < kSpan; ++i) accb[i] = 0;
+      for (int i = 0; i < kSpan; ++i) {
+        uint32_t pr[4];
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const int grp = q / (4 / kNG);
-#pragma unroll
-        for (int i = 0; i < kSpan; ++i) {
+        for (int q = 0; q < 4; ++q) {
+          const int grp = q / (4 / kNG);
           const uint32_t v = x[q * kSpan + i];
-          const uint32_t m1 = GeMaskBf16x2(v, thr[grp][0]);
+          // b1 = [x >= t2]; b0 = [x >= t3] when b1, else [x >= t1] (t1 <= t2 <= t3).
           const uint32_t m2 = GeMaskBf16x2(v, thr[grp][1]);
-          const uint32_t m3 = GeMaskBf16x2(v, thr[grp][2]);
-          const uint32_t b0 = Lop3Xor3(m1, m2, m3);
-          accb[i] |= (b0 & (0x00010001u << (2 * q))) | (m2 & (0x00020002u << (2 * q)));
+          const uint32_t m0 = GeMaskBf16x2(v, SelBits(m2, thr[grp][2], thr[grp][0]));
+          pr[q] = SelBits(0x55555555u, m0, m2);
         }
+        accb[i] = SelBits(0x000f000fu, SelBits(0x00030003u, pr[0], pr[1]),
+                          SelBits(0x00300030u, pr[2], pr[3]));
       }
       const uint32_t keep0 = bad[0] ? 0u : 0xffffffffu, keep1 = bad[1] ? 0u : 0xffffffffu;
       uint32_t row0[kSpan / 4], row1[kSpan / 4];

@@ -151,10 +151,12 @@ TEST(KvWrite, QuantizeOnlyMatchesCpuBitForBit) {
   }
 }
 
-// Every clip-threshold path of the kernel (no clipping; the top-8 and top-16 sorting paths;
-// the bitwise count search for larger `need`) on rows full of exact ties (few distinct values,
-// many equal magnitudes of both signs), all-equal rows and all-zero rows: bit-identical to the
-// CPU quantizer, since the selection is exact on the multiset.
+// Every clip-threshold path of the kernel (no clipping; the top-8 sorting path; top-8 lists
+// merged to 16 with its exactness check and the top-16 re-selection when the check fails; the
+// bitwise count search for larger `need`) on rows full of exact ties (few distinct values, many
+// equal magnitudes of both signs), rows whose largest values sit in one lane's columns, all-equal
+// rows and all-zero rows: bit-identical to the CPU quantizer, since the selection is exact on
+// the multiset.
 TEST(KvWrite, QuantizeOnlyClipRatiosAndTiesMatchCpu) {
   SKIP_WITHOUT_GPU();
   // (clip_k, clip_v): need = d - clamp(floor(ratio*d), 0, d-1) covers 0, 1, <= 8, <= 16, > 16.
@@ -178,6 +180,16 @@ TEST(KvWrite, QuantizeOnlyClipRatiosAndTiesMatchCpu) {
               for (int j = 0; j < d; ++j) row[j] = ToBf16(-1.5);
             } else if (k == 6) {  // all zero (some -0)
               for (int j = 0; j < d; ++j) row[j] = (j % 3) ? 0x0000 : 0x8000;
+            } else if (k == 7) {
+              // The largest magnitudes all in the columns of one lane of the kernel's quad
+              // (tig·d/16 + q·d/4 + i, i < d/16): its per-lane top-8 list cannot hold the
+              // top 9..16, so the kernel's fast selection must detect that and select again.
+              const int lane = t % 4;
+              for (int j = 0; j < d; ++j) {
+                const bool mine = (j % (d / 4)) / (d / 16) == lane;
+                row[j] = ToBf16(mine ? (j % 2 ? -1.0 : 1.0) * (10.0 + 0.25 * (j % 19))
+                                     : 0.5 * pick(rng));
+              }
             }  // else: the random row of MakeSetup
           }
       const BlockGeometry geo{1, uint32_t(H), uint32_t(d), uint32_t(page)};
