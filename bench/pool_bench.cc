@@ -1,9 +1,18 @@
 // pool_bench — data-plane and control-plane numbers of a running kvpool-server, through the
-// C++ client (the path engines use):
-//   * put:   one block of S bytes per put (S = 16 KiB … 4 MiB), timed from the first WriteLayer
-//            to Flush (bytes in the pool's staging memory; excludes BeginPut and CommitPut);
-//   * fetch: one leased block of S bytes per Fetch (RMA get + xxh3 verification), and the same
-//            without the xxh3 check (FetchPlan::verify_checksums = false);
+// C++ client (the path engines use). Per transfer size S = 16 KiB … 4 MiB (one block of S bytes
+// per put and per fetch), each iteration puts a new sequence, leases it and fetches it:
+//   * put data phase: first WriteLayer → Flush returned (the bytes are in the pool's staging;
+//     packing, hashing and the transfers; no control RPC except, when the pool initiates
+//     transfers, the WritePut calls that make it pull). Comparable to ucx_perftest, which
+//     times only transfers.
+//   * put end to end: BeginPut → Flush (adds the BeginPut RPC), and + CommitPut (the whole
+//     two-phase put, including the pool's commit of one block).
+//   * fetch data phase: Fetch() of the leased block, verified (xxh3) — the first read of the
+//     block after its commit; then the same block again verified ("warm") and unverified
+//     (FetchPlan::verify_checksums = false), in alternating order across iterations.
+//   * fetch end to end: Acquire + the first Fetch + Release.
+//   * raw get: the same bytes with one bare RMA get through the transport (when the client may
+//     initiate transfers): the data plane without the client.
 //   * commit: CommitPut of many INT2 blocks (rotate + quantize on the pool), reported apart;
 //   * lookup: p50/p99 of Lookup with N concurrent clients.
 // Block sizes are set by the model geometry (d = 128, P = 16: 8 KiB per layer·head), with
@@ -95,10 +104,12 @@ uint16_t Bf16(float f) {
   return static_cast<uint16_t>(u >> 16);
 }
 
-std::unique_ptr<Client> NewClient(const std::string& server, const std::string& tls) {
+std::unique_ptr<Client> NewClient(const std::string& server, const std::string& tls,
+                                  bool map_shared_memory = true) {
   ClientOptions o;
   o.server = server;
   o.ucx_tls = tls;
+  o.map_shared_memory = map_shared_memory;
   o.default_timeout = absl::Seconds(60);
   auto c = Client::Create(o);
   if (!c.ok()) {
@@ -128,10 +139,16 @@ int main(int argc, char** argv) {
   int iters = 50, warmup = 5, lookup_clients = 16, lookup_iters = 200, commit_blocks = 64,
       commit_iters = 5;
   std::string json_path;
+  bool map_shared_memory = true;
   app.add_option("--server", server, "gRPC address of the pool")->capture_default_str();
+  app.add_option("--map-shared-memory", map_shared_memory,
+                 "Let the client map the pool's memory when the transport can (direct mode); "
+                 "false: RMA transfers")
+      ->capture_default_str();
   app.add_option("--ucx-tls", tls, "UCX_TLS of the client (match the server's)")
       ->capture_default_str();
   app.add_option("--sizes-kib", sizes_kib, "Transfer sizes in KiB (powers of two, >= 16)")
+      ->delimiter(',')
       ->capture_default_str();
   app.add_option("--iters", iters, "Timed puts/fetches per size")->capture_default_str();
   app.add_option("--warmup", warmup, "Untimed iterations per size")->capture_default_str();
@@ -156,11 +173,15 @@ int main(int argc, char** argv) {
   double load[3] = {0, 0, 0};
   if (getloadavg(load, 3) == 3) out["load_average_1m_at_start"] = load[0];
 
-  std::mt19937 rng(42);
-  auto client = NewClient(server, tls);
+  // A fresh seed per run: sequences from an earlier run against the same pool would already
+  // be stored, and their puts would write nothing.
+  std::mt19937 rng(std::random_device{}());
+  auto client = NewClient(server, tls, map_shared_memory);
+  out["map_shared_memory"] = map_shared_memory;
 
-  std::printf("%-10s %12s %10s %10s %12s %10s %10s\n", "size", "put GB/s", "put p50us", "put p99us",
-              "fetch GB/s", "fetch p50", "fetch p99");
+  std::printf("%-9s %9s %9s %9s %9s %9s %9s %9s %9s %9s  (GB/s; mean over iterations)\n", "size",
+              "put data", "put e2e", "put+cmt", "fetch", "warm", "no-xxh3", "fetch e2e", "raw get",
+              "p50 put");
   for (uint64_t kib : sizes_kib) {
     const uint64_t bytes = kib << 10;
     if (bytes < (16u << 10) || (bytes & (bytes - 1)) != 0) {
@@ -185,35 +206,51 @@ int main(int argc, char** argv) {
     BENCH_CHECK(region.status());
     kvpool::client::PagePool pool{*region, bytes};
 
-    std::vector<double> put_us, fetch_us, fetch_nv_us, raw_us;
+    std::vector<double> put_us, put_e2e_us, put_commit_us, fetch_us, fetch_warm_us, fetch_nv_us,
+        fetch_e2e_us, raw_us;
+    bool direct = false;
     for (int it = 0; it < warmup + iters; ++it) {
       std::vector<uint32_t> tokens(16);
       for (auto& t : tokens) t = rng();
+      const absl::Time b0 = absl::Now();
       auto put = client->BeginPut(tokens);
       BENCH_CHECK(put.status());
-      absl::Time t0 = absl::Now();
+      const absl::Time t0 = absl::Now();
       for (uint32_t l = 0; l < L; ++l) BENCH_CHECK((*put)->WriteLayer(l, kv[2 * l], kv[2 * l + 1]));
       BENCH_CHECK((*put)->Flush());
-      absl::Time t1 = absl::Now();
-      BENCH_CHECK((*put)->Commit().status());
-      auto lease = client->Acquire(tokens);
-      BENCH_CHECK(lease.status());
+      const absl::Time t1 = absl::Now();
+      auto committed = (*put)->Commit();
+      const absl::Time t1c = absl::Now();
+      BENCH_CHECK(committed.status());
+      if (committed->blocks_written != 1) {
+        KVPOOL_LOG_ERROR("put wrote {} blocks (the sequence was already stored?)",
+                         committed->blocks_written);
+        return kvpool::cli::kExitRuntime;
+      }
       kvpool::client::FetchPlan plan;
       plan.bf16_pool = &pool;
       plan.bf16_pages = {0};
-      absl::Time t2 = absl::Now();
+      const absl::Time a0 = absl::Now();
+      auto lease = client->Acquire(tokens);
+      BENCH_CHECK(lease.status());
+      const absl::Time t2 = absl::Now();
       auto f = client->Fetch(*lease, plan);
-      absl::Time t3 = absl::Now();
+      const absl::Time t3 = absl::Now();
       BENCH_CHECK(f.status());
-      // The same fetch without the xxh3 check (FetchPlan::verify_checksums = false).
-      kvpool::client::FetchPlan unverified = plan;
-      unverified.verify_checksums = false;
-      absl::Time t6 = absl::Now();
-      BENCH_CHECK(client->Fetch(*lease, unverified).status());
-      absl::Time t7 = absl::Now();
       if (f->num_blocks != 1) {
         KVPOOL_LOG_ERROR("fetch returned {} blocks", f->num_blocks);
         return kvpool::cli::kExitRuntime;
+      }
+      // The same block again, verified and unverified (FetchPlan::verify_checksums = false), in
+      // alternating order so that neither always reads after the other.
+      kvpool::client::FetchPlan unverified = plan;
+      unverified.verify_checksums = false;
+      double warm_us = 0, nv_us = 0;
+      for (int pass = 0; pass < 2; ++pass) {
+        const bool verified = (pass == 0) == (it % 2 == 0);
+        const absl::Time s0 = absl::Now();
+        BENCH_CHECK(client->Fetch(*lease, verified ? plan : unverified).status());
+        (verified ? warm_us : nv_us) = absl::ToDoubleMicroseconds(absl::Now() - s0);
       }
       // The same bytes with a bare RMA get through the transport (no verification): the
       // wrapper's own cost next to the client's. Only when the client may address the pool's
@@ -232,42 +269,63 @@ int main(int argc, char** argv) {
                                                 absl::Now() + absl::Seconds(30)));
         t5 = absl::Now();
       }
+      const absl::Time r0 = absl::Now();
       BENCH_CHECK(client->Release(*lease));
+      const absl::Duration release = absl::Now() - r0;
       if (it >= warmup) {
         put_us.push_back(absl::ToDoubleMicroseconds(t1 - t0));
+        put_e2e_us.push_back(absl::ToDoubleMicroseconds(t1 - b0));
+        put_commit_us.push_back(absl::ToDoubleMicroseconds(t1c - b0));
         fetch_us.push_back(absl::ToDoubleMicroseconds(t3 - t2));
-        fetch_nv_us.push_back(absl::ToDoubleMicroseconds(t7 - t6));
+        fetch_e2e_us.push_back(absl::ToDoubleMicroseconds((t3 - a0) + release));
+        fetch_warm_us.push_back(warm_us);
+        fetch_nv_us.push_back(nv_us);
         if (t5 > t4) raw_us.push_back(absl::ToDoubleMicroseconds(t5 - t4));
       }
     }
-    Stats ps = Summarize(put_us), fs = Summarize(fetch_us), rs = Summarize(raw_us),
-          nvs = Summarize(fetch_nv_us);
-    const double put_gbs = bytes / (ps.mean_us * 1e3);
-    const double fetch_gbs = bytes / (fs.mean_us * 1e3);
-    std::printf("%-10s %12.3f %10.1f %10.1f %12.3f %10.1f %10.1f\n",
-                absl::StrCat(kib, " KiB").c_str(), put_gbs, ps.p50_us, ps.p99_us, fetch_gbs,
-                fs.p50_us, fs.p99_us);
-    out["transfers"].push_back({{"bytes", bytes},
-                                {"layers", L},
-                                {"kv_heads", H},
-                                {"iters", iters},
-                                {"put_gbps", put_gbs},
-                                {"put_p50_us", ps.p50_us},
-                                {"put_p99_us", ps.p99_us},
-                                {"fetch_gbps", fetch_gbs},
-                                {"fetch_p50_us", fs.p50_us},
-                                {"fetch_p99_us", fs.p99_us},
-                                {"put_gbps_at_p50", bytes / (ps.p50_us * 1e3)},
-                                {"fetch_gbps_at_p50", bytes / (fs.p50_us * 1e3)},
-                                {"fetch_unverified_gbps", bytes / (nvs.mean_us * 1e3)},
-                                {"fetch_unverified_p50_us", nvs.p50_us},
-                                {"fetch_unverified_p99_us", nvs.p99_us},
-                                {"pool_initiated", info->pool_initiates_transfers}});
-    if (!raw_us.empty()) {
-      out["transfers"].back()["raw_get_gbps"] = bytes / (rs.mean_us * 1e3);
-      out["transfers"].back()["raw_get_p50_us"] = rs.p50_us;
-      out["transfers"].back()["raw_get_p99_us"] = rs.p99_us;
+    {
+      auto m = client->model();
+      BENCH_CHECK(m.status());
+      direct = m->mapped_pool_memory;
     }
+    const Stats ps = Summarize(put_us), pe = Summarize(put_e2e_us), pc = Summarize(put_commit_us),
+                fs = Summarize(fetch_us), fw = Summarize(fetch_warm_us),
+                nvs = Summarize(fetch_nv_us), fe = Summarize(fetch_e2e_us), rs = Summarize(raw_us);
+    auto gbps = [&](const Stats& st) { return st.mean_us > 0 ? bytes / (st.mean_us * 1e3) : 0.0; };
+    std::printf("%-9s %9.3f %9.3f %9.3f %9.3f %9.3f %9.3f %9.3f %9.3f %9.1f\n",
+                absl::StrCat(kib, " KiB").c_str(), gbps(ps), gbps(pe), gbps(pc), gbps(fs), gbps(fw),
+                gbps(nvs), gbps(fe), gbps(rs), ps.p50_us);
+    auto add = [&](nlohmann::json& j, const std::string& name, const Stats& st) {
+      j[name + "_gbps"] = gbps(st);
+      j[name + "_p50_us"] = st.p50_us;
+      j[name + "_p99_us"] = st.p99_us;
+      j[name + "_gbps_at_p50"] = st.p50_us > 0 ? bytes / (st.p50_us * 1e3) : 0.0;
+    };
+    nlohmann::json j = {{"bytes", bytes},
+                        {"layers", L},
+                        {"kv_heads", H},
+                        {"iters", iters},
+                        {"pool_initiated", info->pool_initiates_transfers},
+                        {"direct_mapped", direct},
+                        {"data_path", direct                           ? "direct"
+                                      : info->pool_initiates_transfers ? "pool-initiated"
+                                                                       : "client-rma"}};
+    // Transport transfers per put and per fetch of this one block, by construction of the
+    // client's paths (docs/TRANSPORT.md): direct stores/copies use none; client RMA puts one
+    // per layer and gets one per fetch. Pool-initiated: WritePut calls vary (1..L per put).
+    if (!info->pool_initiates_transfers) {
+      j["transfers_per_put"] = direct ? 0 : int(L);
+      j["transfers_per_fetch"] = direct ? 0 : 1;
+    }
+    add(j, "put", ps);         // data phase
+    add(j, "put_e2e", pe);     // BeginPut → Flush
+    add(j, "put_commit", pc);  // BeginPut → CommitPut returned
+    add(j, "fetch", fs);       // first Fetch after the commit, verified
+    add(j, "fetch_warm", fw);  // the same block again, verified
+    add(j, "fetch_unverified", nvs);
+    add(j, "fetch_e2e", fe);  // Acquire + Fetch + Release
+    if (!raw_us.empty()) add(j, "raw_get", rs);
+    out["transfers"].push_back(j);
   }
 
   // ---- commit (rotate + quantize to INT2 on the pool) ----

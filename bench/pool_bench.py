@@ -5,9 +5,12 @@ For each UCX transport (default: tcp and posix,cma) it starts kvpool-server on a
 port, runs pool_bench against it (put / fetch of one block of 16 KiB … 4 MiB through the C++
 client, commit throughput, lookup p99 with 16 clients), then runs ucx_perftest (ucp_put_bw and
 ucp_get) with the same UCX_TLS and message sizes, and prints a table with the ratio
-kvpool / ucx_perftest. Results go to bench/results/pool_bench_<tls>.json.
+kvpool / ucx_perftest: data-phase numbers (what ucx_perftest's numbers compare with: it times
+only transfers) and end-to-end numbers (with the control RPCs) side by side. Results go to
+bench/results/pool_bench_<tls>[_<tag>].json.
 
     bench/pool_bench.py --build build [--tls tcp --tls posix,cma] [--iters 50] [--repeat 3]
+                        [--sizes-kib 64,256,1024,4096] [--tag NAME] [--bench-flag=--map-shared-memory=false]
 
 Each transport is measured --repeat times (a fresh server each time, ucx_perftest after each
 pool_bench run) and the medians are reported: on a shared machine single runs are noisy.
@@ -81,6 +84,12 @@ def main():
     ap.add_argument("--results", default=os.path.join(os.path.dirname(__file__), "results"))
     ap.add_argument("--repeat", type=int, default=3,
                     help="runs of pool_bench and ucx_perftest per transport; medians reported")
+    ap.add_argument("--sizes-kib", default=",".join(str(x) for x in SIZES_KIB),
+                    help="comma-separated transfer sizes in KiB")
+    ap.add_argument("--tag", default="", help="suffix of the result file names")
+    ap.add_argument("--bench-flag", action="append",
+                    help="extra pool_bench flag (repeatable), e.g. "
+                         "--bench-flag=--map-shared-memory=false")
     ap.add_argument("--server-flag", action="append",
                     help="extra kvpool-server flag (repeatable), e.g. --server-flag=--transfer-"
                          "initiator=client")
@@ -95,14 +104,17 @@ def main():
             return 1
     os.makedirs(args.results, exist_ok=True)
     for tls in tls_list:
-        json_path = os.path.join(args.results, f"pool_bench_{tls.replace(',', '_')}.json")
+        suffix = f"_{args.tag}" if args.tag else ""
+        json_path = os.path.join(args.results,
+                                 f"pool_bench_{tls.replace(',', '_')}{suffix}.json")
         runs = []
         for rep in range(args.repeat):
             server, port = start_server(args.build, tls, args.capacity, args.server_flag or [])
             rep_path = json_path + f".rep{rep}"
             try:
                 r = subprocess.run([bench_bin, "--server", f"127.0.0.1:{port}", "--ucx-tls", tls,
-                                    "--iters", str(args.iters), "--json", rep_path],
+                                    "--iters", str(args.iters), "--json", rep_path,
+                                    "--sizes-kib", args.sizes_kib] + (args.bench_flag or []),
                                    capture_output=True, text=True, timeout=1200)
             finally:
                 server.kill()
@@ -129,8 +141,11 @@ def main():
                     t[k] = median([r["transfers"][i][k] for r in runs])
             for k in t["perftest"]:
                 t["perftest"][k] = median([r["transfers"][i]["perftest"][k] for r in runs])
-            t["put_ratio"] = t["put_gbps"] / t["perftest"]["ucp_put_bw_gbps"]
-            t["fetch_ratio"] = t["fetch_gbps"] / t["perftest"]["ucp_get_gbps"]
+            p = t["perftest"]
+            for k in list(t):
+                if k.endswith("_gbps") and not k.startswith("perftest"):
+                    base = p["ucp_put_bw_gbps"] if k.startswith("put") else p["ucp_get_gbps"]
+                    t[k.replace("_gbps", "_ratio")] = t[k] / base if base > 0 else None
         for sect in ("commit", "lookup"):
             for k, v in res[sect].items():
                 if isinstance(v, float):
@@ -149,19 +164,25 @@ def main():
               f"{res['load_average_1m_at_end']:.1f}, on {res['hardware_threads']} hardware "
               f"threads; transfers initiated by the "
               f"{'pool' if res['transfers'][0].get('pool_initiated') else 'client'}) ==")
-        print(f"{'size':>9} | {'put GB/s':>9} {'perftest':>9} {'ratio':>6} "
-              f"{'p50 us':>8} {'p99 us':>8} | {'fetch GB/s':>10} {'perftest':>9} {'ratio':>6} "
-              f"{'p50 us':>8} {'p99 us':>8} | {'no-xxh3':>8} {'ratio':>6} | {'raw get':>8} {'ratio':>6}")
+        def ratio(t, k):
+            r = t.get(k.replace("_gbps", "_ratio"))
+            return f"{t[k]:7.3f} ({r:4.2f})" if r is not None else f"{t[k]:7.3f} (  - )"
+        cols = [("put data", "put_gbps"), ("put e2e", "put_e2e_gbps"),
+                ("put+commit", "put_commit_gbps"), ("fetch", "fetch_gbps"),
+                ("fetch warm", "fetch_warm_gbps"), ("no xxh3", "fetch_unverified_gbps"),
+                ("fetch e2e", "fetch_e2e_gbps"), ("raw get", "raw_get_gbps")]
+        print("GB/s (ratio to ucx_perftest of the same run: puts / ucp_put_bw, fetches and raw "
+              "get / ucp_get); path: " + res["transfers"][0].get("data_path", "?"))
+        print(f"{'size':>9} | " + " | ".join(f"{c:>14}" for c, _ in cols) +
+              f" | {'ucp_put_bw':>10} {'ucp_get':>8} | {'put p50/p99 us':>15} "
+              f"{'fetch p50/p99 us':>17}")
         for t in res["transfers"]:
             p = t["perftest"]
-            raw = (f"{t['raw_get_gbps']:8.3f} {t['raw_get_gbps'] / p['ucp_get_gbps']:6.2f}"
-                   if "raw_get_gbps" in t else f"{'-':>8} {'-':>6}")
-            print(f"{t['bytes'] // 1024:>5} KiB | {t['put_gbps']:9.3f} {p['ucp_put_bw_gbps']:9.3f} "
-                  f"{t['put_ratio']:6.2f} {t['put_p50_us']:8.1f} {t['put_p99_us']:8.1f} | "
-                  f"{t['fetch_gbps']:10.3f} {p['ucp_get_gbps']:9.3f} {t['fetch_ratio']:6.2f} "
-                  f"{t['fetch_p50_us']:8.1f} {t['fetch_p99_us']:8.1f} | "
-                  f"{t['fetch_unverified_gbps']:8.3f} "
-                  f"{t['fetch_unverified_gbps'] / p['ucp_get_gbps']:6.2f} | {raw}")
+            cells = [ratio(t, k) if k in t else f"{'-':>14}" for _, k in cols]
+            print(f"{t['bytes'] // 1024:>5} KiB | " + " | ".join(cells) +
+                  f" | {p['ucp_put_bw_gbps']:10.3f} {p['ucp_get_gbps']:8.3f} | "
+                  f"{t['put_p50_us']:7.1f}/{t['put_p99_us']:<7.1f} "
+                  f"{t['fetch_p50_us']:8.1f}/{t['fetch_p99_us']:<8.1f}")
         c = res["commit"]
         print(f"commit (rotate + INT2 quantize on the pool, {c['blocks']} blocks): "
               f"{c['gbps']:.3f} GB/s of BF16 input, p50 {c['p50_ms']:.1f} ms")

@@ -57,28 +57,10 @@ class PoolIntegrationTest : public ::testing::TestWithParam<std::string> {
   }
 
   // A pool_put_helper child process (stdout on a pipe) and its "READY" line.
-  struct Helper {
-    pid_t pid = -1;
-    int out = -1;
-  };
+  using Helper = testing::Child;
   Helper SpawnHelper(std::vector<std::string> args) {
-    Helper h;
-    int out[2];
-    if (pipe(out) != 0) return h;
-    h.pid = fork();
-    if (h.pid == 0) {
-      dup2(out[1], STDOUT_FILENO);
-      close_range(3, ~0u, 0);  // no sockets of this process past exec
-      args.insert(args.begin(), {KVPOOL_PUT_HELPER_BIN, server_->address(), GetParam()});
-      std::vector<char*> argv;
-      for (auto& a : args) argv.push_back(a.data());
-      argv.push_back(nullptr);
-      execv(argv[0], argv.data());
-      _exit(127);
-    }
-    close(out[1]);
-    h.out = out[0];
-    return h;
+    args.insert(args.begin(), {KVPOOL_PUT_HELPER_BIN, server_->address(), GetParam()});
+    return testing::SpawnWithStdoutPipe(std::move(args));
   }
   // Reads the helper's stdout until "READY" (true) or EOF / 20 s (false).
   static bool WaitReady(const Helper& h) {

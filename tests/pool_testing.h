@@ -2,7 +2,8 @@
 // (client/tests/client_test.cc, tests/pool_integration_test.cc, tests/pool_put_helper.cc): a
 // kvpool-server child process on a loopback port (only where KVPOOL_SERVER_BIN is defined),
 // model specs with a Hadamard rotation file, random K/V sequences, the pool's CPU encoder as the
-// oracle for stored bytes, registered page pools for fetches and a client factory.
+// oracle for stored bytes, registered page pools for fetches, a client factory and the
+// fork/exec of child processes with their stdout on a pipe (servers and put helpers).
 #pragma once
 
 #include <poll.h>
@@ -28,6 +29,39 @@
 
 namespace kvpool::testing {
 
+// A child process whose standard output is a pipe to this one.
+struct Child {
+  pid_t pid = -1;
+  int out = -1;  // read end of the child's stdout; -1 when the spawn failed
+};
+
+// fork + execv(args[0], args): the child's stdout goes to Child::out, its stderr stays ours,
+// and it keeps none of this process's other descriptors (UCX, gRPC sockets) past exec. On
+// failure returns pid -1 (nothing to reap); an exec failure shows as exit status 127.
+inline Child SpawnWithStdoutPipe(std::vector<std::string> args) {
+  Child c;
+  int out[2];
+  if (pipe(out) != 0) return c;
+  c.pid = fork();
+  if (c.pid < 0) {
+    close(out[0]);
+    close(out[1]);
+    return c;
+  }
+  if (c.pid == 0) {
+    dup2(out[1], STDOUT_FILENO);
+    close_range(3, ~0u, 0);
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    execv(argv[0], argv.data());
+    _exit(127);
+  }
+  close(out[1]);
+  c.out = out[0];
+  return c;
+}
+
 #ifdef KVPOOL_SERVER_BIN
 // A kvpool-server child process. Start() launches it on 127.0.0.1 (port 0 = any free port, read
 // back from its "grpc_port=N" line) and returns once that line appeared (the server prints it
@@ -40,41 +74,29 @@ class ServerProcess {
 
   // Returns false (and sets error()) when the server did not become ready within 20 s.
   bool Start(int port = 0) {
-    int out[2];
-    if (pipe(out) != 0) return Fail("pipe failed");
-    pid_ = fork();
-    if (pid_ < 0) return Fail("fork failed");
-    if (pid_ == 0) {
-      dup2(out[1], STDOUT_FILENO);
-      // The child must not hold this process's sockets (UCX, gRPC) past exec.
-      close_range(3, ~0u, 0);
-      std::vector<std::string> args = {KVPOOL_SERVER_BIN,
-                                       "--listen",
-                                       absl::StrCat("127.0.0.1:", port),
-                                       "--metrics-port",
-                                       "-1",
-                                       "--ucx-tls",
-                                       tls_,
-                                       "--tick-ms",
-                                       "20",
-                                       "--drain-ms",
-                                       "0"};
-      args.insert(args.end(), extra_.begin(), extra_.end());
-      // Reproductions: KVPOOL_ITEST_SERVER_FLAGS adds flags to every server, e.g.
-      // "--transfer-initiator client" to run the kill tests against client-initiated tcp.
-      if (const char* more = std::getenv("KVPOOL_ITEST_SERVER_FLAGS"); more != nullptr) {
-        for (absl::string_view f : absl::StrSplit(more, ' ', absl::SkipEmpty())) {
-          args.emplace_back(f);
-        }
+    std::vector<std::string> args = {KVPOOL_SERVER_BIN,
+                                     "--listen",
+                                     absl::StrCat("127.0.0.1:", port),
+                                     "--metrics-port",
+                                     "-1",
+                                     "--ucx-tls",
+                                     tls_,
+                                     "--tick-ms",
+                                     "20",
+                                     "--drain-ms",
+                                     "0"};
+    args.insert(args.end(), extra_.begin(), extra_.end());
+    // Reproductions: KVPOOL_ITEST_SERVER_FLAGS adds flags to every server, e.g.
+    // "--transfer-initiator client" to run the kill tests against client-initiated tcp.
+    if (const char* more = std::getenv("KVPOOL_ITEST_SERVER_FLAGS"); more != nullptr) {
+      for (absl::string_view f : absl::StrSplit(more, ' ', absl::SkipEmpty())) {
+        args.emplace_back(f);
       }
-      std::vector<char*> argv;
-      for (auto& a : args) argv.push_back(a.data());
-      argv.push_back(nullptr);
-      execv(argv[0], argv.data());
-      _exit(127);
     }
-    close(out[1]);
-    fd_ = out[0];
+    Child child = SpawnWithStdoutPipe(std::move(args));
+    if (child.pid < 0) return Fail("pipe or fork failed");
+    pid_ = child.pid;
+    fd_ = child.out;
     // Read the ports line, bounded by poll().
     std::string line;
     const absl::Time deadline = absl::Now() + absl::Seconds(20);
@@ -264,12 +286,14 @@ struct FetchPools {
 // (with the status in *error when given) when it cannot be created.
 inline std::unique_ptr<client::Client> NewClient(const std::string& server, const std::string& tls,
                                                  bool check_finite = true,
-                                                 absl::Status* error = nullptr) {
+                                                 absl::Status* error = nullptr,
+                                                 bool map_shared_memory = true) {
   client::ClientOptions o;
   o.server = server;
   o.ucx_tls = tls;
   o.default_timeout = absl::Seconds(20);
   o.check_finite = check_finite;
+  o.map_shared_memory = map_shared_memory;
   auto c = client::Client::Create(o);
   if (!c.ok()) {
     if (error != nullptr) *error = c.status();

@@ -1,8 +1,16 @@
 // The kvpool C++ client (see client.h). gRPC and protobuf appear only in this file.
 #include "kvpool/client/client.h"
 
+#include <xxhash.h>
+#if defined(__x86_64__)
+#define XXH_DISPATCH_DISABLE_REPLACE
+#include <xxh_x86dispatch.h>
+#endif
+
 #include <algorithm>
+#include <chrono>
 #include <cstring>
+#include <future>
 #include <map>
 #include <tuple>
 #include <utility>
@@ -11,7 +19,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "kvpool/common/checksum.h"
 #include "kvpool/common/log.h"
 #include "kvpool/common/status.h"
 #include "kvpool/transport/ucx_transport.h"
@@ -102,15 +109,81 @@ absl::Status FromGrpc(const grpc::Status& s) {
 
 bool Bf16Finite(uint16_t x) { return (x & 0x7F80u) != 0x7F80u; }
 
-// True when none of the n bf16 values is NaN or ±Inf (exponent all ones). Branch-free so the
-// compiler vectorizes it: the per-element branchy scan cost as much as the copy on large layers.
+// True when none of the n bf16 values is NaN or ±Inf (exponent all ones). Four values per
+// 64-bit word, branch-free: t = (x & E) ^ E has a zero 16-bit lane exactly where the exponent
+// is all ones, and (t - 0x0001…) & ~t & 0x8000… flags zero lanes (the other lanes hold at most
+// 0x7F80, so neither they nor a borrow into them reach bit 15). The per-element loop it
+// replaces was not vectorized at -O2 and took most of a direct-mode put (perf annotate).
 bool AllBf16Finite(const uint16_t* p, size_t n) {
-  uint32_t bad = 0;
-  for (size_t i = 0; i < n; ++i) bad |= static_cast<uint32_t>((p[i] & 0x7F80u) == 0x7F80u);
+  constexpr uint64_t kExp = 0x7F807F807F807F80ull;
+  constexpr uint64_t kOnes = 0x0001000100010001ull;
+  constexpr uint64_t kHigh = 0x8000800080008000ull;
+  uint64_t bad = 0;
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    uint64_t x[2];
+    std::memcpy(x, p + i, sizeof(x));
+    const uint64_t t0 = (x[0] & kExp) ^ kExp, t1 = (x[1] & kExp) ^ kExp;
+    bad |= ((t0 - kOnes) & ~t0) | ((t1 - kOnes) & ~t1);
+  }
+  bad &= kHigh;
+  for (; i < n; ++i) bad |= static_cast<uint64_t>((p[i] & 0x7F80u) == 0x7F80u);
   return bad == 0;
 }
 
 std::string HexPrefix(const Digest& d) { return ToHex(d).substr(0, 12); }
+
+// xxh3_64 (docs/BLOCK_FORMAT.md "Checksums"), the same function as kvpool::Xxh3, through
+// libxxhash's runtime dispatch on x86-64 (AVX-512/AVX2 when the CPU has them): Debian builds
+// the plain entry points for baseline x86-64 (SSE2), which ran at 2.3-4 GB/s on the benchmark
+// host against 6-28 GB/s dispatched (256 KiB-4 MiB), i.e. slower than the copy it verifies.
+uint64_t FastXxh3(const void* data, size_t size) {
+#if defined(__x86_64__)
+  return XXH3_64bits_dispatch(data, size);
+#else
+  return XXH3_64bits(data, size);
+#endif
+}
+
+// Streaming FastXxh3 (the digest equals FastXxh3 of the concatenated updates).
+class FastXxh3Stream {
+ public:
+  FastXxh3Stream() : state_(XXH3_createState()) {
+    if (state_ == nullptr || XXH3_64bits_reset(state_) != XXH_OK) std::abort();
+  }
+  ~FastXxh3Stream() { XXH3_freeState(state_); }
+  FastXxh3Stream(const FastXxh3Stream&) = delete;
+  FastXxh3Stream& operator=(const FastXxh3Stream&) = delete;
+  void Update(const void* data, size_t size) {
+    if (size == 0) return;
+#if defined(__x86_64__)
+    XXH3_64bits_update_dispatch(state_, data, size);
+#else
+    XXH3_64bits_update(state_, data, size);
+#endif
+  }
+  uint64_t Digest() const { return XXH3_64bits_digest(state_); }
+
+ private:
+  XXH3_state_t* state_;
+};
+
+// Copies `size` bytes from `src` to `dst` and returns the xxh3 of `dst`, in chunks small enough
+// to stay in the L2 cache between the copy and the hash (one pass over memory, not two).
+uint64_t CopyAndHash(uint8_t* dst, const uint8_t* src, size_t size) {
+  constexpr size_t kChunk = 128 << 10;
+  if (size <= kChunk) {
+    std::memcpy(dst, src, size);
+    return FastXxh3(dst, size);
+  }
+  FastXxh3Stream h;
+  for (size_t off = 0; off < size; off += kChunk) {
+    const size_t n = std::min(kChunk, size - off);
+    std::memcpy(dst + off, src + off, n);
+    h.Update(dst + off, n);
+  }
+  return h.Digest();
+}
 
 class ClientImpl;
 
@@ -123,6 +196,10 @@ struct ConnSnapshot {
   ModelInfo info;
   bool bf16_history = false;
   std::string worker_address;  // this client's (sealed), for pool-initiated transfers
+  // The pool's memory mapped into this process (shared-memory transports; null otherwise or
+  // when ClientOptions::map_shared_memory is false). Puts store into staging and fetches copy
+  // leased forms through it: no transfer, no owner-thread hand-off.
+  std::shared_ptr<transport::RemoteMapping> arena;
 };
 
 class PutSessionImpl final : public PutSession {
@@ -131,6 +208,7 @@ class PutSessionImpl final : public PutSession {
     uint32_t index;
     uint64_t staging_addr;
     RemoteKeyId rkey;
+    uint8_t* mapped = nullptr;  // staging through ConnSnapshot::arena (direct mode)
   };
 
   PutSessionImpl(ClientImpl* client, ConnSnapshot conn, uint64_t put_id, uint32_t num_blocks,
@@ -143,7 +221,11 @@ class PutSessionImpl final : public PutSession {
         writes_(std::move(writes)),
         deadline_(deadline),
         cancel_(std::move(cancel)) {
-    for (size_t i = 0; i < writes_.size(); ++i) hashes_.push_back(std::make_unique<Xxh3Stream>());
+    for (size_t i = 0; i < writes_.size(); ++i) {
+      hashes_.push_back(std::make_unique<FastXxh3Stream>());
+    }
+    direct_ = conn_.arena != nullptr && !pool_initiates();
+    for (const Block& b : writes_) direct_ &= b.mapped != nullptr;
   }
   ~PutSessionImpl() override;
 
@@ -157,7 +239,12 @@ class PutSessionImpl final : public PutSession {
 
  private:
   absl::Status WaitSlot(int slot);
-  // Pool-initiated mode: asks the pool to pull layers [pulled_layers_, next_layer_).
+  // Pool-initiated mode. StartPull asks the pool (in the background: one WritePut call on a
+  // helper thread) to pull layers [pulled_layers_, next_layer_) unless a pull is in flight;
+  // FinishPull waits for the pull in flight; PullPending pulls everything written so far.
+  // Each returns the put's sticky error.
+  absl::Status StartPull();
+  absl::Status FinishPull();
   absl::Status PullPending();
   bool pool_initiates() const { return conn_.info.pool_initiates_transfers; }
 
@@ -168,7 +255,10 @@ class PutSessionImpl final : public PutSession {
   std::vector<Block> writes_;
   absl::Time deadline_;
   std::shared_ptr<CancelToken> cancel_;
-  std::vector<std::unique_ptr<Xxh3Stream>> hashes_;
+  std::vector<std::unique_ptr<FastXxh3Stream>> hashes_;
+  // Direct mode: every WRITE block's staging is mapped (Block::mapped); layers are packed
+  // straight into the pool's memory, with no transfer.
+  bool direct_ = false;
   // Double-buffered layer staging: slot s holds writes_.size() layer slices.
   std::shared_ptr<transport::MemoryRegion> slots_[2];
   std::vector<std::shared_ptr<Transfer>> inflight_[2];
@@ -176,6 +266,8 @@ class PutSessionImpl final : public PutSession {
   // i * bf16_form_bytes, layer l of it at + l * layer slice), pulled by the pool.
   std::shared_ptr<transport::MemoryRegion> whole_;
   uint32_t pulled_layers_ = 0;
+  std::future<absl::Status> pull_;  // the WritePut call in flight, for layers up to pull_to_
+  uint32_t pull_to_ = 0;
   uint32_t next_layer_ = 0;
   uint64_t bytes_written_ = 0;
   bool finished_ = false;
@@ -280,6 +372,7 @@ class ClientImpl final : public Client {
     c.info = *info_;
     c.bf16_history = spec_->history_precision == "bf16";
     c.worker_address = transport_->WorkerAddress();
+    if (arena_epoch_ == c.epoch) c.arena = arena_;
     return c;
   }
 
@@ -398,7 +491,53 @@ class ClientImpl final : public Client {
       stale_ = false;
     }
     if (old.value != 0) (void)transport_->Disconnect(old);  // drops every stale remote key
+    MapArena(info, resp.arena_rkey(), resp.arena_address(), resp.arena_bytes());
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      info.mapped_pool_memory = arena_ != nullptr && arena_epoch_ == info.pool_epoch;
+      if (info_ && info_->pool_epoch == info.pool_epoch) {
+        info_->mapped_pool_memory = info.mapped_pool_memory;
+      }
+    }
     return info;
+  }
+
+  // Maps the pool's memory when this client may address it and the transport can map it
+  // (shared memory); else clears the mapping (puts and fetches then use RMA transfers).
+  void MapArena(const ModelInfo& info, const std::string& packed, uint64_t address,
+                uint64_t bytes) {
+    EndpointId ep;
+    std::shared_ptr<transport::RemoteMapping> old;  // unmapped outside the lock (a UCX call)
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (arena_ != nullptr && arena_epoch_ == info.pool_epoch &&
+          arena_->remote_address() == address && arena_->size() == bytes) {
+        return;  // already mapped for this incarnation
+      }
+      old = std::move(arena_);
+      ep = endpoint_;
+    }
+    old.reset();
+    if (info.pool_initiates_transfers || !options_.map_shared_memory || bytes == 0 ||
+        ep.value == 0) {
+      return;
+    }
+    auto key = transport_->UnpackRemoteKey(ep, packed);
+    if (!key.ok()) {
+      KVPOOL_LOG_DEBUG("client: arena key not usable ({}); using RMA", key.status().ToString());
+      return;
+    }
+    auto mapping = transport_->MapRemote(ep, *key, address, bytes);
+    if (!mapping.ok()) {
+      KVPOOL_LOG_DEBUG("client: pool memory not mappable ({}); using RMA",
+                       mapping.status().ToString());
+      return;
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    if (endpoint_.value != ep.value || !info_ || info_->pool_epoch != info.pool_epoch) return;
+    rkeys_.emplace(packed, *key);
+    arena_ = *std::move(mapping);
+    arena_epoch_ = info.pool_epoch;
   }
 
   // ---- Client ----
@@ -456,7 +595,9 @@ class ClientImpl final : public Client {
         }
         key = *k;
       }
-      writes.push_back({b.index(), b.staging_addr(), key});
+      uint8_t* mapped =
+          c.arena != nullptr ? c.arena->Translate(b.staging_addr(), b.size()) : nullptr;
+      writes.push_back({b.index(), b.staging_addr(), key, mapped});
     }
     auto session = std::make_unique<PutSessionImpl>(this, c, resp.put_id(), num_blocks,
                                                     std::move(writes), deadline, call.cancel);
@@ -746,6 +887,9 @@ class ClientImpl final : public Client {
   std::string worker_address_;
   std::map<std::string, RemoteKeyId> rkeys_;  // packed key → unpacked on endpoint_
   bool stale_ = false;
+  // The pool's memory mapped through endpoint_ (MapArena), for pool epoch arena_epoch_.
+  std::shared_ptr<transport::RemoteMapping> arena_;
+  uint64_t arena_epoch_ = 0;
 
   static constexpr size_t kMaxCachedBuffers = 8;
   std::mutex buffers_mu_;  // guards buffers_; never held across gRPC or UCX calls
@@ -755,13 +899,14 @@ class ClientImpl final : public Client {
 // ---- PutSessionImpl ----
 PutSessionImpl::~PutSessionImpl() {
   if (!finished_) (void)Abort();
+  (void)FinishPull();  // never hand back a buffer the pool may still be reading
   for (auto& slot : slots_) client_->GiveBuffer(std::move(slot));
   client_->GiveBuffer(std::move(whole_));
 }
 
-absl::Status PutSessionImpl::PullPending() {
+absl::Status PutSessionImpl::StartPull() {
   if (!error_.ok()) return error_;
-  if (writes_.empty() || pulled_layers_ == next_layer_) return absl::OkStatus();
+  if (pull_.valid() || writes_.empty() || pulled_layers_ == next_layer_) return error_;
   const BlockGeometry& g = conn_.geometry;
   const uint64_t slice = g.Bf16LayerBytes(), form = g.Bf16FormBytes();
   const uint64_t from = uint64_t(pulled_layers_) * slice;
@@ -771,13 +916,30 @@ absl::Status PutSessionImpl::PullPending() {
   for (size_t i = 0; i < writes_.size(); ++i) {
     src.emplace_back(writes_[i].index, from, length, whole_->address() + i * form + from);
   }
-  absl::Status s = client_->WritePutRpc(conn_, put_id_, *whole_, src, deadline_, cancel_);
-  if (!s.ok()) {
+  pull_to_ = next_layer_;
+  // The layers [pulled_layers_, pull_to_) of whole_ are complete and not written again; the
+  // next WriteLayer packs other bytes of it while the pool pulls these.
+  pull_ = std::async(std::launch::async, [this, src = std::move(src)] {
+    return client_->WritePutRpc(conn_, put_id_, *whole_, src, deadline_, cancel_);
+  });
+  return error_;
+}
+
+absl::Status PutSessionImpl::FinishPull() {
+  if (!pull_.valid()) return error_;
+  absl::Status s = pull_.get();
+  if (s.ok()) {
+    pulled_layers_ = pull_to_;
+  } else if (error_.ok()) {
     error_ = s;  // sticky: Commit must see it
-    return s;
   }
-  pulled_layers_ = next_layer_;
-  return absl::OkStatus();
+  return error_;
+}
+
+absl::Status PutSessionImpl::PullPending() {
+  KVPOOL_RETURN_IF_ERROR(FinishPull());
+  KVPOOL_RETURN_IF_ERROR(StartPull());
+  return FinishPull();
 }
 
 absl::Status PutSessionImpl::WaitSlot(int slot) {
@@ -840,8 +1002,20 @@ absl::Status PutSessionImpl::WriteLayer(uint32_t layer, absl::Span<const uint16_
   if (writes_.empty()) return absl::OkStatus();
 
   const uint64_t slice = g.Bf16LayerBytes();
+  if (direct_) {
+    // The staging is mapped: packing the layer into it is the transfer.
+    for (size_t i = 0; i < writes_.size(); ++i) {
+      uint8_t* out = writes_[i].mapped + uint64_t(layer) * slice;
+      PackLayerSlice(g, writes_[i].index, k.data(), v.data(), out);
+      hashes_[i]->Update(out, slice);
+    }
+    bytes_written_ += slice * writes_.size();
+    return absl::OkStatus();
+  }
   if (pool_initiates()) {
-    // Pack into the whole-put buffer; the pool pulls pending layers at Flush/Commit.
+    // Pack into the whole-put buffer, then let the pool pull what is written (in the
+    // background; at most one WritePut in flight, the next covers every layer written
+    // meanwhile), so the layer travels while the caller computes the next one.
     const uint64_t form = g.Bf16FormBytes();
     if (whole_ == nullptr) {
       KVPOOL_ASSIGN_OR_RETURN(whole_, client_->TakeBuffer(form * writes_.size()));
@@ -852,7 +1026,10 @@ absl::Status PutSessionImpl::WriteLayer(uint32_t layer, absl::Span<const uint16_
       hashes_[i]->Update(out, slice);
     }
     bytes_written_ += slice * writes_.size();
-    return absl::OkStatus();
+    if (pull_.valid() && pull_.wait_for(std::chrono::seconds(0)) == std::future_status::ready) {
+      KVPOOL_RETURN_IF_ERROR(FinishPull());
+    }
+    return StartPull();
   }
   const int slot = layer % 2;
   KVPOOL_RETURN_IF_ERROR(WaitSlot(slot));
@@ -883,6 +1060,7 @@ absl::Status PutSessionImpl::WriteLayer(uint32_t layer, absl::Span<const uint16_
 }
 
 absl::Status PutSessionImpl::Flush() {
+  if (direct_) return error_;  // stores into the mapped staging are visible once made
   if (pool_initiates()) return PullPending();
   absl::Status s0 = WaitSlot(0);
   absl::Status s1 = WaitSlot(1);
@@ -937,6 +1115,8 @@ absl::Status PutSessionImpl::Abort() {
   if (finished_) return absl::OkStatus();
   finished_ = true;
   // Never let the pool reuse staging that a transfer of ours may still write: wait (bounded).
+  // A pull in flight keeps the put claimed at the pool (it refuses AbortPut meanwhile).
+  (void)FinishPull();
   for (int s = 0; s < 2; ++s) {
     for (auto& t : inflight_[s]) {
       t->Cancel();
@@ -962,6 +1142,7 @@ absl::StatusOr<FetchResult> ClientImpl::Fetch(const Lease& lease, const FetchPla
     c.geometry = info_->geometry;
     c.info = *info_;
     c.bf16_history = spec_->history_precision == "bf16";
+    if (arena_epoch_ == c.epoch) c.arena = arena_;
   }
   if (lease.pool_epoch != c.epoch) {
     return absl::UnavailableError(absl::StrCat("lease: from pool epoch ", lease.pool_epoch,
@@ -1049,7 +1230,30 @@ absl::StatusOr<FetchResult> ClientImpl::Fetch(const Lease& lease, const FetchPla
     out.block_status.push_back(absl::OkStatus());
   }
 
-  if (c.info.pool_initiates_transfers) {
+  // Direct mode (the pool's memory is mapped here): copy every form, hashing it while it is in
+  // the cache, instead of transfers through the transport's owner thread.
+  std::vector<uint64_t> copied_sums;
+  bool direct = c.arena != nullptr && !c.info.pool_initiates_transfers;
+  std::vector<const uint8_t*> sources;
+  for (size_t j = 0; direct && j < items.size(); ++j) {
+    sources.push_back(c.arena->Translate(items[j].loc->remote_addr, items[j].loc->size));
+    direct = sources.back() != nullptr;
+  }
+  if (direct) {
+    if (call.cancel && call.cancel->cancelled()) return absl::CancelledError("fetch cancelled");
+    copied_sums.resize(items.size());
+    for (size_t j = 0; j < items.size(); ++j) {
+      const Item& it = items[j];
+      const PagePool* pool = it.form == Form::kInt2 ? plan.int2_pool : plan.bf16_pool;
+      uint8_t* dst = pool->region->data() + it.local_offset;
+      if (plan.verify_checksums) {
+        copied_sums[j] = CopyAndHash(dst, sources[j], it.loc->size);
+      } else {
+        std::memcpy(dst, sources[j], it.loc->size);
+        copied_sums[j] = it.loc->xxh3;
+      }
+    }
+  } else if (c.info.pool_initiates_transfers) {
     // The pool pushes every form into the page pools (ReadLeased) and answers once they are
     // visible here; one status per block.
     if (!items.empty()) {
@@ -1138,11 +1342,13 @@ absl::StatusOr<FetchResult> ClientImpl::Fetch(const Lease& lease, const FetchPla
   if (call.cancel && call.cancel->cancelled()) return absl::CancelledError("fetch cancelled");
 
   // Verify checksums (fail closed: a slot reused under us would not match).
-  for (const Item& it : items) {
+  for (size_t j = 0; j < items.size(); ++j) {
+    const Item& it = items[j];
     if (!out.block_status[it.block].ok()) continue;
     const PagePool* pool = it.form == Form::kInt2 ? plan.int2_pool : plan.bf16_pool;
-    const uint64_t got = plan.verify_checksums
-                             ? Xxh3(pool->region->data() + it.local_offset, it.loc->size)
+    const uint64_t got = direct ? copied_sums[j]
+                         : plan.verify_checksums
+                             ? FastXxh3(pool->region->data() + it.local_offset, it.loc->size)
                              : it.loc->xxh3;
     if (got != it.loc->xxh3) {
       out.block_status[it.block] = absl::DataLossError(

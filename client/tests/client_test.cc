@@ -3,6 +3,7 @@
 // deadlines, cancellation, leases, corruption detection (DATA_LOSS) and a pool restart.
 #include "kvpool/client/client.h"
 
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -63,7 +64,8 @@ class ClientTest : public ::testing::TestWithParam<std::string> {
 
   std::unique_ptr<Client> NewClient(bool check_finite = true) {
     absl::Status error;
-    auto c = testing::NewClient(absl::StrCat("127.0.0.1:", port_), Tls(), check_finite, &error);
+    auto c = testing::NewClient(absl::StrCat("127.0.0.1:", port_), Tls(), check_finite, &error,
+                                /*map_shared_memory=*/Mode() != "rma");
     EXPECT_NE(c, nullptr) << error;
     return c;
   }
@@ -77,12 +79,18 @@ class ClientTest : public ::testing::TestWithParam<std::string> {
     return p.ok() ? *std::move(p) : nullptr;
   }
 
-  // Parameter "TLS" or "TLS/INITIATOR": the UCX transports, and who initiates RMA transfers
-  // (the server's transfer_initiator; default auto = pool over tcp, client over shared memory).
+  // Parameter "TLS" or "TLS/MODE": the UCX transports, and who initiates RMA transfers (MODE
+  // "pool" or "client" = the server's transfer_initiator; default auto = pool over tcp, client
+  // over shared memory). MODE "rma": the client initiates but does not map the pool's memory
+  // (ClientOptions::map_shared_memory = false), so shared memory also runs RMA transfers.
   std::string Tls() const { return GetParam().substr(0, GetParam().find('/')); }
-  std::string Initiator() const {
+  std::string Mode() const {
     const size_t slash = GetParam().find('/');
-    return slash == std::string::npos ? "auto" : GetParam().substr(slash + 1);
+    return slash == std::string::npos ? "" : GetParam().substr(slash + 1);
+  }
+  std::string Initiator() const {
+    if (Mode().empty()) return "auto";
+    return Mode() == "rma" ? "client" : Mode();
   }
 
   std::unique_ptr<kvstore::PoolServer> server_;
@@ -174,6 +182,112 @@ TEST_P(ClientTest, Bf16HistoryStoresTheRotatedInputExactly) {
         << b;
   }
   EXPECT_TRUE(c->Release(*lease).ok());
+}
+
+// Layer-wise streaming: each layer reaches the pool's staging while the caller has not yet
+// written the next one and without any Flush (in every mode: direct stores, client RMA puts,
+// pool pulls on a helper thread); abort and commit keep their meaning afterwards.
+TEST_P(ClientTest, EachLayerReachesStagingBeforeTheNextIsWritten) {
+  auto c = NewClient();
+  ASSERT_NE(c, nullptr);
+  ModelSpec spec = Spec("bf16");
+  auto info = c->RegisterModel(spec);
+  ASSERT_TRUE(info.ok()) << info.status();
+  const BlockGeometry g = Geometry();
+  kvstore::PoolMemory& mem = server_->store().memory();
+  // Is the packed slice of `layer` of every block of `s` somewhere in the pool's memory?
+  auto in_pool = [&](const Sequence& s, uint32_t layer) {
+    std::vector<uint8_t> slice(g.Bf16LayerBytes());
+    for (uint32_t b = 0; b < s.tokens.size() / kPage; ++b) {
+      PackLayerSlice(g, b, s.k[layer].data(), s.v[layer].data(), slice.data());
+      if (memmem(mem.data(), mem.size(), slice.data(), slice.size()) == nullptr) return false;
+    }
+    return true;
+  };
+  auto arrives = [&](const Sequence& s, uint32_t layer) {
+    const absl::Time deadline = absl::Now() + absl::Seconds(20);  // a bound, not a speed check
+    while (!in_pool(s, layer) && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(2));
+    return in_pool(s, layer);
+  };
+  for (bool commit : {false, true}) {
+    SCOPED_TRACE(commit ? "commit" : "abort");
+    Sequence s = MakeSequence(3 * kPage, commit ? 21 : 22);
+    auto put = c->BeginPut(s.tokens);
+    ASSERT_TRUE(put.ok()) << put.status();
+    for (uint32_t l = 0; l < kLayers; ++l) {
+      ASSERT_TRUE((*put)->WriteLayer(l, s.k[l], s.v[l]).ok());
+      EXPECT_TRUE(arrives(s, l)) << "layer " << l << " never reached staging";
+      if (l + 1 < kLayers) {
+        EXPECT_FALSE(in_pool(s, l + 1)) << "layer " << l + 1;
+      }
+    }
+    if (!commit) {
+      ASSERT_TRUE((*put)->Abort().ok());
+      auto look = c->Lookup(s.tokens);
+      ASSERT_TRUE(look.ok()) << look.status();
+      EXPECT_EQ(look->num_blocks, 0u);
+      auto st = c->Stats();
+      ASSERT_TRUE(st.ok()) << st.status();
+      EXPECT_EQ(st->staging_bytes, 0u);
+      EXPECT_EQ(st->open_puts, 0u);
+      continue;
+    }
+    auto r = (*put)->Commit();
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->blocks_written, 3u);
+    auto lease = c->Acquire(s.tokens);
+    ASSERT_TRUE(lease.ok()) << lease.status();
+    ASSERT_EQ(lease->blocks.size(), 3u);
+    auto pools = MakePools(*c, 3);
+    auto f = c->Fetch(*lease, pools->plan);
+    ASSERT_TRUE(f.ok()) << f.status();
+    ASSERT_EQ(f->num_blocks, 3u);
+    for (uint32_t b = 0; b < 3; ++b) {
+      std::vector<uint8_t> bf16, int2;
+      ASSERT_TRUE(ExpectedForms(s, b, spec, &bf16, &int2));
+      EXPECT_EQ(0, std::memcmp(pools->bf16_mem.data() + f->pages[b] * g.Bf16FormBytes(),
+                               bf16.data(), bf16.size()))
+          << b;
+    }
+    EXPECT_TRUE(c->Release(*lease).ok());
+  }
+}
+
+// The client's word-at-a-time NaN/Inf scan: every lane position of a 4- and 8-value word, both
+// signs, NaN payloads and Inf are refused naming the token; the extreme finite values pass.
+TEST_P(ClientTest, NonFiniteValuesAreFoundAtEveryPosition) {
+  if (GetParam() != "posix,cma") GTEST_SKIP() << "client-side check; one transport suffices";
+  auto c = NewClient();
+  ASSERT_NE(c, nullptr);
+  ASSERT_TRUE(c->RegisterModel(Spec("int2")).ok());
+  Sequence s = MakeSequence(2 * kPage, 31);
+  for (uint16_t& x : s.k[0]) x = 0x7F7F;  // largest finite
+  for (uint16_t& x : s.v[0]) x = 0xFF7F;  // most negative finite
+  for (size_t i = 0; i < 16; ++i)
+    s.k[1][i] = std::array<uint16_t, 4>{0x0080, 0x8000, 0x0001, 0xFF7F}[i % 4];
+  const size_t row = size_t(kHeads) * kDim;
+  for (uint16_t bad_value :
+       {uint16_t{0x7F80}, uint16_t{0xFF80}, uint16_t{0x7FC1}, uint16_t{0xFFFF}}) {
+    for (size_t pos = 0; pos < 9; ++pos) {
+      SCOPED_TRACE(absl::StrCat("value ", bad_value, " at element ", 5 * row + pos));
+      auto put = c->BeginPut(s.tokens);
+      ASSERT_TRUE(put.ok()) << put.status();
+      ASSERT_TRUE((*put)->WriteLayer(0, s.k[0], s.v[0]).ok());
+      Sequence b = s;
+      (pos % 2 == 0 ? b.k : b.v)[1][5 * row + pos] = bad_value;
+      absl::Status w = (*put)->WriteLayer(1, b.k[1], b.v[1]);
+      EXPECT_EQ(w.code(), absl::StatusCode::kInvalidArgument) << w;
+      EXPECT_THAT(w.message(), HasSubstr("token 5"));
+      EXPECT_TRUE((*put)->Abort().ok());
+    }
+  }
+  // The extreme finite values pass the client's scan (the pool would refuse them at commit:
+  // their rotation overflows).
+  auto good = c->BeginPut(s.tokens);
+  ASSERT_TRUE(good.ok()) << good.status();
+  EXPECT_TRUE((*good)->WriteLayer(0, s.k[0], s.v[0]).ok());
+  EXPECT_TRUE((*good)->WriteLayer(1, s.k[1], s.v[1]).ok());
+  EXPECT_TRUE((*good)->Abort().ok());
 }
 
 TEST_P(ClientTest, BadPutsAreRefusedAndStoreNothing) {
@@ -375,7 +489,8 @@ TEST_P(ClientTest, PoolRestartGivesUnavailableThenWorksAgain) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Ucx, ClientTest,
-                         ::testing::Values("tcp", "posix,cma", "tcp/client", "posix,cma/pool"),
+                         ::testing::Values("tcp", "posix,cma", "tcp/client", "posix,cma/pool",
+                                           "posix,cma/rma"),
                          [](const auto& info) {
                            std::string n = info.param;
                            std::replace(n.begin(), n.end(), ',', '_');

@@ -359,6 +359,11 @@ class KvPoolService final : public pb::KvPool::Service {
     resp->set_created(info->created);
     resp->set_ucx_worker_address(ctx_.ucx_worker_address);
     resp->set_pool_initiates_transfers(ctx_.pool_initiates_transfers);
+    if (!ctx_.pool_initiates_transfers && !store_.memory().packed_rkey().empty()) {
+      resp->set_arena_rkey(store_.memory().packed_rkey());
+      resp->set_arena_address(store_.memory().remote_address());
+      resp->set_arena_bytes(store_.memory().size());
+    }
     resp->set_pool_epoch(ctx_.pool_epoch);
     resp->set_bf16_form_bytes(info->bf16_form_bytes);
     resp->set_int2_form_bytes(info->int2_form_bytes);

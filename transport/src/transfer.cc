@@ -1,8 +1,12 @@
 // Transfer bookkeeping shared by every Transport implementation.
+#include <sched.h>
+
 #include <limits>
 #include <utility>
 
 #include "kvpool/transport/transport.h"
+
+#include "absl/strings/str_cat.h"
 
 namespace kvpool::transport {
 
@@ -32,11 +36,15 @@ absl::Status Transfer::Wait(absl::Time deadline) const {
   if (state() == TransferState::kPrepared) {
     return absl::FailedPreconditionError("transfer was not posted");
   }
-  std::unique_lock<std::mutex> lock(mu_);
   auto finished = [this] {
     TransferState s = state_.load(std::memory_order_acquire);
     return s == TransferState::kDone || s == TransferState::kFailed;
   };
+  // Most transfers finish within microseconds: poll (yielding the core, which the owner thread
+  // completing them may need) before sleeping on the condition variable, whose wake-up costs
+  // more than a short transfer.
+  for (int spin = 0; spin < 64 && !finished(); ++spin) sched_yield();
+  std::unique_lock<std::mutex> lock(mu_);
   while (!finished()) {
     if (deadline == absl::InfiniteFuture()) {
       cv_.wait(lock);
@@ -94,6 +102,11 @@ void Transfer::CompleteOne(size_t index, absl::Status status) {
                  std::memory_order_release);
     cv_.notify_all();
   }
+}
+
+absl::StatusOr<std::shared_ptr<RemoteMapping>> Transport::MapRemote(EndpointId, RemoteKeyId,
+                                                                    uint64_t, uint64_t) {
+  return absl::UnimplementedError(absl::StrCat(Name(), ": peers' memory cannot be mapped"));
 }
 
 absl::Status Transport::Execute(TransferRequest request, absl::Time deadline) {

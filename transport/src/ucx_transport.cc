@@ -75,7 +75,8 @@ struct Connection {
 // reference is dropped (reverse declaration order).
 struct EndpointEntry {
   std::shared_ptr<Connection> connection;
-  std::map<uint64_t, std::unique_ptr<UcxRkey>> rkeys;
+  // shared: a RemoteMapping keeps its key (and connection) alive past Disconnect.
+  std::map<uint64_t, std::shared_ptr<UcxRkey>> rkeys;
 };
 
 class UcxCore : public std::enable_shared_from_this<UcxCore> {
@@ -124,7 +125,11 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
       absl::MutexLock lock(&mu_);
       queue_.push_back(std::move(fn));
     }
-    Wake();
+    // The eventfd write (a syscall) is needed only when the owner thread sleeps or is about to;
+    // while it polls it finds the queue itself. Pairs with the store in Loop(): either the
+    // owner sees this closure when it re-checks the queue after announcing its sleep, or this
+    // load sees the announcement (both sequentially consistent).
+    if (may_sleep_.load(std::memory_order_seq_cst)) Wake();
   }
 
   // ---- called on the owner thread ----
@@ -212,7 +217,85 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
   void PostOnOwner(std::shared_ptr<Transfer> transfer, ucp_mem_h local_memh);
   void FlushOnOwner(std::shared_ptr<Transfer> transfer);
 
+  // ucp_rkey_ptr of both ends of [addr, +length): the local address of `addr` when the whole
+  // range is mapped linearly; `*keep` receives what must stay alive while it is used (the key
+  // and its connection).
+  absl::StatusOr<uint8_t*> MapRemote(EndpointId id, RemoteKeyId rk, uint64_t addr, uint64_t length,
+                                     std::shared_ptr<void>* keep) {
+    auto it = endpoints_.find(id.value);
+    if (it == endpoints_.end()) return absl::NotFoundError("endpoint: unknown or disconnected");
+    if (it->second.connection->health->failed.load()) {
+      return absl::UnavailableError("endpoint: peer failed");
+    }
+    auto k = it->second.rkeys.find(rk.value);
+    if (k == it->second.rkeys.end()) return absl::NotFoundError("remote_key: unknown or released");
+    void* first = nullptr;
+    void* last = nullptr;
+    ucs_status_t st = ucp_rkey_ptr(k->second->get(), addr, &first);
+    if (st == UCS_ERR_UNREACHABLE) {
+      return absl::UnimplementedError("remote_key: not mappable over this transport");
+    }
+    if (st != UCS_OK || ucp_rkey_ptr(k->second->get(), addr + length - 1, &last) != UCS_OK ||
+        static_cast<uint8_t*>(last) - static_cast<uint8_t*>(first) !=
+            static_cast<ptrdiff_t>(length - 1)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "length: [", addr, ", +", length, ") is not one mapped range of the remote region (",
+          ucs_status_string(st), ")"));
+    }
+    // UCX computes the pointer without bounds checks: make sure every page of the range is
+    // mapped here (mincore fails with ENOMEM otherwise), so a range the remote region does not
+    // cover is refused instead of faulting later.
+    const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+    const uintptr_t lo = reinterpret_cast<uintptr_t>(first) & ~(page - 1);
+    const uintptr_t hi = reinterpret_cast<uintptr_t>(last) + 1;
+    unsigned char resident[4096];
+    for (uintptr_t at = lo; at < hi; at += sizeof(resident) * page) {
+      const uintptr_t n = std::min<uintptr_t>(hi - at, sizeof(resident) * page);
+      if (mincore(reinterpret_cast<void*>(at), n, resident) != 0) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("length: [", addr, ", +", length, ") is not mapped in this process (",
+                         std::strerror(errno), "): outside the remote region?"));
+      }
+    }
+    // Members are destroyed in reverse order: the key before its connection.
+    struct Hold {
+      std::shared_ptr<Connection> connection;
+      std::shared_ptr<UcxRkey> rkey;
+    };
+    auto hold = std::make_shared<Hold>(Hold{it->second.connection, k->second});
+    *keep = std::move(hold);
+    return static_cast<uint8_t*>(first);
+  }
+
   bool OnOwnerThread() const { return std::this_thread::get_id() == owner_id_; }
+
+  // Posts ucp_ep_flush_nbx on `ep` as the flush completion (index SIZE_MAX) of
+  // record->transfer, its context kept in `record`. True: a request is pending (OpCallback
+  // completes it). False: the flush finished at once with `*done` (OK or the error).
+  bool PostEndpointFlush(ucp_ep_h ep, InFlight& record, absl::Status* done) {
+    record.contexts.push_back(
+        OpContext{this, record.transfer.get(), std::numeric_limits<size_t>::max()});
+    ucp_request_param_t param = CallbackParam(&record.contexts.back());
+    ucs_status_ptr_t r = ucp_ep_flush_nbx(ep, &param);
+    if (r == nullptr) {
+      *done = absl::OkStatus();
+      return false;
+    }
+    if (UCS_PTR_IS_ERR(r)) {
+      *done = FromUcs(UCS_PTR_STATUS(r), "ucp_ep_flush_nbx");
+      return false;
+    }
+    return true;
+  }
+
+  static ucp_request_param_t CallbackParam(OpContext* ctx) {
+    ucp_request_param_t param;
+    std::memset(&param, 0, sizeof(param));
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    param.cb.send = &UcxCore::OpCallback;
+    param.user_data = ctx;
+    return param;
+  }
 
  private:
   explicit UcxCore(const UcxOptions& options) : options_(options) {}
@@ -276,6 +359,8 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
   std::string sealed_address_;
   bool cuda_ = false;
   int wake_fd_ = -1;
+  // True while the owner thread is about to sleep or sleeps in poll(): Enqueue must wake it.
+  std::atomic<bool> may_sleep_{false};
   std::thread::id owner_id_;
   std::thread owner_;
 };
@@ -314,11 +399,7 @@ void UcxCore::PostOnOwner(std::shared_ptr<Transfer> transfer, ucp_mem_h local_me
     if (transfer->cancelled()) break;
     const TransferOp& op = req.ops[i];
     record->contexts.push_back(OpContext{this, transfer.get(), i});
-    ucp_request_param_t param;
-    std::memset(&param, 0, sizeof(param));
-    param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-    param.cb.send = &UcxCore::OpCallback;
-    param.user_data = &record->contexts.back();
+    ucp_request_param_t param = CallbackParam(&record->contexts.back());
     if (local_memh != nullptr) {
       param.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
       param.memh = local_memh;
@@ -339,21 +420,8 @@ void UcxCore::PostOnOwner(std::shared_ptr<Transfer> transfer, ucp_mem_h local_me
   absl::Status flush_status;
   if (flush && attempted > 0) {
     // Puts are complete only when remotely visible: flush the endpoint after them.
-    record->contexts.push_back(OpContext{this, transfer.get(), std::numeric_limits<size_t>::max()});
-    ucp_request_param_t param;
-    std::memset(&param, 0, sizeof(param));
-    param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-    param.cb.send = &UcxCore::OpCallback;
-    param.user_data = &record->contexts.back();
-    ucs_status_ptr_t r = ucp_ep_flush_nbx(ep, &param);
-    if (r == nullptr) {
-      flush_status = absl::OkStatus();
-    } else if (UCS_PTR_IS_ERR(r)) {
-      flush_status = FromUcs(UCS_PTR_STATUS(r), "ucp_ep_flush_nbx");
-    } else {
-      flush_pending = true;
-      ++posted_requests;
-    }
+    flush_pending = PostEndpointFlush(ep, *record, &flush_status);
+    if (flush_pending) ++posted_requests;
   }
   const size_t total = attempted + ((flush && attempted > 0) ? 1 : 0);
   transfer->MarkPosted(total);
@@ -380,22 +448,13 @@ void UcxCore::FlushOnOwner(std::shared_ptr<Transfer> transfer) {
   }
   auto record = std::make_unique<InFlight>();
   record->transfer = transfer;
-  record->contexts.push_back(OpContext{this, transfer.get(), std::numeric_limits<size_t>::max()});
-  ucp_request_param_t param;
-  std::memset(&param, 0, sizeof(param));
-  param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-  param.cb.send = &UcxCore::OpCallback;
-  param.user_data = &record->contexts.back();
   transfer->MarkPosted(1);
-  ucs_status_ptr_t r = ucp_ep_flush_nbx(ep_it->second.connection->endpoint->get(), &param);
-  if (r == nullptr) {
-    transfer->CompleteOne(std::numeric_limits<size_t>::max(), absl::OkStatus());
-  } else if (UCS_PTR_IS_ERR(r)) {
-    transfer->CompleteOne(std::numeric_limits<size_t>::max(),
-                          FromUcs(UCS_PTR_STATUS(r), "ucp_ep_flush_nbx"));
-  } else {
+  absl::Status done;
+  if (PostEndpointFlush(ep_it->second.connection->endpoint->get(), *record, &done)) {
     record->outstanding = 1;
     inflight_.emplace(transfer.get(), std::move(record));
+  } else {
+    transfer->CompleteOne(std::numeric_limits<size_t>::max(), std::move(done));
   }
 }
 
@@ -461,10 +520,23 @@ void UcxCore::Loop() {
       sched_yield();
       continue;
     }
+    may_sleep_.store(true, std::memory_order_seq_cst);
+    {
+      absl::MutexLock lock(&mu_);
+      have_work = !queue_.empty() || stop_;
+    }
+    if (have_work) {
+      may_sleep_.store(false, std::memory_order_seq_cst);
+      continue;
+    }
     ucs_status_t st = ucp_worker_arm(w);
-    if (st == UCS_ERR_BUSY) continue;
+    if (st == UCS_ERR_BUSY) {
+      may_sleep_.store(false, std::memory_order_seq_cst);
+      continue;
+    }
     pollfd fds[2] = {{worker_->event_fd(), POLLIN, 0}, {wake_fd_, POLLIN, 0}};
     poll(fds, 2, 100);
+    may_sleep_.store(false, std::memory_order_seq_cst);
     if (fds[1].revents & POLLIN) {
       uint64_t v;
       ssize_t n = read(wake_fd_, &v, sizeof(v));
@@ -509,6 +581,36 @@ class UcxRegion final : public MemoryRegion {
   bool owned_;
   std::unique_ptr<UcxMemHandle> memh_;
   std::string sealed_rkey_;
+};
+
+// ---- RemoteMapping ----
+class UcxMapping final : public RemoteMapping {
+ public:
+  UcxMapping(std::shared_ptr<UcxCore> core, std::shared_ptr<void> keep, uint8_t* data, size_t size,
+             uint64_t remote_address)
+      : core_(std::move(core)),
+        keep_(std::move(keep)),
+        data_(data),
+        size_(size),
+        remote_address_(remote_address) {}
+  ~UcxMapping() override {
+    // The key (and maybe the endpoint) it kept alive are UCX handles: release them on the owner
+    // thread.
+    core_->RunSync<int>([keep = std::move(keep_)]() mutable {
+      keep.reset();
+      return 0;
+    });
+  }
+  uint8_t* data() const override { return data_; }
+  size_t size() const override { return size_; }
+  uint64_t remote_address() const override { return remote_address_; }
+
+ private:
+  std::shared_ptr<UcxCore> core_;
+  std::shared_ptr<void> keep_;
+  uint8_t* data_;
+  size_t size_;
+  uint64_t remote_address_;
 };
 
 // ---- the Transport façade ----
@@ -586,6 +688,37 @@ class UcxTransport final : public Transport {
     KVPOOL_RETURN_IF_ERROR(core_->EndpointStatus(request.endpoint));
     KVPOOL_RETURN_IF_ERROR(core_->CheckKey(request.endpoint, request.remote_key));
     return std::make_shared<Transfer>(std::move(request));
+  }
+
+  absl::StatusOr<std::shared_ptr<RemoteMapping>> MapRemote(EndpointId endpoint,
+                                                           RemoteKeyId remote_key,
+                                                           uint64_t remote_addr,
+                                                           uint64_t length) override {
+    if (length == 0) return absl::InvalidArgumentError("length: zero");
+    if (remote_addr + length < remote_addr) {
+      return absl::InvalidArgumentError("length: range wraps around the address space");
+    }
+    std::shared_ptr<void> keep;
+    KVPOOL_ASSIGN_OR_RETURN(
+        uint8_t * data, core_->RunSync<absl::StatusOr<uint8_t*>>(
+                            [c = core_.get(), endpoint, remote_key, remote_addr, length, &keep] {
+                              return c->MapRemote(endpoint, remote_key, remote_addr, length, &keep);
+                            }));
+    auto mapping = std::make_shared<UcxMapping>(core_, std::move(keep), data, length, remote_addr);
+    // Fill the page tables now (here, not on the owner thread): else the first store or load
+    // of each 4 KiB page through the mapping takes a fault (measured: a put's first write of a
+    // 256 KiB block ran at ~1.6 GB/s and a first fetch at ~4 GB/s, against 13+ GB/s once
+    // faulted in). MADV_POPULATE_WRITE (Linux 5.14) does it in one call; else touch each page.
+    const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+    const uintptr_t lo = reinterpret_cast<uintptr_t>(data) & ~(page - 1);
+    const uintptr_t hi = reinterpret_cast<uintptr_t>(data) + length;
+    if (madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_POPULATE_WRITE) != 0) {
+      for (uintptr_t at = lo; at < hi; at += page) {
+        auto* p = reinterpret_cast<std::atomic<uint8_t>*>(at);
+        p->fetch_add(0, std::memory_order_relaxed);  // a write fault; the byte is unchanged
+      }
+    }
+    return std::shared_ptr<RemoteMapping>(std::move(mapping));
   }
 
   absl::StatusOr<std::shared_ptr<Transfer>> PostFlush(EndpointId endpoint) override {

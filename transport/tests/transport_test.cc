@@ -443,6 +443,40 @@ TEST_P(TransportTest, PeerDeathIsStateNotCrash) {
   }
 }
 
+TEST_P(TransportTest, MapRemoteReachesSharedMemoryDirectlyAndRefusesEverythingElse) {
+  auto arena = server_->AllocateMemory(1 << 20);
+  ASSERT_TRUE(arena.ok()) << arena.status();
+  auto [ep, rk] = Connect(**arena);
+  const uint64_t base = (*arena)->address();
+  auto m = client_->MapRemote(ep, rk, base + 4096, 64 << 10);
+  if (GetParam() == "fake" || GetParam() == "tcp") {
+    // No shared segment to attach: the caller falls back to transfers.
+    EXPECT_EQ(m.status().code(), absl::StatusCode::kUnimplemented) << m.status();
+    return;
+  }
+  EXPECT_THAT(client_->MapRemote(ep, rk, base, 0).status().message(), HasSubstr("length"));
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ((*m)->size(), 64u << 10);
+  EXPECT_EQ((*m)->remote_address(), base + 4096);
+  EXPECT_EQ((*m)->Translate(base + 4096 + 100, 28), (*m)->data() + 100);
+  EXPECT_EQ((*m)->Translate(base + 4095, 1), nullptr);
+  EXPECT_EQ((*m)->Translate(base + 4096 + (64 << 10) - 8, 9), nullptr);
+  // Stores through the mapping are the server's bytes, and the other way round.
+  auto bytes = RandomBytes(64 << 10, 11);
+  std::memcpy((*m)->data(), bytes.data(), bytes.size());
+  EXPECT_EQ(0, std::memcmp((*arena)->data() + 4096, bytes.data(), bytes.size()));
+  (*arena)->data()[4096 + 5] ^= 0xFF;
+  EXPECT_EQ((*m)->data()[5], static_cast<uint8_t>(bytes[5] ^ 0xFF));
+  // A range beyond the remote region is refused, naming the field.
+  EXPECT_THAT(client_->MapRemote(ep, rk, base, uint64_t{1} << 40).status().message(),
+              HasSubstr("length"));
+  // The mapping keeps its key alive past Disconnect: still the server's bytes.
+  ASSERT_TRUE(client_->Disconnect(ep).ok());
+  EXPECT_EQ(client_->MapRemote(ep, rk, base, 16).status().code(), absl::StatusCode::kNotFound);
+  (*m)->data()[7] = 0x5A;
+  EXPECT_EQ((*arena)->data()[4096 + 7], 0x5A);
+}
+
 INSTANTIATE_TEST_SUITE_P(Backends, TransportTest,
                          ::testing::Values("fake", "tcp", "posix,cma", "sm"), [](const auto& info) {
                            std::string n = info.param;

@@ -88,6 +88,12 @@ struct ClientOptions {
   // Refuse K/V holding NaN or ±Inf before sending them (INVALID_ARGUMENT naming the layer and
   // token). The pool refuses them too; checking here saves the transfer. Default true.
   bool check_finite = true;
+  // When the pool lets clients initiate transfers and the data plane can map the pool's memory
+  // into this process (UCX shared memory, Transport::MapRemote), puts pack straight into the
+  // pool's staging and fetches copy straight from leased forms, with no RMA transfer and no
+  // hand-off to the transport's owner thread (docs/TRANSPORT.md "Direct mode"). false: always
+  // RMA transfers. Default true.
+  bool map_shared_memory = true;
   // Creates the data plane. Default (null): transport::CreateUcxTransport({.tls = ucx_tls}).
   // Tests pass a FakeFabric transport.
   std::function<absl::StatusOr<std::unique_ptr<transport::Transport>>()> transport_factory;
@@ -128,6 +134,9 @@ struct ModelInfo {
   // with ReadLeased; chosen by the pool, e.g. over UCX tcp) and the client never addresses the
   // pool's memory itself, so DataPlaneTarget is refused. docs/TRANSPORT.md.
   bool pool_initiates_transfers = false;
+  // true: this client mapped the pool's memory (ClientOptions::map_shared_memory over a
+  // shared-memory transport) and puts/fetches copy directly, without RMA transfers.
+  bool mapped_pool_memory = false;
 };
 
 enum class Form { kBf16, kInt2 };
@@ -150,9 +159,14 @@ class PutSession {
   // Sends layer `layer` of the sequence: `k` and `v` are [num_tokens][num_kv_heads][head_dim]
   // bf16 (uint16 bit patterns), un-rotated (post-RoPE, as the engine has them), with
   // num_tokens >= num_blocks * page_size (extra tokens are ignored). The bytes are copied
-  // before return; the transfer proceeds in the background. When the pool initiates transfers
-  // (ModelInfo::pool_initiates_transfers) the layer is packed into a registered buffer and the
-  // pool pulls every pending layer at Flush or Commit (one WritePut call).
+  // before return; the transfer proceeds in the background, so layer l travels while the
+  // caller computes layer l+1. How it travels: in direct mode (the pool's memory is mapped,
+  // ClientOptions::map_shared_memory) the layer is packed straight into the pool's staging
+  // before return; with client-initiated RMA it is packed into a registered buffer and put (one
+  // transfer per layer); when the pool initiates transfers
+  // (ModelInfo::pool_initiates_transfers) it is packed into a registered buffer and a WritePut
+  // call on a helper thread lets the pool pull it (at most one call in flight; the next one
+  // takes every layer written meanwhile).
   // Errors: INVALID_ARGUMENT ("layer", "k", "v" sizes; non-finite values naming layer/token),
   // FAILED_PRECONDITION (layer out of order, session finished), UNAVAILABLE (data plane).
   virtual absl::Status WriteLayer(uint32_t layer, absl::Span<const uint16_t> k,
@@ -233,8 +247,9 @@ struct FetchPlan {
   // Compare the xxh3 of every fetched form with the lease's (DATA_LOSS per block on mismatch).
   // The lease alone already fails closed against slot reuse (a leased slot is never reused and
   // a lease that expired before the fetch ended fails it); the checksum adds detection of
-  // corrupted bytes, at roughly the cost of the copy itself (xxh3 runs at 5–9 GB/s on the
-  // benchmark host). false skips it (e.g. a caller that verifies later on the GPU). Default true.
+  // corrupted bytes. The client hashes with libxxhash's AVX2/AVX-512 dispatch and, when the
+  // pool's memory is mapped (direct mode), while each chunk of the copy is still in the cache.
+  // false skips it (e.g. a caller that verifies later on the GPU). Default true.
   bool verify_checksums = true;
 };
 

@@ -82,6 +82,34 @@ class MemoryRegion {
   uint64_t address() const { return reinterpret_cast<uint64_t>(data()); }
 };
 
+// A peer's registered memory range mapped into this process, so that plain loads and stores
+// reach it (UCX `ucp_rkey_ptr`: the shared-memory transports attach the peer's segment when its
+// key is unpacked). Obtained from Transport::MapRemote. Stores are visible to the peer once
+// made (cache-coherent shared memory); the peer learns that they are complete through the
+// control plane, as with a flushed put.
+//
+// Ownership: shared_ptr. The mapping keeps the remote key (and its endpoint) alive until the
+// last reference drops, even after Disconnect, so a pointer obtained from it never dangles; a
+// peer that died leaves the memory mapped (writes land nowhere useful, reads see stale bytes).
+// Thread-safe (immutable).
+class RemoteMapping {
+ public:
+  virtual ~RemoteMapping() = default;
+  // Local address of remote_address(); size() bytes are addressable from it.
+  virtual uint8_t* data() const = 0;
+  virtual size_t size() const = 0;
+  virtual uint64_t remote_address() const = 0;
+  // Local pointer to [remote_addr, +length), or nullptr when the range is not inside the
+  // mapping.
+  uint8_t* Translate(uint64_t remote_addr, uint64_t length) const {
+    const uint64_t base = remote_address();
+    if (remote_addr < base || length > size() || remote_addr - base > size() - length) {
+      return nullptr;
+    }
+    return data() + (remote_addr - base);
+  }
+};
+
 // Direction of a transfer, from the initiator's point of view.
 enum class TransferKind {
   kGet,  // remote → local
@@ -237,6 +265,20 @@ class Transport {
   // posted on the endpoint before this call is visible at the peer (ucp_ep_flush_nbx). Use it
   // after puts posted with `flush = false`. Errors: NOT_FOUND, UNAVAILABLE (as Post).
   virtual absl::StatusOr<std::shared_ptr<Transfer>> PostFlush(EndpointId endpoint) = 0;
+
+  // Maps the peer's range [remote_addr, +length) of the region behind `remote_key` into this
+  // process when the transport can address it directly (UCX shared-memory transports: posix,
+  // sysv; not tcp or RDMA). One call per range; the mapping then costs no transport call per
+  // access. Errors: NOT_FOUND (endpoint or key), UNAVAILABLE (endpoint failed), UNIMPLEMENTED
+  // (no direct mapping on this transport), INVALID_ARGUMENT ("length" zero, or some page of
+  // the range not mapped here). UCX computes the address without bounds checks; the transport
+  // refuses ranges with unmapped pages, but a range running past the remote region into other
+  // mapped memory cannot be told apart: pass only ranges the region's owner published (e.g.
+  // the pool's arena address and size).
+  virtual absl::StatusOr<std::shared_ptr<RemoteMapping>> MapRemote(EndpointId endpoint,
+                                                                   RemoteKeyId remote_key,
+                                                                   uint64_t remote_addr,
+                                                                   uint64_t length);
 
   // Convenience: Prepare + Post + Wait(deadline).
   absl::Status Execute(TransferRequest request, absl::Time deadline);
