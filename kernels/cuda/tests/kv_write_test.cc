@@ -155,8 +155,9 @@ TEST(KvWrite, QuantizeOnlyMatchesCpuBitForBit) {
 // merged to 16 with its exactness check and the top-16 re-selection when the check fails; the
 // bitwise count search for larger `need`) on rows full of exact ties (few distinct values, many
 // equal magnitudes of both signs), rows whose largest values sit in one lane's columns, all-equal
-// rows and all-zero rows: bit-identical to the CPU quantizer, since the selection is exact on
-// the multiset.
+// rows, all-zero rows and symmetric rows with values next to a tiny negative code threshold:
+// bit-identical to the CPU quantizer, since the selection is exact on the multiset and the code
+// thresholds are exact.
 TEST(KvWrite, QuantizeOnlyClipRatiosAndTiesMatchCpu) {
   SKIP_WITHOUT_GPU();
   // (clip_k, clip_v): need = d - clamp(floor(ratio*d), 0, d-1) covers 0, 1, <= 8, <= 16, > 16.
@@ -190,6 +191,14 @@ TEST(KvWrite, QuantizeOnlyClipRatiosAndTiesMatchCpu) {
                 row[j] = ToBf16(mine ? (j % 2 ? -1.0 : 1.0) * (10.0 + 0.25 * (j % 19))
                                      : 0.5 * pick(rng));
               }
+            } else if (k == 8) {
+              // A symmetric group (many ±1.5, so lo = -1.5, hi = 1.5 and scale 1 for need up to
+              // d/3) whose middle code threshold is the tiny negative -2^-24: the values
+              // -2^-24, -2^-25 and -2^-30 get code 2 on the CPU (an earlier GPU threshold
+              // search returned -0 there and coded them 1).
+              static constexpr uint16_t kTiny[] = {0xb380, 0xb300, 0xb080, 0x8000, 0x0000, 0x3380};
+              for (int j = 0; j < d; ++j)
+                row[j] = j % 3 == 0 ? ToBf16(j % 2 ? -1.5 : 1.5) : kTiny[(j / 3) % 6];
             }  // else: the random row of MakeSetup
           }
       const BlockGeometry geo{1, uint32_t(H), uint32_t(d), uint32_t(page)};
