@@ -16,18 +16,21 @@
 //      NaN/Inf rows are found from the NaN-propagating group min/max of step 4.
 //   3. Clip threshold τ (FORMAT.md §2.2, the need-th largest |x̃| with need = d − clip index):
 //      the two rows' magnitudes (sign cleared) are sorted together with packed bf16x2 min/max
-//      (integer u16x2 min/max give the same order): each lane sorts runs of K (Batcher
-//      odd-even merge network),
-//      keeps the top K of its runs (bitonic max-merge), then the quad merges its lists through
-//      two shuffle rounds; the last round only follows the path to position need−1. K = 8 for
-//      need ≤ 8, 16 for need ≤ 16, else a 15-step bitwise search on counts. Ties are exact
-//      (a sorting network permutes the multiset).
+//      (integer u16x2 min/max give the same order): each lane sorts runs of 8 (Batcher
+//      odd-even merge network), keeps the top of its runs (bitonic max-merge), then the quad
+//      merges its lists through two shuffle rounds; the last round only follows the path to
+//      position need−1. need ≤ 6: networks pruned to their 6 largest outputs; need ≤ 8: top-8
+//      lists; need ≤ 16: top-8 lists merged to the quad's top 16 with an exactness check
+//      (every lane's 8th value ≤ the result), re-selected with top-16 lists when it fails;
+//      else a 15-step bitwise search on counts. Ties are exact (a sorting network permutes the
+//      multiset).
 //   4. Per-group min/max of the clipped row (the clamped raw min/max; clipped values are never
 //      formed), fp16 (scale, min) with directed rounding (FORMAT.md §2.3); the three exact
-//      code thresholds per row (the smallest bf16 whose CPU code is ≥ j, computed without
-//      division, spread over the quad) are adjusted to the clip range, so codes are packed
-//      bf16 comparisons of the raw values.
-//   5. Codes are assembled straight into the quarter-planar bytes (2 bits per quarter) and
+//      code thresholds per row (the smallest bf16 whose CPU code is ≥ j, in closed form with
+//      fp64 directed sums, spread over the quad) are adjusted to the clip range, so codes are
+//      packed bf16 comparisons of the raw values.
+//   5. Codes (2 compares per register: b1 = x ≥ t2, b0 = x ≥ (b1 ? t3 : t1)) are assembled
+//      straight into the quarter-planar bytes (2 bits per quarter) by bitwise selects and
 //      stored as D/16 contiguous bytes per row and lane.
 //   kOutBf16 instead stores X̃ (bf16) into BF16 pages with 16-byte stores.
 #include <cuda_runtime.h>
