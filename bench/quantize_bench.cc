@@ -345,8 +345,16 @@ std::string CpuModel() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  benchmark::Initialize(&argc, argv);  // consumes --benchmark_* flags
-  CLI::App app{"quantize_bench — CPU OSCAR quantizer throughput per core"};
+  // --help prints this program's flags (benchmark::Initialize would print only Google
+  // Benchmark's --benchmark_* flags and exit).
+  bool help = false;
+  for (int i = 1; i < argc; ++i) {
+    help = help || std::string(argv[i]) == "--help" || std::string(argv[i]) == "-h";
+  }
+  if (!help) benchmark::Initialize(&argc, argv);  // consumes --benchmark_* flags
+  CLI::App app{
+      "quantize_bench — CPU OSCAR quantizer throughput per core (also accepts Google "
+      "Benchmark's --benchmark_* flags, e.g. --benchmark_filter, --benchmark_min_time)"};
   kvpool::cli::Setup(app, "quantize_bench");
   std::string json_out = std::string(KVPOOL_SOURCE_DIR) + "/bench/results/quantize_cpu.json";
   app.add_option("--json-out", json_out, "results file")->capture_default_str();
