@@ -186,7 +186,7 @@ TEST_P(ClientTest, Bf16HistoryStoresTheRotatedInputExactly) {
 
 // Layer-wise streaming: each layer reaches the pool's staging while the caller has not yet
 // written the next one and without any Flush (in every mode: direct stores, client RMA puts,
-// pool pulls on a helper thread); abort and commit keep their meaning afterwards.
+// pool pulls through asynchronous WritePut calls); abort and commit keep their meaning afterwards.
 TEST_P(ClientTest, EachLayerReachesStagingBeforeTheNextIsWritten) {
   auto c = NewClient();
   ASSERT_NE(c, nullptr);
@@ -253,8 +253,9 @@ TEST_P(ClientTest, EachLayerReachesStagingBeforeTheNextIsWritten) {
   }
 }
 
-// The client's word-at-a-time NaN/Inf scan: every lane position of a 4- and 8-value word, both
-// signs, NaN payloads and Inf are refused naming the token; the extreme finite values pass.
+// The client's vectorized NaN/Inf scan: a bad value at each of 9 consecutive positions (every
+// lane of a vector word and across a word boundary), both signs, NaN payloads and Inf are
+// refused naming the token; the extreme finite values pass.
 TEST_P(ClientTest, NonFiniteValuesAreFoundAtEveryPosition) {
   if (GetParam() != "posix,cma") GTEST_SKIP() << "client-side check; one transport suffices";
   auto c = NewClient();

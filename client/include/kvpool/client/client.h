@@ -165,10 +165,10 @@ class PutSession {
   // before return; with client-initiated RMA it is packed into a registered buffer and put (one
   // transfer per layer); when the pool initiates transfers
   // (ModelInfo::pool_initiates_transfers) it is packed into a registered buffer and a WritePut
-  // call on a helper thread lets the pool pull it (at most one call in flight; the next one
-  // takes every layer written meanwhile).
-  // Errors: INVALID_ARGUMENT ("layer", "k", "v" sizes; non-finite values naming layer/token),
-  // FAILED_PRECONDITION (layer out of order, session finished), UNAVAILABLE (data plane).
+  // call (gRPC callback API, no thread of ours) lets the pool pull it (at most one call in flight;
+  // the next one takes every layer written meanwhile). Errors: INVALID_ARGUMENT ("layer", "k", "v"
+  // sizes; non-finite values naming layer/token), FAILED_PRECONDITION (layer out of order, session
+  // finished), UNAVAILABLE (data plane).
   virtual absl::Status WriteLayer(uint32_t layer, absl::Span<const uint16_t> k,
                                   absl::Span<const uint16_t> v) = 0;
   // Waits until every layer written so far is visible in the pool's staging memory (the
