@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -353,15 +354,15 @@ class PackedRotation {
  public:
   PackedRotation(const float* rotation, uint64_t n, uint32_t d, KernelIsa use) {
     if (use != KernelIsa::kAvx2 || n < internal::kRotatePackMinRows) return;
-    buf_.resize(static_cast<size_t>(d) * d + 16);
-    const auto addr = reinterpret_cast<uintptr_t>(buf_.data());
+    buf_.reset(new float[static_cast<size_t>(d) * d + 16]);  // uninitialized: fully packed
+    const auto addr = reinterpret_cast<uintptr_t>(buf_.get());
     data_ = reinterpret_cast<float*>((addr + 63) & ~uintptr_t{63});
     internal::PackRotationAvx2(rotation, d, data_);
   }
   const float* data() const { return data_; }
 
  private:
-  std::vector<float> buf_;
+  std::unique_ptr<float[]> buf_;
   float* data_ = nullptr;
 };
 
