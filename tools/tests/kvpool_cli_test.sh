@@ -45,7 +45,14 @@ def save(path, shape, vals):
 v = [1.0] * 32; v[3 * 8 + 5] = math.nan; save(sys.argv[1] + "/nan.npy", (4, 8), v)
 v = [1.0] * 32; v[2 * 8 + 1] = math.inf; save(sys.argv[1] + "/pinf.npy", (4, 8), v)
 v = [1.0] * 80; v[(4 * 2 + 1) * 8 + 6] = -math.inf; save(sys.argv[1] + "/ninf.npy", (5, 2, 8), v)
+save(sys.argv[1] + "/d6.npy", (4, 6), [1.0] * 24)          # head_dim not a power of two
+save(sys.argv[1] + "/rank1.npy", (8,), [1.0] * 8)          # too few dimensions
+save(sys.argv[1] + "/rank4.npy", (2, 2, 2, 8), [1.0] * 64)  # too many dimensions
+save(sys.argv[1] + "/d16.npy", (4, 16), [1.0] * 64)        # head_dim differs from the model's 8
 PY
+check quantize-d-not-pow2 2 "head_dim) must be a power of two in \[8, 1024\], got 6" -- "$bin" quantize --in "$tmp/d6.npy"
+check quantize-rank1 2 "got 1 dimensions" -- "$bin" quantize --in "$tmp/rank1.npy"
+check quantize-rank4 2 "got 4 dimensions" -- "$bin" quantize --in "$tmp/rank4.npy"
 check quantize-nan-input 2 "element \[3,5\] is nan" -- "$bin" quantize --in "$tmp/nan.npy"
 check quantize-pinf-input 2 "element \[2,1\] is +inf" -- "$bin" quantize --in "$tmp/pinf.npy" --rotation hadamard
 check quantize-ninf-input 2 "element \[4,1,6\] is -inf" -- "$bin" quantize --in "$tmp/ninf.npy"
@@ -57,10 +64,11 @@ check quantize-garbage 2 "magic" -- "$bin" quantize --in "$tmp/bad.npy"
 check calibrate 0 "wrote" -- "$bin" calibrate --model "$model" --text "$data/calibration.txt" --tokens 400 --out "$tmp/rot.safetensors"
 check inspect 0 "max orth_err" -- "$bin" rotations inspect "$tmp/rot.safetensors"
 check quantize-file 0 "relative L2 err" -- "$bin" quantize --in "$tmp/x.npy" --rotation "$tmp/rot.safetensors" --layer 2 --kind v
+check quantize-file-head-dim 2 "rotation file head_dim 8 != input head_dim 16" -- "$bin" quantize --in "$tmp/d16.npy" --rotation "$tmp/rot.safetensors"
 check quantize-file-layer 2 "--layer 9 out of range" -- "$bin" quantize --in "$tmp/x.npy" --rotation "$tmp/rot.safetensors" --layer 9
 check evaluate 0 "all" -- "$bin" evaluate --model "$model" --rotations "$tmp/rot.safetensors" --text "$data/evaluation.txt" --tokens 200
 head -c 100 "$tmp/rot.safetensors" > "$tmp/trunc.safetensors"
-check inspect-corrupt 2 "" -- "$bin" rotations inspect "$tmp/trunc.safetensors"
+check inspect-corrupt 2 "DATA_LOSS: .*header length [0-9]* runs past the end of the file (100 bytes)" -- "$bin" rotations inspect "$tmp/trunc.safetensors"
 # A non-orthogonal matrix (one element set to 7.0) is refused by the shared reader.
 python3 - "$tmp/rot.safetensors" "$tmp/nonorth.safetensors" <<'PY'
 import json, struct, sys
