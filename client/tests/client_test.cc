@@ -6,6 +6,7 @@
 #include <array>
 #include <cmath>
 #include <cstring>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -93,6 +94,36 @@ class ClientTest : public ::testing::TestWithParam<std::string> {
     return Mode() == "rma" ? "client" : Mode();
   }
 
+  // Leases and fetches the `blocks` full blocks of `s` (history precision bf16: every block
+  // BF16), compares each page with the encoder's BF16 form and releases the lease. Returns the
+  // fetch for further checks (nullopt after a failed assertion).
+  std::optional<FetchResult> FetchAndCompareBf16(Client& c, const Sequence& s,
+                                                 const ModelSpec& spec, uint32_t blocks) {
+    auto lease = c.Acquire(s.tokens);
+    EXPECT_TRUE(lease.ok()) << lease.status();
+    if (!lease.ok() || lease->blocks.size() != blocks) {
+      ADD_FAILURE() << "leased " << (lease.ok() ? lease->blocks.size() : 0) << " blocks";
+      return std::nullopt;
+    }
+    auto pools = MakePools(c, blocks);
+    auto f = c.Fetch(*lease, pools->plan);
+    EXPECT_TRUE(f.ok()) << f.status();
+    if (!f.ok() || f->num_blocks != blocks) {
+      ADD_FAILURE() << "fetched " << (f.ok() ? f->num_blocks : 0) << " blocks";
+      return std::nullopt;
+    }
+    const BlockGeometry g = testing::Geometry();
+    for (uint32_t b = 0; b < blocks; ++b) {
+      std::vector<uint8_t> bf16, int2;
+      EXPECT_TRUE(ExpectedForms(s, b, spec, &bf16, &int2)) << b;
+      EXPECT_EQ(0, std::memcmp(pools->bf16_mem.data() + f->pages[b] * g.Bf16FormBytes(),
+                               bf16.data(), bf16.size()))
+          << "block " << b;
+    }
+    EXPECT_TRUE(c.Release(*lease).ok());
+    return *std::move(f);
+  }
+
   std::unique_ptr<kvstore::PoolServer> server_;
   int port_ = 0;
 };
@@ -165,28 +196,16 @@ TEST_P(ClientTest, Bf16HistoryStoresTheRotatedInputExactly) {
   ASSERT_TRUE(c->RegisterModel(spec).ok());
   Sequence s = MakeSequence(5 * kPage, 2);
   ASSERT_TRUE(c->Put(s.tokens, s.ks(), s.vs()).ok());
-  auto lease = c->Acquire(s.tokens);
-  ASSERT_TRUE(lease.ok());
-  auto pools = MakePools(*c, 5);
-  auto f = c->Fetch(*lease, pools->plan);
-  ASSERT_TRUE(f.ok()) << f.status();
-  ASSERT_EQ(f->num_blocks, 5u);
+  auto f = FetchAndCompareBf16(*c, s, spec, 5);
+  ASSERT_TRUE(f.has_value());
   EXPECT_TRUE(f->tables.history.indices.empty());
   EXPECT_EQ(f->tables.recent.indices.size(), 4u);
-  BlockGeometry g{kLayers, kHeads, kDim, kPage};
-  for (uint32_t b = 0; b < 5; ++b) {
-    std::vector<uint8_t> bf16, int2;
-    ASSERT_TRUE(ExpectedForms(s, b, spec, &bf16, &int2));
-    EXPECT_EQ(0, std::memcmp(pools->bf16_mem.data() + f->pages[b] * g.Bf16FormBytes(), bf16.data(),
-                             bf16.size()))
-        << b;
-  }
-  EXPECT_TRUE(c->Release(*lease).ok());
 }
 
 // Layer-wise streaming: each layer reaches the pool's staging while the caller has not yet
 // written the next one and without any Flush (in every mode: direct stores, client RMA puts,
-// pool pulls through asynchronous WritePut calls); abort and commit keep their meaning afterwards.
+// pool pulls through asynchronous WritePut calls); abort and commit keep their meaning
+// afterwards.
 TEST_P(ClientTest, EachLayerReachesStagingBeforeTheNextIsWritten) {
   auto c = NewClient();
   ASSERT_NE(c, nullptr);
@@ -235,21 +254,7 @@ TEST_P(ClientTest, EachLayerReachesStagingBeforeTheNextIsWritten) {
     auto r = (*put)->Commit();
     ASSERT_TRUE(r.ok()) << r.status();
     EXPECT_EQ(r->blocks_written, 3u);
-    auto lease = c->Acquire(s.tokens);
-    ASSERT_TRUE(lease.ok()) << lease.status();
-    ASSERT_EQ(lease->blocks.size(), 3u);
-    auto pools = MakePools(*c, 3);
-    auto f = c->Fetch(*lease, pools->plan);
-    ASSERT_TRUE(f.ok()) << f.status();
-    ASSERT_EQ(f->num_blocks, 3u);
-    for (uint32_t b = 0; b < 3; ++b) {
-      std::vector<uint8_t> bf16, int2;
-      ASSERT_TRUE(ExpectedForms(s, b, spec, &bf16, &int2));
-      EXPECT_EQ(0, std::memcmp(pools->bf16_mem.data() + f->pages[b] * g.Bf16FormBytes(),
-                               bf16.data(), bf16.size()))
-          << b;
-    }
-    EXPECT_TRUE(c->Release(*lease).ok());
+    EXPECT_TRUE(FetchAndCompareBf16(*c, s, spec, 3).has_value());
   }
 }
 

@@ -712,6 +712,10 @@ class UcxTransport final : public Transport {
     const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
     const uintptr_t lo = reinterpret_cast<uintptr_t>(data) & ~(page - 1);
     const uintptr_t hi = reinterpret_cast<uintptr_t>(data) + length;
+    // Bounded: page tables cost 2 MiB per GiB and the call takes time; a larger range faults
+    // its pages in on first use instead.
+    constexpr uintptr_t kPopulateLimit = uintptr_t{4} << 30;
+    if (hi - lo > kPopulateLimit) return std::shared_ptr<RemoteMapping>(std::move(mapping));
     if (madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_POPULATE_WRITE) != 0) {
       for (uintptr_t at = lo; at < hi; at += page) {
         auto* p = reinterpret_cast<std::atomic<uint8_t>*>(at);

@@ -269,12 +269,13 @@ class Transport {
   // Maps the peer's range [remote_addr, +length) of the region behind `remote_key` into this
   // process when the transport can address it directly (UCX shared-memory transports: posix,
   // sysv; not tcp or RDMA). One call per range; the mapping then costs no transport call per
-  // access. Errors: NOT_FOUND (endpoint or key), UNAVAILABLE (endpoint failed), UNIMPLEMENTED
-  // (no direct mapping on this transport), INVALID_ARGUMENT ("length" zero, or some page of
-  // the range not mapped here). UCX computes the address without bounds checks; the transport
-  // refuses ranges with unmapped pages, but a range running past the remote region into other
-  // mapped memory cannot be told apart: pass only ranges the region's owner published (e.g.
-  // the pool's arena address and size).
+  // access. The range's page tables are filled before return when it is at most 4 GiB (so no
+  // access faults later; 2 MiB of page tables per GiB). Errors: NOT_FOUND (endpoint or key),
+  // UNAVAILABLE (endpoint failed), UNIMPLEMENTED (no direct mapping on this transport),
+  // INVALID_ARGUMENT ("length" zero, or some page of the range not mapped here). UCX computes the
+  // address without bounds checks; the transport refuses ranges with unmapped pages, but a range
+  // running past the remote region into other mapped memory cannot be told apart: pass only ranges
+  // the region's owner published (e.g. the pool's arena address and size).
   virtual absl::StatusOr<std::shared_ptr<RemoteMapping>> MapRemote(EndpointId endpoint,
                                                                    RemoteKeyId remote_key,
                                                                    uint64_t remote_addr,
