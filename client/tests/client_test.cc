@@ -207,12 +207,18 @@ TEST_P(ClientTest, Bf16HistoryStoresTheRotatedInputExactly) {
 // pool pulls through asynchronous WritePut calls); abort and commit keep their meaning
 // afterwards.
 TEST_P(ClientTest, EachLayerReachesStagingBeforeTheNextIsWritten) {
+  const ModelSpec spec = Spec("bf16");
+  const BlockGeometry g = Geometry();
   auto c = NewClient();
   ASSERT_NE(c, nullptr);
-  ModelSpec spec = Spec("bf16");
   auto info = c->RegisterModel(spec);
   ASSERT_TRUE(info.ok()) << info.status();
-  const BlockGeometry g = Geometry();
+  // Only a client that initiates over shared memory may map the pool (the direct path; it
+  // also needs the pool's memory to be a UCX shared segment, which a full /dev/shm prevents).
+  if (GetParam() != "posix,cma") {
+    EXPECT_FALSE(info->mapped_pool_memory);
+  }
+  RecordProperty("mapped_pool_memory", info->mapped_pool_memory ? "yes" : "no");
   kvstore::PoolMemory& mem = server_->store().memory();
   // Is the packed slice of `layer` of every block of `s` somewhere in the pool's memory?
   auto in_pool = [&](const Sequence& s, uint32_t layer) {
