@@ -3,17 +3,18 @@
 # GPU tests of kv_write_test.cc, then bench/cuda_write_bench (table + JSON), optionally Nsight
 # Compute counters of the four d=128 write kernels (clocks left alone) and their SASS profile.
 # Binaries are built on the development machine and carried, with their non-system shared
-# libraries, in $L (default .devlibs-write3/). Results under $OUT.
+# libraries, in $L (default .devlibs-write4/). Results under $OUT.
 #   kernels/cuda/device_write_run.sh            tests + bench
 #   NCU=1 kernels/cuda/device_write_run.sh      ... + ncu + SASS instruction mix
 #   SRC=1 kernels/cuda/device_write_run.sh      ... + ncu source counters of quantize-only (d 128):
 #                                               executed instructions per SASS line (CSV) and
 #                                               the ALU / FMA pipe utilization
 #   TEST_FILTER='KvWrite.*' ...                 a subset of the tests (default: KvWrite.*:EndToEnd.*)
+#   BENCHES='a b' ROUNDS=2 NCU_BENCH=b TAR_JSON=1  several bench builds in turn (A/B in one run)
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-L=${L:-.devlibs-write3}
+L=${L:-.devlibs-write4}
 export LD_LIBRARY_PATH="$PWD/$L:${LD_LIBRARY_PATH:-}"
 LOG="$OUT/write_log.txt"
 {
@@ -27,17 +28,27 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
   grep -E "^\[( +OK|  FAILED|  PASSED|  SKIPPED)|^\[(quantize|rotate|e2e)|Failure|Expected|Which|actual" \
     "$OUT/write_test_log.txt" | head -80 | tee -a "$LOG"
 fi
-echo "== bench" | tee -a "$LOG"
-$L/cuda_write_bench --tokens "${TOKENS:-8192,32768,131072}" --iters 30 --warmup 5 \
-  --json "$OUT/cuda_write_bench.json" 2>&1 | tee -a "$LOG"
+# BENCHES: bench binaries in $L run in turn, ROUNDS times (A/B of kernel builds in one run;
+# each run's JSON is $OUT/<binary>_r<round>.json, or $OUT/cuda_write_bench.json for the default).
+BENCHES=${BENCHES:-cuda_write_bench}
+for round in $(seq 1 "${ROUNDS:-1}"); do
+  for b in $BENCHES; do
+    J="$OUT/${b}_r${round}.json"
+    [ "$BENCHES" = cuda_write_bench ] && [ "${ROUNDS:-1}" = 1 ] && J="$OUT/cuda_write_bench.json"
+    echo "== bench $b round $round" | tee -a "$LOG"
+    $L/$b --tokens "${TOKENS:-8192,32768,131072}" --iters 30 --warmup 5 --json "$J" 2>&1 | tee -a "$LOG"
+  done
+done
+[ -n "${TAR_JSON:-}" ] && (cd "$OUT" && tar cf bench_json.tar *.json && rm -f *.json)
+NB=${NCU_BENCH:-cuda_write_bench}
 if [ "${NCU:-0}" = 1 ]; then
   echo "== ncu (d=128, 32768 tokens x 8 KV heads; quantize-only, rotate+quantize, rotate-bf16, demote)" | tee -a "$LOG"
   S="--section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats --section LaunchStats --section InstructionStats --section MemoryWorkloadAnalysis"
   ncu --clock-control none --kernel-name-base mangled --kernel-name regex:KvWriteKernelILi128 \
-    --launch-count 4 $S $L/cuda_write_bench --tokens 32768 --iters 1 --warmup 0 > "$OUT/ncu_write.txt" 2>&1
+    --launch-count 4 $S $L/$NB --tokens 32768 --iters 1 --warmup 0 > "$OUT/ncu_write.txt" 2>&1
   grep -E "KvWriteKernel|Duration|Memory Throughput|DRAM Throughput|Issue Slots Busy|Issued Warp|Eligible Warps|Registers Per|Achieved Active|Executed Instructions  |Stall|Theoretical Occ" \
     "$OUT/ncu_write.txt" | tee -a "$LOG"
-  cuobjdump -sass $L/cuda_write_bench > /tmp/all.sass 2>&1
+  cuobjdump -sass $L/$NB > /tmp/all.sass 2>&1
   python3 - <<'PY' > "$OUT/sass_write.txt" 2>&1
 import re, collections
 txt = open('/tmp/all.sass').read()
@@ -58,7 +69,7 @@ if [ "${SRC:-0}" = 1 ]; then
   M=sm__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_fmaheavy.avg.pct_of_peak_sustained_active,sm__pipe_alu_cycles_active.avg.pct_of_peak_sustained_active,sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum,smsp__issue_active.avg.pct_of_peak_sustained_active,dram__throughput.avg.pct_of_peak_sustained_elapsed,gpu__time_duration.sum
   ncu --clock-control none --kernel-name-base mangled --kernel-name regex:KvWriteKernelILi128ELb0ELb0E \
     --launch-count 1 --section SourceCounters --section WarpStateStats --metrics "$M" \
-    -o "$OUT/ncu_src" $L/cuda_write_bench --tokens 32768 --iters 1 --warmup 0 > "$OUT/ncu_src_log.txt" 2>&1
+    -o "$OUT/ncu_src" $L/$NB --tokens 32768 --iters 1 --warmup 0 > "$OUT/ncu_src_log.txt" 2>&1
   ncu --import "$OUT/ncu_src.ncu-rep" --page details --print-details all > "$OUT/ncu_src_details.txt" 2>&1
   grep -E "pipe|inst_executed|issue_active|dram__|duration" "$OUT/ncu_src_details.txt" | tee -a "$LOG"
   ncu --import "$OUT/ncu_src.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_src_sass.csv" 2>&1

@@ -1,9 +1,11 @@
 // kv_write.cu — rotate / clip / INT2-quantize / pack write kernels (see kv_write.h).
 //
-// One kernel template KvWriteKernel<D, kRotate, kOutBf16>. A CTA of 4 warps owns one (KV head,
-// K or V); each warp is persistent and walks 16-row tiles (16 consecutive tokens) with its own
-// two-stage cp.async ring in shared memory, so the next tile's 16 rows are in flight while the
-// current one is processed. Per tile:
+// One kernel template KvWriteKernel<D, kRotate, kOutBf16>. A CTA of the rotating kernels owns
+// one (KV head, K or V) (its Rᵀ is in shared memory); in the others (quantize-only, demotion)
+// every warp alternates the K and the V tile of the same 16 tokens, since V tiles cost more
+// than K tiles. Each warp is persistent and walks 16-row tiles (16 consecutive tokens) with
+// its own two-stage cp.async ring in shared memory, so the next tile's 16 rows are in flight
+// while the current one is processed. Per tile:
 //   1. kRotate: X̃ = X·R on tensor cores (mma.sync m16n8k16, fp16 operands, fp32 accumulators;
 //      Rᵀ converted once per CTA to fp16 in shared memory with its columns permuted so that
 //      the accumulators land in the register layout of step 2), rounded to bf16;
@@ -23,12 +25,14 @@
 //      lists; need ≤ 16: top-8 lists merged to the quad's top 16 with an exactness check
 //      (every lane's 8th value ≤ the result), re-selected with top-16 lists when it fails;
 //      else a 15-step bitwise search on counts. Ties are exact (a sorting network permutes the
-//      multiset).
+//      multiset). In the sorting networks a comparator's min is a + b − max as two integer
+//      multiply-adds (FMA pipe) instead of a second min/max on the saturated integer ALU pipe.
 //   4. Per-group min/max of the clipped row (the clamped raw min/max; clipped values are never
 //      formed), fp16 (scale, min) with directed rounding (FORMAT.md §2.3); the three exact
 //      code thresholds per row (the smallest bf16 whose CPU code is ≥ j, in closed form with
-//      fp64 directed sums, spread over the quad) are adjusted to the clip range, so codes are
-//      packed bf16 comparisons of the raw values.
+//      fp64 directed sums) are adjusted to the clip range, so codes are packed bf16
+//      comparisons of the raw values. Each (row, group) is worked out by one lane of the quad
+//      (at d <= 128 two lanes per row, which split its three thresholds), not by all four.
 //   5. Codes (2 compares per register: b1 = x ≥ t2, b0 = x ≥ (b1 ? t3 : t1)) are assembled
 //      straight into the quarter-planar bytes (2 bits per quarter) by bitwise selects and
 //      stored as D/16 contiguous bytes per row and lane.
@@ -133,6 +137,20 @@ __device__ __forceinline__ float Bf16HiToFloat(uint32_t w) {
 __device__ __forceinline__ uint32_t SortMax(uint32_t a, uint32_t b) { return MaxBf16x2(a, b); }
 __device__ __forceinline__ uint32_t SortMin(uint32_t a, uint32_t b) { return MinBf16x2(a, b); }
 
+// 1 and 2^32 - 1, read at run time so that ptxas keeps the multiplies below (it cannot fold
+// values in constant memory).
+__constant__ uint32_t kOpaqueOnes[2] = {1u, 0xffffffffu};
+// min(a, b) given mx = max(a, b) on magnitudes (sign bits clear, each half <= 0x7fff):
+// a + b - mx per 16-bit half, with no carry or borrow between the halves (a + b <= 0xfffe,
+// a + b >= mx). As two integer multiply-adds with run-time operands it runs on the FMA pipe
+// instead of the integer ALU pipe, which the min/max comparators saturate.
+__device__ __forceinline__ uint32_t SortMinFromMax(uint32_t a, uint32_t b, uint32_t mx) {
+  uint32_t s, d;
+  asm("mad.lo.u32 %0, %1, %2, %3;\n" : "=r"(s) : "r"(a), "r"(kOpaqueOnes[0]), "r"(b));
+  asm("mad.lo.u32 %0, %1, %2, %3;\n" : "=r"(d) : "r"(mx), "r"(kOpaqueOnes[1]), "r"(s));
+  return d;
+}
+
 // ---- compile-time sorting networks (comparator lists; indices become constants) ------------
 
 struct Net {
@@ -203,6 +221,16 @@ __device__ __forceinline__ void RunNet(uint32_t (&a)[N], int off) {
 #pragma unroll
   for (int c = 0; c < net.net.n; ++c) {
     const uint32_t x = a[off + net.net.lo[c]], y = a[off + net.net.hi[c]];
+    // Sorting networks: the min output of a full comparator from its max on the FMA pipe
+    // (measured on the H200: 1.6 % faster at 256K token-heads; doing the same in the merge
+    // networks as well was 3 % slower than this: the FMA pipe, which also runs the address
+    // IMADs, then becomes the busier one).
+    if (net.mode[c] == 3 && !kMergeNet) {
+      const uint32_t mx = SortMax(x, y);
+      a[off + net.net.lo[c]] = mx;
+      a[off + net.net.hi[c]] = SortMinFromMax(x, y, mx);
+      continue;
+    }
     if (net.mode[c] & 1) a[off + net.net.lo[c]] = SortMax(x, y);
     if (net.mode[c] & 2) a[off + net.net.hi[c]] = SortMin(x, y);
   }
@@ -431,11 +459,14 @@ constexpr int WriteSmemBytes() {
   return (kRotate ? D * D * 2 : 0) + WarpsPerCta<D, kRotate>() * kStages * kTileRows * 2 * D;
 }
 
-// CTAs per SM the register budget is sized for (quantize: 5 x 4 warps; rotating: 2 x 8 warps,
-// which shared memory allows anyway).
+// CTAs per SM the register budget is sized for (quantize: 6 x 4 warps = 80 registers, no
+// spills; shared memory, 33 KB per CTA with the reserved 1 KB, allows no 7th. Measured on the
+// H200: 6 CTAs 2.6 % faster than 5 at 256K token-heads; 4 CTAs of 7 warps (72 registers, the
+// whole 228 KB of shared memory) 4 % slower than 6 x 4. Rotating: 2 x 8 warps, which shared
+// memory allows anyway).
 template <int D, bool kRotate>
 constexpr int MinBlocks() {
-  return D >= 256 ? 1 : kRotate ? 2 : 5;
+  return D >= 256 ? 1 : kRotate ? 2 : 6;
 }
 
 template <int D, bool kRotate, bool kOutBf16>
@@ -451,14 +482,14 @@ __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate>(), MinBlocks<D, k
   constexpr int kThreads = 32 * kWarps;
   static_assert(32 * kRegs * 4 == kStageBytes, "a stage holds the warp's packed registers");
   extern __shared__ __align__(128) uint8_t smem[];
-  const int h = blockIdx.y, kv = blockIdx.z;
+  const int h = blockIdx.y, kv_cta = blockIdx.z;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, tig = lane & 3;
   uint8_t* rt = smem;  // [D][D] fp16: row n = column π(n) of R (Rᵀ, permuted), swizzled
   uint8_t* ring = smem + (kRotate ? D * D * 2 : 0) + warp * kStages * kStageBytes;
 
   if constexpr (kRotate) {
-    const float* r = (kv ? a.rot_v : a.rot_k) + h * a.rot_head_stride;
+    const float* r = (kv_cta ? a.rot_v : a.rot_k) + h * a.rot_head_stride;
     for (int idx = threadIdx.x; idx < D * D; idx += kThreads) {
       const int k = idx / D, col = idx % D;  // R[k][col]
       // col = tig'·D/16 + q·D/4 + i  ->  MMA column n = 8·(q·D/32 + i/2) + 2·tig' + i%2
@@ -473,21 +504,26 @@ __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate>(), MinBlocks<D, k
   }
 
   const bool demote = a.src_pages != nullptr;
-  const float clip = kv ? a.clip_v : a.clip_k;
-  int need = 0;  // elements at or above τ (τ = sorted_ascending[D - need])
-  if (clip > 0.f) {
-    int idx = int(floorf(clip * D));
-    idx = min(max(idx, 0), D - 1);
-    need = D - idx;
-  }
+  // Elements at or above τ (τ = sorted_ascending[D - need]) for K and V; 0: no clipping.
+  auto need_for = [](float clip) {
+    if (!(clip > 0.f)) return 0;
+    return D - min(max(int(floorf(clip * D)), 0), D - 1);
+  };
+  const int need_k = need_for(a.clip_k), need_v = need_for(a.clip_v);
   const int P = a.page_size;
   const uint64_t int2_chunk = uint64_t(P) * (D / 2 + 8 * kNG);
   const uint64_t bf16_chunk = 4ull * P * D;
   const int ntiles = (a.num_tokens + kTileRows - 1) / kTileRows;
-  const int first = blockIdx.x * kWarps + warp;
-  const int stride = gridDim.x * kWarps;
-  const uint8_t* tok_src =
-      reinterpret_cast<const uint8_t*>((kv ? a.src_v : a.src_k)) + uint64_t(h) * kRowBytes;
+  // Work items of a warp. The rotating kernels keep one (head, K|V) per CTA (its Rᵀ is in
+  // shared memory); the others alternate K and V tiles of the same tokens in every warp
+  // (items 2i, 2i+1 = tile i's K, V): V tiles cost more than K tiles (the V clip selects the
+  // 11th instead of the 6th largest), and with one kind per CTA the block scheduler filled
+  // whole SMs with K CTAs that then idled while the V SMs finished.
+  constexpr bool kMix = !kRotate;
+  const int first = (kMix ? blockIdx.z * gridDim.x + blockIdx.x : blockIdx.x) * kWarps + warp;
+  const int stride = (kMix ? gridDim.z * gridDim.x : gridDim.x) * kWarps;
+  auto tile_of = [&](int it) { return first + (kMix ? it >> 1 : it) * stride; };
+  auto kv_of = [&](int it) { return kMix ? it & 1 : kv_cta; };
   const uint64_t tok_row_bytes = uint64_t(a.token_stride) * 2;
 
   // P is 16 or 64 (CheckShape): token -> (page, slot) by shifts.
@@ -504,7 +540,7 @@ __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate>(), MinBlocks<D, k
   const int cp_r0 = lane / kChunks, cp_c = lane % kChunks;
   const uint32_t ring_sa = SmemAddr(ring);
   // Issues the cp.async of tile `tile` into stage `st` (zero-filled rows past the end).
-  auto issue = [&](int tile, int st, int src_page) {
+  auto issue = [&](int tile, int kv, int st, int src_page) {
     if (tile < ntiles) {
       const int t0 = tile * kTileRows;
       const uint8_t* base;
@@ -514,7 +550,8 @@ __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate>(), MinBlocks<D, k
                uint64_t(kv) * 2 * P * D + uint64_t(t0 & (P - 1)) * kRowBytes;
         row_bytes = kRowBytes;
       } else {
-        base = tok_src + uint64_t(t0) * tok_row_bytes;
+        base = reinterpret_cast<const uint8_t*>(kv ? a.src_v : a.src_k) + uint64_t(h) * kRowBytes +
+               uint64_t(t0) * tok_row_bytes;
         row_bytes = tok_row_bytes;
       }
       const uint8_t* src = base + uint64_t(cp_r0) * row_bytes + 16 * cp_c;
@@ -552,17 +589,19 @@ __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate>(), MinBlocks<D, k
   };
 
   int src_pg_next = src_page_of(first);
-  issue(first, 0, src_pg_next);
-  src_pg_next = src_page_of(first + stride);
+  issue(first, kv_of(0), 0, src_pg_next);
+  src_pg_next = src_page_of(tile_of(1));
   int pg[2], sl[2];
   dest_of(first, pg, sl);
   int stage = 0;
 
-  for (int tile = first; tile < ntiles; tile += stride) {
-    // Prefetch: the next tile's rows, its destinations and the source page after it.
-    const int next = tile + stride;
-    issue(next, stage ^ 1, src_pg_next);
-    src_pg_next = src_page_of(next + stride);
+  for (int it = 0; tile_of(it) < ntiles; ++it) {
+    const int tile = tile_of(it), kv = kv_of(it);
+    const int need = kv ? need_v : need_k;
+    // Prefetch: the next item's rows, its destinations and the source page after it.
+    const int next = tile_of(it + 1);
+    issue(next, kv_of(it + 1), stage ^ 1, src_pg_next);
+    src_pg_next = src_page_of(tile_of(it + 2));
     int npg[2], nsl[2];
     dest_of(next, npg, nsl);
     CpAsyncWait<1>();
@@ -715,14 +754,17 @@ __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate>(), MinBlocks<D, k
           x[4 * c] = v.x, x[4 * c + 1] = v.y, x[4 * c + 2] = v.z, x[4 * c + 3] = v.w;
         }
       }
-      bool bad[2] = {false, false};
-
       // ---- step 4: group min/max of the clipped row, (scale16, min16), code thresholds.
       // The clipped values clamp(x, -τ, τ) are never formed: their group min/max are the
       // clamped raw min/max, and the codes of the raw x against adjusted thresholds equal the
-      // codes of the clipped x (see the adjustment below). ----
-      uint32_t par[2][kNG];  // {scale16, min16} per row and group
-      float mnf[2][kNG], sf[2][kNG], lof[2][kNG], hif[2][kNG];
+      // codes of the clipped x (see the adjustment below). The per-(row, group) work is not
+      // repeated on every lane of the quad: lane tig owns combination c = tig % kCombos of
+      // (row c / kNG, group c % kNG) — at d <= 128 lanes 0, 2 own row g and lanes 1, 3 row g+8
+      // and split its three thresholds; at d 256 each lane owns one (row, group). ----
+      constexpr int kCombos = 2 * kNG;
+      const int my_c = tig % kCombos;
+      const int my_r = my_c / kNG, my_grp = my_c % kNG;
+      uint32_t my_lo_raw = 0, my_hi_raw = 0, my_lo = 0, my_hi = 0;
 #pragma unroll
       for (int grp = 0; grp < kNG; ++grp) {
         constexpr int kQPerGroup = 4 / kNG;
@@ -736,57 +778,48 @@ __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate>(), MinBlocks<D, k
         hi = MaxNanBf16x2(hi, __shfl_xor_sync(0xffffffffu, hi, 1));
         lo = MinNanBf16x2(lo, __shfl_xor_sync(0xffffffffu, lo, 2));
         hi = MaxNanBf16x2(hi, __shfl_xor_sync(0xffffffffu, hi, 2));
-        // Non-finite input (FORMAT.md §2.5): NaN propagates into both, ±inf reaches lo or hi.
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const float l = r ? Bf16HiToFloat(lo) : Bf16LoToFloat(lo);
-          const float u = r ? Bf16HiToFloat(hi) : Bf16LoToFloat(hi);
-          if (!(isfinite(l) && isfinite(u))) bad[r] = true;
-        }
+        const uint32_t lo_raw = lo, hi_raw = hi;
         if (need > 0) {  // clamp is monotone; min x <= τ and max x >= -τ (τ >= some |x|)
           lo = MaxBf16x2(lo, tau | 0x80008000u);
           hi = MinBf16x2(hi, tau);
         }
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const float l = (r ? Bf16HiToFloat(lo) : Bf16LoToFloat(lo)) + 0.f;  // -0 -> +0
-          const float u = (r ? Bf16HiToFloat(hi) : Bf16LoToFloat(hi)) + 0.f;
-          const __half mn16 = __float2half_rd(l);
-          const float mn = __half2float(mn16);
-          __half s16 = __ushort_as_half(0);
-          if (!(u <= 65504.f) || !isfinite(mn)) bad[r] = true;
-          if (u != l) {
-            s16 = __float2half_ru(__fdiv_rn(__fsub_rn(u, mn), 3.f));
-            if (!isfinite(__half2float(s16))) bad[r] = true;
-          }
-          mnf[r][grp] = mn;
-          sf[r][grp] = __half2float(s16);
-          lof[r][grp] = l;
-          hif[r][grp] = u;
-          par[r][grp] = uint32_t(__half_as_ushort(s16)) | (uint32_t(__half_as_ushort(mn16)) << 16);
+        if (kNG == 1 || grp == my_grp) {
+          my_lo_raw = lo_raw, my_hi_raw = hi_raw, my_lo = lo, my_hi = hi;
         }
       }
-      // Code thresholds: job = (row r, group, level j) spread over the 4 lanes of the quad.
-      constexpr int kJobs = 2 * kNG * 3;
-      constexpr int kJobRounds = (kJobs + 3) / 4;
-      uint32_t mine[kJobRounds];
+      // This lane's (row, group): the half my_r of the packed values.
+      auto half_of = [&](uint32_t w) {
+        return my_r ? __uint_as_float(w & 0xffff0000u) : __uint_as_float(w << 16);
+      };
+      // Non-finite input (FORMAT.md §2.5): NaN propagates into both raw extremes (the clamp
+      // would drop it), ±inf reaches one of them.
+      bool my_bad = !(isfinite(half_of(my_lo_raw)) && isfinite(half_of(my_hi_raw)));
+      const float l = half_of(my_lo) + 0.f;  // -0 -> +0
+      const float u = half_of(my_hi) + 0.f;
+      const __half mn16 = __float2half_rd(l);
+      const float mn = __half2float(mn16);
+      __half s16 = __ushort_as_half(0);
+      if (!(u <= 65504.f) || !isfinite(mn)) my_bad = true;
+      if (u != l) {
+        s16 = __float2half_ru(__fdiv_rn(__fsub_rn(u, mn), 3.f));
+        if (!isfinite(__half2float(s16))) my_bad = true;
+      }
+      const float sc = __half2float(s16);
+      const uint32_t my_par =
+          uint32_t(__half_as_ushort(s16)) | (uint32_t(__half_as_ushort(mn16)) << 16);
+      // Row flags of the quad's two rows: lanes 0..kCombos-1 hold every combination once.
+      const uint32_t badq = __ballot_sync(0xffffffffu, my_bad) >> (lane & ~3);
+      bool bad[2];
+      bad[0] = (badq & (kCombos == 2 ? 1u : 3u)) != 0;
+      bad[1] = (badq & (kCombos == 2 ? 2u : 12u)) != 0;
+      // Code thresholds of this lane's combination: levels {tig/2, 2} when two lanes share a
+      // combination (the second lane's level 2 is a duplicate), else all three.
+      constexpr int kRounds = kCombos == 2 ? 2 : 3;
+      uint32_t mine[kRounds];
 #pragma unroll
-      for (int s = 0; s < kJobRounds; ++s) {
-        const int job = min(tig + 4 * s, kJobs - 1);
-        const int r = job / (3 * kNG), grp = (job / 3) % kNG, j = job % 3;
-        float mn = mnf[0][0], sc = sf[0][0], l = lof[0][0], u = hif[0][0];
-#pragma unroll
-        for (int rr = 0; rr < 2; ++rr)
-#pragma unroll
-          for (int gg = 0; gg < kNG; ++gg)
-            if (rr == r && gg == grp) {
-              mn = mnf[rr][gg];
-              sc = sf[rr][gg];
-              l = lof[rr][gg];
-              u = hif[rr][gg];
-            }
-        const bool skip = r ? bad[1] : bad[0];
-        uint32_t th = skip ? 0x7f80u : CodeThresholdBf16(mn, sc, j);
+      for (int s = 0; s < kRounds; ++s) {
+        const int j = kCombos == 2 ? (s == 0 ? (tig >> 1) : 2) : s;
+        uint32_t th = my_bad ? 0x7f80u : CodeThresholdBf16(mn, sc, j);
         // Raw x instead of clamp(x, l, u) (l, u: the clipped group min/max): a threshold
         // <= l is passed by every clipped value (so -inf: by every x), one > u by none (+inf);
         // for l < th <= u, an x < l fails like l and an x > u passes like u.
@@ -803,8 +836,10 @@ __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate>(), MinBlocks<D, k
           uint32_t v[2];
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
-            const int job = r * 3 * kNG + grp * 3 + j;
-            v[r] = __shfl_sync(0xffffffffu, mine[job / 4], (lane & ~3) | (job % 4));
+            const int c = r * kNG + grp;
+            const int src = kCombos == 2 ? (j == 1 ? 2 : 0) + c : c;
+            const int round = kCombos == 2 ? (j == 2 ? 1 : 0) : j;
+            v[r] = __shfl_sync(0xffffffffu, mine[round], (lane & ~3) | src);
           }
           thr[grp][j] = v[0] | (v[1] << 16);
         }
@@ -856,13 +891,12 @@ __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate>(), MinBlocks<D, k
         } else {
           *reinterpret_cast<uint4*>(codes) = make_uint4(rw[0], rw[1], rw[2], rw[3]);
         }
-        // params (and the row flag) of row r: lane tig == r·kNG + grp of the quad
+        // params of (row r, group grp): lane tig == r·kNG + grp of the quad, which owns it;
+        // the row flag: lane r·kNG
         uint8_t* params =
             chunk + 2ull * P * (D / 4) + uint64_t(kv) * P * 4 * kNG + uint64_t(sl[r]) * 4 * kNG;
-#pragma unroll
-        for (int grp = 0; grp < kNG; ++grp)
-          if (tig == r * kNG + grp)
-            reinterpret_cast<uint32_t*>(params)[grp] = bad[r] ? 0u : par[r][grp];
+        if (tig < kCombos && my_r == r)
+          reinterpret_cast<uint32_t*>(params)[my_grp] = bad[r] ? 0u : my_par;
         if (tig == r * kNG) {
           if (a.row_flags != nullptr)
             a.row_flags[(size_t(t) * a.num_kv_heads + h) * 2 + kv] = bad[r] ? 1 : 0;
