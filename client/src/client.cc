@@ -1324,6 +1324,7 @@ absl::StatusOr<FetchResult> ClientImpl::Fetch(const Lease& lease, const FetchPla
       RemoteKeyId key;
       std::vector<TransferOp> ops;
       std::vector<size_t> items;
+      std::vector<size_t> carrier;  // per op: the merged op that moves it (CoalesceOps)
     };
     std::map<std::pair<int, uint64_t>, Group> groups;
     for (size_t j = 0; j < items.size(); ++j) {
@@ -1338,8 +1339,10 @@ absl::StatusOr<FetchResult> ClientImpl::Fetch(const Lease& lease, const FetchPla
     }
     std::vector<std::pair<std::shared_ptr<Transfer>, const Group*>> transfers;
     for (auto& [gk, g] : groups) {
-      KVPOOL_ASSIGN_OR_RETURN(
-          auto t, transport_->Prepare({TransferKind::kGet, c.endpoint, g.key, g.region, g.ops}));
+      // Blocks adjacent in the pool and on consecutive pages move as one get.
+      std::vector<TransferOp> merged = transport::CoalesceOps(g.ops, &g.carrier);
+      KVPOOL_ASSIGN_OR_RETURN(auto t, transport_->Prepare({TransferKind::kGet, c.endpoint, g.key,
+                                                           g.region, std::move(merged)}));
       KVPOOL_RETURN_IF_ERROR(transport_->Post(t));
       transfers.emplace_back(std::move(t), &g);
     }
@@ -1362,7 +1365,8 @@ absl::StatusOr<FetchResult> ClientImpl::Fetch(const Lease& lease, const FetchPla
       auto per_op = t->item_status();
       for (size_t k = 0; k < g->items.size(); ++k) {
         const Item& it = items[g->items[k]];
-        if (!per_op[k].ok()) out.block_status[it.block] = per_op[k];
+        const absl::Status& op_status = per_op[g->carrier[k]];
+        if (!op_status.ok()) out.block_status[it.block] = op_status;
       }
     }
     if (call.cancel && cancel_id != 0) call.cancel->Remove(cancel_id);

@@ -95,7 +95,8 @@ class ClientTest : public ::testing::TestWithParam<std::string> {
   }
 
   // Leases and fetches the `blocks` full blocks of `s` (history precision bf16: every block
-  // BF16), compares each page with the encoder's BF16 form and releases the lease. Returns the
+  // BF16) into pages 0..blocks-1, compares each page with the encoder's BF16 form and releases
+  // the lease. Returns the
   // fetch for further checks (nullopt after a failed assertion).
   std::optional<FetchResult> FetchAndCompareBf16(Client& c, const Sequence& s,
                                                  const ModelSpec& spec, uint32_t blocks) {
@@ -105,7 +106,12 @@ class ClientTest : public ::testing::TestWithParam<std::string> {
       ADD_FAILURE() << "leased " << (lease.ok() ? lease->blocks.size() : 0) << " blocks";
       return std::nullopt;
     }
-    auto pools = MakePools(c, blocks);
+    // Pages in block order (the other tests reverse them): blocks adjacent in the pool then
+    // move as one RMA op (transport::CoalesceOps) on the RMA paths.
+    auto made = Pools::Create(c, blocks, /*reverse_pages=*/false);
+    EXPECT_TRUE(made.ok()) << made.status();
+    if (!made.ok()) return std::nullopt;
+    auto pools = *std::move(made);
     auto f = c.Fetch(*lease, pools->plan);
     EXPECT_TRUE(f.ok()) << f.status();
     if (!f.ok() || f->num_blocks != blocks) {

@@ -559,9 +559,10 @@ class KvPoolService final : public pb::KvPool::Service {
     KVPOOL_ASSIGN_OR_RETURN(PeerLinks::Link link,
                             peers_.Get(req.client_worker_address(), req.source_rkey(),
                                        "client_worker_address", "source_rkey"));
+    // Whole blocks adjacent in staging and in the client's buffer move as one get.
     KVPOOL_ASSIGN_OR_RETURN(
         auto t, ctx_.transport->Prepare({transport::TransferKind::kGet, link.peer->endpoint,
-                                         link.key, ctx_.arena, std::move(ops)}));
+                                         link.key, ctx_.arena, transport::CoalesceOps(ops)}));
     KVPOOL_RETURN_IF_ERROR(ctx_.transport->Post(t));
     KVPOOL_RETURN_IF_ERROR(WaitTransfer(t, deadline));
     resp->set_bytes_written(total);
@@ -588,6 +589,7 @@ class KvPoolService final : public pb::KvPool::Service {
     struct Group {
       std::vector<transport::TransferOp> ops;
       std::vector<int> reads;
+      std::vector<size_t> carrier;  // per op: the merged op that moves it (CoalesceOps)
     };
     std::map<std::string, Group> groups;
     for (int i = 0; i < req.reads_size(); ++i) {
@@ -618,8 +620,11 @@ class KvPoolService final : public pb::KvPool::Service {
         fail(link.status());
         continue;
       }
-      auto t = ctx_.transport->Prepare({transport::TransferKind::kPut, link->peer->endpoint,
-                                        link->key, ctx_.arena, g.ops, /*flush=*/true});
+      // Forms adjacent in the arena going to adjacent destinations move as one put.
+      auto t =
+          ctx_.transport->Prepare({transport::TransferKind::kPut, link->peer->endpoint, link->key,
+                                   ctx_.arena, transport::CoalesceOps(g.ops, &g.carrier),
+                                   /*flush=*/true});
       if (!t.ok()) {
         fail(t.status());
         continue;
@@ -636,7 +641,8 @@ class KvPoolService final : public pb::KvPool::Service {
       std::vector<absl::Status> items = t->item_status();
       for (size_t k = 0; k < g->reads.size(); ++k) {
         const int i = g->reads[k];
-        results[i] = !s.ok() ? s : (k < items.size() ? items[k] : absl::OkStatus());
+        const size_t op = g->carrier[k];
+        results[i] = !s.ok() ? s : (op < items.size() ? items[op] : absl::OkStatus());
       }
     }
     // A lease that ended while the bytes moved may have had its slots reused: fail closed.

@@ -104,6 +104,26 @@ void Transfer::CompleteOne(size_t index, absl::Status status) {
   }
 }
 
+std::vector<TransferOp> CoalesceOps(const std::vector<TransferOp>& ops,
+                                    std::vector<size_t>* carrier) {
+  std::vector<TransferOp> out;
+  if (carrier != nullptr) carrier->clear();
+  for (const TransferOp& op : ops) {
+    if (!out.empty()) {
+      TransferOp& last = out.back();
+      if (last.local_offset + last.length == op.local_offset &&
+          last.remote_addr + last.length == op.remote_addr) {
+        last.length += op.length;
+        if (carrier != nullptr) carrier->push_back(out.size() - 1);
+        continue;
+      }
+    }
+    out.push_back(op);
+    if (carrier != nullptr) carrier->push_back(out.size() - 1);
+  }
+  return out;
+}
+
 absl::StatusOr<std::shared_ptr<RemoteMapping>> Transport::MapRemote(EndpointId, RemoteKeyId,
                                                                     uint64_t, uint64_t) {
   return absl::UnimplementedError(absl::StrCat(Name(), ": peers' memory cannot be mapped"));

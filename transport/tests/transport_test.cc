@@ -484,6 +484,25 @@ INSTANTIATE_TEST_SUITE_P(Backends, TransportTest,
                            return n;
                          });
 
+TEST(CoalesceOps, MergesRunsAdjacentOnBothSidesOnly) {
+  std::vector<size_t> carrier;
+  // 0+1 adjacent on both sides; 2 adjacent locally only; 3 remotely only; 4+5 adjacent again.
+  const std::vector<TransferOp> ops = {{0, 1000, 10}, {10, 1010, 5}, {15, 2000, 4},
+                                       {40, 2004, 4}, {44, 5000, 8}, {52, 5008, 8}};
+  const std::vector<TransferOp> merged = CoalesceOps(ops, &carrier);
+  ASSERT_EQ(merged.size(), 4u);
+  EXPECT_EQ(merged[0].local_offset, 0u);
+  EXPECT_EQ(merged[0].remote_addr, 1000u);
+  EXPECT_EQ(merged[0].length, 15u);
+  EXPECT_EQ(merged[1].length, 4u);
+  EXPECT_EQ(merged[2].local_offset, 40u);
+  EXPECT_EQ(merged[2].length, 4u);
+  EXPECT_EQ(merged[3].remote_addr, 5000u);
+  EXPECT_EQ(merged[3].length, 16u);
+  EXPECT_EQ(carrier, (std::vector<size_t>{0, 0, 1, 2, 3, 3}));
+  EXPECT_TRUE(CoalesceOps({}).empty());
+}
+
 TEST(UcxTransportInfo, ReportsVersionAndCudaSupport) {
   auto t = CreateUcxTransport({.tls = "tcp"});
   ASSERT_TRUE(t.ok()) << t.status();

@@ -139,6 +139,15 @@ struct TransferRequest {
 
 inline constexpr size_t kMaxOpsPerTransfer = 1 << 16;
 
+// Merges each op with the previous one when both their local and their remote ranges are
+// adjacent (local_offset and remote_addr both continue where the previous op ended), so that
+// runs of blocks laid out alike on both sides move as one RMA operation. Returns the merged ops
+// in order; `carrier` (optional) receives, per input op, the index of the merged op that
+// carries it (per-op statuses of the merged transfer map back through it). Order is kept; ops
+// are never reordered to find more merges. Pure function, thread-safe.
+std::vector<TransferOp> CoalesceOps(const std::vector<TransferOp>& ops,
+                                    std::vector<size_t>* carrier = nullptr);
+
 // Life of a transfer. kInProgress is not an error: poll again or Wait().
 enum class TransferState {
   kPrepared,    // validated, not posted
