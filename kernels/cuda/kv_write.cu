@@ -603,7 +603,11 @@ __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate>(), MinBlocks<D, k
     issue(next, kv_of(it + 1), stage ^ 1, src_pg_next);
     src_pg_next = src_page_of(tile_of(it + 2));
     int npg[2], nsl[2];
-    dest_of(next, npg, nsl);
+    if (kMix && (it & 1) == 0) {  // the next item is the V tile of the same tokens
+      npg[0] = pg[0], npg[1] = pg[1], nsl[0] = sl[0], nsl[1] = sl[1];
+    } else {
+      dest_of(next, npg, nsl);
+    }
     CpAsyncWait<1>();
     __syncwarp();
     const uint8_t* xs = ring + stage * kStageBytes;
