@@ -1,12 +1,6 @@
 // The kvpool C++ client (see client.h). gRPC and protobuf appear only in this file.
 #include "kvpool/client/client.h"
 
-#include <xxhash.h>
-#if defined(__x86_64__)
-#define XXH_DISPATCH_DISABLE_REPLACE
-#include <xxh_x86dispatch.h>
-#endif
-
 #include <algorithm>
 #include <chrono>
 #include <cstring>
@@ -19,6 +13,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "kvpool/common/checksum.h"
 #include "kvpool/common/log.h"
 #include "kvpool/common/status.h"
 #include "kvpool/transport/ucx_transport.h"
@@ -142,50 +137,15 @@ bool AllBf16Finite(const uint16_t* p, size_t n) {
 
 std::string HexPrefix(const Digest& d) { return ToHex(d).substr(0, 12); }
 
-// xxh3_64 (docs/BLOCK_FORMAT.md "Checksums"), the same function as kvpool::Xxh3, through
-// libxxhash's runtime dispatch on x86-64 (AVX-512/AVX2 when the CPU has them): Debian builds
-// the plain entry points for baseline x86-64 (SSE2), which ran at 2.3-4 GB/s on the benchmark
-// host against 6-28 GB/s dispatched (256 KiB-4 MiB), i.e. slower than the copy it verifies.
-uint64_t FastXxh3(const void* data, size_t size) {
-#if defined(__x86_64__)
-  return XXH3_64bits_dispatch(data, size);
-#else
-  return XXH3_64bits(data, size);
-#endif
-}
-
-// Streaming FastXxh3 (the digest equals FastXxh3 of the concatenated updates).
-class FastXxh3Stream {
- public:
-  FastXxh3Stream() : state_(XXH3_createState()) {
-    if (state_ == nullptr || XXH3_64bits_reset(state_) != XXH_OK) std::abort();
-  }
-  ~FastXxh3Stream() { XXH3_freeState(state_); }
-  FastXxh3Stream(const FastXxh3Stream&) = delete;
-  FastXxh3Stream& operator=(const FastXxh3Stream&) = delete;
-  void Update(const void* data, size_t size) {
-    if (size == 0) return;
-#if defined(__x86_64__)
-    XXH3_64bits_update_dispatch(state_, data, size);
-#else
-    XXH3_64bits_update(state_, data, size);
-#endif
-  }
-  uint64_t Digest() const { return XXH3_64bits_digest(state_); }
-
- private:
-  XXH3_state_t* state_;
-};
-
 // Copies `size` bytes from `src` to `dst` and returns the xxh3 of `dst`, in chunks small enough
 // to stay in the L2 cache between the copy and the hash (one pass over memory, not two).
 uint64_t CopyAndHash(uint8_t* dst, const uint8_t* src, size_t size) {
   constexpr size_t kChunk = 128 << 10;
   if (size <= kChunk) {
     std::memcpy(dst, src, size);
-    return FastXxh3(dst, size);
+    return Xxh3(dst, size);
   }
-  FastXxh3Stream h;
+  Xxh3Stream h;
   for (size_t off = 0; off < size; off += kChunk) {
     const size_t n = std::min(kChunk, size - off);
     std::memcpy(dst + off, src + off, n);
@@ -231,7 +191,7 @@ class PutSessionImpl final : public PutSession {
         deadline_(deadline),
         cancel_(std::move(cancel)) {
     for (size_t i = 0; i < writes_.size(); ++i) {
-      hashes_.push_back(std::make_unique<FastXxh3Stream>());
+      hashes_.push_back(std::make_unique<Xxh3Stream>());
     }
     direct_ = conn_.arena != nullptr && !pool_initiates();
     for (const Block& b : writes_) direct_ &= b.mapped != nullptr;
@@ -264,7 +224,7 @@ class PutSessionImpl final : public PutSession {
   std::vector<Block> writes_;
   absl::Time deadline_;
   std::shared_ptr<CancelToken> cancel_;
-  std::vector<std::unique_ptr<FastXxh3Stream>> hashes_;
+  std::vector<std::unique_ptr<Xxh3Stream>> hashes_;
   // Direct mode: every WRITE block's staging is mapped (Block::mapped); layers are packed
   // straight into the pool's memory, with no transfer.
   bool direct_ = false;
@@ -1386,7 +1346,7 @@ absl::StatusOr<FetchResult> ClientImpl::Fetch(const Lease& lease, const FetchPla
     const PagePool* pool = it.form == Form::kInt2 ? plan.int2_pool : plan.bf16_pool;
     const uint64_t got = direct ? copied_sums[j]
                          : plan.verify_checksums
-                             ? FastXxh3(pool->region->data() + it.local_offset, it.loc->size)
+                             ? Xxh3(pool->region->data() + it.local_offset, it.loc->size)
                              : it.loc->xxh3;
     if (got != it.loc->xxh3) {
       out.block_status[it.block] = absl::DataLossError(
