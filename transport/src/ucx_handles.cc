@@ -2,8 +2,13 @@
 #include "ucx_handles.h"
 
 #include <chrono>
+#include <cstdarg>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
+
+#include <ucs/debug/log_def.h>
 
 #include "absl/strings/str_cat.h"
 #include "kvpool/common/log.h"
@@ -37,8 +42,46 @@ absl::Status FromUcs(ucs_status_t status, const char* what) {
   }
 }
 
+// ---- UCX's own log ----
+namespace {
+// Set on the owner thread around the ep_create attempt with UCP_ERR_HANDLING_MODE_PEER that is
+// expected to fail on shared-memory transports (UcxEndpoint::Create).
+thread_local bool t_probing_peer_mode = false;
+
+// UCX's default log handler prints to stdout unless UCX_LOG_FILE names another stream, and libucs
+// reads UCX_LOG_FILE in its load-time constructor (ucs_global_opts_init), so a setenv() from
+// here would come too late. Instead this handler (pushed once per process) writes UCX's messages
+// to stderr, keeping stdout for the binaries' results. A UCX_LOG_FILE set by the user wins: the
+// handler then passes every message on to UCX's default handler unchanged. Messages raised while
+// probing for peer failure detection are expected and logged at debug level only.
+// Thread-safety: UCX may call it from any thread; it touches no shared state.
+ucs_log_func_rc_t UcxLogHandler(const char* file, unsigned line, const char* /*function*/,
+                                ucs_log_level_t level,
+                                const ucs_log_component_config_t* /*comp_conf*/,
+                                const char* message, va_list ap) {
+  static const bool user_log_file = std::getenv("UCX_LOG_FILE") != nullptr;
+  if (!t_probing_peer_mode && user_log_file) return UCS_LOG_FUNC_RC_CONTINUE;
+  char text[1024];
+  va_list copy;
+  va_copy(copy, ap);
+  std::vsnprintf(text, sizeof(text), message, copy);
+  va_end(copy);
+  if (t_probing_peer_mode) {
+    KVPOOL_LOG_DEBUG("transport: UCX (expected while probing peer error handling): {}", text);
+    return UCS_LOG_FUNC_RC_STOP;
+  }
+  const char* base = std::strrchr(file, '/');
+  std::fprintf(stderr, "UCX %s %s:%u %s\n",
+               level < UCS_LOG_LEVEL_LAST ? ucs_log_level_names[level] : "?",
+               base != nullptr ? base + 1 : file, line, text);
+  return UCS_LOG_FUNC_RC_STOP;
+}
+}  // namespace
+
 // ---- UcxConfig ----
 absl::StatusOr<std::unique_ptr<UcxConfig>> UcxConfig::Create(const std::string& tls) {
+  static std::once_flag log_handler_once;
+  std::call_once(log_handler_once, [] { ucs_log_push_handler(&UcxLogHandler); });
   ucp_config_t* config = nullptr;
   ucs_status_t st = ucp_config_read(nullptr, nullptr, &config);
   if (st != UCS_OK) return FromUcs(st, "ucp_config_read");
@@ -143,7 +186,9 @@ absl::StatusOr<std::unique_ptr<UcxEndpoint>> UcxEndpoint::Create(const UcxWorker
   params.err_handler.cb = &EndpointErrorCallback;
   params.err_handler.arg = health;
   ucp_ep_h ep = nullptr;
+  t_probing_peer_mode = *peer_mode_supported;
   ucs_status_t st = ucp_ep_create(worker.get(), &params, &ep);
+  t_probing_peer_mode = false;
   if (st == UCS_ERR_UNREACHABLE && *peer_mode_supported) {
     // UCX 1.13's shared-memory transports (posix, sysv, cma) have no peer failure handler, so
     // with UCP_ERR_HANDLING_MODE_PEER no lane qualifies. Connect without failure detection;

@@ -23,6 +23,7 @@ namespace kvpool::transport {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 std::vector<uint8_t> RandomBytes(size_t n, uint32_t seed) {
   std::mt19937 rng(seed);
@@ -512,6 +513,45 @@ TEST(UcxTransportInfo, ReportsVersionAndCudaSupport) {
   ::testing::Test::RecordProperty("cuda_memory", (*t)->SupportsCudaMemory() ? "yes" : "no");
   std::fprintf(stderr, "UCX %s, CUDA memory support: %s\n", UcxVersion().c_str(),
                (*t)->SupportsCudaMemory() ? "yes" : "no");
+}
+
+// Over shared memory the first connect probes UCP_ERR_HANDLING_MODE_PEER, which posix/sysv/cma
+// cannot provide; UCX logs an error for it, and its default logger writes to stdout, where the
+// binaries print their results. The probe must be quiet and UCX's own log must not reach stdout.
+TEST(UcxTransportLog, SharedMemoryConnectAndGetPrintNothingOnStdout) {
+  for (const std::string tls : {"posix,cma", "sysv,cma", "posix"}) {
+    ::testing::internal::CaptureStdout();
+    ::testing::internal::CaptureStderr();
+    {
+      auto server = CreateUcxTransport({.tls = tls});
+      auto client = CreateUcxTransport({.tls = tls});
+      ASSERT_TRUE(server.ok()) << server.status();
+      ASSERT_TRUE(client.ok()) << client.status();
+      auto arena = (*server)->AllocateMemory(4096);
+      ASSERT_TRUE(arena.ok()) << arena.status();
+      std::memset((*arena)->data(), 0x5a, 4096);
+      auto ep = (*client)->Connect((*server)->WorkerAddress());
+      ASSERT_TRUE(ep.ok()) << ep.status();
+      auto rk = (*client)->UnpackRemoteKey(*ep, (*arena)->packed_rkey());
+      ASSERT_TRUE(rk.ok()) << rk.status();
+      auto local = (*client)->AllocateMemory(4096);
+      ASSERT_TRUE(local.ok()) << local.status();
+      ASSERT_TRUE((*client)
+                      ->Execute({.kind = TransferKind::kGet,
+                                 .endpoint = *ep,
+                                 .remote_key = *rk,
+                                 .local = *local,
+                                 .ops = {{0, (*arena)->address(), 4096}}},
+                                Soon())
+                      .ok());
+      EXPECT_EQ((*local)->data()[4095], 0x5a) << tls;
+    }
+    std::fflush(stdout);
+    const std::string out = ::testing::internal::GetCapturedStdout();
+    const std::string err = ::testing::internal::GetCapturedStderr();
+    EXPECT_THAT(out, Not(HasSubstr("UCX"))) << tls;
+    EXPECT_THAT(err, Not(HasSubstr("no peer failure handler"))) << tls;
+  }
 }
 
 TEST(UcxTransportInfo, RejectsUnknownTransportList) {
