@@ -84,6 +84,25 @@ kvpool::client::CallOptions Deadline(int seconds) {
   return c;
 }
 
+// Checks a HOST:PORT address (the --pool flag): a non-empty host and a decimal port in
+// 1..65535. Returns the problem, or an empty string when the address is well formed.
+std::string CheckHostPort(const std::string& address) {
+  const size_t colon = address.rfind(':');
+  if (colon == std::string::npos) {
+    return absl::StrCat("'", address, "' has no port (want HOST:PORT)");
+  }
+  if (colon == 0) {
+    return absl::StrCat("'", address, "' has an empty host (want HOST:PORT)");
+  }
+  const std::string port = address.substr(colon + 1);
+  int value = 0;
+  if (port.empty() || port.find_first_not_of("0123456789") != std::string::npos ||
+      port.size() > 5 || !absl::SimpleAtoi(port, &value) || value < 1 || value > 65535) {
+    return absl::StrCat("'", address, "': port '", port, "' must be an integer in 1..65535");
+  }
+  return "";
+}
+
 bool WriteJson(const std::string& path, const json& j) {
   if (path.empty()) {
     return true;
@@ -145,6 +164,10 @@ int main(int argc, char** argv) {
   if (!fault_or.ok()) {
     std::fprintf(stderr, "kvpool-worker: --fault: %s\n",
                  std::string(fault_or.status().message()).c_str());
+    return kvpool::cli::kExitUsage;
+  }
+  if (const std::string bad = CheckHostPort(pool); !bad.empty()) {
+    std::fprintf(stderr, "kvpool-worker: --pool: %s\n", bad.c_str());
     return kvpool::cli::kExitUsage;
   }
   auto t_start = std::chrono::steady_clock::now();

@@ -51,6 +51,10 @@ expect 1 "eval window out of int range" -- "${worker}" --role eval --eval-window
 expect 1 "eval window not S:W" -- "${worker}" --role eval --eval-windows 64 "${base[@]}" "${prompt[@]}"
 expect 1 "bad fault" -- "${worker}" --role decode --fault meteor "${base[@]}" "${prompt[@]}"
 expect_err "kvpool-worker: --fault: " "the message names --fault, with the program prefix"
+for bad in 127.0.0.1:99999 127.0.0.1:0 127.0.0.1 :7070 127.0.0.1: 127.0.0.1:x7; do
+  expect 1 "--pool ${bad} refused" -- "${worker}" --role decode --pool "${bad}" "${base[@]}" "${prompt[@]}"
+  expect_err "kvpool-worker: --pool: " "the message names --pool (${bad})"
+done
 expect 2 "missing model file" -- "${worker}" --role eval --model /nonexistent.gguf --rotations "${work}/rot.safetensors" "${prompt[@]}"
 printf 'not a safetensors file' >"${work}/bad.safetensors"
 expect 2 "corrupted rotation file" -- "${worker}" --role eval --model "${model}" --rotations "${work}/bad.safetensors" "${prompt[@]}"
