@@ -161,7 +161,7 @@ PY
 echo "== pool killed mid-fetch: same answer as without the pool"
 "${worker_bin}" --role decode --pool "${pool}" "${common[@]}" "${prompts[@]}" \
   --fault kill-pool-mid-fetch --fault-pool-pid "${server_pid}" --teacher-force false \
-  --report "${work}/decode_pool_killed.json" >/dev/null 2>"${work}/decode_pool_killed.log" \
+  --report "${work}/decode_pool_killed.json" --metrics-file "${work}/pool_killed.prom" >/dev/null 2>"${work}/decode_pool_killed.log" \
   || { cat "${work}/decode_pool_killed.log" >&2; fail "decode with the pool killed"; }
 wait "${server_pid}" 2>/dev/null || true
 server_pid=""
@@ -171,6 +171,11 @@ work = sys.argv[1]
 ev = json.load(open(f"{work}/eval.json"))
 d = json.load(open(f"{work}/decode_pool_killed.json"))
 assert d["prompts"][0]["fallback"], d["prompts"][0]
+# Every prompt after the kill is a fallback with the pool's status as its reason (a failed
+# Lookup is not a cache miss), and the overall count says so.
+for p in d["prompts"][1:]:
+    assert p["fallback"] and p["fallback_reason"].startswith("lookup: UNAVAILABLE"), p
+assert d["overall"]["fallbacks"] == len(d["prompts"]), d["overall"]
 for i, p in enumerate(d["prompts"]):
     single = ev["prompts"][i]["configs"]["int2_S64_W256"]["greedy_tokens"]
     assert p["tokens"] == single, f"{p['name']}: {p['tokens']} != {single}"
@@ -178,4 +183,6 @@ for i, p in enumerate(d["prompts"]):
           f"output identical to the single-process run")
 PY
 grep -q "computed the" "${work}/decode_pool_killed.log" || fail "the fallback is not logged"
+grep -q "^kvpool_worker_pool_fallbacks_total 2$" "${work}/pool_killed.prom" \
+  || fail "metrics: pool fallbacks are not 2 of 2 prompts"
 echo "PASS"

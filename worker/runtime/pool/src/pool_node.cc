@@ -199,14 +199,22 @@ absl::StatusOr<DecodeReport> DecodeNode::Run(absl::Span<const int> prompt, int m
   } else if (rep.wanted_blocks > 0) {
     const std::vector<uint32_t> tokens = ToU32(prompt);
     // Side-effect-free probe first (what a scheduler asks), then the lease.
-    if (auto lk = client_->Lookup(tokens); lk.ok()) {
+    // A failed probe or lease that is the pool's doing (UNAVAILABLE, DEADLINE_EXCEEDED, ...)
+    // is a fallback with its reason, not a miss; only NOT_FOUND means "nothing stored".
+    absl::StatusOr<client::LookupResult> lk = client_->Lookup(tokens);
+    if (lk.ok()) {
       rep.lookup_blocks = static_cast<int>(lk->num_blocks);
-    } else {
-      KVPOOL_LOG_WARN("lookup failed: {}", StatusText(lk.status()));
+    } else if (!absl::IsNotFound(lk.status())) {
+      failure = absl::StrCat("lookup: ", StatusText(lk.status()));
     }
     absl::StatusOr<client::Lease> lease =
-        client_->Acquire(tokens, static_cast<uint32_t>(rep.wanted_blocks));
-    if (!lease.ok()) {
+        failure.empty() ? client_->Acquire(tokens, static_cast<uint32_t>(rep.wanted_blocks))
+                        : absl::StatusOr<client::Lease>(lk.status());
+    if (!failure.empty()) {
+      // Reported below with the lookup's status; no lease was taken.
+    } else if (absl::IsNotFound(lease.status())) {
+      KVPOOL_LOG_DEBUG("acquire: nothing stored ({})", StatusText(lease.status()));
+    } else if (!lease.ok()) {
       failure = absl::StrCat("acquire: ", StatusText(lease.status()));
     } else {
       const auto& lb = lease->blocks;
