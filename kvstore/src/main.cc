@@ -122,10 +122,19 @@ int main(int argc, char** argv) {
                  static_cast<unsigned long long>(physical));
     return kvpool::cli::kExitUsage;
   }
+  // A default lease longer than the longest one a client may request contradicts itself; the
+  // pool used to raise the maximum silently.
+  if (lease_ms > max_lease_ms) {
+    std::fprintf(stderr,
+                 "--lease-ms %lld is longer than --max-lease-ms %lld: the default lease must not "
+                 "exceed the maximum (raise --max-lease-ms or lower --lease-ms)\n",
+                 static_cast<long long>(lease_ms), static_cast<long long>(max_lease_ms));
+    return kvpool::cli::kExitUsage;
+  }
   o.store.default_put_timeout = absl::Milliseconds(put_timeout_ms);
   o.store.max_put_timeout = std::max(absl::Minutes(10), o.store.default_put_timeout);
   o.store.default_lease = absl::Milliseconds(lease_ms);
-  o.store.max_lease = std::max(absl::Milliseconds(max_lease_ms), o.store.default_lease);
+  o.store.max_lease = absl::Milliseconds(max_lease_ms);
   o.tick_interval = absl::Milliseconds(tick_ms);
 
   // Block the termination signals (and SIGHUP) in every thread (threads inherit the mask), then

@@ -139,6 +139,12 @@ absl::StatusOr<std::unique_ptr<PoolServer>> PoolServer::Create(const PoolServerO
     return absl::InvalidArgumentError(
         absl::StrCat("listen: expected HOST:PORT, got \"", o.listen, "\""));
   }
+  if (absl::StrContains(host, ':') && o.listen.front() != '[') {
+    // "::1:0" parses as host "::1" port 0 but gRPC cannot bind it: IPv6 needs brackets.
+    return absl::InvalidArgumentError(
+        absl::StrCat("listen: \"", o.listen,
+                     "\" looks like an IPv6 address without brackets; write [", host, "]:", port));
+  }
   if (o.metrics_port < -1 || o.metrics_port > 65535) {
     return absl::InvalidArgumentError(absl::StrCat(
         "metrics-port: expected -1 (off), 0 (any free port) or 1..65535, got ", o.metrics_port));
@@ -165,7 +171,17 @@ absl::StatusOr<std::unique_ptr<PoolServer>> PoolServer::Create(const PoolServerO
     if (o.transport_factory) {
       KVPOOL_ASSIGN_OR_RETURN(impl->transport, o.transport_factory());
     } else {
-      KVPOOL_ASSIGN_OR_RETURN(impl->transport, transport::CreateUcxTransport({.tls = o.ucx_tls}));
+      auto t = transport::CreateUcxTransport({.tls = o.ucx_tls});
+      if (!t.ok()) {
+        // UCX rejects an unknown transport only when it finds no device for it (ucp_init: No
+        // such device), so name the flag: the code stays the transport's (runtime) one.
+        return absl::Status(
+            t.status().code(),
+            absl::StrCat(o.ucx_tls.empty() ? std::string("--ucx-tls (UCX default)")
+                                           : absl::StrCat("--ucx-tls '", o.ucx_tls, "'"),
+                         ": ", t.status().message()));
+      }
+      impl->transport = *std::move(t);
     }
     KVPOOL_ASSIGN_OR_RETURN(arena, impl->transport->AllocateMemory(o.capacity_bytes));
     impl->memory = std::make_unique<RegionPoolMemory>(arena);

@@ -775,6 +775,34 @@ TEST(ServerBinaryTest, PortsOutOfRangeAreUsageErrorsNamingTheFlag) {
   }
 }
 
+TEST(ServerBinaryTest, ContradictoryOrMalformedFlagsNameTheFlag) {
+  // A default lease longer than the maximum was accepted (the maximum silently raised).
+  {
+    auto [rc, text] =
+        RunToExit({"--listen", "127.0.0.1:0", "--metrics-port", "-1", "--data-plane", "none",
+                   "--capacity", "4MiB", "--lease-ms", "600000", "--max-lease-ms", "1000"});
+    EXPECT_EQ(rc, 1) << text;
+    EXPECT_NE(text.find("--lease-ms"), std::string::npos) << text;
+    EXPECT_NE(text.find("--max-lease-ms"), std::string::npos) << text;
+    EXPECT_EQ(text.find("grpc_port="), std::string::npos) << text;
+  }
+  // An unbracketed IPv6 address reached gRPC's bind and failed as a runtime error.
+  {
+    auto [rc, text] = RunToExit({"--listen", "::1:0", "--metrics-port", "-1", "--data-plane",
+                                 "none", "--capacity", "4MiB"});
+    EXPECT_EQ(rc, 1) << text;
+    EXPECT_NE(text.find("[::1]:0"), std::string::npos) << text;
+  }
+  // An unknown UCX transport fails in ucp_init ("No such device") without naming the flag.
+  {
+    auto [rc, text] = RunToExit({"--listen", "127.0.0.1:0", "--metrics-port", "-1", "--capacity",
+                                 "4MiB", "--ucx-tls", "bogus"});
+    EXPECT_NE(rc, 0) << text;
+    EXPECT_NE(text.find("--ucx-tls 'bogus'"), std::string::npos) << text;
+    EXPECT_EQ(text.find("grpc_port="), std::string::npos) << text;
+  }
+}
+
 TEST(ServerBinaryTest, ConfigFileWithAnUnknownKeyIsAUsageError) {
   for (const char* key : {"metrics_port: -1", "bogus_key: 3"}) {
     const std::string path = ::testing::TempDir() + "/kvpool_server_bad_key.yaml";
