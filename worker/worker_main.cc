@@ -41,6 +41,7 @@ using nlohmann::json;
 namespace {
 
 struct Prompt {
+  std::string path;  // the --prompt-file it came from
   std::string name;
   std::string text;
   std::vector<int> tokens;
@@ -228,7 +229,7 @@ int main(int argc, char** argv) {
     if (!text.ok()) {
       return Fail(text.status(), "--prompt-file");
     }
-    Prompt p{BaseName(f), *text, engine.tokenizer().Encode(*text, true)};
+    Prompt p{f, BaseName(f), *text, engine.tokenizer().Encode(*text, true)};
     if (static_cast<int>(p.tokens.size()) >= cfg.context_length) {
       KVPOOL_LOG_ERROR("--prompt-file {}: {} tokens; the context holds {}", f, p.tokens.size(),
                        cfg.context_length);
@@ -366,17 +367,44 @@ int main(int argc, char** argv) {
     kw::PrefillNode node(&engine, client.get(), rotations, nopts);
     uint64_t bytes = 0, tokens = 0;
     double compute = 0, push = 0;
+    // A prompt shorter than one block has no full block to push: it is skipped with a warning
+    // (the decode worker computes such a prompt locally too), the others still run.
     std::vector<std::vector<int>> all_tokens;
-    for (const auto& p : prompts) {
-      all_tokens.push_back(p.tokens);
+    std::vector<size_t> run_index;  // prompts[] index of all_tokens[i]
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      if (static_cast<int>(prompts[i].tokens.size()) < page_size) {
+        continue;
+      }
+      all_tokens.push_back(prompts[i].tokens);
+      run_index.push_back(i);
     }
-    auto reports = node.RunAll(all_tokens);  // prompt i+1 computes while i is in flight
-    if (!reports.ok()) {
-      return Fail(reports.status(), "prefill");
-    }
+    // prompt i+1 computes while i is in flight; one outcome per prompt.
+    std::vector<absl::StatusOr<kw::PrefillReport>> reports = node.RunAll(all_tokens);
+    std::vector<const absl::StatusOr<kw::PrefillReport>*> by_prompt(prompts.size(), nullptr);
+    for (size_t k = 0; k < run_index.size(); ++k) by_prompt[run_index[k]] = &reports[k];
+    int failed = 0, skipped = 0;
     for (size_t i = 0; i < prompts.size(); ++i) {
       const Prompt& p = prompts[i];
-      const kw::PrefillReport* r = &(*reports)[i];
+      if (by_prompt[i] == nullptr) {
+        const std::string why = absl::StrCat(p.tokens.size(), " tokens is shorter than one block (",
+                                             page_size, "): nothing to push");
+        KVPOOL_LOG_WARN("prefill --prompt-file {}: skipped, {}", p.path, why);
+        out["prompts"].push_back({{"name", p.name},
+                                  {"prompt_tokens", p.tokens.size()},
+                                  {"skipped", true},
+                                  {"skip_reason", why}});
+        ++skipped;
+        continue;
+      }
+      if (!by_prompt[i]->ok()) {
+        const std::string why = kw::StatusText(by_prompt[i]->status());
+        KVPOOL_LOG_ERROR("prefill --prompt-file {}: {}", p.path, why);
+        out["prompts"].push_back(
+            {{"name", p.name}, {"prompt_tokens", p.tokens.size()}, {"error", why}});
+        ++failed;
+        continue;
+      }
+      const kw::PrefillReport* r = &**by_prompt[i];
       KVPOOL_LOG_INFO(
           "prefill {}: {} tokens, {} blocks ({} written, {} bytes), {:.3f}s compute, "
           "{:.3f}s push",
@@ -398,11 +426,17 @@ int main(int argc, char** argv) {
                       {"tokens_stored", tokens},
                       {"bytes_written_per_token", tokens ? double(bytes) / tokens : 0.0},
                       {"compute_seconds", compute},
-                      {"push_seconds", push}};
+                      {"push_seconds", push},
+                      {"skipped_prompts", skipped},
+                      {"failed_prompts", failed}};
     out["seconds"] =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
     if (!WriteJson(report, out)) {
       return Fail(absl::InternalError(report), "--report");
+    }
+    if (failed > 0) {
+      KVPOOL_LOG_ERROR("prefill: {} of {} prompt(s) failed (see above)", failed, prompts.size());
+      return kvpool::cli::kExitRuntime;
     }
     return kvpool::cli::kExitOk;
   }

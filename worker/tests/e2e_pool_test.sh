@@ -129,6 +129,26 @@ print(f"killed prefill: Lookup finds {p['lookup_blocks']} blocks, Acquire {p['hi
       f"(of {p['wanted_blocks']} wanted)")
 PY
 
+echo "== prefill with a prompt shorter than one block: skipped with a warning, the others pushed"
+printf 'Tom ran.' >"${work}/short.txt"
+"${worker_bin}" --role prefill --pool "${pool}" --revision short-prompt-test "${common[@]}" \
+  --prompt-file "${demo}/prompts/01_kite.txt" --prompt-file "${work}/short.txt" \
+  --prompt-file "${demo}/prompts/03_boat.txt" --report "${work}/prefill_short.json" \
+  >/dev/null 2>"${work}/prefill_short.log" \
+  || { cat "${work}/prefill_short.log" >&2; fail "prefill with a short prompt"; }
+grep -q "W prefill --prompt-file ${work}/short.txt: skipped" "${work}/prefill_short.log" \
+  || { cat "${work}/prefill_short.log" >&2; fail "the skip warning does not name the file"; }
+python3 - "${work}/prefill_short.json" <<'PY' || fail "prefill short-prompt report"
+import json, sys
+d = json.load(open(sys.argv[1]))
+p = d["prompts"]
+assert [x["name"] for x in p] == ["01_kite", "short", "03_boat"], p
+assert p[1]["skipped"] and "shorter than one block" in p[1]["skip_reason"], p[1]
+assert p[0]["blocks_written"] > 0 and p[2]["blocks_written"] > 0, p
+assert d["overall"]["skipped_prompts"] == 1 and d["overall"]["failed_prompts"] == 0, d["overall"]
+print(f"short prompt skipped; {p[0]['blocks_written']} + {p[2]['blocks_written']} blocks pushed")
+PY
+
 echo "== registration conflict: the pool's FAILED_PRECONDITION is kept, its code printed once"
 "${tool_bin}" calibrate --model "${model}" --text "${demo}/calibration.txt" --clip-k 0.9 \
   --out "${work}/rot2.safetensors" >/dev/null 2>>"${work}/calibrate.log" || fail "calibrate 2"

@@ -145,23 +145,29 @@ absl::StatusOr<PrefillReport> PrefillNode::Run(absl::Span<const int> prompt) {
   return Commit(std::move(pending));
 }
 
-absl::StatusOr<std::vector<PrefillReport>> PrefillNode::RunAll(
+std::vector<absl::StatusOr<PrefillReport>> PrefillNode::RunAll(
     absl::Span<const std::vector<int>> prompts) {
-  std::vector<PrefillReport> reports;
+  std::vector<absl::StatusOr<PrefillReport>> out(prompts.size(),
+                                                 absl::InternalError("prompt not run"));
   std::optional<Pending> in_flight;  // destroying an uncommitted session aborts it
-  for (const std::vector<int>& prompt : prompts) {
-    KVPOOL_ASSIGN_OR_RETURN(Pending next, ComputeAndWrite(prompt));
+  size_t in_flight_index = 0;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    absl::StatusOr<Pending> next = ComputeAndWrite(prompts[i]);
     if (in_flight.has_value()) {
-      KVPOOL_ASSIGN_OR_RETURN(PrefillReport r, Commit(std::move(*in_flight)));
-      reports.push_back(r);
+      out[in_flight_index] = Commit(std::move(*in_flight));
+      in_flight.reset();
     }
-    in_flight.emplace(std::move(next));
+    if (!next.ok()) {
+      out[i] = next.status();
+      continue;
+    }
+    in_flight.emplace(std::move(next).value());
+    in_flight_index = i;
   }
   if (in_flight.has_value()) {
-    KVPOOL_ASSIGN_OR_RETURN(PrefillReport r, Commit(std::move(*in_flight)));
-    reports.push_back(r);
+    out[in_flight_index] = Commit(std::move(*in_flight));
   }
-  return reports;
+  return out;
 }
 
 // ---- decode ----------------------------------------------------------------------------------

@@ -78,9 +78,9 @@ class PrefillNode {
 
   // Serves several prompts pipelined: while the layers of prompt i are in flight to the pool,
   // prompt i+1 is computed; prompt i commits after that (each put stays two-phase: nothing of
-  // it is visible before its own commit). One report per prompt, in order. Errors as Run; on
-  // error the puts not yet committed are aborted.
-  absl::StatusOr<std::vector<PrefillReport>> RunAll(absl::Span<const std::vector<int>> prompts);
+  // it is visible before its own commit). One outcome per prompt, in order: its report, or its
+  // error as Run's (a failed prompt's put is aborted; the other prompts still run and commit).
+  std::vector<absl::StatusOr<PrefillReport>> RunAll(absl::Span<const std::vector<int>> prompts);
 
  private:
   // A put whose layers are written (transfers possibly still in flight), not yet committed.
