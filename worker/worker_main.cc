@@ -451,6 +451,7 @@ int main(int argc, char** argv) {
     nopts.no_pool_reason = absl::StrCat(
         unreachable ? "pool unreachable at start-up: " : "pool refused the registration: ",
         kw::StatusText(client_error));
+    // Logged once here; each request's report carries it as fallback_reason.
     KVPOOL_LOG_WARN("pool at {} not usable ({}); every request computes its prefix locally", pool,
                     nopts.no_pool_reason);
   }

@@ -167,14 +167,20 @@ if grep -q "UNAVAILABLE" "${work}/conflict2.log"; then fail "conflict reported a
 "${worker_bin}" --role decode --pool "${pool}" --revision conflict-test --model "${model}" \
   --rotations "${work}/rot2.safetensors" --prompt-file "${demo}/prompts/01_kite.txt" \
   --max-new-tokens 4 --teacher-force false --report "${work}/conflict_decode.json" \
+  --prompt-file "${demo}/prompts/02_garden.txt" \
   >/dev/null 2>"${work}/conflict3.log" || { cat "${work}/conflict3.log" >&2; fail "decode (conflict)"; }
+# The refusal is logged once for the run, not once more per prompt.
+[[ $(grep -c "FAILED_PRECONDITION" "${work}/conflict3.log") -eq 1 ]] \
+  || { cat "${work}/conflict3.log" >&2; fail "decode conflict: the refusal is not logged exactly once"; }
 python3 - "${work}/conflict_decode.json" <<'PY' || fail "decode conflict report"
 import json, sys
-p = json.load(open(sys.argv[1]))["prompts"][0]
-assert p["fallback"], p
-r = p["fallback_reason"]
-assert r.startswith("pool refused the registration: ") and "FAILED_PRECONDITION" in r, r
-assert "unreachable" not in r, r
+d = json.load(open(sys.argv[1]))
+assert d["overall"]["fallbacks"] == 2, d["overall"]
+for p in d["prompts"]:
+    assert p["fallback"], p
+    r = p["fallback_reason"]
+    assert r.startswith("pool refused the registration: ") and "FAILED_PRECONDITION" in r, r
+    assert "unreachable" not in r, r
 print(f"decode with a conflicting registration: fallback, reason {r[:70]!r}")
 PY
 

@@ -90,7 +90,8 @@ PY
 # Decode with the pool unreachable: same answer as the single-process run, reported.
 expect 0 "eval (single process)" -- "${worker}" --role eval --eval-windows 64:256 "${base[@]}" "${prompt[@]}" --report "${work}/eval.json"
 expect 0 "decode with the pool unreachable" -- "${worker}" --role decode --pool 127.0.0.1:1 "${base[@]}" "${prompt[@]}" --teacher-force false --report "${work}/decode.json" --metrics-file "${work}/metrics.txt"
-expect_err "computed the" "the fallback is logged"
+expect_err "not usable (pool unreachable at start-up: UNAVAILABLE: " "the fallback is logged"
+[[ $(grep -c "UNAVAILABLE" "${work}/err") -eq 1 ]] || { echo "FAIL: the start-up status is not logged exactly once" >&2; cat "${work}/err" >&2; failures=$((failures + 1)); }
 grep -q "^kvpool_worker_pool_fallbacks_total 1$" "${work}/metrics.txt" || { echo "FAIL: metrics lack the fallback" >&2; failures=$((failures + 1)); }
 python3 - "${work}" <<'PY' || failures=$((failures + 1))
 import json, sys

@@ -347,8 +347,14 @@ absl::StatusOr<DecodeReport> DecodeNode::Run(absl::Span<const int> prompt, int m
     rep.loaded_blocks = 0;
     rep.bytes_moved = 0;
     rep.bf16_blocks_fetched = rep.int2_blocks_fetched = 0;
-    KVPOOL_LOG_WARN("decode: pool path failed ({}); computed the {}-token prefix locally", failure,
-                    n);
+    if (client_ == nullptr) {
+      // No pool since start-up: the caller logged why once (docs/WORKER.md); every request
+      // would repeat the same status.
+      KVPOOL_LOG_DEBUG("decode: no pool; computed the {}-token prefix locally", n);
+    } else {
+      KVPOOL_LOG_WARN("decode: pool path failed ({}); computed the {}-token prefix locally",
+                      failure, n);
+    }
   } else {
     rep.loaded_blocks = static_cast<int>(forms.size());
   }

@@ -47,7 +47,8 @@ struct NodeOptions {
   Fault fault = Fault::kNone;
   // Why a DecodeNode built with a null client has no pool (reported as fallback_reason), e.g.
   // "pool unreachable at start-up: UNAVAILABLE: …" or "pool refused the registration:
-  // FAILED_PRECONDITION: …". Empty: "pool unreachable at start-up".
+  // FAILED_PRECONDITION: …". Empty: "pool unreachable at start-up". The node does not log it
+  // per request (debug level only): the caller logs it once.
   std::string no_pool_reason;
 };
 
