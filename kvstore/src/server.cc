@@ -6,8 +6,13 @@
 #include <grpcpp/health_check_service_interface.h>
 #include <grpcpp/impl/codegen/service_type.h>
 #include <httplib.h>
+#include <netdb.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
+#include <cerrno>
 #include <condition_variable>
+#include <cstring>
 #include <mutex>
 #include <random>
 #include <thread>
@@ -44,6 +49,38 @@ class RegionPoolMemory final : public PoolMemory {
   std::shared_ptr<transport::MemoryRegion> region_;
 };
 #endif
+
+// The /metrics HTTP server: worker threads (each serves one connection at a time) and the
+// seconds a read, a write or an idle keep-alive connection may take.
+constexpr size_t kMetricsHttpThreads = 32;
+constexpr time_t kMetricsHttpTimeoutSec = 2;
+
+// Why binding TCP `host`:`port` fails, found by trying it (gRPC's and cpp-httplib's bind errors
+// do not reach the caller): ", <strerror>" such as ", Address already in use", or "" when the
+// probe binds (the failure was elsewhere) or the host does not resolve.
+std::string BindFailureReason(const std::string& host, int port) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+  addrinfo* res = nullptr;
+  const std::string service = std::to_string(port);
+  if (getaddrinfo(host.c_str(), service.c_str(), &hints, &res) != 0 || res == nullptr) {
+    return "";
+  }
+  std::string reason;
+  int fd = socket(res->ai_family, res->ai_socktype, res->ai_protocol);
+  if (fd >= 0) {
+    int yes = 1;
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+    if (bind(fd, res->ai_addr, res->ai_addrlen) != 0) {
+      reason = absl::StrCat(", ", std::strerror(errno));
+    }
+    close(fd);
+  }
+  freeaddrinfo(res);
+  return reason;
+}
 
 std::pair<std::string, int> SplitHostPort(const std::string& hp) {
   auto colon = hp.rfind(':');
@@ -224,7 +261,8 @@ absl::StatusOr<std::unique_ptr<PoolServer>> PoolServer::Create(const PoolServerO
   builder.SetMaxReceiveMessageSize(256 << 20);  // rotation files of large models
   impl->grpc_server = builder.BuildAndStart();
   if (!impl->grpc_server || impl->grpc_port == 0) {
-    return absl::UnavailableError(absl::StrCat("listen: cannot bind ", o.listen));
+    return absl::UnavailableError(
+        absl::StrCat("listen: cannot bind ", o.listen, BindFailureReason(host, port)));
   }
   auto* health = impl->grpc_server->GetHealthCheckService();
   health->SetServingStatus(true);
@@ -240,6 +278,15 @@ absl::StatusOr<std::unique_ptr<PoolServer>> PoolServer::Create(const PoolServerO
     // cpp-httplib's default socket options set SO_REUSEPORT, which lets a second pool bind the
     // same metrics port and split the scrapes between two processes; SO_REUSEADDR alone lets a
     // restarted pool rebind while old connections sit in TIME_WAIT, and nothing more.
+    // cpp-httplib serves each connection on one thread of a fixed pool (8 by default) and
+    // waits up to 5 s for every read, so 8 connections sending an unfinished request starved
+    // every scrape for seconds. More workers and shorter read/keep-alive timeouts raise the bar;
+    // a client trickling bytes still holds a worker, so /metrics is for a scraper on a trusted
+    // network (docs/OPERATIONS.md).
+    raw->http.new_task_queue = [] { return new httplib::ThreadPool(kMetricsHttpThreads); };
+    raw->http.set_read_timeout(kMetricsHttpTimeoutSec, 0);
+    raw->http.set_write_timeout(kMetricsHttpTimeoutSec, 0);
+    raw->http.set_keep_alive_timeout(kMetricsHttpTimeoutSec);
     raw->http.set_socket_options([](int sock) {
       int yes = 1;
       setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
@@ -251,8 +298,9 @@ absl::StatusOr<std::unique_ptr<PoolServer>> PoolServer::Create(const PoolServerO
     }
     if (raw->http_port <= 0) {
       raw->grpc_server->Shutdown();
-      return absl::UnavailableError(
-          absl::StrCat("metrics-port: cannot bind ", mhost, ":", o.metrics_port));
+      return absl::UnavailableError(absl::StrCat("metrics-port: cannot bind ", mhost, ":",
+                                                 o.metrics_port,
+                                                 BindFailureReason(mhost, o.metrics_port)));
     }
     raw->http_thread = std::thread([raw] { raw->http.listen_after_bind(); });
   }

@@ -1,11 +1,14 @@
 // The gRPC service on loopback (in-process server, data plane "none": the test writes staging
 // bytes straight into the pool's memory, standing in for the client's UCX RMA put), and the
 // kvpool-server binary as a process (flags, /metrics, health, SIGTERM drain).
+#include <arpa/inet.h>
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 #include <httplib.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -570,6 +573,43 @@ TEST_F(ServiceTest, PoolInitiatedCallsNeedAPoolThatInitiates) {
             grpc::StatusCode::FAILED_PRECONDITION);
 }
 
+// Slow clients holding connections open with an unfinished request (more of them than
+// cpp-httplib's default 8 worker threads, and trickling bytes so no read timeout ends them) used
+// to starve every scrape; the metrics server now has more workers than that.
+TEST_F(ServiceTest, MetricsScrapeIsServedWhileSixteenSlowClientsHoldConnections) {
+  constexpr int kSlow = 16;
+  std::vector<int> socks;
+  for (int i = 0; i < kSlow; ++i) {
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    ASSERT_GE(fd, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(static_cast<uint16_t>(server_->metrics_port()));
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ASSERT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+    const std::string head = "GET /metrics HTTP/1.1\r\nHost: x\r\nX-Slow: ";
+    ASSERT_EQ(send(fd, head.data(), head.size(), MSG_NOSIGNAL), ssize_t(head.size()));
+    socks.push_back(fd);
+  }
+  std::atomic<bool> stop{false};
+  std::thread trickle([&] {
+    while (!stop.load()) {
+      for (int fd : socks) send(fd, "a", 1, MSG_NOSIGNAL);
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    }
+  });
+  httplib::Client http("127.0.0.1", server_->metrics_port());
+  http.set_connection_timeout(10);
+  http.set_read_timeout(10);
+  auto res = http.Get("/metrics");
+  stop = true;
+  trickle.join();
+  for (int fd : socks) close(fd);
+  ASSERT_TRUE(res) << httplib::to_string(res.error());
+  EXPECT_EQ(res->status, 200);
+  EXPECT_NE(res->body.find("kvpool_capacity_bytes"), std::string::npos);
+}
+
 TEST_F(ServiceTest, ReflectionListsTheServices) {
   const std::string listing = ReflectionListServices(channel_);
   EXPECT_NE(listing.find("kvpool.v1.KvPool"), std::string::npos) << listing;
@@ -718,7 +758,8 @@ TEST(ServerBinaryTest, SecondServerOnTheSamePortExitsWithARuntimeError) {
   auto [rc, text] = RunToExit(
       {"--listen", addr, "--metrics-port", "-1", "--data-plane", "none", "--capacity", "4MiB"});
   EXPECT_EQ(rc, 2) << text;
-  EXPECT_NE(text.find("cannot bind " + addr), std::string::npos) << text;
+  EXPECT_NE(text.find("cannot bind " + addr + ", Address already in use"), std::string::npos)
+      << text;
   EXPECT_EQ(text.find("grpc_port="), std::string::npos) << text;
   // The first server still serves.
   auto ch = grpc::CreateChannel(addr, grpc::InsecureChannelCredentials());
@@ -740,7 +781,10 @@ TEST(ServerBinaryTest, SecondServerOnTheSameMetricsPortExitsWithARuntimeError) {
       RunToExit({"--listen", "127.0.0.1:0", "--metrics-port", std::to_string(metrics_port),
                  "--data-plane", "none", "--capacity", "4MiB"});
   EXPECT_EQ(rc, 2) << text;
-  EXPECT_NE(text.find("metrics-port: cannot bind"), std::string::npos) << text;
+  EXPECT_NE(text.find("metrics-port: cannot bind 127.0.0.1:" + std::to_string(metrics_port) +
+                      ", Address already in use"),
+            std::string::npos)
+      << text;
   EXPECT_EQ(text.find("grpc_port="), std::string::npos) << text;
   ASSERT_EQ(kill(first.pid, SIGTERM), 0);
   EXPECT_EQ(WaitExit(first.pid), 0);
