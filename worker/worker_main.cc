@@ -144,7 +144,8 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--revision", revision,
                  "registered revision; 'auto' = model hash + recipe (P, S, W, precision, clip "
-                 "ratios) + rotation id")
+                 "ratios) + rotation id. An explicit revision asserts the weights: the pool "
+                 "does not compare them, so every worker using it must load the same model file")
       ->capture_default_str();
   app.add_option("--ucx-tls", ucx_tls, "UCX transports of the data plane")->capture_default_str();
   app.add_option("--report", report, "write a JSON report to this file");
@@ -169,6 +170,10 @@ int main(int argc, char** argv) {
   }
   if (const std::string bad = CheckHostPort(pool); !bad.empty()) {
     std::fprintf(stderr, "kvpool-worker: --pool: %s\n", bad.c_str());
+    return kvpool::cli::kExitUsage;
+  }
+  if (revision.empty()) {
+    std::fprintf(stderr, "kvpool-worker: --revision: must not be empty (use 'auto')\n");
     return kvpool::cli::kExitUsage;
   }
   auto t_start = std::chrono::steady_clock::now();
@@ -314,14 +319,22 @@ int main(int argc, char** argv) {
   }
 
   // ---- pool roles ---------------------------------------------------------------------------
-  if (revision == "auto") {
-    auto model_bytes = ReadFile(model);
-    if (!model_bytes.ok()) {
-      return Fail(model_bytes.status(), "model");
-    }
-    kvpool::Digest h = kvpool::Sha256(*model_bytes);
-    std::string hex;
-    for (int i = 0; i < 8; ++i) absl::StrAppend(&hex, absl::Hex(h[i], absl::kZeroPad2));
+  // The weights' SHA-256, for the auto revision and the report. The pool compares layout,
+  // recipe and rotation of a registration, not weights (the proto has no field for them).
+  auto model_bytes = ReadFile(model);
+  if (!model_bytes.ok()) {
+    return Fail(model_bytes.status(), "model");
+  }
+  const std::string model_sha256 = kvpool::Sha256Hex(*model_bytes);
+  out["model_sha256"] = model_sha256;
+  if (revision != "auto") {
+    KVPOOL_LOG_WARN(
+        "--revision {} is explicit: the pool does not compare weights, so every worker that "
+        "registers {}@{} must load the same model file (this one: sha256 {}); --revision auto "
+        "derives the revision from the weights",
+        revision, model_id, revision, model_sha256.substr(0, 16));
+  } else {
+    const std::string hex = model_sha256.substr(0, 16);
     // Everything that changes the stored bytes: recipe, clip ratios and the rotation id
     // (SHA-256 of the rotation file, kvpool/kernels/rotation_file.h), so a re-calibration
     // registers a new revision instead of conflicting with the old one.

@@ -55,6 +55,19 @@ for bad in 127.0.0.1:99999 127.0.0.1:0 127.0.0.1 :7070 127.0.0.1: 127.0.0.1:x7; 
   expect 1 "--pool ${bad} refused" -- "${worker}" --role decode --pool "${bad}" "${base[@]}" "${prompt[@]}"
   expect_err "kvpool-worker: --pool: " "the message names --pool (${bad})"
 done
+expect 1 "empty --revision" -- "${worker}" --role decode --revision "" "${base[@]}" "${prompt[@]}"
+expect_err "kvpool-worker: --revision: must not be empty" "the message names --revision"
+# An explicit revision asserts the weights (the pool does not compare them): warned once, and
+# the report carries the model file's SHA-256.
+expect 0 "decode with an explicit --revision" -- "${worker}" --role decode --pool 127.0.0.1:1 --revision my-rev "${base[@]}" "${prompt[@]}" --teacher-force false --report "${work}/explicit.json"
+[[ $(grep -c -- "--revision my-rev is explicit: the pool does not compare weights" "${work}/err") -eq 1 ]] || { echo "FAIL: explicit revision not warned exactly once" >&2; cat "${work}/err" >&2; failures=$((failures + 1)); }
+python3 - "${work}/explicit.json" "${model}" <<'PY' || failures=$((failures + 1))
+import hashlib, json, sys
+d = json.load(open(sys.argv[1]))
+assert d["revision"] == "my-rev", d["revision"]
+assert d["model_sha256"] == hashlib.sha256(open(sys.argv[2], "rb").read()).hexdigest(), d["model_sha256"]
+print("ok: explicit revision kept, report carries the weights' SHA-256")
+PY
 expect 2 "missing model file" -- "${worker}" --role eval --model /nonexistent.gguf --rotations "${work}/rot.safetensors" "${prompt[@]}"
 printf 'not a safetensors file' >"${work}/bad.safetensors"
 expect 2 "corrupted rotation file" -- "${worker}" --role eval --model "${model}" --rotations "${work}/bad.safetensors" "${prompt[@]}"
