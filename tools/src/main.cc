@@ -8,6 +8,7 @@
 //
 // Results go to standard output, logs to standard error. Exit codes: 0 ok, 1 usage, 2 runtime.
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -15,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "kvpool/common/cli.h"
 #include "kvpool/common/log.h"
 #include "kvpool/common/status.h"
@@ -44,18 +46,40 @@ const CLI::Validator kClipRatio(
     },
     "RATIO in [0,1]");
 
-// CLI11 check that an output file's directory exists (so a long run does not fail at the end).
+// CLI11 check that an output file's directory exists and that the file is not itself a
+// directory (so a long run does not fail at the end, when it writes).
 const CLI::Validator kParentDirExists(
     [](std::string& v) -> std::string {
+      std::error_code ec;
+      if (std::filesystem::is_directory(v, ec)) {
+        return "'" + v + "' is a directory; name a file";
+      }
       std::filesystem::path dir = std::filesystem::path(v).parent_path();
       if (dir.empty()) dir = ".";
-      std::error_code ec;
       if (!std::filesystem::is_directory(dir, ec)) {
         return "directory '" + dir.string() + "' does not exist";
       }
       return {};
     },
     "FILE in an existing directory");
+
+// CLI11 check for an index: a non-negative integer (CLI::NonNegativeNumber's message printed a
+// range up to 1.797e308).
+const CLI::Validator kIndex(
+    [](std::string& v) -> std::string {
+      int64_t i = 0;
+      if (!CLI::detail::lexical_cast(v, i) || i < 0 || i > INT32_MAX) {
+        return "must be an index >= 0, got '" + v + "'";
+      }
+      return {};
+    },
+    "INDEX >= 0");
+
+// Fewest text tokens `calibrate --tokens` accepts, and below how many it warns: a rotation is
+// the eigenbasis of a head_dim x head_dim covariance, which fewer tokens than head_dim leave
+// rank-deficient (the eigenvectors of its zero eigenvalues are arbitrary).
+constexpr int64_t kMinCalibrationTokens = 16;
+constexpr int64_t kFewCalibrationTokens = 256;
 
 // "nan", "+inf" or "-inf" for a non-finite value.
 const char* NonFiniteKind(float v) { return std::isnan(v) ? "nan" : (v > 0 ? "+inf" : "-inf"); }
@@ -100,6 +124,11 @@ int RunQuantize(const QuantizeArgs& a) {
               << a.rotation << " has a single layer 0)\n";
     return cli::kExitUsage;
   }
+  if ((a.rotation == "none" || a.rotation == "hadamard") && a.head >= 0) {
+    std::cerr << "kvpool: --head " << a.head << " needs a per-head rotation file (--rotation "
+              << a.rotation << " is one matrix for every head)\n";
+    return cli::kExitUsage;
+  }
   if (a.rotation == "none") {
     rot = RotationSet::Identity(meta);
   } else if (a.rotation == "hadamard") {
@@ -118,6 +147,15 @@ int RunQuantize(const QuantizeArgs& a) {
       if (rot->per_head() && heads != 1 && heads != rot->num_kv_heads()) {
         return Fail(absl::FailedPreconditionError(absl::StrCat(
             "input has ", heads, " heads, the per-head rotation file ", rot->num_kv_heads())));
+      }
+      if (a.head >= 0 && !rot->per_head()) {
+        return Fail(absl::InvalidArgumentError(
+            absl::StrCat("--head ", a.head, " needs a per-head rotation file; '", a.rotation,
+                         "' has one rotation per layer")));
+      }
+      if (a.head >= 0 && static_cast<uint32_t>(a.head) >= rot->num_kv_heads()) {
+        return Fail(absl::InvalidArgumentError(absl::StrCat(
+            "--head ", a.head, " out of range (file has ", rot->num_kv_heads(), " KV heads)")));
       }
       layer = static_cast<uint32_t>(a.layer);
     }
@@ -193,6 +231,11 @@ int RunQuantize(const QuantizeArgs& a) {
 }
 
 int RunInspect(const std::string& path) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) {
+    return Fail(absl::InvalidArgumentError(
+        absl::StrCat("'", path, "' is a directory, not a rotation .safetensors file")));
+  }
   auto rot = ReadRotationFile(path);
   if (!rot.ok()) return Fail(rot.status());
   const RotationMetadata& m = rot->metadata();
@@ -295,10 +338,12 @@ int main(int argc, char** argv) {
   quant->add_option("--rotation", q.rotation, "none | hadamard | a rotation .safetensors file")
       ->capture_default_str();
   quant->add_option("--layer", q.layer, "layer of the rotation file (needs a rotation file)")
-      ->check(CLI::NonNegativeNumber)
+      ->check(kIndex)
       ->capture_default_str();
-  quant->add_option("--head", q.head,
-                    "KV head of a per-head rotation file (default: the input's head index)");
+  quant
+      ->add_option("--head", q.head,
+                   "KV head of a per-head rotation file (default: the input's head index)")
+      ->check(kIndex);
   quant->add_option("--kind", q.kind, "k | v (rotation and default clip ratio)")
       ->check(CLI::IsMember({"k", "v"}))
       ->capture_default_str();
@@ -306,10 +351,14 @@ int main(int argc, char** argv) {
       ->add_option("--clip", q.clip,
                    "clip ratio (0 disables; default: the file's ratio for --kind, else 0.96/0.92)")
       ->check(kClipRatio);
-  quant->add_option("--dequant-out", q.dequant_out,
-                    "write the dequantized array (.npy, input space)");
-  quant->add_option("--packed-out", q.packed_out,
-                    "write codes [tokens][heads][d/4] then fp16 {scale,min} [tokens][heads][d/G]");
+  quant
+      ->add_option("--dequant-out", q.dequant_out,
+                   "write the dequantized array (.npy, input space)")
+      ->check(kParentDirExists);
+  quant
+      ->add_option("--packed-out", q.packed_out,
+                   "write codes [tokens][heads][d/4] then fp16 {scale,min} [tokens][heads][d/G]")
+      ->check(kParentDirExists);
 
   std::string inspect_path;
   auto* rots = app.add_subcommand("rotations", "rotation file tools");
@@ -323,7 +372,11 @@ int main(int argc, char** argv) {
   auto* calib = app.add_subcommand("calibrate", "fit OSCAR rotations on a model and a text");
   calib->add_option("--model", c.model_path, "GGUF model")->required();
   calib->add_option("--text", c.text_path, "calibration text file")->required();
-  calib->add_option("--tokens", ctokens, "use at most N text tokens (0 = all)")
+  calib
+      ->add_option(
+          "--tokens", ctokens,
+          absl::StrCat("use at most N text tokens (0 = all; at least ", kMinCalibrationTokens,
+                       ", a warning below ", kFewCalibrationTokens, ")"))
       ->capture_default_str();
   calib->add_option("--out", out, "output rotation .safetensors")
       ->required()
@@ -354,9 +407,16 @@ int main(int argc, char** argv) {
   if (*quant) return RunQuantize(q);
   if (*inspect) return RunInspect(inspect_path);
   if (*calib) {
-    if (ctokens < 0) {
-      std::cerr << "kvpool: --tokens must be >= 0\n";
+    if (ctokens < 0 || (ctokens > 0 && ctokens < kMinCalibrationTokens)) {
+      std::cerr << "kvpool: --tokens must be 0 (all) or >= " << kMinCalibrationTokens << ", got "
+                << ctokens << ": a rotation fitted on fewer tokens than head_dim is arbitrary\n";
       return kvpool::cli::kExitUsage;
+    }
+    if (ctokens > 0 && ctokens < kFewCalibrationTokens) {
+      KVPOOL_LOG_WARN(
+          "calibrate: --tokens {} is few; rotations fitted on fewer tokens than a few times "
+          "head_dim are noisy (use {} or more)",
+          ctokens, kFewCalibrationTokens);
     }
     c.max_tokens = ctokens;
     return RunCalibrate(c, out);

@@ -35,7 +35,15 @@ check quantize-bad-clip 1 "--clip" -- "$bin" quantize --in "$tmp/x.npy" --clip 2
 check quantize-nan-clip 1 "--clip" -- "$bin" quantize --in "$tmp/x.npy" --clip nan
 check quantize-neg-clip 1 "--clip" -- "$bin" quantize --in "$tmp/x.npy" --clip -0.5
 check quantize-layer-no-file 1 "--layer 99 needs a rotation file" -- "$bin" quantize --in "$tmp/x.npy" --layer 99
-check quantize-neg-layer 1 "--layer" -- "$bin" quantize --in "$tmp/x.npy" --layer -1
+check quantize-neg-layer 1 "--layer: must be an index >= 0, got '-1'" -- "$bin" quantize --in "$tmp/x.npy" --layer -1
+out="$("$bin" quantize --in "$tmp/x.npy" --layer -1 2>&1)"
+grep -q "179769\|e+308" <<<"$out" && { echo "FAIL quantize-neg-layer-range: $out"; fail=1; } || echo "ok   quantize-neg-layer-range"
+check quantize-neg-head 1 "--head: must be an index >= 0, got '-5'" -- "$bin" quantize --in "$tmp/x.npy" --head -5
+check quantize-head-no-file 1 "--head 7 needs a per-head rotation file" -- "$bin" quantize --in "$tmp/x.npy" --head 7
+check quantize-dequant-out-no-dir 1 "directory '/nonexistent' does not exist" -- "$bin" quantize --in "$tmp/x.npy" --dequant-out /nonexistent/x.npy
+check quantize-packed-out-no-dir 1 "directory '/nonexistent' does not exist" -- "$bin" quantize --in "$tmp/x.npy" --packed-out /nonexistent/p.bin
+out="$("$bin" quantize --in "$tmp/x.npy" --dequant-out /nonexistent/x.npy 2>/dev/null)"
+[[ -z "$out" ]] && echo "ok   quantize-bad-out-prints-nothing" || { echo "FAIL quantize-bad-out-prints-nothing: $out"; fail=1; }
 python3 - "$tmp" <<'PY'
 import math, struct, sys
 def save(path, shape, vals):
@@ -61,10 +69,21 @@ check calibrate-bad-out 1 "/nonexistent/dir" -- "$bin" calibrate --model "$model
 check quantize-missing 2 "cannot open" -- "$bin" quantize --in "$tmp/none.npy"
 printf 'garbage' > "$tmp/bad.npy"
 check quantize-garbage 2 "magic" -- "$bin" quantize --in "$tmp/bad.npy"
+mkdir "$tmp/outdir"
+check calibrate-out-is-dir 1 "is a directory" -- "$bin" calibrate --model "$model" --text "$data/calibration.txt" --tokens 400 --out "$tmp/outdir"
+[[ ! -e "$tmp/outdir.tmp" ]] && echo "ok   calibrate-out-is-dir-no-tmp" || { echo "FAIL calibrate-out-is-dir left outdir.tmp"; fail=1; }
+check calibrate-tokens-1 1 "--tokens must be 0 (all) or >= 16, got 1" -- "$bin" calibrate --model "$model" --text "$data/calibration.txt" --tokens 1 --out "$tmp/r1.safetensors"
+[[ ! -e "$tmp/r1.safetensors" ]] && echo "ok   calibrate-tokens-1-no-file" || { echo "FAIL calibrate-tokens-1 wrote a file"; fail=1; }
+check calibrate-few-tokens-warns 0 "is few" -- "$bin" calibrate --model "$model" --text "$data/calibration.txt" --tokens 32 --out "$tmp/r32.safetensors"
+check inspect-dir 2 "is a directory, not a rotation" -- "$bin" rotations inspect "$tmp/outdir"
 check calibrate 0 "wrote" -- "$bin" calibrate --model "$model" --text "$data/calibration.txt" --tokens 400 --out "$tmp/rot.safetensors"
 check inspect 0 "max orth_err" -- "$bin" rotations inspect "$tmp/rot.safetensors"
 check quantize-file 0 "relative L2 err" -- "$bin" quantize --in "$tmp/x.npy" --rotation "$tmp/rot.safetensors" --layer 2 --kind v
 check quantize-file-head-dim 2 "rotation file head_dim 8 != input head_dim 16" -- "$bin" quantize --in "$tmp/d16.npy" --rotation "$tmp/rot.safetensors"
+check quantize-head-per-layer-file 2 "--head 7 needs a per-head rotation file" -- "$bin" quantize --in "$tmp/x.npy" --rotation "$tmp/rot.safetensors" --head 7
+check calibrate-per-head 0 "per head (v2)" -- "$bin" calibrate --model "$model" --text "$data/calibration.txt" --tokens 400 --per-head --out "$tmp/roth.safetensors"
+check quantize-head-out-of-range 2 "--head 7 out of range (file has 4 KV heads)" -- "$bin" quantize --in "$tmp/x.npy" --rotation "$tmp/roth.safetensors" --head 7
+check quantize-head-in-range 0 "relative L2 err" -- "$bin" quantize --in "$tmp/x.npy" --rotation "$tmp/roth.safetensors" --head 3
 check quantize-file-layer 2 "--layer 9 out of range" -- "$bin" quantize --in "$tmp/x.npy" --rotation "$tmp/rot.safetensors" --layer 9
 check evaluate 0 "all" -- "$bin" evaluate --model "$model" --rotations "$tmp/rot.safetensors" --text "$data/evaluation.txt" --tokens 200
 head -c 100 "$tmp/rot.safetensors" > "$tmp/trunc.safetensors"
