@@ -12,6 +12,7 @@
 // Exit codes: 0 ok, 1 usage, 2 runtime error.
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <memory>
 #include <sstream>
@@ -172,6 +173,41 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "kvpool-worker: --pool: %s\n", bad.c_str());
     return kvpool::cli::kExitUsage;
   }
+  if (*fault_or == kw::Fault::kKillPoolMidFetch && fault_pool_pid <= 0) {
+    std::fprintf(stderr,
+                 "kvpool-worker: --fault-pool-pid: kill-pool-mid-fetch needs the pool's pid "
+                 "(a positive integer)\n");
+    return kvpool::cli::kExitUsage;
+  }
+  // Output files are written after the whole run: check their directories now.
+  for (const auto& [flag, path] : {std::pair<const char*, const std::string*>{"--report", &report},
+                                   {"--metrics-file", &metrics_file}}) {
+    if (path->empty()) {
+      continue;
+    }
+    const std::filesystem::path dir =
+        std::filesystem::absolute(std::filesystem::path(*path)).parent_path();
+    std::error_code ec;
+    if (!std::filesystem::is_directory(dir, ec)) {
+      std::fprintf(stderr, "kvpool-worker: %s: directory '%s' of '%s' does not exist\n", flag,
+                   dir.c_str(), path->c_str());
+      return kvpool::cli::kExitUsage;
+    }
+  }
+  std::vector<std::pair<int, int>> wins;  // --eval-windows, checked before any work
+  for (absl::string_view w : absl::StrSplit(windows, ',')) {
+    std::vector<std::string> sw = absl::StrSplit(w, ':');
+    int s = 0, r = 0;
+    if (sw.size() != 2 || !absl::SimpleAtoi(sw[0], &s) || !absl::SimpleAtoi(sw[1], &r) || s < 0 ||
+        r < 0) {
+      std::fprintf(stderr,
+                   "kvpool-worker: --eval-windows: '%s' is not S:W (two non-negative "
+                   "integers)\n",
+                   std::string(w).c_str());
+      return kvpool::cli::kExitUsage;
+    }
+    wins.emplace_back(s, r);
+  }
   if (revision.empty()) {
     std::fprintf(stderr, "kvpool-worker: --revision: must not be empty (use 'auto')\n");
     return kvpool::cli::kExitUsage;
@@ -228,6 +264,36 @@ int main(int argc, char** argv) {
     return kvpool::cli::kExitUsage;
   }
 
+  // S and W beyond the context would never apply (the cache holds context_length tokens).
+  for (const auto& [flag, value] :
+       {std::pair<const char*, int>{"--sink-tokens", sink}, {"--recent-tokens", recent}}) {
+    if (value > cfg.context_length) {
+      std::fprintf(stderr, "kvpool-worker: %s: %d exceeds the model's context of %d tokens\n", flag,
+                   value, cfg.context_length);
+      return kvpool::cli::kExitUsage;
+    }
+  }
+  if (role == "eval") {
+    for (auto [s, w] : wins) {
+      kw::MixedCacheOptions o = copts;
+      o.sink_tokens = s;
+      o.recent_tokens = w;
+      absl::Status bad;
+      if (s > cfg.context_length || w > cfg.context_length) {
+        bad = absl::InvalidArgumentError(
+            absl::StrCat("exceeds the model's context of ", cfg.context_length, " tokens"));
+      } else if (auto c = kw::MixedKvCache::Create(cfg.n_layers, cfg.attention(), rotations, o);
+                 !c.ok()) {
+        bad = c.status();
+      }
+      if (!bad.ok()) {
+        std::fprintf(stderr, "kvpool-worker: --eval-windows: %d:%d: %s\n", s, w,
+                     std::string(bad.message()).c_str());
+        return kvpool::cli::kExitUsage;
+      }
+    }
+  }
+
   std::vector<Prompt> prompts;
   for (const auto& f : prompt_files) {
     auto text = ReadFile(f);
@@ -250,20 +316,6 @@ int main(int argc, char** argv) {
 
   // ---- eval: no pool ------------------------------------------------------------------------
   if (role == "eval") {
-    std::vector<std::pair<int, int>> wins;
-    for (absl::string_view w : absl::StrSplit(windows, ',')) {
-      std::vector<std::string> sw = absl::StrSplit(w, ':');
-      int s = 0, r = 0;
-      if (sw.size() != 2 || !absl::SimpleAtoi(sw[0], &s) || !absl::SimpleAtoi(sw[1], &r) || s < 0 ||
-          r < 0) {
-        std::fprintf(stderr,
-                     "kvpool-worker: --eval-windows: '%s' is not S:W (two non-negative "
-                     "integers)\n",
-                     std::string(w).c_str());
-        return kvpool::cli::kExitUsage;
-      }
-      wins.emplace_back(s, r);
-    }
     std::map<std::string, kw::TeacherForcedResult> overall;
     double ref_s = 0, mixed_s = 0;
     for (auto& p : prompts) {

@@ -55,6 +55,21 @@ for bad in 127.0.0.1:99999 127.0.0.1:0 127.0.0.1 :7070 127.0.0.1: 127.0.0.1:x7; 
   expect 1 "--pool ${bad} refused" -- "${worker}" --role decode --pool "${bad}" "${base[@]}" "${prompt[@]}"
   expect_err "kvpool-worker: --pool: " "the message names --pool (${bad})"
 done
+expect 1 "sink window beyond the context" -- "${worker}" --role decode --sink-tokens 100000 --recent-tokens 100000 "${base[@]}" "${prompt[@]}"
+expect_err "kvpool-worker: --sink-tokens: 100000 exceeds the model's context of 512 tokens" "the message names --sink-tokens and the context"
+expect 1 "recent window beyond the context" -- "${worker}" --role eval --recent-tokens 100000 "${base[@]}" "${prompt[@]}"
+expect_err "kvpool-worker: --recent-tokens: 100000 exceeds" "the message names --recent-tokens"
+expect 1 "eval window not a recipe (sink 8 with P=16)" -- "${worker}" --role eval --eval-windows 8:8 "${base[@]}" "${prompt[@]}"
+expect_err "kvpool-worker: --eval-windows: 8:8: sink_tokens 8" "the message names --eval-windows and the window"
+if grep -q "fp32 reference" "${work}/out"; then echo "FAIL: --eval-windows 8:8 computed before refusing" >&2; failures=$((failures + 1)); fi
+expect 1 "eval window beyond the context" -- "${worker}" --role eval --eval-windows 64:4096 "${base[@]}" "${prompt[@]}"
+expect_err "kvpool-worker: --eval-windows: 64:4096: exceeds" "the message names --eval-windows"
+expect 1 "kill-pool-mid-fetch without --fault-pool-pid" -- "${worker}" --role decode --fault kill-pool-mid-fetch "${base[@]}" "${prompt[@]}"
+expect_err "kvpool-worker: --fault-pool-pid: " "the message names --fault-pool-pid"
+expect 1 "--report into a missing directory" -- "${worker}" --role eval "${base[@]}" "${prompt[@]}" --report "${work}/no/such/dir/r.json"
+expect_err "kvpool-worker: --report: directory '${work}/no/such/dir' of " "the message names --report and the directory"
+expect 1 "--metrics-file into a missing directory" -- "${worker}" --role decode --pool 127.0.0.1:1 "${base[@]}" "${prompt[@]}" --metrics-file "${work}/none/m.prom"
+expect_err "kvpool-worker: --metrics-file: directory" "the message names --metrics-file"
 expect 1 "empty --revision" -- "${worker}" --role decode --revision "" "${base[@]}" "${prompt[@]}"
 expect_err "kvpool-worker: --revision: must not be empty" "the message names --revision"
 # An explicit revision asserts the weights (the pool does not compare them): warned once, and
