@@ -150,13 +150,26 @@ int main(int argc, char** argv) {
   app.add_option("--sizes-kib", sizes_kib, "Transfer sizes in KiB (powers of two, >= 16)")
       ->delimiter(',')
       ->capture_default_str();
-  app.add_option("--iters", iters, "Timed puts/fetches per size")->capture_default_str();
-  app.add_option("--warmup", warmup, "Untimed iterations per size")->capture_default_str();
-  app.add_option("--lookup-clients", lookup_clients, "Concurrent clients for the lookup test")
+  // Ranges: a negative count reached std::vector's constructor (std::length_error, abort) and
+  // zero timed iterations leave nothing to take percentiles of.
+  app.add_option("--iters", iters, "Timed puts/fetches per size")
+      ->check(CLI::Range(1, 1000000))
       ->capture_default_str();
-  app.add_option("--lookup-iters", lookup_iters, "Lookups per client")->capture_default_str();
-  app.add_option("--commit-blocks", commit_blocks, "INT2 blocks per commit")->capture_default_str();
-  app.add_option("--commit-iters", commit_iters, "Timed commits")->capture_default_str();
+  app.add_option("--warmup", warmup, "Untimed iterations per size")
+      ->check(CLI::Range(0, 1000000))
+      ->capture_default_str();
+  app.add_option("--lookup-clients", lookup_clients, "Concurrent clients for the lookup test")
+      ->check(CLI::Range(1, 1024))
+      ->capture_default_str();
+  app.add_option("--lookup-iters", lookup_iters, "Lookups per client")
+      ->check(CLI::Range(1, 10000000))
+      ->capture_default_str();
+  app.add_option("--commit-blocks", commit_blocks, "INT2 blocks per commit")
+      ->check(CLI::Range(1, 65536))
+      ->capture_default_str();
+  app.add_option("--commit-iters", commit_iters, "Timed commits")
+      ->check(CLI::Range(1, 1000000))
+      ->capture_default_str();
   app.add_option("--json", json_path, "Write results as JSON to this file");
   KVPOOL_CLI_PARSE(app, argc, argv);
 

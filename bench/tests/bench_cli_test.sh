@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Flag checks of the bench binaries (no pool needed: they fail while parsing).
+# Usage: bench_cli_test.sh POOL_BENCH QUANTIZE_BENCH
+set -u
+pool="$1"; quant="$2"
+fail=0
+check() {  # check NAME EXPECTED_RC GREP_PATTERN -- command...
+  local name="$1" want="$2" pat="$3"; shift 4
+  local out rc
+  out="$("$@" 2>&1)"; rc=$?
+  if [[ $rc -ne $want ]]; then echo "FAIL $name: rc $rc != $want"; echo "$out"; fail=1; return; fi
+  if [[ -n "$pat" ]] && ! grep -q -- "$pat" <<<"$out"; then
+    echo "FAIL $name: output lacks '$pat'"; echo "$out"; fail=1; return
+  fi
+  echo "ok   $name"
+}
+# A negative count used to abort in std::vector (std::length_error, exit 134).
+for flag in --lookup-clients --commit-blocks --iters --lookup-iters --commit-iters; do
+  check "pool_bench $flag -3" 1 "$flag" -- "$pool" --server 127.0.0.1:1 "$flag" -3
+  check "pool_bench $flag 0" 1 "$flag" -- "$pool" --server 127.0.0.1:1 "$flag" 0
+done
+check "pool_bench --warmup -1" 1 "--warmup" -- "$pool" --server 127.0.0.1:1 --warmup -1
+# The default results file is in the current directory, not a committed file of the source tree.
+out="$("$quant" --help 2>&1)"
+if grep -q -- "--json-out.*=quantize_cpu.json\|--json-out.*\[quantize_cpu.json\]" <<<"$out" &&
+   ! grep -q "bench/results" <<<"$out"; then
+  echo "ok   quantize_bench default --json-out"
+else
+  echo "FAIL quantize_bench default --json-out:"; grep -- "--json-out" <<<"$out"; fail=1
+fi
+exit $fail
