@@ -3,17 +3,8 @@
 # Usage: bench_cli_test.sh POOL_BENCH QUANTIZE_BENCH
 set -u
 pool="$1"; quant="$2"
-fail=0
-check() {  # check NAME EXPECTED_RC GREP_PATTERN -- command...
-  local name="$1" want="$2" pat="$3"; shift 4
-  local out rc
-  out="$("$@" 2>&1)"; rc=$?
-  if [[ $rc -ne $want ]]; then echo "FAIL $name: rc $rc != $want"; echo "$out"; fail=1; return; fi
-  if [[ -n "$pat" ]] && ! grep -q -- "$pat" <<<"$out"; then
-    echo "FAIL $name: output lacks '$pat'"; echo "$out"; fail=1; return
-  fi
-  echo "ok   $name"
-}
+# shellcheck source=../../tests/cli_check.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../../tests/cli_check.sh"
 # A negative count used to abort in std::vector (std::length_error, exit 134).
 for flag in --lookup-clients --commit-blocks --iters --lookup-iters --commit-iters; do
   check "pool_bench $flag -3" 1 "$flag" -- "$pool" --server 127.0.0.1:1 "$flag" -3

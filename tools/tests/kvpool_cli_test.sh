@@ -4,17 +4,8 @@
 set -u
 bin="$1"; model="$2"; data="$3"
 tmp="$(mktemp -d)"; trap 'rm -rf "$tmp"' EXIT
-fail=0
-check() {  # check NAME EXPECTED_RC GREP_PATTERN -- command...
-  local name="$1" want="$2" pat="$3"; shift 4
-  local out rc
-  out="$("$@" 2>&1)"; rc=$?
-  if [[ $rc -ne $want ]]; then echo "FAIL $name: rc $rc != $want"; echo "$out"; fail=1; return; fi
-  if [[ -n "$pat" ]] && ! grep -q -- "$pat" <<<"$out"; then
-    echo "FAIL $name: output lacks '$pat'"; echo "$out"; fail=1; return
-  fi
-  echo "ok   $name"
-}
+# shellcheck source=../../tests/cli_check.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../../tests/cli_check.sh"
 check help 0 "quantize" -- "$bin" --help
 check version 0 "kvpool 0" -- "$bin" --version
 check no-subcommand 1 "" -- "$bin"
