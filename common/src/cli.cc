@@ -1,6 +1,7 @@
 #include "kvpool/common/cli.h"
 
 #include <iostream>
+#include <set>
 #include <sstream>
 
 #include <yaml-cpp/yaml.h>
@@ -47,8 +48,14 @@ class YamlConfig : public CLI::Config {
  private:
   static void Walk(const YAML::Node& node, std::vector<std::string> parents,
                    std::vector<CLI::ConfigItem>& items) {
+    std::set<std::string> seen;  // yaml-cpp keeps duplicate keys; the first would silently win
     for (const auto& kv : node) {
       const std::string key = kv.first.as<std::string>();
+      if (!seen.insert(key).second) {
+        std::string path;
+        for (const auto& p : parents) path += p + ".";
+        throw CLI::ConversionError("config file sets \"" + path + key + "\" more than once");
+      }
       const YAML::Node& v = kv.second;
       if (v.IsMap()) {
         auto p = parents;

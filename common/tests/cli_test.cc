@@ -78,6 +78,14 @@ TEST(CliConfigTest, UnknownTopLevelKeyIsAUsageErrorNamingTheKey) {
   EXPECT_NE(err.find("unknown key \"bogus_key\""), std::string::npos) << err;
 }
 
+TEST(CliConfigTest, DuplicateKeyIsAUsageErrorNamingTheKey) {
+  FlatApp f;
+  const std::string path = WriteYaml("dup", "listen: 127.0.0.1:1234\nlisten: 127.0.0.1:9999\n");
+  auto [rc, err] = RunParse(f.app, {"--config", path});
+  EXPECT_EQ(rc, kExitUsage);
+  EXPECT_NE(err.find("sets \"listen\" more than once"), std::string::npos) << err;
+}
+
 TEST(CliConfigTest, UnderscoreSpellingOfAFlagIsRefused) {
   FlatApp f;
   const std::string path = WriteYaml("underscore", "metrics_port: -1\n");
