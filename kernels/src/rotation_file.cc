@@ -203,6 +203,13 @@ absl::StatusOr<RotationSet> ParseRotations(const std::string& bytes) {
               absl::StrJoin(t->shape, ","), "], expected F32 [", absl::StrJoin(want, ","), "]"));
         }
         KVPOOL_ASSIGN_OR_RETURN(std::vector<float> data, f.ReadF32(name));
+        // Rotation entries are checked by the orthogonality test below; eigenvalues (of the
+        // symmetric PSD targets C_Q / C_S, FORMAT.md §1) only need to be finite numbers.
+        for (size_t i = 0; !is_rot && i < data.size(); ++i) {
+          if (!std::isfinite(data[i]))
+            return absl::InvalidArgumentError(absl::StrCat("rotation file: tensor '", name,
+                                                           "' element ", i, " is not finite"));
+        }
         auto& dst = is_rot ? (kind == KvKind::kKey ? k : v) : (kind == KvKind::kKey ? ke : ve);
         dst.insert(dst.end(), data.begin(), data.end());
       }

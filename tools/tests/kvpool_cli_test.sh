@@ -91,4 +91,15 @@ open(sys.argv[2], "wb").write(b)
 PY
 check inspect-nonorthogonal 2 "layers.0.k.rotation' is not orthogonal" -- "$bin" rotations inspect "$tmp/nonorth.safetensors"
 check quantize-nonorthogonal 2 "not orthogonal" -- "$bin" quantize --in "$tmp/x.npy" --rotation "$tmp/nonorth.safetensors"
+# An infinite eigenvalue (metadata of the fit, not used for rotating) is refused too.
+python3 - "$tmp/rot.safetensors" "$tmp/infeig.safetensors" <<'PY'
+import json, math, struct, sys
+b = bytearray(open(sys.argv[1], "rb").read())
+n = struct.unpack("<Q", b[:8])[0]
+h = json.loads(b[8:8 + n])
+off = 8 + n + h["layers.1.v.eigenvalues"]["data_offsets"][0] + 4 * 3
+b[off:off + 4] = struct.pack("<f", math.inf)
+open(sys.argv[2], "wb").write(b)
+PY
+check inspect-inf-eigenvalue 2 "layers.1.v.eigenvalues' element 3 is not finite" -- "$bin" rotations inspect "$tmp/infeig.safetensors"
 exit $fail
