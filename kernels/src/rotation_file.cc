@@ -207,8 +207,8 @@ absl::StatusOr<RotationSet> ParseRotations(const std::string& bytes) {
         // symmetric PSD targets C_Q / C_S, FORMAT.md §1) only need to be finite numbers.
         for (size_t i = 0; !is_rot && i < data.size(); ++i) {
           if (!std::isfinite(data[i]))
-            return absl::InvalidArgumentError(absl::StrCat("rotation file: tensor '", name,
-                                                           "' element ", i, " is not finite"));
+            return absl::InvalidArgumentError(
+                absl::StrCat("rotation file: tensor '", name, "' element ", i, " is not finite"));
         }
         auto& dst = is_rot ? (kind == KvKind::kKey ? k : v) : (kind == KvKind::kKey ? ke : ve);
         dst.insert(dst.end(), data.begin(), data.end());
