@@ -208,6 +208,12 @@ class PutSessionImpl final : public PutSession {
 
  private:
   absl::Status WaitSlot(int slot);
+  // Packs WRITE block i's slice of one layer from k/v into `out` (Bf16LayerBytes), feeds it
+  // to the block's checksum. Shared by the three data paths.
+  void PackBlock(size_t i, const uint16_t* k, const uint16_t* v, uint8_t* out) {
+    PackLayerSlice(conn_.geometry, writes_[i].index, k, v, out);
+    hashes_[i]->Update(out, conn_.geometry.Bf16LayerBytes());
+  }
   // Pool-initiated mode. StartPull asks the pool (in the background: one asynchronous
   // WritePut call) to pull the layers [requested_layers_, next_layer_) written since the last
   // request; FinishPulls waits for every call in flight; PullPending requests the rest and
@@ -995,9 +1001,7 @@ absl::Status PutSessionImpl::WriteLayer(uint32_t layer, absl::Span<const uint16_
   if (direct_) {
     // The staging is mapped: packing the layer into it is the transfer.
     for (size_t i = 0; i < writes_.size(); ++i) {
-      uint8_t* out = writes_[i].mapped + uint64_t(layer) * slice;
-      PackLayerSlice(g, writes_[i].index, k.data(), v.data(), out);
-      hashes_[i]->Update(out, slice);
+      PackBlock(i, k.data(), v.data(), writes_[i].mapped + uint64_t(layer) * slice);
     }
     bytes_written_ += slice * writes_.size();
     return absl::OkStatus();
@@ -1011,9 +1015,7 @@ absl::Status PutSessionImpl::WriteLayer(uint32_t layer, absl::Span<const uint16_
       KVPOOL_ASSIGN_OR_RETURN(whole_, client_->TakeBuffer(form * writes_.size()));
     }
     for (size_t i = 0; i < writes_.size(); ++i) {
-      uint8_t* out = whole_->data() + i * form + uint64_t(layer) * slice;
-      PackLayerSlice(g, writes_[i].index, k.data(), v.data(), out);
-      hashes_[i]->Update(out, slice);
+      PackBlock(i, k.data(), v.data(), whole_->data() + i * form + uint64_t(layer) * slice);
     }
     bytes_written_ += slice * writes_.size();
     // One call in flight while layers come faster than the pool pulls them (the next call
@@ -1034,9 +1036,7 @@ absl::Status PutSessionImpl::WriteLayer(uint32_t layer, absl::Span<const uint16_
   // Ops grouped by remote key (normally one: the pool's arena).
   std::map<uint64_t, std::vector<TransferOp>> by_key;
   for (size_t i = 0; i < writes_.size(); ++i) {
-    uint8_t* out = buf + i * slice;
-    PackLayerSlice(g, writes_[i].index, k.data(), v.data(), out);
-    hashes_[i]->Update(out, slice);
+    PackBlock(i, k.data(), v.data(), buf + i * slice);
     by_key[writes_[i].rkey.value].push_back(
         TransferOp{i * slice, writes_[i].staging_addr + layer * slice, slice});
   }
