@@ -338,6 +338,13 @@ class ClientImpl final : public Client {
     }
     std::lock_guard<std::mutex> lock(mu_);
     if (!info_) return absl::UnavailableError("not connected");
+    ConnSnapshot c = SnapshotLocked();
+    c.worker_address = transport_->WorkerAddress();
+    return c;
+  }
+
+  // The connection as it is now, without worker_address. Requires mu_ held and info_ set.
+  ConnSnapshot SnapshotLocked() const {
     ConnSnapshot c;
     c.epoch = info_->pool_epoch;
     c.endpoint = endpoint_;
@@ -345,7 +352,6 @@ class ClientImpl final : public Client {
     c.geometry = info_->geometry;
     c.info = *info_;
     c.bf16_history = spec_->history_precision == "bf16";
-    c.worker_address = transport_->WorkerAddress();
     if (arena_epoch_ == c.epoch) c.arena = arena_;
     return c;
   }
@@ -1131,12 +1137,7 @@ absl::StatusOr<FetchResult> ClientImpl::Fetch(const Lease& lease, const FetchPla
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!info_) return absl::FailedPreconditionError("model: RegisterModel first");
-    c.epoch = info_->pool_epoch;
-    c.endpoint = endpoint_;
-    c.geometry = info_->geometry;
-    c.info = *info_;
-    c.bf16_history = spec_->history_precision == "bf16";
-    if (arena_epoch_ == c.epoch) c.arena = arena_;
+    c = SnapshotLocked();
   }
   if (lease.pool_epoch != c.epoch) {
     return absl::UnavailableError(absl::StrCat("lease: from pool epoch ", lease.pool_epoch,
