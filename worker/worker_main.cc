@@ -12,7 +12,6 @@
 // Exit codes: 0 ok, 1 usage, 2 runtime error.
 #include <chrono>
 #include <cstdio>
-#include <filesystem>
 #include <fstream>
 #include <memory>
 #include <sstream>
@@ -149,10 +148,12 @@ int main(int argc, char** argv) {
                  "does not compare them, so every worker using it must load the same model file")
       ->capture_default_str();
   app.add_option("--ucx-tls", ucx_tls, "UCX transports of the data plane")->capture_default_str();
-  app.add_option("--report", report, "write a JSON report to this file");
+  app.add_option("--report", report, "write a JSON report to this file")
+      ->check(kvpool::cli::OutputFile());
   std::string metrics_file;
   app.add_option("--metrics-file", metrics_file,
-                 "decode/prefill: write counters in Prometheus text format to this file");
+                 "decode/prefill: write counters in Prometheus text format to this file")
+      ->check(kvpool::cli::OutputFile());
   app.add_option("--eval-windows", windows, "eval: S:W pairs, comma-separated")
       ->capture_default_str();
   app.add_option("--teacher-force", teacher_force,
@@ -178,21 +179,6 @@ int main(int argc, char** argv) {
                  "kvpool-worker: --fault-pool-pid: kill-pool-mid-fetch needs the pool's pid "
                  "(a positive integer)\n");
     return kvpool::cli::kExitUsage;
-  }
-  // Output files are written after the whole run: check their directories now.
-  for (const auto& [flag, path] : {std::pair<const char*, const std::string*>{"--report", &report},
-                                   {"--metrics-file", &metrics_file}}) {
-    if (path->empty()) {
-      continue;
-    }
-    const std::filesystem::path dir =
-        std::filesystem::absolute(std::filesystem::path(*path)).parent_path();
-    std::error_code ec;
-    if (!std::filesystem::is_directory(dir, ec)) {
-      std::fprintf(stderr, "kvpool-worker: %s: directory '%s' of '%s' does not exist\n", flag,
-                   dir.c_str(), path->c_str());
-      return kvpool::cli::kExitUsage;
-    }
   }
   std::vector<std::pair<int, int>> wins;  // --eval-windows, checked before any work
   for (absl::string_view w : absl::StrSplit(windows, ',')) {

@@ -1,5 +1,6 @@
 #include "kvpool/common/cli.h"
 
+#include <filesystem>
 #include <iostream>
 #include <set>
 #include <sstream>
@@ -77,6 +78,23 @@ class YamlConfig : public CLI::Config {
 };
 
 }  // namespace
+
+const CLI::Validator& OutputFile() {
+  static const CLI::Validator v(
+      [](std::string& path) -> std::string {
+        std::error_code ec;
+        if (std::filesystem::is_directory(path, ec))
+          return "'" + path + "' is a directory; name a file";
+        const std::filesystem::path dir =
+            std::filesystem::absolute(std::filesystem::path(path), ec).parent_path();
+        if (!std::filesystem::is_directory(dir, ec)) {
+          return "directory '" + dir.string() + "' of '" + path + "' does not exist";
+        }
+        return {};
+      },
+      "FILE in an existing directory");
+  return v;
+}
 
 std::string VersionString() { return std::string(kVersion) + " (git " + kGitSha + ")"; }
 

@@ -46,23 +46,6 @@ const CLI::Validator kClipRatio(
     },
     "RATIO in [0,1]");
 
-// CLI11 check that an output file's directory exists and that the file is not itself a
-// directory (so a long run does not fail at the end, when it writes).
-const CLI::Validator kParentDirExists(
-    [](std::string& v) -> std::string {
-      std::error_code ec;
-      if (std::filesystem::is_directory(v, ec)) {
-        return "'" + v + "' is a directory; name a file";
-      }
-      std::filesystem::path dir = std::filesystem::path(v).parent_path();
-      if (dir.empty()) dir = ".";
-      if (!std::filesystem::is_directory(dir, ec)) {
-        return "directory '" + dir.string() + "' does not exist";
-      }
-      return {};
-    },
-    "FILE in an existing directory");
-
 // CLI11 check for an index: a non-negative integer (CLI::NonNegativeNumber's message printed a
 // range up to 1.797e308).
 const CLI::Validator kIndex(
@@ -354,11 +337,11 @@ int main(int argc, char** argv) {
   quant
       ->add_option("--dequant-out", q.dequant_out,
                    "write the dequantized array (.npy, input space)")
-      ->check(kParentDirExists);
+      ->check(kvpool::cli::OutputFile());
   quant
       ->add_option("--packed-out", q.packed_out,
                    "write codes [tokens][heads][d/4] then fp16 {scale,min} [tokens][heads][d/G]")
-      ->check(kParentDirExists);
+      ->check(kvpool::cli::OutputFile());
 
   std::string inspect_path;
   auto* rots = app.add_subcommand("rotations", "rotation file tools");
@@ -380,7 +363,7 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   calib->add_option("--out", out, "output rotation .safetensors")
       ->required()
-      ->check(kParentDirExists);
+      ->check(kvpool::cli::OutputFile());
   calib->add_flag("--per-head", c.per_head, "one rotation per (layer, KV head) (format_version 2)");
   calib->add_option("--clip-k", c.clip_ratio_k, "K clip ratio recorded in the file")
       ->check(kClipRatio)

@@ -31,8 +31,8 @@ out="$("$bin" quantize --in "$tmp/x.npy" --layer -1 2>&1)"
 grep -q "179769\|e+308" <<<"$out" && { echo "FAIL quantize-neg-layer-range: $out"; fail=1; } || echo "ok   quantize-neg-layer-range"
 check quantize-neg-head 1 "--head: must be an index >= 0, got '-5'" -- "$bin" quantize --in "$tmp/x.npy" --head -5
 check quantize-head-no-file 1 "--head 7 needs a per-head rotation file" -- "$bin" quantize --in "$tmp/x.npy" --head 7
-check quantize-dequant-out-no-dir 1 "directory '/nonexistent' does not exist" -- "$bin" quantize --in "$tmp/x.npy" --dequant-out /nonexistent/x.npy
-check quantize-packed-out-no-dir 1 "directory '/nonexistent' does not exist" -- "$bin" quantize --in "$tmp/x.npy" --packed-out /nonexistent/p.bin
+check quantize-dequant-out-no-dir 1 "directory '/nonexistent' of '/nonexistent/x.npy' does not exist" -- "$bin" quantize --in "$tmp/x.npy" --dequant-out /nonexistent/x.npy
+check quantize-packed-out-no-dir 1 "directory '/nonexistent' of '/nonexistent/p.bin' does not exist" -- "$bin" quantize --in "$tmp/x.npy" --packed-out /nonexistent/p.bin
 out="$("$bin" quantize --in "$tmp/x.npy" --dequant-out /nonexistent/x.npy 2>/dev/null)"
 [[ -z "$out" ]] && echo "ok   quantize-bad-out-prints-nothing" || { echo "FAIL quantize-bad-out-prints-nothing: $out"; fail=1; }
 python3 - "$tmp" <<'PY'

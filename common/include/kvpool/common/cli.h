@@ -36,6 +36,12 @@ std::string VersionString();
 // "generate.bogus"). Not thread-safe (touches `app` only).
 void Setup(CLI::App& app, const std::string& program_name);
 
+// CLI11 check for an output file written after a long run, so the run does not fail at its
+// end: the path must not be a directory and its directory must exist. Messages (after CLI11's
+// "--flag: "): "'P' is a directory; name a file", "directory 'D' of 'P' does not exist" (D
+// absolute). Usage: app.add_option("--report", path, "...")->check(kvpool::cli::OutputFile());
+const CLI::Validator& OutputFile();
+
 // Parses; on --help/--version prints and returns kExitOk, on a usage error prints a one-line
 // message and returns kExitUsage; returns -1 when the program should continue.
 int Parse(CLI::App& app, int argc, char** argv);
