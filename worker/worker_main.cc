@@ -26,6 +26,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "kvpool/common/cli.h"
+#include "kvpool/common/host_port.h"
 #include "kvpool/common/keys.h"
 #include "kvpool/common/log.h"
 #include "kvpool/engine/engine.h"
@@ -83,25 +84,6 @@ kvpool::client::CallOptions Deadline(int seconds) {
   kvpool::client::CallOptions c;
   c.deadline = absl::Now() + absl::Seconds(seconds);
   return c;
-}
-
-// Checks a HOST:PORT address (the --pool flag): a non-empty host and a decimal port in
-// 1..65535. Returns the problem, or an empty string when the address is well formed.
-std::string CheckHostPort(const std::string& address) {
-  const size_t colon = address.rfind(':');
-  if (colon == std::string::npos) {
-    return absl::StrCat("'", address, "' has no port (want HOST:PORT)");
-  }
-  if (colon == 0) {
-    return absl::StrCat("'", address, "' has an empty host (want HOST:PORT)");
-  }
-  const std::string port = address.substr(colon + 1);
-  int value = 0;
-  if (port.empty() || port.find_first_not_of("0123456789") != std::string::npos ||
-      port.size() > 5 || !absl::SimpleAtoi(port, &value) || value < 1 || value > 65535) {
-    return absl::StrCat("'", address, "': port '", port, "' must be an integer in 1..65535");
-  }
-  return "";
 }
 
 bool WriteJson(const std::string& path, const json& j) {
@@ -170,8 +152,9 @@ int main(int argc, char** argv) {
                  std::string(fault_or.status().message()).c_str());
     return kvpool::cli::kExitUsage;
   }
-  if (const std::string bad = CheckHostPort(pool); !bad.empty()) {
-    std::fprintf(stderr, "kvpool-worker: --pool: %s\n", bad.c_str());
+  if (auto pool_address = kvpool::ParseHostPort("--pool", pool, 1); !pool_address.ok()) {
+    std::fprintf(stderr, "kvpool-worker: %s\n",
+                 std::string(pool_address.status().message()).c_str());
     return kvpool::cli::kExitUsage;
   }
   if (*fault_or == kw::Fault::kKillPoolMidFetch && fault_pool_pid <= 0) {

@@ -18,8 +18,8 @@
 #include <thread>
 
 #include "absl/strings/match.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "kvpool/common/host_port.h"
 #include "kvpool/common/log.h"
 #include "kvpool/common/status.h"
 #include "service.h"
@@ -80,22 +80,6 @@ std::string BindFailureReason(const std::string& host, int port) {
   }
   freeaddrinfo(res);
   return reason;
-}
-
-std::pair<std::string, int> SplitHostPort(const std::string& hp) {
-  auto colon = hp.rfind(':');
-  if (colon == std::string::npos) {
-    return {hp, -1};
-  }
-  std::string host = hp.substr(0, colon);
-  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
-    host = host.substr(1, host.size() - 2);
-  }
-  int port = -1;
-  if (!absl::SimpleAtoi(hp.substr(colon + 1), &port)) {
-    port = -1;  // not a number, or trailing junk ("7070x")
-  }
-  return {host, port};
 }
 
 }  // namespace
@@ -171,17 +155,7 @@ absl::StatusOr<std::unique_ptr<PoolServer>> PoolServer::Create(const PoolServerO
   if (o.capacity_bytes == 0) {
     return absl::InvalidArgumentError("capacity: must be > 0");
   }
-  auto [host, port] = SplitHostPort(o.listen);
-  if (host.empty() || port < 0 || port > 65535) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("listen: expected HOST:PORT, got \"", o.listen, "\""));
-  }
-  if (absl::StrContains(host, ':') && o.listen.front() != '[') {
-    // "::1:0" parses as host "::1" port 0 but gRPC cannot bind it: IPv6 needs brackets.
-    return absl::InvalidArgumentError(
-        absl::StrCat("listen: \"", o.listen,
-                     "\" looks like an IPv6 address without brackets; write [", host, "]:", port));
-  }
+  KVPOOL_ASSIGN_OR_RETURN(const HostPort listen, ParseHostPort("listen", o.listen, 0));
   if (o.metrics_port < -1 || o.metrics_port > 65535) {
     return absl::InvalidArgumentError(absl::StrCat(
         "metrics-port: expected -1 (off), 0 (any free port) or 1..65535, got ", o.metrics_port));
@@ -261,8 +235,8 @@ absl::StatusOr<std::unique_ptr<PoolServer>> PoolServer::Create(const PoolServerO
   builder.SetMaxReceiveMessageSize(256 << 20);  // rotation files of large models
   impl->grpc_server = builder.BuildAndStart();
   if (!impl->grpc_server || impl->grpc_port == 0) {
-    return absl::UnavailableError(
-        absl::StrCat("listen: cannot bind ", o.listen, BindFailureReason(host, port)));
+    return absl::UnavailableError(absl::StrCat("listen: cannot bind ", o.listen,
+                                               BindFailureReason(listen.host, listen.port)));
   }
   auto* health = impl->grpc_server->GetHealthCheckService();
   health->SetServingStatus(true);
@@ -274,7 +248,7 @@ absl::StatusOr<std::unique_ptr<PoolServer>> PoolServer::Create(const PoolServerO
     raw->http.Get("/metrics", [raw](const httplib::Request&, httplib::Response& res) {
       res.set_content(RenderStoreMetrics(*raw->store), "text/plain; version=0.0.4");
     });
-    const std::string mhost = host == "localhost" ? "127.0.0.1" : host;
+    const std::string mhost = listen.host == "localhost" ? "127.0.0.1" : listen.host;
     // cpp-httplib's default socket options set SO_REUSEPORT, which lets a second pool bind the
     // same metrics port and split the scrapes between two processes; SO_REUSEADDR alone lets a
     // restarted pool rebind while old connections sit in TIME_WAIT, and nothing more.
@@ -309,7 +283,7 @@ absl::StatusOr<std::unique_ptr<PoolServer>> PoolServer::Create(const PoolServerO
   KVPOOL_LOG_INFO(
       "kvpool-server ready: grpc {}:{} metrics {} capacity {} bytes data-plane {} transfers "
       "initiated by the {}",
-      host, raw->grpc_port, raw->http_port, o.capacity_bytes, o.data_plane,
+      listen.host, raw->grpc_port, raw->http_port, o.capacity_bytes, o.data_plane,
       ctx.pool_initiates_transfers ? "pool" : "client");
   return std::unique_ptr<PoolServer>(new PoolServer(std::move(impl)));
 }

@@ -1,0 +1,43 @@
+// ParseHostPort (host_port.h).
+#include "kvpool/common/host_port.h"
+
+#include "absl/status/status.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+
+namespace kvpool {
+
+absl::StatusOr<HostPort> ParseHostPort(absl::string_view field, absl::string_view address,
+                                       int min_port) {
+  auto bad = [&](absl::string_view why) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": '", address, "' ", why));
+  };
+  const size_t colon = address.rfind(':');
+  if (colon == absl::string_view::npos) {
+    return bad("has no port (want HOST:PORT)");
+  }
+  absl::string_view host = address.substr(0, colon);
+  const absl::string_view port = address.substr(colon + 1);
+  if (host.empty()) {
+    return bad("has an empty host (want HOST:PORT)");
+  }
+  const bool open = host.front() == '[';
+  const bool close = host.back() == ']';
+  if (open != close || (open && host.size() < 3)) {
+    return bad("has unbalanced or empty IPv6 brackets (want [ADDRESS]:PORT)");
+  }
+  if (open) {
+    host = host.substr(1, host.size() - 2);
+  } else if (host.find(':') != absl::string_view::npos) {
+    return bad(
+        absl::StrCat("looks like an IPv6 address without brackets; write [", host, "]:", port));
+  }
+  int value = -1;
+  if (port.empty() || port.size() > 5 || port.find_first_not_of("0123456789") != port.npos ||
+      !absl::SimpleAtoi(port, &value) || value < min_port || value > 65535) {
+    return bad(absl::StrCat("has port '", port, "'; want an integer in ", min_port, "..65535"));
+  }
+  return HostPort{std::string(host), value};
+}
+
+}  // namespace kvpool
