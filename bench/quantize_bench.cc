@@ -364,11 +364,11 @@ int main(int argc, char** argv) {
   int pairs = 41;
   app.add_option("--pairs", pairs, "interleaved FMA / (a) window pairs (0: skip)")
       ->capture_default_str()
-      ->check(CLI::Range(0, 100000));
+      ->check(kvpool::cli::Range(0, 100000));
   double window_ms = 25.0;
   app.add_option("--window-ms", window_ms, "thread CPU time per interleaved window, ms")
       ->capture_default_str()
-      ->check(CLI::Range(1.0, 10000.0));
+      ->check(kvpool::cli::Range(1.0, 10000.0));
   KVPOOL_CLI_PARSE(app, argc, argv);
 
   Collector rep;

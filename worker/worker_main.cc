@@ -115,7 +115,7 @@ int main(int argc, char** argv) {
   app.add_option("--prompt-file", prompt_files, "a prompt text file (repeatable)")->required();
   app.add_option("--max-new-tokens", max_new, "tokens to generate per prompt")
       ->capture_default_str()
-      ->check(CLI::Range(0, 4096));
+      ->check(kvpool::cli::Range(0, 4096));
   app.add_option("--page-size", page_size, "tokens per block")->capture_default_str();
   app.add_option("--sink-tokens", sink, "S: sink tokens kept in BF16")->capture_default_str();
   app.add_option("--recent-tokens", recent, "W: recent tokens kept in BF16")->capture_default_str();

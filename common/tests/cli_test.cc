@@ -143,3 +143,46 @@ TEST(CliConfigTest, SubcommandFlagAtTopLevelIsRefused) {
 
 }  // namespace
 }  // namespace kvpool::cli
+
+namespace kvpool::cli {
+namespace {
+
+// kvpool::cli::Range tells a value of the wrong type apart from one out of range, from the
+// command line and from --config alike.
+TEST(CliRangeTest, WrongTypeAndOutOfRangeHaveTheirOwnMessages) {
+  struct Case {
+    std::vector<std::string> args;
+    std::string want;
+  };
+  const std::string yaml = WriteYaml("range_type", "port: abc\n");
+  const std::vector<Case> cases = {
+      {{"--port", "abc"}, "--port: 'abc' is not an integer (want -1..65535)"},
+      {{"--port", "1.5"}, "--port: '1.5' is not an integer (want -1..65535)"},
+      {{"--port", "70000"}, "--port: 70000 is outside -1..65535"},
+      {{"--ratio", "x"}, "--ratio: 'x' is not a number (want 0..1)"},
+      {{"--ratio", "nan"}, "--ratio: nan is outside 0..1"},
+      {{"--ratio", "1.5"}, "--ratio: 1.5 is outside 0..1"},
+      {{"--config", yaml}, "--port: 'abc' is not an integer (want -1..65535)"},
+  };
+  for (const Case& c : cases) {
+    CLI::App app{"test"};
+    kvpool::cli::Setup(app, "prog");
+    int port = 0;
+    double ratio = 0.5;
+    app.add_option("--port", port, "port")->check(Range(-1, 65535));
+    app.add_option("--ratio", ratio, "ratio")->check(Range(0.0, 1.0));
+    auto [rc, err] = RunParse(app, c.args);
+    EXPECT_EQ(rc, kExitUsage) << c.args[1];
+    EXPECT_NE(err.find(c.want), std::string::npos) << c.args[1] << ": " << err;
+  }
+  CLI::App app{"test"};
+  kvpool::cli::Setup(app, "prog");
+  int port = 0;
+  app.add_option("--port", port, "port")->check(Range(-1, 65535));
+  auto [rc, err] = RunParse(app, {"--port", "-1"});
+  EXPECT_EQ(rc, -1) << err;
+  EXPECT_EQ(port, -1);
+}
+
+}  // namespace
+}  // namespace kvpool::cli

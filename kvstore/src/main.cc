@@ -54,7 +54,7 @@ int main(int argc, char** argv) {
   app.add_option("--listen", o.listen, "gRPC address HOST:PORT (port 0 = any free port)");
   app.add_option("--metrics-port", o.metrics_port,
                  "HTTP port of /metrics (Prometheus text); 0 = any free port, -1 = off")
-      ->check(CLI::Range(-1, 65535));
+      ->check(kvpool::cli::Range(-1, 65535));
   app.add_option("--capacity", capacity,
                  "Pool memory for blocks and staging: bytes or with a unit (KiB, MiB, GiB, TiB, "
                  "KB, MB, GB, TB)");
@@ -72,28 +72,28 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--high-watermark", o.store.high_watermark,
                  "Eviction starts above this fraction of capacity")
-      ->check(CLI::Range(0.0, 1.0));
+      ->check(kvpool::cli::Range(0.0, 1.0));
   app.add_option("--low-watermark", o.store.low_watermark,
                  "Eviction stops at this fraction of capacity")
-      ->check(CLI::Range(0.0, 1.0));
+      ->check(kvpool::cli::Range(0.0, 1.0));
   app.add_option("--put-timeout-ms", put_timeout_ms,
                  "Default lifetime of an uncommitted put before its staging is reclaimed")
-      ->check(CLI::Range(int64_t{1}, int64_t{3600000}));
+      ->check(kvpool::cli::Range(int64_t{1}, int64_t{3600000}));
   app.add_option("--lease-ms", lease_ms, "Default lease lifetime")
-      ->check(CLI::Range(int64_t{1}, int64_t{3600000}));
+      ->check(kvpool::cli::Range(int64_t{1}, int64_t{3600000}));
   app.add_option("--max-lease-ms", max_lease_ms, "Longest lease a client may request")
-      ->check(CLI::Range(int64_t{1}, int64_t{86400000}));
+      ->check(kvpool::cli::Range(int64_t{1}, int64_t{86400000}));
   app.add_option("--max-put-blocks", o.store.max_put_blocks, "Most blocks in one put")
-      ->check(CLI::Range(uint32_t{1}, uint32_t{1} << 24));
+      ->check(kvpool::cli::Range(uint32_t{1}, uint32_t{1} << 24));
   app.add_option("--tick-ms", tick_ms, "Period of expiry and watermark eviction")
-      ->check(CLI::Range(int64_t{1}, int64_t{60000}));
+      ->check(kvpool::cli::Range(int64_t{1}, int64_t{60000}));
   app.add_option("--drain-ms", drain_ms,
                  "On SIGTERM: how long in-flight calls may take before they are cancelled")
-      ->check(CLI::Range(int64_t{0}, int64_t{600000}));
+      ->check(kvpool::cli::Range(int64_t{0}, int64_t{600000}));
   app.add_option("--readiness-delay-ms", readiness_delay_ms,
                  "On SIGTERM: time between readiness off and refusing new calls (lets load "
                  "balancers stop routing)")
-      ->check(CLI::Range(int64_t{0}, int64_t{600000}));
+      ->check(kvpool::cli::Range(int64_t{0}, int64_t{600000}));
   std::string commit_device = "auto";
   app.add_option("--commit-device", commit_device,
                  "Where commits rotate and quantize: auto (the GPU when this build has CUDA and "

@@ -17,6 +17,7 @@
 #pragma once
 
 #include <string>
+#include <type_traits>
 
 #include <CLI/CLI.hpp>
 
@@ -41,6 +42,29 @@ void Setup(CLI::App& app, const std::string& program_name);
 // "--flag: "): "'P' is a directory; name a file", "directory 'D' of 'P' does not exist" (D
 // absolute). Usage: app.add_option("--report", path, "...")->check(kvpool::cli::OutputFile());
 const CLI::Validator& OutputFile();
+
+// CLI11 check that a value is a T in [min, max]. Unlike CLI::Range, whose message for a value
+// of the wrong type ("abc", "1.5" for an integer) claims it is out of range, the message says
+// which: "'abc' is not an integer (want -1..65535)", "70000 is outside -1..65535"; NaN is refused
+// for floating-point T. Usage: app.add_option("--metrics-port", port)->check(Range(-1, 65535)).
+template <typename T>
+CLI::Validator Range(T min, T max) {
+  static_assert(std::is_arithmetic_v<T>);
+  const std::string want = CLI::detail::to_string(min) + ".." + CLI::detail::to_string(max);
+  return CLI::Validator(
+      [min, max, want](std::string& v) -> std::string {
+        T x{};
+        if (!CLI::detail::lexical_cast(v, x)) {
+          return "'" + v + "' is not " + (std::is_integral_v<T> ? "an integer" : "a number") +
+                 " (want " + want + ")";
+        }
+        if (!(x >= min && x <= max)) {
+          return v + " is outside " + want;
+        }
+        return {};
+      },
+      "in " + want);
+}
 
 // Parses; on --help/--version prints and returns kExitOk, on a usage error prints a one-line
 // message and returns kExitUsage; returns -1 when the program should continue.
