@@ -13,6 +13,10 @@
 #     v6:    B 1 and 32 x 32K, 8 x 128K with SDPA; then OLD_BENCH (a previous build's
 #            cuda_decode_bench, if set), KVPOOL_DECODE_ORDER=$ALT_ORDER (if set) and each VAR=value
 #            of ALT_ENVS on the same shapes; EXTRA=1 adds B 32/128 x 128K and the GQA/page-64 shapes
+#     ab:    B 1 and 32 x 32K, 8 x 128K with SDPA (this build, with its BF16 baseline); then
+#            ROUNDS (default 2) alternating rounds of this build and each binary of AB_BENCHES
+#            (other builds' cuda_decode_bench) at B 32 x 32K and 8 x 128K, INT2 launch only
+#            (--skip-bf16 where the binary has it)
 #     full:  every shape of PERF.md (long)
 # TEST_FILTER (gtest filter) and SKIP_TESTS=1 control the tests (TEST_ENV="VAR=value ..." runs them
 # under those environment settings, e.g. an A/B switch of the launcher; ALT_TEST_ENV and
@@ -96,6 +100,20 @@ case "$MODE" in
       run_pair big --batches 32,128 --contexts 131072 --gqa 32:8 --page-sizes 16 --iters 10 --warmup 3
       run_pair gqa_p64 --batches 32 --contexts 32768 --gqa 32:8,64:8,32:4 --page-sizes 16,64 --iters 20
     fi
+    ;;
+  ab)  # this build vs other builds, alternating, same data seeds
+    run_pair quick --batches 1,32 --contexts 32768 --gqa 32:8 --page-sizes 16 --iters 30
+    run_pair b8 --batches 8 --contexts 131072 --gqa 32:8 --page-sizes 16 --iters 30
+    for r in $(seq "${ROUNDS:-2}"); do
+      for ab in "$B" ${AB_BENCHES:-}; do
+        [ -x "$ab" ] || continue
+        sk=""
+        "$ab" --help 2>/dev/null | grep -q -- --skip-bf16 && sk=--skip-bf16
+        echo "== A/B round $r: $ab $sk" | tee -a "$LOG"
+        "$ab" $sk --batches 32 --contexts 32768 --gqa 32:8 --page-sizes 16 --iters 30 2>&1 | grep -E "^int2|^kernel" | tee -a "$LOG"
+        "$ab" $sk --batches 8 --contexts 131072 --gqa 32:8 --page-sizes 16 --iters 30 2>&1 | grep -E "^int2" | tee -a "$LOG"
+      done
+    done
     ;;
   full)
     run_pair full

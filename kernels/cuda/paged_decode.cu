@@ -129,8 +129,11 @@ __device__ __forceinline__ void PdlWait() { asm volatile("griddepcontrol.wait;\n
 // memory into one partial per (request, q head, split).
 template <int D>
 struct Bf16Cfg {
-  static constexpr int kTile = 64 * D;                // 16 tokens, K + V bf16
-  static constexpr int kStages = (D == 256) ? 2 : 3;  // ring stages per warp
+  static constexpr int kTile = 64 * D;  // 16 tokens, K + V bf16
+  // Ring stages per warp. d 128: 2 (64 KB per CTA, 3 CTAs/SM) so that a sink/recent CTA fits
+  // beside 4 INT2 CTAs (4 × 39 KB + 66 KB ≤ 228 KB) and runs during the INT2 grid on SMs that
+  // hold fewer than 5 of its CTAs instead of after it (v7; 3 stages = 96 KB did not fit).
+  static constexpr int kStages = (D == 64) ? 3 : 2;
   __host__ __device__ static constexpr uint64_t ChunkBytes(int page_size) {
     return 4ull * page_size * D;
   }
@@ -562,6 +565,15 @@ __global__ void __launch_bounds__(kThreads, (D <= 128 ? (KT == 1 ? 5 : 4) : 2))
   const int my_steps =
       nunits > first_unit ? (nunits - first_unit + kSub * kWarps - 1) / (kSub * kWarps) : 0;
   const int my_stages = (my_steps + kStepsPerStage - 1) / kStepsPerStage;
+  // This warp's loaded slots: slot 2a + b holds unit first_unit + 8a + b, valid while < nunits,
+  // so the valid slots are a prefix of length my_slots (counted once instead of per stage).
+  const int my_rem = nunits - first_unit;
+  const int my_slots =
+      my_rem > 0 ? kSub * (my_rem / (kSub * kWarps)) + min(my_rem % (kSub * kWarps), kSub) : 0;
+  // Units of the split that are loaded and hold 16 valid tokens. Step t (units u0, u0 + 1 with
+  // u0 = first_unit + 8t) needs the masked path iff u0 + kSub > full_units, i.e. 8t > part_lim.
+  const int full_units = min(nunits, max(seg_tokens - tok_base, 0) / 16);
+  const int part_lim = full_units - first_unit - kSub;
   const uint64_t chunk_bytes = uint64_t(page_size) * (D / 2 + 8 * kNG);
   const int32_t* page_ids = seg.indices + pbeg + p0;
   const uint8_t* head_base = seg.base + uint64_t(kvh) * chunk_bytes;
@@ -580,8 +592,8 @@ __global__ void __launch_bounds__(kThreads, (D <= 128 ? (KT == 1 ? 5 : 4) : 2))
     return first_unit + (slot / kSub) * kSub * kWarps + slot % kSub;
   };
   auto load_pid = [&](int batch) -> int {
-    const int u = slot_unit(32 * batch + lane);
-    return u < nunits ? __ldg(page_ids + (u >> tpp_log2)) : 0;
+    const int slot = 32 * batch + lane;
+    return slot < my_slots ? __ldg(page_ids + (slot_unit(slot) >> tpp_log2)) : 0;
   };
   int pid_cur = load_pid(0), pid_nxt = load_pid(1), pid_batch = 0;
   // Ring stage t holds the units of warp steps kStepsPerStage·t .. kStepsPerStage·t + 1: one
@@ -598,9 +610,7 @@ __global__ void __launch_bounds__(kThreads, (D <= 128 ? (KT == 1 ? 5 : 4) : 2))
     }
     const int s = t % kStages;
     // Units grow with the slot, so the valid ones are a prefix of the stage.
-    int nvalid = 0;
-#pragma unroll
-    for (int j = 0; j < kStageUnits; ++j) nvalid += slot_unit(slot0 + j) < nunits ? 1 : 0;
+    const int nvalid = min(max(my_slots - slot0, 0), kStageUnits);
     const int j = (lane - slot0) & 31;  // this lane's unit in the stage, if < kStageUnits
     // No proxy fence before the copies: the generic-proxy reads of this stage completed (their
     // values were consumed) before the __syncwarp that ended its previous use, as in a TMA
@@ -730,8 +740,7 @@ __global__ void __launch_bounds__(kThreads, (D <= 128 ? (KT == 1 ? 5 : 4) : 2))
       const uint8_t* stage = ring + (s * kStageUnits + h * kSub) * C::kTile;
       // Tokens of this step's units (split-local unit u covers 16 tokens from tok_base + 16u).
       const int u0 = first_unit + t * kSub * kWarps;
-      const bool partial =
-          (u0 + kSub > nunits) || (tok_base + 16 * (u0 + kSub) > seg_tokens);  // warp-uniform
+      const bool partial = t * kSub * kWarps > part_lim;  // warp-uniform
 
       float logit[kSub][KT][2];    // relative to mref
       uint32_t vpw[kSub][2][kNG];  // V params {scale16, min16} of rows krow, krow + 8
@@ -1007,12 +1016,24 @@ __global__ void __launch_bounds__(kRotThreads)
   const int kvh = blockIdx.x, b = blockIdx.y;
   const int j = threadIdx.x % D, part = threadIdx.x / D;
   const size_t row0 = size_t(b) * num_q_heads + size_t(kvh) * group;
+  const float* r = rk == nullptr ? nullptr : rk + kvh * r_head_stride;
+  // R elements (i = part + kParts·c, j) of this thread, loaded kChunk at a time into registers,
+  // all of a chunk before any is used; the first chunk is issued before q is staged, so the R
+  // and q loads overlap (v6 let the compiler interleave loads and FMAs: ~5 R loads in flight,
+  // a dozen dependent trips to L2/DRAM per CTA, 9.5 µs under ncu at B = 32).
+  constexpr int kPer = D / kParts;
+  constexpr int kChunk = kPer < 64 ? kPer : 64;
+  float rr[kChunk];
+  auto load_chunk = [&](int c0) {
+#pragma unroll
+    for (int c = 0; c < kChunk; ++c) rr[c] = __ldg(r + size_t(part + kParts * (c0 + c)) * D + j);
+  };
+  if (r != nullptr) load_chunk(0);
   for (int idx = threadIdx.x; idx < 16 * D; idx += kRotThreads) {
     const int h = idx / D, i = idx % D;
     qs[i][h] = h < group ? Bf16BitsToFloat(q[(row0 + h) * D + i]) : 0.f;
   }
   __syncthreads();
-  const float* r = rk == nullptr ? nullptr : rk + kvh * r_head_stride;
   for (int h0 = 0; h0 < group; h0 += 4) {
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
     if (r == nullptr) {
@@ -1021,15 +1042,17 @@ __global__ void __launch_bounds__(kRotThreads)
         for (int e = 0; e < 4; ++e) acc[e] = qs[j][h0 + e];
       }
     } else {
-      // All loads of the slice are issued before the FMAs (R comes from DRAM the first time).
-#pragma unroll 64
-      for (int i = part; i < D; i += kParts) {
-        const float rij = __ldg(r + size_t(i) * D + j);
-        const float4 qv = *reinterpret_cast<const float4*>(&qs[i][h0]);
-        acc[0] = fmaf(qv.x, rij, acc[0]);
-        acc[1] = fmaf(qv.y, rij, acc[1]);
-        acc[2] = fmaf(qv.z, rij, acc[2]);
-        acc[3] = fmaf(qv.w, rij, acc[3]);
+#pragma unroll 1
+      for (int c0 = 0; c0 < kPer; c0 += kChunk) {
+        if (kPer > kChunk && (h0 > 0 || c0 > 0)) load_chunk(c0);
+#pragma unroll
+        for (int c = 0; c < kChunk; ++c) {
+          const float4 qv = *reinterpret_cast<const float4*>(&qs[part + kParts * (c0 + c)][h0]);
+          acc[0] = fmaf(qv.x, rr[c], acc[0]);
+          acc[1] = fmaf(qv.y, rr[c], acc[1]);
+          acc[2] = fmaf(qv.z, rr[c], acc[2]);
+          acc[3] = fmaf(qv.w, rr[c], acc[3]);
+        }
       }
     }
 #pragma unroll
@@ -1059,10 +1082,27 @@ __global__ void __launch_bounds__(kMergeThreads)
                 uint16_t* __restrict__ out, float* __restrict__ lse_out) {
   __shared__ __align__(16) float os[D][16];  // merged outputs, [i][head]
   const int kvh = blockIdx.x, b = blockIdx.y;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  // out[h][j] = Σ_i os[h][i]·R_V[j][i] (below): warp w takes rows j ≡ w (mod 8), lanes read a row
+  // coalesced. A batch of rows (≤ 64 floats per lane) is loaded before any is used (a first
+  // version that loaded row by row spent ~25 µs on latency at B = 32 × 8 KV heads), and the first
+  // batch before the PDL wait: R_V does not depend on the decode kernels, so its DRAM trip
+  // overlaps their tail instead of following it.
+  constexpr int kRows = D / (kMergeThreads / 32);              // rows per warp
+  constexpr int kBatch = kRows < 2048 / D ? kRows : 2048 / D;  // ≤ 64 floats of R per lane
+  const float* r = rv == nullptr ? nullptr : rv + kvh * r_head_stride;
+  float rr[kBatch][D / 32];
+  auto load_batch = [&](int rb) {
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k)
+#pragma unroll
+      for (int i = 0; i < D / 32; ++i)
+        rr[k][i] = __ldg(r + size_t(warp + 8 * (rb + k)) * D + lane + 32 * i);
+  };
+  if (r != nullptr) load_batch(0);
   for (int idx = threadIdx.x; idx < 16 * D; idx += kMergeThreads) os[idx / 16][idx % 16] = 0.f;
   __syncthreads();
   PdlWait();  // partials of the decode kernels
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const size_t row0 = size_t(b) * num_q_heads + size_t(kvh) * group;
   for (int h = warp; h < group; h += kMergeThreads / 32) {
     const size_t row = row0 + h;
@@ -1101,7 +1141,7 @@ __global__ void __launch_bounds__(kMergeThreads)
       lse_out[row] = nan ? NAN : (l > 0.f ? (mx + log2f(l)) * kLn2 : -INFINITY);
   }
   __syncthreads();
-  if (rv == nullptr) {
+  if (r == nullptr) {
     for (int idx = threadIdx.x; idx < group * D; idx += kMergeThreads) {
       const int h = idx / D, jj = idx % D;
       const __nv_bfloat16 v = __float2bfloat16_rn(os[jj][h]);
@@ -1109,21 +1149,10 @@ __global__ void __launch_bounds__(kMergeThreads)
     }
     return;
   }
-  // out[h][j] = Σ_i os[h][i]·R_V[j][i]: warp w takes rows j ≡ w (mod 8), lanes read a row
-  // coalesced and a butterfly sums each (row, head). All rows of a batch are loaded before any
-  // is used (R_V may come from DRAM; a first version that loaded row by row spent ~25 µs on
-  // latency at B = 32 × 8 KV heads).
-  constexpr int kRows = D / (kMergeThreads / 32);              // rows per warp
-  constexpr int kBatch = kRows < 2048 / D ? kRows : 2048 / D;  // ≤ 64 floats of R per lane
-  const float* r = rv + kvh * r_head_stride;
+  // A butterfly sums each (row, head).
 #pragma unroll 1
   for (int rb = 0; rb < kRows; rb += kBatch) {
-    float rr[kBatch][D / 32];
-#pragma unroll
-    for (int k = 0; k < kBatch; ++k)
-#pragma unroll
-      for (int i = 0; i < D / 32; ++i)
-        rr[k][i] = __ldg(r + size_t(warp + 8 * (rb + k)) * D + lane + 32 * i);
+    if (rb > 0) load_batch(rb);
     for (int h0 = 0; h0 < group; h0 += 4) {
 #pragma unroll
       for (int k = 0; k < kBatch; ++k) {
@@ -1397,7 +1426,9 @@ KernelStatus LaunchBf16Kernel(const AttnArgs& args, dim3 grid, cudaStream_t stre
   constexpr int smem = Bf16SmemBytes<D, NT>();
   auto kernel = Bf16DecodeKernel<D, NT>;
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) !=
-      cudaSuccess)
+          cudaSuccess ||
+      cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                           cudaSharedmemCarveoutMaxShared) != cudaSuccess)
     return LaunchError("cudaFuncSetAttribute(Bf16DecodeKernel)");
   if (Launch(kernel, grid, dim3(kThreads), smem, stream, pdl, args) != cudaSuccess)
     return LaunchError("Bf16DecodeKernel");
@@ -1407,8 +1438,13 @@ template <int D, int KT>
 KernelStatus LaunchInt2Kernel(const AttnArgs& args, dim3 grid, cudaStream_t stream) {
   constexpr int smem = Int2SmemBytes<D, KT>();
   auto kernel = Int2DecodeKernel<D, KT>;
+  // Full shared-memory carveout for both decode kernels, so that the SM configuration an INT2
+  // grid leaves behind has room for BF16 CTAs beside it (the driver may otherwise pick a smaller
+  // carveout that just fits 5 INT2 CTAs).
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) !=
-      cudaSuccess)
+          cudaSuccess ||
+      cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                           cudaSharedmemCarveoutMaxShared) != cudaSuccess)
     return LaunchError("cudaFuncSetAttribute(Int2DecodeKernel)");
   if (Launch(kernel, grid, dim3(kThreads), smem, stream, true, args) != cudaSuccess)
     return LaunchError("Int2DecodeKernel");
