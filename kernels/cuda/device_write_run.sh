@@ -3,18 +3,19 @@
 # GPU tests of kv_write_test.cc, then bench/cuda_write_bench (table + JSON), optionally Nsight
 # Compute counters of the four d=128 write kernels (clocks left alone) and their SASS profile.
 # Binaries are built on the development machine and carried, with their non-system shared
-# libraries, in $L (default .devlibs-write4/). Results under $OUT.
+# libraries, in $L (default .devlibs-write5/). Results under $OUT.
 #   kernels/cuda/device_write_run.sh            tests + bench
 #   NCU=1 kernels/cuda/device_write_run.sh      ... + ncu + SASS instruction mix
 #   SRC=1 kernels/cuda/device_write_run.sh      ... + ncu source counters of quantize-only (d 128):
 #                                               executed instructions per SASS line (CSV) and
 #                                               the ALU / FMA pipe utilization
 #   TEST_FILTER='KvWrite.*' ...                 a subset of the tests (default: KvWrite.*:EndToEnd.*)
+#   TEST_BINS='a b' ...                         several test builds in turn (default: cuda_kernels_test)
 #   BENCHES='a b' ROUNDS=2 NCU_BENCH=b TAR_JSON=1  several bench builds in turn (A/B in one run)
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-L=${L:-.devlibs-write4}
+L=${L:-.devlibs-write5}
 export LD_LIBRARY_PATH="$PWD/$L:${LD_LIBRARY_PATH:-}"
 LOG="$OUT/write_log.txt"
 {
@@ -22,11 +23,15 @@ LOG="$OUT/write_log.txt"
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,clocks.max.sm,temperature.gpu,power.draw --format=csv
 } 2>&1 | tee "$LOG"
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  echo "== tests" | tee -a "$LOG"
-  $L/cuda_kernels_test --gtest_filter="${TEST_FILTER:-KvWrite.*:EndToEnd.*}" > "$OUT/write_test_log.txt" 2>&1
-  echo "test exit $?" | tee -a "$LOG"
-  grep -E "^\[( +OK|  FAILED|  PASSED|  SKIPPED)|^\[(quantize|rotate|e2e)|Failure|Expected|Which|actual" \
-    "$OUT/write_test_log.txt" | head -80 | tee -a "$LOG"
+  for tb in ${TEST_BINS:-cuda_kernels_test}; do
+    TL="$OUT/write_test_log.txt"
+    [ "${TEST_BINS:-cuda_kernels_test}" != cuda_kernels_test ] && TL="$OUT/write_test_log_$tb.txt"
+    echo "== tests $tb" | tee -a "$LOG"
+    $L/$tb --gtest_filter="${TEST_FILTER:-KvWrite.*:EndToEnd.*}" > "$TL" 2>&1
+    echo "test exit $?" | tee -a "$LOG"
+    grep -E "^\[( +OK|  FAILED|  PASSED|  SKIPPED)|^\[(quantize|rotate|e2e)|Failure|Expected|Which|actual" \
+      "$TL" | head -80 | tee -a "$LOG"
+  done
 fi
 # BENCHES: bench binaries in $L run in turn, ROUNDS times (A/B of kernel builds in one run;
 # each run's JSON is $OUT/<binary>_r<round>.json, or $OUT/cuda_write_bench.json for the default).

@@ -34,8 +34,8 @@
 //      comparisons of the raw values. Each (row, group) is worked out by one lane of the quad
 //      (at d <= 128 two lanes per row, which split its three thresholds), not by all four.
 //   5. Codes (2 compares per register: b1 = x ≥ t2, b0 = x ≥ (b1 ? t3 : t1)) are assembled
-//      straight into the quarter-planar bytes (2 bits per quarter) by bitwise selects and
-//      stored as D/16 contiguous bytes per row and lane.
+//      into the quarter-planar bytes (2 bits per quarter) by integer multiply-adds of the
+//      compare masks (FMA pipe) and stored as D/16 contiguous bytes per row and lane.
 //   kOutBf16 instead stores X̃ (bf16) into BF16 pages with 16-byte stores.
 #include <cuda_runtime.h>
 
@@ -151,6 +151,28 @@ __device__ __forceinline__ uint32_t SortMinFromMax(uint32_t a, uint32_t b, uint3
   return d;
 }
 
+// Code-byte weights 4^q (b0) and 2·4^q (b1) of quarter q, and -65537 (see step 5), read at
+// run time so that ptxas keeps the multiply-adds on the FMA pipe instead of turning them into
+// shifts on the ALU pipe.
+__constant__ uint32_t kCodeWeights[9] = {1u, 2u, 4u, 8u, 16u, 32u, 64u, 128u, 0xfffeffffu};
+// a·b + c (mod 2^32), one integer multiply-add.
+__device__ __forceinline__ uint32_t MadLo(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t d;
+  asm("mad.lo.u32 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+
+// 0..15 read at run time (see MadWide's use in the cp.async addressing).
+__constant__ uint32_t kSmallInts[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+// p + a·b (64-bit p, 32 x 32-bit product), one wide integer multiply-add.
+__device__ __forceinline__ const uint8_t* MadWide(uint32_t a, uint32_t b, const uint8_t* p) {
+  uint64_t d;
+  asm("mad.wide.u32 %0, %1, %2, %3;\n"
+      : "=l"(d)
+      : "r"(a), "r"(b), "l"(reinterpret_cast<uint64_t>(p)));
+  return reinterpret_cast<const uint8_t*>(d);
+}
+
 // ---- compile-time sorting networks (comparator lists; indices become constants) ------------
 
 struct Net {
@@ -212,20 +234,30 @@ struct Nets {
   static constexpr PrunedNet kMerge = Prune(BitonicMergeNet(K), L);
 };
 
+// Quarters of the sorting-network runs whose comparators take the min from the max by two
+// integer multiply-adds (FMA pipe, SortMinFromMax); the others use a second min/max (ALU
+// pipe). Measured on the H200 (quantize-only, 256K token-heads, v6 with the code sums on the
+// FMA pipe): 4 of 4 61.4 µs, 2 of 4 61.0 µs, 0 of 4 61.5 µs (v5, codes on the ALU pipe: 4 of
+// 4 was best). A compile-time switch for such A/B builds.
+#ifndef KVPOOL_WRITE_IMAD_MIN_RUNS
+#define KVPOOL_WRITE_IMAD_MIN_RUNS 2
+#endif
+constexpr int kImadMinRuns = KVPOOL_WRITE_IMAD_MIN_RUNS;
+
 // Applies the descending comparator network of K elements (sort or bitonic merge), pruned to
 // its L largest outputs, to a[off .. off+K); packed u16x2, so both halves (rows) are sorted
 // independently. Positions >= L hold no meaningful value afterwards.
-template <int K, int N, bool kMergeNet, int L = K>
+template <int K, int N, bool kMergeNet, int L = K, bool kImadMin = true>
 __device__ __forceinline__ void RunNet(uint32_t (&a)[N], int off) {
   constexpr PrunedNet net = kMergeNet ? Nets<K, L>::kMerge : Nets<K, L>::kSort;
 #pragma unroll
   for (int c = 0; c < net.net.n; ++c) {
     const uint32_t x = a[off + net.net.lo[c]], y = a[off + net.net.hi[c]];
-    // Sorting networks: the min output of a full comparator from its max on the FMA pipe
-    // (measured on the H200: 1.6 % faster at 256K token-heads; doing the same in the merge
-    // networks as well was 3 % slower than this: the FMA pipe, which also runs the address
-    // IMADs, then becomes the busier one).
-    if (net.mode[c] == 3 && !kMergeNet) {
+    // Sorting networks (kImadMin: the runs chosen by kImadMinRuns): the min output of a full
+    // comparator from its max on the FMA pipe (v5 on the H200: 1.6 % faster at 256K
+    // token-heads; doing the same in the merge networks as well was 3 % slower: the FMA pipe,
+    // which also runs the address IMADs, then becomes the busier one).
+    if (net.mode[c] == 3 && !kMergeNet && kImadMin) {
       const uint32_t mx = SortMax(x, y);
       a[off + net.net.lo[c]] = mx;
       a[off + net.net.hi[c]] = SortMinFromMax(x, y, mx);
@@ -262,7 +294,12 @@ __device__ __forceinline__ uint32_t SelectTopK(uint32_t (&m)[N], int need) {
   static_assert(N % K == 0 && (K == 8 || K == 16) && 2 * L >= K && L <= K, "runs of K");
   constexpr int kRuns = N / K;
 #pragma unroll
-  for (int r = 0; r < kRuns; ++r) RunNet<K, N, false, L>(m, r * K);
+  for (int r = 0; r < kRuns; ++r) {
+    if (r < kImadMinRuns * kRuns / 4)
+      RunNet<K, N, false, L>(m, r * K);
+    else
+      RunNet<K, N, false, L, false>(m, r * K);
+  }
   // Tree merge of the runs into run 0: the top K of two descending lists A, B are
   // max(A[i], B[K-1-i]) (a bitonic sequence), then a bitonic merge sorts them.
   constexpr int kRunLevels = kRuns >= 8 ? 3 : kRuns >= 4 ? 2 : kRuns >= 2 ? 1 : 0;
@@ -321,12 +358,21 @@ __device__ __forceinline__ uint32_t SelectTopK(uint32_t (&m)[N], int need) {
 // included: the count of elements >= τ' in the lists is already >= need). *exact is false when
 // some lane of the quad (either row) has ℓ > τ'; then the caller selects again with top-16
 // lists. On heavy-tailed random rows of d 128 this is about 0.2 % of rows.
-template <int N>
+// The quad rounds keep only the top L16 (12 or 16, >= need) of the merged lists: for need <= 12
+// (V at 0.92, d 128: need 11) the round-1 merge is pruned to 12 outputs and round 2 reads 12
+// of the partner's entries (24 fewer instructions per tile than with L16 = 16).
+template <int N, int L16>
 __device__ __forceinline__ uint32_t SelectTop8Merge16(uint32_t (&m)[N], int need, bool* exact) {
+  static_assert(L16 == 12 || L16 == 16, "top 12 or 16");
   static_assert(N % 8 == 0, "runs of 8");
   constexpr int K = 8, kRuns = N / K;
 #pragma unroll
-  for (int r = 0; r < kRuns; ++r) RunNet<K, N, false>(m, r * K);
+  for (int r = 0; r < kRuns; ++r) {
+    if (r < kImadMinRuns * kRuns / 4)
+      RunNet<K, N, false>(m, r * K);
+    else
+      RunNet<K, N, false, K, false>(m, r * K);
+  }
   constexpr int kRunLevels = kRuns >= 8 ? 3 : kRuns >= 4 ? 2 : kRuns >= 2 ? 1 : 0;
 #pragma unroll
   for (int lv = 0; lv < kRunLevels; ++lv)
@@ -347,14 +393,14 @@ __device__ __forceinline__ uint32_t SelectTop8Merge16(uint32_t (&m)[N], int need
     c[i] = m[i];
     c[2 * K - 1 - i] = __shfl_xor_sync(0xffffffffu, m[i], 1);
   }
-  RunNet<16, 16, true>(c, 0);
-  // Quad round 2 (xor 2): top 16 of the two sorted 16-lists (bitonic), position need-1 only.
+  RunNet<16, 16, true, L16>(c, 0);
+  // Quad round 2 (xor 2): top 16 of the two sorted lists (bitonic; entries >= L16 count as 0),
+  // position need-1 only.
   {
     uint32_t b[16];
 #pragma unroll
-    for (int i = 0; i < 16; ++i) b[i] = __shfl_xor_sync(0xffffffffu, c[i], 2);
-#pragma unroll
-    for (int i = 0; i < 16; ++i) c[i] = SortMax(c[i], b[15 - i]);
+    for (int i = 0; i < L16; ++i) b[i] = __shfl_xor_sync(0xffffffffu, c[i], 2);
+    TopKBitonic<16, L16>(c, c, 0, b, 0);
   }
   const int p = need - 1;
 #pragma unroll
@@ -482,14 +528,14 @@ __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate>(), MinBlocks<D, k
   constexpr int kThreads = 32 * kWarps;
   static_assert(32 * kRegs * 4 == kStageBytes, "a stage holds the warp's packed registers");
   extern __shared__ __align__(128) uint8_t smem[];
-  const int h = blockIdx.y, kv_cta = blockIdx.z;
+  const int kv_cta = blockIdx.z;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, tig = lane & 3;
   uint8_t* rt = smem;  // [D][D] fp16: row n = column π(n) of R (Rᵀ, permuted), swizzled
   uint8_t* ring = smem + (kRotate ? D * D * 2 : 0) + warp * kStages * kStageBytes;
 
   if constexpr (kRotate) {
-    const float* r = (kv_cta ? a.rot_v : a.rot_k) + h * a.rot_head_stride;
+    const float* r = (kv_cta ? a.rot_v : a.rot_k) + blockIdx.y * a.rot_head_stride;
     for (int idx = threadIdx.x; idx < D * D; idx += kThreads) {
       const int k = idx / D, col = idx % D;  // R[k][col]
       // col = tig'·D/16 + q·D/4 + i  ->  MMA column n = 8·(q·D/32 + i/2) + 2·tig' + i%2
@@ -520,17 +566,59 @@ __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate>(), MinBlocks<D, k
   // 11th instead of the 6th largest), and with one kind per CTA the block scheduler filled
   // whole SMs with K CTAs that then idled while the V SMs finished.
   constexpr bool kMix = !kRotate;
-  const int first = (kMix ? blockIdx.z * gridDim.x + blockIdx.x : blockIdx.x) * kWarps + warp;
-  const int stride = (kMix ? gridDim.z * gridDim.x : gridDim.x) * kWarps;
-  auto tile_of = [&](int it) { return first + (kMix ? it >> 1 : it) * stride; };
-  auto kv_of = [&](int it) { return kMix ? it & 1 : kv_cta; };
   const uint64_t tok_row_bytes = uint64_t(a.token_stride) * 2;
 
   // P is 16 or 64 (CheckShape): token -> (page, slot) by shifts.
   const int lg_p = P == 64 ? 6 : 4;
-  // Source page of a tile (demotion; every tile lies in one page since P % 16 == 0).
-  auto src_page_of = [&](int tile) -> int {
-    return (demote && tile < ntiles) ? __ldg(a.src_pages + ((tile * kTileRows) >> lg_p)) : 0;
+  // An item: 16 rows (tokens tile·16 ..) of head h, K (kv 0) or V (kv 1).
+  struct Item {
+    int h, tile, kv;
+  };
+  // The items of this warp: `left` of them from `cur` on, `adv` steps to the next one.
+  //  * Rotating kernels: one (head, K|V) per CTA (blockIdx.y, blockIdx.z; its Rᵀ is in shared
+  //    memory); the CTA's warps take tiles first, first + stride, ...
+  //  * The others: the items of all heads, numbered (h·ntiles + tile)·2 + kv (K and V of the
+  //    same tokens are consecutive: V tiles cost more than K tiles, and the V item reuses the
+  //    K item's destination pages/slots), are split into one contiguous range per warp of
+  //    ⌊N/W⌋ or ⌈N/W⌉ items. (Before: per-head strided tiles, whose counts differed by a whole
+  //    K/V pair: at 256K token-heads 22 % of the warps had 12 items and the rest 10, so the SMs
+  //    idled for the last two.)
+  Item cur;
+  int64_t left;
+  int stride = 0;
+  if constexpr (kMix) {
+    const int64_t n_items = 2 * int64_t(a.num_kv_heads) * ntiles;
+    const int64_t w = int64_t(blockIdx.x) * kWarps + warp;
+    const int64_t n_warps = int64_t(gridDim.x) * kWarps;
+    const int64_t begin = w * n_items / n_warps, end = (w + 1) * n_items / n_warps;
+    left = end - begin;
+    const int64_t gt = begin >> 1;
+    cur.h = int(gt / ntiles);
+    cur.tile = int(gt - int64_t(cur.h) * ntiles);
+    cur.kv = int(begin & 1);
+  } else {
+    const int first = blockIdx.x * kWarps + warp;
+    stride = gridDim.x * kWarps;
+    cur.h = blockIdx.y;
+    cur.tile = first;
+    cur.kv = kv_cta;
+    left = first < ntiles ? (ntiles - first + stride - 1) / stride : 0;
+  }
+  auto adv = [&](Item c) {
+    if constexpr (kMix) {
+      c.kv ^= 1;
+      if (c.kv == 0 && ++c.tile == ntiles) {
+        c.tile = 0;
+        ++c.h;
+      }
+    } else {
+      c.tile += stride;
+    }
+    return c;
+  };
+  // Source page of an item's tile (demotion; every tile lies in one page since P % 16 == 0).
+  auto src_page_of = [&](const Item& c, bool valid) -> int {
+    return (demote && valid) ? __ldg(a.src_pages + ((c.tile * kTileRows) >> lg_p)) : 0;
   };
   // cp.async pattern of one tile: lane copies 16-byte chunk c = lane % kChunks of rows
   // r0 + kRowStep·q (q < kCopies); the shared offsets are per-lane constants (the swizzle of
@@ -539,44 +627,66 @@ __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate>(), MinBlocks<D, k
   constexpr int kCopies = kTileRows / kRowStep;
   const int cp_r0 = lane / kChunks, cp_c = lane % kChunks;
   const uint32_t ring_sa = SmemAddr(ring);
-  // Issues the cp.async of tile `tile` into stage `st` (zero-filled rows past the end).
-  auto issue = [&](int tile, int kv, int st, int src_page) {
-    if (tile < ntiles) {
-      const int t0 = tile * kTileRows;
+  // Issues the cp.async of item c into stage `st` (zero-filled rows past the end; nothing but
+  // the commit when !valid).
+  auto issue = [&](const Item& c, bool valid, int st, int src_page) {
+    if (valid) {
+      const int t0 = c.tile * kTileRows;
       const uint8_t* base;
       uint64_t row_bytes;
       if (demote) {
-        base = a.src_base + uint64_t(src_page) * a.src_stride + uint64_t(h) * bf16_chunk +
-               uint64_t(kv) * 2 * P * D + uint64_t(t0 & (P - 1)) * kRowBytes;
+        base = a.src_base + uint64_t(src_page) * a.src_stride + uint64_t(c.h) * bf16_chunk +
+               uint64_t(c.kv) * 2 * P * D + uint64_t(t0 & (P - 1)) * kRowBytes;
         row_bytes = kRowBytes;
       } else {
-        base = reinterpret_cast<const uint8_t*>(kv ? a.src_v : a.src_k) + uint64_t(h) * kRowBytes +
-               uint64_t(t0) * tok_row_bytes;
+        base = reinterpret_cast<const uint8_t*>(c.kv ? a.src_v : a.src_k) +
+               uint64_t(c.h) * kRowBytes + uint64_t(t0) * tok_row_bytes;
         row_bytes = tok_row_bytes;
       }
       const uint8_t* src = base + uint64_t(cp_r0) * row_bytes + 16 * cp_c;
       const uint64_t step = kRowStep * row_bytes;
       const uint32_t dst = ring_sa + st * kStageBytes + cp_r0 * kRowBytes;
-      const bool full = t0 + kTileRows <= a.num_tokens;
+      if (kOutBf16 && t0 + kTileRows <= a.num_tokens && step <= 0xffffffffull) {
+        // BF16 output, full tile (warp-uniform): no predicates, and each row's address in one
+        // 32 x 32 + 64-bit multiply-add (FMA pipe) instead of a 64-bit add on the ALU pipe
+        // (measured on the H200 at 256K token-heads: rotate-bf16 6 % faster, the quantizing
+        // kernels 2 % slower, their FMA pipe being busy with the code sums).
+        const uint32_t step32 = uint32_t(step);
 #pragma unroll
-      for (int q = 0; q < kCopies; ++q) {
-        const int row = cp_r0 + kRowStep * q;
-        const uint32_t sa = dst + q * kRowStep * kRowBytes + 16 * Swz(cp_c, row);
-        // Rows past the end: source size 0 zero-fills and reads no global memory.
-        CpAsync16Sa(sa, src, full || t0 + row < a.num_tokens);
-        src += step;
+        for (int q = 0; q < kCopies; ++q) {
+          const int row = cp_r0 + kRowStep * q;
+          CpAsync16Sa(dst + q * kRowStep * kRowBytes + 16 * Swz(cp_c, row),
+                      q == 0 ? src : MadWide(step32, kSmallInts[q], src), true);
+        }
+      } else if (t0 + kTileRows <= a.num_tokens) {  // a full tile (warp-uniform): no predicates
+#pragma unroll
+        for (int q = 0; q < kCopies; ++q) {
+          const int row = cp_r0 + kRowStep * q;
+          CpAsync16Sa(dst + q * kRowStep * kRowBytes + 16 * Swz(cp_c, row), src, true);
+          src += step;
+        }
+      } else {
+        const int rows_left = a.num_tokens - t0 - cp_r0;
+#pragma unroll
+        for (int q = 0; q < kCopies; ++q) {
+          const int row = cp_r0 + kRowStep * q;
+          // Rows past the end: source size 0 zero-fills and reads no global memory.
+          CpAsync16Sa(dst + q * kRowStep * kRowBytes + 16 * Swz(cp_c, row), src,
+                      kRowStep * q < rows_left);
+          src += step;
+        }
       }
     }
     CpAsyncCommit();
   };
   // Destination page and slot of tile rows g and g+8.
-  auto dest_of = [&](int tile, int(&pg)[2], int(&sl)[2]) {
+  auto dest_of = [&](const Item& c, bool valid, int(&pg)[2], int(&sl)[2]) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const int t = tile * kTileRows + g + 8 * r;
+      const int t = c.tile * kTileRows + g + 8 * r;
       pg[r] = 0;
       sl[r] = 0;
-      if (tile < ntiles && t < a.num_tokens) {
+      if (valid && t < a.num_tokens) {
         if (demote) {
           pg[r] = __ldg(a.dst_page + (t >> lg_p));
           sl[r] = t & (P - 1);
@@ -588,25 +698,40 @@ __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate>(), MinBlocks<D, k
     }
   };
 
-  int src_pg_next = src_page_of(first);
-  issue(first, kv_of(0), 0, src_pg_next);
-  src_pg_next = src_page_of(tile_of(1));
+  // The item after next (demotion prefetches its source page an item ahead of its issue).
+  Item nxt = adv(cur);
+  issue(cur, left > 0, 0, src_page_of(cur, left > 0));
+  int src_pg_next = src_page_of(nxt, left > 1);
   int pg[2], sl[2];
-  dest_of(first, pg, sl);
+  dest_of(cur, left > 0, pg, sl);
+  // INT2 destinations of tile rows g, g+8: this lane's K code bytes at rb[r] (V: + P·D/4),
+  // the row's K params at rb[r] + poff[r] (V: + 4·kNG·P); worked out once per K/V pair.
+  uint8_t* rb[2];
+  int poff[2];
+  auto make_rb = [&](int hh, const int(&p)[2], const int(&s)[2]) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      rb[r] = a.dst_base + uint64_t(p[r]) * a.dst_stride + uint64_t(hh) * int2_chunk +
+              uint32_t(s[r] * (D / 4) + tig * kSpan);
+      poff[r] = 2 * P * (D / 4) + s[r] * (4 * kNG - D / 4) - tig * kSpan;
+    }
+  };
+  if constexpr (!kOutBf16) make_rb(cur.h, pg, sl);
   int stage = 0;
 
-  for (int it = 0; tile_of(it) < ntiles; ++it) {
-    const int tile = tile_of(it), kv = kv_of(it);
+  for (; left > 0; --left) {
+    const int tile = cur.tile, kv = cur.kv, h = cur.h;
     const int need = kv ? need_v : need_k;
     // Prefetch: the next item's rows, its destinations and the source page after it.
-    const int next = tile_of(it + 1);
-    issue(next, kv_of(it + 1), stage ^ 1, src_pg_next);
-    src_pg_next = src_page_of(tile_of(it + 2));
-    int npg[2], nsl[2];
-    if (kMix && (it & 1) == 0) {  // the next item is the V tile of the same tokens
-      npg[0] = pg[0], npg[1] = pg[1], nsl[0] = sl[0], nsl[1] = sl[1];
+    issue(nxt, left > 1, stage ^ 1, src_pg_next);
+    const Item nxt2 = adv(nxt);
+    src_pg_next = src_page_of(nxt2, left > 2);
+    int npg[2] = {0, 0}, nsl[2] = {0, 0};
+    const bool reuse = kMix && kv == 0;  // the next item is the V tile of the same tokens
+    if (reuse) {
+      if constexpr (kOutBf16) npg[0] = pg[0], npg[1] = pg[1], nsl[0] = sl[0], nsl[1] = sl[1];
     } else {
-      dest_of(next, npg, nsl);
+      dest_of(nxt, left > 1, npg, nsl);
     }
     CpAsyncWait<1>();
     __syncwarp();
@@ -719,11 +844,11 @@ __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate>(), MinBlocks<D, k
     } else {
       // ---- step 3: τ (rows with NaN get an arbitrary τ; they are refused below) ----
       // The packed row values wait in this tile's (already consumed) stage while the sorting
-      // networks run, which keeps the register count low enough for 5 CTAs per SM: lane L
-      // owns bytes [L·4·kRegs, (L+1)·4·kRegs), its 16-byte pieces rotated by L (no bank
-      // conflicts).
-      uint8_t* park = ring + stage * kStageBytes + lane * (4 * kRegs);
-      auto park_at = [&](int c) { return park + 16 * ((c + lane) & (kRegs / 4 - 1)); };
+      // networks run, which keeps the register count low enough for 6 CTAs per SM: piece c
+      // (16 bytes) of lane L at byte 512·c + 16·L (no bank conflicts; one base register and
+      // immediate offsets).
+      uint8_t* park = ring + stage * kStageBytes + 16 * lane;
+      auto park_at = [&](int c) { return park + 512 * c; };
       uint32_t tau = 0x7f807f80u;  // +inf: no clipping
       if (need > 0) {
         uint32_t m[kRegs];
@@ -739,7 +864,8 @@ __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate>(), MinBlocks<D, k
           tau = SelectTopK<8, 8>(m, need);
         } else if (need <= 16) {
           bool exact;
-          tau = SelectTop8Merge16(m, need, &exact);
+          tau = need <= 12 ? SelectTop8Merge16<kRegs, 12>(m, need, &exact)
+                           : SelectTop8Merge16<kRegs, 16>(m, need, &exact);
           if (!__all_sync(0xffffffffu, exact)) {  // rare: again from the parked values
 #pragma unroll
             for (int c = 0; c < kRegs / 4; ++c) {
@@ -848,15 +974,16 @@ __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate>(), MinBlocks<D, k
           thr[grp][j] = v[0] | (v[1] << 16);
         }
 
-      // ---- step 5: codes (b0 = m1^m2^m3, b1 = m2 for the nested masks m1 ⊇ m2 ⊇ m3) ----
-      // Per column i the four quarters' 2-bit codes are merged by bitwise selects (the masks
-      // are all-ones or all-zeros per half, so any bit of them carries the flag): pr[q] holds
-      // b0 in its even bits and b1 in its odd bits, then bits 0-1 come from quarter 0, 2-3 from
-      // quarter 1, ...; the high byte of each half is junk the byte assembly below ignores.
+      // ---- step 5: codes (2 bits b1 b0 per value; quarter q in bits 2q, 2q+1 of the byte).
+      // Per column i the byte of each half is Σ_q (b0 + 2·b1)·4^q, summed on the FMA pipe
+      // (v6; before: 7 bitwise selects per column on the saturated ALU pipe): with the masks m
+      // (0xffff per true half) as integers, S = Σ w·m mod 2^32 = 2^16·(L − H) − L for the
+      // weighted sums L (low half) and H (high half) of the true bits, so S·(−65537) =
+      // L + 2^16·H mod 2^32 (L, H <= 255): the low byte of each half is that half's code byte.
       uint32_t accb[kSpan];
 #pragma unroll
       for (int i = 0; i < kSpan; ++i) {
-        uint32_t pr[4];
+        uint32_t sum = 0;
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
           const int grp = q / (4 / kNG);
@@ -864,10 +991,10 @@ __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate>(), MinBlocks<D, k
           // b1 = [x >= t2]; b0 = [x >= t3] when b1, else [x >= t1] (t1 <= t2 <= t3).
           const uint32_t m2 = GeMaskBf16x2(v, thr[grp][1]);
           const uint32_t m0 = GeMaskBf16x2(v, SelBits(m2, thr[grp][2], thr[grp][0]));
-          pr[q] = SelBits(0x55555555u, m0, m2);
+          sum = MadLo(m2, kCodeWeights[2 * q + 1], sum);
+          sum = MadLo(m0, kCodeWeights[2 * q], sum);
         }
-        accb[i] = SelBits(0x000f000fu, SelBits(0x00030003u, pr[0], pr[1]),
-                          SelBits(0x00300030u, pr[2], pr[3]));
+        accb[i] = MadLo(sum, kCodeWeights[8], 0u);
       }
       const uint32_t keep0 = bad[0] ? 0u : 0xffffffffu, keep1 = bad[1] ? 0u : 0xffffffffu;
       uint32_t row0[kSpan / 4], row1[kSpan / 4];
@@ -882,9 +1009,7 @@ __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate>(), MinBlocks<D, k
       for (int r = 0; r < 2; ++r) {
         const int t = tile * kTileRows + g + 8 * r;
         if (t >= a.num_tokens) continue;
-        uint8_t* chunk = a.dst_base + uint64_t(pg[r]) * a.dst_stride + uint64_t(h) * int2_chunk;
-        uint8_t* codes =
-            chunk + uint64_t(kv) * P * (D / 4) + uint64_t(sl[r]) * (D / 4) + tig * kSpan;
+        uint8_t* codes = rb[r] + (kv ? P * (D / 4) : 0);
         uint32_t rw[kSpan / 4];
 #pragma unroll
         for (int w = 0; w < kSpan / 4; ++w) rw[w] = r ? row1[w] : row0[w];
@@ -897,8 +1022,7 @@ __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate>(), MinBlocks<D, k
         }
         // params of (row r, group grp): lane tig == r·kNG + grp of the quad, which owns it;
         // the row flag: lane r·kNG
-        uint8_t* params =
-            chunk + 2ull * P * (D / 4) + uint64_t(kv) * P * 4 * kNG + uint64_t(sl[r]) * 4 * kNG;
+        uint8_t* params = rb[r] + (poff[r] + (kv ? P * 4 * kNG : 0));
         if (tig < kCombos && my_r == r)
           reinterpret_cast<uint32_t*>(params)[my_grp] = bad[r] ? 0u : my_par;
         if (tig == r * kNG) {
@@ -909,11 +1033,14 @@ __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate>(), MinBlocks<D, k
       }
     }
     __syncwarp();  // this stage (and its parked values) is refilled by the next prefetch
-    pg[0] = npg[0];
-    pg[1] = npg[1];
-    sl[0] = nsl[0];
-    sl[1] = nsl[1];
+    if constexpr (kOutBf16) {
+      pg[0] = npg[0], pg[1] = npg[1], sl[0] = nsl[0], sl[1] = nsl[1];
+    } else if (!reuse) {
+      make_rb(nxt.h, npg, nsl);
+    }
     stage ^= 1;
+    cur = nxt;
+    nxt = nxt2;
   }
   CpAsyncWait<0>();
 }
@@ -949,9 +1076,18 @@ KernelStatus LaunchWrite(const WriteArgs& a, cudaStream_t stream) {
     sms = 132;
   cudaGetLastError();
   const int ntiles = (a.num_tokens + kTileRows - 1) / kTileRows;
-  const int ctas_for_tiles = (ntiles + threads / 32 - 1) / (threads / 32);
-  const int per_pair = std::max(1, (per_sm * sms) / (2 * a.num_kv_heads));
-  const dim3 grid(std::min(ctas_for_tiles, per_pair), a.num_kv_heads, 2);
+  dim3 grid;
+  if constexpr (kRotate) {
+    // One (head, K|V) per CTA: the grid's y and z.
+    const int ctas_for_tiles = (ntiles + threads / 32 - 1) / (threads / 32);
+    const int per_pair = std::max(1, (per_sm * sms) / (2 * a.num_kv_heads));
+    grid = dim3(std::min(ctas_for_tiles, per_pair), a.num_kv_heads, 2);
+  } else {
+    // One wave of CTAs over all items (2 per tile and head), split evenly by warp.
+    const int64_t items = 2 * int64_t(a.num_kv_heads) * ntiles;
+    const int64_t ctas_for_items = (items + threads / 32 - 1) / (threads / 32);
+    grid = dim3(unsigned(std::min<int64_t>(ctas_for_items, int64_t(per_sm) * sms)), 1, 1);
+  }
   kernel<<<grid, threads, smem, stream>>>(a);
   return WLaunchError("KvWriteKernel");
 }
