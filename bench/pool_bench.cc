@@ -18,6 +18,7 @@
 // Block sizes are set by the model geometry (d = 128, P = 16: 8 KiB per layer·head), with
 // history precision bf16 so a block has exactly one S-byte form. Prints a table on stdout and
 // writes JSON (--json). bench/pool_bench.py runs it next to ucx_perftest on the same transport.
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -105,8 +106,11 @@ uint16_t Bf16(float f) {
 }
 
 std::unique_ptr<Client> NewClient(const std::string& server, const std::string& tls,
-                                  bool map_shared_memory = true) {
+                                  bool map_shared_memory = true, int copy_threads = 0,
+                                  uint64_t parallel_min_kib = 64) {
   ClientOptions o;
+  o.copy_threads = copy_threads;
+  o.parallel_copy_min_bytes = parallel_min_kib << 10;
   o.server = server;
   o.ucx_tls = tls;
   o.map_shared_memory = map_shared_memory;
@@ -117,6 +121,13 @@ std::unique_ptr<Client> NewClient(const std::string& server, const std::string& 
     std::exit(kvpool::cli::kExitRuntime);
   }
   return *std::move(c);
+}
+
+// Minor page faults taken by the calling thread so far (getrusage RUSAGE_THREAD).
+long ThreadMinorFaults() {
+  rusage ru{};
+  getrusage(RUSAGE_THREAD, &ru);
+  return ru.ru_minflt;
 }
 
 #define BENCH_CHECK(expr)                               \
@@ -140,6 +151,18 @@ int main(int argc, char** argv) {
       commit_iters = 5;
   std::string json_path;
   bool map_shared_memory = true;
+  int copy_threads = 0;
+  uint64_t parallel_min_kib = 64;
+  app.add_option("--copy-threads", copy_threads,
+                 "ClientOptions::copy_threads of the measuring client (0 = the client's default: "
+                 "a quarter of the hardware threads, 1..8)")
+      ->check(CLI::Range(0, 64))
+      ->capture_default_str();
+  app.add_option("--parallel-copy-min-kib", parallel_min_kib,
+                 "ClientOptions::parallel_copy_min_bytes in KiB (smaller layers/fetches stay on "
+                 "the calling thread)")
+      ->check(CLI::Range(uint64_t{0}, uint64_t{1} << 30))
+      ->capture_default_str();
   app.add_option("--server", server, "gRPC address of the pool")->capture_default_str();
   app.add_option("--map-shared-memory", map_shared_memory,
                  "Let the client map the pool's memory when the transport can (direct mode); "
@@ -153,22 +176,22 @@ int main(int argc, char** argv) {
   // Ranges: a negative count reached std::vector's constructor (std::length_error, abort) and
   // zero timed iterations leave nothing to take percentiles of.
   app.add_option("--iters", iters, "Timed puts/fetches per size")
-      ->check(CLI::Range(1, 1000000))
+      ->check(kvpool::cli::Range(1, 1000000))
       ->capture_default_str();
   app.add_option("--warmup", warmup, "Untimed iterations per size")
-      ->check(CLI::Range(0, 1000000))
+      ->check(kvpool::cli::Range(0, 1000000))
       ->capture_default_str();
   app.add_option("--lookup-clients", lookup_clients, "Concurrent clients for the lookup test")
-      ->check(CLI::Range(1, 1024))
+      ->check(kvpool::cli::Range(1, 1024))
       ->capture_default_str();
   app.add_option("--lookup-iters", lookup_iters, "Lookups per client")
-      ->check(CLI::Range(1, 10000000))
+      ->check(kvpool::cli::Range(1, 10000000))
       ->capture_default_str();
   app.add_option("--commit-blocks", commit_blocks, "INT2 blocks per commit")
-      ->check(CLI::Range(1, 65536))
+      ->check(kvpool::cli::Range(1, 65536))
       ->capture_default_str();
   app.add_option("--commit-iters", commit_iters, "Timed commits")
-      ->check(CLI::Range(1, 1000000))
+      ->check(kvpool::cli::Range(1, 1000000))
       ->capture_default_str();
   app.add_option("--json", json_path, "Write results as JSON to this file");
   KVPOOL_CLI_PARSE(app, argc, argv);
@@ -189,12 +212,16 @@ int main(int argc, char** argv) {
   // A fresh seed per run: sequences from an earlier run against the same pool would already
   // be stored, and their puts would write nothing.
   std::mt19937 rng(std::random_device{}());
-  auto client = NewClient(server, tls, map_shared_memory);
+  auto client = NewClient(server, tls, map_shared_memory, copy_threads, parallel_min_kib);
   out["map_shared_memory"] = map_shared_memory;
+  out["copy_threads"] = copy_threads;  // 0: the client's default
+  out["parallel_copy_min_kib"] = parallel_min_kib;
 
-  std::printf("%-9s %9s %9s %9s %9s %9s %9s %9s %9s %9s  (GB/s; mean over iterations)\n", "size",
-              "put data", "put e2e", "put+cmt", "fetch", "warm", "no-xxh3", "fetch e2e", "raw get",
-              "p50 put");
+  std::printf(
+      "%-9s %9s %9s %9s %9s %9s %9s %9s %9s %9s %6s %6s  (GB/s; mean over iterations; faults: "
+      "minor page faults per put / first fetch)\n",
+      "size", "put data", "put e2e", "put+cmt", "fetch", "warm", "no-xxh3", "fetch e2e", "raw get",
+      "p50 put", "pf put", "pf get");
   for (uint64_t kib : sizes_kib) {
     const uint64_t bytes = kib << 10;
     if (bytes < (16u << 10) || (bytes & (bytes - 1)) != 0) {
@@ -222,16 +249,19 @@ int main(int argc, char** argv) {
     std::vector<double> put_us, put_e2e_us, put_commit_us, fetch_us, fetch_warm_us, fetch_nv_us,
         fetch_e2e_us, raw_us;
     bool direct = false;
+    long put_faults = 0, fetch_faults = 0;  // minor page faults of this thread, timed phases
     for (int it = 0; it < warmup + iters; ++it) {
       std::vector<uint32_t> tokens(16);
       for (auto& t : tokens) t = rng();
       const absl::Time b0 = absl::Now();
       auto put = client->BeginPut(tokens);
       BENCH_CHECK(put.status());
+      const long pf0 = ThreadMinorFaults();
       const absl::Time t0 = absl::Now();
       for (uint32_t l = 0; l < L; ++l) BENCH_CHECK((*put)->WriteLayer(l, kv[2 * l], kv[2 * l + 1]));
       BENCH_CHECK((*put)->Flush());
       const absl::Time t1 = absl::Now();
+      const long pf1 = ThreadMinorFaults();
       auto committed = (*put)->Commit();
       const absl::Time t1c = absl::Now();
       BENCH_CHECK(committed.status());
@@ -246,9 +276,11 @@ int main(int argc, char** argv) {
       const absl::Time a0 = absl::Now();
       auto lease = client->Acquire(tokens);
       BENCH_CHECK(lease.status());
+      const long pf2 = ThreadMinorFaults();
       const absl::Time t2 = absl::Now();
       auto f = client->Fetch(*lease, plan);
       const absl::Time t3 = absl::Now();
+      const long pf3 = ThreadMinorFaults();
       BENCH_CHECK(f.status());
       if (f->num_blocks != 1) {
         KVPOOL_LOG_ERROR("fetch returned {} blocks", f->num_blocks);
@@ -294,6 +326,8 @@ int main(int argc, char** argv) {
         fetch_warm_us.push_back(warm_us);
         fetch_nv_us.push_back(nv_us);
         if (t5 > t4) raw_us.push_back(absl::ToDoubleMicroseconds(t5 - t4));
+        put_faults += pf1 - pf0;
+        fetch_faults += pf3 - pf2;
       }
     }
     {
@@ -305,9 +339,10 @@ int main(int argc, char** argv) {
                 fs = Summarize(fetch_us), fw = Summarize(fetch_warm_us),
                 nvs = Summarize(fetch_nv_us), fe = Summarize(fetch_e2e_us), rs = Summarize(raw_us);
     auto gbps = [&](const Stats& st) { return st.mean_us > 0 ? bytes / (st.mean_us * 1e3) : 0.0; };
-    std::printf("%-9s %9.3f %9.3f %9.3f %9.3f %9.3f %9.3f %9.3f %9.3f %9.1f\n",
+    std::printf("%-9s %9.3f %9.3f %9.3f %9.3f %9.3f %9.3f %9.3f %9.3f %9.1f %6.1f %6.1f\n",
                 absl::StrCat(kib, " KiB").c_str(), gbps(ps), gbps(pe), gbps(pc), gbps(fs), gbps(fw),
-                gbps(nvs), gbps(fe), gbps(rs), ps.p50_us);
+                gbps(nvs), gbps(fe), gbps(rs), ps.p50_us, double(put_faults) / iters,
+                double(fetch_faults) / iters);
     auto add = [&](nlohmann::json& j, const std::string& name, const Stats& st) {
       j[name + "_gbps"] = gbps(st);
       j[name + "_p50_us"] = st.p50_us;
@@ -330,6 +365,8 @@ int main(int argc, char** argv) {
       j["transfers_per_put"] = direct ? 0 : int(L);
       j["transfers_per_fetch"] = direct ? 0 : 1;
     }
+    j["put_minor_faults_per_iter"] = double(put_faults) / iters;
+    j["fetch_minor_faults_per_iter"] = double(fetch_faults) / iters;
     add(j, "put", ps);         // data phase
     add(j, "put_e2e", pe);     // BeginPut → Flush
     add(j, "put_commit", pc);  // BeginPut → CommitPut returned

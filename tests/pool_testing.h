@@ -287,8 +287,12 @@ struct FetchPools {
 inline std::unique_ptr<client::Client> NewClient(const std::string& server, const std::string& tls,
                                                  bool check_finite = true,
                                                  absl::Status* error = nullptr,
-                                                 bool map_shared_memory = true) {
+                                                 bool map_shared_memory = true,
+                                                 int copy_threads = 0,
+                                                 uint64_t parallel_copy_min_bytes = 64 << 10) {
   client::ClientOptions o;
+  o.copy_threads = copy_threads;
+  o.parallel_copy_min_bytes = parallel_copy_min_bytes;
   o.server = server;
   o.ucx_tls = tls;
   o.default_timeout = absl::Seconds(20);

@@ -11,8 +11,10 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include "absl/functional/function_ref.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "copy_pool.h"
 #include "kvpool/common/checksum.h"
 #include "kvpool/common/log.h"
 #include "kvpool/common/status.h"
@@ -104,22 +106,25 @@ absl::Status FromGrpc(const grpc::Status& s) {
 
 bool Bf16Finite(uint16_t x) { return (x & 0x7F80u) != 0x7F80u; }
 
-// True when none of the n bf16 values is NaN or ±Inf (exponent all ones): (x & 0x7F80) + 0x80
-// reaches bit 15 exactly when the exponent field is all ones (0x7F80 + 0x80 = 0x8000; any other
-// exponent stays below). 16-bit arithmetic in blocks of a fixed 64 values, which GCC vectorizes
-// even at -O2; on x86-64 an AVX2 clone is picked at load time (20 GB/s against 8 GB/s for the
-// SSE2 one on a cache-resident layer). The per-element compare loop it replaces was not
-// vectorized and took most of a direct-mode put (perf annotate).
+// Copies n bf16 values from src to dst and returns a word whose bit 15 is set exactly when some
+// value is NaN or ±Inf (exponent all ones): (x & 0x7F80) + 0x80 reaches bit 15 exactly when the
+// exponent field is all ones (0x7F80 + 0x80 = 0x8000; any other exponent stays below). One pass:
+// the scan rides on the copy's loads (it used to be a separate pass over the source before the
+// pack). 16-bit arithmetic in blocks of a fixed 64 values, which GCC vectorizes even at -O2; on
+// x86-64 an AVX2 clone is picked at load time. The per-element compare loop the first version
+// used was not vectorized and took most of a direct-mode put (perf annotate).
 #if defined(__x86_64__) && defined(__GNUC__)
 __attribute__((target_clones("avx2", "default")))
 #endif
-bool AllBf16Finite(const uint16_t* p, size_t n) {
+uint16_t
+CopyBf16CheckFinite(uint16_t* __restrict dst, const uint16_t* __restrict src, size_t n) {
   uint16_t bad = 0;
   size_t i = 0;
   for (; i + 64 <= n; i += 64) {
     uint16_t b = 0;
     for (size_t j = 0; j < 64; ++j) {
-      uint16_t x = p[i + j];
+      uint16_t x = src[i + j];
+      dst[i + j] = x;
       x &= 0x7F80u;
       x += 0x0080u;
       b |= x;
@@ -127,10 +132,29 @@ bool AllBf16Finite(const uint16_t* p, size_t n) {
     bad |= b;
   }
   for (; i < n; ++i) {
-    uint16_t x = p[i];
+    uint16_t x = src[i];
+    dst[i] = x;
     x &= 0x7F80u;
     x += 0x0080u;
     bad |= x;
+  }
+  return bad;
+}
+
+// PackLayerSlice for heads [h0, h1) of block `block` (out = the block's layer slice), fused with
+// the NaN/Inf scan of exactly the values copied. True when all of them are finite.
+bool PackHeadsCheckFinite(const BlockGeometry& g, uint32_t block, uint32_t h0, uint32_t h1,
+                          const uint16_t* k, const uint16_t* v, uint8_t* out) {
+  const uint32_t P = g.page_size, H = g.num_kv_heads, d = g.head_dim;
+  uint16_t bad = 0;
+  for (uint32_t h = h0; h < h1; ++h) {
+    auto* chunk = reinterpret_cast<uint16_t*>(out + size_t(h) * g.Bf16ChunkBytes());
+    uint16_t* vrows = chunk + g.Bf16VOffset() / 2;
+    for (uint32_t t = 0; t < P; ++t) {
+      const size_t src = (size_t(block) * P + t) * H * d + size_t(h) * d;
+      bad |= CopyBf16CheckFinite(chunk + size_t(t) * d, k + src, d);
+      bad |= CopyBf16CheckFinite(vrows + size_t(t) * d, v + src, d);
+    }
   }
   return (bad & 0x8000u) == 0;
 }
@@ -208,12 +232,16 @@ class PutSessionImpl final : public PutSession {
 
  private:
   absl::Status WaitSlot(int slot);
-  // Packs WRITE block i's slice of one layer from k/v into `out` (Bf16LayerBytes), feeds it
-  // to the block's checksum. Shared by the three data paths.
-  void PackBlock(size_t i, const uint16_t* k, const uint16_t* v, uint8_t* out) {
-    PackLayerSlice(conn_.geometry, writes_[i].index, k, v, out);
-    hashes_[i]->Update(out, conn_.geometry.Bf16LayerBytes());
-  }
+  // Packs layer `layer` of every WRITE block i from k/v into dst(i) (that block's layer slice,
+  // Bf16LayerBytes), scanning the copied values for NaN/Inf in the same pass (when
+  // ClientOptions::check_finite) and feeding the packed bytes to each block's checksum. Shared
+  // by the three data paths. Large layers are spread over the client's CopyPool: with many
+  // blocks one task per block (independent hash streams), with few blocks chunks of heads whose
+  // hashes the calling thread streams in order while the workers pack. A non-finite value
+  // returns INVALID_ARGUMENT naming the layer and the first bad token and poisons the put
+  // (some blocks' checksums already took the layer; Commit fails with the same status).
+  absl::Status PackLayer(uint32_t layer, const uint16_t* k, const uint16_t* v,
+                         absl::FunctionRef<uint8_t*(size_t)> dst);
   // Pool-initiated mode. StartPull asks the pool (in the background: one asynchronous
   // WritePut call) to pull the layers [requested_layers_, next_layer_) written since the last
   // request; FinishPulls waits for every call in flight; PullPending requests the rest and
@@ -255,7 +283,9 @@ class ClientImpl final : public Client {
       : options_(std::move(options)),
         transport_(std::move(transport)),
         channel_(std::move(channel)),
-        stub_(pb::KvPool::NewStub(channel_)) {}
+        stub_(pb::KvPool::NewStub(channel_)),
+        copy_pool_(std::make_unique<CopyPool>(options_.copy_threads > 0 ? options_.copy_threads
+                                                                        : DefaultCopyThreads())) {}
 
   ~ClientImpl() override {
     EndpointId ep;
@@ -878,13 +908,78 @@ class ClientImpl final : public Client {
                &resp);
   }
 
+  // Direct-mode fetch: copies each leased form (sources[j], items[j].loc->size bytes) to
+  // dests[j] and sets (*sums)[j] to the xxh3 of the copied bytes (verify) or to the leased
+  // checksum (no verify). Large fetches use the copy pool: one task per form when there are
+  // many, else pieces of 4-32 KiB copied by every thread while this thread hashes each form's
+  // pieces in order (a form's xxh3 is one stream).
+  template <typename ItemT>
+  void CopyForms(const std::vector<uint8_t*>& dests, const std::vector<const uint8_t*>& sources,
+                 const std::vector<ItemT>& items, bool verify, uint64_t total,
+                 std::vector<uint64_t>* sums) {
+    CopyPool& pool = *copy_pool_;
+    const size_t n = items.size();
+    auto whole = [&](size_t j) {
+      const uint64_t size = items[j].loc->size;
+      if (verify) {
+        (*sums)[j] = CopyAndHash(dests[j], sources[j], size);
+      } else {
+        std::memcpy(dests[j], sources[j], size);
+        (*sums)[j] = items[j].loc->xxh3;
+      }
+    };
+    const bool parallel = pool.threads() > 1 && total >= options_.parallel_copy_min_bytes;
+    if (!parallel) {
+      for (size_t j = 0; j < n; ++j) whole(j);
+      return;
+    }
+    if (n >= size_t(2 * pool.threads())) {
+      pool.Run(n, whole);
+      return;
+    }
+    // Pieces of 4..32 KiB, at least two per thread.
+    const uint64_t piece_bytes =
+        std::clamp<uint64_t>(total / (2 * pool.threads()) / 64 * 64, 4 << 10, 32 << 10);
+    struct Piece {
+      size_t item;
+      uint64_t offset, size;
+    };
+    std::vector<Piece> pieces;
+    for (size_t j = 0; j < n; ++j) {
+      const uint64_t size = items[j].loc->size;
+      for (uint64_t off = 0; off < size; off += piece_bytes) {
+        pieces.push_back({j, off, std::min(piece_bytes, size - off)});
+      }
+    }
+    auto copy = [&](size_t p) {
+      const Piece& c = pieces[p];
+      std::memcpy(dests[c.item] + c.offset, sources[c.item] + c.offset, c.size);
+    };
+    if (!verify) {
+      pool.Run(pieces.size(), copy);
+      for (size_t j = 0; j < n; ++j) (*sums)[j] = items[j].loc->xxh3;
+      return;
+    }
+    std::vector<std::unique_ptr<Xxh3Stream>> streams;
+    for (size_t j = 0; j < n; ++j) streams.push_back(std::make_unique<Xxh3Stream>());
+    pool.Run(pieces.size(), copy, [&](size_t p) {
+      const Piece& c = pieces[p];
+      streams[c.item]->Update(dests[c.item] + c.offset, c.size);
+    });
+    for (size_t j = 0; j < n; ++j) (*sums)[j] = streams[j]->Digest();
+  }
+
   const ClientOptions& options() const { return options_; }
+  CopyPool& copy_pool() { return *copy_pool_; }
+  uint64_t parallel_copy_min_bytes() const { return options_.parallel_copy_min_bytes; }
 
  private:
   ClientOptions options_;
   std::unique_ptr<transport::Transport> transport_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<pb::KvPool::Stub> stub_;
+  // Worker threads for packing puts and copying fetches (never a UCX or gRPC call).
+  std::unique_ptr<CopyPool> copy_pool_;
 
   mutable std::mutex mu_;  // guards everything below; never held across gRPC or UCX calls
   std::optional<ModelSpec> spec_;
@@ -956,6 +1051,81 @@ absl::Status PutSessionImpl::WaitSlot(int slot) {
   return error_;
 }
 
+absl::Status PutSessionImpl::PackLayer(uint32_t layer, const uint16_t* k, const uint16_t* v,
+                                       absl::FunctionRef<uint8_t*(size_t)> dst) {
+  const BlockGeometry& g = conn_.geometry;
+  const size_t blocks = writes_.size();
+  const uint64_t slice = g.Bf16LayerBytes();
+  CopyPool& pool = client_->copy_pool();
+  const bool parallel = pool.threads() > 1 && blocks * slice >= client_->parallel_copy_min_bytes();
+  // Tasks: whole blocks (pack + hash in the task: each block has its own hash stream) when
+  // there are enough of them to keep every thread busy; else chunks of about kChunkBytes of
+  // heads, hashed in order by the calling thread while it is still in a cache nearby (inline,
+  // each chunk is hashed right after it is packed).
+  // Chunks of at most 16 KiB (the inline path packs and hashes each while it is in L1/L2),
+  // and at least two per thread when the workers share the layer.
+  const bool per_block = parallel && blocks >= size_t(2 * pool.threads());
+  const uint64_t chunk_bytes = std::min<uint64_t>(
+      16 << 10, parallel ? blocks * slice / (2 * pool.threads()) : uint64_t{16} << 10);
+  const uint32_t heads_per_task =
+      per_block ? g.num_kv_heads
+                : std::clamp<uint32_t>(static_cast<uint32_t>(chunk_bytes / g.Bf16ChunkBytes()), 1,
+                                       g.num_kv_heads);
+  const uint32_t tasks_per_block = (g.num_kv_heads + heads_per_task - 1) / heads_per_task;
+  const size_t tasks = blocks * tasks_per_block;
+  std::vector<uint8_t> finite(tasks, 1);
+  auto range = [&](size_t t, uint32_t* h0, uint32_t* h1) {
+    *h0 = static_cast<uint32_t>(t % tasks_per_block) * heads_per_task;
+    *h1 = std::min(g.num_kv_heads, *h0 + heads_per_task);
+  };
+  auto pack = [&](size_t t) {
+    const size_t i = t / tasks_per_block;
+    uint32_t h0, h1;
+    range(t, &h0, &h1);
+    finite[t] = PackHeadsCheckFinite(g, writes_[i].index, h0, h1, k, v, dst(i));
+  };
+  auto hash = [&](size_t t) {
+    const size_t i = t / tasks_per_block;
+    uint32_t h0, h1;
+    range(t, &h0, &h1);
+    hashes_[i]->Update(dst(i) + h0 * g.Bf16ChunkBytes(), (h1 - h0) * g.Bf16ChunkBytes());
+  };
+  if (per_block) {
+    pool.Run(tasks, [&](size_t t) {
+      pack(t);
+      hash(t);
+    });
+  } else if (parallel) {
+    pool.Run(tasks, pack, hash);
+  } else {
+    for (size_t t = 0; t < tasks; ++t) {
+      pack(t);
+      hash(t);  // while the chunk is in the L1/L2 cache
+    }
+  }
+  if (!client_->options().check_finite) return absl::OkStatus();
+  size_t bad = 0;
+  while (bad < tasks && finite[bad]) ++bad;
+  if (bad == tasks) return absl::OkStatus();
+  // Name the first non-finite token of the first bad block (element by element, rare path).
+  const size_t row = size_t(g.num_kv_heads) * g.head_dim;
+  const uint32_t block = writes_[bad / tasks_per_block].index;
+  absl::Status s = absl::InternalError("put: NaN/Inf flagged but not found");
+  for (uint32_t t = 0; t < g.page_size && s.code() == absl::StatusCode::kInternal; ++t) {
+    const size_t base = (size_t(block) * g.page_size + t) * row;
+    for (size_t j = 0; j < row; ++j) {
+      if (!Bf16Finite(k[base + j]) || !Bf16Finite(v[base + j])) {
+        s = absl::InvalidArgumentError(absl::StrCat(!Bf16Finite(k[base + j]) ? "k" : "v",
+                                                    ": NaN or Inf at layer ", layer, ", token ",
+                                                    size_t(block) * g.page_size + t));
+        break;
+      }
+    }
+  }
+  if (error_.ok()) error_ = s;  // sticky: this layer's bytes already reached some checksums
+  return s;
+}
+
 absl::Status PutSessionImpl::WriteLayer(uint32_t layer, absl::Span<const uint16_t> k,
                                         absl::Span<const uint16_t> v) {
   if (finished_) return absl::FailedPreconditionError("put: already committed or aborted");
@@ -979,36 +1149,15 @@ absl::Status PutSessionImpl::WriteLayer(uint32_t layer, absl::Span<const uint16_
                                                    need, " ([tokens][heads][head_dim])"));
   }
   if (cancel_ && cancel_->cancelled()) return absl::CancelledError("put cancelled");
-  const size_t row = size_t(g.num_kv_heads) * g.head_dim;
-  if (client_->options().check_finite) {
-    for (const auto& w : writes_) {
-      // Fast path: the block's K and V rows are contiguous; scan element by element (to name
-      // the first bad token) only when something is not finite.
-      const size_t first = size_t(w.index) * g.page_size * row, count = size_t(g.page_size) * row;
-      if (AllBf16Finite(k.data() + first, count) && AllBf16Finite(v.data() + first, count)) {
-        continue;
-      }
-      for (uint32_t t = 0; t < g.page_size; ++t) {
-        const size_t base = (size_t(w.index) * g.page_size + t) * row;
-        for (size_t j = 0; j < row; ++j) {
-          if (!Bf16Finite(k[base + j]) || !Bf16Finite(v[base + j])) {
-            return absl::InvalidArgumentError(
-                absl::StrCat(!Bf16Finite(k[base + j]) ? "k" : "v", ": NaN or Inf at layer ", layer,
-                             ", token ", size_t(w.index) * g.page_size + t));
-          }
-        }
-      }
-    }
-  }
   ++next_layer_;
   if (writes_.empty()) return absl::OkStatus();
 
   const uint64_t slice = g.Bf16LayerBytes();
   if (direct_) {
     // The staging is mapped: packing the layer into it is the transfer.
-    for (size_t i = 0; i < writes_.size(); ++i) {
-      PackBlock(i, k.data(), v.data(), writes_[i].mapped + uint64_t(layer) * slice);
-    }
+    KVPOOL_RETURN_IF_ERROR(PackLayer(layer, k.data(), v.data(), [&](size_t i) {
+      return writes_[i].mapped + uint64_t(layer) * slice;
+    }));
     bytes_written_ += slice * writes_.size();
     return absl::OkStatus();
   }
@@ -1020,9 +1169,10 @@ absl::Status PutSessionImpl::WriteLayer(uint32_t layer, absl::Span<const uint16_
     if (whole_ == nullptr) {
       KVPOOL_ASSIGN_OR_RETURN(whole_, client_->TakeBuffer(form * writes_.size()));
     }
-    for (size_t i = 0; i < writes_.size(); ++i) {
-      PackBlock(i, k.data(), v.data(), whole_->data() + i * form + uint64_t(layer) * slice);
-    }
+    uint8_t* whole = whole_->data();
+    KVPOOL_RETURN_IF_ERROR(PackLayer(layer, k.data(), v.data(), [&](size_t i) {
+      return whole + i * form + uint64_t(layer) * slice;
+    }));
     bytes_written_ += slice * writes_.size();
     // One call in flight while layers come faster than the pool pulls them (the next call
     // takes every layer written meanwhile); Flush/Commit request the rest at once.
@@ -1041,8 +1191,9 @@ absl::Status PutSessionImpl::WriteLayer(uint32_t layer, absl::Span<const uint16_
   uint8_t* buf = slots_[slot]->data();
   // Ops grouped by remote key (normally one: the pool's arena).
   std::map<uint64_t, std::vector<TransferOp>> by_key;
+  KVPOOL_RETURN_IF_ERROR(
+      PackLayer(layer, k.data(), v.data(), [&](size_t i) { return buf + i * slice; }));
   for (size_t i = 0; i < writes_.size(); ++i) {
-    PackBlock(i, k.data(), v.data(), buf + i * slice);
     by_key[writes_[i].rkey.value].push_back(
         TransferOp{i * slice, writes_[i].staging_addr + layer * slice, slice});
   }
@@ -1237,17 +1388,14 @@ absl::StatusOr<FetchResult> ClientImpl::Fetch(const Lease& lease, const FetchPla
   if (direct) {
     if (call.cancel && call.cancel->cancelled()) return absl::CancelledError("fetch cancelled");
     copied_sums.resize(items.size());
-    for (size_t j = 0; j < items.size(); ++j) {
-      const Item& it = items[j];
+    std::vector<uint8_t*> dests;
+    uint64_t total = 0;
+    for (const Item& it : items) {
       const PagePool* pool = it.form == Form::kInt2 ? plan.int2_pool : plan.bf16_pool;
-      uint8_t* dst = pool->region->data() + it.local_offset;
-      if (plan.verify_checksums) {
-        copied_sums[j] = CopyAndHash(dst, sources[j], it.loc->size);
-      } else {
-        std::memcpy(dst, sources[j], it.loc->size);
-        copied_sums[j] = it.loc->xxh3;
-      }
+      dests.push_back(pool->region->data() + it.local_offset);
+      total += it.loc->size;
     }
+    CopyForms(dests, sources, items, plan.verify_checksums, total, &copied_sums);
   } else if (c.info.pool_initiates_transfers) {
     // The pool pushes every form into the page pools (ReadLeased) and answers once they are
     // visible here; one status per block.
@@ -1340,15 +1488,29 @@ absl::StatusOr<FetchResult> ClientImpl::Fetch(const Lease& lease, const FetchPla
   }
   if (call.cancel && call.cancel->cancelled()) return absl::CancelledError("fetch cancelled");
 
+  // Transfers (RMA or pool-initiated) landed in the page pools: hash them there, one task per
+  // form on the copy pool when the fetch is large.
+  if (!direct && plan.verify_checksums) {
+    copied_sums.assign(items.size(), 0);
+    uint64_t total = 0;
+    for (const Item& it : items) total += it.loc->size;
+    auto hash = [&](size_t j) {
+      const Item& it = items[j];
+      if (!out.block_status[it.block].ok()) return;
+      const PagePool* pool = it.form == Form::kInt2 ? plan.int2_pool : plan.bf16_pool;
+      copied_sums[j] = Xxh3(pool->region->data() + it.local_offset, it.loc->size);
+    };
+    if (copy_pool_->threads() > 1 && total >= options_.parallel_copy_min_bytes) {
+      copy_pool_->Run(items.size(), hash);
+    } else {
+      for (size_t j = 0; j < items.size(); ++j) hash(j);
+    }
+  }
   // Verify checksums (fail closed: a slot reused under us would not match).
   for (size_t j = 0; j < items.size(); ++j) {
     const Item& it = items[j];
     if (!out.block_status[it.block].ok()) continue;
-    const PagePool* pool = it.form == Form::kInt2 ? plan.int2_pool : plan.bf16_pool;
-    const uint64_t got = direct ? copied_sums[j]
-                         : plan.verify_checksums
-                             ? Xxh3(pool->region->data() + it.local_offset, it.loc->size)
-                             : it.loc->xxh3;
+    const uint64_t got = direct || plan.verify_checksums ? copied_sums[j] : it.loc->xxh3;
     if (got != it.loc->xxh3) {
       out.block_status[it.block] = absl::DataLossError(
           absl::StrCat("block ", it.block, " (", HexPrefix(lease.blocks[it.block].key), "): xxh3 ",
@@ -1382,6 +1544,10 @@ absl::StatusOr<FetchResult> ClientImpl::Fetch(const Lease& lease, const FetchPla
 
 absl::StatusOr<std::unique_ptr<Client>> Client::Create(const ClientOptions& options) {
   if (options.server.empty()) return absl::InvalidArgumentError("server: empty");
+  if (options.copy_threads < 0 || options.copy_threads > 64) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("copy_threads: ", options.copy_threads, " is outside 0..64"));
+  }
   std::unique_ptr<transport::Transport> t;
   if (options.transport_factory) {
     KVPOOL_ASSIGN_OR_RETURN(t, options.transport_factory());

@@ -9,11 +9,13 @@
 #include <optional>
 #include <random>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "kvpool/kernels/rotation.h"
@@ -65,8 +67,14 @@ class ClientTest : public ::testing::TestWithParam<std::string> {
 
   std::unique_ptr<Client> NewClient(bool check_finite = true) {
     absl::Status error;
+    // MODE "threads": 4 copy threads and no size floor, so every put layer and every fetch
+    // of these small sequences is spread over the client's CopyPool (chunk pipeline for few
+    // blocks, one task per block for many).
+    const bool threads = Threads();
     auto c = testing::NewClient(absl::StrCat("127.0.0.1:", port_), Tls(), check_finite, &error,
-                                /*map_shared_memory=*/Mode() != "rma");
+                                /*map_shared_memory=*/Mode() != "rma",
+                                /*copy_threads=*/threads ? 4 : 1,
+                                /*parallel_copy_min_bytes=*/threads ? 0 : 64 << 10);
     EXPECT_NE(c, nullptr) << error;
     return c;
   }
@@ -86,9 +94,12 @@ class ClientTest : public ::testing::TestWithParam<std::string> {
   // (ClientOptions::map_shared_memory = false), so shared memory also runs RMA transfers.
   std::string Tls() const { return GetParam().substr(0, GetParam().find('/')); }
   std::string Mode() const {
-    const size_t slash = GetParam().find('/');
-    return slash == std::string::npos ? "" : GetParam().substr(slash + 1);
+    std::string p = GetParam();
+    if (Threads()) p.resize(p.size() - std::string_view("/threads").size());
+    const size_t slash = p.find('/');
+    return slash == std::string::npos ? "" : p.substr(slash + 1);
   }
+  bool Threads() const { return absl::EndsWith(GetParam(), "/threads"); }
   std::string Initiator() const {
     if (Mode().empty()) return "auto";
     return Mode() == "rma" ? "client" : Mode();
@@ -221,7 +232,7 @@ TEST_P(ClientTest, EachLayerReachesStagingBeforeTheNextIsWritten) {
   ASSERT_TRUE(info.ok()) << info.status();
   // Only a client that initiates over shared memory may map the pool (the direct path; it
   // also needs the pool's memory to be a UCX shared segment, which a full /dev/shm prevents).
-  if (GetParam() != "posix,cma") {
+  if (Tls() != "posix,cma" || !Mode().empty()) {
     EXPECT_FALSE(info->mapped_pool_memory);
   }
   RecordProperty("mapped_pool_memory", info->mapped_pool_memory ? "yes" : "no");
@@ -274,7 +285,9 @@ TEST_P(ClientTest, EachLayerReachesStagingBeforeTheNextIsWritten) {
 // lane of a vector word and across a word boundary), both signs, NaN payloads and Inf are
 // refused naming the token; the extreme finite values pass.
 TEST_P(ClientTest, NonFiniteValuesAreFoundAtEveryPosition) {
-  if (GetParam() != "posix,cma") GTEST_SKIP() << "client-side check; one transport suffices";
+  if (GetParam() != "posix,cma" && GetParam() != "posix,cma/threads") {
+    GTEST_SKIP() << "client-side check; one transport (serial and threaded) suffices";
+  }
   auto c = NewClient();
   ASSERT_NE(c, nullptr);
   ASSERT_TRUE(c->RegisterModel(Spec("int2")).ok());
@@ -508,7 +521,8 @@ TEST_P(ClientTest, PoolRestartGivesUnavailableThenWorksAgain) {
 
 INSTANTIATE_TEST_SUITE_P(Ucx, ClientTest,
                          ::testing::Values("tcp", "posix,cma", "tcp/client", "posix,cma/pool",
-                                           "posix,cma/rma"),
+                                           "posix,cma/rma", "posix,cma/threads", "tcp/threads",
+                                           "posix,cma/rma/threads"),
                          [](const auto& info) {
                            std::string n = info.param;
                            std::replace(n.begin(), n.end(), ',', '_');

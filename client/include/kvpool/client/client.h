@@ -94,6 +94,17 @@ struct ClientOptions {
   // hand-off to the transport's owner thread (docs/TRANSPORT.md "Direct mode"). false: always
   // RMA transfers. Default true.
   bool map_shared_memory = true;
+  // Threads that share the per-byte work of large puts and fetches (packing a layer with its
+  // NaN/Inf scan, copying fetched forms out of mapped pool memory, hashing independent blocks),
+  // counting the calling thread: copy_threads - 1 worker threads are started with the client.
+  // They only copy, scan and hash memory, never call UCX or gRPC. A block form's xxh3 is one
+  // stream, so for a put or fetch of few blocks the calling thread hashes the chunks in order
+  // while the workers copy the next ones. 0 = a quarter of std::thread::hardware_concurrency(),
+  // clamped to 1..8 (1 on a 2-core machine: everything on the calling thread). At most 64.
+  int copy_threads = 0;
+  // Puts layers and fetches smaller than this (bytes of one WriteLayer / one Fetch) stay on
+  // the calling thread: waking workers costs more than the copy. Default 64 KiB.
+  uint64_t parallel_copy_min_bytes = 64 << 10;
   // Creates the data plane. Default (null): transport::CreateUcxTransport({.tls = ucx_tls}).
   // Tests pass a FakeFabric transport.
   std::function<absl::StatusOr<std::unique_ptr<transport::Transport>>()> transport_factory;
@@ -293,8 +304,8 @@ struct PoolStats {
 
 class Client {
  public:
-  // Creates the data plane and the gRPC channel (no RPC yet). Errors: INVALID_ARGUMENT
-  // ("server"), INTERNAL (UCX).
+  // Creates the data plane, the gRPC channel (no RPC yet) and the copy threads. Errors:
+  // INVALID_ARGUMENT ("server", "copy_threads"), INTERNAL (UCX).
   static absl::StatusOr<std::unique_ptr<Client>> Create(const ClientOptions& options);
   virtual ~Client() = default;
 

@@ -1,0 +1,115 @@
+// copy_pool_test — the client's CopyPool (client/src/copy_pool.h): every index runs exactly
+// once, the ordered hook runs on the caller in index order after its work, concurrent callers
+// each get complete results (one of them inline when the workers are taken), workers really
+// share a job, and the one-thread pool interleaves work and hook on the caller.
+#include "copy_pool.h"
+
+#include <atomic>
+#include <chrono>
+#include <mutex>
+#include <set>
+#include <thread>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+namespace kvpool::client {
+namespace {
+
+TEST(CopyPool, EveryIndexOnceAndOrderedHookInOrderAfterItsWork) {
+  CopyPool pool(4);
+  ASSERT_EQ(pool.threads(), 4);
+  for (size_t n : {size_t{0}, size_t{1}, size_t{2}, size_t{7}, size_t{64}, size_t{1000}}) {
+    for (int rep = 0; rep < 50; ++rep) {
+      std::vector<std::atomic<int>> runs(n);
+      std::vector<uint64_t> value(n, 0);
+      std::vector<size_t> order;
+      const std::thread::id caller = std::this_thread::get_id();
+      bool hook_off_caller = false, hook_saw_stale = false;
+      pool.Run(
+          n,
+          [&](size_t i) {
+            runs[i].fetch_add(1);
+            value[i] = i * 2654435761u + 1;  // written by whichever thread ran it
+          },
+          [&](size_t i) {
+            hook_off_caller |= std::this_thread::get_id() != caller;
+            hook_saw_stale |= value[i] != i * 2654435761u + 1;
+            order.push_back(i);
+          });
+      ASSERT_FALSE(hook_off_caller) << "n " << n;
+      ASSERT_FALSE(hook_saw_stale) << "n " << n;
+      ASSERT_EQ(order.size(), n);
+      for (size_t i = 0; i < n; ++i) {
+        ASSERT_EQ(runs[i].load(), 1) << "n " << n << " index " << i;
+        ASSERT_EQ(order[i], i);
+      }
+    }
+  }
+}
+
+TEST(CopyPool, WorkersShareAJob) {
+  CopyPool pool(3);
+  std::mutex mu;
+  std::set<std::thread::id> ids;
+  // 64 tasks of 2 ms each: the workers wake long before the caller could run them all.
+  pool.Run(64, [&](size_t) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    std::lock_guard<std::mutex> lock(mu);
+    ids.insert(std::this_thread::get_id());
+  });
+  EXPECT_GT(ids.size(), 1u);
+  EXPECT_EQ(pool.parallel_runs(), 1u);
+}
+
+TEST(CopyPool, ConcurrentCallersAllComplete) {
+  CopyPool pool(4);
+  constexpr int kCallers = 6, kJobs = 200;
+  std::atomic<int> bad{0};
+  std::vector<std::thread> callers;
+  for (int c = 0; c < kCallers; ++c) {
+    callers.emplace_back([&, c] {
+      for (int j = 0; j < kJobs; ++j) {
+        const size_t n = 1 + (c * 31 + j * 7) % 97;
+        std::vector<std::atomic<int>> runs(n);
+        size_t next = 0;
+        pool.Run(
+            n, [&](size_t i) { runs[i].fetch_add(1); },
+            [&](size_t i) {
+              if (i != next++ || runs[i].load() != 1) ++bad;
+            });
+        if (next != n) ++bad;
+        for (auto& r : runs) bad += r.load() != 1;
+      }
+    });
+  }
+  for (auto& t : callers) t.join();
+  EXPECT_EQ(bad.load(), 0);
+  // Every job ran, on the workers or inline (n = 1 runs inline without counting).
+  EXPECT_LE(pool.parallel_runs() + pool.busy_fallbacks(), uint64_t{kCallers} * kJobs);
+  EXPECT_GT(pool.parallel_runs(), 0u);
+}
+
+TEST(CopyPool, OneThreadInterleavesWorkAndHookOnTheCaller) {
+  CopyPool pool(1);
+  ASSERT_EQ(pool.threads(), 1);
+  std::vector<int> trace;
+  pool.Run(
+      3, [&](size_t i) { trace.push_back(static_cast<int>(i)); },
+      [&](size_t i) { trace.push_back(100 + static_cast<int>(i)); });
+  EXPECT_EQ(trace, (std::vector<int>{0, 100, 1, 101, 2, 102}));
+  EXPECT_EQ(pool.parallel_runs(), 0u);
+}
+
+TEST(CopyPool, DefaultThreadsIsAQuarterOfTheHardwareThreadsWithinOneToEight) {
+  const int d = DefaultCopyThreads();
+  EXPECT_GE(d, 1);
+  EXPECT_LE(d, 8);
+  const unsigned hw = std::thread::hardware_concurrency();
+  if (hw >= 4 && hw < 32) {
+    EXPECT_EQ(d, static_cast<int>(hw / 4));
+  }
+}
+
+}  // namespace
+}  // namespace kvpool::client
