@@ -107,10 +107,11 @@ uint16_t Bf16(float f) {
 
 std::unique_ptr<Client> NewClient(const std::string& server, const std::string& tls,
                                   bool map_shared_memory = true, int copy_threads = 0,
-                                  uint64_t parallel_min_kib = 64) {
+                                  uint64_t put_min_kib = 64, uint64_t fetch_min_kib = 512) {
   ClientOptions o;
   o.copy_threads = copy_threads;
-  o.parallel_copy_min_bytes = parallel_min_kib << 10;
+  o.parallel_put_min_bytes = put_min_kib << 10;
+  o.parallel_fetch_min_bytes = fetch_min_kib << 10;
   o.server = server;
   o.ucx_tls = tls;
   o.map_shared_memory = map_shared_memory;
@@ -152,15 +153,20 @@ int main(int argc, char** argv) {
   std::string json_path;
   bool map_shared_memory = true;
   int copy_threads = 0;
-  uint64_t parallel_min_kib = 64;
+  uint64_t put_min_kib = 64, fetch_min_kib = 512;
   app.add_option("--copy-threads", copy_threads,
                  "ClientOptions::copy_threads of the measuring client (0 = the client's default: "
                  "a quarter of the hardware threads, 1..8)")
       ->check(CLI::Range(0, 64))
       ->capture_default_str();
-  app.add_option("--parallel-copy-min-kib", parallel_min_kib,
-                 "ClientOptions::parallel_copy_min_bytes in KiB (smaller layers/fetches stay on "
-                 "the calling thread)")
+  app.add_option("--parallel-put-min-kib", put_min_kib,
+                 "ClientOptions::parallel_put_min_bytes in KiB (smaller put layers stay on the "
+                 "calling thread)")
+      ->check(CLI::Range(uint64_t{0}, uint64_t{1} << 30))
+      ->capture_default_str();
+  app.add_option("--parallel-fetch-min-kib", fetch_min_kib,
+                 "ClientOptions::parallel_fetch_min_bytes in KiB (smaller fetches stay on the "
+                 "calling thread)")
       ->check(CLI::Range(uint64_t{0}, uint64_t{1} << 30))
       ->capture_default_str();
   app.add_option("--server", server, "gRPC address of the pool")->capture_default_str();
@@ -212,10 +218,11 @@ int main(int argc, char** argv) {
   // A fresh seed per run: sequences from an earlier run against the same pool would already
   // be stored, and their puts would write nothing.
   std::mt19937 rng(std::random_device{}());
-  auto client = NewClient(server, tls, map_shared_memory, copy_threads, parallel_min_kib);
+  auto client = NewClient(server, tls, map_shared_memory, copy_threads, put_min_kib, fetch_min_kib);
   out["map_shared_memory"] = map_shared_memory;
   out["copy_threads"] = copy_threads;  // 0: the client's default
-  out["parallel_copy_min_kib"] = parallel_min_kib;
+  out["parallel_put_min_kib"] = put_min_kib;
+  out["parallel_fetch_min_kib"] = fetch_min_kib;
 
   std::printf(
       "%-9s %9s %9s %9s %9s %9s %9s %9s %9s %9s %6s %6s  (GB/s; mean over iterations; faults: "

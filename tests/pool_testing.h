@@ -289,10 +289,12 @@ inline std::unique_ptr<client::Client> NewClient(const std::string& server, cons
                                                  absl::Status* error = nullptr,
                                                  bool map_shared_memory = true,
                                                  int copy_threads = 0,
-                                                 uint64_t parallel_copy_min_bytes = 64 << 10) {
+                                                 uint64_t parallel_min_bytes = 64 << 10) {
   client::ClientOptions o;
   o.copy_threads = copy_threads;
-  o.parallel_copy_min_bytes = parallel_copy_min_bytes;
+  // The same floor for put layers and fetches (tests pass 0 to spread everything).
+  o.parallel_put_min_bytes = parallel_min_bytes;
+  o.parallel_fetch_min_bytes = parallel_min_bytes;
   o.server = server;
   o.ucx_tls = tls;
   o.default_timeout = absl::Seconds(20);

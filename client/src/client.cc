@@ -928,7 +928,7 @@ class ClientImpl final : public Client {
         (*sums)[j] = items[j].loc->xxh3;
       }
     };
-    const bool parallel = pool.threads() > 1 && total >= options_.parallel_copy_min_bytes;
+    const bool parallel = pool.threads() > 1 && total >= options_.parallel_fetch_min_bytes;
     if (!parallel) {
       for (size_t j = 0; j < n; ++j) whole(j);
       return;
@@ -971,7 +971,7 @@ class ClientImpl final : public Client {
 
   const ClientOptions& options() const { return options_; }
   CopyPool& copy_pool() { return *copy_pool_; }
-  uint64_t parallel_copy_min_bytes() const { return options_.parallel_copy_min_bytes; }
+  uint64_t parallel_put_min_bytes() const { return options_.parallel_put_min_bytes; }
 
  private:
   ClientOptions options_;
@@ -1057,7 +1057,7 @@ absl::Status PutSessionImpl::PackLayer(uint32_t layer, const uint16_t* k, const 
   const size_t blocks = writes_.size();
   const uint64_t slice = g.Bf16LayerBytes();
   CopyPool& pool = client_->copy_pool();
-  const bool parallel = pool.threads() > 1 && blocks * slice >= client_->parallel_copy_min_bytes();
+  const bool parallel = pool.threads() > 1 && blocks * slice >= client_->parallel_put_min_bytes();
   // Tasks: whole blocks (pack + hash in the task: each block has its own hash stream) when
   // there are enough of them to keep every thread busy; else chunks of about kChunkBytes of
   // heads, hashed in order by the calling thread while it is still in a cache nearby (inline,
@@ -1500,7 +1500,7 @@ absl::StatusOr<FetchResult> ClientImpl::Fetch(const Lease& lease, const FetchPla
       const PagePool* pool = it.form == Form::kInt2 ? plan.int2_pool : plan.bf16_pool;
       copied_sums[j] = Xxh3(pool->region->data() + it.local_offset, it.loc->size);
     };
-    if (copy_pool_->threads() > 1 && total >= options_.parallel_copy_min_bytes) {
+    if (copy_pool_->threads() > 1 && total >= options_.parallel_fetch_min_bytes) {
       copy_pool_->Run(items.size(), hash);
     } else {
       for (size_t j = 0; j < items.size(); ++j) hash(j);

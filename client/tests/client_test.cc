@@ -74,7 +74,7 @@ class ClientTest : public ::testing::TestWithParam<std::string> {
     auto c = testing::NewClient(absl::StrCat("127.0.0.1:", port_), Tls(), check_finite, &error,
                                 /*map_shared_memory=*/Mode() != "rma",
                                 /*copy_threads=*/threads ? 4 : 1,
-                                /*parallel_copy_min_bytes=*/threads ? 0 : 64 << 10);
+                                /*parallel_min_bytes=*/threads ? 0 : 64 << 10);
     EXPECT_NE(c, nullptr) << error;
     return c;
   }
