@@ -1,5 +1,12 @@
 #include "kvpool/common/cli.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstring>
 #include <filesystem>
 #include <iostream>
 #include <set>
@@ -79,21 +86,153 @@ class YamlConfig : public CLI::Config {
 
 }  // namespace
 
+namespace {
+
+constexpr int kMaxLinks = 40;  // as the kernel's ELOOP limit
+
+namespace fs = std::filesystem;
+
+// Follows `path` while it is a symbolic link. Returns false after kMaxLinks links.
+bool FollowLinks(const fs::path& path, fs::path* target) {
+  fs::path p = path;
+  for (int hops = 0; hops <= kMaxLinks; ++hops) {
+    std::error_code ec;
+    const fs::file_status st = fs::symlink_status(p, ec);
+    if (ec || !fs::is_symlink(st)) {
+      *target = p;
+      return true;
+    }
+    const fs::path next = fs::read_symlink(p, ec);
+    if (ec) {
+      *target = p;
+      return true;
+    }
+    p = next.is_absolute() ? next : p.parent_path() / next;
+  }
+  *target = p;
+  return false;
+}
+
+const char* FileKind(const fs::file_status& st) {
+  switch (st.type()) {
+    case fs::file_type::character:
+      return "a character device";
+    case fs::file_type::block:
+      return "a block device";
+    case fs::file_type::fifo:
+      return "a FIFO";
+    case fs::file_type::socket:
+      return "a socket";
+    default:
+      return "a special file";
+  }
+}
+
+// The directory `target` lives in ("." for a bare name).
+fs::path DirectoryOf(const fs::path& target) {
+  const fs::path dir = target.parent_path();
+  return dir.empty() ? fs::path(".") : dir;
+}
+
+}  // namespace
+
+std::string OutputTarget(const std::string& path) {
+  fs::path target;
+  FollowLinks(path, &target);
+  return target.string();
+}
+
 const CLI::Validator& OutputFile() {
   static const CLI::Validator v(
       [](std::string& path) -> std::string {
-        std::error_code ec;
-        if (std::filesystem::is_directory(path, ec))
-          return "'" + path + "' is a directory; name a file";
-        const std::filesystem::path dir =
-            std::filesystem::absolute(std::filesystem::path(path), ec).parent_path();
-        if (!std::filesystem::is_directory(dir, ec)) {
-          return "directory '" + dir.string() + "' of '" + path + "' does not exist";
+        if (path.empty()) return "empty path; name a file";
+        fs::path target;
+        if (!FollowLinks(path, &target)) {
+          return "'" + path + "': too many levels of symbolic links";
         }
+        const bool linked = target != fs::path(path);
+        const std::string named =
+            linked ? "'" + path + "' links to '" + target.string() + "', " : "'" + path + "' is ";
+        std::error_code ec;
+        const fs::file_status st = fs::status(target, ec);
+        if (fs::is_directory(st)) return named + "a directory; name a file";
+        if (fs::exists(st) && !fs::is_regular_file(st)) {
+          return named + FileKind(st) + ", not a regular file";
+        }
+        const fs::path dir = fs::absolute(DirectoryOf(target), ec).lexically_normal();
+        std::string d = dir.string();
+        if (d.size() > 1 && d.back() == '/') d.pop_back();
+        if (!fs::is_directory(dir, ec)) {
+          return "directory '" + d + "' of '" + path + "' does not exist";
+        }
+        // Prove the directory takes a new file (the writers create a temporary file there and
+        // rename it): a read-only mount, missing permission or a pseudo file system like /proc.
+        std::string probe = (dir / ".kvpool-probe-XXXXXX").string();
+        const int fd = ::mkstemp(probe.data());
+        if (fd < 0) {
+          const int err = errno;
+          return "cannot create a file in directory '" + d + "' of '" + path +
+                 "': " + std::strerror(err);
+        }
+        ::close(fd);
+        ::unlink(probe.c_str());
         return {};
       },
-      "FILE in an existing directory");
+      "FILE in a writable directory");
   return v;
+}
+
+absl::Status WriteOutputFile(const std::string& path, std::string_view bytes) {
+  const std::string target = OutputTarget(path);
+  const std::string named =
+      target == path ? "'" + path + "'" : "'" + target + "' (the target of '" + path + "')";
+  // O_EXCL under a name of this process (pid, counter): the kernel applies the umask to 0666,
+  // as for any new file.
+  static std::atomic<unsigned> counter{0};
+  std::string tmp;
+  int fd = -1;
+  for (int attempt = 0; fd < 0 && attempt < 100; ++attempt) {
+    tmp = target + ".tmp-" + std::to_string(::getpid()) + "-" + std::to_string(counter++);
+    fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+    if (fd < 0 && errno != EEXIST) break;
+  }
+  if (fd < 0) {
+    const int err = errno;
+    return absl::InternalError("cannot create a temporary file beside " + named + ": " +
+                               std::strerror(err));
+  }
+  auto fail = [&](const char* what) {
+    const int err = errno;
+    ::close(fd);
+    ::unlink(tmp.c_str());
+    return absl::InternalError(std::string("cannot ") + what + " " + named + ": " +
+                               std::strerror(err));
+  };
+  for (size_t done = 0; done < bytes.size();) {
+    const ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return fail("write");
+    }
+    done += static_cast<size_t>(n);
+  }
+  // A replaced file keeps its mode.
+  struct stat old {};
+  if (::stat(target.c_str(), &old) == 0 && ::fchmod(fd, old.st_mode & 07777) != 0) {
+    return fail("set the mode of");
+  }
+  if (::fsync(fd) != 0) return fail("flush");
+  if (::close(fd) != 0) {
+    const int err = errno;
+    ::unlink(tmp.c_str());
+    return absl::InternalError("cannot write " + named + ": " + std::strerror(err));
+  }
+  if (::rename(tmp.c_str(), target.c_str()) != 0) {
+    const int err = errno;
+    ::unlink(tmp.c_str());
+    return absl::InternalError("cannot replace " + named + ": " + std::strerror(err));
+  }
+  return absl::OkStatus();
 }
 
 std::string VersionString() { return std::string(kVersion) + " (git " + kGitSha + ")"; }

@@ -1,10 +1,15 @@
-// The --config YAML convention of kvpool/common/cli.h: flat keys, subcommand sections, and the
-// refusal of keys that name no flag (exit code kExitUsage with the key in the message).
+// kvpool/common/cli.h: the --config YAML convention (flat keys, subcommand sections, and the
+// refusal of keys that name no flag: exit code kExitUsage with the key in the message), Range's
+// messages and strict integers, the OutputFile() check and WriteOutputFile.
 #include "kvpool/common/cli.h"
 
 #include <gtest/gtest.h>
 
+#include <sys/stat.h>
+
+#include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -35,7 +40,7 @@ struct FlatApp {
   int metrics_port = 9090;
   std::string listen = "0.0.0.0:7070";
   FlatApp() {
-    Setup(app, "prog");
+    kvpool::cli::Setup(app, "prog");
     app.add_option("--metrics-port", metrics_port, "port");
     app.add_option("--listen", listen, "address");
   }
@@ -50,7 +55,7 @@ struct SubcommandApp {
   CLI::App* gen = nullptr;
   CLI::App* inspect = nullptr;
   SubcommandApp() {
-    Setup(app, "prog");
+    kvpool::cli::Setup(app, "prog");
     app.require_subcommand(1);
     gen = app.add_subcommand("generate", "gen");
     gen->add_option("--model", model, "model");
@@ -182,6 +187,156 @@ TEST(CliRangeTest, WrongTypeAndOutOfRangeHaveTheirOwnMessages) {
   auto [rc, err] = RunParse(app, {"--port", "-1"});
   EXPECT_EQ(rc, -1) << err;
   EXPECT_EQ(port, -1);
+}
+
+}  // namespace
+}  // namespace kvpool::cli
+
+namespace kvpool::cli {
+namespace {
+
+// Range reads integers as plain decimal: CLI11's own conversion would take "-1" for an unsigned
+// flag as 2^64-1, clamp a value beyond the type to its maximum, and read "010" as octal.
+TEST(CliRangeTest, IntegersArePlainDecimalAndBeyondTheTypeIsOutside) {
+  struct Case {
+    std::string value;
+    std::string want;
+  };
+  const std::vector<Case> cases = {
+      {"-1", "--seed: -1 is outside 0..18446744073709551615"},
+      {"18446744073709551616", "--seed: 18446744073709551616 is outside 0..18446744073709551615"},
+      {"99999999999999999999999", "is outside 0..18446744073709551615"},
+      {"0x10", "--seed: '0x10' is not an integer"},
+      {"010", "--seed: '010' is not a decimal integer (leading zero"},
+      {" 4", "--seed: ' 4' is not an integer"},
+      {"4 ", "--seed: '4 ' is not an integer"},
+      {"+4", "--seed: '+4' is not an integer"},
+      {"", "--seed: '' is not an integer"},
+  };
+  for (const Case& c : cases) {
+    CLI::App app{"test"};
+    kvpool::cli::Setup(app, "prog");
+    uint64_t seed = 7;
+    app.add_option("--seed", seed, "seed")->check(Range(uint64_t{0}, UINT64_MAX));
+    auto [rc, err] = RunParse(app, {"--seed", c.value});
+    EXPECT_EQ(rc, kExitUsage) << "'" << c.value << "'";
+    EXPECT_NE(err.find(c.want), std::string::npos) << "'" << c.value << "': " << err;
+    EXPECT_EQ(seed, 7u);
+  }
+  for (const std::string ok : {"0", "18446744073709551615", "42"}) {
+    CLI::App app{"test"};
+    kvpool::cli::Setup(app, "prog");
+    uint64_t seed = 7;
+    app.add_option("--seed", seed, "seed")->check(Range(uint64_t{0}, UINT64_MAX));
+    auto [rc, err] = RunParse(app, {"--seed", ok});
+    EXPECT_EQ(rc, -1) << ok << ": " << err;
+    EXPECT_EQ(std::to_string(seed), ok);
+  }
+  // A signed value beyond int64 is outside too (CLI11 would clamp it to INT64_MIN).
+  CLI::App app{"test"};
+  kvpool::cli::Setup(app, "prog");
+  int64_t tokens = 0;
+  app.add_option("--tokens", tokens, "tokens")->check(Range(int64_t{0}, int64_t{INT32_MAX}));
+  auto [rc, err] = RunParse(app, {"--tokens", "-99999999999999999999"});
+  EXPECT_EQ(rc, kExitUsage);
+  EXPECT_NE(err.find("--tokens: -99999999999999999999 is outside 0..2147483647"), std::string::npos)
+      << err;
+}
+
+TEST(CliRangeTest, FloatingPointValuesWithSpacesAreRefused) {
+  for (const char* bad : {" 0.5", "0.5 "}) {
+    CLI::App app{"test"};
+    kvpool::cli::Setup(app, "prog");
+    double ratio = 0;
+    app.add_option("--ratio", ratio, "ratio")->check(Range(0.0, 1.0));
+    auto [rc, err] = RunParse(app, {"--ratio", bad});
+    EXPECT_EQ(rc, kExitUsage) << "'" << bad << "'";
+    EXPECT_NE(err.find("is not a number"), std::string::npos) << err;
+  }
+}
+
+// A fresh directory under the test's temporary directory.
+std::string FreshDir(const std::string& name) {
+  const std::string dir = (std::filesystem::path(::testing::TempDir()) / ("kvpool_cli_out_" + name))
+                              .lexically_normal()
+                              .string();
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  return dir;
+}
+
+std::string ReadAll(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+// Runs OutputFile() on `path`; returns its message ("" = accepted).
+std::string CheckOutput(std::string path) {
+  std::string p = path;
+  return OutputFile()(p);
+}
+
+TEST(CliOutputFileTest, RefusesWhatIsNotARegularFileUpFront) {
+  const std::string dir = FreshDir("refuse");
+  EXPECT_EQ(CheckOutput(""), "empty path; name a file");
+  EXPECT_EQ(CheckOutput(dir), "'" + dir + "' is a directory; name a file");
+  // /dev/null is a character device: a writer would rename a regular file over it (as root) or
+  // write into it.
+  EXPECT_EQ(CheckOutput("/dev/null"), "'/dev/null' is a character device, not a regular file");
+  std::filesystem::create_symlink("/dev/null", dir + "/null-link");
+  EXPECT_EQ(CheckOutput(dir + "/null-link"),
+            "'" + dir + "/null-link' links to '/dev/null', a character device, not a regular file");
+  ASSERT_EQ(::mkfifo((dir + "/fifo").c_str(), 0600), 0);
+  EXPECT_EQ(CheckOutput(dir + "/fifo"), "'" + dir + "/fifo' is a FIFO, not a regular file");
+  std::filesystem::create_symlink(dir, dir + "/dir-link");
+  EXPECT_EQ(CheckOutput(dir + "/dir-link"),
+            "'" + dir + "/dir-link' links to '" + dir + "', a directory; name a file");
+  std::filesystem::create_symlink("loop-b", dir + "/loop-a");
+  std::filesystem::create_symlink("loop-a", dir + "/loop-b");
+  EXPECT_EQ(CheckOutput(dir + "/loop-a"),
+            "'" + dir + "/loop-a': too many levels of symbolic links");
+  EXPECT_EQ(CheckOutput(dir + "/no/such/r.json"),
+            "directory '" + dir + "/no/such' of '" + dir + "/no/such/r.json' does not exist");
+}
+
+TEST(CliOutputFileTest, ProvesTheDirectoryTakesANewFile) {
+  // /proc refuses new files for every user, root included.
+  const std::string msg = CheckOutput("/proc/r.json");
+  EXPECT_EQ(msg.rfind("cannot create a file in directory '/proc' of '/proc/r.json': ", 0), 0u)
+      << msg;
+  const std::string dir = FreshDir("probe");
+  EXPECT_EQ(CheckOutput(dir + "/r.json"), "");
+  EXPECT_EQ(CheckOutput("relative-name.json"), "");
+  // The probe leaves nothing behind.
+  EXPECT_TRUE(std::filesystem::is_empty(dir));
+}
+
+TEST(CliOutputFileTest, WritesAtomicallyThroughASymlink) {
+  const std::string dir = FreshDir("write");
+  std::filesystem::create_directories(dir + "/real");
+  { std::ofstream(dir + "/real/target.bin") << "old"; }
+  ::chmod((dir + "/real/target.bin").c_str(), 0640);
+  // A relative link in another directory: the target is resolved against the link's directory.
+  std::filesystem::create_symlink("real/target.bin", dir + "/link.bin");
+  EXPECT_EQ(CheckOutput(dir + "/link.bin"), "");
+  EXPECT_EQ(OutputTarget(dir + "/link.bin"), dir + "/real/target.bin");
+  ASSERT_TRUE(WriteOutputFile(dir + "/link.bin", "new bytes").ok());
+  EXPECT_TRUE(std::filesystem::is_symlink(dir + "/link.bin"));
+  EXPECT_EQ(ReadAll(dir + "/real/target.bin"), "new bytes");
+  EXPECT_EQ(std::filesystem::status(dir + "/real/target.bin").permissions(),
+            static_cast<std::filesystem::perms>(0640));
+  // No temporary file is left in either directory.
+  EXPECT_EQ(std::distance(std::filesystem::directory_iterator(dir + "/real"), {}), 1);
+  EXPECT_EQ(std::distance(std::filesystem::directory_iterator(dir), {}), 2);  // real, link.bin
+  // A plain new file.
+  ASSERT_TRUE(WriteOutputFile(dir + "/plain.json", "{}\n").ok());
+  EXPECT_EQ(ReadAll(dir + "/plain.json"), "{}\n");
+  EXPECT_TRUE(
+      std::filesystem::is_regular_file(std::filesystem::symlink_status(dir + "/plain.json")));
+  // An unwritable directory: INTERNAL naming the file and the reason.
+  const absl::Status s = WriteOutputFile("/proc/r.json", "x");
+  EXPECT_EQ(s.code(), absl::StatusCode::kInternal);
+  EXPECT_NE(s.message().find("'/proc/r.json'"), std::string::npos) << s;
 }
 
 }  // namespace

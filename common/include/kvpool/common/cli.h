@@ -16,10 +16,16 @@
 // CLI11 is a header-only Debian package; this header is included only by binaries' main files.
 #pragma once
 
+#include <cctype>
+#include <charconv>
 #include <string>
+#include <string_view>
+#include <system_error>
 #include <type_traits>
 
 #include <CLI/CLI.hpp>
+
+#include "absl/status/status.h"
 
 namespace kvpool::cli {
 
@@ -38,28 +44,77 @@ std::string VersionString();
 void Setup(CLI::App& app, const std::string& program_name);
 
 // CLI11 check for an output file written after a long run, so the run does not fail at its
-// end: the path must not be a directory and its directory must exist. Messages (after CLI11's
-// "--flag: "): "'P' is a directory; name a file", "directory 'D' of 'P' does not exist" (D
-// absolute). Usage: app.add_option("--report", path, "...")->check(kvpool::cli::OutputFile());
+// end (docs/TOOLS.md "Output files"). Refuses, before any work:
+//   - an empty path: "empty path; name a file";
+//   - a directory: "'P' is a directory; name a file";
+//   - an existing file that is not a regular file, or a symbolic link whose final target is not
+//     one (a device node, a FIFO, a socket): "'P' is a character device, not a regular file"
+//     ("'P' links to 'T', a character device, ..."); the writers would replace or block on it;
+//   - a link chain longer than 40 links: "'P': too many levels of symbolic links";
+//   - a missing directory: "directory 'D' of 'P' does not exist" (D absolute; for a link, the
+//     directory of its target);
+//   - a directory this process cannot create a file in, found by creating and removing a
+//     temporary file there (mkstemp): "cannot create a file in directory 'D' of 'P': <errno
+//     text>".
+// CLI11 prefixes "--flag: ". A symbolic link to a regular file (or to a missing file in an
+// existing directory) is accepted: WriteOutputFile writes through it.
+// Usage: app.add_option("--report", path, "...")->check(kvpool::cli::OutputFile());
 const CLI::Validator& OutputFile();
+
+// The file a write to `path` replaces: `path` itself, or, when `path` is a symbolic link
+// (possibly a chain), the file the last link names (a relative target is resolved against its
+// link's directory). Follows at most 40 links. Reads the file system; thread-safe.
+std::string OutputTarget(const std::string& path);
+
+// Writes `bytes` to OutputTarget(path) atomically: into a new temporary file in the target's
+// directory ("TARGET.tmp-PID-N", O_EXCL, mode 0666 minus the umask), given the mode of the file
+// it replaces, flushed to disk (fsync), then renamed over the target, so a reader sees the old
+// or the new content, never a part, and a symbolic link `path` stays a link whose target has
+// the new bytes. Errors: INTERNAL naming the file and the errno text (the temporary file is
+// removed). Thread-safe (two writers of one path: the last rename wins).
+absl::Status WriteOutputFile(const std::string& path, std::string_view bytes);
 
 // CLI11 check that a value is a T in [min, max]. Unlike CLI::Range, whose message for a value
 // of the wrong type ("abc", "1.5" for an integer) claims it is out of range, the message says
-// which: "'abc' is not an integer (want -1..65535)", "70000 is outside -1..65535"; NaN is refused
-// for floating-point T. Usage: app.add_option("--metrics-port", port)->check(Range(-1, 65535)).
+// which: "'abc' is not an integer (want -1..65535)", "70000 is outside -1..65535".
+// Integers are plain decimal: an optional '-' and digits, no spaces, '+', hex or leading zero
+// (CLI11 itself would read "010" as octal 8, "0x10" as 16, wrap "-1" into an unsigned type and
+// clamp "18446744073709551616" to the type's maximum); a value beyond the type is "outside"
+// too. Floating-point values may not carry spaces either; NaN is refused ("nan is outside").
+// Usage: app.add_option("--metrics-port", port)->check(Range(-1, 65535)).
 template <typename T>
 CLI::Validator Range(T min, T max) {
   static_assert(std::is_arithmetic_v<T>);
   const std::string want = CLI::detail::to_string(min) + ".." + CLI::detail::to_string(max);
   return CLI::Validator(
       [min, max, want](std::string& v) -> std::string {
+        const std::string not_a = "'" + v + "' is not " +
+                                  (std::is_integral_v<T> ? "an integer" : "a number") + " (want " +
+                                  want + ")";
+        const std::string outside = v + " is outside " + want;
         T x{};
-        if (!CLI::detail::lexical_cast(v, x)) {
-          return "'" + v + "' is not " + (std::is_integral_v<T> ? "an integer" : "a number") +
-                 " (want " + want + ")";
+        if constexpr (std::is_integral_v<T>) {
+          const bool neg = !v.empty() && v[0] == '-';
+          const std::string_view digits = std::string_view(v).substr(neg ? 1 : 0);
+          if (digits.empty() || digits.find_first_not_of("0123456789") != std::string_view::npos) {
+            return not_a;
+          }
+          if (digits.size() > 1 && digits[0] == '0') {
+            return "'" + v + "' is not a decimal integer (leading zero; want " + want + ")";
+          }
+          if (neg && std::is_unsigned_v<T>) return outside;
+          const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), x);
+          if (ec == std::errc::result_out_of_range) return outside;
+          if (ec != std::errc() || end != v.data() + v.size()) return not_a;
+        } else {
+          if (v.empty() || std::isspace(static_cast<unsigned char>(v.front())) ||
+              std::isspace(static_cast<unsigned char>(v.back())) ||
+              !CLI::detail::lexical_cast(v, x)) {
+            return not_a;
+          }
         }
         if (!(x >= min && x <= max)) {
-          return v + " is outside " + want;
+          return outside;
         }
         return {};
       },
