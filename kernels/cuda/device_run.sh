@@ -16,7 +16,8 @@
 #     ab:    B 1 and 32 x 32K, 8 x 128K with SDPA (this build, with its BF16 baseline); then
 #            ROUNDS (default 2) alternating rounds of this build and each binary of AB_BENCHES
 #            (other builds' cuda_decode_bench) at B 32 x 32K and 8 x 128K, INT2 launch only
-#            (--skip-bf16 where the binary has it)
+#            (--skip-bf16 where the binary has it); each VAR=value of AB_ENVS adds this build under
+#            that setting to every round (an A/B switch of the launcher)
 #     full:  every shape of PERF.md (long)
 # TEST_FILTER (gtest filter) and SKIP_TESTS=1 control the tests (TEST_ENV="VAR=value ..." runs them
 # under those environment settings, e.g. an A/B switch of the launcher; ALT_TEST_ENV and
@@ -105,13 +106,15 @@ case "$MODE" in
     run_pair quick --batches 1,32 --contexts 32768 --gqa 32:8 --page-sizes 16 --iters 30
     run_pair b8 --batches 8 --contexts 131072 --gqa 32:8 --page-sizes 16 --iters 30
     for r in $(seq "${ROUNDS:-2}"); do
-      for ab in "$B" ${AB_BENCHES:-}; do
+      for ab in "$B" ${AB_BENCHES:-} ${AB_ENVS:-}; do
+        e=""
+        case "$ab" in *=*) e=$ab ab=$B ;; esac  # VAR=value: this build under that setting
         [ -x "$ab" ] || continue
         sk=""
         "$ab" --help 2>/dev/null | grep -q -- --skip-bf16 && sk=--skip-bf16
-        echo "== A/B round $r: $ab $sk" | tee -a "$LOG"
-        "$ab" $sk --batches 32 --contexts 32768 --gqa 32:8 --page-sizes 16 --iters 30 2>&1 | grep -E "^int2|^kernel" | tee -a "$LOG"
-        "$ab" $sk --batches 8 --contexts 131072 --gqa 32:8 --page-sizes 16 --iters 30 2>&1 | grep -E "^int2" | tee -a "$LOG"
+        echo "== A/B round $r: $e $ab $sk" | tee -a "$LOG"
+        env $e "$ab" $sk --batches 32 --contexts 32768 --gqa 32:8 --page-sizes 16 --iters 30 2>&1 | grep -E "^int2|^kernel" | tee -a "$LOG"
+        env $e "$ab" $sk --batches 8 --contexts 131072 --gqa 32:8 --page-sizes 16 --iters 30 2>&1 | grep -E "^int2" | tee -a "$LOG"
       done
     done
     ;;

@@ -65,6 +65,10 @@ struct AttnArgs {
   // behind the other decode kernel, whose CTAs only let it start once q̃ was complete; it then
   // waits for that kernel at its very end instead, so the merge kernel's wait covers both.
   int32_t pdl_wait_first;
+  // BF16 kernel only: the sink (seg0, one split) is folded into the first split of the recent
+  // segment (seg1): grid.x = seg1's splits, and CTA 0 streams the sink's units before its recent
+  // units into the same softmax state and partial (v8; no sink CTAs, one partial fewer per row).
+  int32_t fold_sink;
 };
 
 __device__ __forceinline__ void ImmaU8S8(int (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
@@ -147,8 +151,11 @@ constexpr int Bf16SmemBytes() {
   return ring > combine ? ring : combine;
 }
 
+// d 128 / one n-tile: at most 128 registers, so a sink/recent CTA fits beside 4 INT2 CTAs
+// (4 × 128 × 96 + 128 × 128 ≤ 65536 registers; the v8 sink fold took it from 127 to 131).
 template <int D, int NT>
-__global__ void __launch_bounds__(kThreads, 1) Bf16DecodeKernel(const AttnArgs a) {
+__global__ void __launch_bounds__(kThreads, (D == 128 && NT == 1) ? 4 : 1)
+    Bf16DecodeKernel(const AttnArgs a) {
   using C = Bf16Cfg<D>;
   constexpr int kN = 8 * NT;
   constexpr int kSteps = D / 16;  // k-steps of q·kᵀ, and m-tiles of Vᵀ·P
@@ -160,8 +167,8 @@ __global__ void __launch_bounds__(kThreads, 1) Bf16DecodeKernel(const AttnArgs a
   const int g = lane >> 2, tig = lane & 3;
 
   int sx = blockIdx.x;
-  const bool second = sx >= a.seg0.num_splits;  // recent (seg1) after sink (seg0)
-  if (second) sx -= a.seg0.num_splits;
+  const bool second = a.fold_sink || sx >= a.seg0.num_splits;  // recent (seg1) after sink (seg0)
+  if (second && !a.fold_sink) sx -= a.seg0.num_splits;
   const SegArgs seg = second ? a.seg1 : a.seg0;
   const int b = blockIdx.z;
   const int kvh = blockIdx.y / a.head_chunks;
@@ -179,13 +186,31 @@ __global__ void __launch_bounds__(kThreads, 1) Bf16DecodeKernel(const AttnArgs a
   }
   const int p0 = sx * seg.pages_per_split;
   const int p1 = min(npg, p0 + seg.pages_per_split);
-  const bool overflow = (sx == seg.num_splits - 1) && npg > p1;
-  const int nunits = max(0, p1 - p0) << tpp_log2;
+  bool overflow = (sx == seg.num_splits - 1) && npg > p1;
+  // Folded sink (fold_sink, CTA 0 only): the sink's s_pages pages come first, then this split's
+  // recent pages; lp = u >> tpp_log2 is a unit's page among them (the sink and recent segments
+  // share the BF16 pool, so one base and page stride serve both). lp_s / lp_r: the local index
+  // of the sink's / the request's last recent page (partial pages), -1 / out of range if absent.
+  int s_pages = 0, lp_s = -1, s_last = 0;
+  const int32_t* s_ids = nullptr;
+  if (a.fold_sink && sx == 0 && a.seg0.indptr != nullptr) {
+    const int s_beg = a.seg0.indptr[b];
+    const int s_npg = max(a.seg0.indptr[b + 1] - s_beg, 0);
+    if (s_npg > 0) s_last = min(max(a.seg0.last_len[b], 0), page_size);
+    s_pages = min(s_npg, a.seg0.pages_per_split);
+    overflow |= s_npg > s_pages;
+    lp_s = s_npg - 1;
+    s_ids = a.seg0.indices + s_beg;
+  }
+  const int n0 = s_pages << tpp_log2;
+  const int lp_r = s_pages + npg - 1 - p0;
+  const int nunits = n0 + (max(0, p1 - p0) << tpp_log2);
   const int first_unit = kSub * warp;
   const int my_steps =
       nunits > first_unit ? (nunits - first_unit + kSub * kWarps - 1) / (kSub * kWarps) : 0;
   const uint64_t chunk_bytes = C::ChunkBytes(page_size);
-  const int32_t* page_ids = seg.indices + pbeg + p0;
+  // Recent page of local page index lp >= s_pages: page_ids[lp].
+  const int32_t* page_ids = seg.indices + pbeg + p0 - s_pages;
   const uint8_t* head_base = seg.base + uint64_t(kvh) * chunk_bytes;
 
   if (a.pdl_wait_first) PdlWait();  // q̃ of QRotateKernel
@@ -219,9 +244,9 @@ __global__ void __launch_bounds__(kThreads, 1) Bf16DecodeKernel(const AttnArgs a
   uint8_t* ring = smem + warp * C::kStages * C::kTile * kSub;
   auto unit_valid = [&](int u) -> int {  // valid tokens of split-local unit u
     if (u >= nunits) return 0;
-    const int gp = p0 + (u >> tpp_log2);
+    const int lp = u >> tpp_log2;
     const int sub = u & ((1 << tpp_log2) - 1);
-    const int n = (gp == npg - 1) ? last_len - 16 * sub : 16;
+    const int n = lp == lp_s ? s_last - 16 * sub : (lp == lp_r ? last_len - 16 * sub : 16);
     return min(max(n, 0), 16);
   };
   auto issue = [&](int t) {
@@ -232,7 +257,8 @@ __global__ void __launch_bounds__(kThreads, 1) Bf16DecodeKernel(const AttnArgs a
         const int u = first_unit + t * kSub * kWarps + j;
         if (u < nunits) {
           const int sub = u & ((1 << tpp_log2) - 1);
-          const uint8_t* src = head_base + uint64_t(page_ids[u >> tpp_log2]) * seg.page_stride;
+          const uint8_t* src =
+              head_base + uint64_t((u < n0 ? s_ids : page_ids)[u >> tpp_log2]) * seg.page_stride;
           uint8_t* dst = stage + j * C::kTile;
           const int valid = unit_valid(u);
           constexpr int kRowPieces = D / 8;  // 16-byte pieces per bf16 row
@@ -1190,6 +1216,8 @@ struct Plan {
   int kt = 1;           // INT2 kernel: 4-head n-tiles (1 or 2)
   int i2_chunks = 1;    // INT2 kernel: CTAs per KV head
   SegPlan sink, history, recent;
+  bool fold_sink = false;  // sink CTA folded into the first recent split (FoldSink)
+  int sink_parts = 0;      // partials of the sink: 0 when folded
   int s_total = 0;
   size_t off_q = 0, off_o = 0, off_lse = 0, total = 0;
 };
@@ -1282,6 +1310,18 @@ double SplitFixedUnits() {
     return e == nullptr ? 16.0 : std::atof(e);
   }();
   return v;
+}
+
+// Whether a one-split sink is folded into the first split of the recent segment (v8 default: one
+// BF16 CTA per request and KV head streams sink + recent when recent has one split, instead of a
+// sink CTA whose warps hold one 16-token unit each beside a recent CTA); KVPOOL_DECODE_FOLD_SINK=0
+// keeps separate sink CTAs (A/B). Read once per process.
+bool FoldSink() {
+  static const bool on = [] {
+    const char* e = std::getenv("KVPOOL_DECODE_FOLD_SINK");
+    return e == nullptr || std::string(e) != "0";
+  }();
+  return on;
 }
 
 // Launches `kernel` on `stream`, with the PDL attribute when `pdl` (the kernel may then start
@@ -1403,7 +1443,9 @@ KernelStatus MakePlan(const PagedDecodeParams& p, Plan* plan) {
   plan->sink = PlanSegment(p.sink, p.page_size, base, slots_bf);
   plan->history = PlanSegment(p.history, p.page_size, base_i2, slots_i2);
   plan->recent = PlanSegment(p.recent, p.page_size, base, slots_bf);
-  plan->s_total = plan->sink.splits + plan->history.splits + plan->recent.splits;
+  plan->fold_sink = FoldSink() && plan->sink.splits == 1 && plan->recent.splits >= 1;
+  plan->sink_parts = plan->fold_sink ? 0 : plan->sink.splits;
+  plan->s_total = plan->sink_parts + plan->history.splits + plan->recent.splits;
   const size_t rows = size_t(p.batch) * p.num_q_heads;
   plan->off_q = 0;
   plan->off_o = AlignUp(rows * p.head_dim * sizeof(float));
@@ -1568,18 +1610,19 @@ KernelStatus LaunchPagedDecode(const PagedDecodeParams& p, Stream stream_handle)
     AttnArgs ab = args;
     ab.head_chunks = plan.head_chunks;
     ab.pdl_wait_first = !int2_first;
+    ab.fold_sink = plan.fold_sink;
     ab.seg0 = MakeSeg(p.sink, p.bf16_pool, plan.sink, 0);
-    ab.seg1 = MakeSeg(p.recent, p.bf16_pool, plan.recent, plan.sink.splits + plan.history.splits);
+    ab.seg1 = MakeSeg(p.recent, p.bf16_pool, plan.recent, plan.sink_parts + plan.history.splits);
     return DispatchBf16(
         d, plan.nt, ab,
-        dim3(plan.sink.splits + plan.recent.splits, p.num_kv_heads * plan.head_chunks, p.batch),
+        dim3(plan.sink_parts + plan.recent.splits, p.num_kv_heads * plan.head_chunks, p.batch),
         stream, true);
   };
   auto launch_int2 = [&]() {
     AttnArgs ai = args;
     ai.head_chunks = plan.i2_chunks;
     ai.pdl_wait_first = int2_first || !has_bf16;
-    ai.seg0 = MakeSeg(p.history, p.int2_pool, plan.history, plan.sink.splits);
+    ai.seg0 = MakeSeg(p.history, p.int2_pool, plan.history, plan.sink_parts);
     ai.seg1 = SegArgs{};
     return DispatchInt2(d, plan.kt, ai,
                         dim3(plan.history.splits, p.num_kv_heads * plan.i2_chunks, p.batch),
