@@ -23,7 +23,10 @@
 // incompatible registration; DATA_LOSS checksum mismatch; INVALID_ARGUMENT names the field.
 //
 // Threading: a Client is thread-safe; calls from many threads proceed in parallel (no lock is
-// held across a gRPC or UCX call). A PutSession belongs to one thread at a time.
+// held across a gRPC or UCX call). A PutSession belongs to one thread at a time. The client
+// starts ClientOptions::copy_threads - 1 worker threads that only copy, scan and hash memory for
+// large puts and fetches; they never call UCX or gRPC (the transport keeps its one owner thread
+// per UCX worker).
 //
 // Server restarts: every remote address and key is tied to the pool's epoch (its incarnation
 // id). After a restart the client drops its UCX endpoint (and with it every unpacked remote
@@ -85,8 +88,10 @@ struct ClientOptions {
   std::string ucx_tls;
   // Timeout of calls whose CallOptions have no deadline. Default 10 s.
   absl::Duration default_timeout = absl::Seconds(10);
-  // Refuse K/V holding NaN or ±Inf before sending them (INVALID_ARGUMENT naming the layer and
-  // token). The pool refuses them too; checking here saves the transfer. Default true.
+  // Refuse K/V holding NaN or ±Inf before committing or RMA-putting them (INVALID_ARGUMENT
+  // naming the layer and token; the scan rides on the pack, so the refused put is poisoned:
+  // Commit fails with the same status). The pool refuses them too; checking here saves the
+  // transfer and the commit. Default true.
   bool check_finite = true;
   // When the pool lets clients initiate transfers and the data plane can map the pool's memory
   // into this process (UCX shared memory, Transport::MapRemote), puts pack straight into the
@@ -184,9 +189,10 @@ class PutSession {
   // transfer per layer); when the pool initiates transfers
   // (ModelInfo::pool_initiates_transfers) it is packed into a registered buffer and a WritePut
   // call (gRPC callback API, no thread of ours) lets the pool pull it (at most one call in flight;
-  // the next one takes every layer written meanwhile). Errors: INVALID_ARGUMENT ("layer", "k", "v"
-  // sizes; non-finite values naming layer/token), FAILED_PRECONDITION (layer out of order, session
-  // finished), UNAVAILABLE (data plane).
+  // the next one takes every layer written meanwhile). Large layers are packed by the client's
+  // copy threads too (ClientOptions::copy_threads). Errors: INVALID_ARGUMENT ("layer", "k", "v"
+  // sizes; non-finite values naming layer/token — this one poisons the put: Commit fails with
+  // it), FAILED_PRECONDITION (layer out of order, session finished), UNAVAILABLE (data plane).
   virtual absl::Status WriteLayer(uint32_t layer, absl::Span<const uint16_t> k,
                                   absl::Span<const uint16_t> v) = 0;
   // Waits until every layer written so far is visible in the pool's staging memory (the
