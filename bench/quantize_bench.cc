@@ -360,7 +360,9 @@ int main(int argc, char** argv) {
   // Default in the current directory: an absolute default into the source tree overwrote the
   // committed bench/results/quantize_cpu.json on every run.
   std::string json_out = "quantize_cpu.json";
-  app.add_option("--json-out", json_out, "results file")->capture_default_str();
+  app.add_option("--json-out", json_out, "results file")
+      ->check(kvpool::cli::OutputFile())
+      ->capture_default_str();
   int pairs = 41;
   app.add_option("--pairs", pairs, "interleaved FMA / (a) window pairs (0: skip)")
       ->capture_default_str()
@@ -494,10 +496,9 @@ int main(int argc, char** argv) {
   nlohmann::json runs = nlohmann::json::object();
   for (const auto& [k, v] : rep.reps) runs[k] = v;
   j["runs"] = runs;
-  std::ofstream out(json_out);
-  out << j.dump(2) << "\n";
-  if (!out) {
-    std::fprintf(stderr, "quantize_bench: cannot write %s\n", json_out.c_str());
+  // Atomic, and through a symbolic link (kvpool/common/cli.h).
+  if (auto s = kvpool::cli::WriteOutputFile(json_out, j.dump(2) + "\n"); !s.ok()) {
+    std::fprintf(stderr, "quantize_bench: --json-out: %s\n", std::string(s.message()).c_str());
     return kvpool::cli::kExitRuntime;
   }
   std::printf("wrote %s\n", json_out.c_str());

@@ -19,4 +19,8 @@ if grep -q -- "--json-out.*=quantize_cpu.json\|--json-out.*\[quantize_cpu.json\]
 else
   echo "FAIL quantize_bench default --json-out:"; grep -- "--json-out" <<<"$out"; fail=1
 fi
+# Outputs are checked before the run (kvpool::cli::OutputFile): a device node, an unwritable
+# directory.
+check "quantize_bench --json-out /dev/null" 1 "--json-out: '/dev/null' is a character device, not a regular file" -- "$quant" --json-out /dev/null
+check "quantize_bench --json-out /proc/q.json" 1 "--json-out: cannot create a file in directory '/proc'" -- "$quant" --json-out /proc/q.json
 exit $fail

@@ -119,6 +119,7 @@ struct PoolServer::Impl {
   int grpc_port = 0;
   httplib::Server http;
   int http_port = -1;
+  std::string worker_address;  // sealed UCX worker address, "" without a data plane
   std::thread http_thread;
   std::thread tick_thread;
 
@@ -147,6 +148,7 @@ PoolServer::~PoolServer() { Shutdown(absl::ZeroDuration()); }
 
 int PoolServer::grpc_port() const { return impl_->grpc_port; }
 int PoolServer::metrics_port() const { return impl_->http_port; }
+const std::string& PoolServer::ucx_worker_address() const { return impl_->worker_address; }
 BlockStore& PoolServer::store() { return *impl_->store; }
 
 absl::StatusOr<std::unique_ptr<PoolServer>> PoolServer::Create(const PoolServerOptions& o) {
@@ -213,6 +215,7 @@ absl::StatusOr<std::unique_ptr<PoolServer>> PoolServer::Create(const PoolServerO
   ServiceContext ctx;
   ctx.store = impl->store.get();
   ctx.ucx_worker_address = worker_address;
+  impl->worker_address = worker_address;
 #if defined(KVPOOL_HAVE_TRANSPORT)
   ctx.transport = impl->transport.get();
   ctx.arena = arena;

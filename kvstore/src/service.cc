@@ -4,9 +4,11 @@
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
+#include <cstring>
 #include <fstream>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
@@ -143,6 +145,28 @@ class PeerLinks {
   uint64_t clock_ = 0;                                  // guarded by mu_
 };
 #endif  // KVPOOL_HAVE_TRANSPORT
+
+// The UCX worker uuid inside a sealed worker address, if it has the expected shape. The sealed
+// form (transport/src/envelope.h): "KVPT" | kind 'A' | u32 payload length | u64 xxh3 | payload;
+// the payload is ucp_worker_get_address's bytes, which in UCX 1.13 begin with a one-byte header
+// and the worker's 64-bit uuid (ucp/wireup/address.c; ucp_worker_address_query reports the same
+// value as worker_uid). Only fixed offsets are read, after length checks: no UCX parser runs on
+// client bytes here.
+std::optional<uint64_t> SealedWorkerUuid(const std::string& sealed) {
+  constexpr size_t kHeader = 4 + 1 + 4 + 8;
+  if (sealed.size() < kHeader + 9 || sealed.compare(0, 4, "KVPT") != 0 || sealed[4] != 'A') {
+    return std::nullopt;
+  }
+  uint64_t uuid = 0;
+  std::memcpy(&uuid, sealed.data() + kHeader + 1, sizeof(uuid));
+  return uuid;
+}
+
+// Whether two sealed worker addresses carry the same UCX worker uuid.
+bool SameUcxWorkerUuid(const std::string& a, const std::string& b) {
+  const std::optional<uint64_t> ua = SealedWorkerUuid(a), ub = SealedWorkerUuid(b);
+  return ua.has_value() && ub.has_value() && *ua == *ub;
+}
 
 // Wall-clock deadline of a call: the client's, capped at 60 s.
 absl::Time CallDeadline(const grpc::ServerContext* ctx) {
@@ -357,7 +381,12 @@ class KvPoolService final : public pb::KvPool::Service {
     resp->set_namespace_id(DigestBytes(info->namespace_id));
     resp->set_rotation_id(DigestBytes(info->rotation_id));
     resp->set_created(info->created);
-    resp->set_ucx_worker_address(ctx_.ucx_worker_address);
+    // When the pool initiates transfers, clients never connect to its worker nor address its
+    // memory (client/ uses neither on that path): its worker address and keys stay private
+    // (docs/OPERATIONS.md "Trust model").
+    if (!ctx_.pool_initiates_transfers) {
+      resp->set_ucx_worker_address(ctx_.ucx_worker_address);
+    }
     resp->set_pool_initiates_transfers(ctx_.pool_initiates_transfers);
     if (!ctx_.pool_initiates_transfers && !store_.memory().packed_rkey().empty()) {
       resp->set_arena_rkey(store_.memory().packed_rkey());
@@ -395,8 +424,12 @@ class KvPoolService final : public pb::KvPool::Service {
       pbk->set_action(b.action == PutAction::kWrite ? pb::PUT_BLOCK_ACTION_WRITE
                                                     : pb::PUT_BLOCK_ACTION_SKIP);
       if (b.action == PutAction::kWrite) {
-        pbk->set_staging_addr(base + b.staging_offset);
-        pbk->set_rkey(rkey);
+        // Pool-initiated: the client names blocks by index in WritePut and never addresses the
+        // staging itself, so neither its address nor the arena's key is handed out.
+        if (!ctx_.pool_initiates_transfers) {
+          pbk->set_staging_addr(base + b.staging_offset);
+          pbk->set_rkey(rkey);
+        }
         pbk->set_size(b.size);
       }
       for (FormKind f : b.forms_held) {
@@ -487,8 +520,10 @@ class KvPoolService final : public pb::KvPool::Service {
       for (const FormLocation& f : b.forms) {
         pb::FormLocation* fl = lb->add_forms();
         fl->set_form(ToProto(f.form));
+        // remote_addr names the form in ReadLeased, so it is sent in both modes; the arena's key
+        // only to clients that address the pool's memory themselves.
         fl->set_remote_addr(base + f.offset);
-        fl->set_rkey(rkey);
+        if (!ctx_.pool_initiates_transfers) fl->set_rkey(rkey);
         fl->set_size(f.size);
         fl->set_generation(f.generation);
         fl->set_xxh3(f.xxh3);
@@ -502,6 +537,27 @@ class KvPoolService final : public pb::KvPool::Service {
         absl::StrCat(rpc,
                      ": this pool does not initiate transfers (RegisterModelResponse."
                      "pool_initiates_transfers is false); address its memory directly"));
+  }
+
+  // Refuses a client worker address that is the pool's own: the pool would connect to itself
+  // and its own worker would serve the "client's" side of the RMA against the pool's memory
+  // (UCX's software RMA over tcp/shm checks no key), writing or reading any address in this
+  // process. Caught: the address byte for byte, and any address whose UCX payload carries the
+  // pool worker's 64-bit uuid (a re-packed or re-sealed copy). Not caught: an address crafted
+  // with another uuid that reaches the same worker (docs/OPERATIONS.md "Trust model").
+  // INVALID_ARGUMENT naming client_worker_address.
+  absl::Status CheckClientWorker(const std::string& address) const {
+    if (address.empty()) {
+      return absl::InvalidArgumentError(
+          "client_worker_address: empty (the client's own UCX worker address is required)");
+    }
+    if (!ctx_.ucx_worker_address.empty() && (address == ctx_.ucx_worker_address ||
+                                             SameUcxWorkerUuid(address, ctx_.ucx_worker_address))) {
+      return absl::InvalidArgumentError(
+          "client_worker_address: is this pool's own UCX worker; send the client's worker "
+          "address");
+    }
+    return absl::OkStatus();
   }
 
 #if defined(KVPOOL_HAVE_TRANSPORT)
@@ -556,6 +612,7 @@ class KvPoolService final : public pb::KvPool::Service {
       ops.push_back({it->second->offset + src.offset(), src.source_addr(), src.length()});
       total += src.length();
     }
+    KVPOOL_RETURN_IF_ERROR(CheckClientWorker(req.client_worker_address()));
     KVPOOL_ASSIGN_OR_RETURN(PeerLinks::Link link,
                             peers_.Get(req.client_worker_address(), req.source_rkey(),
                                        "client_worker_address", "source_rkey"));
@@ -582,6 +639,7 @@ class KvPoolService final : public pb::KvPool::Service {
       return NotInitiating("ReadLeased");
     }
     if (req.reads().empty()) return absl::InvalidArgumentError("reads: empty");
+    KVPOOL_RETURN_IF_ERROR(CheckClientWorker(req.client_worker_address()));
     KVPOOL_ASSIGN_OR_RETURN(auto leased, store_.LeasedRanges(req.lease_id()));
     const uint64_t base = store_.memory().remote_address();
     std::vector<absl::Status> results(req.reads_size());

@@ -19,9 +19,11 @@ class MemoryRegion;
 namespace kvpool::kvstore {
 
 struct ServiceContext {
-  BlockStore* store = nullptr;     // not owned; outlives the service
-  std::string ucx_worker_address;  // the data plane's worker address ("" without one)
-  uint64_t pool_epoch = 0;         // random per process start
+  BlockStore* store = nullptr;  // not owned; outlives the service
+  // The data plane's sealed worker address ("" without one). Sent in RegisterModelResponse only
+  // when clients initiate transfers; WritePut/ReadLeased refuse it as a client's address.
+  std::string ucx_worker_address;
+  uint64_t pool_epoch = 0;  // random per process start
   // The pool's data plane for pool-initiated transfers (WritePut, ReadLeased): not owned,
   // outlives the service; null without a data plane. `arena` is the registered region behind
   // the store's PoolMemory (same data()).

@@ -498,6 +498,11 @@ TEST(PoolInitiatedTest, WritePutAndReadLeasedOverAFakeFabric) {
   bad = wp;
   bad.set_client_worker_address("garbage");
   refused(bad, "client_worker_address");
+  // The pool's own worker: it would serve the RMA against its own memory.
+  bad = wp;
+  bad.set_client_worker_address((*server)->ucx_worker_address());
+  refused(bad, "client_worker_address");
+  for (const pb::PutBlock& b : put.blocks()) EXPECT_TRUE(b.rkey().empty());
   pb::WritePutResponse written;
   grpc::Status st = stub->WritePut(Ctx().get(), wp, &written);
   ASSERT_TRUE(st.ok()) << st.error_message();

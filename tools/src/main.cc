@@ -11,7 +11,6 @@
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
-#include <fstream>
 #include <iostream>
 #include <string>
 #include <vector>
@@ -63,6 +62,8 @@ const CLI::Validator kIndex(
 // rank-deficient (the eigenvectors of its zero eigenvalues are arbitrary).
 constexpr int64_t kMinCalibrationTokens = 16;
 constexpr int64_t kFewCalibrationTokens = 256;
+// Largest --tokens: a bound on a count, not a budget (0 already means "all the text").
+constexpr int64_t kMaxTextTokens = INT32_MAX;
 
 // "nan", "+inf" or "-inf" for a non-finite value.
 const char* NonFiniteKind(float v) { return std::isnan(v) ? "nan" : (v > 0 ? "+inf" : "-inf"); }
@@ -199,16 +200,16 @@ int RunQuantize(const QuantizeArgs& a) {
   std::printf("bits/element     %.4f (codes 2 + fp16 scale/min %.4f)\n", bits, bits - 2.0);
   std::printf("fp16 overflow    %llu rows (stored as zero; such blocks keep BF16)\n",
               static_cast<unsigned long long>(overflow));
+  // Outputs replace their file atomically and write through a symbolic link (cli.h).
   if (!a.dequant_out.empty()) {
-    if (auto s = WriteNpyF32(a.dequant_out, x->shape, deq); !s.ok()) return Fail(s);
+    auto bytes = SerializeNpyF32(x->shape, deq);
+    if (!bytes.ok()) return Fail(bytes.status());
+    if (auto s = cli::WriteOutputFile(a.dequant_out, *bytes); !s.ok()) return Fail(s);
   }
   if (!a.packed_out.empty()) {
-    std::ofstream out(a.packed_out, std::ios::binary | std::ios::trunc);
-    out.write(reinterpret_cast<const char*>(codes.data()),
-              static_cast<std::streamsize>(codes.size()));
-    out.write(reinterpret_cast<const char*>(params.data()),
-              static_cast<std::streamsize>(params.size() * 2));
-    if (!out.flush()) return Fail(absl::InternalError("cannot write " + a.packed_out));
+    std::string bytes(reinterpret_cast<const char*>(codes.data()), codes.size());
+    bytes.append(reinterpret_cast<const char*>(params.data()), params.size() * 2);
+    if (auto s = cli::WriteOutputFile(a.packed_out, bytes); !s.ok()) return Fail(s);
   }
   return cli::kExitOk;
 }
@@ -265,7 +266,11 @@ int RunCalibrate(const CalibrateOptions& o, const std::string& out) {
   };
   auto rot = CalibrateModel(opt);
   if (!rot.ok()) return Fail(rot.status());
-  if (auto s = WriteRotationFile(&*rot, out); !s.ok()) return Fail(s);
+  // Atomic, and through a symbolic link (cli.h); the id is the SHA-256 of the file's bytes, as
+  // WriteRotationFile records it.
+  const std::string bytes = SerializeRotations(*rot);
+  if (auto s = cli::WriteOutputFile(out, bytes); !s.ok()) return Fail(s);
+  rot->set_rotation_id_hex(Sha256Hex(bytes));
   std::printf("wrote %s: %u layers, %s, max orth_err %.3e, rotation id %s\n", out.c_str(),
               rot->num_layers(), rot->per_head() ? "per head (v2)" : "per layer (v1)",
               rot->MaxOrthogonalityError(), rot->rotation_id_hex().c_str());
@@ -360,6 +365,7 @@ int main(int argc, char** argv) {
           "--tokens", ctokens,
           absl::StrCat("use at most N text tokens (0 = all; at least ", kMinCalibrationTokens,
                        ", a warning below ", kFewCalibrationTokens, ")"))
+      ->check(kvpool::cli::Range(int64_t{0}, kMaxTextTokens))
       ->capture_default_str();
   calib->add_option("--out", out, "output rotation .safetensors")
       ->required()
@@ -384,6 +390,7 @@ int main(int argc, char** argv) {
                    "calibration)")
       ->required();
   eval->add_option("--tokens", etokens, "use at most N text tokens (0 = all)")
+      ->check(kvpool::cli::Range(int64_t{0}, kMaxTextTokens))
       ->capture_default_str();
 
   KVPOOL_CLI_PARSE(app, argc, argv);

@@ -56,6 +56,34 @@ check quantize-nan-input 2 "element \[3,5\] is nan" -- "$bin" quantize --in "$tm
 check quantize-pinf-input 2 "element \[2,1\] is +inf" -- "$bin" quantize --in "$tmp/pinf.npy" --rotation hadamard
 check quantize-ninf-input 2 "element \[4,1,6\] is -inf" -- "$bin" quantize --in "$tmp/ninf.npy"
 check calibrate-bad-clip 1 "--clip-k" -- "$bin" calibrate --model "$model" --text "$data/calibration.txt" --clip-k 5 --out "$tmp/r.safetensors"
+# Outputs are checked before the run (kvpool::cli::OutputFile): a device node or a symlink to
+# one is refused (the writer would have replaced it with a regular file), so is a directory no
+# file can be created in; a symlink to a regular file is written through (the link stays).
+check calibrate-out-devnull 1 "--out: '/dev/null' is a character device, not a regular file" -- "$bin" calibrate --model "$model" --text "$data/calibration.txt" --out /dev/null
+[[ -c /dev/null ]] && echo "ok   calibrate-out-devnull-kept" || { echo "FAIL /dev/null replaced"; fail=1; }
+if mknod "$tmp/null" c 1 3 2>/dev/null; then
+  check calibrate-out-mknod 1 "--out: '$tmp/null' is a character device, not a regular file" -- "$bin" calibrate --model "$model" --text "$data/calibration.txt" --out "$tmp/null"
+  [[ -c "$tmp/null" ]] && echo "ok   calibrate-out-mknod-kept" || { echo "FAIL device node replaced"; fail=1; }
+  rm -f "$tmp/null"
+fi
+ln -s /dev/null "$tmp/null-link"
+check calibrate-out-link-to-device 1 "links to '/dev/null', a character device" -- "$bin" calibrate --model "$model" --text "$data/calibration.txt" --out "$tmp/null-link"
+check quantize-dequant-out-device 1 "--dequant-out: '/dev/null' is a character device" -- "$bin" quantize --in "$tmp/x.npy" --dequant-out /dev/null
+check quantize-packed-out-link-to-device 1 "--packed-out: '$tmp/null-link' links to '/dev/null'" -- "$bin" quantize --in "$tmp/x.npy" --packed-out "$tmp/null-link"
+check calibrate-out-proc 1 "--out: cannot create a file in directory '/proc' of '/proc/r.safetensors': " -- "$bin" calibrate --model "$model" --text "$data/calibration.txt" --out /proc/r.safetensors
+check quantize-packed-out-proc 1 "--packed-out: cannot create a file in directory '/proc'" -- "$bin" quantize --in "$tmp/x.npy" --packed-out /proc/p.bin
+mkdir "$tmp/real"
+ln -s real/y.npy "$tmp/y-link.npy"
+ln -s real/p.bin "$tmp/p-link.bin"
+check quantize-out-through-link 0 "relative L2 err" -- "$bin" quantize --in "$tmp/x.npy" --dequant-out "$tmp/y-link.npy" --packed-out "$tmp/p-link.bin"
+if [[ -L "$tmp/y-link.npy" && -L "$tmp/p-link.bin" && -f "$tmp/real/y.npy" && $(stat -c %s "$tmp/real/p.bin") -eq $((4 * 2 + 4 * 4)) && $(ls -A "$tmp/real" | wc -l) -eq 2 ]]; then
+  echo "ok   quantize-out-through-link-kept"
+else
+  echo "FAIL quantize outputs through a symlink:"; ls -la "$tmp" "$tmp/real"; fail=1
+fi
+check evaluate-negative-tokens 1 "--tokens: -3 is outside 0..2147483647" -- "$bin" evaluate --model "$model" --rotations /nonexistent --text "$data/evaluation.txt" --tokens -3
+check evaluate-huge-negative-tokens 1 "--tokens: -99999999999 is outside 0..2147483647" -- "$bin" evaluate --model "$model" --rotations /nonexistent --text "$data/evaluation.txt" --tokens -99999999999
+check calibrate-huge-tokens 1 "--tokens: 99999999999 is outside 0..2147483647" -- "$bin" calibrate --model "$model" --text "$data/calibration.txt" --tokens 99999999999 --out "$tmp/r.safetensors"
 check calibrate-bad-out 1 "/nonexistent/dir" -- "$bin" calibrate --model "$model" --text "$data/calibration.txt" --out /nonexistent/dir/x.safetensors
 check quantize-missing 2 "cannot open" -- "$bin" quantize --in "$tmp/none.npy"
 printf 'garbage' > "$tmp/bad.npy"
@@ -68,6 +96,15 @@ check calibrate-tokens-1 1 "--tokens must be 0 (all) or >= 16, got 1" -- "$bin" 
 check calibrate-few-tokens-warns 0 "is few" -- "$bin" calibrate --model "$model" --text "$data/calibration.txt" --tokens 32 --out "$tmp/r32.safetensors"
 check inspect-dir 2 "is a directory, not a rotation" -- "$bin" rotations inspect "$tmp/outdir"
 check calibrate 0 "wrote" -- "$bin" calibrate --model "$model" --text "$data/calibration.txt" --tokens 400 --out "$tmp/rot.safetensors"
+# Calibrating again through a symlink: the link stays, its target gets the new file.
+ln -s real/rot-target.safetensors "$tmp/rot-link.safetensors"
+printf 'old' >"$tmp/real/rot-target.safetensors"
+check calibrate-through-link 0 "wrote" -- "$bin" calibrate --model "$model" --text "$data/calibration.txt" --tokens 400 --out "$tmp/rot-link.safetensors"
+if [[ -L "$tmp/rot-link.safetensors" ]] && cmp -s "$tmp/rot.safetensors" "$tmp/real/rot-target.safetensors" && [[ $(ls -A "$tmp/real" | wc -l) -eq 3 ]]; then
+  echo "ok   calibrate-through-link-kept"
+else
+  echo "FAIL calibrate through a symlink:"; ls -la "$tmp" "$tmp/real"; fail=1
+fi
 check inspect 0 "max orth_err" -- "$bin" rotations inspect "$tmp/rot.safetensors"
 check quantize-file 0 "relative L2 err" -- "$bin" quantize --in "$tmp/x.npy" --rotation "$tmp/rot.safetensors" --layer 2 --kind v
 check quantize-file-head-dim 2 "rotation file head_dim 8 != input head_dim 16" -- "$bin" quantize --in "$tmp/d16.npy" --rotation "$tmp/rot.safetensors"

@@ -64,6 +64,9 @@ class PoolServer {
 
   int grpc_port() const;
   int metrics_port() const;  // -1 when disabled
+  // The data plane's sealed UCX worker address ("" with --data-plane none). Handed to clients
+  // in RegisterModelResponse only when they initiate transfers; for operators and tests.
+  const std::string& ucx_worker_address() const;
   BlockStore& store();
   // Readiness off (health NOT_SERVING) while still serving calls; Shutdown follows.
   void MarkNotReady();
