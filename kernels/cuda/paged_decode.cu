@@ -3,7 +3,8 @@
 // Four kernels per call, chained with programmatic dependent launch (PDL):
 //   1. QRotateKernel  q̃ = q·R_K · sm_scale·log2(e), fp32, into the workspace.
 //   2. Bf16DecodeKernel<D, NT>  sink + recent segments (BF16 pages): one CTA = (split of one
-//      segment, KV head [, head chunk], request), 4 warps, cp.async rings, bf16 mma.sync.
+//      segment, KV head [, head chunk], request), 4 warps, cp.async rings, bf16 mma.sync; a
+//      one-split sink is folded into the first recent split (v8, FoldSink).
 //   3. Int2DecodeKernel<D, KT>  history segment (INT2 pages): TMA bulk copies into per-warp
 //      mbarrier rings, q·k on integer tensor cores (u8 codes × s8 hi/lo halves of a 16-bit q̃),
 //      p·v on fp16 tensor cores with the masked codes read as fp16 subnormals, the per-token
@@ -126,11 +127,12 @@ __device__ __forceinline__ void PdlWait() { asm volatile("griddepcontrol.wait;\n
 
 // ---------------------------------------------------------------------------------------------
 // BF16 kernel (sink and recent segments; also the BF16 baseline). One CTA = (split of the sink or
-// recent segment, KV head, head chunk, request), 4 warps; each warp streams 16-token units of its
-// pages through a private cp.async ring (swizzled rows, ldmatrix), computes S = K·q̃ᵀ (tokens =
-// M, heads = N, head_dim = K) and Oᵀ += Vᵀ·P (head_dim = M, heads = N, tokens = K) with
-// mma.sync m16n8k16, and keeps an online softmax; the warps' states are combined in shared
-// memory into one partial per (request, q head, split).
+// recent segment, KV head, head chunk, request), 4 warps (with fold_sink, the first recent split
+// streams the sink's pages before its own and there are no sink CTAs); each warp streams 16-token
+// units of its pages through a private cp.async ring (swizzled rows, ldmatrix), computes
+// S = K·q̃ᵀ (tokens = M, heads = N, head_dim = K) and Oᵀ += Vᵀ·P (head_dim = M, heads = N,
+// tokens = K) with mma.sync m16n8k16, and keeps an online softmax; the warps' states are combined
+// in shared memory into one partial per (request, q head, split).
 template <int D>
 struct Bf16Cfg {
   static constexpr int kTile = 64 * D;  // 16 tokens, K + V bf16
@@ -1312,10 +1314,12 @@ double SplitFixedUnits() {
   return v;
 }
 
-// Whether a one-split sink is folded into the first split of the recent segment (v8 default: one
-// BF16 CTA per request and KV head streams sink + recent when recent has one split, instead of a
-// sink CTA whose warps hold one 16-token unit each beside a recent CTA); KVPOOL_DECODE_FOLD_SINK=0
-// keeps separate sink CTAs (A/B). Read once per process.
+// Whether a one-split sink is folded into the first split of the recent segment (v8 default:
+// the first recent CTA of each request and KV head streams the sink's pages before its own,
+// instead of a separate sink CTA whose warps hold one 16-token unit each: -5.5 % at
+// B = 32 × 32K, where the BF16 CTAs outnumber the slots left beside the INT2 grid; +1 µs at
+// B = 1 × 32K, where that CTA becomes the longest of a latency-bound launch; docs/KERNELS.md v8).
+// KVPOOL_DECODE_FOLD_SINK=0 keeps separate sink CTAs (A/B). Read once per process.
 bool FoldSink() {
   static const bool on = [] {
     const char* e = std::getenv("KVPOOL_DECODE_FOLD_SINK");
