@@ -5,11 +5,13 @@
 //
 // Standard output carries only the generated text (streamed as it is produced, then a
 // newline); logs and statistics (tokens/second) go to standard error. With no prompt generation
-// starts from BOS; temperature 0 is greedy. Exit codes: 0 ok, 1 usage error, 2 runtime error
-// (missing or corrupted model, prompt longer than the context, out-of-range numbers), with one
-// line on standard error naming the problem. `--config FILE` takes YAML with the subcommand's
-// flags in a section: "generate: {model: m.gguf, max-tokens: 64}" (explicit flags win).
+// starts from BOS; temperature 0 is greedy. Exit codes: 0 ok, 1 usage error (out-of-range
+// numbers, a prompt that leaves no position to generate into), 2 runtime error (missing or
+// corrupted model), with one line on standard error naming the problem. `--config FILE` takes YAML
+// with the subcommand's flags in a section: "generate: {model: m.gguf, max-tokens: 64}" (explicit
+// flags win).
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <iostream>
 #include <string>
@@ -42,7 +44,7 @@ static int Run(int argc, char** argv) {
   gen->add_option("--prompt", prompt, "text to continue; empty starts from BOS");
   // Flag values are checked at parse time: a bad value is a usage error (exit 1) naming the flag.
   gen->add_option("--max-tokens", max_tokens, "tokens to generate at most")
-      ->check(CLI::NonNegativeNumber)
+      ->check(kvpool::cli::Range(0, INT32_MAX))
       ->capture_default_str();
   gen->add_option("--temperature", temperature, "sampling temperature; 0 = greedy")
       ->check(CLI::Validator(
@@ -66,10 +68,11 @@ static int Run(int argc, char** argv) {
           },
           "FLOAT in (0,1]"))
       ->capture_default_str();
-  gen->add_option("--seed", seed, "random seed for sampling")->capture_default_str();
+  gen->add_option("--seed", seed, "random seed for sampling")
+      ->check(kvpool::cli::Range(uint64_t{0}, UINT64_MAX))
+      ->capture_default_str();
   KVPOOL_CLI_PARSE(app, argc, argv);
 
-  if (max_tokens < 0) return Fail("--max-tokens " + std::to_string(max_tokens) + " must be >= 0");
   kvpool::engine::GenerateOptions options;
   options.max_tokens = max_tokens;
   options.sampling = {.temperature = temperature, .top_p = top_p, .seed = seed};
@@ -84,9 +87,15 @@ static int Run(int argc, char** argv) {
   const auto& cfg = (*engine)->config();
   const auto& tok = (*engine)->tokenizer();
   const std::vector<int> tokens = tok.Encode(prompt, /*add_bos=*/true);
-  if (static_cast<int>(tokens.size()) > cfg.context_length) {
-    return Fail("--prompt is " + std::to_string(tokens.size()) +
-                " tokens long; the model's context holds " + std::to_string(cfg.context_length));
+  // Generating needs one free position (docs/WORKER.md "Prompt length"; kvpool-worker applies
+  // the same rule): a prompt holds at most context_length - 1 tokens, BOS included. A usage
+  // error, found once the model tells the context.
+  if (static_cast<int>(tokens.size()) >= cfg.context_length) {
+    std::cerr << "kvpool-engine: --prompt is " << tokens.size()
+              << " tokens long; a prompt may hold at most " << cfg.context_length - 1
+              << " (the model's context of " << cfg.context_length
+              << " less one position to generate into)\n";
+    return kvpool::cli::kExitUsage;
   }
   KVPOOL_LOG_INFO(
       "model {}: {} layers, dim {}, {} heads ({} KV heads, head_dim {}), ffn {}, "

@@ -35,7 +35,21 @@ long_prompt="$(printf 'elephant %.0s' $(seq 1 600))"
 expect missing-file 2 "/nonexistent/model.gguf" -- generate --model /nonexistent/model.gguf
 expect truncated-gguf 2 "truncated.gguf" -- generate --model "$TMP/truncated.gguf"
 expect bad-magic 2 "bad magic" -- generate --model "$TMP/badmagic.gguf"
-expect prompt-too-long 2 "context holds 512" -- generate --model "$MODEL" --prompt "$long_prompt"
+# Prompt length (docs/WORKER.md "Prompt length", the same rule as kvpool-worker): at most
+# context - 1 = 511 tokens, BOS included ("Once" + " upon" x (N - 2) is N tokens); longer is a
+# usage error.
+prompt511="Once$(printf ' upon%.0s' $(seq 1 509))"
+prompt512="Once$(printf ' upon%.0s' $(seq 1 510))"
+expect prompt-too-long 1 "a prompt may hold at most 511 (the model's context of 512" -- generate --model "$MODEL" --prompt "$long_prompt"
+expect prompt-512 1 "--prompt is 512 tokens long; a prompt may hold at most 511" -- generate --model "$MODEL" --prompt "$prompt512"
+expect prompt-511 0 "prefill: 511 tokens" -- generate --model "$MODEL" --prompt "$prompt511" --max-tokens 1
+expect bad-seed-negative 1 "--seed: -1 is outside 0..18446744073709551615" -- generate --model "$MODEL" --seed -1
+expect bad-seed-too-big 1 "--seed: 18446744073709551616 is outside 0..18446744073709551615" -- generate --model "$MODEL" --seed 18446744073709551616
+expect bad-max-tokens-range 1 "--max-tokens: -1 is outside 0..2147483647" -- generate --model "$MODEL" --max-tokens -1
+if grep -q "179769\|e+308" "$TMP/err"; then
+  echo "FAIL bad-max-tokens-range: a 309-digit range"; cat "$TMP/err"; failures=$((failures + 1))
+fi
+expect log-off-missing-file 2 "/nonexistent/model.gguf" -- --log-level off generate --model /nonexistent/model.gguf
 expect bad-top-p 1 "--top-p" -- generate --model "$MODEL" --top-p 2
 expect bad-top-p-high 1 "--top-p" -- generate --model "$MODEL" --top-p 1.5
 expect bad-top-p-zero 1 "--top-p" -- generate --model "$MODEL" --top-p 0
