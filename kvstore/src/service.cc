@@ -3,13 +3,16 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
-#include <fstream>
 #include <map>
 #include <mutex>
 #include <optional>
-#include <sstream>
 
 #include "absl/strings/str_cat.h"
 #include "kvpool/common/log.h"
@@ -56,14 +59,80 @@ absl::StatusOr<KeyQuery> ParseQuery(const google::protobuf::RepeatedField<uint32
   return q;
 }
 
-absl::StatusOr<std::string> ReadFile(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  if (!f) {
-    return absl::InvalidArgumentError(absl::StrCat("rotation_path: cannot open ", path));
+// `path` as the client sent it, for messages: at most 200 bytes, bytes outside printable ASCII as
+// '?', in single quotes.
+std::string QuotedPath(const std::string& path) {
+  constexpr size_t kMax = 200;
+  std::string out = "'";
+  for (size_t i = 0; i < path.size() && i < kMax; ++i) {
+    const unsigned char c = static_cast<unsigned char>(path[i]);
+    out.push_back(c >= 0x20 && c <= 0x7e ? static_cast<char>(c) : '?');
   }
-  std::ostringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
+  if (path.size() > kMax) out += "...";
+  out += "'";
+  return out;
+}
+
+// The bytes of the rotation file at `path` (RegisterModelRequest.rotation_path), read by the pool
+// for a client. Only a regular file of 1..kMaxRotationFileBytes bytes is read (a device such as
+// /dev/zero, a FIFO, a directory or /proc/self/mem is refused before any byte is read; the open
+// does not block on a FIFO), into one buffer of the size fstat reported (no growth, no second
+// copy). Errors: INVALID_ARGUMENT naming rotation_path and the path; the message carries the
+// errno text, the file type or the size, never a byte of the file.
+absl::StatusOr<std::string> ReadRotationPath(const std::string& path) {
+  const std::string where = absl::StrCat("rotation_path ", QuotedPath(path));
+  if (path.empty()) return absl::InvalidArgumentError("rotation_path: empty");
+  if (path.find('\0') != std::string::npos) {
+    return absl::InvalidArgumentError(absl::StrCat(where, " contains a NUL byte"));
+  }
+  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
+  if (fd < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, " cannot be opened (", std::strerror(errno), ")"));
+  }
+  struct Closer {
+    int fd;
+    ~Closer() { close(fd); }
+  } closer{fd};
+  struct stat st {};
+  if (fstat(fd, &st) != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, " cannot be examined (", std::strerror(errno), ")"));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    const char* kind = S_ISDIR(st.st_mode)    ? "a directory"
+                       : S_ISCHR(st.st_mode)  ? "a character device"
+                       : S_ISBLK(st.st_mode)  ? "a block device"
+                       : S_ISFIFO(st.st_mode) ? "a FIFO"
+                       : S_ISSOCK(st.st_mode) ? "a socket"
+                                              : "not a regular file";
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, " is ", kind, "; a rotation file must be a regular file"));
+  }
+  const uint64_t size = static_cast<uint64_t>(st.st_size);
+  if (size == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(where, " is empty"));
+  }
+  if (size > kMaxRotationFileBytes) {
+    return absl::InvalidArgumentError(absl::StrCat(where, " has ", size, " bytes; at most ",
+                                                   kMaxRotationFileBytes, " are accepted"));
+  }
+  std::string bytes(size, '\0');
+  size_t got = 0;
+  while (got < size) {
+    const ssize_t n = read(fd, bytes.data() + got, size - got);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, " cannot be read (", std::strerror(errno), ")"));
+    }
+    if (n == 0) break;
+    got += static_cast<size_t>(n);
+  }
+  if (got != size) {
+    return absl::InvalidArgumentError(absl::StrCat(where, " changed size while being read"));
+  }
+  return bytes;
 }
 
 #if defined(KVPOOL_HAVE_TRANSPORT)
@@ -353,14 +422,15 @@ class KvPoolService final : public pb::KvPool::Service {
     RotationInput rot;
     switch (req.rotation_case()) {
       case pb::RegisterModelRequest::kRotationFile:
+        if (req.rotation_file().empty()) {
+          return absl::InvalidArgumentError("rotation_file: empty");
+        }
         rot.file_bytes = req.rotation_file();
         break;
       case pb::RegisterModelRequest::kRotationPath: {
-        auto bytes = ReadFile(req.rotation_path());
-        if (!bytes.ok()) {
-          return bytes.status();
-        }
-        rot.file_bytes = std::move(*bytes);
+        KVPOOL_ASSIGN_OR_RETURN(rot.file_bytes, ReadRotationPath(req.rotation_path()));
+        rot.field = absl::StrCat("rotation_path ", QuotedPath(req.rotation_path()));
+        rot.redact_file_content = true;
         break;
       }
       case pb::RegisterModelRequest::kRotationId: {

@@ -1,11 +1,19 @@
 // The block store (store.h).
 #include "kvpool/kvstore/store.h"
 
+#include <fcntl.h>
+#include <sys/random.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <iterator>
 #include <mutex>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "kvpool/common/checksum.h"
@@ -29,21 +37,53 @@ const char* PrecisionName(HistoryPrecision p) {
   return p == HistoryPrecision::kInt2 ? "int2" : "bf16";
 }
 
+// 1..kMaxIdentityBytes printable ASCII bytes (the message never repeats the value: it may be
+// megabytes of anything).
+absl::Status ValidateIdentityString(const std::string& v, const char* field) {
+  if (v.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": must not be empty"));
+  }
+  if (v.size() > kMaxIdentityBytes) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": ", v.size(), " bytes, at most ",
+                                                   kMaxIdentityBytes, " are accepted"));
+  }
+  for (size_t i = 0; i < v.size(); ++i) {
+    const unsigned char c = static_cast<unsigned char>(v[i]);
+    if (c < 0x20 || c > 0x7e) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ": byte ", i, " is not printable ASCII (0x20..0x7e)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ValidateSpec(const ModelSpec& s) {
   const BlockGeometry& g = s.geometry;
-  if (s.model_id.empty()) {
-    return absl::InvalidArgumentError("identity.model_id: must not be empty");
+  KVPOOL_RETURN_IF_ERROR(ValidateIdentityString(s.tenant, "identity.tenant"));
+  KVPOOL_RETURN_IF_ERROR(ValidateIdentityString(s.model_id, "identity.model_id"));
+  if (!s.revision.empty()) {
+    KVPOOL_RETURN_IF_ERROR(ValidateIdentityString(s.revision, "identity.revision"));
   }
-  if (g.num_layers == 0) {
-    return absl::InvalidArgumentError("geometry.num_layers: must be > 0");
+  if (g.num_layers == 0 || g.num_layers > kMaxLayersOrHeads) {
+    return absl::InvalidArgumentError(absl::StrCat("geometry.num_layers: must be in 1..",
+                                                   kMaxLayersOrHeads, ", got ", g.num_layers));
   }
-  if (g.num_kv_heads == 0) {
-    return absl::InvalidArgumentError("geometry.num_kv_heads: must be > 0");
+  if (g.num_kv_heads == 0 || g.num_kv_heads > kMaxLayersOrHeads) {
+    return absl::InvalidArgumentError(absl::StrCat("geometry.num_kv_heads: must be in 1..",
+                                                   kMaxLayersOrHeads, ", got ", g.num_kv_heads));
   }
   KVPOOL_RETURN_IF_ERROR(ValidateHeadDim(g.head_dim, "geometry.head_dim"));
-  if (g.page_size == 0 || (g.page_size & (g.page_size - 1)) != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("page_size: must be a power of two, got ", g.page_size));
+  if (g.page_size == 0 || (g.page_size & (g.page_size - 1)) != 0 || g.page_size > kMaxPageSize) {
+    return absl::InvalidArgumentError(absl::StrCat("page_size: must be a power of two in 1..",
+                                                   kMaxPageSize, ", got ", g.page_size));
+  }
+  if (s.sink_tokens > kMaxRecipeTokens) {
+    return absl::InvalidArgumentError(absl::StrCat("recipe.sink_tokens: ", s.sink_tokens,
+                                                   " exceeds the maximum ", kMaxRecipeTokens));
+  }
+  if (s.recent_tokens > kMaxRecipeTokens) {
+    return absl::InvalidArgumentError(absl::StrCat("recipe.recent_tokens: ", s.recent_tokens,
+                                                   " exceeds the maximum ", kMaxRecipeTokens));
   }
   if (s.sink_tokens % g.page_size != 0) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -55,6 +95,11 @@ absl::Status ValidateSpec(const ModelSpec& s) {
     return absl::InvalidArgumentError(
         absl::StrCat("recipe.block_format_version: only 1 (kvpool-block-v1) is supported, got ",
                      s.block_format_version));
+  }
+  if (s.tensor_parallel.has_value() && s.tensor_parallel->size > kMaxTensorParallel) {
+    return absl::InvalidArgumentError(absl::StrCat("tensor_parallel.size: must be at most ",
+                                                   kMaxTensorParallel, ", got ",
+                                                   s.tensor_parallel->size));
   }
   if (s.tensor_parallel.has_value() && s.tensor_parallel->rank >= s.tensor_parallel->size) {
     return absl::InvalidArgumentError("tensor_parallel.rank: must be < tensor_parallel.size");
@@ -88,6 +133,25 @@ std::vector<std::string> DiffSpecs(const ModelSpec& a, const Digest& rot_a, cons
         absl::StrCat("rotation_id (registered ", ToHex(rot_a), ", requested ", ToHex(rot_b), ")"));
   }
   return d;
+}
+
+// A parse error of rotation bytes the pool read from a client-chosen path, in fixed words: the
+// parsers' messages quote header lengths, metadata strings, tensor names and shapes from the file,
+// which would hand its content to a client that cannot read it. The category comes from where
+// the parse stopped (the safetensors layer's messages do not start with "rotation file:").
+absl::Status RedactedRotationError(const absl::Status& s, const std::string& field) {
+  if (absl::IsDataLoss(s)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": not a rotation file (truncated safetensors data)"));
+  }
+  if (absl::StartsWith(s.message(), "rotation file")) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field,
+                     ": not a valid kvpool rotation file (metadata or tensors do not describe "
+                     "orthogonal rotations; check it with `kvpool inspect` on the pool's host)"));
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      field, ": not a rotation file (safetensors header length or header out of range)"));
 }
 
 std::vector<FormKind> HeldForms(const bool present[kNumForms]) {
@@ -159,15 +223,32 @@ absl::StatusOr<ModelInfo> BlockStore::RegisterModel(const ModelSpec& spec_in,
   std::shared_ptr<const kvpool::RotationSet> rot;
   Digest rot_id{};
   if (!rotation.file_bytes.empty()) {
+    if (rotation.file_bytes.size() > kMaxRotationFileBytes) {
+      return absl::InvalidArgumentError(absl::StrCat(rotation.field, ": ",
+                                                     rotation.file_bytes.size(), " bytes, at most ",
+                                                     kMaxRotationFileBytes, " are accepted"));
+    }
     absl::StatusOr<kvpool::RotationSet> parsed = ParseRotations(rotation.file_bytes);
     if (!parsed.ok()) {
-      return Annotate(parsed.status(), "rotation_file");
+      if (rotation.redact_file_content) {
+        return RedactedRotationError(parsed.status(), rotation.field);
+      }
+      return Annotate(parsed.status(), rotation.field);
     }
-    KVPOOL_RETURN_IF_ERROR(CheckRotationsMatch(*parsed, {.head_dim = spec.geometry.head_dim,
-                                                         .num_layers = spec.geometry.num_layers,
-                                                         .num_kv_heads = spec.geometry.num_kv_heads,
-                                                         .clip_ratio_k = spec.clip_ratio_k,
-                                                         .clip_ratio_v = spec.clip_ratio_v}));
+    absl::Status match = CheckRotationsMatch(*parsed, {.head_dim = spec.geometry.head_dim,
+                                                       .num_layers = spec.geometry.num_layers,
+                                                       .num_kv_heads = spec.geometry.num_kv_heads,
+                                                       .clip_ratio_k = spec.clip_ratio_k,
+                                                       .clip_ratio_v = spec.clip_ratio_v});
+    if (!match.ok()) {
+      if (rotation.redact_file_content) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            rotation.field,
+            ": the rotation file does not match the model (its head_dim, num_layers, "
+            "num_kv_heads or clip ratios differ; `kvpool inspect` on the pool's host shows them)"));
+      }
+      return match;
+    }
     rot = std::make_shared<const kvpool::RotationSet>(std::move(*parsed));
     rot_id = Sha256(rotation.file_bytes);
   } else if (rotation.id.has_value()) {

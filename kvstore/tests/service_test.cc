@@ -9,6 +9,7 @@
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -20,6 +21,7 @@
 
 #include "kvpool/common/checksum.h"
 #include "kvpool/common/keys.h"
+#include "kvpool/common/safetensors.h"
 #include "kvpool/kvstore/encoder.h"
 #include "kvpool/kvstore/server.h"
 #include "kvpool/transport/fake_transport.h"
@@ -306,6 +308,144 @@ TEST_F(ServiceTest, ErrorsAreTypedAndNameTheField) {
   lr.add_keys(std::string(32, 'k'));
   ASSERT_TRUE(stub_->Lookup(Ctx().get(), lr, &look).ok());
   EXPECT_EQ(look.num_blocks(), 0u);
+}
+
+// The newcomer's RegisterModel findings. rotation_path: /dev/zero grew the server without bound,
+// a directory or /proc/self/mem claimed no rotation was given, /etc/shadow's first 8 bytes came
+// back as a "header length", a huge sparse file was read whole (twice). Now: regular files of
+// at most kMaxRotationFileBytes only, every error names rotation_path and never echoes content.
+TEST_F(ServiceTest, RotationPathReadsOnlyBoundedRegularFilesAndNeverEchoesTheirContent) {
+  const ModelSpec spec = testing::TinySpec();
+  const std::string dir = ::testing::TempDir();
+  auto with_path = [&](const std::string& path, const std::string& rev) {
+    pb::RegisterModelRequest r = RegisterRequest(spec);
+    r.mutable_identity()->set_revision(rev);
+    r.set_rotation_path(path);
+    return r;
+  };
+  auto refused = [&](const std::string& path, grpc::StatusCode code, const std::string& words,
+                     const std::vector<std::string>& never) {
+    pb::RegisterModelResponse ignored;
+    grpc::Status st = stub_->RegisterModel(Ctx().get(), with_path(path, "x"), &ignored);
+    EXPECT_EQ(st.error_code(), code) << path << ": " << st.error_message();
+    EXPECT_NE(st.error_message().find("rotation_path"), std::string::npos) << st.error_message();
+    EXPECT_NE(st.error_message().find(words), std::string::npos) << st.error_message();
+    for (const std::string& n : never) {
+      EXPECT_EQ(st.error_message().find(n), std::string::npos) << n << ": " << st.error_message();
+    }
+  };
+  refused("/dev/zero", grpc::StatusCode::INVALID_ARGUMENT, "character device", {});
+  refused(dir, grpc::StatusCode::INVALID_ARGUMENT, "directory", {});
+  refused("/proc/self/mem", grpc::StatusCode::INVALID_ARGUMENT, "rotation_path", {});
+  refused(dir + "/no-such-rotation-file", grpc::StatusCode::INVALID_ARGUMENT, "cannot be opened",
+          {});
+  const std::string fifo = dir + "/kvpool_rotation_fifo";
+  unlink(fifo.c_str());
+  ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0);
+  refused(fifo, grpc::StatusCode::INVALID_ARGUMENT, "FIFO", {});  // and the open does not block
+  unlink(fifo.c_str());
+  // Larger than the cap (sparse: costs no disk): refused by its size, before any read.
+  const std::string big = dir + "/kvpool_rotation_big";
+  {
+    std::ofstream(big).put('x');
+    ASSERT_EQ(truncate(big.c_str(), static_cast<off_t>(kMaxRotationFileBytes + 1)), 0);
+  }
+  refused(big, grpc::StatusCode::INVALID_ARGUMENT, "at most", {});
+  unlink(big.c_str());
+  // A file like /etc/shadow: its first 8 bytes read as a safetensors header length must not
+  // come back (as a number or as text).
+  const std::string secret = dir + "/kvpool_rotation_secret";
+  const std::string text = "root:$6$saltsalt$hashhashhash:19000:0:99999:7:::\n";
+  std::ofstream(secret, std::ios::binary) << text;
+  uint64_t first8 = 0;
+  std::memcpy(&first8, text.data(), 8);
+  refused(secret, grpc::StatusCode::INVALID_ARGUMENT, "not a rotation file",
+          {std::to_string(first8), "root", "saltsalt"});
+  // A safetensors file whose metadata is not a rotation file's: the metadata is not echoed.
+  SafetensorsWriter w;
+  w.SetMetadata("format", "TOPSECRETVALUE");
+  ASSERT_TRUE(w.WriteFile(secret).ok());
+  refused(secret, grpc::StatusCode::INVALID_ARGUMENT, "not a valid kvpool rotation file",
+          {"TOPSECRETVALUE"});
+  // A valid rotation file of another model: FAILED_PRECONDITION, and its numbers are not listed.
+  ModelSpec other = spec;
+  other.geometry.num_layers = 77;
+  std::ofstream(secret, std::ios::binary | std::ios::trunc) << testing::RotationFileFor(other);
+  refused(secret, grpc::StatusCode::FAILED_PRECONDITION, "does not match the model",
+          {std::to_string(other.geometry.num_layers)});
+  unlink(secret.c_str());
+  // The good path still registers, with the same rotation id as the inline bytes.
+  const std::string good = dir + "/kvpool_rotation_good";
+  std::ofstream(good, std::ios::binary) << testing::RotationFileFor(spec);
+  pb::RegisterModelResponse by_path, inline_bytes;
+  grpc::Status st = stub_->RegisterModel(Ctx().get(), with_path(good, "p"), &by_path);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  pb::RegisterModelRequest r = RegisterRequest(spec);
+  r.mutable_identity()->set_revision("i");
+  ASSERT_TRUE(stub_->RegisterModel(Ctx().get(), r, &inline_bytes).ok());
+  EXPECT_EQ(by_path.rotation_id(), inline_bytes.rotation_id());
+  unlink(good.c_str());
+  // Empty inline bytes name rotation_file (they used to read as "no rotation given").
+  r.mutable_identity()->set_revision("e");
+  r.set_rotation_file("");
+  pb::RegisterModelResponse ignored;
+  st = stub_->RegisterModel(Ctx().get(), r, &ignored);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(st.error_message().find("rotation_file"), std::string::npos) << st.error_message();
+  EXPECT_EQ(server_->store().Stats().models, 2u);
+}
+
+// A 3 MiB model_id was accepted (and logged as one 3 MB line); recent_tokens 2^32-1 too. Every
+// identity string is bounded and printable, the recipe's token counts are bounded; the error
+// names the field and does not repeat the value.
+TEST_F(ServiceTest, IdentityStringsAndRecipeNumbersAreBounded) {
+  const ModelSpec spec = testing::TinySpec();
+  auto refused = [&](pb::RegisterModelRequest r, const std::string& field) {
+    pb::RegisterModelResponse ignored;
+    grpc::Status st = stub_->RegisterModel(Ctx().get(), r, &ignored);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << field;
+    EXPECT_NE(st.error_message().find(field), std::string::npos) << st.error_message();
+    EXPECT_LT(st.error_message().size(), 200u) << field;
+  };
+  pb::RegisterModelRequest r = RegisterRequest(spec);
+  r.mutable_identity()->set_model_id(std::string(3 << 20, 'm'));
+  refused(r, "identity.model_id");
+  r = RegisterRequest(spec);
+  r.mutable_identity()->set_model_id(std::string(kMaxIdentityBytes + 1, 'm'));
+  refused(r, "identity.model_id");
+  r = RegisterRequest(spec);
+  r.mutable_identity()->set_model_id("line\nbreak");
+  refused(r, "identity.model_id");
+  r = RegisterRequest(spec);
+  r.mutable_identity()->set_revision(std::string(1000, 'r'));
+  refused(r, "identity.revision");
+  r = RegisterRequest(spec);
+  r.mutable_identity()->set_tenant(std::string("t\x01", 2));
+  refused(r, "identity.tenant");
+  r = RegisterRequest(spec);
+  r.mutable_recipe()->set_recent_tokens(0xffffffffu);
+  refused(r, "recipe.recent_tokens");
+  r = RegisterRequest(spec);
+  r.mutable_recipe()->set_sink_tokens(1u << 30);
+  refused(r, "recipe.sink_tokens");
+  r = RegisterRequest(spec);
+  r.mutable_geometry()->set_num_layers(0xffffffffu);
+  refused(r, "geometry.num_layers");
+  r = RegisterRequest(spec);
+  r.set_page_size(1u << 31);  // the message blamed recipe.sink_tokens
+  refused(r, "page_size");
+  r = RegisterRequest(spec);
+  r.mutable_tensor_parallel()->set_size(1u << 20);
+  r.mutable_tensor_parallel()->set_rank(0);
+  refused(r, "tensor_parallel.size");
+  EXPECT_EQ(server_->store().Stats().models, 0u);
+  // At the bounds: accepted.
+  r = RegisterRequest(spec);
+  r.mutable_identity()->set_model_id(std::string(kMaxIdentityBytes, 'm'));
+  r.mutable_recipe()->set_recent_tokens(kMaxRecipeTokens);
+  pb::RegisterModelResponse ok;
+  grpc::Status st = stub_->RegisterModel(Ctx().get(), r, &ok);
+  EXPECT_TRUE(st.ok()) << st.error_message();
 }
 
 // 16 clients, each with its own channel, mixing put / lookup / acquire+read / release over

@@ -66,6 +66,23 @@ const char* FormName(FormKind f);  // "bf16", "int2"
 
 enum class HistoryPrecision : uint8_t { kInt2, kBf16 };
 
+// Bounds on what a client registers (RegisterModel refuses more with INVALID_ARGUMENT naming the
+// field): identity strings (tenant, model_id, revision) are 1..kMaxIdentityBytes printable ASCII
+// bytes (0x20..0x7e; tenant may be empty = "default"); recipe.sink_tokens and recent_tokens are
+// at most kMaxRecipeTokens (2^24 tokens, far beyond any context length served today); geometry
+// num_layers and num_kv_heads at most kMaxLayersOrHeads (the rotation file's own bound,
+// kernels/rotation_file.cc); page_size a power of two at most kMaxPageSize (the worker's bound,
+// worker/runtime/src/mixed_kv_cache.cc); tensor_parallel.size at most kMaxTensorParallel.
+inline constexpr size_t kMaxIdentityBytes = 256;
+inline constexpr uint32_t kMaxPageSize = 1024;
+inline constexpr uint32_t kMaxRecipeTokens = 1u << 24;
+inline constexpr uint32_t kMaxLayersOrHeads = 4096;
+inline constexpr uint32_t kMaxTensorParallel = 65536;
+// Largest rotation file the pool accepts, inline (RegisterModelRequest.rotation_file, bounded by
+// the gRPC message limit, server.cc) or read from rotation_path. 256 MiB: a d = 128 per-head
+// (format_version 2) file of a 128-layer, 16-head model with eigenvalues is about 136 MiB.
+inline constexpr uint64_t kMaxRotationFileBytes = 256ull << 20;
+
 // Everything a client registers (RegisterModelRequest without the rotation bytes).
 struct ModelSpec {
   std::string tenant = "default";
@@ -86,6 +103,12 @@ struct ModelSpec {
 struct RotationInput {
   std::string file_bytes;    // safetensors bytes, or empty
   std::optional<Digest> id;  // re-attach by id
+  // The request field the bytes came from, named by every error about them.
+  std::string field = "rotation_file";
+  // The bytes were read by the pool from a path the client chose (rotation_path): errors then
+  // say what is wrong in fixed words and never echo a number, name or byte read from the file
+  // (a client must not learn the content of files it cannot read itself).
+  bool redact_file_content = false;
 };
 
 struct ModelInfo {
@@ -223,9 +246,10 @@ class BlockStore {
   ~BlockStore();
 
   // Registers a model, or returns the existing registration when every field is equal.
-  // Errors: INVALID_ARGUMENT naming the field (geometry, page_size, recipe, rotation file);
-  // FAILED_PRECONDITION listing every differing field when (tenant, model_id, revision,
-  // tensor_parallel) is already registered differently; NOT_FOUND for an unknown rotation id.
+  // Errors: INVALID_ARGUMENT naming the field (identity strings, geometry, page_size, recipe,
+  // rotation file; bounds above); FAILED_PRECONDITION listing every differing field when (tenant,
+  // model_id, revision, tensor_parallel) is already registered differently; NOT_FOUND for an
+  // unknown rotation id.
   absl::StatusOr<ModelInfo> RegisterModel(const ModelSpec& spec, const RotationInput& rotation);
 
   // Phase 1 of a put. tokens: the sequence from token 0; num_blocks full blocks are stored
