@@ -317,6 +317,42 @@ absl::StatusOr<ModelInfo> BlockStore::RegisterModel(const ModelSpec& spec_in,
   return info;
 }
 
+uint64_t BlockStore::NewIdLocked() {
+  for (;;) {
+    if (random_left_ == 0) {
+      // getrandom(2) blocks only before the kernel's pool is first initialized (early boot);
+      // it never returns short for requests of at most 256 bytes once it has.
+      uint8_t* out = reinterpret_cast<uint8_t*>(random_pool_);
+      size_t got = 0;
+      while (got < sizeof(random_pool_)) {
+        const ssize_t n = getrandom(out + got, sizeof(random_pool_) - got, 0);
+        if (n > 0) {
+          got += static_cast<size_t>(n);
+        } else if (n < 0 && errno != EINTR) {
+          // No getrandom (very old kernel or a seccomp filter): /dev/urandom.
+          const int fd = open("/dev/urandom", O_RDONLY | O_CLOEXEC);
+          const ssize_t r = fd >= 0 ? read(fd, out + got, sizeof(random_pool_) - got) : -1;
+          if (fd >= 0) close(fd);
+          if (r <= 0) {
+            KVPOOL_LOG_ERROR(
+                "no randomness for lease and put ids (getrandom and /dev/urandom "
+                "failed: {})",
+                std::strerror(errno));
+            std::abort();  // sequential ids would let any client release another's lease
+          }
+          got += static_cast<size_t>(r);
+        }
+      }
+      random_left_ = std::size(random_pool_);
+    }
+    const uint64_t id = random_pool_[--random_left_];
+    random_pool_[random_left_] = 0;  // a used value is not kept around
+    if (id != 0 && puts_.count(id) == 0 && leases_.count(id) == 0) {
+      return id;
+    }
+  }
+}
+
 absl::StatusOr<const BlockStore::Model*> BlockStore::FindModelLocked(
     const Digest& namespace_id) const {
   auto it = models_.find(namespace_id);
@@ -547,7 +583,7 @@ absl::StatusOr<PutPlan> BlockStore::BeginPut(const Digest& namespace_id,
 
   std::unique_lock lock(mu_);
   Put put;
-  put.id = next_put_id_++;
+  put.id = NewIdLocked();
   put.model = m;
   put.deadline = clock_->Now() + timeout;
   PutPlan plan;
@@ -967,7 +1003,7 @@ absl::StatusOr<LeaseGrant> BlockStore::Acquire(const Digest& namespace_id, const
     }
     if (!l.keys.empty()) {
       l.deadline = clock_->Now() + lease;
-      grant.lease_id = next_lease_id_++;
+      grant.lease_id = NewIdLocked();
       leases_.emplace(grant.lease_id, std::move(l));
     }
   }

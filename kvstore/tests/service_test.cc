@@ -17,6 +17,7 @@
 #include <cstdio>
 #include <fstream>
 #include <future>
+#include <set>
 #include <thread>
 
 #include "kvpool/common/checksum.h"
@@ -446,6 +447,88 @@ TEST_F(ServiceTest, IdentityStringsAndRecipeNumbersAreBounded) {
   pb::RegisterModelResponse ok;
   grpc::Status st = stub_->RegisterModel(Ctx().get(), r, &ok);
   EXPECT_TRUE(st.ok()) << st.error_message();
+}
+
+// Lease ids were 1, 2, 3...: release_spam.py released every client's lease by counting, and the
+// victim's read then failed "expired during the read". Ids are now 64 random bits: counting
+// releases nothing, and the victim's lease (and open put) still work.
+TEST_F(ServiceTest, LeaseAndPutIdsAreUnguessable) {
+  const ModelSpec spec = testing::TinySpec();
+  pb::RegisterModelResponse reg;
+  ASSERT_TRUE(stub_->RegisterModel(Ctx().get(), RegisterRequest(spec), &reg).ok());
+  const std::vector<uint32_t> tokens = testing::Tokens(4, 8);  // 2 blocks
+  pb::BeginPutRequest bp;
+  bp.set_namespace_id(reg.namespace_id());
+  for (uint32_t t : tokens) bp.add_token_ids(t);
+  bp.set_num_blocks(2);
+  pb::BeginPutResponse put;
+  ASSERT_TRUE(stub_->BeginPut(Ctx().get(), bp, &put).ok());
+  pb::CommitPutRequest cp;
+  cp.set_namespace_id(reg.namespace_id());
+  cp.set_put_id(put.put_id());
+  for (const pb::PutBlock& b : put.blocks()) {
+    auto bytes = testing::BlockBytes(spec.geometry, 4, b.index());
+    std::memcpy(server_->store().memory().data() +
+                    (b.staging_addr() - server_->store().memory().remote_address()),
+                bytes.data(), bytes.size());
+    auto* c = cp.add_checksums();
+    c->set_index(b.index());
+    c->set_xxh3(Xxh3(bytes.data(), bytes.size()));
+  }
+  pb::CommitPutResponse committed;
+  ASSERT_TRUE(stub_->CommitPut(Ctx().get(), cp, &committed).ok());
+
+  std::set<uint64_t> ids = {put.put_id()};
+  std::vector<uint64_t> leases;
+  for (int i = 0; i < 16; ++i) {
+    pb::AcquireRequest ar;
+    ar.set_namespace_id(reg.namespace_id());
+    for (uint32_t t : tokens) ar.add_token_ids(t);
+    pb::AcquireResponse lease;
+    ASSERT_TRUE(stub_->Acquire(Ctx().get(), ar, &lease).ok());
+    leases.push_back(lease.lease_id());
+    ids.insert(lease.lease_id());
+  }
+  pb::BeginPutResponse put2;
+  bp.set_num_blocks(1);
+  ASSERT_TRUE(stub_->BeginPut(Ctx().get(), bp, &put2).ok());
+  ids.insert(put2.put_id());
+  EXPECT_EQ(ids.size(), 18u);  // unique
+  // 18 random 64-bit values all >= 2^32 fails with probability 18 * 2^-32; counters never pass.
+  for (uint64_t id : ids) EXPECT_GE(id, uint64_t{1} << 32) << id;
+  // The attacker: every small id and every neighbour of a seen id.
+  std::vector<uint64_t> guesses;
+  for (uint64_t g = 0; g < 64; ++g) guesses.push_back(g);
+  for (uint64_t id : leases) {
+    guesses.push_back(id + 1);
+    guesses.push_back(id - 1);
+  }
+  size_t released = 0;
+  for (uint64_t g : guesses) {
+    if (std::find(leases.begin(), leases.end(), g) != leases.end()) continue;
+    pb::ReleaseRequest rel;
+    rel.set_lease_id(g);
+    pb::ReleaseResponse ignored;
+    if (stub_->Release(Ctx().get(), rel, &ignored).ok()) ++released;
+    pb::AbortPutRequest ab;
+    ab.set_namespace_id(reg.namespace_id());
+    ab.set_put_id(g);
+    pb::AbortPutResponse ignored2;
+    EXPECT_FALSE(stub_->AbortPut(Ctx().get(), ab, &ignored2).ok()) << g;
+  }
+  EXPECT_EQ(released, 0u);
+  EXPECT_EQ(server_->store().Stats().leases, leases.size());
+  EXPECT_EQ(server_->store().Stats().open_puts, 1u);
+  for (uint64_t id : leases) {
+    pb::RenewRequest rn;
+    rn.set_lease_id(id);
+    pb::RenewResponse renewed;
+    EXPECT_TRUE(stub_->Renew(Ctx().get(), rn, &renewed).ok()) << id;
+    pb::ReleaseRequest rel;
+    rel.set_lease_id(id);
+    pb::ReleaseResponse ignored;
+    EXPECT_TRUE(stub_->Release(Ctx().get(), rel, &ignored).ok()) << id;
+  }
 }
 
 // 16 clients, each with its own channel, mixing put / lookup / acquire+read / release over

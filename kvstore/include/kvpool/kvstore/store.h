@@ -158,7 +158,7 @@ struct PutBlockPlan {
 };
 
 struct PutPlan {
-  uint64_t put_id = 0;
+  uint64_t put_id = 0;  // random, nonzero, unique among open puts (NewIdLocked)
   std::vector<PutBlockPlan> blocks;
   absl::Duration timeout;
 };
@@ -201,7 +201,7 @@ struct LeasedBlock {
 };
 
 struct LeaseGrant {
-  uint64_t lease_id = 0;  // 0 when nothing was held
+  uint64_t lease_id = 0;  // 0 when nothing was held; else random (NewIdLocked), never reused live
   std::vector<LeasedBlock> blocks;
   absl::Duration lifetime;
 };
@@ -417,9 +417,13 @@ class BlockStore {
   uint64_t staging_bytes_ = 0;                  // guarded by mu_
   uint64_t form_count_[kNumForms] = {0, 0};     // guarded by mu_
   uint64_t form_bytes_[kNumForms] = {0, 0};     // guarded by mu_
-  uint64_t next_put_id_ = 1;                    // guarded by mu_
-  uint64_t next_lease_id_ = 1;                  // guarded by mu_
-  uint64_t generation_ = 0;                     // guarded by mu_
+  // A fresh put or lease id: 64 random bits from the kernel (getrandom), nonzero and not in use
+  // by an open put or a live lease, so that no client can guess another's id (Release, Renew,
+  // AbortPut and CommitPut take nothing else). Requires mu_ exclusive.
+  uint64_t NewIdLocked();
+  uint64_t random_pool_[64];  // guarded by mu_; unused entries at the front
+  size_t random_left_ = 0;    // guarded by mu_
+  uint64_t generation_ = 0;   // guarded by mu_
 };
 
 }  // namespace kvpool::kvstore
