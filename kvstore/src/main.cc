@@ -43,6 +43,20 @@ bool ParseBytes(const std::string& s, uint64_t* out) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Block the termination signals (and SIGHUP) first, before flag parsing and the slow start-up
+  // (UCX, pool memory, gRPC): a SIGTERM that arrives while the pool starts then waits in the
+  // pending set and drains the pool as soon as it is up (exit 0, docs/OPERATIONS.md) instead of
+  // killing the process with the default action (exit 143). Threads inherit the mask; main
+  // waits for the signals below. SIGHUP is logged and ignored whatever the parent's disposition
+  // was: there is no configuration reload, and a lost terminal must not drop the pool's contents.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGHUP);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  signal(SIGHUP, SIG_DFL);  // an inherited SIG_IGN would discard it before sigwait sees it
+
   CLI::App app{
       "kvpool-server — the disaggregated KV-cache pool (gRPC control plane, UCX data "
       "plane, OSCAR mixed-precision block store)"};
@@ -137,20 +151,10 @@ int main(int argc, char** argv) {
   o.store.max_lease = absl::Milliseconds(max_lease_ms);
   o.tick_interval = absl::Milliseconds(tick_ms);
 
-  // Block the termination signals (and SIGHUP) in every thread (threads inherit the mask), then
-  // wait for them here. SIGHUP is logged and ignored whatever the parent's disposition was: there
-  // is no configuration reload, and a lost terminal must not drop the pool's contents.
-  sigset_t signals;
-  sigemptyset(&signals);
-  sigaddset(&signals, SIGTERM);
-  sigaddset(&signals, SIGINT);
-  sigaddset(&signals, SIGHUP);
-  signal(SIGHUP, SIG_DFL);  // an inherited SIG_IGN would discard it before sigwait sees it
-  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
-
   auto server = kvpool::kvstore::PoolServer::Create(o);
   if (!server.ok()) {
-    KVPOOL_LOG_ERROR("cannot start: {}", server.status().ToString());
+    // Straight to stderr, whatever --log-level says: a pool that exits 2 must say why.
+    std::fprintf(stderr, "kvpool-server: cannot start: %s\n", server.status().ToString().c_str());
     return server.status().code() == absl::StatusCode::kInvalidArgument ? kvpool::cli::kExitUsage
                                                                         : kvpool::cli::kExitRuntime;
   }

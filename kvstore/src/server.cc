@@ -163,6 +163,13 @@ absl::StatusOr<std::unique_ptr<PoolServer>> PoolServer::Create(const PoolServerO
         "metrics-port: expected -1 (off), 0 (any free port) or 1..65535, got ", o.metrics_port));
   }
 
+  if (o.metrics_port > 0 && o.metrics_port == listen.port) {
+    return absl::UnavailableError(
+        absl::StrCat("metrics-port: cannot bind ",
+                     listen.host == "localhost" ? "127.0.0.1" : listen.host, ":", o.metrics_port,
+                     ", Address already in use (it is the gRPC port of --listen ", o.listen, ")"));
+  }
+
   // Data plane memory.
   std::string worker_address;
   if (o.transfer_initiator != "auto" && o.transfer_initiator != "pool" &&
@@ -238,8 +245,9 @@ absl::StatusOr<std::unique_ptr<PoolServer>> PoolServer::Create(const PoolServerO
   builder.SetMaxReceiveMessageSize(256 << 20);  // rotation files of large models
   impl->grpc_server = builder.BuildAndStart();
   if (!impl->grpc_server || impl->grpc_port == 0) {
-    return absl::UnavailableError(absl::StrCat("listen: cannot bind ", o.listen,
-                                               BindFailureReason(listen.host, listen.port)));
+    std::string reason = BindFailureReason(listen.host, listen.port);
+    if (reason.empty()) reason = ", reason unknown (a probe bind of the port succeeded)";
+    return absl::UnavailableError(absl::StrCat("listen: cannot bind ", o.listen, reason));
   }
   auto* health = impl->grpc_server->GetHealthCheckService();
   health->SetServingStatus(true);
@@ -274,10 +282,12 @@ absl::StatusOr<std::unique_ptr<PoolServer>> PoolServer::Create(const PoolServerO
       raw->http_port = raw->http.bind_to_port(mhost, o.metrics_port) ? o.metrics_port : -1;
     }
     if (raw->http_port <= 0) {
+      // Probe before the gRPC server lets its port go: the metrics port may be the gRPC one.
+      std::string reason = BindFailureReason(mhost, o.metrics_port);
+      if (reason.empty()) reason = ", reason unknown (a probe bind of the port succeeded)";
       raw->grpc_server->Shutdown();
-      return absl::UnavailableError(absl::StrCat("metrics-port: cannot bind ", mhost, ":",
-                                                 o.metrics_port,
-                                                 BindFailureReason(mhost, o.metrics_port)));
+      return absl::UnavailableError(
+          absl::StrCat("metrics-port: cannot bind ", mhost, ":", o.metrics_port, reason));
     }
     raw->http_thread = std::thread([raw] { raw->http.listen_after_bind(); });
   }
