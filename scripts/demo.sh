@@ -97,6 +97,8 @@ ev = json.load(open(f"{out}/eval.json"))
 pre = json.load(open(f"{out}/prefill.json"))
 dec = json.load(open(f"{out}/decode.json"))
 bf16_tok = dec["bf16_bytes_per_token"]
+def fmt(v, spec):  # agreement / ppl_ratio are null over no position (KVPOOL_DEMO_MAX_NEW=0)
+    return "n/a" if v is None else format(v, spec)
 configs = ["bf16_S64_W256", "int2_S64_W256", "bf16_S16_W16", "int2_S16_W16"]
 pool_cfg = f"{dec['history_precision']}_S{dec['sink_tokens']}_W{dec['recent_tokens']}"
 report = {"model": ev["model"], "pool_config": pool_cfg, "prompts": [], "stages_seconds": stages}
@@ -131,7 +133,7 @@ for e, p, d in zip(ev["prompts"], pre["prompts"], dec["prompts"]):
     b = entry["bytes"]
     print(f"   bytes/token: stored {b['stored_per_token']:.0f}, moved {b['moved_per_token']:.0f} "
           f"(BF16 {bf16_tok}); teacher-forced int2 S64/W256 agreement "
-          f"{entry['teacher_forced']['int2_S64_W256']['agreement']:.3f}")
+          f"{fmt(entry['teacher_forced']['int2_S64_W256']['agreement'], '.3f')}")
     print(f"   pool-served == same recipe in one process (no pool): {match}; "
           f"blocks hit {d['hit_blocks']}/{d['wanted_blocks']}"
           f"{'  FALLBACK: ' + d['fallback_reason'] if d['fallback'] else ''}")
@@ -153,10 +155,10 @@ print("\n== teacher-forced vs float32 reference (all prompts; continuation token
 print(f"   {'config':<16} {'agreement':>9} {'ppl ratio':>10} {'positions':>9}")
 for c in configs:
     r = ev["overall"][c]
-    print(f"   {c:<16} {r['agreement']:>9.3f} {r['ppl_ratio']:>10.4f} {r['positions']:>9}")
+    print(f"   {c:<16} {fmt(r['agreement'], '.3f'):>9} {fmt(r['ppl_ratio'], '.4f'):>10} {r['positions']:>9}")
 if ov.get("teacher_forced"):
     r = ov["teacher_forced"]
-    print(f"   {'pool ' + pool_cfg:<16} {r['agreement']:>9.3f} {r['ppl_ratio']:>10.4f} {r['positions']:>9}")
+    print(f"   {'pool ' + pool_cfg:<16} {fmt(r['agreement'], '.3f'):>9} {fmt(r['ppl_ratio'], '.4f'):>10} {r['positions']:>9}")
 print("\n== bytes per token (5 layers x 4 KV heads x head_dim 8; BF16 = %d B)" % bf16_tok)
 print(f"   pushed (un-rotated BF16 staging) {overall['bytes_pushed_per_token']:.1f}")
 print(f"   stored in the pool (all forms)  {overall['bytes_stored_per_token']:.1f}  ({overall['stored_vs_bf16']:.3f} x BF16)")

@@ -12,6 +12,7 @@
 // Exit codes: 0 ok, 1 usage, 2 runtime error.
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <memory>
 #include <sstream>
@@ -64,20 +65,40 @@ std::string BaseName(const std::string& path) {
   return dot == std::string::npos ? b : b.substr(0, dot);
 }
 
+// Agreement and perplexity ratio are undefined over no position (e.g. --max-new-tokens 0, or
+// a reference that stopped at once): null, not the neutral 1.0 a reader would take for a match.
 json TfJson(const kw::TeacherForcedResult& r) {
+  const bool any = r.positions > 0;
   return json{{"positions", r.positions},
               {"matches", r.matches},
-              {"agreement", r.agreement()},
-              {"ppl_ratio", r.ppl_ratio()}};
+              {"agreement", any ? json(r.agreement()) : json(nullptr)},
+              {"ppl_ratio", any ? json(r.ppl_ratio()) : json(nullptr)}};
+}
+
+// "0.906" or "n/a" (no position) for the text summary.
+std::string Fixed(const kw::TeacherForcedResult& r, double v, int digits) {
+  if (r.positions == 0) return "n/a";
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.*f", digits, v);
+  return buf;
 }
 
 std::string Text(const kvpool::engine::Engine& e, const std::vector<int>& tokens) {
   return e.tokenizer().Decode(tokens);
 }
 
-int Fail(const absl::Status& s, const char* what) {
-  KVPOOL_LOG_ERROR("{}: {}", what, kw::StatusText(s));
+// A fatal error ends the run: printed to stderr whatever --log-level says (off included), as
+// kvpool and kvpool-engine do.
+int Fail(const absl::Status& s, const std::string& what) {
+  std::fprintf(stderr, "kvpool-worker: %s: %s\n", what.c_str(), kw::StatusText(s).c_str());
   return kvpool::cli::kExitRuntime;
+}
+
+// A usage error found after parsing (needs the model or a file's content): exit 1, printed
+// whatever --log-level says.
+int Usage(const std::string& message) {
+  std::fprintf(stderr, "kvpool-worker: %s\n", message.c_str());
+  return kvpool::cli::kExitUsage;
 }
 
 kvpool::client::CallOptions Deadline(int seconds) {
@@ -86,14 +107,26 @@ kvpool::client::CallOptions Deadline(int seconds) {
   return c;
 }
 
-bool WriteJson(const std::string& path, const json& j) {
+// Writes the report (none when `path` is empty), atomically and through a symbolic link
+// (kvpool::cli::WriteOutputFile).
+absl::Status WriteJson(const std::string& path, const json& j) {
   if (path.empty()) {
-    return true;
+    return absl::OkStatus();
   }
-  std::ofstream out(path);
-  out << j.dump(2) << "\n";
-  return static_cast<bool>(out);
+  return kvpool::cli::WriteOutputFile(path, j.dump(2) + "\n");
 }
+
+// CLI11 check for --prompt-file: a directory reads as an empty text (a 1-token prompt). A
+// missing file stays a runtime error (exit 2, "cannot open").
+const CLI::Validator kPromptFile(
+    [](std::string& path) -> std::string {
+      std::error_code ec;
+      if (std::filesystem::is_directory(path, ec)) {
+        return "'" + path + "' is a directory; name a prompt text file";
+      }
+      return {};
+    },
+    "FILE");
 
 }  // namespace
 
@@ -112,7 +145,9 @@ int main(int argc, char** argv) {
   app.add_option("--pool", pool, "gRPC address of the pool (HOST:PORT)")->capture_default_str();
   app.add_option("--model", model, "GGUF model file")->required();
   app.add_option("--rotations", rotations_path, "OSCAR rotation file (safetensors)")->required();
-  app.add_option("--prompt-file", prompt_files, "a prompt text file (repeatable)")->required();
+  app.add_option("--prompt-file", prompt_files, "a prompt text file (repeatable)")
+      ->required()
+      ->check(kPromptFile);
   app.add_option("--max-new-tokens", max_new, "tokens to generate per prompt")
       ->capture_default_str()
       ->check(kvpool::cli::Range(0, 4096));
@@ -270,10 +305,16 @@ int main(int argc, char** argv) {
       return Fail(text.status(), "--prompt-file");
     }
     Prompt p{f, BaseName(f), *text, engine.tokenizer().Encode(*text, true)};
+    if (p.tokens.size() <= 1) {  // BOS only
+      return Usage(absl::StrCat("--prompt-file: '", f, "' has no tokens (the file is empty)"));
+    }
+    // Generating needs one free position (docs/WORKER.md "Prompt length"; kvpool-engine applies
+    // the same rule): a prompt holds at most context_length - 1 tokens, BOS included.
     if (static_cast<int>(p.tokens.size()) >= cfg.context_length) {
-      KVPOOL_LOG_ERROR("--prompt-file {}: {} tokens; the context holds {}", f, p.tokens.size(),
-                       cfg.context_length);
-      return kvpool::cli::kExitUsage;
+      return Usage(absl::StrCat("--prompt-file: '", f, "' is ", p.tokens.size(),
+                                " tokens long; a prompt may hold at most ", cfg.context_length - 1,
+                                " (the model's context of ", cfg.context_length,
+                                " less one position to generate into)"));
     }
     prompts.push_back(std::move(p));
   }
@@ -320,8 +361,9 @@ int main(int argc, char** argv) {
           cj["greedy_tokens"] = *greedy;
           cj["greedy_text"] = Text(engine, *greedy);
           pj["configs"][key] = cj;
-          std::printf("%-16s agreement %.3f  ppl ratio %.4f  greedy: %s\n", key.c_str(),
-                      tf->agreement(), tf->ppl_ratio(), Text(engine, *greedy).c_str());
+          std::printf("%-16s agreement %s  ppl ratio %s  greedy: %s\n", key.c_str(),
+                      Fixed(*tf, tf->agreement(), 3).c_str(),
+                      Fixed(*tf, tf->ppl_ratio(), 4).c_str(), Text(engine, *greedy).c_str());
         }
       }
       out["prompts"].push_back(pj);
@@ -330,11 +372,12 @@ int main(int argc, char** argv) {
     out["seconds"] = {{"reference", ref_s}, {"mixed", mixed_s}};
     std::printf("== overall (teacher-forced over the fp32 reference continuations)\n");
     for (auto& [k, r] : overall) {
-      std::printf("%-16s agreement %.3f (%d/%d)  ppl ratio %.4f\n", k.c_str(), r.agreement(),
-                  r.matches, r.positions, r.ppl_ratio());
+      std::printf("%-16s agreement %s (%d/%d)  ppl ratio %s\n", k.c_str(),
+                  Fixed(r, r.agreement(), 3).c_str(), r.matches, r.positions,
+                  Fixed(r, r.ppl_ratio(), 4).c_str());
     }
-    if (!WriteJson(report, out)) {
-      return Fail(absl::InternalError(report), "--report");
+    if (auto s = WriteJson(report, out); !s.ok()) {
+      return Fail(s, "--report");
     }
     return kvpool::cli::kExitOk;
   }
@@ -372,9 +415,8 @@ int main(int argc, char** argv) {
   if (auto c = kvpool::client::Client::Create(clo); !c.ok()) {
     // Create makes no RPC: its failure is this worker's own configuration (the UCX transport
     // list, the address), not the pool, so both roles stop instead of falling back.
-    return Fail(
-        c.status(),
-        absl::StrCat("local data plane (--ucx-tls '", ucx_tls, "', --pool ", pool, ")").c_str());
+    return Fail(c.status(),
+                absl::StrCat("local data plane (--ucx-tls '", ucx_tls, "', --pool ", pool, ")"));
   } else {
     client = std::move(c).value();
     auto info = client->RegisterModel(kw::MakeModelSpec(cfg, copts, model_id, revision, *rot_bytes),
@@ -396,7 +438,7 @@ int main(int argc, char** argv) {
 
   if (role == "prefill") {
     if (client == nullptr) {
-      return Fail(client_error, absl::StrCat("pool ", pool).c_str());
+      return Fail(client_error, absl::StrCat("pool ", pool));
     }
     kw::PrefillNode node(&engine, client.get(), rotations, nopts);
     uint64_t bytes = 0, tokens = 0;
@@ -465,11 +507,20 @@ int main(int argc, char** argv) {
                       {"failed_prompts", failed}};
     out["seconds"] =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
-    if (!WriteJson(report, out)) {
-      return Fail(absl::InternalError(report), "--report");
+    if (auto s = WriteJson(report, out); !s.ok()) {
+      return Fail(s, "--report");
     }
     if (failed > 0) {
-      KVPOOL_LOG_ERROR("prefill: {} of {} prompt(s) failed (see above)", failed, prompts.size());
+      // The run's outcome: printed whatever --log-level says, with the first failure.
+      std::string first;
+      for (const auto* r : by_prompt) {
+        if (r != nullptr && !r->ok()) {
+          first = kw::StatusText(r->status());
+          break;
+        }
+      }
+      std::fprintf(stderr, "kvpool-worker: prefill: %d of %zu prompt(s) failed (first: %s)\n",
+                   failed, prompts.size(), first.c_str());
       return kvpool::cli::kExitRuntime;
     }
     return kvpool::cli::kExitOk;
@@ -505,7 +556,7 @@ int main(int argc, char** argv) {
     }
     auto r = node.Run(p.tokens, max_new, ref.get());
     if (!r.ok()) {
-      return Fail(r.status(), absl::StrCat("decode ", p.name).c_str());
+      return Fail(r.status(), absl::StrCat("decode ", p.name));
     }
     json pj{{"name", p.name},
             {"prompt_tokens", r->prompt_tokens},
@@ -560,7 +611,7 @@ int main(int argc, char** argv) {
   out["seconds"] =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
   if (!metrics_file.empty()) {
-    std::ofstream m(metrics_file);
+    std::ostringstream m;
     m << "# HELP kvpool_worker_requests_total Requests served by this decode worker.\n"
       << "# TYPE kvpool_worker_requests_total counter\n"
       << "kvpool_worker_requests_total " << prompts.size() << "\n"
@@ -574,12 +625,12 @@ int main(int argc, char** argv) {
       << "kvpool_worker_blocks_missed_total " << (wanted - hits) << "\n"
       << "# TYPE kvpool_worker_fetched_bytes_total counter\n"
       << "kvpool_worker_fetched_bytes_total " << moved << "\n";
-    if (!m) {
-      return Fail(absl::InternalError(metrics_file), "--metrics-file");
+    if (auto s = kvpool::cli::WriteOutputFile(metrics_file, m.str()); !s.ok()) {
+      return Fail(s, "--metrics-file");
     }
   }
-  if (!WriteJson(report, out)) {
-    return Fail(absl::InternalError(report), "--report");
+  if (auto s = WriteJson(report, out); !s.ok()) {
+    return Fail(s, "--report");
   }
   return kvpool::cli::kExitOk;
 }

@@ -28,7 +28,8 @@ expect_err() {  # expect_err PATTERN DESCRIPTION
 "${tool}" calibrate --model "${model}" --text "${demo}/calibration.txt" \
   --out "${work}/rot.safetensors" >/dev/null 2>&1 || { echo "calibrate failed" >&2; exit 1; }
 prompt=(--prompt-file "${demo}/prompts/01_kite.txt")
-base=(--model "${model}" --rotations "${work}/rot.safetensors" --max-new-tokens 16)
+model_flags=(--model "${model}" --rotations "${work}/rot.safetensors")
+base=("${model_flags[@]}" --max-new-tokens 16)
 
 expect 0 "--help" -- "${worker}" --help
 expect_err "--history-precision" "--help lists the flags"
@@ -70,11 +71,52 @@ expect 1 "--report into a missing directory" -- "${worker}" --role eval "${base[
 expect_err "kvpool-worker: --report: directory '${work}/no/such/dir' of " "the message names --report and the directory"
 expect 1 "--metrics-file into a missing directory" -- "${worker}" --role decode --pool 127.0.0.1:1 "${base[@]}" "${prompt[@]}" --metrics-file "${work}/none/m.prom"
 expect_err "kvpool-worker: --metrics-file: directory" "the message names --metrics-file"
+# Outputs are checked before the run: a device node, a directory no file can be created in.
+expect 1 "--report /dev/null" -- "${worker}" --role eval "${base[@]}" "${prompt[@]}" --report /dev/null
+expect_err "kvpool-worker: --report: '/dev/null' is a character device, not a regular file" "the message names --report and the kind of file"
+expect 1 "--metrics-file /dev/null" -- "${worker}" --role decode --pool 127.0.0.1:1 "${base[@]}" "${prompt[@]}" --metrics-file /dev/null
+expect_err "kvpool-worker: --metrics-file: '/dev/null' is a character device" "the message names --metrics-file"
+expect 1 "--report into /proc" -- "${worker}" --role eval "${base[@]}" "${prompt[@]}" --report /proc/r.json
+expect_err "kvpool-worker: --report: cannot create a file in directory '/proc' of '/proc/r.json': " "the message names --report, the directory and why"
+if grep -q "fp32 reference" "${work}/out"; then echo "FAIL: --report /proc/r.json ran before refusing" >&2; failures=$((failures + 1)); fi
+# Prompt files: a directory and an empty file are refused (they read as a BOS-only prompt).
+expect 1 "--prompt-file a directory" -- "${worker}" --role eval "${base[@]}" --prompt-file /tmp
+expect_err "kvpool-worker: --prompt-file: '/tmp' is a directory; name a prompt text file" "the message names --prompt-file"
+expect 1 "--prompt-file /dev/null" -- "${worker}" --role eval "${base[@]}" --prompt-file /dev/null
+expect_err "kvpool-worker: --prompt-file: '/dev/null' has no tokens (the file is empty)" "the message says the prompt has no tokens"
+: >"${work}/empty.txt"
+expect 1 "--prompt-file an empty file" -- "${worker}" --role decode --pool 127.0.0.1:1 "${base[@]}" --prompt-file "${work}/empty.txt"
+expect_err "'${work}/empty.txt' has no tokens" "the message names the file"
+# Prompt length (docs/WORKER.md "Prompt length"; kvpool-engine applies the same rule): at most
+# context - 1 = 511 tokens, BOS included; the text of N tokens is "Once" + " upon" x (N - 2).
+python3 - "${work}" <<'PY'
+import sys
+for n in (511, 512):
+    open(f"{sys.argv[1]}/prompt{n}.txt", "w").write("Once" + " upon" * (n - 2))
+PY
+expect 0 "a 511-token prompt (context 512)" -- "${worker}" --role eval "${model_flags[@]}" --eval-windows 64:256 --max-new-tokens 1 --prompt-file "${work}/prompt511.txt" --report "${work}/p511.json"
+python3 - "${work}/p511.json" <<'PY' || failures=$((failures + 1))
+import json, sys
+p = json.load(open(sys.argv[1]))["prompts"][0]
+assert p["prompt_tokens"] == 511, p["prompt_tokens"]
+print("ok: 511-token prompt accepted")
+PY
+expect 1 "a 512-token prompt (context 512) is a usage error" -- "${worker}" --role eval "${base[@]}" --prompt-file "${work}/prompt512.txt"
+expect_err "kvpool-worker: --prompt-file: '${work}/prompt512.txt' is 512 tokens long; a prompt may hold at most 511" "the message gives the length and the limit"
+# A fatal error reaches stderr whatever --log-level says.
+expect 2 "missing model with --log-level off" -- "${worker}" --log-level off --role eval --model /nope.gguf --rotations "${work}/rot.safetensors" "${prompt[@]}"
+expect_err "kvpool-worker: model: " "the fatal error is printed with --log-level off"
+expect 2 "prefill without a pool, --log-level off" -- "${worker}" --log-level off --role prefill --pool 127.0.0.1:1 "${base[@]}" "${prompt[@]}"
+expect_err "kvpool-worker: pool 127.0.0.1:1: UNAVAILABLE: " "the pool failure is printed with --log-level off"
 expect 1 "empty --revision" -- "${worker}" --role decode --revision "" "${base[@]}" "${prompt[@]}"
 expect_err "kvpool-worker: --revision: must not be empty" "the message names --revision"
 # An explicit revision asserts the weights (the pool does not compare them): warned once, and
 # the report carries the model file's SHA-256.
+# (The report goes through a symlink: the link stays, its target gets the JSON.)
+mkdir "${work}/reports"
+ln -s reports/explicit-target.json "${work}/explicit.json"
 expect 0 "decode with an explicit --revision" -- "${worker}" --role decode --pool 127.0.0.1:1 --revision my-rev "${base[@]}" "${prompt[@]}" --teacher-force false --report "${work}/explicit.json"
+[[ -L "${work}/explicit.json" && -f "${work}/reports/explicit-target.json" && $(ls -A "${work}/reports" | wc -l) -eq 1 ]] || { echo "FAIL: --report through a symlink did not keep the link" >&2; ls -la "${work}" "${work}/reports" >&2; failures=$((failures + 1)); }
 [[ $(grep -c -- "--revision my-rev is explicit: the pool does not compare weights" "${work}/err") -eq 1 ]] || { echo "FAIL: explicit revision not warned exactly once" >&2; cat "${work}/err" >&2; failures=$((failures + 1)); }
 python3 - "${work}/explicit.json" "${model}" <<'PY' || failures=$((failures + 1))
 import hashlib, json, sys
@@ -113,6 +155,25 @@ assert r1 != r2, (r1, r2)
 assert "-k0.96-v0.92-" in r1 and r1.endswith("-r" + rid), r1
 assert "-k0.9-v0.8-" in r2, r2
 print("ok: auto revision carries the clip ratios and the rotation id:", r1, r2)
+PY
+
+# No generated token, no teacher-forced position: agreement and ppl_ratio are null, not 1.0.
+expect 0 "decode --max-new-tokens 0" -- "${worker}" --role decode --pool 127.0.0.1:1 "${model_flags[@]}" "${prompt[@]}" --max-new-tokens 0 --report "${work}/zero.json"
+python3 - "${work}/zero.json" <<'PY' || failures=$((failures + 1))
+import json, sys
+d = json.load(open(sys.argv[1]))
+for tf in (d["prompts"][0]["teacher_forced"], d["overall"]["teacher_forced"]):
+    assert tf["positions"] == 0 and tf["agreement"] is None and tf["ppl_ratio"] is None, tf
+print("ok: no position -> agreement and ppl_ratio null")
+PY
+expect 0 "eval --max-new-tokens 0" -- "${worker}" --role eval --eval-windows 64:256 "${model_flags[@]}" "${prompt[@]}" --max-new-tokens 0 --report "${work}/zero_eval.json"
+expect_err "agreement n/a (0/0)  ppl ratio n/a" "the summary says n/a"
+python3 - "${work}/zero_eval.json" <<'PY' || failures=$((failures + 1))
+import json, sys
+d = json.load(open(sys.argv[1]))
+tf = d["overall"]["int2_S64_W256"]
+assert tf["positions"] == 0 and tf["agreement"] is None and tf["ppl_ratio"] is None, tf
+print("ok: eval report null over no position")
 PY
 
 # Decode with the pool unreachable: same answer as the single-process run, reported.
