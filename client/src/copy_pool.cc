@@ -18,6 +18,23 @@ inline void CpuRelax() {
 #endif
 }
 
+// Waiting for another thread of a job: pause a little, then yield the core (on an oversubscribed
+// host the thread waited for may be queued behind this one; pure spinning made a 2-thread
+// pipeline variant put 1 MiB at 0.4 GB/s on the 2-core VM).
+class Backoff {
+ public:
+  void Pause() {
+    if (++spins_ < 64) {
+      CpuRelax();
+    } else {
+      std::this_thread::yield();
+    }
+  }
+
+ private:
+  int spins_ = 0;
+};
+
 }  // namespace
 
 int DefaultCopyThreads() {
@@ -127,13 +144,14 @@ void CopyPool::RunImpl(size_t n, absl::FunctionRef<void(size_t)> work,
   claim_.store(job, std::memory_order_release);  // publishes work_ and done_
   Publish();
   for (size_t h = 0; h < n; ++h) {
+    Backoff b;
     while (done_[h].load(std::memory_order_acquire) == 0) {
       size_t i;
       if (Claim(job, &i)) {
         work(i);
         done_[i].store(1, std::memory_order_release);
       } else {
-        CpuRelax();
+        b.Pause();
       }
     }
     if (ordered != nullptr) (*ordered)(h);
