@@ -10,6 +10,8 @@
 //
 // Standard output: the continuations (decode, eval) as text; logs go to standard error.
 // Exit codes: 0 ok, 1 usage, 2 runtime error.
+#include <signal.h>
+
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -176,9 +178,12 @@ int main(int argc, char** argv) {
   app.add_option("--teacher-force", teacher_force,
                  "decode: also compute the fp32 reference and teacher-forced agreement")
       ->capture_default_str();
-  app.add_option("--fault", fault, "test hook: none | prefill-exit-mid-push | kill-pool-mid-fetch")
+  app.add_option("--fault", fault,
+                 "test hook: none | prefill-exit-mid-push | kill-pool-mid-fetch | "
+                 "stop-pool-after-register")
       ->capture_default_str();
-  app.add_option("--fault-pool-pid", fault_pool_pid, "pid of the pool for kill-pool-mid-fetch");
+  app.add_option("--fault-pool-pid", fault_pool_pid,
+                 "pid of the pool for kill-pool-mid-fetch and stop-pool-after-register");
   KVPOOL_CLI_PARSE(app, argc, argv);
 
   auto fault_or = kw::ParseFault(fault);
@@ -192,10 +197,12 @@ int main(int argc, char** argv) {
                  std::string(pool_address.status().message()).c_str());
     return kvpool::cli::kExitUsage;
   }
-  if (*fault_or == kw::Fault::kKillPoolMidFetch && fault_pool_pid <= 0) {
+  if ((*fault_or == kw::Fault::kKillPoolMidFetch ||
+       *fault_or == kw::Fault::kStopPoolAfterRegister) &&
+      fault_pool_pid <= 0) {
     std::fprintf(stderr,
-                 "kvpool-worker: --fault-pool-pid: kill-pool-mid-fetch needs the pool's pid "
-                 "(a positive integer)\n");
+                 "kvpool-worker: --fault-pool-pid: %s needs the pool's pid (a positive integer)\n",
+                 fault.c_str());
     return kvpool::cli::kExitUsage;
   }
   std::vector<std::pair<int, int>> wins;  // --eval-windows, checked before any work
@@ -427,6 +434,10 @@ int main(int argc, char** argv) {
     } else {
       KVPOOL_LOG_INFO("registered {} rev {} with the pool at {} (epoch {})", model_id, revision,
                       pool, info->pool_epoch);
+      if (*fault_or == kw::Fault::kStopPoolAfterRegister) {
+        KVPOOL_LOG_WARN("fault stop-pool-after-register: stopping pool pid {}", fault_pool_pid);
+        ::kill(fault_pool_pid, SIGSTOP);
+      }
     }
   }
   out["revision"] = revision;

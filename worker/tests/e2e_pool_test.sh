@@ -9,7 +9,9 @@
 #      OSCAR rotations calibrated on worker/demo/calibration.txt; threshold 0.80);
 #   3. a prefill node killed mid-push leaves nothing visible (the decode's lease finds 0 blocks);
 #   4. a pool killed mid-fetch still yields the same output as a run without the pool, and the
-#      decode reports the fallback.
+#      decode reports the fallback;
+#   5. a hung pool (SIGSTOP) costs one call's deadline, not one per prompt: the later prompts
+#      report that the pool was skipped after the first one's failure.
 # Usage: e2e_pool_test.sh SERVER WORKER KVPOOL_TOOL MODEL DEMO_DIR
 set -euo pipefail
 server_bin="$1"; worker_bin="$2"; tool_bin="$3"; model="$4"; demo="$5"
@@ -198,9 +200,12 @@ ev = json.load(open(f"{work}/eval.json"))
 d = json.load(open(f"{work}/decode_pool_killed.json"))
 assert d["prompts"][0]["fallback"], d["prompts"][0]
 # Every prompt after the kill is a fallback with the pool's status as its reason (a failed
-# Lookup is not a cache miss), and the overall count says so.
+# Lookup is not a cache miss; after a failed call that found the pool down, the pool is not
+# asked again and the reason names that earlier failure), and the overall count says so.
 for p in d["prompts"][1:]:
-    assert p["fallback"] and p["fallback_reason"].startswith("lookup: UNAVAILABLE"), p
+    r = p["fallback_reason"]
+    assert p["fallback"] and (r.startswith("lookup: UNAVAILABLE") or
+                              r.startswith("pool skipped after an earlier failure in this run: ")), p
 assert d["overall"]["fallbacks"] == len(d["prompts"]), d["overall"]
 for i, p in enumerate(d["prompts"]):
     single = ev["prompts"][i]["configs"]["int2_S64_W256"]["greedy_tokens"]
@@ -211,4 +216,40 @@ PY
 grep -q "computed the" "${work}/decode_pool_killed.log" || fail "the fallback is not logged"
 grep -q "^kvpool_worker_pool_fallbacks_total 2$" "${work}/pool_killed.prom" \
   || fail "metrics: pool fallbacks are not 2 of 2 prompts"
+
+echo "== hung pool (SIGSTOP after the registration): one deadline, then the pool is skipped"
+# The first prompt's Lookup waits for the client's deadline (DEADLINE_EXCEEDED); the other
+# prompts must not ask the hung pool again (each would wait the full deadline): their report
+# names the earlier failure. The answers still match the run without a pool.
+start_pool
+rc=0
+"${worker_bin}" --role decode --pool "${pool}" "${common[@]}" "${prompts[@]}" \
+  --prompt-file "${demo}/prompts/03_boat.txt" --fault stop-pool-after-register \
+  --fault-pool-pid "${server_pid}" --teacher-force false --report "${work}/decode_hung.json" \
+  >/dev/null 2>"${work}/decode_hung.log" || rc=$?
+kill -CONT "${server_pid}" 2>/dev/null || true
+[[ ${rc} -eq 0 ]] || { cat "${work}/decode_hung.log" >&2; fail "decode with a hung pool: exit ${rc}"; }
+grep -q "fault stop-pool-after-register" "${work}/decode_hung.log" || fail "fault hook did not fire"
+[[ $(grep -c "the remaining requests of this run compute their prefix locally" "${work}/decode_hung.log") -eq 1 ]] \
+  || { cat "${work}/decode_hung.log" >&2; fail "hung pool: the skip is not logged exactly once"; }
+python3 - "${work}" <<'PY' || fail "hung-pool decode"
+import json, sys
+work = sys.argv[1]
+ev = json.load(open(f"{work}/eval.json"))
+d = json.load(open(f"{work}/decode_hung.json"))
+first, rest = d["prompts"][0], d["prompts"][1:]
+assert len(rest) == 2, d["prompts"]
+assert first["fallback"] and first["fallback_reason"].startswith("lookup: DEADLINE_EXCEEDED"), first
+for p in rest:
+    assert p["fallback"], p
+    assert p["fallback_reason"] == ("pool skipped after an earlier failure in this run: "
+                                    + first["fallback_reason"]), p["fallback_reason"]
+    assert p["lookup_blocks"] == -1 and p["hit_blocks"] == 0, p
+assert d["overall"]["fallbacks"] == 3, d["overall"]
+for i, p in enumerate(d["prompts"][:2]):
+    single = ev["prompts"][i]["configs"]["int2_S64_W256"]["greedy_tokens"]
+    assert p["tokens"] == single, f"{p['name']}: {p['tokens']} != {single}"
+print(f"hung pool: {first['name']} waited for its deadline ({first['fallback_reason'][:45]}...), "
+      f"the other {len(rest)} skipped the pool; answers identical to the single-process run")
+PY
 echo "PASS"

@@ -10,6 +10,7 @@
 #include <thread>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "kvpool/common/log.h"
 #include "kvpool/common/status.h"
@@ -52,6 +53,8 @@ void LayerRows(const StagingRecorder& rec, uint32_t layer, uint32_t blocks,
 
 }  // namespace
 
+const char kPoolSkipped[] = "pool skipped after an earlier failure in this run: ";
+
 absl::StatusOr<Fault> ParseFault(const std::string& name) {
   if (name.empty() || name == "none") {
     return Fault::kNone;
@@ -62,8 +65,13 @@ absl::StatusOr<Fault> ParseFault(const std::string& name) {
   if (name == "kill-pool-mid-fetch") {
     return Fault::kKillPoolMidFetch;
   }
-  return absl::InvalidArgumentError(absl::StrCat(
-      "fault '", name, "' must be none, prefill-exit-mid-push or kill-pool-mid-fetch"));
+  if (name == "stop-pool-after-register") {
+    return Fault::kStopPoolAfterRegister;
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("fault '", name,
+                   "' must be none, prefill-exit-mid-push, kill-pool-mid-fetch or "
+                   "stop-pool-after-register"));
 }
 
 client::ModelSpec MakeModelSpec(const engine::ModelConfig& config, const MixedCacheOptions& cache,
@@ -198,10 +206,23 @@ absl::StatusOr<DecodeReport> DecodeNode::Run(absl::Span<const int> prompt, int m
   std::vector<uint8_t> bf16_pages, int2_pages;
   std::vector<BlockForms> forms;
   std::string failure;
+  // A call that timed out or found the pool down marks the pool as not answering: the rest of
+  // this node's requests fall back at once instead of each waiting for the deadline.
+  auto note_down = [&](const absl::Status& st, const std::string& what) {
+    if (pool_down_.empty() && (absl::IsDeadlineExceeded(st) || absl::IsUnavailable(st))) {
+      pool_down_ = what;
+      KVPOOL_LOG_WARN(
+          "decode: the pool did not answer ({}); the remaining requests of this run compute "
+          "their prefix locally without asking it",
+          what);
+    }
+  };
   auto t0 = std::chrono::steady_clock::now();
   if (client_ == nullptr) {
     failure =
         options_.no_pool_reason.empty() ? "pool unreachable at start-up" : options_.no_pool_reason;
+  } else if (!pool_down_.empty() && rep.wanted_blocks > 0) {
+    failure = absl::StrCat(kPoolSkipped, pool_down_);
   } else if (rep.wanted_blocks > 0) {
     const std::vector<uint32_t> tokens = ToU32(prompt);
     // Side-effect-free probe first (what a scheduler asks), then the lease.
@@ -212,6 +233,7 @@ absl::StatusOr<DecodeReport> DecodeNode::Run(absl::Span<const int> prompt, int m
       rep.lookup_blocks = static_cast<int>(lk->num_blocks);
     } else if (!absl::IsNotFound(lk.status())) {
       failure = absl::StrCat("lookup: ", StatusText(lk.status()));
+      note_down(lk.status(), failure);
     }
     absl::StatusOr<client::Lease> lease =
         failure.empty() ? client_->Acquire(tokens, static_cast<uint32_t>(rep.wanted_blocks))
@@ -222,6 +244,7 @@ absl::StatusOr<DecodeReport> DecodeNode::Run(absl::Span<const int> prompt, int m
       KVPOOL_LOG_DEBUG("acquire: nothing stored ({})", StatusText(lease.status()));
     } else if (!lease.ok()) {
       failure = absl::StrCat("acquire: ", StatusText(lease.status()));
+      note_down(lease.status(), failure);
     } else {
       const auto& lb = lease->blocks;
       rep.hit_blocks = static_cast<int>(lb.size());
@@ -279,6 +302,7 @@ absl::StatusOr<DecodeReport> DecodeNode::Run(absl::Span<const int> prompt, int m
           absl::StatusOr<client::FetchResult> fr = client_->Fetch(*lease, plan, call);
           if (!fr.ok()) {
             failure = absl::StrCat("fetch: ", StatusText(fr.status()));
+            note_down(fr.status(), failure);
           } else if (static_cast<int>(fr->num_blocks) != use) {
             failure = absl::StrCat("fetch: ", fr->num_blocks, " of ", use, " blocks verified");
             for (const auto& s : fr->block_status) {
@@ -306,6 +330,7 @@ absl::StatusOr<DecodeReport> DecodeNode::Run(absl::Span<const int> prompt, int m
       if (lease->id != 0) {
         if (absl::Status s = client_->Release(*lease); !s.ok()) {
           KVPOOL_LOG_WARN("release of lease {} failed: {}", lease->id, StatusText(s));
+          note_down(s, absl::StrCat("release: ", StatusText(s)));
           if (failure.empty() && absl::IsNotFound(s)) {
             failure = "lease expired before release (fetched bytes discarded)";
           }
@@ -347,10 +372,10 @@ absl::StatusOr<DecodeReport> DecodeNode::Run(absl::Span<const int> prompt, int m
     rep.loaded_blocks = 0;
     rep.bytes_moved = 0;
     rep.bf16_blocks_fetched = rep.int2_blocks_fetched = 0;
-    if (client_ == nullptr) {
-      // No pool since start-up: the caller logged why once (docs/WORKER.md); every request
-      // would repeat the same status.
-      KVPOOL_LOG_DEBUG("decode: no pool; computed the {}-token prefix locally", n);
+    if (client_ == nullptr || absl::StartsWith(failure, kPoolSkipped)) {
+      // No pool since start-up, or it stopped answering earlier in the run: why was logged
+      // once (above, or by the caller; docs/WORKER.md); every request would repeat it.
+      KVPOOL_LOG_DEBUG("decode: {}; computed the {}-token prefix locally", failure, n);
     } else {
       KVPOOL_LOG_WARN("decode: pool path failed ({}); computed the {}-token prefix locally",
                       failure, n);

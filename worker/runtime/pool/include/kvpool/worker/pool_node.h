@@ -13,7 +13,9 @@
 // pools, loads them into a MixedKvCache (LoadBlocks), releases the lease, recomputes the
 // missing tokens and generates greedily. When the pool is unreachable or a fetch fails or is
 // incomplete, it computes the prefix itself exactly as a single process would (eval.h
-// PrefillPd), so the answer is the same; the report and the log say so.
+// PrefillPd), so the answer is the same; the report and the log say so. After a pool call that
+// timed out or found the pool down, the node stops asking the pool for its remaining requests
+// (they fall back at once; logged once; fallback_reason starts with kPoolSkipped).
 //
 // Thread-safety: one node per thread (the Engine is single-threaded).
 #pragma once
@@ -33,17 +35,26 @@
 
 namespace kvpool::worker {
 
+// Prefix of DecodeReport::fallback_reason for a request that did not ask the pool because an
+// earlier request of the same DecodeNode found it not answering (DEADLINE_EXCEEDED or
+// UNAVAILABLE); the earlier failure follows, e.g. "pool skipped after an earlier failure in this
+// run: lookup: DEADLINE_EXCEEDED: ...".
+extern const char kPoolSkipped[];
+
 // Test hooks (flag --fault of kvpool-worker).
 enum class Fault {
   kNone,
   kPrefillExitMidPush,  // prefill: SIGKILL itself after half of the layers were sent
   kKillPoolMidFetch,    // decode: fetch the sink blocks, SIGKILL the pool (pid), fetch the rest
+  // decode: SIGSTOP the pool (pid) once the model is registered, so every later call times out
+  // (a hung pool; kvpool-worker sends it, the test resumes the pool with SIGCONT).
+  kStopPoolAfterRegister,
 };
 absl::StatusOr<Fault> ParseFault(const std::string& name);
 
 struct NodeOptions {
   MixedCacheOptions cache;  // page size, S, W, history precision, clip ratios, capacity
-  int fault_pool_pid = 0;   // for kKillPoolMidFetch
+  int fault_pool_pid = 0;   // for kKillPoolMidFetch and kStopPoolAfterRegister
   Fault fault = Fault::kNone;
   // Why a DecodeNode built with a null client has no pool (reported as fallback_reason), e.g.
   // "pool unreachable at start-up: UNAVAILABLE: …" or "pool refused the registration:
@@ -136,6 +147,11 @@ class DecodeNode {
   std::shared_ptr<const RotationSet> rotations_;
   NodeOptions options_;
   bool fault_fired_ = false;
+  // Set by the first pool call (Lookup, Acquire, Fetch, Release) that failed with
+  // DEADLINE_EXCEEDED or UNAVAILABLE, to that call's failure text: later requests do not ask
+  // the pool (a hung pool would cost each of them the full deadline) and report
+  // kPoolSkipped + this text as their fallback_reason.
+  std::string pool_down_;
 };
 
 }  // namespace kvpool::worker
