@@ -312,6 +312,25 @@ TEST_P(ClientTest, NonFiniteValuesAreFoundAtEveryPosition) {
       EXPECT_TRUE((*put)->Abort().ok());
     }
   }
+  // A refused layer poisons the put (the scan rides on the pack, so some checksums already took
+  // the layer): Commit fails with the same status, aborts, and nothing becomes visible.
+  {
+    auto put = c->BeginPut(s.tokens);
+    ASSERT_TRUE(put.ok()) << put.status();
+    ASSERT_TRUE((*put)->WriteLayer(0, s.k[0], s.v[0]).ok());
+    Sequence b = s;
+    b.v[1][7 * row + 3] = 0x7FC0;  // NaN at token 7
+    absl::Status w = (*put)->WriteLayer(1, b.k[1], b.v[1]);
+    EXPECT_EQ(w.code(), absl::StatusCode::kInvalidArgument) << w;
+    EXPECT_THAT(w.message(), HasSubstr("v: NaN or Inf at layer 1, token 7"));
+    auto committed = (*put)->Commit();
+    // The client's own status, without asking the pool (which would refuse the NaN too, in its
+    // own words).
+    EXPECT_EQ(committed.status(), w);
+    auto look = c->Lookup(s.tokens);
+    ASSERT_TRUE(look.ok()) << look.status();
+    EXPECT_EQ(look->num_blocks, 0u);
+  }
   // The extreme finite values pass the client's scan (the pool would refuse them at commit:
   // their rotation overflows).
   auto good = c->BeginPut(s.tokens);
