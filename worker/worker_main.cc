@@ -19,6 +19,7 @@
 #include <memory>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -107,6 +108,25 @@ kvpool::client::CallOptions Deadline(int seconds) {
   kvpool::client::CallOptions c;
   c.deadline = absl::Now() + absl::Seconds(seconds);
   return c;
+}
+
+// True when every thread of process `pid` is in the stopped state ('T' in
+// /proc/PID/task/TID/stat); false when any is not or the process cannot be read.
+bool AllThreadsStopped(int pid) {
+  std::error_code ec;
+  const std::string dir = "/proc/" + std::to_string(pid) + "/task";
+  int threads = 0;
+  for (const auto& t : std::filesystem::directory_iterator(dir, ec)) {
+    std::ifstream in(t.path() / "stat");
+    std::string line;
+    std::getline(in, line);
+    const size_t paren = line.rfind(')');  // the state follows "(comm) "
+    if (paren == std::string::npos || paren + 2 >= line.size() || line[paren + 2] != 'T') {
+      return false;
+    }
+    ++threads;
+  }
+  return !ec && threads > 0;
 }
 
 // Writes the report (none when `path` is empty), atomically and through a symbolic link
@@ -437,6 +457,11 @@ int main(int argc, char** argv) {
       if (*fault_or == kw::Fault::kStopPoolAfterRegister) {
         KVPOOL_LOG_WARN("fault stop-pool-after-register: stopping pool pid {}", fault_pool_pid);
         ::kill(fault_pool_pid, SIGSTOP);
+        // A pool thread already running may still answer the next call: wait (up to 2 s)
+        // until every thread of the pool shows as stopped.
+        for (int i = 0; i < 200 && !AllThreadsStopped(fault_pool_pid); ++i) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        }
       }
     }
   }

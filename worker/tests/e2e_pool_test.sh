@@ -218,7 +218,8 @@ grep -q "^kvpool_worker_pool_fallbacks_total 2$" "${work}/pool_killed.prom" \
   || fail "metrics: pool fallbacks are not 2 of 2 prompts"
 
 echo "== hung pool (SIGSTOP after the registration): one deadline, then the pool is skipped"
-# The first prompt's Lookup waits for the client's deadline (DEADLINE_EXCEEDED); the other
+# The first prompt's first pool call (its Lookup) waits for the client's deadline
+# (DEADLINE_EXCEEDED); the other
 # prompts must not ask the hung pool again (each would wait the full deadline): their report
 # names the earlier failure. The answers still match the run without a pool.
 start_pool
@@ -239,7 +240,7 @@ ev = json.load(open(f"{work}/eval.json"))
 d = json.load(open(f"{work}/decode_hung.json"))
 first, rest = d["prompts"][0], d["prompts"][1:]
 assert len(rest) == 2, d["prompts"]
-assert first["fallback"] and first["fallback_reason"].startswith("lookup: DEADLINE_EXCEEDED"), first
+assert first["fallback"] and "DEADLINE_EXCEEDED" in first["fallback_reason"], first
 for p in rest:
     assert p["fallback"], p
     assert p["fallback_reason"] == ("pool skipped after an earlier failure in this run: "
