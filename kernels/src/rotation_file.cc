@@ -36,6 +36,10 @@ absl::StatusOr<uint32_t> ParseU32(const std::map<std::string, std::string>& m,
   uint32_t v = 0;
   const std::string& s = it->second;
   auto r = std::from_chars(s.data(), s.data() + s.size(), v);
+  if (r.ec == std::errc::result_out_of_range && r.ptr == s.data() + s.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("rotation file: metadata '", key, "' = '", s,
+                                                   "' is out of range (0..4294967295)"));
+  }
   if (r.ec != std::errc() || r.ptr != s.data() + s.size() || s.empty()) {
     return absl::InvalidArgumentError(
         absl::StrCat("rotation file: metadata '", key, "' = '", s, "' is not an unsigned integer"));

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <string>
 #include <vector>
@@ -89,6 +90,30 @@ TEST(RotationFileMetadataTest, TensorsBeyondTheMetadataLayerCountAreRefused) {
   const std::string msg(parsed.status().message());
   EXPECT_NE(msg.find("'layers.1."), std::string::npos) << msg;
   EXPECT_NE(msg.find("not described by the metadata (num_layers 1)"), std::string::npos) << msg;
+}
+
+TEST(RotationFileMetadataTest, LayerCountBeyondUint32IsOutOfRangeNotMalformed) {
+  auto rot = RotationSet::Hadamard(HadamardMeta(1, 16, 1, 1));
+  ASSERT_TRUE(rot.ok()) << rot.status();
+  const std::string bytes = SerializeRotations(*rot);
+  // safetensors: 8-byte little-endian header length, the JSON header, then the tensor data
+  // (offsets relative to the data), so the header may grow if its length is rewritten.
+  uint64_t header_len = 0;
+  std::memcpy(&header_len, bytes.data(), 8);
+  std::string header = bytes.substr(8, header_len);
+  const std::string claim = "\"num_layers\":\"1\"";
+  const size_t at = header.find(claim);
+  ASSERT_NE(at, std::string::npos) << "header layout changed; update the edit";
+  header.replace(at, claim.size(), "\"num_layers\":\"99999999999\"");
+  const uint64_t new_len = header.size();
+  std::string edited(8, '\0');
+  std::memcpy(edited.data(), &new_len, 8);
+  edited += header + bytes.substr(8 + header_len);
+  auto parsed = ParseRotations(edited);
+  ASSERT_FALSE(parsed.ok());
+  EXPECT_EQ(parsed.status().code(), absl::StatusCode::kInvalidArgument);
+  const std::string msg(parsed.status().message());
+  EXPECT_NE(msg.find("'num_layers' = '99999999999' is out of range"), std::string::npos) << msg;
 }
 
 TEST(RotationFileOrthogonalityTest, PerHeadFileNamesTheHead) {
