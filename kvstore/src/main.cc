@@ -15,6 +15,9 @@ namespace {
 
 // "1073741824", "512MiB", "1GiB", "64KiB", "2TiB" (binary units) or "1GB" (decimal) → bytes.
 bool ParseBytes(const std::string& s, uint64_t* out) {
+  if (s.empty() || s.find_first_of(" \t\n\v\f\r") != std::string::npos) {
+    return false;  // SimpleAtoi trims spaces: " 4MiB" was accepted and "4MiB " refused
+  }
   struct Unit {
     const char* suffix;
     uint64_t mul;

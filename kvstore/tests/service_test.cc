@@ -1021,7 +1021,7 @@ TEST(ServerBinaryTest, SecondServerOnTheSameMetricsPortExitsWithARuntimeError) {
 
 TEST(ServerBinaryTest, CapacityOutsideOneMiBToPhysicalMemoryIsAUsageError) {
   // 99999TiB used to reach UCX's allocator and fill the machine's RAM and /dev/shm.
-  for (const char* bad : {"99999TiB", "1", "1000KB"}) {
+  for (const char* bad : {"99999TiB", "1", "1000KB", " 4MiB", "4MiB ", "4 MiB"}) {
     auto [rc, text] = RunToExit({"--listen", "127.0.0.1:0", "--metrics-port", "-1", "--data-plane",
                                  "none", "--capacity", bad});
     EXPECT_EQ(rc, 1) << bad << ": " << text;
