@@ -17,7 +17,8 @@
 #            ROUNDS (default 2) alternating rounds of this build and each binary of AB_BENCHES
 #            (other builds' cuda_decode_bench) at B 32 x 32K and 8 x 128K, INT2 launch only
 #            (--skip-bf16 where the binary has it); each VAR=value of AB_ENVS adds this build under
-#            that setting to every round (an A/B switch of the launcher)
+#            that setting to every round (an A/B switch of the launcher); AB_BATCHES (default 32)
+#            sets the batches of the 32K rounds, e.g. AB_BATCHES=1,32 adds B 1 x 32K to them
 #     full:  every shape of PERF.md (long)
 # TEST_FILTER (gtest filter) and SKIP_TESTS=1 control the tests (TEST_ENV="VAR=value ..." runs them
 # under those environment settings, e.g. an A/B switch of the launcher; ALT_TEST_ENV and
@@ -113,7 +114,7 @@ case "$MODE" in
         sk=""
         "$ab" --help 2>/dev/null | grep -q -- --skip-bf16 && sk=--skip-bf16
         echo "== A/B round $r: $e $ab $sk" | tee -a "$LOG"
-        env $e "$ab" $sk --batches 32 --contexts 32768 --gqa 32:8 --page-sizes 16 --iters 30 2>&1 | grep -E "^int2|^kernel" | tee -a "$LOG"
+        env $e "$ab" $sk --batches "${AB_BATCHES:-32}" --contexts 32768 --gqa 32:8 --page-sizes 16 --iters 30 2>&1 | grep -E "^int2|^kernel" | tee -a "$LOG"
         env $e "$ab" $sk --batches 8 --contexts 131072 --gqa 32:8 --page-sizes 16 --iters 30 2>&1 | grep -E "^int2" | tee -a "$LOG"
       done
     done
