@@ -206,14 +206,16 @@ absl::StatusOr<DecodeReport> DecodeNode::Run(absl::Span<const int> prompt, int m
   std::vector<uint8_t> bf16_pages, int2_pages;
   std::vector<BlockForms> forms;
   std::string failure;
-  // A call that timed out or found the pool down marks the pool as not answering: the rest of
-  // this node's requests fall back at once instead of each waiting for the deadline.
+  // A call that timed out marks the pool as hung: the rest of this node's requests fall back at
+  // once instead of each waiting for the deadline. UNAVAILABLE does not: it comes back at once
+  // (refused connection, broken pipe after a restart), and the client reconnects on the next call,
+  // so a pool restarted mid-run is used again.
   auto note_down = [&](const absl::Status& st, const std::string& what) {
-    if (pool_down_.empty() && (absl::IsDeadlineExceeded(st) || absl::IsUnavailable(st))) {
+    if (pool_down_.empty() && absl::IsDeadlineExceeded(st)) {
       pool_down_ = what;
       KVPOOL_LOG_WARN(
-          "decode: the pool did not answer ({}); the remaining requests of this run compute "
-          "their prefix locally without asking it",
+          "decode: the pool did not answer within the deadline ({}); the remaining requests of "
+          "this run compute their prefix locally without asking it",
           what);
     }
   };
@@ -327,7 +329,10 @@ absl::StatusOr<DecodeReport> DecodeNode::Run(absl::Span<const int> prompt, int m
           }
         }
       }
-      if (lease->id != 0) {
+      if (lease->id != 0 && !pool_down_.empty()) {
+        // The pool just timed out: a Release would wait another deadline; the lease expires.
+        KVPOOL_LOG_DEBUG("lease {} left to expire: the pool is not answering", lease->id);
+      } else if (lease->id != 0) {
         if (absl::Status s = client_->Release(*lease); !s.ok()) {
           KVPOOL_LOG_WARN("release of lease {} failed: {}", lease->id, StatusText(s));
           note_down(s, absl::StrCat("release: ", StatusText(s)));
