@@ -15,8 +15,11 @@ namespace {
 
 // "1073741824", "512MiB", "1GiB", "64KiB", "2TiB" (binary units) or "1GB" (decimal) → bytes.
 bool ParseBytes(const std::string& s, uint64_t* out) {
-  if (s.empty() || s.find_first_of(" \t\n\v\f\r") != std::string::npos) {
-    return false;  // SimpleAtoi trims spaces: " 4MiB" was accepted and "4MiB " refused
+  if (s.empty() || s.find_first_not_of("0123456789") == 0) {
+    return false;  // SimpleAtoi takes " 4", "+4": digits first, as the integer flags want
+  }
+  if (s.find_first_of(" \t\n\v\f\r") != std::string::npos) {
+    return false;  // and trims trailing spaces: "4 MiB"
   }
   struct Unit {
     const char* suffix;
@@ -140,7 +143,10 @@ int main(int argc, char** argv) {
   o.store.commit_device = *kvpool::kvstore::ParseCommitDevice(commit_device);
 
   if (!ParseBytes(capacity, &o.capacity_bytes) || o.capacity_bytes == 0) {
-    std::fprintf(stderr, "--capacity: cannot parse \"%s\" as a positive byte count\n",
+    std::fprintf(stderr,
+                 "kvpool-server: --capacity: cannot parse \"%s\" as a positive byte count "
+                 "(bytes, or digits and a unit: 64GiB, 512MiB, 1000000)\nRun with --help for more "
+                 "information.\n",
                  capacity.c_str());
     return kvpool::cli::kExitUsage;
   }
@@ -152,8 +158,8 @@ int main(int argc, char** argv) {
       static_cast<uint64_t>(sysconf(_SC_PHYS_PAGES)) * static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
   if (o.capacity_bytes < kMinCapacity || (physical > 0 && o.capacity_bytes > physical)) {
     std::fprintf(stderr,
-                 "--capacity: %s (%llu bytes) is outside 1 MiB .. this machine's physical memory "
-                 "(%llu bytes)\n",
+                 "kvpool-server: --capacity: %s (%llu bytes) is outside 1 MiB .. this machine's "
+                 "physical memory (%llu bytes)\nRun with --help for more information.\n",
                  capacity.c_str(), static_cast<unsigned long long>(o.capacity_bytes),
                  static_cast<unsigned long long>(physical));
     return kvpool::cli::kExitUsage;

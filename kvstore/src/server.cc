@@ -56,8 +56,8 @@ constexpr size_t kMetricsHttpThreads = 32;
 constexpr time_t kMetricsHttpTimeoutSec = 2;
 
 // Why binding TCP `host`:`port` fails, found by trying it (gRPC's and cpp-httplib's bind errors
-// do not reach the caller): ", <strerror>" such as ", Address already in use", or "" when the
-// probe binds (the failure was elsewhere) or the host does not resolve.
+// do not reach the caller): ", <strerror>" such as ", Address already in use", ", host does not
+// resolve (<gai_strerror>)", or "" when the probe binds (the failure was elsewhere).
 std::string BindFailureReason(const std::string& host, int port) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
@@ -65,8 +65,10 @@ std::string BindFailureReason(const std::string& host, int port) {
   hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
   addrinfo* res = nullptr;
   const std::string service = std::to_string(port);
-  if (getaddrinfo(host.c_str(), service.c_str(), &hints, &res) != 0 || res == nullptr) {
-    return "";
+  if (const int rc = getaddrinfo(host.c_str(), service.c_str(), &hints, &res);
+      rc != 0 || res == nullptr) {
+    return absl::StrCat(", host does not resolve (", rc != 0 ? gai_strerror(rc) : "no address",
+                        ")");
   }
   std::string reason;
   int fd = socket(res->ai_family, res->ai_socktype, res->ai_protocol);

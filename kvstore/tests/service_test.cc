@@ -1019,9 +1019,20 @@ TEST(ServerBinaryTest, SecondServerOnTheSameMetricsPortExitsWithARuntimeError) {
   fclose(first.out);
 }
 
+// A --listen host that does not resolve said "reason unknown (a probe bind of the port
+// succeeded)"; ".invalid" never resolves (RFC 2606).
+TEST(ServerBinaryTest, UnresolvableListenHostSaysSo) {
+  auto [rc, text] = RunToExit({"--listen", "nosuchhost.invalid:17534", "--metrics-port", "-1",
+                               "--data-plane", "none", "--capacity", "4MiB"});
+  EXPECT_EQ(rc, 2) << text;
+  EXPECT_NE(text.find("cannot bind nosuchhost.invalid:17534, host does not resolve"),
+            std::string::npos)
+      << text;
+}
+
 TEST(ServerBinaryTest, CapacityOutsideOneMiBToPhysicalMemoryIsAUsageError) {
   // 99999TiB used to reach UCX's allocator and fill the machine's RAM and /dev/shm.
-  for (const char* bad : {"99999TiB", "1", "1000KB", " 4MiB", "4MiB ", "4 MiB"}) {
+  for (const char* bad : {"99999TiB", "1", "1000KB", " 4MiB", "4MiB ", "4 MiB", "+4MiB"}) {
     auto [rc, text] = RunToExit({"--listen", "127.0.0.1:0", "--metrics-port", "-1", "--data-plane",
                                  "none", "--capacity", bad});
     EXPECT_EQ(rc, 1) << bad << ": " << text;
