@@ -142,7 +142,8 @@ overall = {
     "teacher_forced": ev["overall"],
     "pool_teacher_forced": ov.get("teacher_forced"),
     "pool_matches_single_process": all_match,
-    "blocks_hit": ov["hit_blocks"], "blocks_missed": ov["missed_blocks"], "fallbacks": ov["fallbacks"],
+    "blocks_hit": ov["hit_blocks"], "blocks_missed": ov["missed_blocks"],
+    "blocks_loaded": ov["loaded_blocks"], "fallbacks": ov["fallbacks"],
     "bf16_bytes_per_token": bf16_tok,
     "bytes_pushed_per_token": pre["overall"]["bytes_written_per_token"],
     "bytes_stored_per_token": ov["bytes_stored_per_token"],
@@ -163,7 +164,8 @@ print("\n== bytes per token (5 layers x 4 KV heads x head_dim 8; BF16 = %d B)" %
 print(f"   pushed (un-rotated BF16 staging) {overall['bytes_pushed_per_token']:.1f}")
 print(f"   stored in the pool (all forms)  {overall['bytes_stored_per_token']:.1f}  ({overall['stored_vs_bf16']:.3f} x BF16)")
 print(f"   moved to the decode worker      {overall['bytes_moved_per_token']:.1f}  ({overall['moved_vs_bf16']:.3f} x BF16)")
-print(f"\n== blocks hit {overall['blocks_hit']}, missed {overall['blocks_missed']}, fallbacks {overall['fallbacks']}")
+print(f"\n== blocks hit {overall['blocks_hit']}, missed {overall['blocks_missed']}, "
+      f"loaded {overall['blocks_loaded']}, fallbacks {overall['fallbacks']}")
 print("== wall time per stage (s): " + ", ".join(f"{k} {v}" for k, v in stages.items()))
 json.dump(report, open(f"{out}/report.json", "w"), indent=2)
 print(f"\nreport: {out}/report.json")

@@ -633,8 +633,11 @@ int main(int argc, char** argv) {
     fetch += r->fetch_seconds;
     compute += r->compute_seconds;
   }
+  // hit_blocks counts what the pool held (Acquire); loaded_blocks what was fetched, verified and
+  // attended over — lower after a failed fetch or when a recent window lacks its BF16 form.
   out["overall"] = {{"hit_blocks", hits},
                     {"missed_blocks", wanted - hits},
+                    {"loaded_blocks", loaded_tokens / page_size},
                     {"fallbacks", fallbacks},
                     {"bytes_moved", moved},
                     {"bytes_moved_per_token", loaded_tokens ? double(moved) / loaded_tokens : 0.0},
