@@ -865,6 +865,12 @@ TEST_F(ServiceTest, HealthReadinessAndLiveness) {
 struct Child {
   pid_t pid = -1;
   FILE* out = nullptr;
+
+  // Reads the server's "grpc_port=N metrics_port=M" ready line; false when it did not start.
+  bool ReadPorts(int* grpc_port, int* metrics_port) {
+    return pid > 0 && out != nullptr &&
+           fscanf(out, "grpc_port=%d metrics_port=%d", grpc_port, metrics_port) == 2;
+  }
 };
 
 // Starts the binary with its stdout (and, with merge_stderr, its stderr) on `out`.
@@ -943,9 +949,8 @@ TEST(ServerBinaryTest, FlagsHelpAndUsageErrors) {
 TEST(ServerBinaryTest, ServesMetricsAndDrainsOnSigterm) {
   Child c = Spawn({"--listen", "127.0.0.1:0", "--metrics-port", "0", "--data-plane", "none",
                    "--capacity", "8MiB"});
-  ASSERT_GT(c.pid, 0);
   int grpc_port = 0, metrics_port = 0;
-  ASSERT_EQ(fscanf(c.out, "grpc_port=%d metrics_port=%d", &grpc_port, &metrics_port), 2);
+  ASSERT_TRUE(c.ReadPorts(&grpc_port, &metrics_port));
   auto ch = grpc::CreateChannel(absl::StrCat("127.0.0.1:", grpc_port),
                                 grpc::InsecureChannelCredentials());
   EXPECT_EQ(HealthCheck(ch, ""), 1);
@@ -963,9 +968,8 @@ TEST(ServerBinaryTest, ConfigFileSetsFlagsAndCommandLineWins) {
   std::ofstream(path) << "listen: 127.0.0.1:0\nmetrics-port: 0\ncapacity: 16MiB\n"
                          "data-plane: none\nlog-level: warn\n";
   Child c = Spawn({"--config", path, "--capacity", "4MiB"});
-  ASSERT_GT(c.pid, 0);
   int grpc_port = 0, metrics_port = 0;
-  ASSERT_EQ(fscanf(c.out, "grpc_port=%d metrics_port=%d", &grpc_port, &metrics_port), 2);
+  ASSERT_TRUE(c.ReadPorts(&grpc_port, &metrics_port));
   httplib::Client http("127.0.0.1", metrics_port);
   auto res = http.Get("/metrics");
   ASSERT_TRUE(res);
@@ -978,9 +982,8 @@ TEST(ServerBinaryTest, ConfigFileSetsFlagsAndCommandLineWins) {
 TEST(ServerBinaryTest, SecondServerOnTheSamePortExitsWithARuntimeError) {
   Child first = Spawn({"--listen", "127.0.0.1:0", "--metrics-port", "-1", "--data-plane", "none",
                        "--capacity", "4MiB"});
-  ASSERT_GT(first.pid, 0);
   int grpc_port = 0, metrics_port = 0;
-  ASSERT_EQ(fscanf(first.out, "grpc_port=%d metrics_port=%d", &grpc_port, &metrics_port), 2);
+  ASSERT_TRUE(first.ReadPorts(&grpc_port, &metrics_port));
   ASSERT_GT(grpc_port, 0);
   const std::string addr = absl::StrCat("127.0.0.1:", grpc_port);
   auto [rc, text] = RunToExit(
@@ -1000,9 +1003,8 @@ TEST(ServerBinaryTest, SecondServerOnTheSamePortExitsWithARuntimeError) {
 TEST(ServerBinaryTest, SecondServerOnTheSameMetricsPortExitsWithARuntimeError) {
   Child first = Spawn({"--listen", "127.0.0.1:0", "--metrics-port", "0", "--data-plane", "none",
                        "--capacity", "4MiB"});
-  ASSERT_GT(first.pid, 0);
   int grpc_port = 0, metrics_port = 0;
-  ASSERT_EQ(fscanf(first.out, "grpc_port=%d metrics_port=%d", &grpc_port, &metrics_port), 2);
+  ASSERT_TRUE(first.ReadPorts(&grpc_port, &metrics_port));
   ASSERT_GT(metrics_port, 0);
   // cpp-httplib's default SO_REUSEPORT used to let this one share the port and half the scrapes.
   auto [rc, text] =
@@ -1133,9 +1135,8 @@ TEST(ServerBinaryTest, SigtermDuringStartUpDrainsAndExitsZero) {
 TEST(ServerBinaryTest, StartUpFailuresSayWhyEvenWithLoggingOff) {
   Child first = Spawn({"--listen", "127.0.0.1:0", "--metrics-port", "-1", "--data-plane", "none",
                        "--capacity", "4MiB"});
-  ASSERT_GT(first.pid, 0);
   int grpc_port = 0, metrics_port = 0;
-  ASSERT_EQ(fscanf(first.out, "grpc_port=%d metrics_port=%d", &grpc_port, &metrics_port), 2);
+  ASSERT_TRUE(first.ReadPorts(&grpc_port, &metrics_port));
   const std::string port = std::to_string(grpc_port);
   {
     // A free gRPC port of its own would be needed to reach the metrics bind: use port 0 for
@@ -1175,9 +1176,8 @@ TEST(ServerBinaryTest, StartUpFailuresSayWhyEvenWithLoggingOff) {
 TEST(ServerBinaryTest, SighupIsIgnoredAndSigtermStillDrains) {
   Child c = Spawn({"--listen", "127.0.0.1:0", "--metrics-port", "-1", "--data-plane", "none",
                    "--capacity", "4MiB"});
-  ASSERT_GT(c.pid, 0);
   int grpc_port = 0, metrics_port = 0;
-  ASSERT_EQ(fscanf(c.out, "grpc_port=%d metrics_port=%d", &grpc_port, &metrics_port), 2);
+  ASSERT_TRUE(c.ReadPorts(&grpc_port, &metrics_port));
   ASSERT_EQ(kill(c.pid, SIGHUP), 0);
   // Health is answered after the SIGHUP was handled (a round trip to the same process), so a
   // server killed or drained by it would fail here.
