@@ -12,7 +12,6 @@
 #include <cstring>
 #include <map>
 #include <mutex>
-#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "kvpool/common/log.h"
@@ -21,6 +20,7 @@
 #include "kvpool/v1/pool.pb.h"
 #if defined(KVPOOL_HAVE_TRANSPORT)
 #include "kvpool/transport/transport.h"
+#include "kvpool/transport/ucx_transport.h"
 #endif
 
 namespace kvpool::kvstore {
@@ -214,28 +214,6 @@ class PeerLinks {
   uint64_t clock_ = 0;                                  // guarded by mu_
 };
 #endif  // KVPOOL_HAVE_TRANSPORT
-
-// The UCX worker uuid inside a sealed worker address, if it has the expected shape. The sealed
-// form (transport/src/envelope.h): "KVPT" | kind 'A' | u32 payload length | u64 xxh3 | payload;
-// the payload is ucp_worker_get_address's bytes, which in UCX 1.13 begin with a one-byte header
-// and the worker's 64-bit uuid (ucp/wireup/address.c; ucp_worker_address_query reports the same
-// value as worker_uid). Only fixed offsets are read, after length checks: no UCX parser runs on
-// client bytes here.
-std::optional<uint64_t> SealedWorkerUuid(const std::string& sealed) {
-  constexpr size_t kHeader = 4 + 1 + 4 + 8;
-  if (sealed.size() < kHeader + 9 || sealed.compare(0, 4, "KVPT") != 0 || sealed[4] != 'A') {
-    return std::nullopt;
-  }
-  uint64_t uuid = 0;
-  std::memcpy(&uuid, sealed.data() + kHeader + 1, sizeof(uuid));
-  return uuid;
-}
-
-// Whether two sealed worker addresses carry the same UCX worker uuid.
-bool SameUcxWorkerUuid(const std::string& a, const std::string& b) {
-  const std::optional<uint64_t> ua = SealedWorkerUuid(a), ub = SealedWorkerUuid(b);
-  return ua.has_value() && ub.has_value() && *ua == *ub;
-}
 
 // Wall-clock deadline of a call: the client's, capped at 60 s.
 absl::Time CallDeadline(const grpc::ServerContext* ctx) {
@@ -621,8 +599,13 @@ class KvPoolService final : public pb::KvPool::Service {
       return absl::InvalidArgumentError(
           "client_worker_address: empty (the client's own UCX worker address is required)");
     }
-    if (!ctx_.ucx_worker_address.empty() && (address == ctx_.ucx_worker_address ||
-                                             SameUcxWorkerUuid(address, ctx_.ucx_worker_address))) {
+#if defined(KVPOOL_HAVE_TRANSPORT)
+    const bool own = !ctx_.ucx_worker_address.empty() &&
+                     transport::SameUcxWorker(address, ctx_.ucx_worker_address);
+#else
+    const bool own = !ctx_.ucx_worker_address.empty() && address == ctx_.ucx_worker_address;
+#endif
+    if (own) {
       return absl::InvalidArgumentError(
           "client_worker_address: is this pool's own UCX worker; send the client's worker "
           "address");

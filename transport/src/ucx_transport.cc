@@ -20,6 +20,7 @@
 #include <future>
 #include <limits>
 #include <map>
+#include <optional>
 #include <thread>
 #include <utility>
 
@@ -805,6 +806,19 @@ class UcxTransport final : public Transport {
 absl::StatusOr<std::unique_ptr<Transport>> CreateUcxTransport(const UcxOptions& options) {
   KVPOOL_ASSIGN_OR_RETURN(auto core, UcxCore::Create(options));
   return std::unique_ptr<Transport>(new UcxTransport(std::move(core)));
+}
+
+bool SameUcxWorker(std::string_view a, std::string_view b) {
+  if (a == b) return true;
+  auto uuid = [](std::string_view sealed) -> std::optional<uint64_t> {
+    absl::StatusOr<std::string_view> payload = internal::Unseal('A', sealed, "address");
+    if (!payload.ok() || payload->size() < 1 + sizeof(uint64_t)) return std::nullopt;
+    uint64_t v = 0;
+    std::memcpy(&v, payload->data() + 1, sizeof(v));
+    return v;
+  };
+  const std::optional<uint64_t> ua = uuid(a), ub = uuid(b);
+  return ua.has_value() && ub.has_value() && *ua == *ub;
 }
 
 std::string UcxVersion() {

@@ -554,6 +554,21 @@ TEST(UcxTransportLog, SharedMemoryConnectAndGetPrintNothingOnStdout) {
   }
 }
 
+TEST(SameUcxWorker, TellsWorkersApartAndRefusesGarbage) {
+  auto a = CreateUcxTransport({.tls = "tcp"});
+  auto b = CreateUcxTransport({.tls = "tcp"});
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_TRUE(b.ok()) << b.status();
+  const std::string wa = (*a)->WorkerAddress(), wb = (*b)->WorkerAddress();
+  EXPECT_TRUE(SameUcxWorker(wa, wa));
+  EXPECT_FALSE(SameUcxWorker(wa, wb));
+  std::string corrupt = wa;
+  corrupt.back() ^= 0x01;  // checksum no longer matches: not unsealed, not the same
+  EXPECT_FALSE(SameUcxWorker(corrupt, wa));
+  EXPECT_FALSE(SameUcxWorker("", wa));
+  EXPECT_FALSE(SameUcxWorker("KVPT", "KVPTA"));
+}
+
 TEST(UcxTransportInfo, RejectsUnknownTransportList) {
   auto t = CreateUcxTransport({.tls = "no_such_transport_xyz"});
   EXPECT_FALSE(t.ok());

@@ -11,6 +11,7 @@
 
 #include <memory>
 #include <string>
+#include <string_view>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -38,5 +39,13 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateUcxTransport(const UcxOptions& 
 
 // The installed UCX library version ("1.13.1").
 std::string UcxVersion();
+
+// Whether two sealed worker addresses (WorkerAddress() of UCX transports) name the same UCX
+// worker: byte-equal, or both unseal as addresses and carry the same 64-bit worker uuid (UCX
+// 1.13 packs it after a one-byte header, ucp/wireup/address.c; ucp_worker_address_query reports
+// the same value as worker_uid). Only fixed offsets are read after the envelope's length and
+// checksum checks: no UCX parser runs on the bytes. False for anything that does not unseal.
+// Pure function, thread-safe.
+bool SameUcxWorker(std::string_view a, std::string_view b);
 
 }  // namespace kvpool::transport
