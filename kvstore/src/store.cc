@@ -1,16 +1,13 @@
 // The block store (store.h).
 #include "kvpool/kvstore/store.h"
 
-#include <fcntl.h>
-#include <sys/random.h>
-#include <unistd.h>
+#include <openssl/err.h>
+#include <openssl/rand.h>
 
 #include <algorithm>
-#include <cerrno>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
-#include <iterator>
 #include <mutex>
 
 #include "absl/strings/match.h"
@@ -319,34 +316,13 @@ absl::StatusOr<ModelInfo> BlockStore::RegisterModel(const ModelSpec& spec_in,
 
 uint64_t BlockStore::NewIdLocked() {
   for (;;) {
-    if (random_left_ == 0) {
-      // getrandom(2) blocks only before the kernel's pool is first initialized (early boot);
-      // it never returns short for requests of at most 256 bytes once it has.
-      uint8_t* out = reinterpret_cast<uint8_t*>(random_pool_);
-      size_t got = 0;
-      while (got < sizeof(random_pool_)) {
-        const ssize_t n = getrandom(out + got, sizeof(random_pool_) - got, 0);
-        if (n > 0) {
-          got += static_cast<size_t>(n);
-        } else if (n < 0 && errno != EINTR) {
-          // No getrandom (very old kernel or a seccomp filter): /dev/urandom.
-          const int fd = open("/dev/urandom", O_RDONLY | O_CLOEXEC);
-          const ssize_t r = fd >= 0 ? read(fd, out + got, sizeof(random_pool_) - got) : -1;
-          if (fd >= 0) close(fd);
-          if (r <= 0) {
-            KVPOOL_LOG_ERROR(
-                "no randomness for lease and put ids (getrandom and /dev/urandom "
-                "failed: {})",
-                std::strerror(errno));
-            std::abort();  // sequential ids would let any client release another's lease
-          }
-          got += static_cast<size_t>(r);
-        }
-      }
-      random_left_ = std::size(random_pool_);
+    uint64_t id = 0;
+    // OpenSSL's CSPRNG (seeded from getrandom/urandom, reseeded by OpenSSL itself).
+    if (RAND_bytes(reinterpret_cast<unsigned char*>(&id), sizeof(id)) != 1) {
+      KVPOOL_LOG_ERROR("no randomness for lease and put ids (RAND_bytes failed: {})",
+                       ERR_error_string(ERR_get_error(), nullptr));
+      std::abort();  // sequential ids would let any client release another's lease
     }
-    const uint64_t id = random_pool_[--random_left_];
-    random_pool_[random_left_] = 0;  // a used value is not kept around
     if (id != 0 && puts_.count(id) == 0 && leases_.count(id) == 0) {
       return id;
     }

@@ -417,13 +417,11 @@ class BlockStore {
   uint64_t staging_bytes_ = 0;                  // guarded by mu_
   uint64_t form_count_[kNumForms] = {0, 0};     // guarded by mu_
   uint64_t form_bytes_[kNumForms] = {0, 0};     // guarded by mu_
-  // A fresh put or lease id: 64 random bits from the kernel (getrandom), nonzero and not in use
-  // by an open put or a live lease, so that no client can guess another's id (Release, Renew,
+  // A fresh put or lease id: 64 random bits from OpenSSL's CSPRNG, nonzero and not in use by an
+  // open put or a live lease, so that no client can guess another's id (Release, Renew,
   // AbortPut and CommitPut take nothing else). Requires mu_ exclusive.
   uint64_t NewIdLocked();
-  uint64_t random_pool_[64];  // guarded by mu_; unused entries at the front
-  size_t random_left_ = 0;    // guarded by mu_
-  uint64_t generation_ = 0;   // guarded by mu_
+  uint64_t generation_ = 0;  // guarded by mu_
 };
 
 }  // namespace kvpool::kvstore
