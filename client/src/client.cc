@@ -1163,8 +1163,7 @@ absl::Status PutSessionImpl::WriteLayer(uint32_t layer, absl::Span<const uint16_
   }
   if (pool_initiates()) {
     // Pack into the whole-put buffer, then let the pool pull what is written (in the
-    // background; at most one WritePut in flight, the next covers every layer written
-    // meanwhile), so the layer travels while the caller computes the next one.
+    // background), so the layer travels while the caller computes the next one.
     const uint64_t form = g.Bf16FormBytes();
     if (whole_ == nullptr) {
       KVPOOL_ASSIGN_OR_RETURN(whole_, client_->TakeBuffer(form * writes_.size()));
@@ -1174,13 +1173,15 @@ absl::Status PutSessionImpl::WriteLayer(uint32_t layer, absl::Span<const uint16_
       return whole + i * form + uint64_t(layer) * slice;
     }));
     bytes_written_ += slice * writes_.size();
-    // One call in flight while layers come faster than the pool pulls them (the next call
-    // takes every layer written meanwhile); Flush/Commit request the rest at once.
+    // Every layer starts its own pull, overlapping any still in flight (the pool accepts
+    // overlapping calls for one put). Holding a layer back until the next WriteLayer while a
+    // pull was in flight left it unsent if the caller then waited (client_test
+    // EachLayerReachesStagingBeforeTheNextIsWritten timed out under load). Finished pulls are
+    // collected here; Flush/Commit wait for the rest.
     if (!pulls_.empty() &&
         pulls_.back().wait_for(std::chrono::seconds(0)) == std::future_status::ready) {
       KVPOOL_RETURN_IF_ERROR(FinishPulls());
     }
-    if (!pulls_.empty()) return error_;
     return StartPull();
   }
   const int slot = layer % 2;

@@ -188,8 +188,8 @@ class PutSession {
   // before return; with client-initiated RMA it is packed into a registered buffer and put (one
   // transfer per layer); when the pool initiates transfers
   // (ModelInfo::pool_initiates_transfers) it is packed into a registered buffer and a WritePut
-  // call (gRPC callback API, no thread of ours) lets the pool pull it (at most one call in flight;
-  // the next one takes every layer written meanwhile). Large layers are packed by the client's
+  // call (gRPC callback API, no thread of ours) lets the pool pull it (one call per layer, calls
+  // overlapping; Flush/Commit wait for them). Large layers are packed by the client's
   // copy threads too (ClientOptions::copy_threads). Errors: INVALID_ARGUMENT ("layer", "k", "v"
   // sizes; non-finite values naming layer/token — this one poisons the put: Commit fails with
   // it), FAILED_PRECONDITION (layer out of order, session finished), UNAVAILABLE (data plane).
