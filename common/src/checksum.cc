@@ -1,4 +1,4 @@
-// xxh3_64 checksums (docs/BLOCK_FORMAT.md "Checksums").
+// Block-form checksums (docs/BLOCK_FORMAT.md "Checksums").
 #include "kvpool/common/checksum.h"
 
 #include <xxhash.h>
@@ -7,6 +7,8 @@
 #include <xxh_x86dispatch.h>
 #endif
 
+#include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 
 namespace kvpool {
@@ -47,5 +49,113 @@ void Xxh3Stream::Update(const void* data, size_t size) {
 }
 
 uint64_t Xxh3Stream::Digest() const { return XXH3_64bits_digest(state_->s); }
+
+void Xxh3Stream::Reset() {
+  if (XXH3_64bits_reset(state_->s) != XXH_OK) std::abort();
+}
+
+uint64_t CombineChunkDigests(const uint64_t* digests, size_t n) {
+  // Little-endian u64s, written byte by byte (the same bytes on any host), hashed in batches of
+  // 64 digests through a stream when there are more (the same value as one call).
+  constexpr size_t kBatch = 64;
+  unsigned char buf[kBatch * 8];
+  auto fill = [&](size_t from, size_t count) {
+    for (size_t i = 0; i < count; ++i) {
+      const uint64_t d = digests[from + i];
+      for (int b = 0; b < 8; ++b) buf[i * 8 + b] = static_cast<unsigned char>(d >> (8 * b));
+    }
+  };
+  if (n <= kBatch) {
+    fill(0, n);
+    return Xxh3(buf, n * 8);
+  }
+  Xxh3Stream s;
+  for (size_t from = 0; from < n; from += kBatch) {
+    const size_t count = std::min(kBatch, n - from);
+    fill(from, count);
+    s.Update(buf, count * 8);
+  }
+  return s.Digest();
+}
+
+uint64_t FormChecksum(const void* data, size_t size) {
+  const auto* p = static_cast<const unsigned char*>(data);
+  const uint64_t n = ChecksumChunks(size);
+  constexpr size_t kLocal = 256;  // forms up to 4 MiB need no allocation
+  uint64_t local[kLocal] = {};
+  std::vector<uint64_t> heap;
+  uint64_t* digests = local;
+  if (n > kLocal) {
+    heap.resize(n);
+    digests = heap.data();
+  }
+  for (uint64_t c = 0; c < n; ++c) {
+    const size_t off = c * kChecksumChunkBytes;
+    digests[c] = Xxh3(p + off, std::min(kChecksumChunkBytes, size - off));
+  }
+  return CombineChunkDigests(digests, n);
+}
+
+FormChecksumBuilder::FormChecksumBuilder(uint64_t form_size)
+    : form_size_(form_size), digests_(ChecksumChunks(form_size), 0) {}
+
+FormChecksumBuilder::~FormChecksumBuilder() = default;
+
+void FormChecksumBuilder::Add(uint64_t offset, const void* data, size_t size) {
+  if (offset > form_size_ || size > form_size_ - offset) {
+    std::fprintf(stderr, "FormChecksumBuilder::Add: [%llu, +%zu) beyond the form's %llu bytes\n",
+                 static_cast<unsigned long long>(offset), size,
+                 static_cast<unsigned long long>(form_size_));
+    std::abort();
+  }
+  const auto* p = static_cast<const unsigned char*>(data);
+  const uint64_t end = offset + size;
+  while (offset < end) {
+    const uint64_t chunk = offset / kChecksumChunkBytes;
+    const uint64_t chunk_start = chunk * kChecksumChunkBytes;
+    const uint64_t chunk_end = std::min<uint64_t>(chunk_start + kChecksumChunkBytes, form_size_);
+    const uint64_t piece_end = std::min(end, chunk_end);
+    const size_t n = static_cast<size_t>(piece_end - offset);
+    if (offset == chunk_start && piece_end == chunk_end) {
+      digests_[chunk] = Xxh3(p, n);  // the whole chunk in one piece
+    } else {
+      if (partial_ == nullptr) partial_ = std::make_unique<Xxh3Stream>();
+      if (partial_fed_ == 0) {
+        partial_chunk_ = chunk;
+        partial_->Reset();
+      }
+      if (partial_chunk_ != chunk || chunk_start + partial_fed_ != offset) {
+        std::fprintf(stderr,
+                     "FormChecksumBuilder::Add: piece at %llu out of order (chunk %llu has %llu "
+                     "bytes fed)\n",
+                     static_cast<unsigned long long>(offset),
+                     static_cast<unsigned long long>(partial_chunk_),
+                     static_cast<unsigned long long>(partial_fed_));
+        std::abort();
+      }
+      partial_->Update(p, n);
+      partial_fed_ += n;
+      if (chunk_start + partial_fed_ == chunk_end) {
+        digests_[chunk] = partial_->Digest();
+        partial_fed_ = 0;
+      }
+    }
+    p += n;
+    offset = piece_end;
+  }
+}
+
+void FormChecksumBuilder::SetChunkDigest(uint64_t chunk, uint64_t digest) {
+  if (chunk >= digests_.size()) {
+    std::fprintf(stderr, "FormChecksumBuilder::SetChunkDigest: chunk %llu of %zu\n",
+                 static_cast<unsigned long long>(chunk), digests_.size());
+    std::abort();
+  }
+  digests_[chunk] = digest;
+}
+
+uint64_t FormChecksumBuilder::Finish() const {
+  return CombineChunkDigests(digests_.data(), digests_.size());
+}
 
 }  // namespace kvpool
