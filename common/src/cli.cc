@@ -1,11 +1,9 @@
 #include "kvpool/common/cli.h"
 
-#include <fcntl.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
-#include <atomic>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <iostream>
@@ -14,6 +12,7 @@
 
 #include <yaml-cpp/yaml.h>
 
+#include "kvpool/common/atomic_file.h"
 #include "kvpool/common/log.h"
 #include "kvpool/common/version.h"
 
@@ -88,30 +87,7 @@ class YamlConfig : public CLI::Config {
 
 namespace {
 
-constexpr int kMaxLinks = 40;  // as the kernel's ELOOP limit
-
 namespace fs = std::filesystem;
-
-// Follows `path` while it is a symbolic link. Returns false after kMaxLinks links.
-bool FollowLinks(const fs::path& path, fs::path* target) {
-  fs::path p = path;
-  for (int hops = 0; hops <= kMaxLinks; ++hops) {
-    std::error_code ec;
-    const fs::file_status st = fs::symlink_status(p, ec);
-    if (ec || !fs::is_symlink(st)) {
-      *target = p;
-      return true;
-    }
-    const fs::path next = fs::read_symlink(p, ec);
-    if (ec) {
-      *target = p;
-      return true;
-    }
-    p = next.is_absolute() ? next : p.parent_path() / next;
-  }
-  *target = p;
-  return false;
-}
 
 const char* FileKind(const fs::file_status& st) {
   switch (st.type()) {
@@ -136,18 +112,15 @@ fs::path DirectoryOf(const fs::path& target) {
 
 }  // namespace
 
-std::string OutputTarget(const std::string& path) {
-  fs::path target;
-  FollowLinks(path, &target);
-  return target.string();
-}
+std::string OutputTarget(const std::string& path) { return AtomicWriteTarget(path); }
 
 const CLI::Validator& OutputFile() {
   static const CLI::Validator v(
       [](std::string& path) -> std::string {
         if (path.empty()) return "empty path; name a file";
-        fs::path target;
-        if (!FollowLinks(path, &target)) {
+        bool too_many_links = false;
+        const fs::path target = AtomicWriteTarget(path, &too_many_links);
+        if (too_many_links) {
           return "'" + path + "': too many levels of symbolic links";
         }
         const bool linked = target != fs::path(path);
@@ -183,56 +156,7 @@ const CLI::Validator& OutputFile() {
 }
 
 absl::Status WriteOutputFile(const std::string& path, std::string_view bytes) {
-  const std::string target = OutputTarget(path);
-  const std::string named =
-      target == path ? "'" + path + "'" : "'" + target + "' (the target of '" + path + "')";
-  // O_EXCL under a name of this process (pid, counter): the kernel applies the umask to 0666,
-  // as for any new file.
-  static std::atomic<unsigned> counter{0};
-  std::string tmp;
-  int fd = -1;
-  for (int attempt = 0; fd < 0 && attempt < 100; ++attempt) {
-    tmp = target + ".tmp-" + std::to_string(::getpid()) + "-" + std::to_string(counter++);
-    fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
-    if (fd < 0 && errno != EEXIST) break;
-  }
-  if (fd < 0) {
-    const int err = errno;
-    return absl::InternalError("cannot create a temporary file beside " + named + ": " +
-                               std::strerror(err));
-  }
-  auto fail = [&](const char* what) {
-    const int err = errno;
-    ::close(fd);
-    ::unlink(tmp.c_str());
-    return absl::InternalError(std::string("cannot ") + what + " " + named + ": " +
-                               std::strerror(err));
-  };
-  for (size_t done = 0; done < bytes.size();) {
-    const ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return fail("write");
-    }
-    done += static_cast<size_t>(n);
-  }
-  // A replaced file keeps its mode.
-  struct stat old {};
-  if (::stat(target.c_str(), &old) == 0 && ::fchmod(fd, old.st_mode & 07777) != 0) {
-    return fail("set the mode of");
-  }
-  if (::fsync(fd) != 0) return fail("flush");
-  if (::close(fd) != 0) {
-    const int err = errno;
-    ::unlink(tmp.c_str());
-    return absl::InternalError("cannot write " + named + ": " + std::strerror(err));
-  }
-  if (::rename(tmp.c_str(), target.c_str()) != 0) {
-    const int err = errno;
-    ::unlink(tmp.c_str());
-    return absl::InternalError("cannot replace " + named + ": " + std::strerror(err));
-  }
-  return absl::OkStatus();
+  return WriteFileAtomically(path, bytes);
 }
 
 std::string VersionString() { return std::string(kVersion) + " (git " + kGitSha + ")"; }

@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
+#include "kvpool/common/atomic_file.h"
 
 namespace kvpool {
 namespace {
@@ -269,19 +270,7 @@ std::string SafetensorsWriter::Serialize() const {
 }
 
 absl::Status SafetensorsWriter::WriteFile(const std::string& path) const {
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    if (!out) return absl::InternalError(absl::StrCat("cannot create '", tmp, "'"));
-    const std::string bytes = Serialize();
-    out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-    if (!out.flush()) return absl::InternalError(absl::StrCat("cannot write '", tmp, "'"));
-  }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    std::remove(tmp.c_str());
-    return absl::InternalError(absl::StrCat("cannot rename '", tmp, "' to '", path, "'"));
-  }
-  return absl::OkStatus();
+  return WriteFileAtomically(path, Serialize());
 }
 
 }  // namespace kvpool

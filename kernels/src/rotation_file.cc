@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "kvpool/common/atomic_file.h"
 #include "kvpool/common/keys.h"
 #include "kvpool/common/safetensors.h"
 #include "kvpool/common/status.h"
@@ -137,16 +138,7 @@ std::string SerializeRotations(const RotationSet& rot) {
 
 absl::Status WriteRotationFile(RotationSet* rot, const std::string& path) {
   const std::string bytes = SerializeRotations(*rot);
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    if (!out) return absl::InternalError(absl::StrCat("cannot create '", tmp, "'"));
-    out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-    if (!out.flush()) return absl::InternalError(absl::StrCat("cannot write '", tmp, "'"));
-  }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    return absl::InternalError(absl::StrCat("cannot rename '", tmp, "' to '", path, "'"));
-  }
+  KVPOOL_RETURN_IF_ERROR(WriteFileAtomically(path, bytes));
   rot->set_rotation_id_hex(Sha256Hex(bytes));
   return absl::OkStatus();
 }

@@ -4,10 +4,13 @@
 
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <string>
 #include <vector>
 
+#include "kvpool/common/keys.h"
 #include "kvpool/kernels/rotation.h"
 #include "kvpool/kernels/rotation_file.h"
 
@@ -137,6 +140,43 @@ TEST(RotationFileOrthogonalityTest, TinyPerturbationWithinToleranceAccepted) {
   ASSERT_TRUE(rot.ok());
   auto parsed = ParseRotations(SerializeRotations(*rot));
   EXPECT_TRUE(parsed.ok()) << parsed.status();
+}
+
+}  // namespace
+}  // namespace kvpool
+
+namespace kvpool {
+namespace {
+
+// WriteRotationFile goes through kvpool::WriteFileAtomically: through a symbolic link (the link
+// stays), the id is the SHA-256 of the bytes written, and a failed write names the path and
+// leaves the id alone.
+TEST(RotationFileWriteTest, WritesAtomicallyThroughALinkAndSetsTheIdOnlyOnSuccess) {
+  namespace fs = std::filesystem;
+  const std::string dir = ::testing::TempDir() + "/kvpool_rotation_write";
+  fs::remove_all(dir);
+  fs::create_directories(dir + "/real");
+  { std::ofstream(dir + "/real/rot.safetensors") << "old"; }
+  fs::create_symlink("real/rot.safetensors", dir + "/rot.safetensors");
+  auto rot = RotationSet::Hadamard(HadamardMeta(1, 16, 2, 1));
+  ASSERT_TRUE(rot.ok()) << rot.status();
+  rot->set_rotation_id_hex("unchanged");
+  const absl::Status bad = WriteRotationFile(&*rot, dir + "/missing/rot.safetensors");
+  EXPECT_EQ(bad.code(), absl::StatusCode::kInternal);
+  EXPECT_NE(bad.message().find(dir + "/missing/rot.safetensors"), std::string::npos) << bad;
+  EXPECT_EQ(rot->rotation_id_hex(), "unchanged");
+
+  ASSERT_TRUE(WriteRotationFile(&*rot, dir + "/rot.safetensors").ok());
+  EXPECT_TRUE(fs::is_symlink(fs::symlink_status(dir + "/rot.safetensors")));
+  std::ifstream in(dir + "/real/rot.safetensors", std::ios::binary);
+  const std::string bytes(std::istreambuf_iterator<char>(in), {});
+  EXPECT_EQ(bytes, SerializeRotations(*rot));
+  EXPECT_EQ(rot->rotation_id_hex(), ToHex(Sha256(bytes)));
+  EXPECT_EQ(std::distance(fs::directory_iterator(dir + "/real"), {}), 1);  // no temporary file
+  auto read = ReadRotationFile(dir + "/rot.safetensors");
+  ASSERT_TRUE(read.ok()) << read.status();
+  EXPECT_EQ(read->rotation_id_hex(), rot->rotation_id_hex());
+  fs::remove_all(dir);
 }
 
 }  // namespace

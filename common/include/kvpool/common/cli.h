@@ -61,17 +61,15 @@ void Setup(CLI::App& app, const std::string& program_name);
 // Usage: app.add_option("--report", path, "...")->check(kvpool::cli::OutputFile());
 const CLI::Validator& OutputFile();
 
-// The file a write to `path` replaces: `path` itself, or, when `path` is a symbolic link
-// (possibly a chain), the file the last link names (a relative target is resolved against its
-// link's directory). Follows at most 40 links. Reads the file system; thread-safe.
+// The file a write to `path` replaces (kvpool::AtomicWriteTarget, kvpool/common/atomic_file.h):
+// `path` itself, or, when `path` is a symbolic link (possibly a chain), the file the last link
+// names. Reads the file system; thread-safe.
 std::string OutputTarget(const std::string& path);
 
-// Writes `bytes` to OutputTarget(path) atomically: into a new temporary file in the target's
-// directory ("TARGET.tmp-PID-N", O_EXCL, mode 0666 minus the umask), given the mode of the file
-// it replaces, flushed to disk (fsync), then renamed over the target, so a reader sees the old
-// or the new content, never a part, and a symbolic link `path` stays a link whose target has
-// the new bytes. Errors: INTERNAL naming the file and the errno text (the temporary file is
-// removed). Thread-safe (two writers of one path: the last rename wins).
+// Writes `bytes` to OutputTarget(path) atomically (temporary file beside the target, fsync,
+// rename; a symbolic link stays a link whose target has the new bytes): the one atomic writer,
+// kvpool::WriteFileAtomically (kvpool/common/atomic_file.h), under the name the binaries use.
+// Errors: INTERNAL naming the file and the errno text. Thread-safe.
 absl::Status WriteOutputFile(const std::string& path, std::string_view bytes);
 
 // CLI11 check that a value is a T in [min, max]. Unlike CLI::Range, whose message for a value

@@ -114,8 +114,9 @@ class SafetensorsWriter {
   // The file bytes. Deterministic: tensors laid out in name order, JSON keys sorted, header
   // padded with spaces to a multiple of 8 bytes.
   std::string Serialize() const;
-  // Writes Serialize() to `path` (through a temporary file renamed into place). INTERNAL on
-  // I/O failure naming the path.
+  // Writes Serialize() to `path` atomically, through a symbolic link
+  // (kvpool::WriteFileAtomically, kvpool/common/atomic_file.h). INTERNAL on I/O failure naming
+  // the path.
   absl::Status WriteFile(const std::string& path) const;
 
  private:

@@ -36,7 +36,9 @@ inline constexpr char kRotationFileFormat[] = "kvpool-rotations";
 // The file bytes of `rot`. Sets nothing; see WriteRotationFile for the id.
 std::string SerializeRotations(const RotationSet& rot);
 
-// Writes the file and records its id in `*rot` (rotation_id_hex). INTERNAL on I/O errors.
+// Writes the file atomically, through a symbolic link (kvpool::WriteFileAtomically,
+// kvpool/common/atomic_file.h), and records its id in `*rot` (rotation_id_hex); `*rot` is
+// unchanged on failure. INTERNAL on I/O errors, naming the path.
 absl::Status WriteRotationFile(RotationSet* rot, const std::string& path);
 
 // Largest accepted max |R Rᵀ − I| (fp64 arithmetic over the stored fp32 matrix). A float32-saved
