@@ -664,8 +664,10 @@ __global__ void __launch_bounds__(kThreads, (D <= 128 ? (KT == 1 ? 5 : 4) : 2))
     }
     if (next_batch) pid_nxt = load_pid(pid_batch + 1);  // after the copies: nothing waits on it
   };
+  // The whole ring is filled before the wait for q̃ (v9: the copies read page ids only, never q̃),
+  // so a CTA resident while QRotateKernel runs has kStages stages of loads in flight.
 #pragma unroll
-  for (int t = 0; t < kStages - 1; ++t) issue(t);
+  for (int t = 0; t < kStages; ++t) issue(t);
 
   // ---- q̃ (written by QRotateKernel) → 16-bit integers per head, in shared memory ----
   if (a.pdl_wait_first) PdlWait();
@@ -754,7 +756,6 @@ __global__ void __launch_bounds__(kThreads, (D <= 128 ? (KT == 1 ? 5 : 4) : 2))
   }
 
   for (int ts = 0; ts < my_stages; ++ts) {
-    issue(ts + kStages - 1);
     const int s = ts % kStages;
     MbarWait(&bar[s], uint32_t(ts / kStages) & 1u);
 #pragma unroll
@@ -959,6 +960,9 @@ __global__ void __launch_bounds__(kThreads, (D <= 128 ? (KT == 1 ? 5 : 4) : 2))
       }
     }  // step t of stage ts
     __syncwarp();
+    // Refill the stage just consumed (the same point in time as issuing it at the top of the next
+    // iteration, as v8 did, and the same one stage of lead).
+    issue(ts + kStages);
   }
 
   // ---- reduce per-lane sums over the 8 lane groups ----
