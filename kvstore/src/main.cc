@@ -133,6 +133,12 @@ int main(int argc, char** argv) {
                  "On SIGTERM: time between readiness off and refusing new calls (lets load "
                  "balancers stop routing)")
       ->check(kvpool::cli::Range(int64_t{0}, int64_t{600000}));
+  app.add_option("--rotation-dir", o.rotation_dir,
+                 "Directory whose files RegisterModel's rotation_path may name (relative paths "
+                 "are taken from it; symbolic links must stay inside it). Empty = the pool reads "
+                 "no rotation file for a client: rotation_path is refused and clients send the "
+                 "file's bytes (rotation_file)")
+      ->check(CLI::ExistingDirectory);
   std::string commit_device = "auto";
   app.add_option("--commit-device", commit_device,
                  "Where commits rotate and quantize: auto (the GPU when this build has CUDA and "

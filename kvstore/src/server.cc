@@ -22,6 +22,7 @@
 #include "kvpool/common/host_port.h"
 #include "kvpool/common/log.h"
 #include "kvpool/common/status.h"
+#include "rotation_source.h"
 #include "service.h"
 
 #if defined(KVPOOL_HAVE_TRANSPORT)
@@ -172,6 +173,8 @@ absl::StatusOr<std::unique_ptr<PoolServer>> PoolServer::Create(const PoolServerO
                      ", Address already in use (it is the gRPC port of --listen ", o.listen, ")"));
   }
 
+  KVPOOL_ASSIGN_OR_RETURN(const std::string rotation_dir, CanonicalRotationDir(o.rotation_dir));
+
   // Data plane memory.
   std::string worker_address;
   if (o.transfer_initiator != "auto" && o.transfer_initiator != "pool" &&
@@ -224,6 +227,7 @@ absl::StatusOr<std::unique_ptr<PoolServer>> PoolServer::Create(const PoolServerO
   ServiceContext ctx;
   ctx.store = impl->store.get();
   ctx.ucx_worker_address = worker_address;
+  ctx.rotation_dir = rotation_dir;
   impl->worker_address = worker_address;
 #if defined(KVPOOL_HAVE_TRANSPORT)
   ctx.transport = impl->transport.get();
@@ -297,9 +301,11 @@ absl::StatusOr<std::unique_ptr<PoolServer>> PoolServer::Create(const PoolServerO
   raw->tick_thread = std::thread([raw] { raw->TickLoop(); });
   KVPOOL_LOG_INFO(
       "kvpool-server ready: grpc {}:{} metrics {} capacity {} bytes data-plane {} transfers "
-      "initiated by the {}",
+      "initiated by the {} rotation_path {}",
       listen.host, raw->grpc_port, raw->http_port, o.capacity_bytes, o.data_plane,
-      ctx.pool_initiates_transfers ? "pool" : "client");
+      ctx.pool_initiates_transfers ? "pool" : "client",
+      rotation_dir.empty() ? std::string("refused (no --rotation-dir)")
+                           : absl::StrCat("under ", rotation_dir));
   return std::unique_ptr<PoolServer>(new PoolServer(std::move(impl)));
 }
 

@@ -31,6 +31,10 @@ struct ServiceContext {
   std::shared_ptr<transport::MemoryRegion> arena;
   // Tell clients to use WritePut/ReadLeased instead of addressing the pool's memory.
   bool pool_initiates_transfers = false;
+  // The only directory RegisterModelRequest.rotation_path may name a file in (realpath, from
+  // CanonicalRotationDir in rotation_source.h); "" = the pool reads no rotation file for a
+  // client (ResolveRotationPath refuses rotation_path).
+  std::string rotation_dir;
 };
 
 std::unique_ptr<grpc::Service> MakeKvPoolService(const ServiceContext& ctx);

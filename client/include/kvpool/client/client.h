@@ -137,7 +137,9 @@ struct ModelSpec {
   float clip_ratio_v = 0.92f;
   std::string history_precision = "int2";  // "int2" or "bf16"
   std::optional<TensorParallelShard> tensor_parallel;
-  // Exactly one of: the rotation file's bytes (safetensors), or a path the pool can read.
+  // Exactly one of: the rotation file's bytes (safetensors), or the path of a file under the
+  // pool's --rotation-dir (relative to it or absolute; a pool started without one refuses it
+  // with FAILED_PRECONDITION, docs/OPERATIONS.md).
   std::string rotation_file;
   std::string rotation_path;
 };

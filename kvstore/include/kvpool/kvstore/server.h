@@ -49,6 +49,12 @@ struct PoolServerOptions {
   // Tests: builds the data plane instead of CreateUcxTransport (e.g. a FakeFabric transport).
   // Ignored unless data_plane is "ucx". Default: none.
   std::function<absl::StatusOr<std::unique_ptr<transport::Transport>>()> transport_factory;
+  // The directory RegisterModelRequest.rotation_path may name a file in (a relative path is
+  // taken from it; symbolic links are resolved and must stay inside it). "" = rotation_path is
+  // refused with FAILED_PRECONDITION and clients send the bytes (rotation_file) or a
+  // rotation_id. Create fails with INVALID_ARGUMENT when it is set but not a directory.
+  // Default "".
+  std::string rotation_dir;
   // Period of lease/put expiry and watermark eviction. Default 100 ms.
   absl::Duration tick_interval = absl::Milliseconds(100);
   StoreOptions store;
