@@ -165,7 +165,8 @@ __global__ void __launch_bounds__(kThreads, (D == 128 && NT == 1) ? 4 : 1)
   constexpr int kSub = 1;  // 16-token units per warp step
   extern __shared__ __align__(128) uint8_t smem[];
 
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  // Warp index through a shuffle from lane 0, so the compiler treats it as warp-uniform.
+  const int warp = __shfl_sync(0xffffffffu, int(threadIdx.x >> 5), 0), lane = threadIdx.x & 31;
   const int g = lane >> 2, tig = lane & 3;
 
   int sx = blockIdx.x;
@@ -559,7 +560,9 @@ __global__ void __launch_bounds__(kThreads, (D <= 128 ? (KT == 1 ? 5 : 4) : 2))
   __shared__ float q_inv_s[kHeads];
   __shared__ float q_sum[kHeads][kNG];  // Σ v over the group, times 1/S
 
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  // The warp index through a shuffle from lane 0: the compiler then treats it (and the split
+  // bounds derived from it) as warp-uniform.
+  const int warp = __shfl_sync(0xffffffffu, int(threadIdx.x >> 5), 0), lane = threadIdx.x & 31;
   const int g = lane >> 2, tig = lane & 3;
   // Token order inside a 16-token unit. Lane group g holds the logits of tokens krow and
   // krow + 8, krow = σ(g) = [0, 4, 1, 5, 2, 6, 3, 7][g], so that after movmatrix.trans the P'
