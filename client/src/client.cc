@@ -141,41 +141,37 @@ CopyBf16CheckFinite(uint16_t* __restrict dst, const uint16_t* __restrict src, si
   return bad;
 }
 
-// PackLayerSlice for heads [h0, h1) of block `block` (out = the block's layer slice), fused with
-// the NaN/Inf scan of exactly the values copied. True when all of them are finite.
-bool PackHeadsCheckFinite(const BlockGeometry& g, uint32_t block, uint32_t h0, uint32_t h1,
-                          const uint16_t* k, const uint16_t* v, uint8_t* out) {
+// PackLayerSlice for rows [r0, r1) of block `block`'s layer slice (out = the slice), fused with
+// the NaN/Inf scan of exactly the values copied. Row r of the slice (2·d bytes) is head
+// h = r / (2P), K for (r mod 2P) < P else V, token t = r mod P (docs/BLOCK_FORMAT.md "BF16 form").
+// True when all of them are finite.
+bool PackRowsCheckFinite(const BlockGeometry& g, uint32_t block, uint32_t r0, uint32_t r1,
+                         const uint16_t* k, const uint16_t* v, uint8_t* out) {
   const uint32_t P = g.page_size, H = g.num_kv_heads, d = g.head_dim;
+  auto* rows = reinterpret_cast<uint16_t*>(out);
   uint16_t bad = 0;
-  for (uint32_t h = h0; h < h1; ++h) {
-    auto* chunk = reinterpret_cast<uint16_t*>(out + size_t(h) * g.Bf16ChunkBytes());
-    uint16_t* vrows = chunk + g.Bf16VOffset() / 2;
-    for (uint32_t t = 0; t < P; ++t) {
-      const size_t src = (size_t(block) * P + t) * H * d + size_t(h) * d;
-      bad |= CopyBf16CheckFinite(chunk + size_t(t) * d, k + src, d);
-      bad |= CopyBf16CheckFinite(vrows + size_t(t) * d, v + src, d);
-    }
+  for (uint32_t r = r0; r < r1; ++r) {
+    const uint32_t h = r / (2 * P), q = r % (2 * P);
+    const uint32_t t = q % P;
+    const size_t src = (size_t(block) * P + t) * H * d + size_t(h) * d;
+    bad |= CopyBf16CheckFinite(rows + size_t(r) * d, (q < P ? k : v) + src, d);
   }
   return (bad & 0x8000u) == 0;
 }
 
 std::string HexPrefix(const Digest& d) { return ToHex(d).substr(0, 12); }
 
-// Copies `size` bytes from `src` to `dst` and returns the xxh3 of `dst`, in chunks small enough
-// to stay in the L2 cache between the copy and the hash (one pass over memory, not two).
+// Copies `size` bytes from `src` to `dst` and returns the form checksum of `dst`
+// (docs/BLOCK_FORMAT.md "Checksums"), hashing each 16 KiB chunk right after it is copied, while
+// it is in the L1 cache (one pass over memory, not two).
 uint64_t CopyAndHash(uint8_t* dst, const uint8_t* src, size_t size) {
-  constexpr size_t kChunk = 128 << 10;
-  if (size <= kChunk) {
-    std::memcpy(dst, src, size);
-    return Xxh3(dst, size);
-  }
-  Xxh3Stream h;
-  for (size_t off = 0; off < size; off += kChunk) {
-    const size_t n = std::min(kChunk, size - off);
+  FormChecksumBuilder h(size);
+  for (size_t off = 0; off < size; off += kChecksumChunkBytes) {
+    const size_t n = std::min(kChecksumChunkBytes, size - off);
     std::memcpy(dst + off, src + off, n);
-    h.Update(dst + off, n);
+    h.Add(off, dst + off, n);
   }
-  return h.Digest();
+  return h.Finish();
 }
 
 class ClientImpl;
@@ -215,7 +211,7 @@ class PutSessionImpl final : public PutSession {
         deadline_(deadline),
         cancel_(std::move(cancel)) {
     for (size_t i = 0; i < writes_.size(); ++i) {
-      hashes_.push_back(std::make_unique<Xxh3Stream>());
+      hashes_.push_back(std::make_unique<FormChecksumBuilder>(conn_.geometry.Bf16FormBytes()));
     }
     direct_ = conn_.arena != nullptr && !pool_initiates();
     for (const Block& b : writes_) direct_ &= b.mapped != nullptr;
@@ -236,8 +232,9 @@ class PutSessionImpl final : public PutSession {
   // Bf16LayerBytes), scanning the copied values for NaN/Inf in the same pass (when
   // ClientOptions::check_finite) and feeding the packed bytes to each block's checksum. Shared
   // by the three data paths. Large layers are spread over the client's CopyPool: with many
-  // blocks one task per block (independent hash streams), with few blocks chunks of heads whose
-  // hashes the calling thread streams in order while the workers pack. A non-finite value
+  // blocks one task per block, with few blocks one task per 16 KiB checksum chunk (packed and
+  // hashed by the same thread; the calling thread streams only the parts of chunks that
+  // straddle layers). A non-finite value
   // returns INVALID_ARGUMENT naming the layer and the first bad token and poisons the put
   // (some blocks' checksums already took the layer; Commit fails with the same status).
   absl::Status PackLayer(uint32_t layer, const uint16_t* k, const uint16_t* v,
@@ -258,7 +255,7 @@ class PutSessionImpl final : public PutSession {
   std::vector<Block> writes_;
   absl::Time deadline_;
   std::shared_ptr<CancelToken> cancel_;
-  std::vector<std::unique_ptr<Xxh3Stream>> hashes_;
+  std::vector<std::unique_ptr<FormChecksumBuilder>> hashes_;  // per WRITE block
   // Direct mode: every WRITE block's staging is mapped (Block::mapped); layers are packed
   // straight into the pool's memory, with no transfer.
   bool direct_ = false;
@@ -909,10 +906,11 @@ class ClientImpl final : public Client {
   }
 
   // Direct-mode fetch: copies each leased form (sources[j], items[j].loc->size bytes) to
-  // dests[j] and sets (*sums)[j] to the xxh3 of the copied bytes (verify) or to the leased
-  // checksum (no verify). Large fetches use the copy pool: one task per form when there are
-  // many, else pieces of 4-32 KiB copied by every thread while this thread hashes each form's
-  // pieces in order (a form's xxh3 is one stream).
+  // dests[j] and sets (*sums)[j] to the form checksum of the copied bytes (verify) or to the
+  // leased checksum (no verify). Large fetches use the copy pool: one task per form when there
+  // are many, else pieces of one or two 16 KiB checksum chunks (docs/BLOCK_FORMAT.md
+  // "Checksums"), each copied and hashed by the thread that takes it while the chunk is in its
+  // L1; the calling thread only combines the chunk digests.
   template <typename ItemT>
   void CopyForms(const std::vector<uint8_t*>& dests, const std::vector<const uint8_t*>& sources,
                  const std::vector<ItemT>& items, bool verify, uint64_t total,
@@ -937,9 +935,10 @@ class ClientImpl final : public Client {
       pool.Run(n, whole);
       return;
     }
-    // Pieces of 4..32 KiB, at least two per thread.
-    const uint64_t piece_bytes =
-        std::clamp<uint64_t>(total / (2 * pool.threads()) / 64 * 64, 4 << 10, 32 << 10);
+    // Pieces of one or two whole chunks, at least two per thread when there are enough.
+    const uint64_t piece_bytes = total >= 4 * kChecksumChunkBytes * pool.threads()
+                                     ? 2 * kChecksumChunkBytes
+                                     : kChecksumChunkBytes;
     struct Piece {
       size_t item;
       uint64_t offset, size;
@@ -951,22 +950,65 @@ class ClientImpl final : public Client {
         pieces.push_back({j, off, std::min(piece_bytes, size - off)});
       }
     }
-    auto copy = [&](size_t p) {
-      const Piece& c = pieces[p];
-      std::memcpy(dests[c.item] + c.offset, sources[c.item] + c.offset, c.size);
-    };
     if (!verify) {
-      pool.Run(pieces.size(), copy);
+      pool.Run(pieces.size(), [&](size_t p) {
+        const Piece& c = pieces[p];
+        std::memcpy(dests[c.item] + c.offset, sources[c.item] + c.offset, c.size);
+      });
       for (size_t j = 0; j < n; ++j) (*sums)[j] = items[j].loc->xxh3;
       return;
     }
-    std::vector<std::unique_ptr<Xxh3Stream>> streams;
-    for (size_t j = 0; j < n; ++j) streams.push_back(std::make_unique<Xxh3Stream>());
-    pool.Run(pieces.size(), copy, [&](size_t p) {
+    std::vector<std::unique_ptr<FormChecksumBuilder>> builders;
+    for (size_t j = 0; j < n; ++j)
+      builders.push_back(std::make_unique<FormChecksumBuilder>(items[j].loc->size));
+    pool.Run(pieces.size(), [&](size_t p) {
       const Piece& c = pieces[p];
-      streams[c.item]->Update(dests[c.item] + c.offset, c.size);
+      for (uint64_t off = c.offset; off < c.offset + c.size; off += kChecksumChunkBytes) {
+        const uint64_t len = std::min<uint64_t>(kChecksumChunkBytes, c.offset + c.size - off);
+        std::memcpy(dests[c.item] + off, sources[c.item] + off, len);
+        builders[c.item]->Add(off, dests[c.item] + off, len);  // a whole chunk: any thread
+      }
     });
-    for (size_t j = 0; j < n; ++j) (*sums)[j] = streams[j]->Digest();
+    for (size_t j = 0; j < n; ++j) (*sums)[j] = builders[j]->Finish();
+  }
+
+  // The form checksums of forms already in memory (forms[j], sizes[j] bytes), into (*sums)[j]:
+  // on the calling thread below parallel_fetch_min_bytes, else spread over the copy pool (one
+  // task per form when there are many, else one per 16 KiB chunk). skip[j] leaves (*sums)[j].
+  void HashForms(const std::vector<const uint8_t*>& forms, const std::vector<uint64_t>& sizes,
+                 const std::vector<bool>& skip, std::vector<uint64_t>* sums) {
+    CopyPool& pool = *copy_pool_;
+    const size_t n = forms.size();
+    uint64_t total = 0;
+    for (size_t j = 0; j < n; ++j) total += skip[j] ? 0 : sizes[j];
+    auto one = [&](size_t j) {
+      if (!skip[j]) (*sums)[j] = FormChecksum(forms[j], sizes[j]);
+    };
+    if (pool.threads() <= 1 || total < options_.parallel_fetch_min_bytes ||
+        n >= size_t(2 * pool.threads())) {
+      if (pool.threads() > 1 && total >= options_.parallel_fetch_min_bytes) {
+        pool.Run(n, one);
+      } else {
+        for (size_t j = 0; j < n; ++j) one(j);
+      }
+      return;
+    }
+    std::vector<std::pair<size_t, uint64_t>> chunks;  // (form, chunk)
+    std::vector<std::unique_ptr<FormChecksumBuilder>> builders;
+    for (size_t j = 0; j < n; ++j) {
+      builders.push_back(std::make_unique<FormChecksumBuilder>(sizes[j]));
+      if (skip[j]) continue;
+      for (uint64_t c = 0; c < ChecksumChunks(sizes[j]); ++c) chunks.emplace_back(j, c);
+    }
+    pool.Run(chunks.size(), [&](size_t t) {
+      const auto [j, c] = chunks[t];
+      const uint64_t off = c * kChecksumChunkBytes;
+      builders[j]->Add(off, forms[j] + off,
+                       std::min<uint64_t>(kChecksumChunkBytes, sizes[j] - off));
+    });
+    for (size_t j = 0; j < n; ++j) {
+      if (!skip[j]) (*sums)[j] = builders[j]->Finish();
+    }
   }
 
   const ClientOptions& options() const { return options_; }
@@ -1056,51 +1098,71 @@ absl::Status PutSessionImpl::PackLayer(uint32_t layer, const uint16_t* k, const 
   const BlockGeometry& g = conn_.geometry;
   const size_t blocks = writes_.size();
   const uint64_t slice = g.Bf16LayerBytes();
+  const uint64_t base = uint64_t(layer) * slice;  // the layer's offset in each block's form
   CopyPool& pool = client_->copy_pool();
   const bool parallel = pool.threads() > 1 && blocks * slice >= client_->parallel_put_min_bytes();
-  // Tasks: whole blocks (pack + hash in the task: each block has its own hash stream) when
-  // there are enough of them to keep every thread busy; else chunks of about kChunkBytes of
-  // heads, hashed in order by the calling thread while it is still in a cache nearby (inline,
-  // each chunk is hashed right after it is packed).
-  // Chunks of at most 16 KiB (the inline path packs and hashes each while it is in L1/L2),
-  // and at least two per thread when the workers share the layer.
-  const bool per_block = parallel && blocks >= size_t(2 * pool.threads());
-  const uint64_t chunk_bytes = std::min<uint64_t>(
-      16 << 10, parallel ? blocks * slice / (2 * pool.threads()) : uint64_t{16} << 10);
-  const uint32_t heads_per_task =
-      per_block ? g.num_kv_heads
-                : std::clamp<uint32_t>(static_cast<uint32_t>(chunk_bytes / g.Bf16ChunkBytes()), 1,
-                                       g.num_kv_heads);
-  const uint32_t tasks_per_block = (g.num_kv_heads + heads_per_task - 1) / heads_per_task;
-  const size_t tasks = blocks * tasks_per_block;
-  std::vector<uint8_t> finite(tasks, 1);
-  auto range = [&](size_t t, uint32_t* h0, uint32_t* h1) {
-    *h0 = static_cast<uint32_t>(t % tasks_per_block) * heads_per_task;
-    *h1 = std::min(g.num_kv_heads, *h0 + heads_per_task);
+  // Pieces: the layer slice [base, base + slice) of each block cut at the form checksum's chunk
+  // boundaries (multiples of kChecksumChunkBytes in the form; docs/BLOCK_FORMAT.md
+  // "Checksums"), so a piece is a whole chunk (which the thread that packs it hashes right away,
+  // while it is in that thread's L1) or the part of a chunk that straddles layers (fed to the
+  // block's streaming state, in order). Chunk boundaries fall on row boundaries (a K or V row is
+  // 2·d bytes, d a power of two ≤ 8192, which divides 16 KiB).
+  struct Piece {
+    uint64_t begin, end;  // bytes of the layer slice
+    bool whole;           // covers a whole checksum chunk of the form
   };
-  auto pack = [&](size_t t) {
-    const size_t i = t / tasks_per_block;
-    uint32_t h0, h1;
-    range(t, &h0, &h1);
-    finite[t] = PackHeadsCheckFinite(g, writes_[i].index, h0, h1, k, v, dst(i));
+  std::vector<Piece> pieces;
+  const uint64_t form = g.Bf16FormBytes();
+  for (uint64_t at = base; at < base + slice;) {
+    const uint64_t chunk_start = at / kChecksumChunkBytes * kChecksumChunkBytes;
+    const uint64_t chunk_end = std::min<uint64_t>(chunk_start + kChecksumChunkBytes, form);
+    const uint64_t end = std::min(chunk_end, base + slice);
+    pieces.push_back({at - base, end - base, at == chunk_start && end == chunk_end});
+    at = end;
+  }
+  const size_t per_block = pieces.size();
+  const uint32_t row_bytes = 2 * g.head_dim;
+  std::vector<uint8_t> finite(blocks * per_block, 1);
+  // Packs piece p of block i (rows [begin, end) / row_bytes of its slice) and, when the piece is
+  // a whole chunk, hashes it into the block's checksum.
+  auto pack = [&](size_t i, size_t p) {
+    const Piece& c = pieces[p];
+    uint8_t* out = dst(i);
+    finite[i * per_block + p] =
+        PackRowsCheckFinite(g, writes_[i].index, static_cast<uint32_t>(c.begin / row_bytes),
+                            static_cast<uint32_t>(c.end / row_bytes), k, v, out);
+    if (c.whole) hashes_[i]->Add(base + c.begin, out + c.begin, c.end - c.begin);
   };
-  auto hash = [&](size_t t) {
-    const size_t i = t / tasks_per_block;
-    uint32_t h0, h1;
-    range(t, &h0, &h1);
-    hashes_[i]->Update(dst(i) + h0 * g.Bf16ChunkBytes(), (h1 - h0) * g.Bf16ChunkBytes());
+  // Feeds a piece that is part of a chunk to the block's streaming state (in order).
+  auto stream = [&](size_t i, size_t p) {
+    const Piece& c = pieces[p];
+    if (!c.whole) hashes_[i]->Add(base + c.begin, dst(i) + c.begin, c.end - c.begin);
   };
-  if (per_block) {
-    pool.Run(tasks, [&](size_t t) {
-      pack(t);
-      hash(t);
+  const size_t tasks = blocks * per_block;
+  if (parallel && blocks >= size_t(2 * pool.threads())) {
+    // Many blocks: one task per block (its pieces in order; each block has its own checksum).
+    pool.Run(blocks, [&](size_t i) {
+      for (size_t p = 0; p < per_block; ++p) {
+        pack(i, p);
+        stream(i, p);
+      }
     });
   } else if (parallel) {
-    pool.Run(tasks, pack, hash);
+    // Few blocks: any thread packs and hashes any whole chunk; the calling thread streams the
+    // pieces of chunks that straddle layers, in order (none when the layer slice is a multiple
+    // of 16 KiB).
+    bool partial = false;
+    for (const Piece& c : pieces) partial |= !c.whole;
+    auto work = [&](size_t t) { pack(t / per_block, t % per_block); };
+    if (partial) {
+      pool.Run(tasks, work, [&](size_t t) { stream(t / per_block, t % per_block); });
+    } else {
+      pool.Run(tasks, work);
+    }
   } else {
     for (size_t t = 0; t < tasks; ++t) {
-      pack(t);
-      hash(t);  // while the chunk is in the L1/L2 cache
+      pack(t / per_block, t % per_block);  // hashed right after it is packed, in L1
+      stream(t / per_block, t % per_block);
     }
   }
   if (!client_->options().check_finite) return absl::OkStatus();
@@ -1109,7 +1171,7 @@ absl::Status PutSessionImpl::PackLayer(uint32_t layer, const uint16_t* k, const 
   if (bad == tasks) return absl::OkStatus();
   // Name the first non-finite token of the first bad block (element by element, rare path).
   const size_t row = size_t(g.num_kv_heads) * g.head_dim;
-  const uint32_t block = writes_[bad / tasks_per_block].index;
+  const uint32_t block = writes_[bad / per_block].index;
   absl::Status s = absl::InternalError("put: NaN/Inf flagged but not found");
   for (uint32_t t = 0; t < g.page_size && s.code() == absl::StatusCode::kInternal; ++t) {
     const size_t base = (size_t(block) * g.page_size + t) * row;
@@ -1248,7 +1310,7 @@ absl::StatusOr<PutResult> PutSessionImpl::Commit() {
   }
   std::vector<std::pair<uint32_t, uint64_t>> sums;
   for (size_t i = 0; i < writes_.size(); ++i)
-    sums.emplace_back(writes_[i].index, hashes_[i]->Digest());
+    sums.emplace_back(writes_[i].index, hashes_[i]->Finish());
   pb::CommitPutResponse resp;
   absl::Status s = client_->CommitRpc(conn_, put_id_, sums, deadline_, cancel_, &resp);
   if (!s.ok()) {
@@ -1493,19 +1555,16 @@ absl::StatusOr<FetchResult> ClientImpl::Fetch(const Lease& lease, const FetchPla
   // form on the copy pool when the fetch is large.
   if (!direct && plan.verify_checksums) {
     copied_sums.assign(items.size(), 0);
-    uint64_t total = 0;
-    for (const Item& it : items) total += it.loc->size;
-    auto hash = [&](size_t j) {
-      const Item& it = items[j];
-      if (!out.block_status[it.block].ok()) return;
+    std::vector<const uint8_t*> forms;
+    std::vector<uint64_t> sizes;
+    std::vector<bool> skip;
+    for (const Item& it : items) {
       const PagePool* pool = it.form == Form::kInt2 ? plan.int2_pool : plan.bf16_pool;
-      copied_sums[j] = Xxh3(pool->region->data() + it.local_offset, it.loc->size);
-    };
-    if (copy_pool_->threads() > 1 && total >= options_.parallel_fetch_min_bytes) {
-      copy_pool_->Run(items.size(), hash);
-    } else {
-      for (size_t j = 0; j < items.size(); ++j) hash(j);
+      forms.push_back(pool->region->data() + it.local_offset);
+      sizes.push_back(it.loc->size);
+      skip.push_back(!out.block_status[it.block].ok());
     }
+    HashForms(forms, sizes, skip, &copied_sums);
   }
   // Verify checksums (fail closed: a slot reused under us would not match).
   for (size_t j = 0; j < items.size(); ++j) {
@@ -1514,8 +1573,8 @@ absl::StatusOr<FetchResult> ClientImpl::Fetch(const Lease& lease, const FetchPla
     const uint64_t got = direct || plan.verify_checksums ? copied_sums[j] : it.loc->xxh3;
     if (got != it.loc->xxh3) {
       out.block_status[it.block] = absl::DataLossError(
-          absl::StrCat("block ", it.block, " (", HexPrefix(lease.blocks[it.block].key), "): xxh3 ",
-                       got, " != leased ", it.loc->xxh3));
+          absl::StrCat("block ", it.block, " (", HexPrefix(lease.blocks[it.block].key),
+                       "): form checksum (chunked xxh3) ", got, " != leased ", it.loc->xxh3));
     }
     out.bytes += it.loc->size;
   }

@@ -1,11 +1,13 @@
 // client/src/copy_pool.h — a small pool of worker threads for the client's per-byte work
-// (packing a put layer with its NaN/Inf scan, copying a fetched form), with an ordered
-// completion hook on the calling thread for the work that must stay sequential (the streamed
-// xxh3 of a block form: one hash stream cannot be split across threads).
+// (packing a put layer with its NaN/Inf scan, copying a fetched form, hashing the checksum
+// chunks it packed or copied), with an ordered completion hook on the calling thread for the
+// work that must stay sequential (the streamed digest of a checksum chunk that straddles two
+// pieces of work).
 //
 //   CopyPool pool(4);  // the caller + 3 worker threads
-//   pool.Run(n, [&](size_t i) { copy chunk i; },       // any thread, any order
-//               [&](size_t i) { hash chunk i; });      // the caller, i = 0, 1, ..., n-1
+//   pool.Run(n, [&](size_t i) { copy + hash chunk i; });   // any thread, any order
+//   pool.Run(n, [&](size_t i) { pack piece i; },           // any thread, any order
+//               [&](size_t i) { stream piece i; });        // the caller, i = 0, 1, ..., n-1
 //
 // Internal to kvpool_client. Worker threads run only the `work` callbacks: plain memory work,
 // never a UCX or gRPC call (the transport's one-owner-thread rule is untouched).

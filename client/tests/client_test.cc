@@ -18,6 +18,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "kvpool/common/checksum.h"
 #include "kvpool/kernels/rotation.h"
 #include "kvpool/kernels/rotation_file.h"
 #include "kvpool/kvstore/encoder.h"
@@ -491,6 +492,101 @@ TEST_P(ClientTest, CorruptedStoredBytesAreDataLoss) {
   EXPECT_EQ(pools->int2_mem[g->pages[1] * Geometry().Int2FormBytes() + 17], stored[17]);
   stored[17] ^= 0x40;
   EXPECT_TRUE(c->Release(*lease).ok());
+}
+
+// Forms of several 16 KiB checksum chunks (docs/BLOCK_FORMAT.md "Checksums"), with layer slices
+// that straddle chunks (L=3, H=3, d=64: 12 KiB layers, 36 KiB BF16 forms = 16 + 16 + 4 KiB) and
+// that are whole chunks (L=2, H=4, d=128: 32 KiB layers, 64 KiB forms). The pool's commit check
+// passing is the client's chunked put checksum agreeing with the pool's, on every path (the
+// "/threads" variants pack and hash chunks on the copy threads); a byte flipped in any chunk of
+// a stored form, the short last one included, makes the verified fetch DATA_LOSS, and the
+// restored form verifies and is delivered byte for byte.
+TEST_P(ClientTest, MultiChunkFormsVerifyAndACorruptedByteInAnyChunkIsDataLoss) {
+  struct Shape {
+    uint32_t layers, heads, dim;
+  };
+  for (const Shape shape : {Shape{3, 3, 64}, Shape{2, 4, 128}}) {
+    SCOPED_TRACE(absl::StrCat("L=", shape.layers, " H=", shape.heads, " d=", shape.dim));
+    auto c = NewClient();
+    ASSERT_NE(c, nullptr);
+    ModelSpec spec = Spec("int2", absl::StrCat("-chunks-", shape.layers, shape.heads, shape.dim));
+    spec.num_layers = shape.layers;
+    spec.num_kv_heads = shape.heads;
+    spec.head_dim = shape.dim;
+    RotationMetadata meta;
+    meta.model_name = spec.model_id;
+    meta.head_dim = shape.dim;
+    meta.num_layers = shape.layers;
+    meta.num_kv_heads = shape.heads;
+    meta.clip_ratio_k = spec.clip_ratio_k;
+    meta.clip_ratio_v = spec.clip_ratio_v;
+    auto rot = RotationSet::Hadamard(meta);
+    ASSERT_TRUE(rot.ok()) << rot.status();
+    spec.rotation_file = SerializeRotations(*rot);
+    ASSERT_TRUE(c->RegisterModel(spec).ok());
+    const BlockGeometry g{shape.layers, shape.heads, shape.dim, kPage};
+    const uint32_t blocks = 4;  // sink, history (INT2), recent x 2 (BF16)
+    std::mt19937 rng(shape.layers * 100 + shape.heads);
+    std::normal_distribution<float> normal(0.f, 1.f);
+    const size_t per_layer = size_t(blocks) * kPage * shape.heads * shape.dim;
+    std::vector<std::vector<uint16_t>> k(shape.layers, std::vector<uint16_t>(per_layer));
+    std::vector<std::vector<uint16_t>> v = k;
+    for (uint32_t l = 0; l < shape.layers; ++l) {
+      for (size_t i = 0; i < per_layer; ++i) {
+        k[l][i] = testing::ToBf16(normal(rng));
+        v[l][i] = testing::ToBf16(normal(rng));
+      }
+    }
+    std::vector<uint32_t> tokens(blocks * kPage);
+    for (uint32_t i = 0; i < tokens.size(); ++i) tokens[i] = 7000 + shape.dim + i;
+    std::vector<absl::Span<const uint16_t>> ks(k.begin(), k.end()), vs(v.begin(), v.end());
+    auto put = c->Put(tokens, ks, vs);
+    ASSERT_TRUE(put.ok()) << put.status();  // the pool's check of the chunked put checksum
+    auto lease = c->Acquire(tokens);
+    ASSERT_TRUE(lease.ok()) << lease.status();
+    ASSERT_EQ(lease->blocks.size(), blocks);
+    ASSERT_TRUE(lease->blocks[0].bf16.has_value());
+    ASSERT_EQ(lease->blocks[0].bf16->size, g.Bf16FormBytes());
+    ASSERT_GT(ChecksumChunks(g.Bf16FormBytes()), 1u);
+
+    std::vector<uint8_t> bf16_mem(blocks * g.Bf16FormBytes()), int2_mem(blocks * g.Int2FormBytes());
+    auto rb = c->RegisterBuffer(bf16_mem.data(), bf16_mem.size());
+    auto ri = c->RegisterBuffer(int2_mem.data(), int2_mem.size());
+    ASSERT_TRUE(rb.ok() && ri.ok());
+    PagePool bf16_pool{*rb, g.Bf16FormBytes()}, int2_pool{*ri, g.Int2FormBytes()};
+    FetchPlan plan;
+    plan.bf16_pool = &bf16_pool;
+    plan.int2_pool = &int2_pool;
+    for (int32_t i = 0; i < int32_t(blocks); ++i) {
+      plan.bf16_pages.push_back(int32_t(blocks) - 1 - i);
+      plan.int2_pages.push_back(int32_t(blocks) - 1 - i);
+    }
+    auto ok = c->Fetch(*lease, plan);
+    ASSERT_TRUE(ok.ok()) << ok.status();
+    ASSERT_EQ(ok->num_blocks, blocks);
+    // The pool lives in this process: its stored bytes are addressable here.
+    const auto* stored0 = reinterpret_cast<uint8_t*>(lease->blocks[0].bf16->remote_addr);
+    EXPECT_EQ(
+        std::memcmp(bf16_mem.data() + ok->pages[0] * g.Bf16FormBytes(), stored0, g.Bf16FormBytes()),
+        0);
+    auto* stored = const_cast<uint8_t*>(stored0);
+    const uint64_t size = g.Bf16FormBytes();
+    for (uint64_t at :
+         {uint64_t{0}, uint64_t{16383}, uint64_t{16384}, uint64_t{20000}, size - 4096, size - 1}) {
+      stored[at] ^= 0x08;
+      auto f = c->Fetch(*lease, plan);
+      stored[at] ^= 0x08;
+      ASSERT_TRUE(f.ok()) << f.status();
+      EXPECT_EQ(f->block_status[0].code(), absl::StatusCode::kDataLoss) << "byte " << at;
+      EXPECT_EQ(f->num_blocks, 0u) << "byte " << at;
+      for (uint32_t b = 1; b < blocks; ++b) EXPECT_TRUE(f->block_status[b].ok()) << b;
+    }
+    auto again = c->Fetch(*lease, plan);
+    ASSERT_TRUE(again.ok()) << again.status();
+    EXPECT_EQ(again->num_blocks, blocks);
+    EXPECT_EQ(std::memcmp(bf16_mem.data() + again->pages[0] * g.Bf16FormBytes(), stored0, size), 0);
+    EXPECT_TRUE(c->Release(*lease).ok());
+  }
 }
 
 TEST_P(ClientTest, PoolRestartGivesUnavailableThenWorksAgain) {

@@ -714,7 +714,7 @@ absl::StatusOr<CommitResult> BlockStore::CommitPut(const Digest& namespace_id, u
     }
     const uint32_t i = b.plan.index;
     const uint8_t* staging = base + b.staging_offset;
-    const uint64_t got = Xxh3(staging, b.plan.size);
+    const uint64_t got = FormChecksum(staging, b.plan.size);
     const uint64_t expected = checksums[want[i]].xxh3;
     if (got != expected) {
       metrics_->checksum_failures.fetch_add(1, std::memory_order_relaxed);
@@ -767,7 +767,7 @@ absl::StatusOr<CommitResult> BlockStore::CommitPut(const Digest& namespace_id, u
     }
     for (int f = 0; f < kNumForms; ++f) {
       if (e.wanted[f]) {
-        e.xxh3[f] = Xxh3(e.bytes[f].data(), e.bytes[f].size());
+        e.xxh3[f] = FormChecksum(e.bytes[f].data(), e.bytes[f].size());
       }
     }
   }

@@ -60,7 +60,7 @@ TEST(MetricsTest, StoreMetricsPassPromtoolAndCountActivity) {
   for (const auto& b : plan->blocks) {
     auto bytes = testing::BlockBytes(spec.geometry, 1, b.index);
     std::memcpy(mem->data() + b.staging_offset, bytes.data(), bytes.size());
-    sums.push_back({b.index, Xxh3(bytes.data(), bytes.size())});
+    sums.push_back({b.index, FormChecksum(bytes.data(), bytes.size())});
   }
   ASSERT_TRUE(store->CommitPut(info->namespace_id, plan->put_id, sums).ok());
   ASSERT_TRUE(store->Lookup(info->namespace_id, {.token_ids = testing::Tokens(1, 20)}).ok());

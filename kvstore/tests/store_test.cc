@@ -47,7 +47,7 @@ class StoreTest : public ::testing::Test {
       std::vector<uint8_t> bytes = BlockBytes(spec_.geometry, seq, b.index);
       EXPECT_EQ(bytes.size(), b.size);
       std::memcpy(mem_->data() + b.staging_offset, bytes.data(), bytes.size());
-      sums.push_back({b.index, Xxh3(bytes.data(), bytes.size())});
+      sums.push_back({b.index, FormChecksum(bytes.data(), bytes.size())});
     }
     return sums;
   }
@@ -204,7 +204,7 @@ TEST_F(StoreTest, StoredBytesAreTheEncodedFormsWithChecksums) {
       const std::vector<uint8_t>& want = f.form == kB ? bf16 : int2;
       ASSERT_EQ(f.size, want.size());
       EXPECT_EQ(0, std::memcmp(stored, want.data(), want.size())) << "block " << b.index;
-      EXPECT_EQ(f.xxh3, Xxh3(stored, f.size));
+      EXPECT_EQ(f.xxh3, FormChecksum(stored, f.size));
       EXPECT_TRUE(generations.insert(f.generation).second);
     }
   }
@@ -241,6 +241,63 @@ TEST_F(StoreTest, ChecksumMismatchIsDataLossAndChangesNothing) {
   EXPECT_EQ(store_->Stats().open_puts, 0u);
 }
 
+// The form checksum is chunked (docs/BLOCK_FORMAT.md "Checksums": 16 KiB chunks): a byte
+// flipped in any chunk of a multi-chunk staging form, including the short last chunk, is caught
+// at commit, and nothing already stored changes.
+TEST_F(StoreTest, CorruptedByteInAnyChunkIsDataLossAtCommit) {
+  // L=3, H=3, d=64, P=16: BF16 form 36864 bytes = chunks of 16384, 16384 and 4096; a layer
+  // slice is 12 KiB, so chunks straddle layers.
+  ModelSpec big = TinySpec();
+  big.model_id = "chunky";
+  big.geometry = BlockGeometry{.num_layers = 3, .num_kv_heads = 3, .head_dim = 64, .page_size = 16};
+  big.sink_tokens = 16;
+  big.recent_tokens = 16;
+  auto info = store_->RegisterModel(big, {.file_bytes = RotationFileFor(big)});
+  ASSERT_TRUE(info.ok()) << info.status();
+  const Digest ns = info->namespace_id;
+  const BlockGeometry& g = big.geometry;
+  ASSERT_EQ(g.Bf16FormBytes(), 36864u);
+  ASSERT_EQ(ChecksumChunks(g.Bf16FormBytes()), 3u);
+  auto put = [&](uint32_t seq, int64_t flip_at) -> absl::StatusOr<CommitResult> {
+    auto plan = store_->BeginPut(ns, Tokens(seq, 3 * 16), 3, {});
+    if (!plan.ok()) return plan.status();
+    std::vector<BlockChecksum> sums;
+    for (const PutBlockPlan& b : plan->blocks) {
+      std::vector<uint8_t> bytes = BlockBytes(g, seq, b.index);
+      std::memcpy(mem_->data() + b.staging_offset, bytes.data(), bytes.size());
+      sums.push_back({b.index, FormChecksum(bytes.data(), bytes.size())});
+      if (b.index == 1 && flip_at >= 0) mem_->data()[b.staging_offset + flip_at] ^= 0x10;
+    }
+    return store_->CommitPut(ns, plan->put_id, sums);
+  };
+  ASSERT_TRUE(put(1, -1).ok());
+  const uint64_t used = store_->Stats().used_bytes;
+  auto stored_ok = [&] {
+    auto lease = store_->Acquire(ns, {.token_ids = Tokens(1, 3 * 16)}, 0, {});
+    if (!lease.ok() || lease->blocks.size() != 3) return false;
+    bool ok = true;
+    for (const LeasedBlock& b : lease->blocks) {
+      for (const FormLocation& f : b.forms) {
+        ok &= FormChecksum(mem_->data() + f.offset, f.size) == f.xxh3;
+      }
+    }
+    return store_->Release(lease->lease_id).ok() && ok;
+  };
+  ASSERT_TRUE(stored_ok());
+  uint64_t failures = store_->metrics().checksum_failures.load();
+  uint32_t seq = 2;
+  for (int64_t at : {0, 9000, 16383, 16384, 30000, 32768, 36863}) {
+    auto c = put(seq++, at);
+    EXPECT_EQ(c.status().code(), absl::StatusCode::kDataLoss) << "byte " << at;
+    EXPECT_NE(c.status().message().find("block 1"), std::string_view::npos) << c.status();
+    EXPECT_EQ(store_->metrics().checksum_failures.load(), ++failures);
+    EXPECT_EQ(store_->Stats().used_bytes, used) << "byte " << at;
+    EXPECT_EQ(store_->Stats().open_puts, 0u);
+    EXPECT_TRUE(stored_ok()) << "byte " << at;
+  }
+  EXPECT_TRUE(put(seq, -1).ok());  // the same put with intact bytes commits
+}
+
 TEST_F(StoreTest, NonFiniteIsRefusedNamingBlockLayerHeadToken) {
   ASSERT_TRUE(Put(5, 3).ok());
   auto before = store_->Acquire(ns_, {.token_ids = Tokens(5, 12)}, 0, {});
@@ -260,7 +317,7 @@ TEST_F(StoreTest, NonFiniteIsRefusedNamingBlockLayerHeadToken) {
       std::memcpy(bytes.data() + at, &inf, 2);
     }
     std::memcpy(mem_->data() + b.staging_offset, bytes.data(), bytes.size());
-    sums.push_back({b.index, Xxh3(bytes.data(), bytes.size())});
+    sums.push_back({b.index, FormChecksum(bytes.data(), bytes.size())});
   }
   auto c = store_->CommitPut(ns_, plan->put_id, sums);
   EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
@@ -279,7 +336,7 @@ TEST_F(StoreTest, NonFiniteIsRefusedNamingBlockLayerHeadToken) {
       EXPECT_EQ(a.offset, b.offset);
       EXPECT_EQ(a.generation, b.generation);
       EXPECT_EQ(a.xxh3, b.xxh3);
-      EXPECT_EQ(Xxh3(mem_->data() + a.offset, a.size), a.xxh3);
+      EXPECT_EQ(FormChecksum(mem_->data() + a.offset, a.size), a.xxh3);
     }
   }
   EXPECT_EQ(store_->metrics().nonfinite_refusals.load(), 1u);
@@ -552,7 +609,7 @@ TEST_F(StoreTest, ConcurrentClientsKeepTheStoreConsistent) {
           }
           auto bytes = BlockBytes(spec_.geometry, seq, b.index);
           std::memcpy(mem_->data() + b.staging_offset, bytes.data(), bytes.size());
-          sums.push_back({b.index, Xxh3(bytes.data(), bytes.size())});
+          sums.push_back({b.index, FormChecksum(bytes.data(), bytes.size())});
         }
         if (!store_->CommitPut(ns_, plan->put_id, sums).ok()) {
           failures++;
@@ -564,7 +621,7 @@ TEST_F(StoreTest, ConcurrentClientsKeepTheStoreConsistent) {
         }
         for (const auto& b : l->blocks) {
           for (const auto& f : b.forms) {
-            if (Xxh3(mem_->data() + f.offset, f.size) != f.xxh3) {
+            if (FormChecksum(mem_->data() + f.offset, f.size) != f.xxh3) {
               failures++;
             }
           }

@@ -117,7 +117,7 @@ TEST_P(UcxEndToEndTest, PutCommitAcquireGetByteExact) {
   for (const pb::PutBlock& b : put.blocks()) {
     auto* c = cp.add_checksums();
     c->set_index(b.index());
-    c->set_xxh3(Xxh3(src.data() + b.index() * bf16, bf16));
+    c->set_xxh3(FormChecksum(src.data() + b.index() * bf16, bf16));
   }
   pb::CommitPutResponse committed;
   st = stub->CommitPut(ctx().get(), cp, &committed);
@@ -164,7 +164,7 @@ TEST_P(UcxEndToEndTest, PutCommitAcquireGetByteExact) {
   absl::Status s = (*client)->Execute(std::move(get), absl::Now() + absl::Seconds(20));
   ASSERT_TRUE(s.ok()) << s;
   for (const Expect& e : expects) {
-    EXPECT_EQ(Xxh3(dst.data() + e.offset, e.size), e.xxh3);
+    EXPECT_EQ(FormChecksum(dst.data() + e.offset, e.size), e.xxh3);
     ASSERT_EQ(e.bytes.size(), e.size);
     EXPECT_EQ(0, std::memcmp(dst.data() + e.offset, e.bytes.data(), e.size));
   }
@@ -253,7 +253,7 @@ TEST(UcxPoolInitiatedTest, ThePoolsOwnWorkerIsRefusedAndNothingIsDamaged) {
     s->set_source_addr((*src)->address() + b.index() * bf16);
     auto* c = cp.add_checksums();
     c->set_index(b.index());
-    c->set_xxh3(Xxh3(bytes.data(), bf16));
+    c->set_xxh3(FormChecksum(bytes.data(), bf16));
   }
 
   auto refused_put = [&](pb::WritePutRequest bad, const std::string& field) {
@@ -347,7 +347,7 @@ TEST(UcxPoolInitiatedTest, ThePoolsOwnWorkerIsRefusedAndNothingIsDamaged) {
   ASSERT_EQ(read.results_size(), rl.reads_size());
   for (size_t i = 0; i < placed.size(); ++i) {
     EXPECT_EQ(read.results(static_cast<int>(i)).code(), 0) << read.results(i).message();
-    EXPECT_EQ(Xxh3((*dst)->data() + placed[i].first, placed[i].second->size()),
+    EXPECT_EQ(FormChecksum((*dst)->data() + placed[i].first, placed[i].second->size()),
               placed[i].second->xxh3());
   }
   const StoreStats stats = (*server)->store().Stats();

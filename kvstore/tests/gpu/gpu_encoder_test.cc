@@ -353,7 +353,7 @@ TEST(GpuEncoder, StoreCommitsOnTheGpu) {
     ASSERT_EQ(b.action, PutAction::kWrite);
     std::vector<uint8_t> bytes = RandomBlock(spec.geometry, 60 + b.index);
     std::memcpy((*mem)->data() + b.staging_offset, bytes.data(), bytes.size());
-    sums.push_back({b.index, Xxh3(bytes.data(), bytes.size())});
+    sums.push_back({b.index, FormChecksum(bytes.data(), bytes.size())});
   }
   auto commit = (*store)->CommitPut(info->namespace_id, plan->put_id, sums);
   ASSERT_TRUE(commit.ok()) << commit.status();
@@ -366,7 +366,7 @@ TEST(GpuEncoder, StoreCommitsOnTheGpu) {
     const uint8_t* int2 = nullptr;
     for (const FormLocation& f : b.forms) {
       (f.form == FormKind::kBf16 ? bf16 : int2) = (*mem)->data() + f.offset;
-      EXPECT_EQ(Xxh3((*mem)->data() + f.offset, f.size), f.xxh3);
+      EXPECT_EQ(FormChecksum((*mem)->data() + f.offset, f.size), f.xxh3);
     }
     EXPECT_EQ(bf16 != nullptr, b.index == 0 || b.index >= nblocks - 2) << "block " << b.index;
     EXPECT_EQ(int2 != nullptr, b.index > 0) << "block " << b.index;

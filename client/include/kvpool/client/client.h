@@ -3,7 +3,7 @@
 //
 // Control calls go over gRPC (kvpool.v1.KvPool); KV bytes move over the data plane
 // (kvpool/transport, UCX RMA): puts write un-rotated BF16 block forms into the pool's staging
-// memory, fetches read stored forms into the caller's page pools and verify their xxh3.
+// memory, fetches read stored forms into the caller's page pools and verify their checksums.
 //
 //   ClientOptions o; o.server = "127.0.0.1:7070"; o.ucx_tls = "tcp";
 //   KVPOOL_ASSIGN_OR_RETURN(auto client, Client::Create(o));
@@ -102,9 +102,10 @@ struct ClientOptions {
   // Threads that share the per-byte work of large puts and fetches (packing a layer with its
   // NaN/Inf scan, copying fetched forms out of mapped pool memory, hashing independent blocks),
   // counting the calling thread: copy_threads - 1 worker threads are started with the client.
-  // They only copy, scan and hash memory, never call UCX or gRPC. A block form's xxh3 is one
-  // stream, so for a put or fetch of few blocks the calling thread hashes the chunks in order
-  // while the workers copy the next ones. 0 = a quarter of std::thread::hardware_concurrency(),
+  // They only copy, scan and hash memory, never call UCX or gRPC. A form's checksum is made of
+  // per-16 KiB-chunk digests (docs/BLOCK_FORMAT.md "Checksums"), so for a put or fetch of few
+  // blocks every thread hashes the chunks it packs or copies, while they are in its cache.
+  // 0 = a quarter of std::thread::hardware_concurrency(),
   // clamped to 1..8 (1 on a 2-core machine: everything on the calling thread). At most 64.
   int copy_threads = 0;
   // Put layers (bytes packed by one WriteLayer) smaller than this stay on the calling thread.
