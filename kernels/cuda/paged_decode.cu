@@ -26,6 +26,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <string>
+#include <type_traits>
 
 #include "device_utils.cuh"
 #include "kvpool/kernels/block_format.h"
@@ -514,7 +515,8 @@ template <int D, int KT>
 constexpr int Int2SmemBytes() {
   using C = I2Cfg<D>;
   constexpr int ring = kWarps * C::kStages * C::kStageUnits * C::kTile;
-  constexpr int combine = kWarps * 8 * (D + 2) * 4;
+  // Combine buffers: per (warp, head slot) max, sum, weight and the D outputs.
+  constexpr int combine = kWarps * 8 * (D + 3) * 4;
   return ring > combine ? ring : combine;
 }
 
@@ -758,7 +760,12 @@ __global__ void __launch_bounds__(kThreads, (D <= 128 ? (KT == 1 ? 5 : 4) : 2))
     for (int grp = 0; grp < kNG; ++grp) mn_run[kt][grp] = 0.f;
   }
 
-  for (int ts = 0; ts < my_stages; ++ts) {
+  // One ring stage (two warp steps). kMasked: the stage holds a step that needs masking (rows
+  // past the segment's end, or units not loaded); only the warp's last stages do, so the common
+  // stages run a body without the per-unit masking branches, one basic block the compiler can
+  // schedule as a whole.
+  auto stage_body = [&](const int ts, auto masked_c) {
+    constexpr bool kMasked = decltype(masked_c)::value;
     const int s = ts % kStages;
     MbarWait(&bar[s], uint32_t(ts / kStages) & 1u);
 #pragma unroll
@@ -841,7 +848,7 @@ __global__ void __launch_bounds__(kThreads, (D <= 128 ? (KT == 1 ? 5 : 4) : 2))
             }
             logit[j][kt][r] = x;
           }
-        if (partial) {  // warp-uniform: rows past the segment's end, or of units not loaded
+        if (kMasked && partial) {  // warp-uniform: rows past the segment's end, or not loaded
           const int u = u0 + j;
           const int n = u < nunits ? min(max(seg_tokens - tok_base - 16 * u, 0), 16) : 0;
 #pragma unroll
@@ -966,6 +973,13 @@ __global__ void __launch_bounds__(kThreads, (D <= 128 ? (KT == 1 ? 5 : 4) : 2))
     // Refill the stage just consumed (the same point in time as issuing it at the top of the next
     // iteration, as v8 did, and the same one stage of lead).
     issue(ts + kStages);
+  };
+  for (int ts = 0; ts < my_stages; ++ts) {
+    // Masking is monotonic in the step index: the stage needs it iff its last step does.
+    if ((ts * kStepsPerStage + kStepsPerStage - 1) * kSub * kWarps > part_lim)
+      stage_body(ts, std::true_type{});
+    else
+      stage_body(ts, std::false_type{});
   }
 
   // ---- reduce per-lane sums over the 8 lane groups ----
@@ -1009,23 +1023,39 @@ __global__ void __launch_bounds__(kThreads, (D <= 128 ? (KT == 1 ? 5 : 4) : 2))
     }
   __syncthreads();
   const int split = seg.split_offset + sx;
-  for (int idx = threadIdx.x; idx < nh * D; idx += kThreads) {
-    const int h = idx / D, dim = idx % D;
+  // Per (warp, head) weight 2^(m_w - m) / l, computed once per head (v11; v10 recomputed the
+  // four exp2f, the sum l and a division for every output element). A NaN l (a NaN input of a
+  // valid token, or in q̃) makes every weight of the head NaN, so its outputs stay NaN; l = 0
+  // (no valid token) makes them 0.
+  float* cw = co + kWarps * kN * D;  // [kWarps][kN], inside the ring (larger than the combine)
+  if (threadIdx.x < nh) {
+    const int h = threadIdx.x;
     float mx = -INFINITY;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, cm[w * kN + h]);
     const float ms = (mx == -INFINITY) ? 0.f : mx;
-    float l = 0.f, o = 0.f;
+    float f[kWarps], l = 0.f;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) {
-      const float f = exp2f(cm[w * kN + h] - ms);
-      l += cl[w * kN + h] * f;
-      o += co[(w * kN + h) * D + dim] * f;
+      f[w] = exp2f(cm[w * kN + h] - ms);
+      l += cl[w * kN + h] * f[w];
     }
-    const size_t row = (size_t(b) * a.num_q_heads + h_first + h) * a.s_total + split;
     const bool nan = isnan(l);
-    a.part_o[row * D + dim] = nan ? NAN : (l > 0.f ? o / l : 0.f);
-    if (dim == 0) a.part_lse[row] = (overflow || nan) ? NAN : (l > 0.f ? ms + log2f(l) : -INFINITY);
+    const float inv_l = l > 0.f ? 1.f / l : 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) cw[w * kN + h] = nan ? NAN : f[w] * inv_l;
+    const size_t row = (size_t(b) * a.num_q_heads + h_first + h) * a.s_total + split;
+    a.part_lse[row] = (overflow || nan) ? NAN : (l > 0.f ? ms + log2f(l) : -INFINITY);
+  }
+  __syncthreads();
+#pragma unroll 1
+  for (int idx = threadIdx.x; idx < nh * D; idx += kThreads) {
+    const int h = idx / D, dim = idx % D;
+    float o = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) o = fmaf(co[(w * kN + h) * D + dim], cw[w * kN + h], o);
+    const size_t row = (size_t(b) * a.num_q_heads + h_first + h) * a.s_total + split;
+    a.part_o[row * D + dim] = o;
   }
   // The merge kernel waits for this grid only: make its completion imply the BF16 grid's.
   PdlWait();
