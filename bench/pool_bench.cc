@@ -7,9 +7,10 @@
 //     times only transfers.
 //   * put end to end: BeginPut → Flush (adds the BeginPut RPC), and + CommitPut (the whole
 //     two-phase put, including the pool's commit of one block).
-//   * fetch data phase: Fetch() of the leased block, verified (xxh3) — the first read of the
-//     block after its commit; then the same block again verified ("warm") and unverified
-//     (FetchPlan::verify_checksums = false), in alternating order across iterations.
+//   * fetch data phase: Fetch() of the leased block, verified (form checksum: chunked xxh3,
+//     docs/BLOCK_FORMAT.md "Checksums") — the first read of the block after its commit; then
+//     the same block again verified ("warm") and unverified (FetchPlan::verify_checksums =
+//     false), in alternating order across iterations.
 //   * fetch end to end: Acquire + the first Fetch + Release.
 //   * raw get: the same bytes with one bare RMA get through the transport (when the client may
 //     initiate transfers): the data plane without the client.
@@ -37,6 +38,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "kvpool/client/client.h"
+#include "kvpool/common/checksum.h"
 #include "kvpool/common/cli.h"
 #include "kvpool/common/log.h"
 #include "kvpool/common/version.h"
@@ -223,6 +225,10 @@ int main(int argc, char** argv) {
   out["copy_threads"] = copy_threads;  // 0: the client's default
   out["parallel_put_min_kib"] = put_min_kib;
   out["parallel_fetch_min_kib"] = fetch_min_kib;
+  // What "verified" means in this build: the form checksum of docs/BLOCK_FORMAT.md "Checksums"
+  // (protocol v1.3: xxh3_64 per 16 KiB chunk, combined), hashed by the thread that copies each
+  // chunk. Results from before it (one xxh3 stream per form) have no such field.
+  out["checksum"] = absl::StrCat("chunked xxh3_64, ", kvpool::kChecksumChunkBytes, "-byte chunks");
 
   std::printf(
       "%-9s %9s %9s %9s %9s %9s %9s %9s %9s %9s %6s %6s  (GB/s; mean over iterations; faults: "
