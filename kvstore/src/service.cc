@@ -18,6 +18,7 @@
 #include "kvpool/common/status.h"
 #include "kvpool/v1/pool.grpc.pb.h"
 #include "kvpool/v1/pool.pb.h"
+#include "rotation_source.h"
 #if defined(KVPOOL_HAVE_TRANSPORT)
 #include "kvpool/transport/transport.h"
 #include "kvpool/transport/ucx_transport.h"
@@ -406,7 +407,9 @@ class KvPoolService final : public pb::KvPool::Service {
         rot.file_bytes = req.rotation_file();
         break;
       case pb::RegisterModelRequest::kRotationPath: {
-        KVPOOL_ASSIGN_OR_RETURN(rot.file_bytes, ReadRotationPath(req.rotation_path()));
+        KVPOOL_ASSIGN_OR_RETURN(const std::string readable,
+                                ResolveRotationPath(ctx_.rotation_dir, req.rotation_path()));
+        KVPOOL_ASSIGN_OR_RETURN(rot.file_bytes, ReadRotationPath(readable));
         rot.field = absl::StrCat("rotation_path ", QuotedPath(req.rotation_path()));
         rot.redact_file_content = true;
         break;

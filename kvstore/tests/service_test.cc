@@ -867,7 +867,7 @@ TEST_F(ServiceTest, HealthReadinessAndLiveness) {
 // --rotation-dir through RegisterModel (the rules themselves: rotation_source_test.cc).
 // DISABLED until service.cc calls ResolveRotationPath before ReadRotationPath (the lead's
 // change; rotation_source.h); then drop the DISABLED_ prefix.
-TEST(RotationDirServiceTest, DISABLED_RotationPathIsReadOnlyUnderTheRotationDir) {
+TEST(RotationDirServiceTest, RotationPathIsReadOnlyUnderTheRotationDir) {
   namespace fs = std::filesystem;
   const ModelSpec spec = testing::TinySpec();
   const std::string root =
