@@ -11,7 +11,11 @@
 #                                               the ALU / FMA pipe utilization
 #   TEST_FILTER='KvWrite.*' ...                 a subset of the tests (default: KvWrite.*:EndToEnd.*)
 #   TEST_BINS='a b' ...                         several test builds in turn (default: cuda_kernels_test)
-#   BENCHES='a b' ROUNDS=2 NCU_BENCH=b TAR_JSON=1  several bench builds in turn (A/B in one run)
+#   BENCHES='a b' ROUNDS=2 NCU_BENCH=b TAR_JSON=1  several bench builds in turn (A/B in one run);
+#                                               an entry 'b@VAR=value' runs build b with that
+#                                               environment (launcher switches, e.g. KVPOOL_WRITE_TMA=0)
+#   ALT_TEST_ENV='VAR=value' ...                the tests again under that environment
+#   TARBALL=1 ...                               pack everything under $OUT into write_results.tgz
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -32,16 +36,30 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
     grep -E "^\[( +OK|  FAILED|  PASSED|  SKIPPED)|^\[(quantize|rotate|e2e)|Failure|Expected|Which|actual" \
       "$TL" | head -80 | tee -a "$LOG"
   done
+  if [ -n "${ALT_TEST_ENV:-}" ]; then
+    TL="$OUT/write_test_log_alt.txt"
+    echo "== tests cuda_kernels_test with $ALT_TEST_ENV" | tee -a "$LOG"
+    env $ALT_TEST_ENV $L/cuda_kernels_test --gtest_filter="${ALT_TEST_FILTER:-KvWrite.*}" > "$TL" 2>&1
+    echo "test exit $?" | tee -a "$LOG"
+    grep -E "^\[( +OK|  FAILED|  PASSED|  SKIPPED)|^\[(quantize|rotate|e2e)|Failure|Expected|Which|actual" \
+      "$TL" | head -80 | tee -a "$LOG"
+  fi
 fi
 # BENCHES: bench binaries in $L run in turn, ROUNDS times (A/B of kernel builds in one run;
 # each run's JSON is $OUT/<binary>_r<round>.json, or $OUT/cuda_write_bench.json for the default).
 BENCHES=${BENCHES:-cuda_write_bench}
 for round in $(seq 1 "${ROUNDS:-1}"); do
-  for b in $BENCHES; do
-    J="$OUT/${b}_r${round}.json"
+  for entry in $BENCHES; do
+    b=${entry%%@*}
+    benv=""
+    [ "$entry" != "$b" ] && benv=${entry#*@}
+    name=$b
+    [ -n "$benv" ] && name="${b}_$(echo "$benv" | tr -c 'A-Za-z0-9_\n' '_')"
+    J="$OUT/${name}_r${round}.json"
     [ "$BENCHES" = cuda_write_bench ] && [ "${ROUNDS:-1}" = 1 ] && J="$OUT/cuda_write_bench.json"
-    echo "== bench $b round $round" | tee -a "$LOG"
-    $L/$b --tokens "${TOKENS:-8192,32768,131072}" --iters 30 --warmup 5 --json "$J" 2>&1 | tee -a "$LOG"
+    echo "== bench $b ${benv:+($benv) }round $round" | tee -a "$LOG"
+    env $benv $L/$b --tokens "${TOKENS:-8192,32768,131072}" --iters 30 --warmup 5 --json "$J" 2>&1 |
+      tee -a "$LOG"
   done
 done
 [ -n "${TAR_JSON:-}" ] && (cd "$OUT" && tar cf bench_json.tar *.json && rm -f *.json)
@@ -81,3 +99,7 @@ if [ "${SRC:-0}" = 1 ]; then
   head -c 600 "$OUT/ncu_src_sass.csv" | tee -a "$LOG"; echo | tee -a "$LOG"
 fi
 nvidia-smi --query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv 2>&1 | tee -a "$LOG"
+if [ "${TARBALL:-0}" = 1 ]; then
+  (cd "$OUT" && tar czf /tmp/write_results.tgz . && find . -type f ! -name write_log.txt -delete &&
+    mv /tmp/write_results.tgz .)
+fi

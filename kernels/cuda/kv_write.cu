@@ -4,13 +4,16 @@
 // one (KV head, K or V) (its Rᵀ is in shared memory); in the others (quantize-only, demotion)
 // every warp alternates the K and the V tile of the same 16 tokens, since V tiles cost more
 // than K tiles. Each warp is persistent and walks 16-row tiles (16 consecutive tokens) with
-// its own two-stage cp.async ring in shared memory, so the next tile's 16 rows are in flight
-// while the current one is processed. Per tile:
+// its own two-stage ring in shared memory, so the next tile's 16 rows are in flight while the
+// current one is processed (quantize-only and demotion: one TMA load per tile completing on the
+// stage's mbarrier, the 128-byte-swizzled layout of Swz128; the rotating and BF16-output
+// kernels: cp.async into the layout of Swz). Per tile:
 //   1. kRotate: X̃ = X·R on tensor cores (mma.sync m16n8k16, fp16 operands, fp32 accumulators;
 //      Rᵀ converted once per CTA to fp16 in shared memory with its columns permuted so that
 //      the accumulators land in the register layout of step 2), rounded to bf16;
 //      else X̃ = X (already rotated bf16).
-//   2. Register layout: lane (g = lane/4, tig = lane%4) holds rows g and g+8 of the tile as
+//   2. Register layout: lane (g = lane/4, tig = lane%4) holds rows g and g+8 of the tile (TMA
+//      layout: rows RowOf(g) and RowOf(g)+8, for conflict-free shared-memory reads) as
 //      D/4 packed registers {row g, row g+8} (bf16x2, one column each); the columns are
 //      tig·D/16 + q·D/4 + i (quarter q = 0..3, i < D/16), exactly the columns whose 2-bit
 //      codes make up bytes tig·D/16 .. tig·D/16 + D/16 - 1 of the quarter-planar row
@@ -37,10 +40,13 @@
 //      into the quarter-planar bytes (2 bits per quarter) by integer multiply-adds of the
 //      compare masks (FMA pipe) and stored as D/16 contiguous bytes per row and lane.
 //   kOutBf16 instead stores X̃ (bf16) into BF16 pages with 16-byte stores.
+#include <cuda.h>  // CUtensorMap (the encoder comes from the runtime's driver entry point)
+#include <cudaTypedefs.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <string>
 
 #include "device_utils.cuh"
@@ -82,6 +88,17 @@ struct WriteArgs {
   float clip_k, clip_v;
   uint8_t* row_flags;
   uint32_t* bad_rows;
+  int32_t use_tma;  // tile loads by TMA through maps.k / maps.v (demotion: maps.k), else cp.async
+};
+
+// TMA descriptors of the sources, boxes of one whole tile (16 rows of one head, K or V) in the
+// 128-byte swizzle (see Swz128). Token writes: the token-major K and V as 3D bf16 tensors {64
+// columns, num_kv_heads·D/64 blocks of 64 columns, num_tokens rows (stride token_stride)}, box
+// {64, D/64, 16}. Demotion (k only): the BF16 pool as {64 columns, the page's 128-byte lines
+// (stride 128), pages (stride page_stride_bytes)}, box {64, 16·D/64, 1} (a tile's rows are
+// contiguous in its page).
+struct TmaMaps {
+  CUtensorMap k, v;
 };
 
 // ---- packed 16-bit helpers ------------------------------------------------------------------
@@ -456,6 +473,47 @@ __device__ __forceinline__ void CpAsync16Sa(uint32_t sa, const void* gmem, bool 
                : "memory");
 }
 
+// ---- mbarrier + TMA (sm_90; PTX ISA "mbarrier", "cp.async.bulk.tensor") -------------------
+
+__device__ __forceinline__ void MbarInit(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+// Makes the initialized barriers visible to the async proxy (the TMA's complete-tx).
+__device__ __forceinline__ void MbarInitFence() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+// One arrival that also raises the current phase's expected transaction count by `bytes`.
+__device__ __forceinline__ void MbarArriveExpectTx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+// Waits until the phase with parity `parity` of the barrier has completed.
+__device__ __forceinline__ void MbarWaitParity(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      "@!p bra WAIT;\n"
+      "}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+// Starts fetching a TMA descriptor (a __grid_constant__ kernel parameter) into the cache.
+__device__ __forceinline__ void TmaPrefetchDescriptor(const CUtensorMap* map) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
+// One box of the 3D tensor map at coordinates (0, y, z) into shared memory at dst; its bytes
+// complete on the mbarrier at bar.
+__device__ __forceinline__ void TmaLoad3d(uint32_t dst, const CUtensorMap* map, int y, int z,
+                                          uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], "
+      "[%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(0), "r"(y), "r"(z), "r"(bar)
+      : "memory");
+}
+
 // Ordered key of a bf16 pattern (not NaN): larger value, larger key; -0 and +0 are adjacent.
 __device__ __forceinline__ int Bf16Key(uint32_t b) {
   return (b & 0x8000u) ? int(0x7fffu - (b & 0x7fffu)) : int(b + 0x8000u);
@@ -500,9 +558,58 @@ __device__ __forceinline__ int Swz(int chunk, int row) {
   return chunk ^ (((row & 1) << 2) | ((row >> 1) & 3));
 }
 
-template <int D, bool kRotate>
+// Stage layout of the non-rotating INT2 kernels (quantize-only, demotion; v7): the tile's rows
+// back to back (linear offset L = 2D·row + byte), each 16-byte chunk moved by the 128-byte
+// swizzle, L ^ (((L >> 7) & 7) << 4) (Swz128) — the layout a TMA load with
+// CU_TENSOR_MAP_SWIZZLE_128B writes (stage bases 1024-byte aligned). Quantize-only and demotion
+// load a tile with one TMA instruction from one lane instead of D/8 cp.async per row spread
+// over the warp (≈ 75 issue and addressing instructions per tile at d 128; ncu on the H200 at
+// 256K token-heads: 1,076 instead of ≈ 1,115 warp instructions per tile); with
+// KVPOOL_WRITE_TMA=0 or a map the driver refuses they fall back to cp.async into the same
+// layout. Lane g of the register layout reads rows RowOf(g) and
+// RowOf(g) + 8 (a permutation of g, g + 8) chosen so that the quad reads of step 2 are free of
+// bank conflicts under this swizzle (d 128: the two rows of a phase of 8 lanes differ in bit 1;
+// d 64: the four rows of a half-warp's 8-byte reads differ in bits 1-2; d 256: 2-way conflicts
+// remain, the swizzle term being the same for both rows). The rotating kernels keep the layout
+// of Swz (their ldmatrix reads need it), and so does the BF16-output kernel.
+template <bool kRotate, bool kOutBf16>
+__host__ __device__ constexpr bool UseTmaLayout() {
+  return !kRotate && !kOutBf16;
+}
+template <int D>
+__device__ __forceinline__ int RowOf(int g) {
+  if constexpr (D == 64) return 2 * (g & 3) + (g >> 2);
+  if constexpr (D == 128) return (g & 4) | ((g & 1) << 1) | ((g >> 1) & 1);
+  return g;
+}
+// Physical byte offset of linear stage offset L in the TMA layout.
+__device__ __forceinline__ int Swz128(int l) { return l ^ ((l >> 3) & 0x70); }
+// Step 2's reads in the TMA layout: lane (gr, tig) reads piece (q, m4) of row gr at
+// Swz128(2D·gr + byte), byte = 2·(tig·D/16 + q·D/4 + 4·m4), which splits into a lane part
+// and compile-time parts as ((ReadLaneOffset ^ ReadXor) + ReadAdd) (the XOR only touches bits
+// 4-6, which the lane part's 2D·gr term leaves clear; row gr + 8 is 16·D bytes further):
+//  d 64:  byte = 8·tig + 32·q, line = gr % 8: chunk (tig/2 + 2q) ^ (gr % 8);
+//  d 128: byte = 16·tig + 64·q, line = (2gr + q/2) % 8: chunk (tig + 4(q % 2)) ^ line;
+//  d 256: byte = 32·tig + 128·q + 8·m4, line = (4gr + q) % 8: chunk (2tig + m4/2) ^ line.
+template <int D>
+__device__ __forceinline__ int ReadLaneOffset(int gr, int tig) {
+  if constexpr (D == 64) return 128 * gr + 16 * ((tig >> 1) ^ (gr & 7)) + 8 * (tig & 1);
+  if constexpr (D == 128) return 256 * gr + 16 * (tig ^ ((2 * gr) & 7));
+  return 512 * gr + 16 * ((2 * tig) ^ (4 * (gr & 1)));
+}
+template <int D>
+__host__ __device__ constexpr int ReadXor(int q, int m4) {
+  return D == 64 ? 32 * q : D == 128 ? 16 * (4 * (q & 1) | (q >> 1)) : 16 * ((m4 / 2) ^ q);
+}
+template <int D>
+__host__ __device__ constexpr int ReadAdd(int q) {
+  return D == 64 ? 0 : 128 * (D == 128 ? q >> 1 : q);
+}
+
+template <int D, bool kRotate, bool kOutBf16 = false>
 constexpr int WriteSmemBytes() {
-  return (kRotate ? D * D * 2 : 0) + WarpsPerCta<D, kRotate>() * kStages * kTileRows * 2 * D;
+  return (kRotate ? D * D * 2 : 0) + WarpsPerCta<D, kRotate>() * kStages * kTileRows * 2 * D +
+         (UseTmaLayout<kRotate, kOutBf16>() ? 1024 + WarpsPerCta<D, kRotate>() * kStages * 8 : 0);
 }
 
 // CTAs per SM the register budget is sized for (quantize: 6 x 4 warps = 80 registers, no
@@ -517,7 +624,7 @@ constexpr int MinBlocks() {
 
 template <int D, bool kRotate, bool kOutBf16>
 __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate>(), MinBlocks<D, kRotate>())
-    KvWriteKernel(const WriteArgs a) {
+    KvWriteKernel(const WriteArgs a, const __grid_constant__ TmaMaps maps) {
   constexpr int kRegs = D / 4;   // packed registers per lane
   constexpr int kSpan = D / 16;  // columns per quarter per lane (= code bytes per row)
   constexpr int kNG = D > 128 ? D / 128 : 1;
@@ -527,12 +634,33 @@ __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate>(), MinBlocks<D, k
   constexpr int kWarps = WarpsPerCta<D, kRotate>();
   constexpr int kThreads = 32 * kWarps;
   static_assert(32 * kRegs * 4 == kStageBytes, "a stage holds the warp's packed registers");
-  extern __shared__ __align__(128) uint8_t smem[];
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  constexpr bool kTmaLayout = UseTmaLayout<kRotate, kOutBf16>();
+  // kTmaLayout: stages 1024-byte aligned (the 128-byte swizzle repeats every 1024 bytes);
+  // WriteSmemBytes reserves the slack.
+  uint8_t* smem = smem_raw;
+  if constexpr (kTmaLayout) smem += (1024 - (SmemAddr(smem_raw) & 1023)) & 1023;
   const int kv_cta = blockIdx.z;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, tig = lane & 3;
+  // Tile rows of this lane in the register layout: gr and gr + 8.
+  const int gr = kTmaLayout ? RowOf<D>(g) : g;
   uint8_t* rt = smem;  // [D][D] fp16: row n = column π(n) of R (Rᵀ, permuted), swizzled
   uint8_t* ring = smem + (kRotate ? D * D * 2 : 0) + warp * kStages * kStageBytes;
+  // TMA loads: the warp's two stage mbarriers (after all rings), phase parity per stage.
+  const bool tma = kTmaLayout && a.use_tma != 0;
+  const uint32_t bar_sa = SmemAddr(smem + kWarps * kStages * kStageBytes) + warp * 8 * kStages;
+  uint32_t phases = 0;
+  if (tma) {
+    if (lane == 0) {
+      TmaPrefetchDescriptor(&maps.k);
+      if (a.src_pages == nullptr) TmaPrefetchDescriptor(&maps.v);
+#pragma unroll
+      for (int st = 0; st < kStages; ++st) MbarInit(bar_sa + 8 * st, 1);
+      MbarInitFence();
+    }
+    __syncwarp();
+  }
 
   if constexpr (kRotate) {
     const float* r = (kv_cta ? a.rot_v : a.rot_k) + blockIdx.y * a.rot_head_stride;
@@ -627,9 +755,27 @@ __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate>(), MinBlocks<D, k
   constexpr int kCopies = kTileRows / kRowStep;
   const int cp_r0 = lane / kChunks, cp_c = lane % kChunks;
   const uint32_t ring_sa = SmemAddr(ring);
-  // Issues the cp.async of item c into stage `st` (zero-filled rows past the end; nothing but
+  // Issues the loads of item c into stage `st`: tma, one TMA box completing on the stage's
+  // mbarrier (nothing when !valid); else cp.async (zero-filled rows past the end; nothing but
   // the commit when !valid).
   auto issue = [&](const Item& c, bool valid, int st, int src_page) {
+    if (tma) {
+      // One lane posts the stage's bytes and issues the tile's one box load (rows past the end
+      // are zero-filled by the TMA unit and count towards the bytes). The stage was last read and
+      // written (parked values) by this warp before the __syncwarp that ended the previous
+      // item, and every such access had completed (its value was used).
+      if (valid && lane == 0) {
+        const uint32_t bar = bar_sa + 8 * st;
+        const int t0 = c.tile * kTileRows;
+        MbarArriveExpectTx(bar, kStageBytes);
+        if (demote)
+          TmaLoad3d(ring_sa + st * kStageBytes, &maps.k,
+                    ((2 * c.h + c.kv) * P + (t0 & (P - 1))) * (D / 64), src_page, bar);
+        else
+          TmaLoad3d(ring_sa + st * kStageBytes, c.kv ? &maps.v : &maps.k, c.h * (D / 64), t0, bar);
+      }
+      return;
+    }
     if (valid) {
       const int t0 = c.tile * kTileRows;
       const uint8_t* base;
@@ -645,7 +791,15 @@ __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate>(), MinBlocks<D, k
       }
       const uint8_t* src = base + uint64_t(cp_r0) * row_bytes + 16 * cp_c;
       const uint64_t step = kRowStep * row_bytes;
-      const uint32_t dst = ring_sa + st * kStageBytes + cp_r0 * kRowBytes;
+      const uint32_t dst = ring_sa + st * kStageBytes + (kTmaLayout ? 0 : cp_r0 * kRowBytes);
+      // Shared offset of copy q relative to dst. kTmaLayout: its linear offset is 16·lane +
+      // 512·q (kRowStep rows are 512 bytes), whose 128-byte line is (lane / 8) ^ 4·(q % 2)
+      // modulo 8, so Swz128 gives 512·q + (S ^ 64·(q % 2)), S = Swz128(16·lane).
+      auto sm_off = [&](int q) {
+        const int row = cp_r0 + kRowStep * q;
+        if constexpr (kTmaLayout) return 512 * q + (Swz128(16 * lane) ^ (64 * (q & 1)));
+        return q * kRowStep * kRowBytes + 16 * Swz(cp_c, row);
+      };
       if (kOutBf16 && t0 + kTileRows <= a.num_tokens && step <= 0xffffffffull) {
         // BF16 output, full tile (warp-uniform): no predicates, and each row's address in one
         // 32 x 32 + 64-bit multiply-add (FMA pipe) instead of a 64-bit add on the ALU pipe
@@ -654,25 +808,20 @@ __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate>(), MinBlocks<D, k
         const uint32_t step32 = uint32_t(step);
 #pragma unroll
         for (int q = 0; q < kCopies; ++q) {
-          const int row = cp_r0 + kRowStep * q;
-          CpAsync16Sa(dst + q * kRowStep * kRowBytes + 16 * Swz(cp_c, row),
-                      q == 0 ? src : MadWide(step32, kSmallInts[q], src), true);
+          CpAsync16Sa(dst + sm_off(q), q == 0 ? src : MadWide(step32, kSmallInts[q], src), true);
         }
       } else if (t0 + kTileRows <= a.num_tokens) {  // a full tile (warp-uniform): no predicates
 #pragma unroll
         for (int q = 0; q < kCopies; ++q) {
-          const int row = cp_r0 + kRowStep * q;
-          CpAsync16Sa(dst + q * kRowStep * kRowBytes + 16 * Swz(cp_c, row), src, true);
+          CpAsync16Sa(dst + sm_off(q), src, true);
           src += step;
         }
       } else {
         const int rows_left = a.num_tokens - t0 - cp_r0;
 #pragma unroll
         for (int q = 0; q < kCopies; ++q) {
-          const int row = cp_r0 + kRowStep * q;
           // Rows past the end: source size 0 zero-fills and reads no global memory.
-          CpAsync16Sa(dst + q * kRowStep * kRowBytes + 16 * Swz(cp_c, row), src,
-                      kRowStep * q < rows_left);
+          CpAsync16Sa(dst + sm_off(q), src, kRowStep * q < rows_left);
           src += step;
         }
       }
@@ -683,7 +832,7 @@ __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate>(), MinBlocks<D, k
   auto dest_of = [&](const Item& c, bool valid, int(&pg)[2], int(&sl)[2]) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const int t = c.tile * kTileRows + g + 8 * r;
+      const int t = c.tile * kTileRows + gr + 8 * r;
       pg[r] = 0;
       sl[r] = 0;
       if (valid && t < a.num_tokens) {
@@ -733,8 +882,13 @@ __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate>(), MinBlocks<D, k
     } else {
       dest_of(nxt, left > 1, npg, nsl);
     }
-    CpAsyncWait<1>();
-    __syncwarp();
+    if (tma) {
+      MbarWaitParity(bar_sa + 8 * stage, (phases >> stage) & 1u);
+      phases ^= 1u << stage;
+    } else {
+      CpAsyncWait<1>();
+      __syncwarp();
+    }
     const uint8_t* xs = ring + stage * kStageBytes;
 
     // ---- step 1/2: packed registers P[q·kSpan + i] = {row g, row g+8} of column
@@ -779,14 +933,17 @@ __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate>(), MinBlocks<D, k
           x[q * kSpan + i] = PackBf162(acc[nt][e], acc[nt][2 + e]);
         }
     } else {
+      const int rd_lane = kTmaLayout ? ReadLaneOffset<D>(gr, tig) : 0;
 #pragma unroll
       for (int q = 0; q < 4; ++q)
 #pragma unroll
         for (int m4 = 0; m4 < kSpan / 4; m4 += (kSpan >= 8 ? 2 : 1)) {
           const int byte = (tig * kSpan + q * (D / 4) + 4 * m4) * 2;
           const int c = byte >> 4, off = byte & 15;
-          const uint8_t* p0 = xs + g * kRowBytes + 16 * Swz(c, g) + off;
-          const uint8_t* p1 = xs + (g + 8) * kRowBytes + 16 * Swz(c, g + 8) + off;
+          const uint8_t* p0 = kTmaLayout ? xs + ((rd_lane ^ ReadXor<D>(q, m4)) + ReadAdd<D>(q))
+                                         : xs + g * kRowBytes + 16 * Swz(c, g) + off;
+          const uint8_t* p1 =
+              kTmaLayout ? p0 + 8 * kRowBytes : xs + (g + 8) * kRowBytes + 16 * Swz(c, g + 8) + off;
           uint32_t w[4], u[4];
           if constexpr (kSpan >= 8) {
             const uint4 a4 = *reinterpret_cast<const uint4*>(p0);
@@ -1007,7 +1164,7 @@ __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate>(), MinBlocks<D, k
       }
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const int t = tile * kTileRows + g + 8 * r;
+        const int t = tile * kTileRows + gr + 8 * r;
         if (t >= a.num_tokens) continue;
         uint8_t* codes = rb[r] + (kv ? P * (D / 4) : 0);
         uint32_t rw[kSpan / 4];
@@ -1052,9 +1209,64 @@ KernelStatus WLaunchError(const char* what) {
                              std::string(what) + ": " + cudaGetErrorString(e));
 }
 
+// TMA loads for quantize-only and demotion unless KVPOOL_WRITE_TMA=0 (then cp.async into the
+// same layout; for A/B measurements), read once per process.
+bool TmaEnabled() {
+  static const bool on = [] {
+    const char* e = std::getenv("KVPOOL_WRITE_TMA");
+    return e == nullptr || std::string(e) != "0";
+  }();
+  return on;
+}
+
+// cuTensorMapEncodeTiled through the runtime's driver entry point (no libcuda link), once.
+PFN_cuTensorMapEncodeTiled_v12000 TensorMapEncoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault,
+                                         &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess)
+      p = nullptr;
+    cudaGetLastError();
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
+  }();
+  return fn;
+}
+
+// The source maps of a quantize-only write or a demotion (see TmaMaps); host-side encoding
+// only, no device work. False when the driver has no encoder or refuses a map.
+bool EncodeSourceMaps(int d, const WriteArgs& a, TmaMaps* maps) {
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = TensorMapEncoder();
+  if (encode == nullptr) return false;
+  const cuuint32_t elem[3] = {1, 1, 1};
+  auto one = [&](CUtensorMap* map, const void* base, const cuuint64_t(&dims)[3],
+                 const cuuint64_t(&strides)[2], const cuuint32_t(&box)[3]) {
+    return encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(base), dims, strides,
+                  box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                  CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+  };
+  if (a.src_pages != nullptr) {
+    // Pages: ids are int32 and the launcher does not know the pool's size, so the page extent
+    // is the largest id count whose byte span stays below 2^47 (the kernel only addresses the
+    // caller's pages; no bounds check is needed from the TMA unit).
+    const uint64_t lines = uint64_t(a.num_kv_heads) * 2 * a.page_size * d / 64;
+    const uint64_t pages = std::min<uint64_t>(INT32_MAX, (1ull << 47) / a.src_stride);
+    const cuuint64_t dims[3] = {64, lines, pages};
+    const cuuint64_t strides[2] = {128, a.src_stride};
+    const cuuint32_t box[3] = {64, cuuint32_t(kTileRows * d / 64), 1};
+    return one(&maps->k, a.src_base, dims, strides, box);
+  }
+  const cuuint64_t dims[3] = {64, cuuint64_t(a.num_kv_heads) * (d / 64), cuuint64_t(a.num_tokens)};
+  const cuuint64_t strides[2] = {128, cuuint64_t(a.token_stride) * 2};
+  const cuuint32_t box[3] = {64, cuuint32_t(d / 64), kTileRows};
+  return one(&maps->k, a.src_k, dims, strides, box) && one(&maps->v, a.src_v, dims, strides, box);
+}
+
 template <int D, bool kRotate, bool kOutBf16>
 KernelStatus LaunchWrite(const WriteArgs& a, cudaStream_t stream) {
-  constexpr int smem = WriteSmemBytes<D, kRotate>();
+  constexpr int smem = WriteSmemBytes<D, kRotate, kOutBf16>();
   constexpr int threads = 32 * WarpsPerCta<D, kRotate>();
   auto kernel = KvWriteKernel<D, kRotate, kOutBf16>;
   // Resident CTAs per SM, queried once per instantiation (function attributes and the SM
@@ -1088,7 +1300,14 @@ KernelStatus LaunchWrite(const WriteArgs& a, cudaStream_t stream) {
     const int64_t ctas_for_items = (items + threads / 32 - 1) / (threads / 32);
     grid = dim3(unsigned(std::min<int64_t>(ctas_for_items, int64_t(per_sm) * sms)), 1, 1);
   }
-  kernel<<<grid, threads, smem, stream>>>(a);
+  TmaMaps maps{};
+  WriteArgs args = a;
+  args.use_tma = 0;
+  if constexpr (UseTmaLayout<kRotate, kOutBf16>()) {
+    // A map the driver refuses leaves the cp.async loads (same bytes, slower).
+    if (TmaEnabled() && EncodeSourceMaps(D, a, &maps)) args.use_tma = 1;
+  }
+  kernel<<<grid, threads, smem, stream>>>(args, maps);
   return WLaunchError("KvWriteKernel");
 }
 

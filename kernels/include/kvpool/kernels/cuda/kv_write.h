@@ -23,7 +23,11 @@
 // entries are always written (0 = quantized, 1 = refused), so they need no clearing.
 //
 // Shapes: head_dim 64/128/256, page_size 16 or 64, any num_tokens >= 0 (0 launches nothing).
-// Launchers never allocate or synchronize; thread-safety: reentrant.
+// Launchers never allocate or synchronize; thread-safety: reentrant. LaunchQuantizeWrite without
+// rotation and LaunchDemote encode TMA descriptors of their sources on the host per call
+// (cuTensorMapEncodeTiled through the runtime's driver entry point; no device work); when the
+// driver refuses one they load with cp.async instead (same bytes). KVPOOL_WRITE_TMA=0 in the
+// environment forces cp.async (A/B measurements).
 #pragma once
 
 #include <cstdint>
