@@ -20,9 +20,11 @@
 #            that setting to every round (an A/B switch of the launcher); AB_BATCHES (default 32)
 #            sets the batches of the 32K rounds, e.g. AB_BATCHES=1,32 adds B 1 x 32K to them
 #     full:  every shape of PERF.md (long)
-# TEST_FILTER (gtest filter) and SKIP_TESTS=1 control the tests (TEST_ENV="VAR=value ..." runs them
-# under those environment settings, e.g. an A/B switch of the launcher; ALT_TEST_ENV and
-# ALT_TEST_FILTER run them a second time under other settings); SANITIZE=1 adds memcheck.
+# TEST_FILTER (gtest filter) and SKIP_TESTS=1 control the tests; TEST_BINS="a b" also runs other
+# builds' cuda_kernels_test, concurrently, before any timing (logs test_log_<binary>.txt)
+# (TEST_ENV="VAR=value ..." runs them under those environment settings, e.g. an A/B switch of
+# the launcher; ALT_TEST_ENV and ALT_TEST_FILTER run them a second time under other settings);
+# SANITIZE=1 adds memcheck.
 set -u
 MODE=${1:-quick}
 OUT=${OUT:-/tmp/out}
@@ -39,6 +41,18 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
   env ${TEST_ENV:-} "$DEVLIBS"/cuda_kernels_test --gtest_filter="${TEST_FILTER:-PagedDecode.*:EndToEnd.*}" 2>&1 |
     tee "$OUT/test_log.txt" |
     grep -E "^\[( +OK|  FAILED|  PASSED|  SKIPPED|case|e2e)|Failure|Expected|Which|actual|error" | tee -a "$LOG"
+fi
+if [ -n "${TEST_BINS:-}" ]; then  # other builds' cuda_kernels_test, all at once (CPU-bound references)
+  echo "== tests of $TEST_BINS (in parallel)" | tee -a "$LOG"
+  for t in $TEST_BINS; do
+    "$t" --gtest_filter="${TEST_FILTER:-PagedDecode.*:EndToEnd.*}" >"$OUT/test_log_$(basename "$t").txt" 2>&1 &
+  done
+  wait
+  for t in $TEST_BINS; do
+    echo "-- $t" | tee -a "$LOG"
+    grep -E "^\[( +OK|  FAILED|  PASSED|  SKIPPED|case|e2e)|Failure|Expected|Which|actual|error" \
+      "$OUT/test_log_$(basename "$t").txt" | tee -a "$LOG"
+  done
 fi
 if [ -n "${ALT_TEST_ENV:-}" ]; then  # the same tests again under an A/B switch of the launcher
   echo "== tests $ALT_TEST_ENV (${ALT_TEST_FILTER:-PagedDecode.*})" | tee -a "$LOG"

@@ -26,7 +26,6 @@
 #include <cmath>
 #include <cstdlib>
 #include <string>
-#include <type_traits>
 
 #include "device_utils.cuh"
 #include "kvpool/kernels/block_format.h"
@@ -760,12 +759,10 @@ __global__ void __launch_bounds__(kThreads, (D <= 128 ? (KT == 1 ? 5 : 4) : 2))
     for (int grp = 0; grp < kNG; ++grp) mn_run[kt][grp] = 0.f;
   }
 
-  // One ring stage (two warp steps). kMasked: the stage holds a step that needs masking (rows
-  // past the segment's end, or units not loaded); only the warp's last stages do, so the common
-  // stages run a body without the per-unit masking branches, one basic block the compiler can
-  // schedule as a whole.
-  auto stage_body = [&](const int ts, auto masked_c) {
-    constexpr bool kMasked = decltype(masked_c)::value;
+  // One ring stage (two warp steps) per iteration. (v11 ran the stages without masked steps
+  // through a second, branch-free copy of this body: 96 registers instead of 90 and no faster
+  // (s5/s6 A/B in KERNELS.md), so v12 dropped it.)
+  for (int ts = 0; ts < my_stages; ++ts) {
     const int s = ts % kStages;
     MbarWait(&bar[s], uint32_t(ts / kStages) & 1u);
 #pragma unroll
@@ -848,7 +845,7 @@ __global__ void __launch_bounds__(kThreads, (D <= 128 ? (KT == 1 ? 5 : 4) : 2))
             }
             logit[j][kt][r] = x;
           }
-        if (kMasked && partial) {  // warp-uniform: rows past the segment's end, or not loaded
+        if (partial) {  // warp-uniform: rows past the segment's end, or of units not loaded
           const int u = u0 + j;
           const int n = u < nunits ? min(max(seg_tokens - tok_base - 16 * u, 0), 16) : 0;
 #pragma unroll
@@ -973,13 +970,6 @@ __global__ void __launch_bounds__(kThreads, (D <= 128 ? (KT == 1 ? 5 : 4) : 2))
     // Refill the stage just consumed (the same point in time as issuing it at the top of the next
     // iteration, as v8 did, and the same one stage of lead).
     issue(ts + kStages);
-  };
-  for (int ts = 0; ts < my_stages; ++ts) {
-    // Masking is monotonic in the step index: the stage needs it iff its last step does.
-    if ((ts * kStepsPerStage + kStepsPerStage - 1) * kSub * kWarps > part_lim)
-      stage_body(ts, std::true_type{});
-    else
-      stage_body(ts, std::false_type{});
   }
 
   // ---- reduce per-lane sums over the 8 lane groups ----
