@@ -2,6 +2,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <cctype>
 #include <cstdio>
 #include <string>
 
@@ -44,6 +45,25 @@ bool ParseBytes(const std::string& s, uint64_t* out) {
     }
   }
   return absl::SimpleAtoi(s, out);
+}
+
+// CLI11 check for a watermark: a fraction in (0, 1]. cli::Range is inclusive at both ends, so
+// it showed 0..1 in --help while the store then refused 0 ("need 0 < low-watermark").
+CLI::Validator PositiveFraction() {
+  return CLI::Validator(
+      [](std::string& v) -> std::string {
+        double x = 0;
+        if (v.empty() || std::isspace(static_cast<unsigned char>(v.front())) ||
+            std::isspace(static_cast<unsigned char>(v.back())) ||
+            !CLI::detail::lexical_cast(v, x)) {
+          return "'" + v + "' is not a number (want a fraction in (0, 1])";
+        }
+        if (!(x > 0.0 && x <= 1.0)) {
+          return v + " is outside (0, 1] (0 excluded)";
+        }
+        return {};
+      },
+      "in (0, 1]");
 }
 
 // The termination signals main waits for (sigwait): SIGTERM, SIGINT, SIGHUP.
@@ -110,11 +130,11 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"auto", "pool", "client"}))
       ->capture_default_str();
   app.add_option("--high-watermark", o.store.high_watermark,
-                 "Eviction starts above this fraction of capacity")
-      ->check(kvpool::cli::Range(0.0, 1.0));
+                 "Eviction starts above this fraction of capacity (>= --low-watermark)")
+      ->check(PositiveFraction());
   app.add_option("--low-watermark", o.store.low_watermark,
-                 "Eviction stops at this fraction of capacity")
-      ->check(kvpool::cli::Range(0.0, 1.0));
+                 "Eviction stops at this fraction of capacity (<= --high-watermark)")
+      ->check(PositiveFraction());
   app.add_option("--put-timeout-ms", put_timeout_ms,
                  "Default lifetime of an uncommitted put before its staging is reclaimed")
       ->check(kvpool::cli::Range(int64_t{1}, int64_t{3600000}));

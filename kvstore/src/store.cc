@@ -142,10 +142,11 @@ absl::Status RedactedRotationError(const absl::Status& s, const std::string& fie
         absl::StrCat(field, ": not a rotation file (truncated safetensors data)"));
   }
   if (absl::StartsWith(s.message(), "rotation file")) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(field,
-                     ": not a valid kvpool rotation file (metadata or tensors do not describe "
-                     "orthogonal rotations; check it with `kvpool inspect` on the pool's host)"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        field,
+        ": not a valid kvpool rotation file (metadata or tensors do not describe "
+        "orthogonal rotations; check it with `kvpool rotations inspect FILE` on the pool's "
+        "host)"));
   }
   return absl::InvalidArgumentError(absl::StrCat(
       field, ": not a rotation file (safetensors header length or header out of range)"));
@@ -174,7 +175,9 @@ absl::StatusOr<std::unique_ptr<BlockStore>> BlockStore::Create(const StoreOption
   if (!(options.low_watermark > 0 && options.low_watermark <= options.high_watermark &&
         options.high_watermark <= 1.0)) {
     return absl::InvalidArgumentError(
-        "low-watermark/high-watermark: need 0 < low-watermark <= high-watermark <= 1");
+        absl::StrCat("low-watermark/high-watermark: need 0 < low-watermark <= high-watermark "
+                     "<= 1, got low-watermark ",
+                     options.low_watermark, " and high-watermark ", options.high_watermark));
   }
   if (options.alignment == 0 || (options.alignment & (options.alignment - 1)) != 0) {
     return absl::InvalidArgumentError("alignment: must be a power of two");
@@ -242,7 +245,8 @@ absl::StatusOr<ModelInfo> BlockStore::RegisterModel(const ModelSpec& spec_in,
         return absl::FailedPreconditionError(absl::StrCat(
             rotation.field,
             ": the rotation file does not match the model (its head_dim, num_layers, "
-            "num_kv_heads or clip ratios differ; `kvpool inspect` on the pool's host shows them)"));
+            "num_kv_heads or clip ratios differ; `kvpool rotations inspect FILE` on the pool's "
+            "host shows them)"));
       }
       return match;
     }

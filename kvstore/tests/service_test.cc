@@ -372,12 +372,15 @@ TEST_F(ServiceTest, RotationPathReadsOnlyBoundedRegularFilesAndNeverEchoesTheirC
   ASSERT_TRUE(w.WriteFile(secret).ok());
   refused(secret, grpc::StatusCode::INVALID_ARGUMENT, "not a valid kvpool rotation file",
           {"TOPSECRETVALUE"});
+  // The hint names the real command (`kvpool inspect` does not exist).
+  refused(secret, grpc::StatusCode::INVALID_ARGUMENT, "`kvpool rotations inspect FILE`", {});
   // A valid rotation file of another model: FAILED_PRECONDITION, and its numbers are not listed.
   ModelSpec other = spec;
   other.geometry.num_layers = 77;
   std::ofstream(secret, std::ios::binary | std::ios::trunc) << testing::RotationFileFor(other);
   refused(secret, grpc::StatusCode::FAILED_PRECONDITION, "does not match the model",
           {std::to_string(other.geometry.num_layers)});
+  refused(secret, grpc::StatusCode::FAILED_PRECONDITION, "`kvpool rotations inspect FILE`", {});
   unlink(secret.c_str());
   // The good path still registers, with the same rotation id as the inline bytes.
   const std::string good = dir + "/kvpool_rotation_good";
@@ -1013,6 +1016,14 @@ TEST(ServerBinaryTest, FlagsHelpAndUsageErrors) {
   Child unknown = Spawn({"--no-such-flag"});
   fclose(unknown.out);
   EXPECT_EQ(WaitExit(unknown.pid), 1);
+  // The watermarks' range in --help is the one accepted: (0, 1], 0 refused at parse time.
+  EXPECT_NE(text.find("in (0, 1]"), std::string::npos) << text;
+  for (const char* flag : {"--low-watermark", "--high-watermark"}) {
+    auto [rc, out] = RunToExit({flag, "0"});
+    EXPECT_EQ(rc, 1) << flag << ": " << out;
+    EXPECT_NE(out.find("(0, 1]"), std::string::npos) << flag << ": " << out;
+    EXPECT_EQ(out.find("grpc_port="), std::string::npos) << out;
+  }
 }
 
 TEST(ServerBinaryTest, RotationDirMustBeAnExistingDirectory) {
