@@ -40,7 +40,11 @@ static int Run(int argc, char** argv) {
   float temperature = 0.0f;
   float top_p = 1.0f;
   uint64_t seed = 0;
-  gen->add_option("--model", model, "path of the GGUF model file")->required();
+  // A directory, device, FIFO or file above the limit is a usage error (docs/TOOLS.md "Input
+  // files"); the GGUF reader would block opening a FIFO.
+  gen->add_option("--model", model, "path of the GGUF model file")
+      ->required()
+      ->check(kvpool::cli::InputFile(kvpool::cli::kMaxModelFileBytes));
   gen->add_option("--prompt", prompt, "text to continue; empty starts from BOS");
   // Flag values are checked at parse time: a bad value is a usage error (exit 1) naming the flag.
   gen->add_option("--max-tokens", max_tokens, "tokens to generate at most")

@@ -52,16 +52,6 @@ struct Prompt {
   std::vector<int> tokens;
 };
 
-absl::StatusOr<std::string> ReadFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) {
-    return absl::NotFoundError(absl::StrCat("cannot open ", path));
-  }
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
 std::string BaseName(const std::string& path) {
   std::string b = path.substr(path.find_last_of('/') + 1);
   const size_t dot = b.rfind('.');
@@ -138,18 +128,6 @@ absl::Status WriteJson(const std::string& path, const json& j) {
   return kvpool::cli::WriteOutputFile(path, j.dump(2) + "\n");
 }
 
-// CLI11 check for --prompt-file: a directory reads as an empty text (a 1-token prompt). A
-// missing file stays a runtime error (exit 2, "cannot open").
-const CLI::Validator kPromptFile(
-    [](std::string& path) -> std::string {
-      std::error_code ec;
-      if (std::filesystem::is_directory(path, ec)) {
-        return "'" + path + "' is a directory; name a prompt text file";
-      }
-      return {};
-    },
-    "FILE");
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -165,11 +143,17 @@ int main(int argc, char** argv) {
       ->required()
       ->check(CLI::IsMember({"prefill", "decode", "eval"}));
   app.add_option("--pool", pool, "gRPC address of the pool (HOST:PORT)")->capture_default_str();
-  app.add_option("--model", model, "GGUF model file")->required();
-  app.add_option("--rotations", rotations_path, "OSCAR rotation file (safetensors)")->required();
+  // Input files: a directory, a device, a FIFO or a file above the size limit is a usage error
+  // naming the flag (kvpool::cli::InputFile; docs/TOOLS.md "Input files").
+  app.add_option("--model", model, "GGUF model file")
+      ->required()
+      ->check(kvpool::cli::InputFile(kvpool::cli::kMaxModelFileBytes));
+  app.add_option("--rotations", rotations_path, "OSCAR rotation file (safetensors)")
+      ->required()
+      ->check(kvpool::cli::InputFile(kvpool::cli::kMaxRotationFileBytes));
   app.add_option("--prompt-file", prompt_files, "a prompt text file (repeatable)")
       ->required()
-      ->check(kPromptFile);
+      ->check(kvpool::cli::InputFile(kvpool::cli::kMaxTextFileBytes));
   app.add_option("--max-new-tokens", max_new, "tokens to generate per prompt")
       ->capture_default_str()
       ->check(kvpool::cli::Range(0, 4096));
@@ -250,7 +234,7 @@ int main(int argc, char** argv) {
   }
   auto& engine = **engine_or;
   const auto& cfg = engine.config();
-  auto rot_bytes = ReadFile(rotations_path);
+  auto rot_bytes = kvpool::cli::ReadInputFile(rotations_path, kvpool::cli::kMaxRotationFileBytes);
   if (!rot_bytes.ok()) {
     return Fail(rot_bytes.status(), "rotations");
   }
@@ -327,7 +311,7 @@ int main(int argc, char** argv) {
 
   std::vector<Prompt> prompts;
   for (const auto& f : prompt_files) {
-    auto text = ReadFile(f);
+    auto text = kvpool::cli::ReadInputFile(f, kvpool::cli::kMaxTextFileBytes);
     if (!text.ok()) {
       return Fail(text.status(), "--prompt-file");
     }
@@ -412,7 +396,7 @@ int main(int argc, char** argv) {
   // ---- pool roles ---------------------------------------------------------------------------
   // The weights' SHA-256, for the auto revision and the report. The pool compares layout,
   // recipe and rotation of a registration, not weights (the proto has no field for them).
-  auto model_bytes = ReadFile(model);
+  auto model_bytes = kvpool::cli::ReadInputFile(model, kvpool::cli::kMaxModelFileBytes);
   if (!model_bytes.ok()) {
     return Fail(model_bytes.status(), "model");
   }

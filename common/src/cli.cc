@@ -1,8 +1,11 @@
 #include "kvpool/common/cli.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -153,6 +156,105 @@ const CLI::Validator& OutputFile() {
       },
       "FILE in a writable directory");
   return v;
+}
+
+namespace {
+
+// "64 GiB", "70.0 GiB", "300 bytes": binary units, one decimal unless whole.
+std::string HumanBytes(uint64_t n) {
+  static const char* const kUnits[] = {"bytes", "KiB", "MiB", "GiB", "TiB"};
+  int u = 0;
+  double v = static_cast<double>(n);
+  while (v >= 1024 && u < 4) {
+    v /= 1024;
+    ++u;
+  }
+  char buf[48];
+  if (u == 0 || v == static_cast<double>(static_cast<uint64_t>(v))) {
+    std::snprintf(buf, sizeof(buf), "%.0f %s", v, kUnits[u]);
+  } else {
+    std::snprintf(buf, sizeof(buf), "%.1f %s", v, kUnits[u]);
+  }
+  return buf;
+}
+
+std::string TooLarge(const std::string& path, uint64_t size, uint64_t max_bytes) {
+  return "'" + path + "' is " + HumanBytes(size) + " (" + std::to_string(size) +
+         " bytes), above the limit of " + HumanBytes(max_bytes);
+}
+
+}  // namespace
+
+std::string InputFileProblem(const std::string& path, uint64_t max_bytes) {
+  if (path.empty()) return "empty path; name a file";
+  std::error_code ec;
+  const fs::file_status st = fs::status(path, ec);
+  if (ec || !fs::exists(st)) return {};  // the reader says "cannot open" (exit 2)
+  std::string named = "'" + path + "' is ";
+  if (fs::is_symlink(fs::symlink_status(path, ec))) {
+    const fs::path target = fs::canonical(path, ec);
+    if (!ec) named = "'" + path + "' links to '" + target.string() + "', ";
+  }
+  if (fs::is_directory(st)) return named + "a directory; name a file";
+  if (!fs::is_regular_file(st)) return named + FileKind(st) + ", not a regular file";
+  const uintmax_t size = fs::file_size(path, ec);
+  if (!ec && size > max_bytes) return TooLarge(path, size, max_bytes);
+  return {};
+}
+
+CLI::Validator InputFile(uint64_t max_bytes, std::vector<std::string> keywords) {
+  return CLI::Validator(
+      [max_bytes, keywords](std::string& path) -> std::string {
+        for (const auto& k : keywords) {
+          if (path == k) return {};
+        }
+        return InputFileProblem(path, max_bytes);
+      },
+      "FILE (at most " + HumanBytes(max_bytes) + ")");
+}
+
+absl::StatusOr<std::string> ReadInputFile(const std::string& path, uint64_t max_bytes) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) {
+    const int err = errno;
+    return absl::NotFoundError("cannot open '" + path + "': " + std::strerror(err));
+  }
+  struct FdCloser {
+    int fd;
+    ~FdCloser() { ::close(fd); }
+  } closer{fd};
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) {
+    const int err = errno;
+    return absl::InternalError("cannot stat '" + path + "': " + std::strerror(err));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    std::string problem = InputFileProblem(path, max_bytes);
+    if (problem.empty()) problem = "'" + path + "' is not a regular file";
+    return absl::InvalidArgumentError(problem);
+  }
+  if (static_cast<uint64_t>(st.st_size) > max_bytes) {
+    return absl::InvalidArgumentError(TooLarge(path, st.st_size, max_bytes));
+  }
+  // Read to the end, not st_size bytes: the file may change while being read.
+  std::string bytes;
+  bytes.reserve(static_cast<size_t>(st.st_size));
+  std::vector<char> buf(size_t{1} << 16);
+  for (;;) {
+    const ssize_t n = ::read(fd, buf.data(), buf.size());
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      const int err = errno;
+      return absl::InternalError("cannot read '" + path + "': " + std::strerror(err));
+    }
+    if (n == 0) break;
+    if (bytes.size() + static_cast<uint64_t>(n) > max_bytes) {
+      return absl::InvalidArgumentError("'" + path + "' grew above the limit of " +
+                                        HumanBytes(max_bytes) + " while being read");
+    }
+    bytes.append(buf.data(), static_cast<size_t>(n));
+  }
+  return bytes;
 }
 
 absl::Status WriteOutputFile(const std::string& path, std::string_view bytes) {

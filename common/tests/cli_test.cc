@@ -339,5 +339,62 @@ TEST(CliOutputFileTest, WritesAtomicallyThroughASymlink) {
   EXPECT_NE(s.message().find("'/proc/r.json'"), std::string::npos) << s;
 }
 
+// InputFile / ReadInputFile: what every text, prompt, model and rotation flag reads.
+TEST(CliInputFileTest, RefusesDirectoriesDevicesFifosAndOversizedFiles) {
+  const std::string dir = FreshDir("input");
+  std::string d = dir;
+  EXPECT_EQ(InputFileProblem(dir, 100), "'" + dir + "' is a directory; name a file");
+  EXPECT_EQ(InputFile(100)(d), "'" + dir + "' is a directory; name a file");
+  EXPECT_EQ(InputFileProblem("/dev/zero", 100),
+            "'/dev/zero' is a character device, not a regular file");
+  ASSERT_EQ(::mkfifo((dir + "/fifo").c_str(), 0600), 0);
+  EXPECT_EQ(InputFileProblem(dir + "/fifo", 100),
+            "'" + dir + "/fifo' is a FIFO, not a regular file");
+  std::filesystem::create_symlink(dir + "/fifo", dir + "/fifo-link");
+  EXPECT_EQ(InputFileProblem(dir + "/fifo-link", 100),
+            "'" + dir + "/fifo-link' links to '" + dir + "/fifo', a FIFO, not a regular file");
+  // A sparse file: 5 GiB by its size, no blocks on disk.
+  const std::string big = dir + "/big.txt";
+  std::ofstream(big).close();
+  std::filesystem::resize_file(big, uint64_t{5} << 30);
+  EXPECT_EQ(InputFileProblem(big, kMaxTextFileBytes),
+            "'" + big + "' is 5 GiB (5368709120 bytes), above the limit of 64 MiB");
+  // A missing file passes the check: the reader reports it (a runtime error, exit 2).
+  EXPECT_EQ(InputFileProblem(dir + "/missing.txt", 100), "");
+  std::string none = "none";
+  EXPECT_EQ(InputFile(100, {"none", "hadamard"})(none), "");
+  EXPECT_EQ(InputFile(100)(none), "");  // missing file "none" in the cwd: the reader says so
+
+  // The reader refuses the same files without blocking on the FIFO (O_NONBLOCK, fstat).
+  auto fifo = ReadInputFile(dir + "/fifo", 100);
+  ASSERT_FALSE(fifo.ok());
+  EXPECT_EQ(fifo.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(fifo.status().message(), "'" + dir + "/fifo' is a FIFO, not a regular file");
+  auto zero = ReadInputFile("/dev/zero", 100);
+  ASSERT_FALSE(zero.ok());
+  EXPECT_EQ(zero.status().code(), absl::StatusCode::kInvalidArgument);
+  auto huge = ReadInputFile(big, kMaxTextFileBytes);
+  ASSERT_FALSE(huge.ok());
+  EXPECT_NE(huge.status().message().find("above the limit of 64 MiB"), std::string::npos);
+  auto missing = ReadInputFile(dir + "/missing.txt", 100);
+  ASSERT_FALSE(missing.ok());
+  EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_NE(missing.status().message().find("cannot open '" + dir + "/missing.txt'"),
+            std::string::npos);
+}
+
+TEST(CliInputFileTest, ReadsAFileUpToTheLimit) {
+  const std::string dir = FreshDir("input-read");
+  const std::string path = dir + "/p.txt";
+  const std::string text(100000, 'x');  // more than one 64 KiB read
+  std::ofstream(path, std::ios::binary) << text;
+  EXPECT_EQ(InputFileProblem(path, text.size()), "");
+  auto got = ReadInputFile(path, text.size());
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(*got, text);
+  EXPECT_NE(InputFileProblem(path, text.size() - 1), "");
+  EXPECT_FALSE(ReadInputFile(path, text.size() - 1).ok());
+}
+
 }  // namespace
 }  // namespace kvpool::cli

@@ -324,7 +324,8 @@ int main(int argc, char** argv) {
                                    "print error statistics");
   quant->add_option("--in", q.in, "float32 [tokens, d] or [tokens, heads, d] .npy")->required();
   quant->add_option("--rotation", q.rotation, "none | hadamard | a rotation .safetensors file")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(kvpool::cli::InputFile(kvpool::cli::kMaxRotationFileBytes, {"none", "hadamard"}));
   quant->add_option("--layer", q.layer, "layer of the rotation file (needs a rotation file)")
       ->check(kIndex)
       ->capture_default_str();
@@ -358,8 +359,12 @@ int main(int argc, char** argv) {
   std::string out;
   int64_t ctokens = 0;
   auto* calib = app.add_subcommand("calibrate", "fit OSCAR rotations on a model and a text");
-  calib->add_option("--model", c.model_path, "GGUF model")->required();
-  calib->add_option("--text", c.text_path, "calibration text file")->required();
+  calib->add_option("--model", c.model_path, "GGUF model")
+      ->required()
+      ->check(kvpool::cli::InputFile(kvpool::cli::kMaxModelFileBytes));
+  calib->add_option("--text", c.text_path, "calibration text file")
+      ->required()
+      ->check(kvpool::cli::InputFile(kvpool::cli::kMaxTextFileBytes));
   calib
       ->add_option(
           "--tokens", ctokens,
@@ -383,12 +388,17 @@ int main(int argc, char** argv) {
   int64_t etokens = 0;
   auto* eval = app.add_subcommand(
       "evaluate", "logit and attention-output error of none / hadamard / OSCAR on a model");
-  eval->add_option("--model", e.model_path, "GGUF model")->required();
-  eval->add_option("--rotations", eval_rot, "OSCAR rotation file")->required();
+  eval->add_option("--model", e.model_path, "GGUF model")
+      ->required()
+      ->check(kvpool::cli::InputFile(kvpool::cli::kMaxModelFileBytes));
+  eval->add_option("--rotations", eval_rot, "OSCAR rotation file")
+      ->required()
+      ->check(kvpool::cli::InputFile(kvpool::cli::kMaxRotationFileBytes));
   eval->add_option("--text", e.text_path,
                    "evaluation text (use a different one than "
                    "calibration)")
-      ->required();
+      ->required()
+      ->check(kvpool::cli::InputFile(kvpool::cli::kMaxTextFileBytes));
   eval->add_option("--tokens", etokens, "use at most N text tokens (0 = all)")
       ->check(kvpool::cli::Range(int64_t{0}, kMaxTextTokens))
       ->capture_default_str();

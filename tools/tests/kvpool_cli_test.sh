@@ -95,6 +95,21 @@ check calibrate-out-is-dir 1 "is a directory" -- "$bin" calibrate --model "$mode
 check calibrate-tokens-1 1 "--tokens must be 0 (all) or >= 16, got 1" -- "$bin" calibrate --model "$model" --text "$data/calibration.txt" --tokens 1 --out "$tmp/r1.safetensors"
 [[ ! -e "$tmp/r1.safetensors" ]] && echo "ok   calibrate-tokens-1-no-file" || { echo "FAIL calibrate-tokens-1 wrote a file"; fail=1; }
 check calibrate-few-tokens-warns 0 "is few" -- "$bin" calibrate --model "$model" --text "$data/calibration.txt" --tokens 32 --out "$tmp/r32.safetensors"
+# Input files (docs/TOOLS.md "Input files"): only regular files up to their limit are read; a
+# device read forever, a FIFO blocked in open(). Usage errors naming the flag, before any work.
+mkfifo "$tmp/fifo"
+truncate -s 65M "$tmp/big.txt"
+truncate -s 65G "$tmp/big.gguf"
+check calibrate-text-dev-zero 1 "--text: '/dev/zero' is a character device, not a regular file" -- timeout 20 "$bin" calibrate --model "$model" --text /dev/zero --out "$tmp/z.safetensors"
+check evaluate-text-dev-zero 1 "--text: '/dev/zero' is a character device, not a regular file" -- timeout 20 "$bin" evaluate --model "$model" --rotations "$tmp/none.safetensors" --text /dev/zero
+check calibrate-text-fifo 1 "--text: '$tmp/fifo' is a FIFO, not a regular file" -- timeout 20 "$bin" calibrate --model "$model" --text "$tmp/fifo" --out "$tmp/z.safetensors"
+check calibrate-text-dir 1 "--text: '$tmp/outdir' is a directory; name a file" -- timeout 20 "$bin" calibrate --model "$model" --text "$tmp/outdir" --out "$tmp/z.safetensors"
+check calibrate-text-too-big 1 "--text: '$tmp/big.txt' is 65 MiB (68157440 bytes), above the limit of 64 MiB" -- timeout 20 "$bin" calibrate --model "$model" --text "$tmp/big.txt" --out "$tmp/z.safetensors"
+check calibrate-model-fifo 1 "--model: '$tmp/fifo' is a FIFO, not a regular file" -- timeout 20 "$bin" calibrate --model "$tmp/fifo" --text "$data/calibration.txt" --out "$tmp/z.safetensors"
+check evaluate-model-too-big 1 "--model: '$tmp/big.gguf' is 65 GiB (69793218560 bytes), above the limit of 64 GiB" -- timeout 20 "$bin" evaluate --model "$tmp/big.gguf" --rotations "$tmp/none.safetensors" --text "$data/calibration.txt"
+check evaluate-rotations-fifo 1 "--rotations: '$tmp/fifo' is a FIFO, not a regular file" -- timeout 20 "$bin" evaluate --model "$model" --rotations "$tmp/fifo" --text "$data/calibration.txt"
+check quantize-rotation-fifo 1 "--rotation: '$tmp/fifo' is a FIFO, not a regular file" -- timeout 20 "$bin" quantize --in "$tmp/x.npy" --rotation "$tmp/fifo"
+[[ ! -e "$tmp/z.safetensors" ]] && echo "ok   input-files-no-output" || { echo "FAIL input-files wrote an output"; fail=1; }
 check inspect-dir 2 "is a directory, not a rotation" -- "$bin" rotations inspect "$tmp/outdir"
 check calibrate 0 "wrote" -- "$bin" calibrate --model "$model" --text "$data/calibration.txt" --tokens 400 --out "$tmp/rot.safetensors"
 # Calibrating again through a symlink: the link stays, its target gets the new file.

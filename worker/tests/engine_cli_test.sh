@@ -33,6 +33,14 @@ head -c 5000 "$MODEL" >"$TMP/truncated.gguf"
 long_prompt="$(printf 'elephant %.0s' $(seq 1 600))"
 
 expect missing-file 2 "/nonexistent/model.gguf" -- generate --model /nonexistent/model.gguf
+# --model must be a regular file up to 64 GiB (docs/TOOLS.md "Input files"): a FIFO used to block
+# in open(), a directory or device is refused before reading.
+mkfifo "$TMP/fifo"
+expect model-fifo 1 "--model: '$TMP/fifo' is a FIFO, not a regular file" -- generate --model "$TMP/fifo"
+expect model-dir 1 "--model: '$TMP' is a directory; name a file" -- generate --model "$TMP"
+expect model-dev-zero 1 "--model: '/dev/zero' is a character device, not a regular file" -- generate --model /dev/zero
+truncate -s 65G "$TMP/big.gguf"
+expect model-too-big 1 "--model: '$TMP/big.gguf' is 65 GiB (69793218560 bytes), above the limit of 64 GiB" -- generate --model "$TMP/big.gguf"
 expect truncated-gguf 2 "truncated.gguf" -- generate --model "$TMP/truncated.gguf"
 expect bad-magic 2 "bad magic" -- generate --model "$TMP/badmagic.gguf"
 # Prompt length (docs/WORKER.md "Prompt length", the same rule as kvpool-worker): at most

@@ -81,9 +81,19 @@ expect_err "kvpool-worker: --report: cannot create a file in directory '/proc' o
 if grep -q "fp32 reference" "${work}/out"; then echo "FAIL: --report /proc/r.json ran before refusing" >&2; failures=$((failures + 1)); fi
 # Prompt files: a directory and an empty file are refused (they read as a BOS-only prompt).
 expect 1 "--prompt-file a directory" -- "${worker}" --role eval "${base[@]}" --prompt-file /tmp
-expect_err "kvpool-worker: --prompt-file: '/tmp' is a directory; name a prompt text file" "the message names --prompt-file"
+expect_err "kvpool-worker: --prompt-file: '/tmp' is a directory; name a file" "the message names --prompt-file"
+# Input files are read only when regular and at most their limit (docs/WORKER.md "Input files"):
+# a device read forever (/dev/zero ran out of memory), a FIFO blocked in open().
 expect 1 "--prompt-file /dev/null" -- "${worker}" --role eval "${base[@]}" --prompt-file /dev/null
-expect_err "kvpool-worker: --prompt-file: '/dev/null' has no tokens (the file is empty)" "the message says the prompt has no tokens"
+expect_err "kvpool-worker: --prompt-file: '/dev/null' is a character device, not a regular file" "the message names --prompt-file and the kind of file"
+expect 1 "--prompt-file /dev/zero" -- timeout 20 "${worker}" --role eval "${base[@]}" --prompt-file /dev/zero
+expect_err "kvpool-worker: --prompt-file: '/dev/zero' is a character device, not a regular file" "the message names --prompt-file"
+mkfifo "${work}/fifo"
+expect 1 "--prompt-file a FIFO" -- timeout 20 "${worker}" --role eval "${base[@]}" --prompt-file "${work}/fifo"
+expect_err "kvpool-worker: --prompt-file: '${work}/fifo' is a FIFO, not a regular file" "the message names --prompt-file"
+truncate -s 65M "${work}/big.txt"
+expect 1 "--prompt-file above 64 MiB" -- timeout 20 "${worker}" --role eval "${base[@]}" --prompt-file "${work}/big.txt"
+expect_err "kvpool-worker: --prompt-file: '${work}/big.txt' is 65 MiB (68157440 bytes), above the limit of 64 MiB" "the message names the limit"
 : >"${work}/empty.txt"
 expect 1 "--prompt-file an empty file" -- "${worker}" --role decode --pool 127.0.0.1:1 "${base[@]}" --prompt-file "${work}/empty.txt"
 expect_err "'${work}/empty.txt' has no tokens" "the message names the file"

@@ -18,14 +18,17 @@
 
 #include <cctype>
 #include <charconv>
+#include <cstdint>
 #include <string>
 #include <string_view>
 #include <system_error>
 #include <type_traits>
+#include <vector>
 
 #include <CLI/CLI.hpp>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 
 namespace kvpool::cli {
 
@@ -60,6 +63,38 @@ void Setup(CLI::App& app, const std::string& program_name);
 // existing directory) is accepted: WriteOutputFile writes through it.
 // Usage: app.add_option("--report", path, "...")->check(kvpool::cli::OutputFile());
 const CLI::Validator& OutputFile();
+
+// Size limits of the input files the binaries read whole (docs/TOOLS.md "Input files"): text
+// (prompts, calibration and evaluation text), rotation files (the pool's own limit, docs/
+// OPERATIONS.md "Trust model"), GGUF models (the reference engine holds them in memory), and
+// --config YAML.
+inline constexpr uint64_t kMaxTextFileBytes = uint64_t{64} << 20;       // 64 MiB
+inline constexpr uint64_t kMaxRotationFileBytes = uint64_t{256} << 20;  // 256 MiB
+inline constexpr uint64_t kMaxModelFileBytes = uint64_t{64} << 30;      // 64 GiB
+inline constexpr uint64_t kMaxConfigFileBytes = uint64_t{1} << 20;      // 1 MiB
+
+// What is wrong with `path` as an input file of at most `max_bytes` bytes, "" when nothing is.
+// Looks at the path only (stat, following symbolic links; opens nothing, so a FIFO cannot block):
+//   - a directory: "'P' is a directory; name a file";
+//   - not a regular file (device such as /dev/zero, FIFO, socket): "'P' is a FIFO, not a regular
+//     file" ("'P' links to 'T', a FIFO, ..." through a link);
+//   - larger than max_bytes: "'P' is 70.0 GiB, above the limit of 64 GiB".
+// A missing or unreadable path passes: the reader then fails with its own "cannot open" error
+// (a runtime error, exit 2). Thread-safe.
+std::string InputFileProblem(const std::string& path, uint64_t max_bytes);
+
+// CLI11 check running InputFileProblem at parse time, so a bad input file is a usage error
+// (exit 1) naming the flag: CLI11 prefixes "--flag: ". `keywords` are values that name no file
+// and pass unchecked (e.g. {"none", "hadamard"} for `kvpool quantize --rotation`).
+// Usage: app.add_option("--prompt-file", f)->check(InputFile(kMaxTextFileBytes)).
+CLI::Validator InputFile(uint64_t max_bytes, std::vector<std::string> keywords = {});
+
+// Reads the whole input file at `path` (at most `max_bytes` bytes). Opens with O_NONBLOCK, so a
+// FIFO swapped in after the flag check does not block, and checks the opened file (fstat) again:
+// NOT_FOUND "cannot open 'P': <errno text>"; INVALID_ARGUMENT for a file that is not regular or
+// is (or grew) larger than max_bytes, in InputFileProblem's words; INTERNAL on a read error.
+// Thread-safe.
+absl::StatusOr<std::string> ReadInputFile(const std::string& path, uint64_t max_bytes);
 
 // The file a write to `path` replaces (kvpool::AtomicWriteTarget, kvpool/common/atomic_file.h):
 // `path` itself, or, when `path` is a symbolic link (possibly a chain), the file the last link
