@@ -138,6 +138,7 @@ int main(int argc, char** argv) {
   std::string windows = "64:256,16:16";
   std::vector<std::string> prompt_files;
   int max_new = 48, page_size = 16, sink = 64, recent = 256, fault_pool_pid = 0;
+  int put_timeout_ms = 0, call_timeout_ms = 10000;
   bool teacher_force = true;
   app.add_option("--role", role, "prefill | decode | eval")
       ->required()
@@ -171,6 +172,16 @@ int main(int argc, char** argv) {
                  "does not compare them, so every worker using it must load the same model file")
       ->capture_default_str();
   app.add_option("--ucx-tls", ucx_tls, "UCX transports of the data plane")->capture_default_str();
+  app.add_option("--put-timeout-ms", put_timeout_ms,
+                 "prefill: how long a put may stay open between BeginPut and Commit before the "
+                 "pool drops it; 0 = the pool's --put-timeout-ms")
+      ->capture_default_str()
+      ->check(kvpool::cli::Range(0, 3600000));
+  app.add_option("--call-timeout-ms", call_timeout_ms,
+                 "timeout of each pool call without a deadline of its own (lookup, lease, "
+                 "each call of a put), counted from that call's start")
+      ->capture_default_str()
+      ->check(kvpool::cli::Range(1, 3600000));
   app.add_option("--report", report, "write a JSON report to this file")
       ->check(kvpool::cli::OutputFile());
   std::string metrics_file;
@@ -421,6 +432,8 @@ int main(int argc, char** argv) {
   kvpool::client::ClientOptions clo;
   clo.server = pool;
   clo.ucx_tls = ucx_tls;
+  clo.default_timeout = absl::Milliseconds(call_timeout_ms);
+  clo.put_timeout = absl::Milliseconds(put_timeout_ms);
   std::unique_ptr<kvpool::client::Client> client;
   absl::Status client_error;  // the pool's own status, code kept (docs/WORKER.md)
   if (auto c = kvpool::client::Client::Create(clo); !c.ok()) {

@@ -201,14 +201,15 @@ class PutSessionImpl final : public PutSession {
   };
 
   PutSessionImpl(ClientImpl* client, ConnSnapshot conn, uint64_t put_id, uint32_t num_blocks,
-                 std::vector<Block> writes, absl::Time deadline,
+                 std::vector<Block> writes, absl::Duration call_timeout, absl::Time expires,
                  std::shared_ptr<CancelToken> cancel)
       : client_(client),
         conn_(std::move(conn)),
         put_id_(put_id),
         num_blocks_(num_blocks),
         writes_(std::move(writes)),
-        deadline_(deadline),
+        call_timeout_(call_timeout),
+        expires_(expires),
         cancel_(std::move(cancel)) {
     for (size_t i = 0; i < writes_.size(); ++i) {
       hashes_.push_back(std::make_unique<FormChecksumBuilder>(conn_.geometry.Bf16FormBytes()));
@@ -225,8 +226,18 @@ class PutSessionImpl final : public PutSession {
   absl::Status Abort() override;
   uint32_t num_blocks() const override { return num_blocks_; }
   uint32_t blocks_to_write() const override { return static_cast<uint32_t>(writes_.size()); }
+  void SetCallTimeout(absl::Duration timeout) override {
+    if (timeout > absl::ZeroDuration()) call_timeout_ = timeout;
+  }
+  absl::Time expires() const override { return expires_; }
+  // Client::Put with an explicit deadline: no call of the session runs past `cap`.
+  void CapDeadline(absl::Time cap) { cap_ = cap; }
 
  private:
+  // The deadline of a call of the session starting now (class comment of PutSession).
+  absl::Time CallDeadline() const { return std::min(absl::Now() + call_timeout_, cap_); }
+  // A NOT_FOUND for this put after expires_: the pool dropped it for its put timeout.
+  absl::Status Expired(absl::Status s) const;
   absl::Status WaitSlot(int slot);
   // Packs layer `layer` of every WRITE block i from k/v into dst(i) (that block's layer slice,
   // Bf16LayerBytes), scanning the copied values for NaN/Inf in the same pass (when
@@ -253,7 +264,9 @@ class PutSessionImpl final : public PutSession {
   uint64_t put_id_;
   uint32_t num_blocks_;
   std::vector<Block> writes_;
-  absl::Time deadline_;
+  absl::Duration call_timeout_;              // each call's timeout (SetCallTimeout)
+  absl::Time expires_;                       // the pool's put timeout, local estimate
+  absl::Time cap_ = absl::InfiniteFuture();  // Client::Put's explicit deadline
   std::shared_ptr<CancelToken> cancel_;
   std::vector<std::unique_ptr<FormChecksumBuilder>> hashes_;  // per WRITE block
   // Direct mode: every WRITE block's staging is mapped (Block::mapped); layers are packed
@@ -563,8 +576,9 @@ class ClientImpl final : public Client {
     return ChainKeys(info.namespace_id, tokens, info.geometry.page_size);
   }
 
-  absl::StatusOr<std::unique_ptr<PutSession>> BeginPut(absl::Span<const uint32_t> tokens,
-                                                       const CallOptions& call) override {
+  // BeginPut, returning the implementation (Put caps its deadline).
+  absl::StatusOr<std::unique_ptr<PutSessionImpl>> BeginPutSession(absl::Span<const uint32_t> tokens,
+                                                                  const CallOptions& call) {
     const absl::Time deadline = Deadline(call);
     KVPOOL_ASSIGN_OR_RETURN(ConnSnapshot c, Conn(call, deadline));
     const uint32_t P = c.geometry.page_size;
@@ -577,6 +591,11 @@ class ClientImpl final : public Client {
     req.set_namespace_id(DigestBytes(c.namespace_id));
     req.mutable_token_ids()->Add(tokens.begin(), tokens.end());
     req.set_num_blocks(num_blocks);
+    if (options_.put_timeout > absl::ZeroDuration()) {
+      req.set_timeout_ms(static_cast<uint32_t>(std::clamp<int64_t>(
+          absl::ToInt64Milliseconds(options_.put_timeout), 1, int64_t{UINT32_MAX})));
+    }
+    const absl::Time start = absl::Now();
     pb::BeginPutResponse resp;
     absl::Status s = Rpc(call, deadline, &pb::KvPool::Stub::BeginPut, req, &resp);
     if (!s.ok()) return CheckRestart(s, c.epoch, deadline);
@@ -606,9 +625,16 @@ class ClientImpl final : public Client {
           c.arena != nullptr ? c.arena->Translate(b.staging_addr(), b.size()) : nullptr;
       writes.push_back({b.index(), b.staging_addr(), key, mapped});
     }
-    auto session = std::make_unique<PutSessionImpl>(this, c, resp.put_id(), num_blocks,
-                                                    std::move(writes), deadline, call.cancel);
+    auto session = std::make_unique<PutSessionImpl>(
+        this, c, resp.put_id(), num_blocks, std::move(writes), options_.default_timeout,
+        start + absl::Milliseconds(resp.timeout_ms()), call.cancel);
     if (!bad.ok()) return bad;  // the session's destructor aborts the put
+    return session;
+  }
+
+  absl::StatusOr<std::unique_ptr<PutSession>> BeginPut(absl::Span<const uint32_t> tokens,
+                                                       const CallOptions& call) override {
+    KVPOOL_ASSIGN_OR_RETURN(auto session, BeginPutSession(tokens, call));
     return std::unique_ptr<PutSession>(std::move(session));
   }
 
@@ -625,9 +651,8 @@ class ClientImpl final : public Client {
       return absl::InvalidArgumentError(
           absl::StrCat("v: ", v.size(), " layers, model has ", info.geometry.num_layers));
     }
-    CallOptions c = call;
-    c.deadline = Deadline(call);
-    KVPOOL_ASSIGN_OR_RETURN(auto put, BeginPut(tokens, c));
+    KVPOOL_ASSIGN_OR_RETURN(auto put, BeginPutSession(tokens, call));
+    if (call.deadline != absl::InfiniteFuture()) put->CapDeadline(call.deadline);
     for (uint32_t l = 0; l < info.geometry.num_layers; ++l) {
       absl::Status s = put->WriteLayer(l, k[l], v[l]);
       if (!s.ok()) {
@@ -896,13 +921,15 @@ class ClientImpl final : public Client {
     }
   }
 
-  absl::Status AbortRpc(const ConnSnapshot& c, uint64_t put_id) {
+  // Not cancellable (an abort must reach the pool even after a cancel); `deadline` is the
+  // session's call deadline, at most 2 s from now (the pool drops the put at its timeout anyway).
+  absl::Status AbortRpc(const ConnSnapshot& c, uint64_t put_id, absl::Time deadline) {
     pb::AbortPutRequest req;
     req.set_namespace_id(DigestBytes(c.namespace_id));
     req.set_put_id(put_id);
     pb::AbortPutResponse resp;
-    return Rpc(CallOptions{}, absl::Now() + absl::Seconds(2), &pb::KvPool::Stub::AbortPut, req,
-               &resp);
+    deadline = std::min(deadline, absl::Now() + absl::Seconds(2));
+    return Rpc(CallOptions{}, deadline, &pb::KvPool::Stub::AbortPut, req, &resp);
   }
 
   // Direct-mode fetch: copies each leased form (sources[j], items[j].loc->size bytes) to
@@ -1040,6 +1067,15 @@ class ClientImpl final : public Client {
 };
 
 // ---- PutSessionImpl ----
+absl::Status PutSessionImpl::Expired(absl::Status s) const {
+  if (!absl::IsNotFound(s) || absl::Now() < expires_) return s;
+  return absl::DeadlineExceededError(absl::StrCat(
+      "put ", put_id_, ": not committed within the pool's put timeout (it ran out ",
+      absl::FormatDuration(absl::Trunc(absl::Now() - expires_, absl::Milliseconds(1))),
+      " ago; ClientOptions::put_timeout, kvpool-server --put-timeout-ms); the pool dropped it (",
+      s.message(), ")"));
+}
+
 PutSessionImpl::~PutSessionImpl() {
   if (!finished_) (void)Abort();
   (void)FinishPulls();  // never hand back a buffer the pool may still be reading
@@ -1062,14 +1098,14 @@ absl::Status PutSessionImpl::StartPull() {
   // These layers of whole_ are complete and never written again; later WriteLayer calls pack
   // other bytes of it while the pool pulls them. Calls for one put may overlap at the pool.
   requested_layers_ = next_layer_;
-  pulls_.push_back(client_->WritePutAsync(conn_, put_id_, *whole_, src, deadline_, cancel_));
+  pulls_.push_back(client_->WritePutAsync(conn_, put_id_, *whole_, src, CallDeadline(), cancel_));
   return error_;
 }
 
 absl::Status PutSessionImpl::FinishPulls() {
   for (auto& pull : pulls_) {
     absl::Status s = pull.get();
-    if (!s.ok()) s = client_->CheckRestart(s, conn_.epoch, deadline_);
+    if (!s.ok()) s = Expired(client_->CheckRestart(s, conn_.epoch, CallDeadline()));
     if (!s.ok() && error_.ok()) error_ = s;  // sticky: Commit must see it
   }
   pulls_.clear();
@@ -1084,7 +1120,7 @@ absl::Status PutSessionImpl::PullPending() {
 absl::Status PutSessionImpl::WaitSlot(int slot) {
   absl::Status first;
   for (auto& t : inflight_[slot]) {
-    absl::Status s = t->Wait(deadline_);
+    absl::Status s = t->Wait(CallDeadline());
     if (absl::IsDeadlineExceeded(s)) t->Cancel();
     if (!s.ok() && first.ok()) first = s;
   }
@@ -1284,7 +1320,7 @@ absl::Status PutSessionImpl::Flush() {
   }
   // Layers sent so far completed locally; make them visible at the pool.
   KVPOOL_ASSIGN_OR_RETURN(auto flush, client_->transport().PostFlush(conn_.endpoint));
-  absl::Status s = flush->Wait(deadline_);
+  absl::Status s = flush->Wait(CallDeadline());
   if (!s.ok() && error_.ok()) error_ = s;
   return s;
 }
@@ -1312,7 +1348,8 @@ absl::StatusOr<PutResult> PutSessionImpl::Commit() {
   for (size_t i = 0; i < writes_.size(); ++i)
     sums.emplace_back(writes_[i].index, hashes_[i]->Finish());
   pb::CommitPutResponse resp;
-  absl::Status s = client_->CommitRpc(conn_, put_id_, sums, deadline_, cancel_, &resp);
+  absl::Status s =
+      Expired(client_->CommitRpc(conn_, put_id_, sums, CallDeadline(), cancel_, &resp));
   if (!s.ok()) {
     (void)Abort();
     return s;
@@ -1338,7 +1375,7 @@ absl::Status PutSessionImpl::Abort() {
     }
     inflight_[s].clear();
   }
-  absl::Status s = client_->AbortRpc(conn_, put_id_);
+  absl::Status s = client_->AbortRpc(conn_, put_id_, CallDeadline());
   if (absl::IsNotFound(s)) return absl::OkStatus();  // already gone (committed/expired/restart)
   return s;
 }

@@ -425,6 +425,66 @@ TEST_P(ClientTest, DeadlinesAndCancellation) {
   EXPECT_EQ(look->num_blocks, 0u);
 }
 
+// A put session is bounded by the pool's put timeout, not by BeginPut's deadline: each call
+// of the session gets default_timeout from its own start, so a prefill that pauses longer than
+// default_timeout between layers still commits (newcomer report s5 #3). A put not committed
+// within the pool's put timeout (ClientOptions::put_timeout) fails with DEADLINE_EXCEEDED
+// naming it.
+TEST_P(ClientTest, PutSessionOutlivesTheDefaultTimeoutButNotThePutTimeout) {
+  auto make = [&](absl::Duration put_timeout) -> std::unique_ptr<Client> {
+    ClientOptions o;
+    o.server = absl::StrCat("127.0.0.1:", port_);
+    o.ucx_tls = Tls();
+    o.map_shared_memory = Mode() != "rma";
+    o.copy_threads = Threads() ? 4 : 1;
+    o.default_timeout = absl::Milliseconds(300);
+    o.put_timeout = put_timeout;
+    auto c = Client::Create(o);
+    EXPECT_TRUE(c.ok()) << c.status();
+    return c.ok() ? *std::move(c) : nullptr;
+  };
+  // Registration connects UCX: give it more than 300 ms on a loaded host.
+  auto roomy = [] { return CallOptions{absl::Now() + absl::Seconds(20), nullptr}; };
+  auto c = make(absl::ZeroDuration());
+  ASSERT_NE(c, nullptr);
+  ASSERT_TRUE(c->RegisterModel(Spec("int2"), roomy()).ok());
+  Sequence s = MakeSequence(2 * kPage, 21);
+  auto put = c->BeginPut(s.tokens);  // default_timeout: BeginPut's deadline, 300 ms
+  ASSERT_TRUE(put.ok()) << put.status();
+  // The pool's default put timeout (30 s), not default_timeout, bounds the session.
+  EXPECT_GT((*put)->expires(), absl::Now() + absl::Seconds(10));
+  for (uint32_t l = 0; l < kLayers; ++l) {
+    absl::SleepFor(absl::Milliseconds(600));
+    ASSERT_TRUE((*put)->WriteLayer(l, s.k[l], s.v[l]).ok()) << l;
+  }
+  absl::SleepFor(absl::Milliseconds(600));
+  auto r = (*put)->Commit();
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->num_blocks, 2u);
+  auto look = c->Lookup(s.tokens, roomy());
+  ASSERT_TRUE(look.ok()) << look.status();
+  EXPECT_EQ(look->num_blocks, 2u);
+
+  auto short_lived = make(absl::Milliseconds(200));
+  ASSERT_NE(short_lived, nullptr);
+  ASSERT_TRUE(short_lived->RegisterModel(Spec("int2"), roomy()).ok());
+  Sequence s2 = MakeSequence(2 * kPage, 22);
+  auto put2 = short_lived->BeginPut(s2.tokens);
+  ASSERT_TRUE(put2.ok()) << put2.status();
+  EXPECT_LT((*put2)->expires(), absl::Now() + absl::Seconds(1));
+  for (uint32_t l = 0; l < kLayers; ++l) {
+    ASSERT_TRUE((*put2)->WriteLayer(l, s2.k[l], s2.v[l]).ok()) << l;
+  }
+  ASSERT_TRUE((*put2)->Flush().ok());
+  absl::SleepFor(absl::Milliseconds(800));  // the pool drops the put (ticks every 20 ms)
+  auto r2 = (*put2)->Commit();
+  EXPECT_EQ(r2.status().code(), absl::StatusCode::kDeadlineExceeded) << r2.status();
+  EXPECT_THAT(r2.status().message(), HasSubstr("put timeout"));
+  auto look2 = short_lived->Lookup(s2.tokens, roomy());
+  ASSERT_TRUE(look2.ok()) << look2.status();
+  EXPECT_EQ(look2->num_blocks, 0u);
+}
+
 TEST_P(ClientTest, LeaseExpiryFailsClosedAndFetchPlanIsValidated) {
   auto c = NewClient();
   ASSERT_NE(c, nullptr);

@@ -86,8 +86,15 @@ struct ClientOptions {
   // UCX_TLS for this client's data plane ("" = environment/UCX default). Must share a
   // transport with the pool's (e.g. both "tcp", or both "posix,cma" on one host).
   std::string ucx_tls;
-  // Timeout of calls whose CallOptions have no deadline. Default 10 s.
+  // Timeout of calls whose CallOptions have no deadline. Default 10 s. In a put session it is
+  // the timeout of each call of the session on its own (PutSession::SetCallTimeout), not of
+  // the session: see PutSession.
   absl::Duration default_timeout = absl::Seconds(10);
+  // Staging lifetime each put asks for (BeginPutRequest.timeout_ms): the pool aborts a put not
+  // committed within it after BeginPut and reclaims its staging. Zero = the pool's default
+  // (kvpool-server --put-timeout-ms, 30 s unless set); the pool caps it at the larger of
+  // 10 min and its default. The effective value is PutSession::expires(). Default zero.
+  absl::Duration put_timeout = absl::ZeroDuration();
   // Refuse K/V holding NaN or ±Inf before committing or RMA-putting them (INVALID_ARGUMENT
   // naming the layer and token; the scan rides on the pack, so the refused put is poisoned:
   // Commit fails with the same status). The pool refuses them too; checking here saves the
@@ -179,9 +186,26 @@ struct PutResult {
 // form is streamed layer by layer), then Commit. Destroying an
 // uncommitted session aborts it (best effort). Not thread-safe; movable only via unique_ptr.
 // A session must not outlive the Client that created it.
+//
+// Deadlines. BeginPut's CallOptions::deadline bounds the BeginPut call only. Every later call
+// of the session gets its own deadline, from its own start: the call timeout
+// (ClientOptions::default_timeout unless SetCallTimeout changed it) bounds each WritePut call
+// the pool pulls a layer with (from the WriteLayer that starts it), each wait for this
+// client's RMA transfers in WriteLayer/Flush/Commit, the CommitPut call and the AbortPut call.
+// The session as a whole is bounded by the pool's put timeout (ClientOptions::put_timeout or
+// the pool's --put-timeout-ms; expires()), which the pool enforces: a prefill may take
+// minutes between BeginPut and Commit. A put the pool dropped for its timeout fails its next
+// call with DEADLINE_EXCEEDED naming the put timeout. BeginPut's CallOptions::cancel cancels
+// every call of the session. Client::Put with an explicit CallOptions::deadline bounds the
+// whole put by it.
 class PutSession {
  public:
   virtual ~PutSession() = default;
+  // The timeout of each later call of this session (see the class comment); > 0.
+  virtual void SetCallTimeout(absl::Duration timeout) = 0;
+  // When the pool drops the put if it is not committed: the local estimate BeginPut's start +
+  // the effective put timeout the pool returned (BeginPutResponse.timeout_ms).
+  virtual absl::Time expires() const = 0;
   // Sends layer `layer` of the sequence: `k` and `v` are [num_tokens][num_kv_heads][head_dim]
   // bf16 (uint16 bit patterns), un-rotated (post-RoPE, as the engine has them), with
   // num_tokens >= num_blocks * page_size (extra tokens are ignored). The bytes are copied
@@ -337,11 +361,14 @@ class Client {
   virtual absl::StatusOr<std::vector<BlockKey>> Keys(absl::Span<const uint32_t> tokens) const = 0;
 
   // Starts a put of the full blocks of `tokens` (the partial tail is not stored).
+  // `call.deadline` bounds this call only; the session's later calls each get the call
+  // timeout, and the session lives until the pool's put timeout (PutSession).
   // Errors: INVALID_ARGUMENT ("tokens": fewer than page_size), RESOURCE_EXHAUSTED, UNAVAILABLE.
   virtual absl::StatusOr<std::unique_ptr<PutSession>> BeginPut(absl::Span<const uint32_t> tokens,
                                                                const CallOptions& call = {}) = 0;
 
-  // Convenience: BeginPut + WriteLayer for every layer (k[l], v[l]) + Commit.
+  // Convenience: BeginPut + WriteLayer for every layer (k[l], v[l]) + Commit. An explicit
+  // `call.deadline` bounds the whole put; without one each call gets default_timeout.
   virtual absl::StatusOr<PutResult> Put(absl::Span<const uint32_t> tokens,
                                         absl::Span<const absl::Span<const uint16_t>> k,
                                         absl::Span<const absl::Span<const uint16_t>> v,
