@@ -6,7 +6,7 @@ set -euo pipefail
 build_dir="${1:-build}"
 
 packages=(
-  build-essential cmake ninja-build ccache pkg-config git python3 python3-venv
+  build-essential cmake ninja-build ccache pkg-config git python3 python3-venv python3-yaml
   libabsl-dev libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libucx-dev ucx-utils libssl-dev
   libgtest-dev libgmock-dev libbenchmark-dev
