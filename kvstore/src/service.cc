@@ -263,13 +263,13 @@ class KvPoolService final : public pb::KvPool::Service {
   grpc::Status WritePut(grpc::ServerContext* context, const pb::WritePutRequest* req,
                         pb::WritePutResponse* resp) override {
     return Timed(store_.metrics().put_latency,
-                 [&] { return WritePutImpl(*req, resp, CallDeadline(context)); });
+                 [&] { return WritePutImpl(*req, resp, CallDeadline(context), context); });
   }
 
   grpc::Status ReadLeased(grpc::ServerContext* context, const pb::ReadLeasedRequest* req,
                           pb::ReadLeasedResponse* resp) override {
     return Timed(store_.metrics().fetch_latency,
-                 [&] { return ReadLeasedImpl(*req, resp, CallDeadline(context)); });
+                 [&] { return ReadLeasedImpl(*req, resp, CallDeadline(context), context); });
   }
 
   grpc::Status Lookup(grpc::ServerContext*, const pb::LookupRequest* req,
@@ -617,30 +617,51 @@ class KvPoolService final : public pb::KvPool::Service {
   }
 
 #if defined(KVPOOL_HAVE_TRANSPORT)
-  // Waits for `t` until `deadline`; past it cancels and keeps waiting (bounded by 30 s more) so
-  // that nothing is released while UCX may still write. Returns the transfer's status.
-  static absl::Status WaitTransfer(const std::shared_ptr<transport::Transfer>& t,
-                                   absl::Time deadline) {
-    absl::Status s = t->Wait(deadline);
-    if (!absl::IsDeadlineExceeded(s)) return s;
-    t->Cancel();
-    if (absl::IsDeadlineExceeded(t->Wait(absl::Now() + absl::Seconds(30)))) {
-      KVPOOL_LOG_WARN("a pool-initiated transfer did not finish 30 s after its deadline");
+  // Waits for `t` until it finishes, `deadline` passes (DEADLINE_EXCEEDED) or the call is
+  // cancelled (CANCELLED: the client went away, or the server's drain deadline passed at
+  // shutdown; checked every 100 ms). Then aborts it — UCX force-closes the connection of a
+  // transfer still in flight, which completes its requests — and waits until the transport
+  // has let go of it, however long that takes: the caller releases the memory the transfer
+  // writes (a put's staging) only after this returns, so nothing is freed while UCX may still
+  // write. A peer that stopped answering (SIGSTOP) used to keep the transfer, the put's staging
+  // and, at shutdown, the whole drain waiting for minutes, and then crash ucp_worker_destroy.
+  absl::Status WaitTransfer(const std::shared_ptr<transport::Transfer>& t, absl::Time deadline,
+                            grpc::ServerContext* call) {
+    absl::Status s;
+    while (true) {
+      s = t->Wait(std::min(deadline, absl::Now() + absl::Milliseconds(100)));
+      if (!absl::IsDeadlineExceeded(s)) return s;
+      if (absl::Now() >= deadline) break;
+      if (call != nullptr && call->IsCancelled()) {
+        s = absl::CancelledError("the call was cancelled while its transfer was in flight");
+        break;
+      }
     }
-    return s;
+    ctx_.transport->Abort(t);
+    for (int waited_s = 10;; waited_s += 10) {
+      if (!absl::IsDeadlineExceeded(t->Wait(absl::Now() + absl::Seconds(10)))) return s;
+      KVPOOL_LOG_WARN(
+          "a pool-initiated transfer is still in flight {} s after it was aborted; its memory "
+          "stays claimed until it finishes",
+          waited_s);
+    }
   }
 #endif
 
   absl::Status WritePutImpl(const pb::WritePutRequest& req, pb::WritePutResponse* resp,
-                            absl::Time deadline) {
+                            absl::Time deadline, grpc::ServerContext* call) {
 #if defined(KVPOOL_HAVE_TRANSPORT)
     if (!ctx_.pool_initiates_transfers || ctx_.transport == nullptr || ctx_.arena == nullptr) {
       return NotInitiating("WritePut");
     }
     KVPOOL_ASSIGN_OR_RETURN(Digest ns, ParseNamespace(req.namespace_id()));
     if (req.sources().empty()) return absl::InvalidArgumentError("sources: empty");
+    // The pull is bounded by the put's own deadline too: a put whose pulls cannot finish (the
+    // client hangs) is aborted and reclaimed at its timeout, not pinned by this claim.
+    absl::Duration put_left;
     KVPOOL_ASSIGN_OR_RETURN(std::vector<StagingRange> ranges,
-                            store_.BeginPutWrite(ns, req.put_id()));
+                            store_.BeginPutWrite(ns, req.put_id(), &put_left));
+    deadline = std::min(deadline, absl::Now() + put_left);
     struct Claim {
       BlockStore& store;
       uint64_t put_id;
@@ -677,19 +698,20 @@ class KvPoolService final : public pb::KvPool::Service {
         auto t, ctx_.transport->Prepare({transport::TransferKind::kGet, link.peer->endpoint,
                                          link.key, ctx_.arena, transport::CoalesceOps(ops)}));
     KVPOOL_RETURN_IF_ERROR(ctx_.transport->Post(t));
-    KVPOOL_RETURN_IF_ERROR(WaitTransfer(t, deadline));
+    KVPOOL_RETURN_IF_ERROR(WaitTransfer(t, deadline, call));
     resp->set_bytes_written(total);
     return absl::OkStatus();
 #else
     (void)req;
     (void)resp;
     (void)deadline;
+    (void)call;
     return NotInitiating("WritePut");
 #endif
   }
 
   absl::Status ReadLeasedImpl(const pb::ReadLeasedRequest& req, pb::ReadLeasedResponse* resp,
-                              absl::Time deadline) {
+                              absl::Time deadline, grpc::ServerContext* call) {
 #if defined(KVPOOL_HAVE_TRANSPORT)
     if (!ctx_.pool_initiates_transfers || ctx_.transport == nullptr || ctx_.arena == nullptr) {
       return NotInitiating("ReadLeased");
@@ -751,7 +773,7 @@ class KvPoolService final : public pb::KvPool::Service {
       posted.emplace_back(*t, &g);
     }
     for (auto& [t, g] : posted) {
-      absl::Status s = WaitTransfer(t, deadline);
+      absl::Status s = WaitTransfer(t, deadline, call);
       std::vector<absl::Status> items = t->item_status();
       for (size_t k = 0; k < g->reads.size(); ++k) {
         const int i = g->reads[k];
@@ -777,6 +799,7 @@ class KvPoolService final : public pb::KvPool::Service {
     (void)req;
     (void)resp;
     (void)deadline;
+    (void)call;
     return NotInitiating("ReadLeased");
 #endif
   }

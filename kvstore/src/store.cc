@@ -1103,7 +1103,8 @@ StoreStats BlockStore::Stats() const {
 }
 
 absl::StatusOr<std::vector<StagingRange>> BlockStore::BeginPutWrite(const Digest& namespace_id,
-                                                                    uint64_t put_id) {
+                                                                    uint64_t put_id,
+                                                                    absl::Duration* time_left) {
   std::unique_lock lock(mu_);
   KVPOOL_ASSIGN_OR_RETURN(auto it, FindOpenPutLocked(namespace_id, put_id));
   std::vector<StagingRange> out;
@@ -1113,6 +1114,7 @@ absl::StatusOr<std::vector<StagingRange>> BlockStore::BeginPutWrite(const Digest
     }
   }
   ++it->second.writers;
+  if (time_left != nullptr) *time_left = it->second.deadline - clock_->Now();
   return out;
 }
 

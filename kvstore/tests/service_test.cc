@@ -15,18 +15,22 @@
 
 #include <atomic>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <future>
 #include <set>
 #include <thread>
 
+#include "absl/strings/escaping.h"
+#include "absl/time/clock.h"
 #include "kvpool/common/checksum.h"
 #include "kvpool/common/keys.h"
 #include "kvpool/common/safetensors.h"
 #include "kvpool/kvstore/encoder.h"
 #include "kvpool/kvstore/server.h"
 #include "kvpool/transport/fake_transport.h"
+#include "kvpool/transport/ucx_transport.h"
 #include "kvpool/v1/pool.grpc.pb.h"
 #include "test_util.h"
 
@@ -1293,6 +1297,173 @@ TEST(ServerBinaryTest, SighupIsIgnoredAndSigtermStillDrains) {
   ASSERT_EQ(kill(c.pid, SIGTERM), 0);
   EXPECT_EQ(WaitExit(c.pid), 0);
   fclose(c.out);
+}
+
+// ---- a client that hangs while the pool pulls its put (pool-initiated, tcp) ------------------
+
+constexpr size_t kHungSourceBytes = 4 << 20;
+
+// Not a test: the body of the hung client's process. The test below re-executes this binary
+// with KVPOOL_HUNG_CLIENT=1 and this test as its filter; the process opens a UCX tcp worker with
+// a kHungSourceBytes source region, prints "worker=HEX addr=N rkey=HEX" and waits to be stopped
+// (SIGSTOP) and killed. Skipped in a normal run.
+TEST(HungClientProcess, ServesASourceRegionUntilKilled) {
+  if (std::getenv("KVPOOL_HUNG_CLIENT") == nullptr) GTEST_SKIP() << "helper process only";
+  auto t = transport::CreateUcxTransport({.tls = "tcp"});
+  ASSERT_TRUE(t.ok()) << t.status();
+  auto region = (*t)->AllocateMemory(kHungSourceBytes);
+  ASSERT_TRUE(region.ok()) << region.status();
+  std::printf("worker=%s addr=%llu rkey=%s\n",
+              absl::BytesToHexString((*t)->WorkerAddress()).c_str(),
+              static_cast<unsigned long long>((*region)->address()),
+              absl::BytesToHexString((*region)->packed_rkey()).c_str());
+  std::fflush(stdout);
+  for (;;) pause();
+}
+
+// Waits up to `limit` for `pid` to exit; its exit code (128 + signal when killed), or -1 when it
+// still runs (then it is left running).
+int WaitExitFor(pid_t pid, absl::Duration limit) {
+  const absl::Time end = absl::Now() + limit;
+  while (absl::Now() < end) {
+    int status = 0;
+    const pid_t r = waitpid(pid, &status, WNOHANG);
+    if (r == pid) return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    if (r < 0) return -2;
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  return -1;
+}
+
+// Newcomer report s5 #1: a client frozen (SIGSTOP) while the pool pulled its put over tcp pinned
+// the put forever (the WritePut claim waited for RMA that never completes), and SIGTERM then
+// waited ~80 s and crashed in ucp_worker_destroy (exit 134). Now the pull is aborted at the put's
+// timeout (the connection force-closed, so UCX gives its requests back before the staging is
+// freed) and SIGTERM aborts what is left at --drain-ms. The bounds below are generous slack
+// over the configured times (2 s put timeout, 1 s drain), not speed measurements.
+TEST(ServerBinaryTest, HungClientMidPullIsAbortedAtPutTimeoutAndSigtermDrains) {
+  Child pool = Spawn({"--listen", "127.0.0.1:0", "--metrics-port", "-1", "--capacity", "16MiB",
+                      "--ucx-tls", "tcp", "--put-timeout-ms", "2000", "--drain-ms", "1000"});
+  int grpc_port = 0, metrics_port = 0;
+  ASSERT_TRUE(pool.ReadPorts(&grpc_port, &metrics_port));
+  auto stub = pb::KvPool::NewStub(grpc::CreateChannel(absl::StrCat("127.0.0.1:", grpc_port),
+                                                      grpc::InsecureChannelCredentials()));
+  auto ctx = [](absl::Duration d) {
+    auto c = std::make_unique<grpc::ClientContext>();
+    c->set_deadline(absl::ToChronoTime(absl::Now() + d));
+    return c;
+  };
+  const ModelSpec spec = testing::TinySpec();
+  pb::RegisterModelResponse reg;
+  grpc::Status st = stub->RegisterModel(ctx(absl::Seconds(20)).get(), RegisterRequest(spec), &reg);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  ASSERT_TRUE(reg.pool_initiates_transfers());
+
+  // The hung client: the test binary re-executed as HungClientProcess, stopped once it is up.
+  std::vector<std::string> env_strings;
+  for (char** e = environ; *e != nullptr; ++e) env_strings.emplace_back(*e);
+  env_strings.emplace_back("KVPOOL_HUNG_CLIENT=1");
+  std::vector<char*> envp;
+  for (auto& e : env_strings) envp.push_back(e.data());
+  envp.push_back(nullptr);
+  std::string self = std::filesystem::read_symlink("/proc/self/exe").string();
+  std::string filter = "--gtest_filter=HungClientProcess.ServesASourceRegionUntilKilled";
+  char* argv[] = {self.data(), filter.data(), nullptr};
+  int fds[2];
+  ASSERT_EQ(pipe(fds), 0);
+  const pid_t client = fork();
+  if (client == 0) {
+    dup2(fds[1], 1);
+    close(fds[0]);
+    close(fds[1]);
+    execve(self.c_str(), argv, envp.data());
+    _exit(127);
+  }
+  ASSERT_GT(client, 0);
+  close(fds[1]);
+  FILE* client_out = fdopen(fds[0], "r");
+  std::string worker, rkey;
+  unsigned long long addr = 0;
+  char line[8192];
+  while (std::fgets(line, sizeof(line), client_out) != nullptr) {
+    char w[4096], k[4096];
+    if (std::sscanf(line, "worker=%4095s addr=%llu rkey=%4095s", w, &addr, k) == 3) {
+      worker = absl::HexStringToBytes(w);
+      rkey = absl::HexStringToBytes(k);
+      break;
+    }
+  }
+  ASSERT_FALSE(worker.empty()) << "the hung-client process did not start";
+  ASSERT_EQ(kill(client, SIGSTOP), 0);
+
+  // A put of 8 blocks whose WritePut names the stopped client's memory: the pool's pull hangs.
+  const uint64_t bf16 = spec.geometry.Bf16FormBytes();
+  ASSERT_LE(8 * bf16, kHungSourceBytes);
+  auto begin_put = [&](uint32_t seq, uint32_t timeout_ms, pb::BeginPutResponse* put) {
+    pb::BeginPutRequest bp;
+    bp.set_namespace_id(reg.namespace_id());
+    for (uint32_t t : testing::Tokens(seq, 8 * spec.geometry.page_size)) bp.add_token_ids(t);
+    bp.set_num_blocks(8);
+    bp.set_timeout_ms(timeout_ms);
+    return stub->BeginPut(ctx(absl::Seconds(20)).get(), bp, put);
+  };
+  auto write_put = [&](const pb::BeginPutResponse& put) {
+    pb::WritePutRequest wp;
+    wp.set_namespace_id(reg.namespace_id());
+    wp.set_put_id(put.put_id());
+    wp.set_client_worker_address(worker);
+    wp.set_source_rkey(rkey);
+    for (const pb::PutBlock& b : put.blocks()) {
+      pb::PutSource* src = wp.add_sources();
+      src->set_index(b.index());
+      src->set_offset(0);
+      src->set_length(b.size());
+      src->set_source_addr(addr + b.index() * bf16);
+    }
+    pb::WritePutResponse resp;
+    // The call's own deadline is far away: only the put's timeout or the drain can end it.
+    return stub->WritePut(ctx(absl::Seconds(120)).get(), wp, &resp);
+  };
+  auto stats = [&] {
+    pb::StatsResponse s;
+    EXPECT_TRUE(stub->Stats(ctx(absl::Seconds(20)).get(), pb::StatsRequest(), &s).ok());
+    return s;
+  };
+
+  pb::BeginPutResponse put;
+  ASSERT_TRUE(begin_put(1, 0, &put).ok());  // 0: the pool's --put-timeout-ms (2 s)
+  ASSERT_EQ(put.timeout_ms(), 2000u);
+  EXPECT_EQ(stats().open_puts(), 1u);
+  EXPECT_GT(stats().staging_bytes(), 0u);
+  auto first = std::async(std::launch::async, [&] { return write_put(put); });
+  const absl::Time begun = absl::Now();
+  pb::StatsResponse s;
+  do {
+    absl::SleepFor(absl::Milliseconds(100));
+    s = stats();
+  } while ((s.open_puts() != 0 || s.staging_bytes() != 0) &&
+           absl::Now() - begun < absl::Seconds(2 + 10));
+  EXPECT_EQ(s.open_puts(), 0u) << "the put is still open " << (absl::Now() - begun);
+  EXPECT_EQ(s.staging_bytes(), 0u);
+  ASSERT_EQ(first.wait_for(std::chrono::seconds(10)), std::future_status::ready);
+  const grpc::Status first_status = first.get();
+  EXPECT_FALSE(first_status.ok());  // the bytes never arrived
+
+  // Another hung pull whose put would live for a minute, then SIGTERM: drained within
+  // --drain-ms (the call is cancelled and its pull aborted), exit 0 and no UCX assertion.
+  pb::BeginPutResponse put2;
+  ASSERT_TRUE(begin_put(2, 60000, &put2).ok());
+  auto second = std::async(std::launch::async, [&] { return write_put(put2); });
+  absl::SleepFor(absl::Milliseconds(500));  // the WritePut reaches the pool and starts its pull
+  ASSERT_EQ(kill(pool.pid, SIGTERM), 0);
+  EXPECT_EQ(WaitExitFor(pool.pid, absl::Seconds(1 + 15)), 0);
+  ASSERT_EQ(second.wait_for(std::chrono::seconds(10)), std::future_status::ready);
+  EXPECT_FALSE(second.get().ok());
+  fclose(pool.out);
+
+  kill(client, SIGKILL);
+  waitpid(client, nullptr, 0);
+  fclose(client_out);
 }
 
 }  // namespace

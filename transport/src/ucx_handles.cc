@@ -208,14 +208,18 @@ absl::StatusOr<std::unique_ptr<UcxEndpoint>> UcxEndpoint::Create(const UcxWorker
   return std::unique_ptr<UcxEndpoint>(new UcxEndpoint(worker.get(), ep, health));
 }
 
-UcxEndpoint::~UcxEndpoint() {
+UcxEndpoint::~UcxEndpoint() { Close(health_->failed.load(std::memory_order_acquire)); }
+
+void UcxEndpoint::Close(bool force) {
+  if (ep_ == nullptr) return;
   ucp_request_param_t param;
   std::memset(&param, 0, sizeof(param));
-  if (health_->failed.load(std::memory_order_acquire)) {
+  if (force) {
     param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
     param.flags = UCP_EP_CLOSE_FLAG_FORCE;
   }
   ucs_status_ptr_t req = ucp_ep_close_nbx(ep_, &param);
+  ep_ = nullptr;
   if (req == nullptr || UCS_PTR_IS_ERR(req)) return;
   auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(1);
   while (ucp_request_check_status(req) == UCS_INPROGRESS &&

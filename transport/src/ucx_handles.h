@@ -89,11 +89,17 @@ class UcxEndpoint {
                                                              std::string_view peer_address,
                                                              EndpointHealth* health,
                                                              bool* peer_mode_supported);
-  // Closes (forcefully when failed), progressing the worker for at most ~1 s.
+  // Closes (forcefully when failed) unless Close already did, progressing the worker for at
+  // most ~1 s.
   ~UcxEndpoint();
   UcxEndpoint(const UcxEndpoint&) = delete;
   UcxEndpoint& operator=(const UcxEndpoint&) = delete;
+  // nullptr once closed.
   ucp_ep_h get() const { return ep_; }
+  // Closes now (UCP_EP_CLOSE_FLAG_FORCE when `force`), progressing the worker for at most ~1 s:
+  // with force, UCX completes every request still on the endpoint with an error (their
+  // callbacks run during this call's progress). Idempotent. Owner thread only.
+  void Close(bool force);
 
  private:
   UcxEndpoint(ucp_worker_h w, ucp_ep_h ep, EndpointHealth* h) : worker_(w), ep_(ep), health_(h) {}

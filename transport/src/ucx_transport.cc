@@ -215,6 +215,21 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
     return absl::OkStatus();
   }
 
+  // Transport::Abort on the owner thread: when `t` is still in flight on a connection with peer
+  // failure detection, marks the connection failed (UCS_ERR_CANCELED) and force-closes it, so
+  // UCX completes its requests (and every other request on that connection) with errors.
+  void AbortOnOwner(Transfer* t) {
+    if (inflight_.find(t) == inflight_.end()) return;  // finished or never reached UCX
+    auto ep_it = endpoints_.find(t->request().endpoint.value);
+    if (ep_it == endpoints_.end()) return;
+    Connection& conn = *ep_it->second.connection;
+    if (!conn.health->failure_detection || conn.endpoint == nullptr) return;
+    conn.health->ucs_status.store(static_cast<int>(UCS_ERR_CANCELED), std::memory_order_relaxed);
+    conn.health->failed.store(true, std::memory_order_release);
+    KVPOOL_LOG_INFO("transport: aborting a transfer in flight; force-closing its connection");
+    conn.endpoint->Close(/*force=*/true);
+  }
+
   void PostOnOwner(std::shared_ptr<Transfer> transfer, ucp_mem_h local_memh);
   void FlushOnOwner(std::shared_ptr<Transfer> transfer);
 
@@ -739,6 +754,12 @@ class UcxTransport final : public Transport {
       core_->Enqueue([c = core_.get(), transfer] { c->FlushOnOwner(transfer); });
     }
     return transfer;
+  }
+
+  void Abort(const std::shared_ptr<Transfer>& transfer) override {
+    if (transfer == nullptr) return;
+    transfer->Cancel();
+    core_->Enqueue([c = core_.get(), transfer] { c->AbortOnOwner(transfer.get()); });
   }
 
   absl::Status Post(const std::shared_ptr<Transfer>& transfer) override {

@@ -274,10 +274,13 @@ class BlockStore {
   // claimed, the put neither expires nor can be aborted or committed (FAILED_PRECONDITION), so
   // its staging stays allocated while a transfer writes into it. Several claims may overlap.
   // Returns the staging ranges of its WRITE blocks. Every successful call must be matched by
-  // EndPutWrite. Errors: NOT_FOUND (unknown, expired, committed or other namespace),
+  // EndPutWrite. `time_left` (optional) receives the time until the put's deadline (zero or
+  // negative when it has passed): the writer must give up and EndPutWrite by then, or the put
+  // outlives its timeout. Errors: NOT_FOUND (unknown, expired, committed or other namespace),
   // FAILED_PRECONDITION (committing). Thread-safe.
   absl::StatusOr<std::vector<StagingRange>> BeginPutWrite(const Digest& namespace_id,
-                                                          uint64_t put_id);
+                                                          uint64_t put_id,
+                                                          absl::Duration* time_left = nullptr);
   // Drops one claim of BeginPutWrite. No-op for an unknown put. Thread-safe.
   void EndPutWrite(uint64_t put_id);
   // (offset from PoolMemory::data(), size) of every form held by live lease `lease_id`, sorted

@@ -290,6 +290,23 @@ class Transport {
                                                                    uint64_t remote_addr,
                                                                    uint64_t length);
 
+  // Stops `transfer` for good, for a caller that will not wait for it any longer (its deadline
+  // passed, its caller went away): Cancel()s it and, where the transport can, makes the network
+  // give back the requests already in flight so that Wait() returns soon. Cancel alone cannot
+  // recall RMA in flight, so a peer that stopped answering (SIGSTOP, a hung host) would keep
+  // the transfer — and the local memory UCX may still write — busy until the connection dies.
+  // UCX: when the transfer is still in flight on an endpoint with peer failure detection, its
+  // connection is closed with UCP_EP_CLOSE_FLAG_FORCE: every request on it (this transfer's and
+  // any other transfer's on the same peer) completes with an error, the endpoint reads as
+  // failed (EndpointStatus UNAVAILABLE) and the next Connect to that peer makes a new one.
+  // Without failure detection (shared memory, which completes RMA locally) only Cancel().
+  // Memory safety: the local region is untouched by the transport once Wait() has returned a
+  // final status, as always; Abort does not shorten that. Asynchronous (returns before the
+  // requests are given back); thread-safe; no effect on a finished transfer.
+  virtual void Abort(const std::shared_ptr<Transfer>& transfer) {
+    if (transfer != nullptr) transfer->Cancel();
+  }
+
   // Convenience: Prepare + Post + Wait(deadline).
   absl::Status Execute(TransferRequest request, absl::Time deadline);
 };
