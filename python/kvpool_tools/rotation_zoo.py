@@ -45,6 +45,15 @@ order — so the same rotations give the same bytes (and the same rotation id) f
 Rotations whose orthogonality error max|R·Rᵀ − I| exceeds 1e-4 are refused (the C++ reader
 refuses them too).
 
+Malformed input is refused with one ``rotation_zoo: ...`` line and exit 2, never a traceback:
+non-integer ``format_version`` / layer ids, a rotation or eigenvalues entry that is not a numeric
+tensor, and sizes beyond a rotation file's 256 MiB (checked from the pickled shapes BEFORE any
+array is built, per tensor and for the whole file, so a stride-0 view cannot ask for gigabytes).
+Inputs must be regular files up to 1 GiB; ``--out`` is checked before the work (a directory, a
+missing directory, one where no file can be created) and written atomically (temporary file
+beside it, fsync, ``os.replace``); ``--clip-k`` / ``--clip-v`` must be 0 or in (0, 1] (as
+``kvpool calibrate``) and ``--num-kv-heads`` >= 1; argparse's own usage errors also exit 2.
+
 Usage (from build/venv)::
 
     python -m kvpool_tools.rotation_zoo --keys k_rotation_qqt_r_h_pbr.pt \\
@@ -58,9 +67,13 @@ import collections
 import hashlib
 import io
 import json
+import math
+import os
 import pickle
+import stat
 import struct
 import sys
+import tempfile
 import zipfile
 from typing import Any, Dict, Optional, Tuple
 
@@ -86,6 +99,22 @@ class ConversionError(ValueError):
     """A malformed or unsupported input; the message names the problem."""
 
 
+# Bounds checked before anything is materialized, so a tiny crafted file cannot ask for
+# gigabytes (a stride-0 view of a 1-element storage describes any size). A kvpool rotation file
+# is at most 256 MiB (the pool's limit, docs/OPERATIONS.md "Trust model"): no tensor, and not
+# all tensors together, may hold more float32 elements than that.
+MAX_ELEMENTS = (256 << 20) // 4
+MAX_TENSOR_RANK = 3  # rotations [d, d] / [H_kv, d, d], eigenvalues [d] / [H_kv, d]
+MAX_INPUT_BYTES = 1 << 30  # a .pt input (its rotations are bounded by MAX_ELEMENTS anyway)
+
+
+def _int_field(value: Any, what: str) -> int:
+    """An integer field of the .pt dict (format_version, layer_id); ConversionError otherwise."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise ConversionError(f"{what} {value!r} is not an integer")
+    return int(value)
+
+
 class _StorageType:
     def __init__(self, name: str):
         self.name = name
@@ -94,9 +123,20 @@ class _StorageType:
 def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad=False,
                        backward_hooks=None, metadata=None):
     data, dtype_size = storage
+    if (not isinstance(size, (tuple, list)) or not isinstance(stride, (tuple, list))
+            or len(size) != len(stride) or not isinstance(storage_offset, int)
+            or not all(isinstance(x, int) for x in (*size, *stride))):
+        raise ConversionError(f"tensor view (offset {storage_offset!r}, size {size!r}, stride "
+                              f"{stride!r}) is malformed")
     size = tuple(int(s) for s in size)
     stride = tuple(int(s) for s in stride)
-    numel = int(np.prod(size)) if size else 1
+    if len(size) > MAX_TENSOR_RANK or any(s < 0 for s in size):
+        raise ConversionError(f"tensor of shape {size}: a rotation file holds tensors of rank "
+                              f"1..{MAX_TENSOR_RANK} with non-negative sizes")
+    numel = math.prod(size)  # exact (Python ints), checked before any allocation
+    if numel > MAX_ELEMENTS:
+        raise ConversionError(f"tensor of shape {size} has {numel} elements, more than the "
+                              f"{MAX_ELEMENTS} float32 (256 MiB) a rotation file may hold")
     if numel == 0:
         return np.zeros(size, dtype=data.dtype)
     last = storage_offset + sum((s - 1) * st for s, st in zip(size, stride))
@@ -115,10 +155,20 @@ class _RestrictedUnpickler(pickle.Unpickler):
     def __init__(self, file, storages):
         super().__init__(file)
         self._storages = storages
+        self._elements_left = MAX_ELEMENTS  # over all tensors of the file
+
+    def _rebuild(self, storage, storage_offset, size, *args, **kwargs):
+        if (isinstance(size, (tuple, list)) and all(isinstance(x, int) and x >= 0 for x in size)
+                and math.prod(size) <= MAX_ELEMENTS):  # a larger one: _rebuild_tensor_v2 says so
+            self._elements_left -= math.prod(size)
+            if self._elements_left < 0:
+                raise ConversionError(f"the tensors hold more than the {MAX_ELEMENTS} float32 "
+                                      "elements (256 MiB) a rotation file may hold")
+        return _rebuild_tensor_v2(storage, storage_offset, size, *args, **kwargs)
 
     def find_class(self, module, name):
         if module == "torch._utils" and name == "_rebuild_tensor_v2":
-            return _rebuild_tensor_v2
+            return self._rebuild
         if module == "collections" and name == "OrderedDict":
             return collections.OrderedDict
         if module == "torch" and name in _STORAGE_DTYPES:
@@ -148,6 +198,8 @@ def load_pt(path_or_bytes) -> Any:
     if len(pkl) != 1:
         raise ConversionError(f"expected one '<prefix>/data.pkl' in the zip, found {pkl}")
     prefix = pkl[0][: -len("data.pkl")]
+    if zf.getinfo(pkl[0]).file_size > MAX_INPUT_BYTES:
+        raise ConversionError(f"{pkl[0]} is {zf.getinfo(pkl[0]).file_size} bytes uncompressed")
     byteorder = prefix + "byteorder"
     if byteorder in names and zf.read(byteorder).strip() != b"little":
         raise ConversionError("big-endian tensor data is not supported")
@@ -159,8 +211,16 @@ def load_pt(path_or_bytes) -> Any:
             entry = prefix + "data/" + key
             if entry not in names:
                 raise ConversionError(f"storage '{entry}' missing from the zip")
-            raw = zf.read(entry)
             dt = _STORAGE_DTYPES[type_name]
+            itemsize = 2 if dt == "bfloat16" else np.dtype(dt).itemsize
+            if not 0 <= numel <= MAX_ELEMENTS:
+                raise ConversionError(f"storage {key}: {numel} elements, more than the "
+                                      f"{MAX_ELEMENTS} a rotation file may hold")
+            # The declared uncompressed size, checked before inflating (a zip bomb).
+            if zf.getinfo(entry).file_size != numel * itemsize:
+                raise ConversionError(f"storage {key}: {zf.getinfo(entry).file_size} bytes in "
+                                      f"the zip, pickle says {numel} x {itemsize}")
+            raw = zf.read(entry)
             if dt == "bfloat16":
                 if len(raw) != 2 * numel:
                     raise ConversionError(f"storage {key}: {len(raw)} bytes for {numel} bf16")
@@ -174,7 +234,13 @@ def load_pt(path_or_bytes) -> Any:
             cache[key] = (arr, arr.itemsize)
         return cache[key]
 
-    return _RestrictedUnpickler(io.BytesIO(zf.read(pkl[0])), storage).load()
+    try:
+        return _RestrictedUnpickler(io.BytesIO(zf.read(pkl[0])), storage).load()
+    except (EOFError, IndexError, KeyError, TypeError, AttributeError, ValueError,
+            struct.error) as e:
+        if isinstance(e, ConversionError):
+            raise
+        raise ConversionError(f"malformed pickle in {pkl[0]}: {type(e).__name__}: {e}") from e
 
 
 def _f32_str(x: float) -> str:
@@ -239,18 +305,28 @@ def _objective_and_composition(k_obj: str, v_obj: str) -> Tuple[str, str]:
     return f"k:{k_obj},v:{v_obj}", kc
 
 
+def _tensor(value: Any, what: str, dtype) -> np.ndarray:
+    """A numeric tensor (numpy array as load_pt returns them) as `dtype`; ConversionError for
+    anything else (a string, a nested list of strings, None)."""
+    if not isinstance(value, np.ndarray) or value.dtype.kind not in "biuf":
+        raise ConversionError(f"{what} is a {type(value).__name__}"
+                              f"{' of ' + str(value.dtype) if isinstance(value, np.ndarray) else ''}"
+                              ", not a numeric tensor")
+    return value.astype(dtype)
+
+
 def _layer_map(obj: Dict[str, Any], name: str) -> Dict[int, Any]:
     out: Dict[int, Any] = {}
     for key, entry in obj["layers"].items():
-        try:
-            lid = int(key)
-        except (TypeError, ValueError):
-            raise ConversionError(f"{name} file: layer key {key!r} is not an integer") from None
+        if isinstance(key, str) and key.strip().lstrip("-").isdigit():
+            key = int(key)  # a string key "3" as some writers store it
+        lid = _int_field(key, f"{name} file: layer key")
         if lid in out:
             raise ConversionError(f"{name} file: layer {lid} appears twice")
         if not isinstance(entry, dict):
             raise ConversionError(f"{name} file: layer {lid} is not a dict")
-        if "layer_id" in entry and int(entry["layer_id"]) != lid:
+        if "layer_id" in entry and _int_field(entry["layer_id"],
+                                              f"{name} file: layer {lid} layer_id") != lid:
             raise ConversionError(f"{name} file: layer key {lid} holds layer_id "
                                   f"{entry['layer_id']}")
         out[lid] = entry
@@ -271,7 +347,7 @@ def convert(keys_obj: Dict[str, Any], values_obj: Optional[Dict[str, Any]], *, m
             continue
         if not isinstance(obj, dict) or not isinstance(obj.get("layers"), dict):
             raise ConversionError(f"{name} file: expected a dict with a 'layers' dict")
-        fv = int(obj.get("format_version", 1))
+        fv = _int_field(obj.get("format_version", 1), f"{name} file: format_version")
         if fv not in (1, 2):
             raise ConversionError(f"{name} file: format_version {fv} is not 1 or 2")
     layers_k = _layer_map(keys_obj, "keys")
@@ -300,9 +376,9 @@ def convert(keys_obj: Dict[str, Any], values_obj: Optional[Dict[str, Any]], *, m
                     raise ConversionError(
                         f"layer {lid} has no '{kind}' entry: give --values for the value rotations")
                 entry = lk if kind == "k" else layers_v[lid]
-            if "rotation" not in entry:
+            if not isinstance(entry, dict) or "rotation" not in entry:
                 raise ConversionError(f"layer {lid} {kind}: no 'rotation' tensor")
-            r = np.asarray(entry["rotation"], dtype=np.float64)
+            r = _tensor(entry["rotation"], f"layer {lid} {kind} rotation", np.float64)
             e = entry.get("eigenvalues")
             if r.ndim not in (2, 3) or r.shape[-1] != r.shape[-2]:
                 raise ConversionError(f"layer {lid} {kind} rotation has shape {r.shape}, expected "
@@ -334,7 +410,7 @@ def convert(keys_obj: Dict[str, Any], values_obj: Optional[Dict[str, Any]], *, m
                                       f"max|R*R^T - I| = {err:.3g} > {ORTHOGONALITY_LIMIT}")
             tensors[f"layers.{i}.{kind}.rotation"] = r32
             if e is not None:
-                e = np.asarray(e, dtype=np.float32)
+                e = _tensor(e, f"layer {lid} {kind} eigenvalues", np.float32)
                 if e.shape != r.shape[:-1]:
                     raise ConversionError(f"layer {lid} {kind} eigenvalues shape {e.shape} != "
                                           f"{r.shape[:-1]}")
@@ -344,15 +420,21 @@ def convert(keys_obj: Dict[str, Any], values_obj: Optional[Dict[str, Any]], *, m
         raise ConversionError("eigenvalues must be present for every layer and kind, or none")
     version = 2 if ndim == 3 else 1
     for name, obj in (("keys", keys_obj), ("values", values_obj)):
-        if obj is not None and int(obj.get("format_version", version)) == 2 and version == 1:
+        if obj is not None and _int_field(obj.get("format_version", version),
+                                          f"{name} file: format_version") == 2 and version == 1:
             raise ConversionError(f"{name} file says format_version 2 (per head) but its "
                                   "rotations are [d, d]")
     if version == 2:
         if num_kv_heads is not None and num_kv_heads != heads:
             raise ConversionError(f"--num-kv-heads {num_kv_heads} != the file's {heads} heads")
         num_kv_heads = heads
-    if num_kv_heads is None or num_kv_heads < 1:
+    if num_kv_heads is None:
         raise ConversionError("--num-kv-heads is required for per-layer (format_version 1) files")
+    if num_kv_heads < 1:
+        raise ConversionError(f"--num-kv-heads must be >= 1, got {num_kv_heads}")
+    for flag, clip in (("--clip-k", clip_k), ("--clip-v", clip_v)):
+        if not (math.isfinite(clip) and 0.0 <= clip <= 1.0):
+            raise ConversionError(f"{flag} must be 0 (disabled) or in (0, 1], got {clip}")
     k_obj = str(keys_obj.get("objective", "oscar"))
     v_obj = str(values_obj.get("objective", k_obj)) if values_obj is not None else k_obj
     objective, composition = _objective_and_composition(k_obj, v_obj)
@@ -374,30 +456,115 @@ def convert(keys_obj: Dict[str, Any], values_obj: Optional[Dict[str, Any]], *, m
     return write_safetensors(tensors, meta)
 
 
+def _positive_int(v: str) -> int:
+    try:
+        n = int(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{v}' is not an integer") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
+def _clip_ratio(v: str) -> float:
+    try:
+        x = float(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{v}' is not a number") from None
+    if not (math.isfinite(x) and 0.0 <= x <= 1.0):  # as `kvpool calibrate --clip-k`
+        raise argparse.ArgumentTypeError(f"must be 0 (disabled) or in (0, 1], got '{v}'")
+    return x
+
+
+def _read_input(path: str, flag: str) -> bytes:
+    """The bytes of a regular file of at most MAX_INPUT_BYTES (a FIFO or /dev/zero would block
+    or never end); OSError / ConversionError naming the flag otherwise."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ConversionError(f"{flag}: '{path}' is not a regular file")
+        if st.st_size > MAX_INPUT_BYTES:
+            raise ConversionError(f"{flag}: '{path}' is {st.st_size} bytes, above the limit of "
+                                  f"{MAX_INPUT_BYTES}")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            data = f.read(MAX_INPUT_BYTES + 1)
+        if len(data) > MAX_INPUT_BYTES:
+            raise ConversionError(f"{flag}: '{path}' grew above {MAX_INPUT_BYTES} bytes")
+        return data
+    finally:
+        os.close(fd)
+
+
+def _check_output(path: str) -> Optional[str]:
+    """Why `path` cannot take the output, found before any work (None when it can): a
+    directory, a missing directory, or one where no file can be created."""
+    target = os.path.realpath(path)
+    if os.path.isdir(target):
+        return f"--out: '{path}' is a directory; name a file"
+    if os.path.exists(target) and not os.path.isfile(target):
+        return f"--out: '{path}' is not a regular file"
+    d = os.path.dirname(target) or "."
+    if not os.path.isdir(d):
+        return f"--out: directory '{d}' of '{path}' does not exist"
+    try:
+        fd, probe = tempfile.mkstemp(dir=d, prefix=".rotation_zoo-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        return f"--out: cannot create a file in directory '{d}' of '{path}': {e.strerror}"
+    return None
+
+
+def _write_atomically(path: str, data: bytes) -> None:
+    """Temporary file beside the target (through a symlink), fsync, os.replace: a reader never
+    sees half a file and a failed write leaves the old one."""
+    target = os.path.realpath(path)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target) or ".",
+                               prefix=os.path.basename(target) + ".tmp-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, target)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="rotation_zoo", description=__doc__.split("\n\n")[0])
     p.add_argument("--keys", required=True, help="RotationZoo .pt (keys, or both kinds)")
     p.add_argument("--values", help="RotationZoo .pt with the value rotations")
-    p.add_argument("--out", required=True, help="output .safetensors")
+    p.add_argument("--out", required=True, help="output .safetensors (written atomically)")
     p.add_argument("--model-name", required=True)
-    p.add_argument("--num-kv-heads", type=int, help="required for format_version 1 files")
-    p.add_argument("--clip-k", type=float, default=0.96)
-    p.add_argument("--clip-v", type=float, default=0.92)
+    p.add_argument("--num-kv-heads", type=_positive_int,
+                   help="required for format_version 1 files (>= 1)")
+    p.add_argument("--clip-k", type=_clip_ratio, default=0.96, help="0 or in (0, 1]")
+    p.add_argument("--clip-v", type=_clip_ratio, default=0.92, help="0 or in (0, 1]")
     p.add_argument("--renumber-layers", action="store_true",
                    help="store sparse global layer ids (hybrid models) as 0..L-1, ascending")
     a = p.parse_args(argv)
+    problem = _check_output(a.out)
+    if problem:
+        print(f"rotation_zoo: {problem}", file=sys.stderr)
+        return 2
     try:
-        kb = open(a.keys, "rb").read()
-        vb = open(a.values, "rb").read() if a.values else None
+        kb = _read_input(a.keys, "--keys")
+        vb = _read_input(a.values, "--values") if a.values else None
         src = hashlib.sha256(kb + (vb or b"")).hexdigest()
         out = convert(load_pt(kb), load_pt(vb) if vb else None, model_name=a.model_name,
                       num_kv_heads=a.num_kv_heads, clip_k=a.clip_k, clip_v=a.clip_v,
                       source_hash="sha256:" + src, renumber_layers=a.renumber_layers)
-    except (OSError, ConversionError, pickle.UnpicklingError) as e:
+        _write_atomically(a.out, out)
+    except (OSError, ConversionError, pickle.UnpicklingError, MemoryError) as e:
         print(f"rotation_zoo: {e}", file=sys.stderr)
         return 2
-    with open(a.out, "wb") as f:
-        f.write(out)
     print(f"wrote {a.out}: rotation id {hashlib.sha256(out).hexdigest()}")
     return 0
 

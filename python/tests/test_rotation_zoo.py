@@ -76,6 +76,14 @@ class raises:  # noqa: N801 - mirrors pytest.raises(exc, match=...) without pyte
         return True
 
 
+class StridedView:
+    """A tensor pickled as a view (size, stride) of the flat storage `flat` (hand writer only):
+    e.g. a stride-0 view of one element that claims 2^34 elements."""
+
+    def __init__(self, flat, size, stride):
+        self.flat, self.size, self.stride = flat, size, stride
+
+
 def _torch_save_by_hand(obj):
     """torch.save's zip layout without torch: numpy arrays become persistent storages."""
     fake_torch = types.ModuleType("torch")
@@ -123,6 +131,10 @@ def _torch_save_by_hand(obj):
                                          collections.OrderedDict()))
 
     def wrap(o):
+        if isinstance(o, StridedView):  # any (size, stride) over a flat storage
+            t = Tensor(np.asarray(o.flat, dtype=np.float32).reshape(-1))
+            t.shape, t.stride = tuple(o.size), tuple(o.stride)
+            return t
         if isinstance(o, np.ndarray):
             return Tensor(o, transpose=(o.ndim == 2 and o.shape[0] > 1 and o.flags.f_contiguous
                                         and not o.flags.c_contiguous))
@@ -459,6 +471,125 @@ def test_cli(tmp_path, writer):
     assert meta["source_hash"] == "sha256:" + src and meta["source_layer_ids"] == "1,5"
     assert rz.main(["--keys", str(tmp_path / "missing.pt"), "--out", str(out),
                     "--model-name", "m"]) == 2
+
+
+# ---- malformed inputs: "rotation_zoo: ..." and exit 2, never a traceback ----------------------
+
+def _cli(tmp_path, keys_obj, *extra, out=None):
+    """Runs the CLI on keys_obj (hand-written .pt); returns (rc, stderr, out path)."""
+    kp = tmp_path / "k.pt"
+    save_pt(keys_obj, kp, "hand")
+    out = out or tmp_path / "o.safetensors"
+    r = subprocess.run([sys.executable, "-m", "kvpool_tools.rotation_zoo", "--keys", str(kp),
+                        "--out", str(out), "--model-name", "m", *extra],
+                       capture_output=True, text=True,
+                       cwd=os.path.join(os.path.dirname(__file__), ".."), timeout=120)
+    return r.returncode, r.stderr, out
+
+
+def test_malformed_fields_are_conversion_errors(tmp_path):
+    rng = np.random.default_rng(6)
+    r = random_rotation(rng, 8)
+    both = {"k": {"rotation": r}, "v": {"rotation": r}}
+    cases = [
+        ({"format_version": "abc", "layers": {0: both}}, r"format_version 'abc' is not an integer"),
+        ({"format_version": None, "layers": {0: both}}, r"format_version None is not an integer"),
+        ({"layers": {0: dict(both, layer_id="zero")}}, r"layer 0 layer_id 'zero' is not an integer"),
+        ({"layers": {"x": both}}, r"layer key 'x' is not an integer"),
+        ({"layers": {0: {"k": {"rotation": "hello"}, "v": {"rotation": r}}}},
+         r"layer 0 k rotation is a str, not a numeric tensor"),
+        ({"layers": {0: {"k": {"rotation": r, "eigenvalues": "e"}, "v": {"rotation": r}}}},
+         r"layer 0 k eigenvalues is a str, not a numeric tensor"),
+        ({"layers": {0: {"k": "nope", "v": {"rotation": r}}}}, r"layer 0 k: no 'rotation'"),
+    ]
+    for obj, match in cases:
+        p = tmp_path / "bad.pt"
+        save_pt(obj, p, "hand")
+        with raises(rz.ConversionError, match=match):
+            rz.convert(rz.load_pt(str(p)), None, model_name="m", num_kv_heads=1)
+        rc, err, out = _cli(tmp_path, obj, "--num-kv-heads", "1")
+        assert rc == 2, (rc, err)
+        assert err.startswith("rotation_zoo: ") and "Traceback" not in err, err
+        assert re.search(match, err), err
+        assert not out.exists()
+
+
+def test_sizes_are_bounded_before_materializing(tmp_path):
+    # 629 bytes of .pt whose stride-0 views claim 2^17 x 2^17 float32 (64 GiB) each.
+    one = np.ones(1, np.float32)
+    bomb = {"layers": {0: {"k": {"rotation": StridedView(one, (1 << 17, 1 << 17), (0, 0))},
+                           "v": {"rotation": StridedView(one, (1 << 17, 1 << 17), (0, 0))}}}}
+    p = tmp_path / "bomb.pt"
+    save_pt(bomb, p, "hand")
+    assert p.stat().st_size < 4096
+    with raises(rz.ConversionError, match=r"17179869184 elements, more than the 67108864"):
+        rz.load_pt(str(p))
+    # Each view within the per-tensor bound, together above the file's 256 MiB.
+    many = {"layers": {i: {"rotation": StridedView(one, (4096, 4096), (0, 0))}
+                       for i in range(5)}}
+    save_pt(many, p, "hand")
+    with raises(rz.ConversionError, match=r"tensors hold more than the 67108864"):
+        rz.load_pt(str(p))
+    # Rank and negative sizes are refused too (shape checks come before np.prod).
+    save_pt({"layers": {0: {"rotation": StridedView(one, (1, 1, 1, 1), (0, 0, 0, 0))}}}, p, "hand")
+    with raises(rz.ConversionError, match=r"rank 1..3"):
+        rz.load_pt(str(p))
+    rc, err, _ = _cli(tmp_path, bomb, "--num-kv-heads", "1")
+    assert rc == 2 and "more than the 67108864" in err and "Traceback" not in err, err
+
+
+def test_cli_flag_values_are_checked(tmp_path):
+    rng = np.random.default_rng(7)
+    one = zoo(rng, 1, 8)
+    obj = {"format_version": 1, "layers": {0: {"k": one["layers"][0], "v": one["layers"][0]}}}
+    for extra, match in ((["--clip-k", "nan"], r"--clip-k: must be 0 \(disabled\) or in"),
+                         (["--clip-v", "inf"], r"--clip-v: must be 0"),
+                         (["--clip-k", "1.5"], r"--clip-k: must be 0"),
+                         (["--clip-k", "-0.1"], r"--clip-k: must be 0"),
+                         (["--num-kv-heads", "0"], r"--num-kv-heads: must be >= 1, got 0"),
+                         (["--num-kv-heads", "-3"], r"--num-kv-heads: must be >= 1, got -3")):
+        args = extra if "--num-kv-heads" in extra else extra + ["--num-kv-heads", "1"]
+        rc, err, out = _cli(tmp_path, obj, *args)
+        assert rc == 2 and re.search(match, err), (extra, rc, err)
+        assert not out.exists()
+    # convert() itself refuses them as well (callers that skip the CLI).
+    with raises(rz.ConversionError, match="--clip-k must be 0"):
+        rz.convert(one, one, model_name="m", num_kv_heads=1, clip_k=float("nan"))
+    with raises(rz.ConversionError, match="--num-kv-heads must be >= 1, got 0"):
+        rz.convert(one, one, model_name="m", num_kv_heads=0)
+
+
+def test_cli_output_is_checked_first_and_written_atomically(tmp_path):
+    rng = np.random.default_rng(8)
+    one = zoo(rng, 1, 8)
+    obj = {"format_version": 1, "layers": {0: {"k": one["layers"][0], "v": one["layers"][0]}}}
+    for out, match in ((tmp_path, r"is a directory; name a file"),
+                       (tmp_path / "no" / "o.st", r"directory '.*/no' of '.*' does not exist"),
+                       (pathlib.Path("/proc/o.st"), r"cannot create a file in directory '/proc'")):
+        rc, err, _ = _cli(tmp_path, obj, "--num-kv-heads", "1", out=out)
+        assert rc == 2 and re.search(match, err) and "Traceback" not in err, (out, err)
+    # The old file survives a failed conversion; a good one replaces it with no temporary left.
+    out = tmp_path / "o.safetensors"
+    out.write_bytes(b"old")
+    rc, err, _ = _cli(tmp_path, {"format_version": "abc", "layers": {}}, "--num-kv-heads", "1")
+    assert rc == 2 and out.read_bytes() == b"old", err
+    rc, err, _ = _cli(tmp_path, obj, "--num-kv-heads", "1")
+    assert rc == 0, err
+    meta, _ = read_safetensors(out.read_bytes())
+    assert meta["num_kv_heads"] == "1"
+    assert not list(tmp_path.glob("o.safetensors.tmp-*")) and not list(tmp_path.glob(".rotation_zoo-probe-*"))
+
+
+def test_cli_refuses_non_regular_inputs(tmp_path):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for keys in (str(fifo), "/dev/zero", str(tmp_path)):
+        r = subprocess.run([sys.executable, "-m", "kvpool_tools.rotation_zoo", "--keys", keys,
+                            "--out", str(tmp_path / "o.st"), "--model-name", "m"],
+                           capture_output=True, text=True, timeout=60,
+                           cwd=os.path.join(os.path.dirname(__file__), ".."))
+        assert r.returncode == 2 and r.stderr.startswith("rotation_zoo: "), (keys, r.stderr)
+        assert "Traceback" not in r.stderr, r.stderr
 
 
 # ---- plain-script runner (no pytest) ---------------------------------------------------------
