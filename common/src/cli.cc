@@ -268,7 +268,26 @@ void Setup(CLI::App& app, const std::string& program_name) {
   app.option_defaults()->always_capture_default();
   app.set_version_flag("--version", program_name + " " + VersionString());
   app.config_formatter(std::make_shared<YamlConfig>());
-  app.set_config("--config", "", "YAML file whose keys are flag names; explicit flags win");
+  // The file is checked before CLI11 reads it: CLI11 alone would block on a FIFO, read /dev/zero
+  // forever and call a directory "not readable (missing?)".
+  app.set_config("--config", "", "YAML file whose keys are flag names; explicit flags win")
+      ->check(CLI::Validator(
+          [](std::string& path) -> std::string {
+            std::error_code ec;
+            if (!path.empty() && !fs::exists(fs::status(path, ec))) {
+              return "'" + path + "' does not exist";
+            }
+            if (std::string problem = InputFileProblem(path, kMaxConfigFileBytes);
+                !problem.empty()) {
+              return problem;
+            }
+            if (::access(path.c_str(), R_OK) != 0) {
+              const int err = errno;
+              return "cannot read '" + path + "': " + std::strerror(err);
+            }
+            return {};
+          },
+          "YAML FILE (at most " + HumanBytes(kMaxConfigFileBytes) + ")"));
   // A misspelt key ("metrics_port", "lease-msec") must not be dropped silently: refuse keys that
   // match no flag, also inside subcommand sections (the check runs for the whole tree at the
   // root; subcommands added later are looked up by name).
@@ -282,6 +301,18 @@ void Setup(CLI::App& app, const std::string& program_name) {
       ->default_str("info");
 }
 
+namespace {
+
+// "--config 'FILE'" for messages about the config file's content, or "--config" when none was
+// given (cannot happen for such messages, kept as a fallback).
+std::string ConfigNamed(const CLI::App& app) {
+  const CLI::Option* c = app.get_config_ptr();
+  if (c == nullptr || c->results().empty()) return "--config";
+  return "--config '" + c->results().back() + "'";
+}
+
+}  // namespace
+
 int Parse(CLI::App& app, int argc, char** argv) {
   try {
     app.parse(argc, argv);
@@ -294,16 +325,23 @@ int Parse(CLI::App& app, int argc, char** argv) {
     const std::string what = e.what();
     const std::string prefix = "INI was not able to parse ";
     if (what.rfind(prefix, 0) == 0) {
-      std::cerr << app.get_name() << ": --config: unknown key \"" << what.substr(prefix.size())
+      std::cerr << app.get_name() << ": " << ConfigNamed(app) << ": unknown key \""
+                << what.substr(prefix.size())
                 << "\" (keys are flag names without the leading dashes; a subcommand's flags go "
                    "in a section named after it)\n";
     } else {
-      std::cerr << app.get_name() << ": --config: " << what << "\n";
+      std::cerr << app.get_name() << ": " << ConfigNamed(app) << ": " << what << "\n";
     }
     std::cerr << "Run with --help for more information.\n";
     return kExitUsage;
   } catch (const CLI::ParseError& e) {
-    std::cerr << app.get_name() << ": " << e.what() << "\n";
+    // YamlConfig's own errors ("config file is not valid YAML: ...") name the file here.
+    std::string what = e.what();
+    const std::string config_prefix = "config file ";
+    if (what.rfind(config_prefix, 0) == 0) {
+      what = ConfigNamed(app) + " " + what.substr(config_prefix.size());
+    }
+    std::cerr << app.get_name() << ": " << what << "\n";
     std::cerr << "Run with --help for more information.\n";
     return kExitUsage;
   }

@@ -16,6 +16,8 @@
 namespace kvpool::cli {
 namespace {
 
+std::string FreshDir(const std::string& name);
+
 std::string WriteYaml(const std::string& name, const std::string& text) {
   const std::string path = ::testing::TempDir() + "/kvpool_cli_test_" + name + ".yaml";
   std::ofstream(path) << text;
@@ -89,6 +91,58 @@ TEST(CliConfigTest, DuplicateKeyIsAUsageErrorNamingTheKey) {
   auto [rc, err] = RunParse(f.app, {"--config", path});
   EXPECT_EQ(rc, kExitUsage);
   EXPECT_NE(err.find("sets \"listen\" more than once"), std::string::npos) << err;
+}
+
+// Errors about the config file's content name the file (several binaries may share a set-up).
+TEST(CliConfigTest, ContentErrorsNameTheFile) {
+  {
+    FlatApp f;
+    const std::string path = WriteYaml("named-bogus", "bogus_key: 3\n");
+    auto [rc, err] = RunParse(f.app, {"--config", path});
+    EXPECT_EQ(rc, kExitUsage);
+    EXPECT_NE(err.find("prog: --config '" + path + "': unknown key \"bogus_key\""),
+              std::string::npos)
+        << err;
+  }
+  {
+    FlatApp f;
+    const std::string path = WriteYaml("named-bad", "listen: [1, \n  bad: : yaml: [\n");
+    auto [rc, err] = RunParse(f.app, {"--config", path});
+    EXPECT_EQ(rc, kExitUsage);
+    EXPECT_NE(err.find("prog: --config '" + path + "' is not valid YAML: "), std::string::npos)
+        << err;
+  }
+  {
+    FlatApp f;
+    const std::string path = WriteYaml("named-list", "- a\n- b\n");
+    auto [rc, err] = RunParse(f.app, {"--config", path});
+    EXPECT_EQ(rc, kExitUsage);
+    EXPECT_NE(err.find("prog: --config '" + path + "' must be a YAML map"), std::string::npos)
+        << err;
+  }
+}
+
+// The file itself is checked before CLI11 reads it: a directory used to read as "not readable
+// (missing?)", a FIFO blocked and /dev/zero was read without end.
+TEST(CliConfigTest, DirectoriesDevicesFifosMissingAndHugeFilesAreRefused) {
+  const std::string dir = FreshDir("config");
+  ASSERT_EQ(::mkfifo((dir + "/fifo").c_str(), 0600), 0);
+  const std::string big = dir + "/big.yaml";
+  std::ofstream(big).close();
+  std::filesystem::resize_file(big, uint64_t{2} << 20);
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {dir, "--config: '" + dir + "' is a directory; name a file"},
+      {dir + "/fifo", "--config: '" + dir + "/fifo' is a FIFO, not a regular file"},
+      {"/dev/zero", "--config: '/dev/zero' is a character device, not a regular file"},
+      {dir + "/missing.yaml", "--config: '" + dir + "/missing.yaml' does not exist"},
+      {big, "--config: '" + big + "' is 2 MiB (2097152 bytes), above the limit of 1 MiB"},
+  };
+  for (const auto& [path, want] : cases) {
+    FlatApp f;
+    auto [rc, err] = RunParse(f.app, {"--config", path});
+    EXPECT_EQ(rc, kExitUsage) << path;
+    EXPECT_NE(err.find(want), std::string::npos) << err;
+  }
 }
 
 TEST(CliConfigTest, UnderscoreSpellingOfAFlagIsRefused) {

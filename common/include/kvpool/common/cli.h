@@ -43,7 +43,10 @@ std::string VersionString();
 // The YAML is a map of flag names (without dashes) to values; a subcommand's flags go in a
 // nested map named after the subcommand ("generate: {model: m.gguf}"). A key that names no flag
 // or subcommand is a usage error (Parse returns kExitUsage naming the key, e.g. "bogus_key" or
-// "generate.bogus"). Not thread-safe (touches `app` only).
+// "generate.bogus"). The --config file itself must exist and pass InputFile's checks with
+// kMaxConfigFileBytes (a directory, FIFO or device is a usage error naming it, before CLI11 reads
+// it); Parse names the file in errors about its content ("--config 'c.yaml': unknown key ...",
+// "--config 'c.yaml' is not valid YAML: ..."). Not thread-safe (touches `app` only).
 void Setup(CLI::App& app, const std::string& program_name);
 
 // CLI11 check for an output file written after a long run, so the run does not fail at its
