@@ -117,6 +117,13 @@ int main(int argc, char** argv) {
   app.add_option("--capacity", capacity,
                  "Pool memory for blocks and staging: bytes or with a unit (KiB, MiB, GiB, TiB, "
                  "KB, MB, GB, TB)");
+  std::string max_registration = "1GiB";
+  app.add_option("--max-registration-bytes", max_registration,
+                 "Most memory model registrations (parsed rotation files) may hold outside "
+                 "--capacity; past it, registrations without stored blocks or open puts are "
+                 "freed least recently used first, else RegisterModel is refused "
+                 "(RESOURCE_EXHAUSTED). Same units as --capacity")
+      ->capture_default_str();
   app.add_option("--data-plane", o.data_plane,
                  "ucx (pinned host memory registered with UCX) or none (heap; control plane only)");
   app.add_option("--ucx-tls", o.ucx_tls,
@@ -174,6 +181,15 @@ int main(int argc, char** argv) {
                  "(bytes, or digits and a unit: 64GiB, 512MiB, 1000000)\nRun with --help for more "
                  "information.\n",
                  capacity.c_str());
+    return kvpool::cli::kExitUsage;
+  }
+  if (!ParseBytes(max_registration, &o.store.max_registration_bytes) ||
+      o.store.max_registration_bytes == 0) {
+    std::fprintf(stderr,
+                 "kvpool-server: --max-registration-bytes: cannot parse \"%s\" as a positive "
+                 "byte count (bytes, or digits and a unit: 1GiB, 512MiB)\nRun with --help for "
+                 "more information.\n",
+                 max_registration.c_str());
     return kvpool::cli::kExitUsage;
   }
   // The pool's memory is allocated (and pinned) up front: a capacity beyond this machine's

@@ -100,6 +100,9 @@ std::string RenderPrometheus(const Metrics& m, const std::vector<GaugeSample>& g
   Counter(&out, "kvpool_lease_expiries_total", "Leases that expired without Release.",
           m.lease_expiries);
   Counter(&out, "kvpool_put_expiries_total", "Puts reclaimed after their timeout.", m.put_expiries);
+  Counter(&out, "kvpool_registrations_freed_total",
+          "Model registrations freed to stay under --max-registration-bytes.",
+          m.registrations_freed);
   Counter(&out, "kvpool_put_aborts_total", "Puts aborted by the client or by a failed commit.",
           m.put_aborts);
   Counter(&out, "kvpool_checksum_failures_total", "Commits refused with DATA_LOSS.",

@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <unordered_set>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -179,6 +180,9 @@ absl::StatusOr<std::unique_ptr<BlockStore>> BlockStore::Create(const StoreOption
                      "<= 1, got low-watermark ",
                      options.low_watermark, " and high-watermark ", options.high_watermark));
   }
+  if (options.max_registration_bytes == 0) {
+    return absl::InvalidArgumentError("max-registration-bytes: must be > 0");
+  }
   if (options.alignment == 0 || (options.alignment & (options.alignment - 1)) != 0) {
     return absl::InvalidArgumentError("alignment: must be a power of two");
   }
@@ -275,7 +279,12 @@ absl::StatusOr<ModelInfo> BlockStore::RegisterModel(const ModelSpec& spec_in,
   ns.tensor_parallel = spec.tensor_parallel;
   KVPOOL_ASSIGN_OR_RETURN(Digest ns_id, NamespaceKey(ns));
 
+  // mu_ first (lock order): freeing registrations reads the puts and the block counts.
+  std::unique_lock store_lock(mu_);
   std::unique_lock lock(models_mu_);
+  if (auto held = rotations_.find(rot_id); held != rotations_.end()) {
+    rot = held->second;  // one parsed copy per distinct rotation, however many models use it
+  }
   if (!rot) {
     auto it = rotations_.find(rot_id);
     if (it == rotations_.end()) {
@@ -294,13 +303,29 @@ absl::StatusOr<ModelInfo> BlockStore::RegisterModel(const ModelSpec& spec_in,
           absl::StrCat("model ", spec.tenant, "/", spec.model_id, "@", spec.revision,
                        " is registered with a different layout: ", absl::StrJoin(diff, "; ")));
     }
+    m.last_use.store(++use_clock_, std::memory_order_relaxed);
     ModelInfo info = m.info;
     info.created = false;
     return info;
   }
-  auto m = std::make_unique<Model>();
+  const uint64_t model_bytes = kRegistrationOverheadBytes + identity.size();
+  const uint64_t rotation_charge =
+      rotation_bytes_.count(rot_id) != 0 ? 0 : static_cast<uint64_t>(rotation.file_bytes.size());
+  if (!MakeRoomForRegistrationLocked(model_bytes + rotation_charge, rot_id)) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        rotation.file_bytes.empty() ? std::string("rotation_id") : rotation.field,
+        ": registering this model needs ", model_bytes + rotation_charge,
+        " bytes of registration memory; registrations hold ", registration_bytes_, " of the ",
+        options_.max_registration_bytes,
+        " bytes --max-registration-bytes allows and every other registered model holds stored "
+        "blocks or an open put (delete blocks or raise --max-registration-bytes)"));
+  }
+  auto m = std::make_shared<Model>();
   m->spec = spec;
   m->rotation = rot;
+  m->identity = identity;
+  m->charged_bytes = model_bytes;
+  m->last_use.store(++use_clock_, std::memory_order_relaxed);
   m->info.namespace_id = ns_id;
   m->info.rotation_id = rot_id;
   m->info.created = true;
@@ -310,7 +335,9 @@ absl::StatusOr<ModelInfo> BlockStore::RegisterModel(const ModelSpec& spec_in,
   m->info.recent_blocks =
       (spec.recent_tokens + spec.geometry.page_size - 1) / spec.geometry.page_size;
   rotations_.emplace(rot_id, rot);
-  models_.emplace(ns_id, m.get());
+  rotation_bytes_.emplace(rot_id, rotation_charge);  // no-op when the rotation was held
+  registration_bytes_ += model_bytes + rotation_charge;
+  models_.emplace(ns_id, m);
   ModelInfo info = m->info;
   models_by_identity_.emplace(identity, std::move(m));
   KVPOOL_LOG_INFO("registered model {}/{}@{} namespace {}", spec.tenant, spec.model_id,
@@ -333,14 +360,57 @@ uint64_t BlockStore::NewIdLocked() {
   }
 }
 
-absl::StatusOr<const BlockStore::Model*> BlockStore::FindModelLocked(
+absl::StatusOr<std::shared_ptr<const BlockStore::Model>> BlockStore::FindModelLocked(
     const Digest& namespace_id) const {
   auto it = models_.find(namespace_id);
   if (it == models_.end()) {
     return absl::NotFoundError(absl::StrCat("namespace_id: ", ToHex(namespace_id),
                                             " is not registered (register the model first)"));
   }
+  it->second->last_use.store(++use_clock_, std::memory_order_relaxed);
   return it->second;
+}
+
+bool BlockStore::MakeRoomForRegistrationLocked(uint64_t need, const Digest& keep_rotation) {
+  const uint64_t limit = options_.max_registration_bytes;
+  if (need > limit) return false;
+  if (registration_bytes_ + need <= limit) return true;
+  // Candidates: no resident block, no open put (a put's commit uses the model's rotation).
+  std::unordered_set<const Model*> in_puts;
+  for (const auto& [id, put] : puts_) in_puts.insert(put.model);
+  std::vector<std::shared_ptr<Model>> candidates;
+  for (const auto& [identity, m] : models_by_identity_) {
+    if (m->blocks == 0 && in_puts.count(m.get()) == 0) candidates.push_back(m);
+  }
+  std::sort(candidates.begin(), candidates.end(), [](const auto& a, const auto& b) {
+    return a->last_use.load(std::memory_order_relaxed) <
+           b->last_use.load(std::memory_order_relaxed);
+  });
+  for (const std::shared_ptr<Model>& m : candidates) {
+    if (registration_bytes_ + need <= limit) break;
+    m->retired = true;
+    models_.erase(m->info.namespace_id);
+    models_by_identity_.erase(m->identity);
+    registration_bytes_ -= m->charged_bytes;
+    const Digest rot_id = m->info.rotation_id;
+    const bool rotation_in_use =
+        std::any_of(models_by_identity_.begin(), models_by_identity_.end(),
+                    [&](const auto& e) { return e.second->info.rotation_id == rot_id; });
+    if (!rotation_in_use && rot_id != keep_rotation) {
+      rotations_.erase(rot_id);
+      auto rb = rotation_bytes_.find(rot_id);
+      if (rb != rotation_bytes_.end()) {
+        registration_bytes_ -= rb->second;
+        rotation_bytes_.erase(rb);
+      }
+    }
+    metrics_->registrations_freed.fetch_add(1, std::memory_order_relaxed);
+    KVPOOL_LOG_INFO(
+        "registration of model {}/{}@{} freed (no blocks, least recently used) to stay under "
+        "--max-registration-bytes {}",
+        m->spec.tenant, m->spec.model_id, m->spec.revision, limit);
+  }
+  return registration_bytes_ + need <= limit;
 }
 
 BlockStore::Block* BlockStore::FindBlockLocked(const Digest& k) {
@@ -430,6 +500,7 @@ void BlockStore::RemoveBlockLocked(const Digest& key, const char* reason) {
       ch.erase(std::remove(ch.begin(), ch.end(), key), ch.end());
     }
   }
+  if (b.model != nullptr && b.model->blocks > 0) --b.model->blocks;
   lru_.erase(b.lru);
   sh.blocks.erase(it);
 }
@@ -530,11 +601,12 @@ void BlockStore::Tick() {
 absl::StatusOr<PutPlan> BlockStore::BeginPut(const Digest& namespace_id,
                                              absl::Span<const uint32_t> tokens, uint32_t num_blocks,
                                              absl::Duration timeout) {
-  const Model* m;
+  std::shared_ptr<const Model> model_ref;  // keeps the model alive for this call
   {
     std::shared_lock lock(models_mu_);
-    KVPOOL_ASSIGN_OR_RETURN(m, FindModelLocked(namespace_id));
+    KVPOOL_ASSIGN_OR_RETURN(model_ref, FindModelLocked(namespace_id));
   }
+  const Model* m = model_ref.get();
   const uint32_t P = m->spec.geometry.page_size;
   const uint64_t full = tokens.size() / P;
   if (num_blocks == 0) {
@@ -562,6 +634,10 @@ absl::StatusOr<PutPlan> BlockStore::BeginPut(const Digest& namespace_id,
   KVPOOL_ASSIGN_OR_RETURN(std::vector<Digest> keys, ChainKeys(namespace_id, tokens, P, num_blocks));
 
   std::unique_lock lock(mu_);
+  if (m->retired) {  // its registration was freed since FindModelLocked (no put may use it)
+    return absl::NotFoundError(absl::StrCat("namespace_id: ", ToHex(namespace_id),
+                                            " is not registered (register the model first)"));
+  }
   Put put;
   put.id = NewIdLocked();
   put.model = m;
@@ -858,6 +934,7 @@ absl::StatusOr<CommitResult> BlockStore::CommitPut(const Digest& namespace_id, u
         nb.key = b.plan.key;
         nb.parent = b.parent;
         nb.model = m;
+        ++m->blocks;
         nb.index = i;
         nb.sink = i < m->info.sink_blocks;
         nb.lru = lru_.insert(lru_.end(), nb.key);
@@ -910,11 +987,12 @@ absl::StatusOr<CommitResult> BlockStore::CommitPut(const Digest& namespace_id, u
 
 absl::StatusOr<std::vector<BlockFormsInfo>> BlockStore::Lookup(const Digest& namespace_id,
                                                                const KeyQuery& query) const {
-  const Model* m;
+  std::shared_ptr<const Model> model_ref;  // keeps the model alive for this call
   {
     std::shared_lock lock(models_mu_);
-    KVPOOL_ASSIGN_OR_RETURN(m, FindModelLocked(namespace_id));
+    KVPOOL_ASSIGN_OR_RETURN(model_ref, FindModelLocked(namespace_id));
   }
+  const Model* m = model_ref.get();
   KVPOOL_ASSIGN_OR_RETURN(std::vector<Digest> keys, ResolveKeys(*m, query, 0));
   std::vector<BlockFormsInfo> out;
   // Only shard locks, one at a time (see the lock comment in store.h).
@@ -941,11 +1019,12 @@ absl::StatusOr<std::vector<BlockFormsInfo>> BlockStore::Lookup(const Digest& nam
 
 absl::StatusOr<LeaseGrant> BlockStore::Acquire(const Digest& namespace_id, const KeyQuery& query,
                                                uint32_t max_blocks, absl::Duration lease) {
-  const Model* m;
+  std::shared_ptr<const Model> model_ref;  // keeps the model alive for this call
   {
     std::shared_lock lock(models_mu_);
-    KVPOOL_ASSIGN_OR_RETURN(m, FindModelLocked(namespace_id));
+    KVPOOL_ASSIGN_OR_RETURN(model_ref, FindModelLocked(namespace_id));
   }
+  const Model* m = model_ref.get();
   KVPOOL_ASSIGN_OR_RETURN(std::vector<Digest> keys, ResolveKeys(*m, query, max_blocks));
   if (lease <= absl::ZeroDuration()) {
     lease = options_.default_lease;
@@ -1038,11 +1117,12 @@ absl::StatusOr<std::vector<ItemResult>> BlockStore::Delete(const Digest& namespa
                                                            absl::Span<const Digest> keys,
                                                            uint32_t* blocks_deleted) {
   std::unique_lock lock(mu_);
-  const Model* m;
+  std::shared_ptr<const Model> model_ref;  // keeps the model alive for this call
   {
     std::shared_lock models_lock(models_mu_);
-    KVPOOL_ASSIGN_OR_RETURN(m, FindModelLocked(namespace_id));
+    KVPOOL_ASSIGN_OR_RETURN(model_ref, FindModelLocked(namespace_id));
   }
+  const Model* m = model_ref.get();
   std::vector<ItemResult> out;
   uint32_t deleted = 0;
   for (size_t i = 0; i < keys.size(); ++i) {
@@ -1098,6 +1178,7 @@ StoreStats BlockStore::Stats() const {
   {
     std::shared_lock models_lock(models_mu_);
     s.models = static_cast<uint32_t>(models_.size());
+    s.registration_bytes = registration_bytes_;
   }
   return s;
 }

@@ -47,6 +47,7 @@ struct Metrics {
   std::atomic<uint64_t> deletions_block{0};   // blocks removed by Delete
   std::atomic<uint64_t> lease_expiries{0};
   std::atomic<uint64_t> put_expiries{0};
+  std::atomic<uint64_t> registrations_freed{0};  // by --max-registration-bytes (LRU)
   std::atomic<uint64_t> put_aborts{0};
   std::atomic<uint64_t> checksum_failures{0};
   std::atomic<uint64_t> nonfinite_refusals{0};

@@ -82,6 +82,9 @@ inline constexpr uint32_t kMaxTensorParallel = 65536;
 // the gRPC message limit, server.cc) or read from rotation_path. 256 MiB: a d = 128 per-head
 // (format_version 2) file of a 128-layer, 16-head model with eigenvalues is about 136 MiB.
 inline constexpr uint64_t kMaxRotationFileBytes = 256ull << 20;
+// Bytes charged per model registration besides its rotation and identity strings (the Model
+// record, its map entries and its spec), for StoreOptions::max_registration_bytes.
+inline constexpr uint64_t kRegistrationOverheadBytes = 1024;
 
 // Everything a client registers (RegisterModelRequest without the rotation bytes).
 struct ModelSpec {
@@ -139,6 +142,16 @@ struct StoreOptions {
   uint32_t max_put_blocks = 65536;
   // Allocation granularity, power of two. Default 256 bytes.
   uint64_t alignment = 256;
+  // Most bytes model registrations may hold outside the pool memory (they are not counted in
+  // its capacity): each distinct rotation set counts the size of its file (the parsed matrices
+  // take about as much), each registration kRegistrationOverheadBytes plus its identity. A new
+  // registration that would exceed it first frees registrations that hold no stored block and
+  // no open put, least recently used first (their namespace then reads NOT_FOUND "is not
+  // registered" until a client registers the model again); when that is not enough it is
+  // refused with RESOURCE_EXHAUSTED naming the rotation field (also at once when one rotation
+  // alone is larger than the limit). Default 1 GiB (four rotation files of the largest size
+  // accepted, kMaxRotationFileBytes). Must be > 0.
+  uint64_t max_registration_bytes = uint64_t{1} << 30;
   // Where commits rotate and quantize (encoder.h CreateEncoder): auto = the GPU when this build
   // has CUDA and a usable device, else the CPU; gpu makes Create fail (FAILED_PRECONDITION)
   // without one. Default auto.
@@ -227,7 +240,8 @@ struct StoreStats {
   uint64_t open_puts = 0;
   uint64_t leases = 0;
   uint32_t models = 0;
-  std::string commit_device;  // "cpu" or "gpu": where commits encode (BlockEncoder)
+  uint64_t registration_bytes = 0;  // charged against StoreOptions::max_registration_bytes
+  std::string commit_device;        // "cpu" or "gpu": where commits encode (BlockEncoder)
 };
 
 // Either token ids (keys computed by the store) or an explicit key chain.
@@ -321,6 +335,15 @@ class BlockStore {
     ModelSpec spec;
     ModelInfo info;
     std::shared_ptr<const kvpool::RotationSet> rotation;
+    std::string identity;        // key in models_by_identity_
+    uint64_t charged_bytes = 0;  // kRegistrationOverheadBytes + identity (not the rotation)
+    // Resident blocks of this model. Guarded by mu_ (exclusive to change).
+    mutable uint64_t blocks = 0;
+    // Set (under mu_ and models_mu_, both exclusive) when the registration is freed; a call that
+    // found the model before then must not create a put for it (BeginPut checks under mu_).
+    mutable bool retired = false;
+    // use_clock_ value of the latest call that named the model (LRU of registrations).
+    mutable std::atomic<uint64_t> last_use{0};
   };
   struct Slot {
     bool present = false;
@@ -366,8 +389,14 @@ class BlockStore {
   BlockStore(const StoreOptions& options, PoolMemory* memory, Clock* clock,
              std::shared_ptr<Metrics> metrics);
 
-  // Requires models_mu_ (any mode).
-  absl::StatusOr<const Model*> FindModelLocked(const Digest& namespace_id) const;
+  // Requires models_mu_ (any mode). The shared_ptr keeps the model alive for the caller even if
+  // its registration is freed meanwhile (then `retired` is set).
+  absl::StatusOr<std::shared_ptr<const Model>> FindModelLocked(const Digest& namespace_id) const;
+  // Frees registrations (LRU, only those with no block and no open put) until `need` more bytes
+  // fit under max_registration_bytes; the rotation `keep_rotation` (the one being registered)
+  // stays held and charged even when no remaining model uses it. True when they fit. Requires
+  // mu_ and models_mu_ exclusive.
+  bool MakeRoomForRegistrationLocked(uint64_t need, const Digest& keep_rotation);
   absl::StatusOr<std::vector<Digest>> ResolveKeys(const Model& m, const KeyQuery& q,
                                                   size_t max_blocks) const;
   // Forms a block at `index` of a sequence of `num_blocks` gets from a put.
@@ -399,10 +428,14 @@ class BlockStore {
   mutable std::shared_mutex mu_;
   Arena arena_;  // guarded by mu_
   mutable std::shared_mutex models_mu_;
-  std::map<std::string, std::unique_ptr<Model>> models_by_identity_;  // guarded by models_mu_
-  std::unordered_map<Digest, const Model*, DigestHash> models_;       // guarded by models_mu_
+  std::map<std::string, std::shared_ptr<Model>> models_by_identity_;  // guarded by models_mu_
+  std::unordered_map<Digest, std::shared_ptr<const Model>, DigestHash>
+      models_;  // guarded by models_mu_
   std::unordered_map<Digest, std::shared_ptr<const kvpool::RotationSet>, DigestHash>
-      rotations_;  // guarded by models_mu_
+      rotations_;                                                    // guarded by models_mu_
+  std::unordered_map<Digest, uint64_t, DigestHash> rotation_bytes_;  // guarded by models_mu_
+  uint64_t registration_bytes_ = 0;                                  // guarded by models_mu_
+  mutable std::atomic<uint64_t> use_clock_{0};
   static constexpr int kShards = 16;
   struct Shard {
     mutable std::shared_mutex mu;
