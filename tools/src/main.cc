@@ -45,6 +45,9 @@ const CLI::Validator kClipRatio(
     },
     "RATIO in [0,1]");
 
+// Largest .npy `kvpool quantize --in` reads (docs/TOOLS.md "Input files").
+constexpr uint64_t kMaxNpyFileBytes = uint64_t{16} << 30;
+
 // CLI11 check for an index: a non-negative integer (CLI::NonNegativeNumber's message printed a
 // range up to 1.797e308).
 const CLI::Validator kIndex(
@@ -322,7 +325,9 @@ int main(int argc, char** argv) {
   auto* quant = app.add_subcommand("quantize",
                                    "quantize a float32 .npy array to OSCAR INT2 and "
                                    "print error statistics");
-  quant->add_option("--in", q.in, "float32 [tokens, d] or [tokens, heads, d] .npy")->required();
+  quant->add_option("--in", q.in, "float32 [tokens, d] or [tokens, heads, d] .npy")
+      ->required()
+      ->check(kvpool::cli::InputFile(kMaxNpyFileBytes));
   quant->add_option("--rotation", q.rotation, "none | hadamard | a rotation .safetensors file")
       ->capture_default_str()
       ->check(kvpool::cli::InputFile(kvpool::cli::kMaxRotationFileBytes, {"none", "hadamard"}));
@@ -353,7 +358,9 @@ int main(int argc, char** argv) {
   auto* rots = app.add_subcommand("rotations", "rotation file tools");
   rots->require_subcommand(1);
   auto* inspect = rots->add_subcommand("inspect", "print metadata, shapes, orthogonality error");
-  inspect->add_option("file", inspect_path, "rotation .safetensors file")->required();
+  inspect->add_option("file", inspect_path, "rotation .safetensors file")
+      ->required()
+      ->check(kvpool::cli::InputFile(kvpool::cli::kMaxRotationFileBytes));
 
   CalibrateOptions c;
   std::string out;

@@ -110,7 +110,9 @@ check evaluate-model-too-big 1 "--model: '$tmp/big.gguf' is 65 GiB (69793218560 
 check evaluate-rotations-fifo 1 "--rotations: '$tmp/fifo' is a FIFO, not a regular file" -- timeout 20 "$bin" evaluate --model "$model" --rotations "$tmp/fifo" --text "$data/calibration.txt"
 check quantize-rotation-fifo 1 "--rotation: '$tmp/fifo' is a FIFO, not a regular file" -- timeout 20 "$bin" quantize --in "$tmp/x.npy" --rotation "$tmp/fifo"
 [[ ! -e "$tmp/z.safetensors" ]] && echo "ok   input-files-no-output" || { echo "FAIL input-files wrote an output"; fail=1; }
-check inspect-dir 2 "is a directory, not a rotation" -- "$bin" rotations inspect "$tmp/outdir"
+check inspect-dir 1 "file: '$tmp/outdir' is a directory; name a file" -- "$bin" rotations inspect "$tmp/outdir"
+check inspect-fifo 1 "file: '$tmp/fifo' is a FIFO, not a regular file" -- timeout 20 "$bin" rotations inspect "$tmp/fifo"
+check quantize-in-dev-zero 1 "--in: '/dev/zero' is a character device, not a regular file" -- timeout 20 "$bin" quantize --in /dev/zero
 check calibrate 0 "wrote" -- "$bin" calibrate --model "$model" --text "$data/calibration.txt" --tokens 400 --out "$tmp/rot.safetensors"
 # Calibrating again through a symlink: the link stays, its target gets the new file.
 ln -s real/rot-target.safetensors "$tmp/rot-link.safetensors"
