@@ -158,7 +158,7 @@ int main(int argc, char** argv) {
   uint64_t put_min_kib = 64, fetch_min_kib = 512;
   app.add_option("--copy-threads", copy_threads,
                  "ClientOptions::copy_threads of the measuring client (0 = the client's default: "
-                 "a quarter of the hardware threads, 1..8)")
+                 "half the hardware threads, 1..8)")
       ->check(CLI::Range(0, 64))
       ->capture_default_str();
   app.add_option("--parallel-put-min-kib", put_min_kib,

@@ -39,7 +39,7 @@ class Backoff {
 
 int DefaultCopyThreads() {
   const unsigned hw = std::thread::hardware_concurrency();
-  return static_cast<int>(std::clamp<unsigned>(hw / 4, 1, 8));
+  return static_cast<int>(std::clamp<unsigned>(hw / 2, 1, 8));
 }
 
 CopyPool::CopyPool(int threads, std::chrono::microseconds spin) : spin_(spin) {

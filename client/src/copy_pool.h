@@ -88,8 +88,8 @@ class CopyPool {
   std::atomic<uint64_t> busy_fallbacks_{0};
 };
 
-// The default number of participants for ClientOptions::copy_threads = 0: a quarter of the
-// hardware threads, at least 1 and at most 8 (1 on a 2-core machine: no worker threads).
+// The default number of participants for ClientOptions::copy_threads = 0: half the hardware
+// threads, at least 1 and at most 8 (1 on a 2-core machine: no worker threads).
 int DefaultCopyThreads();
 
 }  // namespace kvpool::client

@@ -112,8 +112,10 @@ struct ClientOptions {
   // They only copy, scan and hash memory, never call UCX or gRPC. A form's checksum is made of
   // per-16 KiB-chunk digests (docs/BLOCK_FORMAT.md "Checksums"), so for a put or fetch of few
   // blocks every thread hashes the chunks it packs or copies, while they are in its cache.
-  // 0 = a quarter of std::thread::hardware_concurrency(),
-  // clamped to 1..8 (1 on a 2-core machine: everything on the calling thread). At most 64.
+  // 0 = half of std::thread::hardware_concurrency(), clamped to 1..8 (8 on the 16-core H200
+  // host, where 8 threads put 4 MiB blocks at 21.9 GB/s against 14.5 with 4 — docs/TRANSPORT.md
+  // session 5; 1 on a 2-core machine: everything on the calling thread). At most 64. The
+  // workers spin 50 µs after each job, then sleep.
   int copy_threads = 0;
   // Put layers (bytes packed by one WriteLayer) smaller than this stay on the calling thread.
   // Default 64 KiB: on the H200 host's 16 idle cores, 32 KiB layers (256 KiB blocks) put at
@@ -121,9 +123,10 @@ struct ClientOptions {
   // (docs/TRANSPORT.md "pool4").
   uint64_t parallel_put_min_bytes = 64 << 10;
   // Fetches (bytes of one Fetch) smaller than this stay on the calling thread. Default
-  // 512 KiB: a verified 256 KiB fetch of a cache-resident form ran at 13.3 GB/s on one thread
-  // and 9.5 spread (the calling thread's hash then reads lines from other cores' caches); from
-  // 1 MiB on, spreading wins (first fetch 9.3 against 5.6 GB/s).
+  // 512 KiB: a verified 256 KiB fetch spread over the copy threads was not reliably faster
+  // (H200 host, docs/TRANSPORT.md session 5: first fetch 6.9 against 5.1 GB/s with 4 threads
+  // in one call, 4.0 against 4.3 with 8 in another; the unverified one 19 against 28); from
+  // 1 MiB on, spreading wins (1 MiB warm verified 28.0 against 10.8 GB/s).
   uint64_t parallel_fetch_min_bytes = 512 << 10;
   // Creates the data plane. Default (null): transport::CreateUcxTransport({.tls = ucx_tls}).
   // Tests pass a FakeFabric transport.
@@ -295,11 +298,13 @@ struct FetchPlan {
   // form: true → fetch the whole window as INT2 (history); false → stop before the window
   // (num_blocks < leased, the caller recomputes the window). Default false (FORMAT.md §3).
   bool accept_int2_window = false;
-  // Compare the xxh3 of every fetched form with the lease's (DATA_LOSS per block on mismatch).
+  // Compare the form checksum (docs/BLOCK_FORMAT.md "Checksums") of every fetched form with
+  // the lease's (DATA_LOSS per block on mismatch).
   // The lease alone already fails closed against slot reuse (a leased slot is never reused and
   // a lease that expired before the fetch ended fails it); the checksum adds detection of
   // corrupted bytes. The client hashes with libxxhash's AVX2/AVX-512 dispatch and, when the
-  // pool's memory is mapped (direct mode), while each chunk of the copy is still in the cache.
+  // pool's memory is mapped (direct mode), each 16 KiB chunk on the thread that copied it,
+  // while it is still in that thread's cache.
   // false skips it (e.g. a caller that verifies later on the GPU). Default true.
   bool verify_checksums = true;
 };
@@ -391,7 +396,7 @@ class Client {
       void* addr, size_t length) = 0;
 
   // Reads the leased blocks into the plan's page pools (UCX RMA get), verifies each block's
-  // xxh3 (DATA_LOSS in its block_status) and builds the page tables. num_blocks counts the
+  // checksum (DATA_LOSS in its block_status) and builds the page tables. num_blocks counts the
   // leading blocks that all verified. Errors for the whole call: INVALID_ARGUMENT (plan:
   // missing pool, too few pages, page_stride too small or region too small, naming the
   // field), UNAVAILABLE (lease from another pool epoch or data plane down),
