@@ -7,6 +7,7 @@
 #include <future>
 #include <map>
 #include <tuple>
+#include <unordered_map>
 #include <utility>
 
 #include <grpcpp/grpcpp.h>
@@ -735,6 +736,7 @@ class ClientImpl final : public Client {
       }
       lease.blocks.push_back(std::move(lb));
     }
+    if (lease.id != 0) TrackLease(lease);
     return lease;
   }
 
@@ -748,11 +750,22 @@ class ClientImpl final : public Client {
     absl::Status s = Rpc(call, deadline, &pb::KvPool::Stub::Renew, req, &resp);
     if (!s.ok()) return CheckRestart(s, lease.pool_epoch, deadline);
     lease.expires = start + absl::Milliseconds(resp.lease_ms());
+    {
+      std::lock_guard<std::mutex> lock(leases_mu_);
+      auto it = leases_.find(lease.id);
+      if (it != leases_.end()) it->second.expires = lease.expires;
+    }
     return absl::OkStatus();
   }
 
   absl::Status Release(const Lease& lease, const CallOptions& call) override {
     if (lease.id == 0) return absl::OkStatus();
+    {
+      // Whatever the pool answers, this client no longer reads under the lease (Fetch refuses
+      // it from now on).
+      std::lock_guard<std::mutex> lock(leases_mu_);
+      leases_.erase(lease.id);
+    }
     const absl::Time deadline = Deadline(call);
     pb::ReleaseRequest req;
     req.set_lease_id(lease.id);
@@ -1063,6 +1076,29 @@ class ClientImpl final : public Client {
   std::unique_ptr<pb::KvPool::Stub> stub_;
   // Worker threads for packing puts and copying fetches (never a UCX or gRPC call).
   std::unique_ptr<CopyPool> copy_pool_;
+
+  // The leases this client acquired and has not released: lease id -> (pool epoch, local
+  // expiry, updated by Renew). Fetch reads only under a lease found here, so a released,
+  // forged or foreign lease id never reads pool memory (direct mode has no pool-side check).
+  // Expired entries are swept by Acquire.
+  struct LiveLease {
+    uint64_t pool_epoch = 0;
+    absl::Time expires;
+  };
+  std::mutex leases_mu_;
+  std::unordered_map<uint64_t, LiveLease> leases_;
+  size_t leases_sweep_at_ = 1024;  // sweep expired entries when leases_ reaches this size
+
+  void TrackLease(const Lease& lease) {
+    std::lock_guard<std::mutex> lock(leases_mu_);
+    leases_[lease.id] = LiveLease{lease.pool_epoch, lease.expires};
+    if (leases_.size() < leases_sweep_at_) return;
+    const absl::Time now = absl::Now();
+    for (auto it = leases_.begin(); it != leases_.end();) {
+      it = it->second.expires <= now ? leases_.erase(it) : std::next(it);
+    }
+    leases_sweep_at_ = std::max<size_t>(1024, 2 * leases_.size());
+  }
 
   mutable std::mutex mu_;  // guards everything below; never held across gRPC or UCX calls
   std::optional<ModelSpec> spec_;
@@ -1398,18 +1434,46 @@ absl::Status PutSessionImpl::Abort() {
 absl::StatusOr<FetchResult> ClientImpl::Fetch(const Lease& lease, const FetchPlan& plan,
                                               const CallOptions& call) {
   const absl::Time deadline = Deadline(call);
+  // Fail closed before touching pool memory (direct mode reads it with no pool-side check):
+  // only a lease this client acquired and has not released, with the expiry and epoch it was
+  // issued with (a caller's copy may have been altered).
+  absl::Time expires;
+  uint64_t lease_epoch = 0;
+  {
+    std::lock_guard<std::mutex> lock(leases_mu_);
+    auto it = leases_.find(lease.id);
+    if (it != leases_.end()) {
+      expires = std::min(lease.expires, it->second.expires);
+      lease_epoch = it->second.pool_epoch;
+    } else if (lease.id == 0 && lease.blocks.empty()) {  // nothing was leased: reads nothing
+      expires = lease.expires;
+      lease_epoch = lease.pool_epoch;
+    } else {
+      return absl::NotFoundError(
+          absl::StrCat("lease_id: ", lease.id,
+                       " is not a live lease of this client (released, or not acquired by it)"));
+    }
+  }
+  bool stale;
   ConnSnapshot c;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!info_) return absl::FailedPreconditionError("model: RegisterModel first");
-    c = SnapshotLocked();
+    stale = stale_;
+    if (!stale) c = SnapshotLocked();
   }
-  if (lease.pool_epoch != c.epoch) {
-    return absl::UnavailableError(absl::StrCat("lease: from pool epoch ", lease.pool_epoch,
+  if (stale) {
+    // The connection failed since (e.g. a call got UNAVAILABLE: the pool may have died or
+    // restarted). Learn the pool's epoch again (re-registering) before reading anything: a dead
+    // pool's mapped memory still reads, and a new pool's is another pool's.
+    KVPOOL_ASSIGN_OR_RETURN(c, Conn(call, deadline));
+  }
+  if (lease_epoch != c.epoch || lease.pool_epoch != lease_epoch) {
+    return absl::UnavailableError(absl::StrCat("lease: from pool epoch ", lease_epoch,
                                                ", the pool is now at epoch ", c.epoch,
                                                " (re-acquire)"));
   }
-  if (absl::Now() >= lease.expires) {
+  if (absl::Now() >= expires) {
     return absl::FailedPreconditionError("lease: expired (renew or re-acquire)");
   }
   const uint32_t P = c.geometry.page_size;
@@ -1629,9 +1693,18 @@ absl::StatusOr<FetchResult> ClientImpl::Fetch(const Lease& lease, const FetchPla
     }
     out.bytes += it.loc->size;
   }
-  if (absl::Now() >= lease.expires) {
+  if (absl::Now() >= expires) {
     return absl::FailedPreconditionError(
         "lease: expired during the fetch; the bytes may have been reused and were discarded");
+  }
+  {
+    // Released (by another thread) during the fetch: the pool may have reused the slots.
+    std::lock_guard<std::mutex> lock(leases_mu_);
+    if (lease.id != 0 && !leases_.contains(lease.id)) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "lease_id: ", lease.id,
+          " was released during the fetch; the bytes may have been reused and were discarded"));
+    }
   }
   uint32_t ok_prefix = 0;
   while (ok_prefix < items.size() && out.block_status[ok_prefix].ok()) ++ok_prefix;

@@ -519,6 +519,69 @@ TEST_P(ClientTest, LeaseExpiryFailsClosedAndFetchPlanIsValidated) {
   EXPECT_EQ(c->Release(*short_lease).code(), absl::StatusCode::kNotFound);
 }
 
+// Fetch fails closed before reading anything for a lease this client released or never got,
+// and for a lease of a pool it lost (newcomer report s5 #5: in direct mode such fetches
+// returned OK, with another sequence's bytes once the slots were reused, even unverified).
+TEST_P(ClientTest, FetchRefusesReleasedForgedAndDeadPoolLeases) {
+  auto c = NewClient();
+  ASSERT_NE(c, nullptr);
+  ASSERT_TRUE(c->RegisterModel(Spec("int2")).ok());
+  Sequence a = MakeSequence(4 * kPage, 31);
+  ASSERT_TRUE(c->Put(a.tokens, a.ks(), a.vs()).ok());
+  auto pools = MakePools(*c, 4);
+  FetchPlan unverified = pools->plan;
+  unverified.verify_checksums = false;
+
+  auto lease = c->Acquire(a.tokens);
+  ASSERT_TRUE(lease.ok()) << lease.status();
+  ASSERT_EQ(lease->blocks.size(), 4u);
+  auto first = c->Fetch(*lease, unverified);
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_EQ(first->num_blocks, 4u);
+
+  // Forged: another id (and a far expiry) on the same blocks.
+  Lease forged = *lease;
+  forged.id = lease->id + 12345;
+  forged.expires = absl::InfiniteFuture();
+  auto f = c->Fetch(forged, unverified);
+  EXPECT_EQ(f.status().code(), absl::StatusCode::kNotFound) << f.status();
+  EXPECT_THAT(f.status().message(), HasSubstr("lease_id"));
+
+  // Released, then its blocks deleted and their slots reused by another sequence.
+  ASSERT_TRUE(c->Release(*lease).ok());
+  f = c->Fetch(*lease, unverified);
+  EXPECT_EQ(f.status().code(), absl::StatusCode::kNotFound) << f.status();
+  EXPECT_THAT(f.status().message(), HasSubstr("lease_id"));
+  auto keys = c->Keys(a.tokens);
+  ASSERT_TRUE(keys.ok());
+  auto deleted = c->Delete(*keys);
+  ASSERT_TRUE(deleted.ok()) << deleted.status();
+  Sequence b = MakeSequence(4 * kPage, 32);
+  ASSERT_TRUE(c->Put(b.tokens, b.ks(), b.vs()).ok());
+  f = c->Fetch(*lease, unverified);
+  EXPECT_EQ(f.status().code(), absl::StatusCode::kNotFound) << f.status();
+
+  // The pool dies: once a call has seen it gone, a lease of its epoch is refused with
+  // UNAVAILABLE (a dead pool's mapped memory would still read), before and after a new pool
+  // starts on the same port.
+  auto live = c->Acquire(b.tokens);
+  ASSERT_TRUE(live.ok()) << live.status();
+  const int port = port_;
+  server_->Shutdown(absl::ZeroDuration());
+  server_.reset();
+  EXPECT_EQ(c->Lookup(b.tokens).status().code(), absl::StatusCode::kUnavailable);
+  f = c->Fetch(*live, unverified);
+  EXPECT_EQ(f.status().code(), absl::StatusCode::kUnavailable) << f.status();
+  StartServer(port);
+  absl::StatusOr<FetchResult> after = absl::UnavailableError("not tried");
+  for (int i = 0; i < 5; ++i) {
+    after = c->Fetch(*live, unverified);
+    EXPECT_EQ(after.status().code(), absl::StatusCode::kUnavailable) << after.status();
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+  EXPECT_THAT(after.status().message(), HasSubstr("epoch"));
+}
+
 TEST_P(ClientTest, CorruptedStoredBytesAreDataLoss) {
   auto c = NewClient();
   ASSERT_NE(c, nullptr);

@@ -388,7 +388,8 @@ class Client {
   virtual absl::StatusOr<Lease> Acquire(absl::Span<const uint32_t> tokens, uint32_t max_blocks = 0,
                                         uint32_t lease_ms = 0, const CallOptions& call = {}) = 0;
   virtual absl::Status Renew(Lease& lease, uint32_t lease_ms = 0, const CallOptions& call = {}) = 0;
-  // NOT_FOUND: the lease had expired (bytes read under it must be discarded).
+  // NOT_FOUND: the lease had expired (bytes read under it must be discarded). Whatever the
+  // outcome, Fetch refuses the lease from the call's start on.
   virtual absl::Status Release(const Lease& lease, const CallOptions& call = {}) = 0;
 
   // Registers caller memory as a fetch destination (pinned host memory for UCX).
@@ -399,8 +400,12 @@ class Client {
   // checksum (DATA_LOSS in its block_status) and builds the page tables. num_blocks counts the
   // leading blocks that all verified. Errors for the whole call: INVALID_ARGUMENT (plan:
   // missing pool, too few pages, page_stride too small or region too small, naming the
-  // field), UNAVAILABLE (lease from another pool epoch or data plane down),
-  // FAILED_PRECONDITION (lease expired locally), DEADLINE_EXCEEDED, CANCELLED.
+  // field), NOT_FOUND naming lease_id (a lease this client released, or did not acquire:
+  // only this client's live leases are read, whatever the Lease's fields say), UNAVAILABLE
+  // (lease from another pool epoch, or the connection failed since the lease was taken and the
+  // pool cannot be reached to confirm its epoch — a dead pool's mapped memory is never read;
+  // or data plane down), FAILED_PRECONDITION (lease expired locally, before or during the
+  // fetch, or released by another thread during it), DEADLINE_EXCEEDED, CANCELLED.
   virtual absl::StatusOr<FetchResult> Fetch(const Lease& lease, const FetchPlan& plan,
                                             const CallOptions& call = {}) = 0;
 
