@@ -566,9 +566,14 @@ int main(int argc, char** argv) {
     const bool unreachable = absl::IsUnavailable(client_error) ||
                              absl::IsDeadlineExceeded(client_error) ||
                              absl::IsCancelled(client_error);
-    nopts.no_pool_reason = absl::StrCat(
-        unreachable ? "pool unreachable at start-up: " : "pool refused the registration: ",
-        kw::StatusText(client_error));
+    // The client, not the pool, refuses a pool it cannot use (e.g. one started with
+    // --data-plane none): say who refused.
+    nopts.no_pool_reason =
+        absl::StrCat(unreachable ? "pool unreachable at start-up: "
+                     : kvpool::client::RefusedByClient(client_error)
+                         ? "this worker refused the pool (the pool accepted the registration): "
+                         : "pool refused the registration: ",
+                     kw::StatusText(client_error));
     // Logged once here; each request's report carries it as fallback_reason.
     KVPOOL_LOG_WARN("pool at {} not usable ({}); every request computes its prefix locally", pool,
                     nopts.no_pool_reason);

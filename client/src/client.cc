@@ -13,6 +13,8 @@
 #include <grpcpp/grpcpp.h>
 
 #include "absl/functional/function_ref.h"
+#include "absl/strings/cord.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "copy_pool.h"
@@ -72,6 +74,10 @@ void PackLayerSlice(const BlockGeometry& g, uint32_t block, const uint16_t* k, c
   }
 }
 
+bool RefusedByClient(const absl::Status& status) {
+  return status.GetPayload(kRefusedByClientPayload).has_value();
+}
+
 PageTables MergePageTables(absl::Span<const PageTables* const> per_request) {
   PageTables out;
   auto append = [](SegmentTable& dst, const SegmentTable& src) {
@@ -103,6 +109,25 @@ using transport::TransferRequest;
 absl::Status FromGrpc(const grpc::Status& s) {
   if (s.ok()) return absl::OkStatus();
   return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
+}
+
+// UCX's "Destination is unreachable" (UCS_ERR_UNREACHABLE from ucp_ep_create, whether this client
+// connected to the pool or the pool connected back to this client for WritePut/ReadLeased) means
+// the two UCX workers share no transport: says so, with this client's list.
+absl::Status WithUcxTlsHint(absl::Status s, const std::string& tls) {
+  if (s.ok() || !absl::StrContains(s.message(), "Destination is unreachable")) return s;
+  return absl::Status(
+      s.code(), absl::StrCat(s.message(),
+                             " (the pool and this client share no UCX transport; check --ucx-tls "
+                             "/ UCX_TLS on both: this client uses '",
+                             tls.empty() ? "UCX's default" : tls, "')"));
+}
+
+// Marks a status as this client's refusal of what the pool offered (RefusedByClient).
+absl::Status ClientRefusal(const std::string& message) {
+  absl::Status s = absl::FailedPreconditionError(message);
+  s.SetPayload(kRefusedByClientPayload, absl::Cord("1"));
+  return s;
 }
 
 bool Bf16Finite(uint16_t x) { return (x & 0x7F80u) != 0x7F80u; }
@@ -338,7 +363,7 @@ class ClientImpl final : public Client {
     if (call.cancel) cancel_id = call.cancel->Add([&ctx] { ctx.TryCancel(); });
     grpc::Status s = (stub_.get()->*fn)(&ctx, req, resp);
     if (call.cancel && cancel_id != 0) call.cancel->Remove(cancel_id);
-    absl::Status out = FromGrpc(s);
+    absl::Status out = WithUcxTlsHint(FromGrpc(s), options_.ucx_tls);
     if (absl::IsUnavailable(out)) MarkStale("gRPC UNAVAILABLE");
     return out;
   }
@@ -484,9 +509,9 @@ class ClientImpl final : public Client {
     info.geometry =
         BlockGeometry{spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.page_size};
     if (info.bf16_form_bytes != info.geometry.Bf16FormBytes()) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("bf16_form_bytes: pool says ", info.bf16_form_bytes,
-                       ", kvpool-block-v1 says ", info.geometry.Bf16FormBytes()));
+      return ClientRefusal(absl::StrCat("bf16_form_bytes: this client refuses the pool: it says ",
+                                        info.bf16_form_bytes, ", kvpool-block-v1 says ",
+                                        info.geometry.Bf16FormBytes()));
     }
 
     // Connect the data plane to this pool incarnation, unless already connected to it. When
@@ -508,10 +533,15 @@ class ClientImpl final : public Client {
     EndpointId fresh;
     if (need_connect) {
       if (resp.ucx_worker_address().empty()) {
-        return absl::FailedPreconditionError(
-            "ucx_worker_address: the pool has no UCX data plane (started with --data-plane none?)");
+        // The pool accepted the registration; this client cannot use it.
+        return ClientRefusal(
+            "ucx_worker_address: empty; this client refuses the pool, which has no UCX data "
+            "plane (started with --data-plane none?), while puts and fetches move KV bytes over "
+            "UCX");
       }
-      KVPOOL_ASSIGN_OR_RETURN(fresh, transport_->Connect(resp.ucx_worker_address()));
+      auto connected = transport_->Connect(resp.ucx_worker_address());
+      if (!connected.ok()) return WithUcxTlsHint(connected.status(), options_.ucx_tls);
+      fresh = *connected;
     }
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -907,7 +937,7 @@ class ClientImpl final : public Client {
       if (call->cancel && call->cancel_id != 0) {
         call->cancel->Remove(call->cancel_id);
       }
-      absl::Status s = FromGrpc(gs);
+      absl::Status s = WithUcxTlsHint(FromGrpc(gs), options_.ucx_tls);
       if (absl::IsUnavailable(s)) MarkStale("gRPC UNAVAILABLE");
       call->done.set_value(std::move(s));  // last use of `this`
     });

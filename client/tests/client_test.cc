@@ -768,6 +768,60 @@ INSTANTIATE_TEST_SUITE_P(Ucx, ClientTest,
                            return n;
                          });
 
+// Who refused, and why (newcomer report s5 #10): a pool without a UCX data plane accepts the
+// registration and the client refuses it (RefusedByClient, the message says so); a pool's own
+// refusal carries no such mark; a client whose UCX transports the pool's worker cannot reach
+// gets a hint naming --ucx-tls.
+TEST(ClientRefusal, DataPlaneNonePoolIsRefusedByTheClientAndSaysSo) {
+  kvstore::PoolServerOptions o;
+  o.listen = "127.0.0.1:0";
+  o.metrics_port = -1;
+  o.capacity_bytes = 16 << 20;
+  o.data_plane = "none";
+  auto server = kvstore::PoolServer::Create(o);
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto c = testing::NewClient(absl::StrCat("127.0.0.1:", (*server)->grpc_port()), "tcp");
+  ASSERT_NE(c, nullptr);
+  auto r = c->RegisterModel(Spec("int2"));
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
+  EXPECT_TRUE(RefusedByClient(r.status())) << r.status();
+  EXPECT_THAT(r.status().message(), HasSubstr("this client refuses the pool"));
+  EXPECT_THAT(r.status().message(), HasSubstr("--data-plane none"));
+
+  // A refusal by the pool (a differing registration of the same model) is not the client's.
+  kvstore::PoolServerOptions u = o;
+  u.data_plane = "ucx";
+  u.ucx_tls = "tcp";
+  auto pool = kvstore::PoolServer::Create(u);
+  ASSERT_TRUE(pool.ok()) << pool.status();
+  auto c2 = testing::NewClient(absl::StrCat("127.0.0.1:", (*pool)->grpc_port()), "tcp");
+  ASSERT_NE(c2, nullptr);
+  ASSERT_TRUE(c2->RegisterModel(Spec("int2")).ok());
+  ModelSpec other = Spec("int2");
+  other.sink_tokens += kPage;
+  auto conflict = c2->RegisterModel(other);
+  EXPECT_EQ(conflict.status().code(), absl::StatusCode::kFailedPrecondition) << conflict.status();
+  EXPECT_FALSE(RefusedByClient(conflict.status())) << conflict.status();
+}
+
+TEST(ClientRefusal, NoSharedUcxTransportNamesUcxTls) {
+  // The pool's worker is reachable over shared memory only; this client speaks tcp only.
+  kvstore::PoolServerOptions o;
+  o.listen = "127.0.0.1:0";
+  o.metrics_port = -1;
+  o.capacity_bytes = 16 << 20;
+  o.ucx_tls = "posix,cma";
+  o.transfer_initiator = "client";
+  auto server = kvstore::PoolServer::Create(o);
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto c = testing::NewClient(absl::StrCat("127.0.0.1:", (*server)->grpc_port()), "tcp");
+  ASSERT_NE(c, nullptr);
+  auto r = c->RegisterModel(Spec("int2"));
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kUnavailable) << r.status();
+  EXPECT_THAT(r.status().message(), HasSubstr("share no UCX transport"));
+  EXPECT_THAT(r.status().message(), HasSubstr("--ucx-tls"));
+}
+
 TEST(PageTables, MergeConcatenatesRequests) {
   PageTables a, b;
   a.sink = {{0, 1}, {7}, {16}};

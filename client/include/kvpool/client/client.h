@@ -331,6 +331,13 @@ struct FetchResult {
   uint64_t bytes = 0;                      // bytes moved
 };
 
+// The payload (absl::Status::GetPayload) a status carries when this client, not the pool,
+// refused what the pool offered: FAILED_PRECONDITION from RegisterModel when the pool has no
+// UCX data plane (kvpool-server --data-plane none) or its form sizes differ from this client's.
+inline constexpr char kRefusedByClientPayload[] = "type.kvpool/refused-by-client";
+// Whether `status` is such a refusal by the client (the pool accepted the call).
+bool RefusedByClient(const absl::Status& status);
+
 // Concatenates the page tables of several requests into one batch (request order).
 PageTables MergePageTables(absl::Span<const PageTables* const> per_request);
 
@@ -356,7 +363,11 @@ class Client {
 
   // Registers (or re-attaches to) the model; the client remembers it and re-registers after a
   // pool restart. Connects the data plane to the pool's worker. Errors: FAILED_PRECONDITION
-  // (differing registration; the message lists the fields), INVALID_ARGUMENT (spec fields).
+  // (differing registration; the message lists the fields; or, marked RefusedByClient, a pool
+  // this client cannot use: no UCX data plane), INVALID_ARGUMENT (spec fields), UNAVAILABLE
+  // (pool unreachable; when the UCX workers share no transport — this call or a later
+  // put/fetch the pool serves by connecting back — the message says to check --ucx-tls /
+  // UCX_TLS on both).
   virtual absl::StatusOr<ModelInfo> RegisterModel(const ModelSpec& spec,
                                                   const CallOptions& call = {}) = 0;
   // The current registration (after RegisterModel). FAILED_PRECONDITION before.
