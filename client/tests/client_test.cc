@@ -437,27 +437,27 @@ TEST_P(ClientTest, PutSessionOutlivesTheDefaultTimeoutButNotThePutTimeout) {
     o.ucx_tls = Tls();
     o.map_shared_memory = Mode() != "rma";
     o.copy_threads = Threads() ? 4 : 1;
-    o.default_timeout = absl::Milliseconds(300);
+    o.default_timeout = absl::Seconds(1);
     o.put_timeout = put_timeout;
     auto c = Client::Create(o);
     EXPECT_TRUE(c.ok()) << c.status();
     return c.ok() ? *std::move(c) : nullptr;
   };
-  // Registration connects UCX: give it more than 300 ms on a loaded host.
+  // Registration connects UCX: give it more than 1 s on a loaded host.
   auto roomy = [] { return CallOptions{absl::Now() + absl::Seconds(20), nullptr}; };
   auto c = make(absl::ZeroDuration());
   ASSERT_NE(c, nullptr);
   ASSERT_TRUE(c->RegisterModel(Spec("int2"), roomy()).ok());
   Sequence s = MakeSequence(2 * kPage, 21);
-  auto put = c->BeginPut(s.tokens);  // default_timeout: BeginPut's deadline, 300 ms
+  auto put = c->BeginPut(s.tokens);  // default_timeout: BeginPut's deadline, 1 s
   ASSERT_TRUE(put.ok()) << put.status();
   // The pool's default put timeout (30 s), not default_timeout, bounds the session.
   EXPECT_GT((*put)->expires(), absl::Now() + absl::Seconds(10));
   for (uint32_t l = 0; l < kLayers; ++l) {
-    absl::SleepFor(absl::Milliseconds(600));
     ASSERT_TRUE((*put)->WriteLayer(l, s.k[l], s.v[l]).ok()) << l;
+    // Longer than default_timeout after BeginPut, before the later pulls and the commit.
+    if (l == 0) absl::SleepFor(absl::Milliseconds(1300));
   }
-  absl::SleepFor(absl::Milliseconds(600));
   auto r = (*put)->Commit();
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->num_blocks, 2u);
@@ -465,18 +465,19 @@ TEST_P(ClientTest, PutSessionOutlivesTheDefaultTimeoutButNotThePutTimeout) {
   ASSERT_TRUE(look.ok()) << look.status();
   EXPECT_EQ(look->num_blocks, 2u);
 
-  auto short_lived = make(absl::Milliseconds(200));
+  // Roomy enough that the writes below finish inside it on a loaded CI host.
+  auto short_lived = make(absl::Seconds(2));
   ASSERT_NE(short_lived, nullptr);
   ASSERT_TRUE(short_lived->RegisterModel(Spec("int2"), roomy()).ok());
   Sequence s2 = MakeSequence(2 * kPage, 22);
   auto put2 = short_lived->BeginPut(s2.tokens);
   ASSERT_TRUE(put2.ok()) << put2.status();
-  EXPECT_LT((*put2)->expires(), absl::Now() + absl::Seconds(1));
+  EXPECT_LT((*put2)->expires(), absl::Now() + absl::Seconds(3));
   for (uint32_t l = 0; l < kLayers; ++l) {
     ASSERT_TRUE((*put2)->WriteLayer(l, s2.k[l], s2.v[l]).ok()) << l;
   }
   ASSERT_TRUE((*put2)->Flush().ok());
-  absl::SleepFor(absl::Milliseconds(800));  // the pool drops the put (ticks every 20 ms)
+  absl::SleepFor(absl::Milliseconds(2600));  // the pool drops the put (ticks every 20 ms)
   auto r2 = (*put2)->Commit();
   EXPECT_EQ(r2.status().code(), absl::StatusCode::kDeadlineExceeded) << r2.status();
   EXPECT_THAT(r2.status().message(), HasSubstr("put timeout"));
