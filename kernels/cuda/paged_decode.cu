@@ -1127,9 +1127,12 @@ __global__ void __launch_bounds__(kRotThreads)
 // out[b, i, :] = (LSE-merge over splits of part_o)·R_Vᵀ; grid (H_kv, B), 256 threads:
 // warp w merges heads w, w+8 (lanes over splits for the LSE, over head_dim for the output),
 // then the warps apply R_Vᵀ row by row (below).
+// kFew: the launcher's s_total <= 32 (see the merge loop). Both forms capped at 128 registers,
+// as v12's merge (uncapped in one kernel, the two forms took 170 and it was slower at
+// B = 32 × 32K, s6).
 constexpr int kMergeThreads = 256;
-template <int D>
-__global__ void __launch_bounds__(kMergeThreads)
+template <int D, bool kFew>
+__global__ void __launch_bounds__(kMergeThreads, 2)
     MergeKernel(const float* __restrict__ part_o, const float* __restrict__ part_lse, int s_total,
                 const float* __restrict__ rv, int64_t r_head_stride, int num_q_heads, int group,
                 uint16_t* __restrict__ out, float* __restrict__ lse_out) {
@@ -1157,12 +1160,30 @@ __global__ void __launch_bounds__(kMergeThreads)
   __syncthreads();
   PdlWait();  // partials of the decode kernels
   const size_t row0 = size_t(b) * num_q_heads + size_t(kvh) * group;
+  // kFew (at most 32 partials per row; B = 32 × 32K: 6, B = 8 × 128K: 11): a warp loads its
+  // first kSc partial outputs together with the LSEs (v12 loaded them after the LSE max, a second
+  // dependent L2 trip on the launch's critical path), and lane s holds the weight 2^(lse_s − max)
+  // of split s and broadcasts it by a shuffle. Otherwise (B = 1: up to 65 partials) the v12 loop
+  // that loads LSE and outputs split by split (the one-trip form measured +1.5 µs at B = 1 × 32K;
+  // both forms in one kernel took 170 registers, see the KERNELS.md notes, s6).
+  constexpr int kSc = 1024 / D;  // splits per register batch of partial outputs (8 at d 128)
   for (int h = warp; h < group; h += kMergeThreads / 32) {
     const size_t row = row0 + h;
     const float* ls = part_lse + row * s_total;
-    float mx = -INFINITY;
-    int nan = 0;
-    for (int s = lane; s < s_total; s += 32) {
+    const float* po = part_o + row * s_total * D + lane;
+    float pv[kSc][D / 32];
+    auto load_po = [&](int s0) {
+#pragma unroll
+      for (int c = 0; c < kSc; ++c)
+#pragma unroll
+        for (int i = 0; i < D / 32; ++i)
+          pv[c][i] = s0 + c < s_total ? po[size_t(s0 + c) * D + 32 * i] : 0.f;
+    };
+    if constexpr (kFew) load_po(0);
+    const float ls_lane = lane < s_total ? ls[lane] : -INFINITY;
+    float mx = ls_lane;
+    int nan = isnan(ls_lane);
+    for (int s = lane + 32; s < s_total; s += 32) {
       const float v = ls[s];
       nan |= isnan(v);
       mx = fmaxf(mx, v);
@@ -1176,11 +1197,26 @@ __global__ void __launch_bounds__(kMergeThreads)
     float o[D / 32];
 #pragma unroll
     for (int i = 0; i < D / 32; ++i) o[i] = 0.f;
-    if (mx != -INFINITY) {
+    if (kFew && mx != -INFINITY) {
+      const float f_lane = lane < s_total ? exp2f(ls_lane - mx) : 0.f;
+      l = f_lane;
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) l += __shfl_xor_sync(0xffffffffu, l, off);
+#pragma unroll 1
+      for (int s0 = 0; s0 < s_total; s0 += kSc) {
+        if (s0 > 0) load_po(s0);
+#pragma unroll
+        for (int c = 0; c < kSc; ++c) {
+          const float fs = __shfl_sync(0xffffffffu, f_lane, (s0 + c) & 31);
+          const float f = s0 + c < s_total ? fs : 0.f;  // warp-uniform test
+#pragma unroll
+          for (int i = 0; i < D / 32; ++i) o[i] = fmaf(f, pv[c][i], o[i]);
+        }
+      }
+    } else if (!kFew && mx != -INFINITY) {
       for (int s = lane; s < s_total; s += 32) l += exp2f(ls[s] - mx);
 #pragma unroll
       for (int off = 16; off > 0; off >>= 1) l += __shfl_xor_sync(0xffffffffu, l, off);
-      const float* po = part_o + row * s_total * D + lane;
 #pragma unroll 4
       for (int s = 0; s < s_total; ++s) {
         const float f = exp2f(ls[s] - mx);
@@ -1674,19 +1710,21 @@ KernelStatus LaunchPagedDecode(const PagedDecodeParams& p, Stream stream_handle)
       if (!st.ok()) return st;
     }
   }
+  // Rows of at most 32 partials take the one-L2-trip merge (its own instantiation, so each form
+  // keeps its own register allocation).
+  const bool few = plan.s_total <= 32;
+  auto merge = [&](auto kernel) {
+    return Launch(kernel, hb, dim3(kMergeThreads), 0, stream, true, (const float*)part_o,
+                  (const float*)part_lse, plan.s_total, p.rotation_v, rstride, p.num_q_heads, group,
+                  p.out, p.lse);
+  };
   cudaError_t e;
   if (d == 64)
-    e = Launch(MergeKernel<64>, hb, dim3(kMergeThreads), 0, stream, true, (const float*)part_o,
-               (const float*)part_lse, plan.s_total, p.rotation_v, rstride, p.num_q_heads, group,
-               p.out, p.lse);
+    e = few ? merge(MergeKernel<64, true>) : merge(MergeKernel<64, false>);
   else if (d == 128)
-    e = Launch(MergeKernel<128>, hb, dim3(kMergeThreads), 0, stream, true, (const float*)part_o,
-               (const float*)part_lse, plan.s_total, p.rotation_v, rstride, p.num_q_heads, group,
-               p.out, p.lse);
+    e = few ? merge(MergeKernel<128, true>) : merge(MergeKernel<128, false>);
   else
-    e = Launch(MergeKernel<256>, hb, dim3(kMergeThreads), 0, stream, true, (const float*)part_o,
-               (const float*)part_lse, plan.s_total, p.rotation_v, rstride, p.num_q_heads, group,
-               p.out, p.lse);
+    e = few ? merge(MergeKernel<256, true>) : merge(MergeKernel<256, false>);
   if (e != cudaSuccess) return LaunchError("MergeKernel");
   return LaunchError("MergeKernel");
 }
