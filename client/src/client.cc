@@ -480,6 +480,7 @@ class ClientImpl final : public Client {
           "history_precision: \"", spec.history_precision, "\" is not \"int2\" or \"bf16\""));
     }
     r->set_block_format_version(1);
+    req.set_checksum_scheme(kChecksumScheme);
     if (spec.tensor_parallel) {
       req.mutable_tensor_parallel()->set_rank(spec.tensor_parallel->rank);
       req.mutable_tensor_parallel()->set_size(spec.tensor_parallel->size);
@@ -508,6 +509,12 @@ class ClientImpl final : public Client {
     info.pool_initiates_transfers = resp.pool_initiates_transfers();
     info.geometry =
         BlockGeometry{spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.page_size};
+    if (resp.checksum_scheme() != kChecksumScheme) {
+      return ClientRefusal(absl::StrCat(
+          "checksum_scheme: this client refuses the pool: it says ", resp.checksum_scheme(),
+          resp.checksum_scheme() == 0 ? " (a pool from before v1.4, whole-form checksums)" : "",
+          ", this client uses ", kChecksumScheme, " (chunked form checksums)"));
+    }
     if (info.bf16_form_bytes != info.geometry.Bf16FormBytes()) {
       return ClientRefusal(absl::StrCat("bf16_form_bytes: this client refuses the pool: it says ",
                                         info.bf16_form_bytes, ", kvpool-block-v1 says ",

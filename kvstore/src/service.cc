@@ -14,6 +14,7 @@
 #include <mutex>
 
 #include "absl/strings/str_cat.h"
+#include "kvpool/common/checksum.h"
 #include "kvpool/common/log.h"
 #include "kvpool/common/status.h"
 #include "kvpool/v1/pool.grpc.pb.h"
@@ -375,6 +376,16 @@ class KvPoolService final : public pb::KvPool::Service {
       spec.tensor_parallel =
           TensorParallelShard{req.tensor_parallel().rank(), req.tensor_parallel().size()};
     }
+    if (req.checksum_scheme() != kChecksumScheme) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "checksum_scheme: this pool uses ", kChecksumScheme,
+          " (chunked form checksums, protocol v1.3, docs/BLOCK_FORMAT.md \"Checksums\"); the "
+          "client sent ",
+          req.checksum_scheme(),
+          req.checksum_scheme() == 0 ? " (a client from before v1.4, which hashes whole forms)"
+                                     : "",
+          ": deploy clients and pool of the same version"));
+    }
     if (req.geometry().dtype() != pb::KV_DTYPE_BF16) {
       return absl::InvalidArgumentError("geometry.dtype: only KV_DTYPE_BF16 is supported");
     }
@@ -449,6 +460,7 @@ class KvPoolService final : public pb::KvPool::Service {
     resp->set_int2_form_bytes(info->int2_form_bytes);
     resp->set_sink_blocks(info->sink_blocks);
     resp->set_recent_blocks(info->recent_blocks);
+    resp->set_checksum_scheme(kChecksumScheme);
     return absl::OkStatus();
   }
 

@@ -121,6 +121,7 @@ std::string ReflectionListServices(const std::shared_ptr<grpc::Channel>& ch) {
 
 pb::RegisterModelRequest RegisterRequest(const ModelSpec& spec) {
   pb::RegisterModelRequest r;
+  r.set_checksum_scheme(kvpool::kChecksumScheme);
   r.mutable_identity()->set_model_id(spec.model_id);
   r.mutable_identity()->set_revision(spec.revision);
   r.mutable_geometry()->set_num_layers(spec.geometry.num_layers);
@@ -294,6 +295,16 @@ TEST_F(ServiceTest, ErrorsAreTypedAndNameTheField) {
   st = stub_->RegisterModel(Ctx().get(), no_dtype, &ignored);
   EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_NE(st.error_message().find("geometry.dtype"), std::string::npos);
+  EXPECT_EQ(reg.checksum_scheme(), kvpool::kChecksumScheme);
+  // A client from before v1.4 (no checksum_scheme: whole-form xxh3) is refused up front rather
+  // than failing every commit and fetch with DATA_LOSS; so is any other scheme.
+  for (uint32_t scheme : {0u, 1u, 3u}) {
+    pb::RegisterModelRequest old_client = RegisterRequest(spec);
+    old_client.set_checksum_scheme(scheme);
+    st = stub_->RegisterModel(Ctx().get(), old_client, &ignored);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << scheme;
+    EXPECT_NE(st.error_message().find("checksum_scheme"), std::string::npos) << st.error_message();
+  }
 
   pb::BeginPutRequest bp;
   bp.set_namespace_id("short");

@@ -49,6 +49,7 @@ TEST_P(UcxEndToEndTest, PutCommitAcquireGetByteExact) {
   spec.sink_tokens = 16;
   spec.recent_tokens = 32;
   pb::RegisterModelRequest reg_req;
+  reg_req.set_checksum_scheme(kvpool::kChecksumScheme);
   reg_req.mutable_identity()->set_model_id(spec.model_id);
   reg_req.mutable_identity()->set_revision(spec.revision);
   reg_req.mutable_geometry()->set_num_layers(2);
@@ -202,6 +203,7 @@ TEST(UcxPoolInitiatedTest, ThePoolsOwnWorkerIsRefusedAndNothingIsDamaged) {
   const ModelSpec spec = testing::TinySpec();
   const uint64_t bf16 = spec.geometry.Bf16FormBytes();
   pb::RegisterModelRequest rr;
+  rr.set_checksum_scheme(kvpool::kChecksumScheme);
   rr.mutable_identity()->set_model_id(spec.model_id);
   rr.mutable_identity()->set_revision(spec.revision);
   rr.mutable_geometry()->set_num_layers(spec.geometry.num_layers);

@@ -53,6 +53,11 @@ class Xxh3Stream {
 // format: the client, the pool and every reader must use the same value.
 inline constexpr size_t kChecksumChunkBytes = size_t{16} << 10;
 
+// The checksum scheme client and pool announce to each other at registration
+// (RegisterModelRequest/Response.checksum_scheme, docs/PROTOCOL.md v1.4): 2 = FormChecksum
+// (chunked, since protocol v1.3). 0 = a peer from before the field, which hashed whole forms.
+inline constexpr uint32_t kChecksumScheme = 2;
+
 // Number of chunks of a form of `size` bytes: ceil(size / kChecksumChunkBytes) (0 for 0).
 inline uint64_t ChecksumChunks(uint64_t size) {
   return (size + kChecksumChunkBytes - 1) / kChecksumChunkBytes;
