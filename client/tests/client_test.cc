@@ -291,7 +291,10 @@ TEST_P(ClientTest, NonFiniteValuesAreFoundAtEveryPosition) {
   }
   auto c = NewClient();
   ASSERT_NE(c, nullptr);
-  ASSERT_TRUE(c->RegisterModel(Spec("int2")).ok());
+  {
+    auto reg = c->RegisterModel(Spec("int2"));
+    ASSERT_TRUE(reg.ok()) << reg.status();
+  }
   Sequence s = MakeSequence(2 * kPage, 31);
   for (uint16_t& x : s.k[0]) x = 0x7F7F;  // largest finite
   for (uint16_t& x : s.v[0]) x = 0xFF7F;  // most negative finite
@@ -344,7 +347,10 @@ TEST_P(ClientTest, NonFiniteValuesAreFoundAtEveryPosition) {
 TEST_P(ClientTest, BadPutsAreRefusedAndStoreNothing) {
   auto c = NewClient();
   ASSERT_NE(c, nullptr);
-  ASSERT_TRUE(c->RegisterModel(Spec("int2")).ok());
+  {
+    auto reg = c->RegisterModel(Spec("int2"));
+    ASSERT_TRUE(reg.ok()) << reg.status();
+  }
   Sequence s = MakeSequence(3 * kPage, 3);
   // Too few tokens.
   EXPECT_THAT(c->BeginPut(absl::MakeSpan(s.tokens).subspan(0, kPage - 1)).status().message(),
@@ -372,7 +378,10 @@ TEST_P(ClientTest, BadPutsAreRefusedAndStoreNothing) {
   EXPECT_THAT(r.status().message(), HasSubstr("token 20"));
   // ...and by the pool when the client does not check.
   auto unchecked = NewClient(/*check_finite=*/false);
-  ASSERT_TRUE(unchecked->RegisterModel(Spec("int2")).ok());
+  {
+    auto reg = unchecked->RegisterModel(Spec("int2"));
+    ASSERT_TRUE(reg.ok()) << reg.status();
+  }
   bad.v[0][kHeads * kDim * 40] = 0x7F80;  // +Inf at layer 0, token 40
   r = unchecked->Put(bad.tokens, bad.ks(), bad.vs());
   EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
@@ -410,7 +419,10 @@ TEST_P(ClientTest, MismatchedRegistrationListsFields) {
 TEST_P(ClientTest, DeadlinesAndCancellation) {
   auto c = NewClient();
   ASSERT_NE(c, nullptr);
-  ASSERT_TRUE(c->RegisterModel(Spec("int2")).ok());
+  {
+    auto reg = c->RegisterModel(Spec("int2"));
+    ASSERT_TRUE(reg.ok()) << reg.status();
+  }
   Sequence s = MakeSequence(2 * kPage, 4);
   CallOptions past{absl::Now() - absl::Seconds(1), nullptr};
   EXPECT_EQ(c->Lookup(s.tokens, past).status().code(), absl::StatusCode::kDeadlineExceeded);
@@ -489,7 +501,10 @@ TEST_P(ClientTest, PutSessionOutlivesTheDefaultTimeoutButNotThePutTimeout) {
 TEST_P(ClientTest, LeaseExpiryFailsClosedAndFetchPlanIsValidated) {
   auto c = NewClient();
   ASSERT_NE(c, nullptr);
-  ASSERT_TRUE(c->RegisterModel(Spec("int2")).ok());
+  {
+    auto reg = c->RegisterModel(Spec("int2"));
+    ASSERT_TRUE(reg.ok()) << reg.status();
+  }
   Sequence s = MakeSequence(4 * kPage, 5);
   ASSERT_TRUE(c->Put(s.tokens, s.ks(), s.vs()).ok());
   auto pools = MakePools(*c, 4);
@@ -526,7 +541,10 @@ TEST_P(ClientTest, LeaseExpiryFailsClosedAndFetchPlanIsValidated) {
 TEST_P(ClientTest, FetchRefusesReleasedForgedAndDeadPoolLeases) {
   auto c = NewClient();
   ASSERT_NE(c, nullptr);
-  ASSERT_TRUE(c->RegisterModel(Spec("int2")).ok());
+  {
+    auto reg = c->RegisterModel(Spec("int2"));
+    ASSERT_TRUE(reg.ok()) << reg.status();
+  }
   Sequence a = MakeSequence(4 * kPage, 31);
   ASSERT_TRUE(c->Put(a.tokens, a.ks(), a.vs()).ok());
   auto pools = MakePools(*c, 4);
@@ -586,7 +604,10 @@ TEST_P(ClientTest, FetchRefusesReleasedForgedAndDeadPoolLeases) {
 TEST_P(ClientTest, CorruptedStoredBytesAreDataLoss) {
   auto c = NewClient();
   ASSERT_NE(c, nullptr);
-  ASSERT_TRUE(c->RegisterModel(Spec("int2")).ok());
+  {
+    auto reg = c->RegisterModel(Spec("int2"));
+    ASSERT_TRUE(reg.ok()) << reg.status();
+  }
   Sequence s = MakeSequence(4 * kPage, 6);
   ASSERT_TRUE(c->Put(s.tokens, s.ks(), s.vs()).ok());
   auto lease = c->Acquire(s.tokens);
@@ -716,7 +737,10 @@ TEST_P(ClientTest, MultiChunkFormsVerifyAndACorruptedByteInAnyChunkIsDataLoss) {
 TEST_P(ClientTest, PoolRestartGivesUnavailableThenWorksAgain) {
   auto c = NewClient();
   ASSERT_NE(c, nullptr);
-  ASSERT_TRUE(c->RegisterModel(Spec("int2")).ok());
+  {
+    auto reg = c->RegisterModel(Spec("int2"));
+    ASSERT_TRUE(reg.ok()) << reg.status();
+  }
   Sequence s = MakeSequence(4 * kPage, 7);
   ASSERT_TRUE(c->Put(s.tokens, s.ks(), s.vs()).ok());
   auto lease = c->Acquire(s.tokens);
@@ -797,7 +821,10 @@ TEST(ClientRefusal, DataPlaneNonePoolIsRefusedByTheClientAndSaysSo) {
   ASSERT_TRUE(pool.ok()) << pool.status();
   auto c2 = testing::NewClient(absl::StrCat("127.0.0.1:", (*pool)->grpc_port()), "tcp");
   ASSERT_NE(c2, nullptr);
-  ASSERT_TRUE(c2->RegisterModel(Spec("int2")).ok());
+  {
+    auto reg = c2->RegisterModel(Spec("int2"));
+    ASSERT_TRUE(reg.ok()) << reg.status();
+  }
   ModelSpec other = Spec("int2");
   other.sink_tokens += kPage;
   auto conflict = c2->RegisterModel(other);
