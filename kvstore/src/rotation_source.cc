@@ -17,19 +17,6 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// `path` for messages: at most 200 bytes, bytes outside printable ASCII as '?', in quotes.
-std::string Quoted(const std::string& path) {
-  constexpr size_t kMax = 200;
-  std::string out = "'";
-  for (size_t i = 0; i < path.size() && i < kMax; ++i) {
-    const unsigned char c = static_cast<unsigned char>(path[i]);
-    out.push_back(c >= 0x20 && c <= 0x7e ? static_cast<char>(c) : '?');
-  }
-  if (path.size() > kMax) out += "...";
-  out += "'";
-  return out;
-}
-
 // realpath(3) of `path`, or errno.
 absl::StatusOr<std::string> RealPath(const std::string& path, int* err) {
   std::unique_ptr<char, decltype(&std::free)> real(::realpath(path.c_str(), nullptr), &std::free);
@@ -57,7 +44,7 @@ absl::StatusOr<std::string> ResolveRotationPath(const std::string& rotation_dir,
         "without --rotation-dir); send the file's bytes in rotation_file, or start the pool with "
         "--rotation-dir DIR and name a file under DIR");
   }
-  const std::string where = absl::StrCat("rotation_path ", Quoted(path));
+  const std::string where = absl::StrCat("rotation_path ", QuotedPath(path));
   if (path.empty()) return absl::InvalidArgumentError("rotation_path: empty");
   if (path.find('\0') != std::string::npos) {
     return absl::InvalidArgumentError(absl::StrCat(where, " contains a NUL byte"));
@@ -94,9 +81,21 @@ absl::StatusOr<std::string> ResolveRotationPath(const std::string& rotation_dir,
   return *std::move(real);
 }
 
+std::string QuotedPath(const std::string& path) {
+  constexpr size_t kMax = 200;
+  std::string out = "'";
+  for (size_t i = 0; i < path.size() && i < kMax; ++i) {
+    const unsigned char c = static_cast<unsigned char>(path[i]);
+    out.push_back(c >= 0x20 && c <= 0x7e ? static_cast<char>(c) : '?');
+  }
+  if (path.size() > kMax) out += "...";
+  out += "'";
+  return out;
+}
+
 absl::StatusOr<std::string> CanonicalRotationDir(const std::string& dir) {
   if (dir.empty()) return std::string();
-  const std::string where = absl::StrCat("rotation-dir ", Quoted(dir));
+  const std::string where = absl::StrCat("rotation-dir ", QuotedPath(dir));
   if (dir.find('\0') != std::string::npos) {
     return absl::InvalidArgumentError(absl::StrCat(where, " contains a NUL byte"));
   }

@@ -37,4 +37,8 @@ absl::StatusOr<std::string> ResolveRotationPath(const std::string& rotation_dir,
 // --rotation-dir and the reason. Thread-safe.
 absl::StatusOr<std::string> CanonicalRotationDir(const std::string& dir);
 
+// `path` as a client sent it, for messages: at most 200 bytes, bytes outside printable ASCII as
+// '?', in single quotes. Thread-safe.
+std::string QuotedPath(const std::string& path);
+
 }  // namespace kvpool::kvstore

@@ -61,20 +61,6 @@ absl::StatusOr<KeyQuery> ParseQuery(const google::protobuf::RepeatedField<uint32
   return q;
 }
 
-// `path` as the client sent it, for messages: at most 200 bytes, bytes outside printable ASCII as
-// '?', in single quotes.
-std::string QuotedPath(const std::string& path) {
-  constexpr size_t kMax = 200;
-  std::string out = "'";
-  for (size_t i = 0; i < path.size() && i < kMax; ++i) {
-    const unsigned char c = static_cast<unsigned char>(path[i]);
-    out.push_back(c >= 0x20 && c <= 0x7e ? static_cast<char>(c) : '?');
-  }
-  if (path.size() > kMax) out += "...";
-  out += "'";
-  return out;
-}
-
 // The bytes of the rotation file at `path` (RegisterModelRequest.rotation_path), read by the pool
 // for a client. Only a regular file of 1..kMaxRotationFileBytes bytes is read (a device such as
 // /dev/zero, a FIFO, a directory or /proc/self/mem is refused before any byte is read; the open
