@@ -375,7 +375,10 @@ class ClientImpl final : public Client {
   }
 
   // A NOT_FOUND for a namespace/put/lease may mean the pool restarted (it forgot everything):
-  // probe the epoch with Stats. Restart → UNAVAILABLE (and reconnect on the next call).
+  // probe the epoch with Stats. Restart → UNAVAILABLE (and reconnect on the next call). The same
+  // epoch but a namespace the pool no longer knows means the pool freed this model's registration
+  // (kvpool-server --max-registration-bytes): UNAVAILABLE too, and the next call registers the
+  // model again.
   absl::Status CheckRestart(absl::Status s, uint64_t epoch, absl::Time deadline) {
     if (!absl::IsNotFound(s)) return s;
     pb::StatsRequest req;
@@ -392,6 +395,14 @@ class ClientImpl final : public Client {
       return absl::UnavailableError(
           absl::StrCat("pool restarted (epoch ", epoch, " → ", resp.pool_epoch(),
                        "); the client reconnects on the next call: ", s.message()));
+    }
+    if (absl::StrContains(s.message(), "is not registered")) {
+      MarkStale("the pool freed this model's registration");
+      return absl::UnavailableError(
+          absl::StrCat("the pool no longer holds this model's registration (freed under "
+                       "--max-registration-bytes); the client registers it again on the next "
+                       "call: ",
+                       s.message()));
     }
     return s;
   }

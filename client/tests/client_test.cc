@@ -52,8 +52,9 @@ class ClientTest : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override { StartServer(0); }
 
-  void StartServer(int port) {
+  void StartServer(int port, uint64_t max_registration_bytes = uint64_t{1} << 30) {
     kvstore::PoolServerOptions o;
+    o.store.max_registration_bytes = max_registration_bytes;
     o.listen = absl::StrCat("127.0.0.1:", port);
     o.metrics_port = -1;
     o.capacity_bytes = 16 << 20;
@@ -496,6 +497,38 @@ TEST_P(ClientTest, PutSessionOutlivesTheDefaultTimeoutButNotThePutTimeout) {
   auto look2 = short_lived->Lookup(s2.tokens, roomy());
   ASSERT_TRUE(look2.ok()) << look2.status();
   EXPECT_EQ(look2->num_blocks, 0u);
+}
+
+// The pool frees a registration without blocks or puts when a new one needs the room
+// (--max-registration-bytes): the client says so (UNAVAILABLE) and registers again on its next
+// call, as after a pool restart, instead of failing every later call with NOT_FOUND.
+TEST_P(ClientTest, AFreedRegistrationIsRegisteredAgain) {
+  const ModelSpec spec = Spec("int2");
+  server_->Shutdown(absl::ZeroDuration());
+  server_.reset();
+  // Room for one registration: the next one frees the other (neither holds blocks).
+  StartServer(0, spec.rotation_file.size() + kvstore::kRegistrationOverheadBytes + 256);
+  auto c = NewClient();
+  ASSERT_NE(c, nullptr);
+  {
+    auto reg = c->RegisterModel(spec);
+    ASSERT_TRUE(reg.ok()) << reg.status();
+  }
+  auto other = NewClient();
+  ASSERT_NE(other, nullptr);
+  {
+    auto reg = other->RegisterModel(Spec("int2", "-other"));
+    ASSERT_TRUE(reg.ok()) << reg.status();
+  }
+  Sequence s = MakeSequence(2 * kPage, 31);
+  auto freed = c->Lookup(s.tokens);
+  EXPECT_EQ(freed.status().code(), absl::StatusCode::kUnavailable) << freed.status();
+  EXPECT_THAT(freed.status().message(), HasSubstr("registration"));
+  // The next call registers the model again (freeing the other one, which holds nothing).
+  ASSERT_TRUE(c->Put(s.tokens, s.ks(), s.vs()).ok());
+  auto look = c->Lookup(s.tokens);
+  ASSERT_TRUE(look.ok()) << look.status();
+  EXPECT_EQ(look->num_blocks, 2u);
 }
 
 TEST_P(ClientTest, LeaseExpiryFailsClosedAndFetchPlanIsValidated) {
