@@ -11,6 +11,7 @@
 #include <memory>
 
 #include "absl/strings/str_cat.h"
+#include "kvpool/common/log.h"
 
 namespace kvpool::kvstore {
 namespace {
@@ -112,6 +113,12 @@ absl::StatusOr<std::string> CanonicalRotationDir(const std::string& dir) {
   }
   if (!S_ISDIR(st.st_mode)) {
     return absl::InvalidArgumentError(absl::StrCat(where, " is not a directory"));
+  }
+  if (*real == "/") {
+    KVPOOL_LOG_WARN(
+        "--rotation-dir is '/': any client may make the pool read any file it can read (a "
+        "non-rotation file is refused, but its existence shows); name a directory that holds "
+        "only rotation files (docs/OPERATIONS.md \"Trust model\")");
   }
   return real;
 }

@@ -368,8 +368,9 @@ class KvPoolService final : public pb::KvPool::Service {
           " (chunked form checksums, protocol v1.3, docs/BLOCK_FORMAT.md \"Checksums\"); the "
           "client sent ",
           req.checksum_scheme(),
-          req.checksum_scheme() == 0 ? " (a client from before v1.4, which hashes whole forms)"
-                                     : "",
+          req.checksum_scheme() == 0
+              ? " (unset: a client from before v1.4; those before v1.3 hash whole forms)"
+              : "",
           ": deploy clients and pool of the same version"));
     }
     if (req.geometry().dtype() != pb::KV_DTYPE_BF16) {

@@ -311,10 +311,17 @@ absl::StatusOr<ModelInfo> BlockStore::RegisterModel(const ModelSpec& spec_in,
   const uint64_t model_bytes = kRegistrationOverheadBytes + identity.size();
   const uint64_t rotation_charge =
       rotation_bytes_.count(rot_id) != 0 ? 0 : static_cast<uint64_t>(rotation.file_bytes.size());
+  const std::string charged_field =
+      rotation.file_bytes.empty() ? std::string("rotation_id") : rotation.field;
+  if (model_bytes + rotation_charge > options_.max_registration_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        charged_field, ": registering this model needs ", model_bytes + rotation_charge,
+        " bytes of registration memory, more than the whole ", options_.max_registration_bytes,
+        " bytes --max-registration-bytes allows (raise it, or use a smaller rotation file)"));
+  }
   if (!MakeRoomForRegistrationLocked(model_bytes + rotation_charge, rot_id)) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        rotation.file_bytes.empty() ? std::string("rotation_id") : rotation.field,
-        ": registering this model needs ", model_bytes + rotation_charge,
+        charged_field, ": registering this model needs ", model_bytes + rotation_charge,
         " bytes of registration memory; registrations hold ", registration_bytes_, " of the ",
         options_.max_registration_bytes,
         " bytes --max-registration-bytes allows and every other registered model holds stored "

@@ -174,6 +174,15 @@ TEST_F(StoreTest, RegistrationsAreBoundedAndFreedLeastRecentlyUsed) {
     EXPECT_LE(st.models, 3u) << i;
   }
   EXPECT_EQ(store_->metrics().registrations_freed.load(), 18u);
+  // A rotation file larger than the whole limit is refused as such, freeing nothing.
+  ModelSpec huge = spec_n(100);
+  std::string huge_file = RotationFileFor(huge);
+  huge_file.resize(o.max_registration_bytes + 1, ' ');
+  auto too_big = store_->RegisterModel(huge, {.file_bytes = huge_file});
+  EXPECT_EQ(too_big.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(too_big.status().message().find("more than the whole"), std::string::npos)
+      << too_big.status();
+  EXPECT_EQ(store_->metrics().registrations_freed.load(), 18u);
   EXPECT_EQ(store_->Stats().models, 3u);
   // The model with blocks stayed; a freed one reads as not registered; the newest are there.
   EXPECT_EQ(Forms(1, 4).size(), 4u);
