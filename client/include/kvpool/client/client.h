@@ -362,12 +362,13 @@ class Client {
   virtual ~Client() = default;
 
   // Registers (or re-attaches to) the model; the client remembers it and re-registers after a
-  // pool restart. Connects the data plane to the pool's worker. Errors: FAILED_PRECONDITION
-  // (differing registration; the message lists the fields; or, marked RefusedByClient, a pool
-  // this client cannot use: no UCX data plane), INVALID_ARGUMENT (spec fields), UNAVAILABLE
-  // (pool unreachable; when the UCX workers share no transport — this call or a later
-  // put/fetch the pool serves by connecting back — the message says to check --ucx-tls /
-  // UCX_TLS on both).
+  // pool restart, or after the pool freed the registration (--max-registration-bytes: that call
+  // fails with UNAVAILABLE, the next one registers again). Connects the data plane to the pool's
+  // worker. Errors: FAILED_PRECONDITION (differing registration; the message lists the fields; or,
+  // marked RefusedByClient, a pool this client cannot use: no UCX data plane), INVALID_ARGUMENT
+  // (spec fields), UNAVAILABLE (pool unreachable; when the UCX workers share no transport — this
+  // call or a later put/fetch the pool serves by connecting back — the message says to check
+  // --ucx-tls / UCX_TLS on both).
   virtual absl::StatusOr<ModelInfo> RegisterModel(const ModelSpec& spec,
                                                   const CallOptions& call = {}) = 0;
   // The current registration (after RegisterModel). FAILED_PRECONDITION before.
