@@ -287,8 +287,7 @@ absl::StatusOr<DecodeReport> DecodeNode::Run(absl::Span<const int> prompt, int m
             plan.int2_pages.push_back(i);
           }
           plan.max_blocks = static_cast<uint32_t>(use);
-          client::CallOptions call;
-          call.deadline = absl::Now() + absl::Seconds(5);
+          client::CallOptions call;  // the client's default timeout (--call-timeout-ms)
           if (options_.fault == Fault::kKillPoolMidFetch && !fault_fired_) {
             fault_fired_ = true;
             client::FetchPlan first = plan;
