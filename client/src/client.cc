@@ -201,16 +201,24 @@ bool PackRowsCheckFinite(const BlockGeometry& g, uint32_t block, uint32_t r0, ui
 
 std::string HexPrefix(const Digest& d) { return ToHex(d).substr(0, 12); }
 
-// Copies `size` bytes from `src` to `dst` and returns the form checksum of `dst`
-// (docs/BLOCK_FORMAT.md "Checksums"), hashing each 16 KiB chunk right after it is copied, while
-// it is in the L1 cache (one pass over memory, not two).
-uint64_t CopyAndHash(uint8_t* dst, const uint8_t* src, size_t size) {
-  FormChecksumBuilder h(size);
-  for (size_t off = 0; off < size; off += kChecksumChunkBytes) {
-    const size_t n = std::min(kChecksumChunkBytes, size - off);
+// Copies bytes [begin, end) of a form from `src` to `dst` (both the form's first byte) and adds
+// each 16 KiB chunk to `h` right after it is copied, while it is in the L1 cache (one pass over
+// memory, not two). `begin` is a multiple of kChecksumChunkBytes and `end` one too or the form's
+// end, so every piece is a whole chunk: any thread may call this for its own range.
+void CopyAndHashRange(FormChecksumBuilder& h, uint8_t* dst, const uint8_t* src, uint64_t begin,
+                      uint64_t end) {
+  for (uint64_t off = begin; off < end; off += kChecksumChunkBytes) {
+    const uint64_t n = std::min<uint64_t>(kChecksumChunkBytes, end - off);
     std::memcpy(dst + off, src + off, n);
     h.Add(off, dst + off, n);
   }
+}
+
+// Copies `size` bytes from `src` to `dst` and returns the form checksum of `dst`
+// (docs/BLOCK_FORMAT.md "Checksums").
+uint64_t CopyAndHash(uint8_t* dst, const uint8_t* src, size_t size) {
+  FormChecksumBuilder h(size);
+  CopyAndHashRange(h, dst, src, 0, size);
   return h.Finish();
 }
 
@@ -1065,11 +1073,8 @@ class ClientImpl final : public Client {
       builders.push_back(std::make_unique<FormChecksumBuilder>(items[j].loc->size));
     pool.Run(pieces.size(), [&](size_t p) {
       const Piece& c = pieces[p];
-      for (uint64_t off = c.offset; off < c.offset + c.size; off += kChecksumChunkBytes) {
-        const uint64_t len = std::min<uint64_t>(kChecksumChunkBytes, c.offset + c.size - off);
-        std::memcpy(dests[c.item] + off, sources[c.item] + off, len);
-        builders[c.item]->Add(off, dests[c.item] + off, len);  // a whole chunk: any thread
-      }
+      CopyAndHashRange(*builders[c.item], dests[c.item], sources[c.item], c.offset,
+                       c.offset + c.size);
     });
     for (size_t j = 0; j < n; ++j) (*sums)[j] = builders[j]->Finish();
   }
