@@ -34,6 +34,10 @@
 #include "kvpool/kernels/cuda/fill.h"
 #include "kvpool/kernels/cuda/paged_decode.h"
 
+// Defined only by instrumented builds of paged_decode.cu (KVPOOL_DECODE_TIMELINE): writes the
+// per-CTA timestamps of the last launch to $KVPOOL_DECODE_TIMELINE.
+extern "C" __attribute__((weak)) void KvpoolDecodeTimelineDump(const char* tag);
+
 namespace {
 
 using kvpool::BlockGeometry;
@@ -177,6 +181,15 @@ DecodeRun RunDecode(const Shape& s, bool int2, Timer& timer, bool graph, uint64_
   auto poison = [&] { Check(cudaMemsetAsync(out.p, 0xff, out.n, st), "poison"); };
   auto launch = [&] { Check(kc::LaunchPagedDecode(p, st), "LaunchPagedDecode"); };
   r.ms = timer.Median(poison, launch);
+  // Builds of the launcher instrumented with per-CTA timestamps (-DKVPOOL_DECODE_TIMELINE)
+  // define this hook; it writes the last timed launch's stamps (docs/KERNELS.md, device profile).
+  if (KvpoolDecodeTimelineDump != nullptr) {
+    const std::string tag = std::string(int2 ? "int2" : "bf16") + " B=" + std::to_string(s.batch) +
+                            " ctx=" + std::to_string(s.ctx) + " " + std::to_string(s.hq) + "/" +
+                            std::to_string(s.hkv) + " page=" + std::to_string(s.page) +
+                            " ms=" + std::to_string(r.ms);
+    KvpoolDecodeTimelineDump(tag.c_str());
+  }
   std::vector<uint16_t> host(out.n / 2);
   Check(cudaMemcpy(host.data(), out.p, out.n, cudaMemcpyDeviceToHost), "download");
   for (uint16_t v : host) r.bad_outputs += ((v & 0x7f80) == 0x7f80);  // poison / NaN / inf

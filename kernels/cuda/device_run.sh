@@ -17,8 +17,12 @@
 #            ROUNDS (default 2) alternating rounds of this build and each binary of AB_BENCHES
 #            (other builds' cuda_decode_bench) at B 32 x 32K and 8 x 128K, INT2 launch only
 #            (--skip-bf16 where the binary has it); each VAR=value of AB_ENVS adds this build under
-#            that setting to every round (an A/B switch of the launcher); AB_BATCHES (default 32)
+#            that setting to every round (an A/B switch of the launcher; VAR=a,VAR2=b sets both);
+#            AB_BATCHES (default 32)
 #            sets the batches of the 32K rounds, e.g. AB_BATCHES=1,32 adds B 1 x 32K to them
+#            NO_PAIR=1 skips the SDPA/BF16 pass; TIMELINE_BENCH (a -DKVPOOL_DECODE_TIMELINE build of
+#            cuda_decode_bench) writes per-CTA timestamps of one launch per headline shape to
+#            $OUT/timeline.txt first
 #     full:  every shape of PERF.md (long)
 # TEST_FILTER (gtest filter) and SKIP_TESTS=1 control the tests; TEST_BINS="a b" also runs other
 # builds' cuda_kernels_test, concurrently, before any timing (logs test_log_<binary>.txt)
@@ -118,12 +122,22 @@ case "$MODE" in
     fi
     ;;
   ab)  # this build vs other builds, alternating, same data seeds
-    run_pair quick --batches 1,32 --contexts 32768 --gqa 32:8 --page-sizes 16 --iters 30
-    run_pair b8 --batches 8 --contexts 131072 --gqa 32:8 --page-sizes 16 --iters 30
+    if [ "${NO_PAIR:-0}" != 1 ]; then
+      run_pair quick --batches 1,32 --contexts 32768 --gqa 32:8 --page-sizes 16 --iters 30
+      run_pair b8 --batches 8 --contexts 131072 --gqa 32:8 --page-sizes 16 --iters 30
+    fi
+    if [ -n "${TIMELINE_BENCH:-}" ]; then  # a -DKVPOOL_DECODE_TIMELINE build: per-CTA stamps
+      echo "== timeline $TIMELINE_BENCH" | tee -a "$LOG"
+      for tb in "32 32768" "8 131072"; do
+        set -- $tb
+        KVPOOL_DECODE_TIMELINE="$OUT/timeline.txt" "$TIMELINE_BENCH" --skip-bf16 --batches "$1" \
+          --contexts "$2" --gqa 32:8 --page-sizes 16 --iters 5 --warmup 2 2>&1 | grep -E "^int2" | tee -a "$LOG"
+      done
+    fi
     for r in $(seq "${ROUNDS:-2}"); do
       for ab in "$B" ${AB_BENCHES:-} ${AB_ENVS:-}; do
         e=""
-        case "$ab" in *=*) e=$ab ab=$B ;; esac  # VAR=value: this build under that setting
+        case "$ab" in *=*) e=${ab//,/ } ab=$B ;; esac  # VAR=value[,VAR=value]: this build so set
         [ -x "$ab" ] || continue
         sk=""
         "$ab" --help 2>/dev/null | grep -q -- --skip-bf16 && sk=--skip-bf16

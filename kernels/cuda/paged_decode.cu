@@ -24,8 +24,10 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <vector>
 
 #include "device_utils.cuh"
 #include "kvpool/kernels/block_format.h"
@@ -125,6 +127,33 @@ __device__ __forceinline__ void PdlLaunchDependents() {
 }
 __device__ __forceinline__ void PdlWait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
 
+// Timeline instrumentation (only in builds compiled with -DKVPOOL_DECODE_TIMELINE, for the
+// device profile; the shipped kernels contain none of it): thread 0 of every CTA stamps
+// %globaltimer at entry (field 0), after its PDL wait (1) and at its end (2), plus its SM id (3),
+// into g_tl[kernel][cta][4] (kernel 0 QRotate, 1 INT2, 2 BF16, 3 merge). The last launch's
+// stamps are written out by KvpoolDecodeTimelineDump (host side, below).
+#ifdef KVPOOL_DECODE_TIMELINE
+constexpr int kTlMaxCtas = 16384;
+__device__ unsigned long long* g_tl = nullptr;
+__device__ __forceinline__ void TlMark(int kernel, int field) {
+  if (threadIdx.x != 0 || g_tl == nullptr) return;
+  const unsigned cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+  if (cta >= unsigned(kTlMaxCtas)) return;
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  unsigned long long* r = g_tl + (size_t(kernel) * kTlMaxCtas + cta) * 4;
+  r[field] = t;
+  if (field == 0) {
+    unsigned sm;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    r[3] = sm;
+  }
+}
+#define KVPOOL_TL(kernel, field) TlMark(kernel, field)
+#else
+#define KVPOOL_TL(kernel, field) ((void)0)
+#endif
+
 // ---------------------------------------------------------------------------------------------
 // BF16 kernel (sink and recent segments; also the BF16 baseline). One CTA = (split of the sink or
 // recent segment, KV head, head chunk, request), 4 warps (with fold_sink, the first recent split
@@ -164,6 +193,7 @@ __global__ void __launch_bounds__(kThreads, (D == 128 && NT == 1) ? 4 : 1)
   constexpr int kMt = D / 16;
   constexpr int kSub = 1;  // 16-token units per warp step
   extern __shared__ __align__(128) uint8_t smem[];
+  KVPOOL_TL(2, 0);
 
   // Warp index through a shuffle from lane 0, so the compiler treats it as warp-uniform.
   const int warp = __shfl_sync(0xffffffffu, int(threadIdx.x >> 5), 0), lane = threadIdx.x & 31;
@@ -218,6 +248,7 @@ __global__ void __launch_bounds__(kThreads, (D == 128 && NT == 1) ? 4 : 1)
 
   if (a.pdl_wait_first) PdlWait();  // q̃ of QRotateKernel
   PdlLaunchDependents();
+  KVPOOL_TL(2, 1);
   // ---- q fragments (B operand of S = K·q̃ᵀ) ----
   uint32_t qb[kSteps][NT][2];
   // q̃ = hi + lo, both bf16 (two MMAs), so q̃ keeps ~16 significant bits.
@@ -464,6 +495,7 @@ __global__ void __launch_bounds__(kThreads, (D == 128 && NT == 1) ? 4 : 1)
   }
   // Behind the INT2 kernel: the merge kernel waits for this grid only, make its completion imply
   // the INT2 grid's.
+  KVPOOL_TL(2, 2);
   if (!a.pdl_wait_first) PdlWait();
 }
 
@@ -560,6 +592,7 @@ __global__ void __launch_bounds__(kThreads, (D <= 128 ? (KT == 1 ? 5 : 4) : 2))
   __shared__ __align__(4) int8_t q_b[kHeads][2][D];
   __shared__ float q_inv_s[kHeads];
   __shared__ float q_sum[kHeads][kNG];  // Σ v over the group, times 1/S
+  KVPOOL_TL(1, 0);
 
   // The warp index through a shuffle from lane 0: the compiler then treats it (and the split
   // bounds derived from it) as warp-uniform.
@@ -676,6 +709,7 @@ __global__ void __launch_bounds__(kThreads, (D <= 128 ? (KT == 1 ? 5 : 4) : 2))
   // ---- q̃ (written by QRotateKernel) → 16-bit integers per head, in shared memory ----
   if (a.pdl_wait_first) PdlWait();
   PdlLaunchDependents();
+  KVPOOL_TL(1, 1);
   for (int h = warp; h < kHeads; h += kWarps) {
     const bool real = h < nh;
     const float* qh = a.q_rot + (size_t(b) * a.num_q_heads + h_first + h) * D;
@@ -1047,6 +1081,7 @@ __global__ void __launch_bounds__(kThreads, (D <= 128 ? (KT == 1 ? 5 : 4) : 2))
     const size_t row = (size_t(b) * a.num_q_heads + h_first + h) * a.s_total + split;
     a.part_o[row * D + dim] = o;
   }
+  KVPOOL_TL(1, 2);
   // The merge kernel waits for this grid only: make its completion imply the BF16 grid's.
   PdlWait();
 }
@@ -1066,6 +1101,7 @@ __global__ void __launch_bounds__(kRotThreads)
   __shared__ __align__(16) float qs[D][16];  // [i][head]
   __shared__ float red[kParts][4][D];
   PdlLaunchDependents();
+  KVPOOL_TL(0, 0);
   const int kvh = blockIdx.x, b = blockIdx.y;
   const int j = threadIdx.x % D, part = threadIdx.x / D;
   const size_t row0 = size_t(b) * num_q_heads + size_t(kvh) * group;
@@ -1122,6 +1158,7 @@ __global__ void __launch_bounds__(kRotThreads)
     }
     __syncthreads();
   }
+  KVPOOL_TL(0, 2);
 }
 
 // out[b, i, :] = (LSE-merge over splits of part_o)·R_Vᵀ; grid (H_kv, B), 256 threads:
@@ -1137,6 +1174,7 @@ __global__ void __launch_bounds__(kMergeThreads, 2)
                 const float* __restrict__ rv, int64_t r_head_stride, int num_q_heads, int group,
                 uint16_t* __restrict__ out, float* __restrict__ lse_out) {
   __shared__ __align__(16) float os[D][16];  // merged outputs, [i][head]
+  KVPOOL_TL(3, 0);
   const int kvh = blockIdx.x, b = blockIdx.y;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   // out[h][j] = Σ_i os[h][i]·R_V[j][i] (below): warp w takes rows j ≡ w (mod 8), lanes read a row
@@ -1159,6 +1197,7 @@ __global__ void __launch_bounds__(kMergeThreads, 2)
   for (int idx = threadIdx.x; idx < 16 * D; idx += kMergeThreads) os[idx / 16][idx % 16] = 0.f;
   __syncthreads();
   PdlWait();  // partials of the decode kernels
+  KVPOOL_TL(3, 1);
   const size_t row0 = size_t(b) * num_q_heads + size_t(kvh) * group;
   // kFew (at most 32 partials per row; B = 32 × 32K: 6, B = 8 × 128K: 11): a warp loads its
   // first kSc partial outputs together with the LSEs (v12 loaded them after the LSE max, a second
@@ -1238,33 +1277,48 @@ __global__ void __launch_bounds__(kMergeThreads, 2)
     }
     return;
   }
-  // A butterfly sums each (row, head).
+  // Rows are taken in pairs: a lane's 8 products (2 rows × 4 heads) are reduced over the warp by
+  // halving exchanges (offset 16: 8 → 4 values per lane, 8: 4 → 2, 4: 2 → 1, then a butterfly
+  // over offsets 2 and 1), 9 shuffles per pair where a butterfly per (row, head) took 40 (v17;
+  // the merge's shuffles were ~2.6 µs of SM time per launch at B = 32, 8 KV heads). Lane l ends
+  // with value 4·bit4(l) + 2·bit3(l) + bit2(l), i.e. row k + bit4, head h0 + 2·bit3 + bit2.
+  static_assert(kBatch % 2 == 0, "rows are reduced in pairs");
+  const bool b4 = lane & 16, b3 = lane & 8, b2 = lane & 4;
 #pragma unroll 1
   for (int rb = 0; rb < kRows; rb += kBatch) {
     if (rb > 0) load_batch(rb);
     for (int h0 = 0; h0 < group; h0 += 4) {
 #pragma unroll
-      for (int k = 0; k < kBatch; ++k) {
-        const int j = warp + 8 * (rb + k);
-        float x[4];
+      for (int k = 0; k < kBatch; k += 2) {
+        float v[8];
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          x[e] = 0.f;
+        for (int e = 0; e < 8; ++e) {
+          v[e] = 0.f;
 #pragma unroll
-          for (int i = 0; i < D / 32; ++i) x[e] = fmaf(os[lane + 32 * i][h0 + e], rr[k][i], x[e]);
+          for (int i = 0; i < D / 32; ++i)
+            v[e] = fmaf(os[lane + 32 * i][h0 + (e & 3)], rr[k + (e >> 2)][i], v[e]);
         }
+        float v4[4], v2[2];
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1)
+        for (int q = 0; q < 4; ++q)
+          v4[q] = (b4 ? v[4 + q] : v[q]) + __shfl_xor_sync(0xffffffffu, b4 ? v[q] : v[4 + q], 16);
 #pragma unroll
-          for (int e = 0; e < 4; ++e) x[e] += __shfl_xor_sync(0xffffffffu, x[e], o);
-        if (lane < 4 && h0 + lane < group) {
-          const float v = lane == 0 ? x[0] : lane == 1 ? x[1] : lane == 2 ? x[2] : x[3];
-          const __nv_bfloat16 bv = __float2bfloat16_rn(v);
-          out[(row0 + h0 + lane) * D + j] = *reinterpret_cast<const uint16_t*>(&bv);
+        for (int q = 0; q < 2; ++q)
+          v2[q] =
+              (b3 ? v4[2 + q] : v4[q]) + __shfl_xor_sync(0xffffffffu, b3 ? v4[q] : v4[2 + q], 8);
+        float x = (b2 ? v2[1] : v2[0]) + __shfl_xor_sync(0xffffffffu, b2 ? v2[0] : v2[1], 4);
+        x += __shfl_xor_sync(0xffffffffu, x, 2);
+        x += __shfl_xor_sync(0xffffffffu, x, 1);
+        const int h = h0 + 2 * b3 + b2;
+        if ((lane & 3) == 0 && h < group) {
+          const int j = warp + 8 * (rb + k + b4);
+          const __nv_bfloat16 bv = __float2bfloat16_rn(x);
+          out[(row0 + h) * D + j] = *reinterpret_cast<const uint16_t*>(&bv);
         }
       }
     }
   }
+  KVPOOL_TL(3, 2);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1373,6 +1427,45 @@ double SplitFixedUnits() {
   static const double v = [] {
     const char* e = std::getenv("KVPOOL_DECODE_SPLIT_FIXED");
     return e == nullptr ? 16.0 : std::atof(e);
+  }();
+  return v;
+}
+
+// Multiprocessors of the current device, queried once per process (132 on the H200).
+int NumSms() {
+  static const int n = [] {
+    int dev = 0, sms = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
+      cudaGetLastError();
+      sms = 132;
+    }
+    return sms;
+  }();
+  return n;
+}
+
+// QRotateKernel with the maximum shared-memory carveout when its grid (batch × KV heads CTAs)
+// exceeds the SM count (v17 default), like the decode kernels: an SM that runs rotation CTAs then
+// keeps the configuration INT2 CTAs need and takes one beside them while q is rotated (one
+// launch's timeline at B = 32 × 32K: no INT2 CTA started before the rotation grid had drained,
+// 4.1 µs). Smaller grids leave SMs free for the INT2 CTAs anyway (B = 8 × 128K: the first INT2
+// CTA started 0.06 µs after the rotation), and B = 1 measured ~1 µs slower with the carveout.
+// KVPOOL_DECODE_QROT_CARVEOUT=0 leaves the driver's choice (A/B). Read once per process.
+bool QRotCarveout() {
+  static const bool on = [] {
+    const char* e = std::getenv("KVPOOL_DECODE_QROT_CARVEOUT");
+    return e == nullptr || std::string(e) != "0";
+  }();
+  return on;
+}
+
+// History splits forced by KVPOOL_DECODE_HIST_SPLITS (> 0; A/B measurements of the split planner
+// only, never needed for correctness: any split count is valid). Read once per process.
+int HistSplitsOverride() {
+  static const int v = [] {
+    const char* e = std::getenv("KVPOOL_DECODE_HIST_SPLITS");
+    return e == nullptr ? 0 : std::atoi(e);
   }();
   return v;
 }
@@ -1509,6 +1602,12 @@ KernelStatus MakePlan(const PagedDecodeParams& p, Plan* plan) {
   // Sink and recent share one launch: plan them as one segment's worth of slots.
   plan->sink = PlanSegment(p.sink, p.page_size, base, slots_bf);
   plan->history = PlanSegment(p.history, p.page_size, base_i2, slots_i2);
+  if (HistSplitsOverride() > 0 && plan->history.splits > 0) {  // A/B of the split planner only
+    const int64_t want = std::min<int64_t>(HistSplitsOverride(), p.history.max_pages);
+    plan->history.pps = int32_t((p.history.max_pages + want - 1) / want);
+    plan->history.splits =
+        int32_t((p.history.max_pages + plan->history.pps - 1) / plan->history.pps);
+  }
   plan->recent = PlanSegment(p.recent, p.page_size, base, slots_bf);
   plan->fold_sink = FoldSink() && plan->sink.splits == 1 && plan->recent.splits >= 1;
   plan->sink_parts = plan->fold_sink ? 0 : plan->sink.splits;
@@ -1628,6 +1727,18 @@ KernelStatus LaunchPagedDecode(const PagedDecodeParams& p, Stream stream_handle)
   Plan plan;
   KernelStatus st = MakePlan(p, &plan);
   if (!st.ok()) return st;
+#ifdef KVPOOL_DECODE_TIMELINE
+  {  // instrumented builds only: a zeroed stamp buffer (allocated on the first call) per launch
+    static unsigned long long* buf = nullptr;
+    const size_t n = size_t(4) * detail::kTlMaxCtas * 4 * sizeof(unsigned long long);
+    if (buf == nullptr) {
+      if (cudaMalloc(&buf, n) != cudaSuccess ||
+          cudaMemcpyToSymbol(detail::g_tl, &buf, sizeof(buf)) != cudaSuccess)
+        return KernelStatus::Error(KernelError::kLaunchFailed, "timeline buffer");
+    }
+    cudaMemsetAsync(buf, 0, n, reinterpret_cast<cudaStream_t>(stream_handle));
+  }
+#endif
   if (p.workspace == nullptr || reinterpret_cast<uintptr_t>(p.workspace) % 256 != 0)
     return KernelStatus::Error(KernelError::kInvalidArgument,
                                "workspace must be non-null and 256-byte aligned");
@@ -1646,6 +1757,22 @@ KernelStatus LaunchPagedDecode(const PagedDecodeParams& p, Stream stream_handle)
   const int64_t rstride = p.rotation_per_head ? int64_t(d) * d : 0;
   const dim3 hb(p.num_kv_heads, p.batch);
   const float qscale = p.sm_scale * kLog2e;
+  {
+    // The rotation grid gets the maximum shared-memory carveout when it holds more CTAs than
+    // there are SMs (QRotCarveout); the attribute is host-side state, set only when it changes.
+    static std::atomic<int> state[3] = {};  // 0 unset, 1 maximum, 2 driver default
+    const int want = QRotCarveout() && int64_t(p.num_kv_heads) * p.batch > NumSms() ? 1 : 2;
+    std::atomic<int>& cur = state[d == 64 ? 0 : (d == 128 ? 1 : 2)];
+    if (cur.load(std::memory_order_relaxed) != want) {
+      const int v = want == 1 ? int(cudaSharedmemCarveoutMaxShared) : -1;  // -1: no preference
+      const cudaFuncAttribute at = cudaFuncAttributePreferredSharedMemoryCarveout;
+      const cudaError_t e = d == 64    ? cudaFuncSetAttribute(QRotateKernel<64>, at, v)
+                            : d == 128 ? cudaFuncSetAttribute(QRotateKernel<128>, at, v)
+                                       : cudaFuncSetAttribute(QRotateKernel<256>, at, v);
+      if (e != cudaSuccess) return LaunchError("cudaFuncSetAttribute(QRotateKernel)");
+      cur.store(want, std::memory_order_relaxed);
+    }
+  }
   if (d == 64)
     QRotateKernel<64><<<hb, kRotThreads, 0, stream>>>(p.q, p.rotation_k, rstride, p.num_q_heads,
                                                       group, qscale, q_rot);
@@ -1730,3 +1857,35 @@ KernelStatus LaunchPagedDecode(const PagedDecodeParams& p, Stream stream_handle)
 }
 
 }  // namespace kvpool::cuda
+
+#ifdef KVPOOL_DECODE_TIMELINE
+// Appends the stamps of the last launch to the file named by $KVPOOL_DECODE_TIMELINE (one line
+// per CTA: kernel, cta, sm, entry, after-wait, end in ns from the first QRotate entry; 0 = not
+// stamped), under a "# tag" line. Synchronizes the device. Instrumented builds only.
+extern "C" void KvpoolDecodeTimelineDump(const char* tag) {
+  using namespace kvpool::cuda::detail;
+  const char* path = std::getenv("KVPOOL_DECODE_TIMELINE");
+  if (path == nullptr) return;
+  unsigned long long* dev = nullptr;
+  if (cudaDeviceSynchronize() != cudaSuccess ||
+      cudaMemcpyFromSymbol(&dev, g_tl, sizeof(dev)) != cudaSuccess || dev == nullptr)
+    return;
+  std::vector<unsigned long long> h(size_t(4) * kTlMaxCtas * 4);
+  if (cudaMemcpy(h.data(), dev, h.size() * sizeof(h[0]), cudaMemcpyDeviceToHost) != cudaSuccess)
+    return;
+  unsigned long long t_min = ~0ull;
+  for (size_t i = 0; i < h.size(); i += 4)
+    if (h[i] != 0) t_min = std::min(t_min, h[i]);
+  FILE* f = std::fopen(path, "a");
+  if (f == nullptr) return;
+  std::fprintf(f, "# %s\n", tag);
+  for (int k = 0; k < 4; ++k)
+    for (int c = 0; c < kTlMaxCtas; ++c) {
+      const unsigned long long* r = &h[(size_t(k) * kTlMaxCtas + c) * 4];
+      if (r[0] == 0) continue;
+      auto rel = [&](unsigned long long t) { return t == 0 ? -1.0 : double(t - t_min); };
+      std::fprintf(f, "%d %d %llu %.0f %.0f %.0f\n", k, c, r[3], rel(r[0]), rel(r[1]), rel(r[2]));
+    }
+  std::fclose(f);
+}
+#endif
