@@ -42,8 +42,12 @@ int DefaultCopyThreads() {
   return static_cast<int>(std::clamp<unsigned>(hw / 2, 1, 8));
 }
 
-CopyPool::CopyPool(int threads, std::chrono::microseconds spin) : spin_(spin) {
-  for (int i = 1; i < threads; ++i) workers_.emplace_back([this] { WorkerLoop(); });
+CopyPool::CopyPool(int threads, std::chrono::microseconds spin)
+    : spin_(spin), slots_(std::make_unique<Slot[]>(kSlots)) {
+  const int participants = std::max(threads, 1);
+  for (int i = 1; i < participants; ++i) {
+    workers_.emplace_back([this, i, participants] { WorkerLoop(i, participants); });
+  }
 }
 
 CopyPool::~CopyPool() {
@@ -52,19 +56,20 @@ CopyPool::~CopyPool() {
   for (auto& t : workers_) t.join();
 }
 
-bool CopyPool::Claim(uint64_t job, size_t* index) {
-  uint64_t c = claim_.load(std::memory_order_acquire);
-  for (;;) {
-    if ((c & ~kIndexMask) != job) return false;  // another job (or none)
-    const uint64_t i = c & kIndexMask;
-    const uint64_t n = (c >> kIndexBits) & kIndexMask;
-    if (i >= n) return false;
-    if (claim_.compare_exchange_weak(c, c + 1, std::memory_order_acq_rel,
-                                     std::memory_order_acquire)) {
-      *index = static_cast<size_t>(i);
-      return true;
-    }
+bool CopyPool::TryRunSlot(uint64_t run, size_t s) {
+  Slot& slot = slots_[s];
+  uint64_t c = slot.claimed.load(std::memory_order_relaxed);
+  if (c >= run || !slot.claimed.compare_exchange_strong(c, run, std::memory_order_acq_rel,
+                                                        std::memory_order_relaxed)) {
+    return false;
   }
+  // Claimed in run `run`, which is therefore the current one (copy_pool.h): work_, n_ and
+  // group_ are its, published before job_ (release) and seen through the caller's acquire of
+  // job_.
+  const size_t end = std::min(n_, (s + 1) * group_);
+  for (size_t i = s * group_; i < end; ++i) (*work_)(i);
+  slot.done.store(run, std::memory_order_release);
+  return true;
 }
 
 void CopyPool::Publish() {
@@ -75,7 +80,7 @@ void CopyPool::Publish() {
   }
 }
 
-void CopyPool::WorkerLoop() {
+void CopyPool::WorkerLoop(int id, int participants) {
   // generation_ is 0 when the pool is constructed: a worker that starts late still sees every
   // job published (or the stop) since then.
   uint32_t seen = 0;
@@ -100,14 +105,12 @@ void CopyPool::WorkerLoop() {
     }
     seen = g;
     if (stop_.load(std::memory_order_acquire)) return;
-    const uint64_t c = claim_.load(std::memory_order_acquire);
-    const uint64_t job = c & ~kIndexMask;
-    size_t i;
-    while (Claim(job, &i)) {
-      // The claim keeps the job alive: its Run waits for done_[i].
-      (*work_)(i);
-      done_[i].store(1, std::memory_order_release);
-    }
+    const uint64_t job = job_.load(std::memory_order_acquire);
+    const uint64_t run = job >> kSlotBits;
+    const size_t num_slots = job & ((uint64_t{1} << kSlotBits) - 1);
+    // Own slots first, then whatever is left.
+    for (size_t s = id; s < num_slots; s += size_t(participants)) TryRunSlot(run, s);
+    for (size_t s = 0; s < num_slots; ++s) TryRunSlot(run, s);
   }
 }
 
@@ -121,7 +124,7 @@ void CopyPool::Run(size_t n, absl::FunctionRef<void(size_t)> work) { RunImpl(n, 
 void CopyPool::RunImpl(size_t n, absl::FunctionRef<void(size_t)> work,
                        const absl::FunctionRef<void(size_t)>* ordered) {
   std::unique_lock<std::mutex> lock(run_mu_, std::defer_lock);
-  const bool parallel = n > 1 && n <= kMaxParallel && !workers_.empty();
+  const bool parallel = n > 1 && !workers_.empty();
   if (parallel && !lock.try_lock()) busy_fallbacks_.fetch_add(1, std::memory_order_relaxed);
   if (!lock.owns_lock()) {
     for (size_t i = 0; i < n; ++i) {
@@ -131,32 +134,35 @@ void CopyPool::RunImpl(size_t n, absl::FunctionRef<void(size_t)> work,
     return;
   }
   parallel_runs_.fetch_add(1, std::memory_order_relaxed);
-  if (done_capacity_ < n) {
-    // No worker can be touching done_: every index of the previous job was done before its
-    // Run returned, and a worker touches done_ only for an index it claimed.
-    done_capacity_ = std::max<size_t>(n, 64);
-    done_ = std::make_unique<std::atomic<uint8_t>[]>(done_capacity_);
-  }
-  for (size_t i = 0; i < n; ++i) done_[i].store(0, std::memory_order_relaxed);
+  // No worker runs anything of the previous job any more (every slot of it was done before its
+  // Run returned), so these may change.
+  group_ = (n + kSlots - 1) / kSlots;
+  const size_t num_slots = (n + group_ - 1) / group_;
+  n_ = n;
   work_ = &work;
-  job_id_ = static_cast<uint16_t>(job_id_ + 1);
-  const uint64_t job = (uint64_t{job_id_} << (2 * kIndexBits)) | (uint64_t{n} << kIndexBits);
-  claim_.store(job, std::memory_order_release);  // publishes work_ and done_
+  const uint64_t run = ++run_;
+  job_.store(run << kSlotBits | num_slots, std::memory_order_release);
   Publish();
-  for (size_t h = 0; h < n; ++h) {
+  const size_t participants = workers_.size() + 1;
+  size_t own = 0;            // the caller's next own slot: 0, P, 2P, ...
+  size_t steal = num_slots;  // slots >= steal were tried (claimed slots stay claimed)
+  for (size_t s = 0; s < num_slots; ++s) {
     Backoff b;
-    while (done_[h].load(std::memory_order_acquire) == 0) {
-      size_t i;
-      if (Claim(job, &i)) {
-        work(i);
-        done_[i].store(1, std::memory_order_release);
-      } else {
-        b.Pause();
-      }
+    while (slots_[s].done.load(std::memory_order_acquire) != run) {
+      // Slot s itself when nobody took it yet, else one of the caller's own, else any other
+      // (from the last: the workers scan upwards), else wait.
+      if (TryRunSlot(run, s)) break;
+      bool ran = false;
+      for (; own < num_slots && !ran; own += participants) ran = TryRunSlot(run, own);
+      while (!ran && steal > s + 1) ran = TryRunSlot(run, --steal);
+      if (!ran) b.Pause();
     }
-    if (ordered != nullptr) (*ordered)(h);
+    if (ordered != nullptr) {
+      const size_t end = std::min(n, (s + 1) * group_);
+      for (size_t i = s * group_; i < end; ++i) (*ordered)(i);
+    }
   }
-  // Every index is done: no worker holds a claim on this job, so work_ may dangle now.
+  // Every slot is done: no worker runs anything of this job, so work_ may dangle now.
   work_ = nullptr;
 }
 

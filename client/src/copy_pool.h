@@ -54,36 +54,52 @@ class CopyPool {
   uint64_t busy_fallbacks() const { return busy_fallbacks_.load(std::memory_order_relaxed); }
 
  private:
-  // claim_ packs (job id: 16 bits | n: 24 bits | next index: 24 bits); a worker claims index i
-  // of job j with one CAS of the whole word, so it can never take an index of a job whose
-  // fields it has not seen (a stale word fails the CAS).
-  static constexpr int kIndexBits = 24;
-  static constexpr uint64_t kIndexMask = (uint64_t{1} << kIndexBits) - 1;
-  static constexpr size_t kMaxParallel = kIndexMask;  // larger jobs run inline
+  // A job's n indices are cut into num_slots <= kSlots slots of `group` consecutive indices
+  // (the last may be shorter). Participant p (the caller is 0, worker w is w) first takes the
+  // slots p, p + P, p + 2P, ... (P = threads()), each on its own cache line, so in the common
+  // case no two threads touch the same line while claiming; then it takes any slot still
+  // unclaimed (a worker that is late or asleep never holds the job up). A slot is claimed by a
+  // CAS of its `claimed` field from a run number below the job's to the job's run number.
+  // Before the first version claimed every index with one CAS of a shared word: with 8 threads
+  // on the H200 host a Run of 8 empty tasks took 2.8 us and of 32 tasks 7.1 us (that line
+  // bounced between all of them); docs/TRANSPORT.md "Session 6".
+  //
+  // Why a worker with a stale job word cannot run a slot of the next job: it only claims slots
+  // below the num_slots of its word, and only from claimed < its run r. A slot of run r that
+  // is still below r was not claimed in run r, so run r has not finished (Run returns only
+  // after every slot of it was claimed and done) and no later run has started: the claim is a
+  // claim in run r, whose work_/n_/group_ are still published.
+  static constexpr size_t kSlots = 256;
+  static constexpr int kSlotBits = 16;  // job_ = run << kSlotBits | num_slots
+  struct alignas(64) Slot {
+    std::atomic<uint64_t> claimed{0};  // the last run that claimed it
+    std::atomic<uint64_t> done{0};     // the last run in which its work finished
+  };
 
   void RunImpl(size_t n, absl::FunctionRef<void(size_t)> work,
                const absl::FunctionRef<void(size_t)>* ordered);
-  // Claims the next index of the job whose word is `job` (job id and n); false when none left.
-  bool Claim(uint64_t job, size_t* index);
-  void WorkerLoop();
+  // Claims slot `s` for run `run` and runs its indices; false when it was claimed already.
+  bool TryRunSlot(uint64_t run, size_t s);
+  void WorkerLoop(int id, int participants);
   // Announces a new job (or stop) to the workers: bumps generation_, wakes sleepers.
   void Publish();
 
   std::chrono::microseconds spin_;
   std::vector<std::thread> workers_;
-  std::mutex run_mu_;  // held by the Run that owns the workers
-  std::atomic<uint64_t> claim_{0};
+  std::mutex run_mu_;                    // held by the Run that owns the workers
+  std::unique_ptr<Slot[]> slots_;        // kSlots, for the lifetime of the pool
+  std::atomic<uint64_t> job_{0};         // the current (or last) job: run << kSlotBits | num_slots
   std::atomic<uint32_t> generation_{0};  // bumped per job and at stop (Publish)
   std::mutex sleep_mu_;                  // workers sleep on wake_ after spinning
   std::condition_variable wake_;
   std::atomic<int> sleepers_{0};
   std::atomic<bool> stop_{false};
-  // The current job; written by the owning Run before claim_ is published (release), read by
-  // a worker only after a successful claim (acquire), and alive until every index is done.
+  // The current job; written by the owning Run before job_ is published (release), read by a
+  // worker only after it claimed a slot of that run, and unchanged until every slot is done.
   const absl::FunctionRef<void(size_t)>* work_ = nullptr;
-  std::unique_ptr<std::atomic<uint8_t>[]> done_;
-  size_t done_capacity_ = 0;
-  uint16_t job_id_ = 0;
+  size_t n_ = 0;      // indices of the current job
+  size_t group_ = 1;  // indices per slot
+  uint64_t run_ = 0;  // run number of the current (or last) parallel Run, from 1
   std::atomic<uint64_t> parallel_runs_{0};
   std::atomic<uint64_t> busy_fallbacks_{0};
 };

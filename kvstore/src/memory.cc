@@ -7,6 +7,11 @@
 
 #include "absl/strings/str_cat.h"
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <cpuid.h>
+#include <immintrin.h>
+#endif
+
 namespace kvpool::kvstore {
 
 absl::StatusOr<std::unique_ptr<HeapPoolMemory>> HeapPoolMemory::Create(size_t size) {
@@ -30,6 +35,33 @@ class RealClock final : public Clock {
   absl::Time Now() const override { return absl::Now(); }
 };
 }  // namespace
+
+#if defined(__x86_64__) && defined(__GNUC__)
+namespace {
+// CPUID.(EAX=07H, ECX=0):ECX bit 25 = CLDEMOTE.
+bool HasCldemote() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (__get_cpuid_max(0, nullptr) < 7) return false;
+  __cpuid_count(7, 0, a, b, c, d);
+  return (c & (1u << 25)) != 0;
+}
+
+__attribute__((target("cldemote"))) void DemoteLines(const void* data, size_t size) {
+  constexpr uintptr_t kLine = 64;
+  const uintptr_t end = reinterpret_cast<uintptr_t>(data) + size;
+  for (uintptr_t p = reinterpret_cast<uintptr_t>(data) & ~(kLine - 1); p < end; p += kLine) {
+    _cldemote(reinterpret_cast<void*>(p));
+  }
+}
+}  // namespace
+
+void DemoteToSharedCache(const void* data, size_t size) {
+  static const bool supported = HasCldemote();
+  if (supported && size > 0) DemoteLines(data, size);
+}
+#else
+void DemoteToSharedCache(const void*, size_t) {}
+#endif
 
 Clock* Clock::Real() {
   static RealClock* clock = new RealClock();

@@ -55,6 +55,14 @@ class HeapPoolMemory final : public PoolMemory {
   std::string rkey_;
 };
 
+// Hints that the cache lines of [data, data + size) leave this core's private caches for the
+// shared last-level cache (x86 CLDEMOTE, when the CPU reports it; otherwise, and on other
+// architectures, nothing). Changes no byte; thread-safe. The pool calls it on the forms a commit
+// just wrote, which another process reads next (a reader's first fetch then finds them in the
+// shared cache instead of snooping this core's L2 for every line). Costs ~3-7 ns per 64-byte
+// line on the benchmark host (docs/TRANSPORT.md "Session 6").
+void DemoteToSharedCache(const void* data, size_t size);
+
 // Time source. Thread-safe.
 class Clock {
  public:
