@@ -1314,22 +1314,91 @@ TEST(ServerBinaryTest, SighupIsIgnoredAndSigtermStillDrains) {
 
 constexpr size_t kHungSourceBytes = 4 << 20;
 
-// Not a test: the body of the hung client's process. The test below re-executes this binary
-// with KVPOOL_HUNG_CLIENT=1 and this test as its filter; the process opens a UCX tcp worker with
-// a kHungSourceBytes source region, prints "worker=HEX addr=N rkey=HEX" and waits to be stopped
-// (SIGSTOP) and killed. Skipped in a normal run.
+// Not a test: the body of the hung client's process. The tests below re-execute this binary
+// with KVPOOL_HUNG_CLIENT set and this test as its filter; the process opens a UCX tcp worker
+// with a source region of KVPOOL_HUNG_CLIENT_BYTES (default kHungSourceBytes) bytes, prints
+// "worker=HEX addr=N rkey=HEX" and waits to be stopped (SIGSTOP) and killed. With
+// KVPOOL_HUNG_CLIENT=free it instead waits for a line on stdin (sent once it was resumed), then
+// frees the region at once, keeps its worker running for a second and destroys the transport,
+// as a client does that ends right after the pool gave up on its put; it prints "freed" and
+// exits 0. Skipped in a normal run.
 TEST(HungClientProcess, ServesASourceRegionUntilKilled) {
-  if (std::getenv("KVPOOL_HUNG_CLIENT") == nullptr) GTEST_SKIP() << "helper process only";
+  const char* mode = std::getenv("KVPOOL_HUNG_CLIENT");
+  if (mode == nullptr) GTEST_SKIP() << "helper process only";
+  size_t bytes = kHungSourceBytes;
+  if (const char* b = std::getenv("KVPOOL_HUNG_CLIENT_BYTES")) bytes = std::stoull(b);
   auto t = transport::CreateUcxTransport({.tls = "tcp"});
   ASSERT_TRUE(t.ok()) << t.status();
-  auto region = (*t)->AllocateMemory(kHungSourceBytes);
+  auto region = (*t)->AllocateMemory(bytes);
   ASSERT_TRUE(region.ok()) << region.status();
   std::printf("worker=%s addr=%llu rkey=%s\n",
               absl::BytesToHexString((*t)->WorkerAddress()).c_str(),
               static_cast<unsigned long long>((*region)->address()),
               absl::BytesToHexString((*region)->packed_rkey()).c_str());
   std::fflush(stdout);
-  for (;;) pause();
+  if (std::string(mode) != "free") {
+    for (;;) pause();
+  }
+  char line[64];
+  ASSERT_NE(std::fgets(line, sizeof(line), stdin), nullptr);
+  region->reset();                   // the memory the pool was reading goes back
+  absl::SleepFor(absl::Seconds(1));  // the worker keeps progressing meanwhile
+  t->reset();
+  std::printf("freed\n");
+  std::fflush(stdout);
+}
+
+// A running hung-client process (HungClientProcess above): its pid, stdout and stdin.
+struct HungClient {
+  pid_t pid = -1;
+  FILE* out = nullptr;
+  FILE* in = nullptr;
+  std::string worker, rkey;
+  unsigned long long addr = 0;
+};
+
+// Re-executes this binary as the hung client (KVPOOL_HUNG_CLIENT=`mode`, a source region of
+// `bytes`) and reads its address line; pid -1 when it did not start.
+HungClient StartHungClient(const std::string& mode, size_t bytes) {
+  HungClient c;
+  std::vector<std::string> env_strings;
+  for (char** e = environ; *e != nullptr; ++e) env_strings.emplace_back(*e);
+  env_strings.emplace_back("KVPOOL_HUNG_CLIENT=" + mode);
+  env_strings.emplace_back(absl::StrCat("KVPOOL_HUNG_CLIENT_BYTES=", bytes));
+  std::vector<char*> envp;
+  for (auto& e : env_strings) envp.push_back(e.data());
+  envp.push_back(nullptr);
+  std::string self = std::filesystem::read_symlink("/proc/self/exe").string();
+  std::string filter = "--gtest_filter=HungClientProcess.ServesASourceRegionUntilKilled";
+  char* argv[] = {self.data(), filter.data(), nullptr};
+  int out[2], in[2];
+  if (pipe(out) != 0 || pipe(in) != 0) return c;
+  const pid_t pid = fork();
+  if (pid == 0) {
+    dup2(out[1], 1);
+    dup2(in[0], 0);
+    close(out[0]);
+    close(out[1]);
+    close(in[0]);
+    close(in[1]);
+    execve(self.c_str(), argv, envp.data());
+    _exit(127);
+  }
+  close(out[1]);
+  close(in[0]);
+  c.pid = pid;
+  c.out = fdopen(out[0], "r");
+  c.in = fdopen(in[1], "w");
+  char line[8192];
+  while (std::fgets(line, sizeof(line), c.out) != nullptr) {
+    char w[4096], k[4096];
+    if (std::sscanf(line, "worker=%4095s addr=%llu rkey=%4095s", w, &c.addr, k) == 3) {
+      c.worker = absl::HexStringToBytes(w);
+      c.rkey = absl::HexStringToBytes(k);
+      break;
+    }
+  }
+  return c;
 }
 
 // Waits up to `limit` for `pid` to exit; its exit code (128 + signal when killed), or -1 when it
@@ -1371,40 +1440,13 @@ TEST(ServerBinaryTest, HungClientMidPullIsAbortedAtPutTimeoutAndSigtermDrains) {
   ASSERT_TRUE(reg.pool_initiates_transfers());
 
   // The hung client: the test binary re-executed as HungClientProcess, stopped once it is up.
-  std::vector<std::string> env_strings;
-  for (char** e = environ; *e != nullptr; ++e) env_strings.emplace_back(*e);
-  env_strings.emplace_back("KVPOOL_HUNG_CLIENT=1");
-  std::vector<char*> envp;
-  for (auto& e : env_strings) envp.push_back(e.data());
-  envp.push_back(nullptr);
-  std::string self = std::filesystem::read_symlink("/proc/self/exe").string();
-  std::string filter = "--gtest_filter=HungClientProcess.ServesASourceRegionUntilKilled";
-  char* argv[] = {self.data(), filter.data(), nullptr};
-  int fds[2];
-  ASSERT_EQ(pipe(fds), 0);
-  const pid_t client = fork();
-  if (client == 0) {
-    dup2(fds[1], 1);
-    close(fds[0]);
-    close(fds[1]);
-    execve(self.c_str(), argv, envp.data());
-    _exit(127);
-  }
-  ASSERT_GT(client, 0);
-  close(fds[1]);
-  FILE* client_out = fdopen(fds[0], "r");
-  std::string worker, rkey;
-  unsigned long long addr = 0;
-  char line[8192];
-  while (std::fgets(line, sizeof(line), client_out) != nullptr) {
-    char w[4096], k[4096];
-    if (std::sscanf(line, "worker=%4095s addr=%llu rkey=%4095s", w, &addr, k) == 3) {
-      worker = absl::HexStringToBytes(w);
-      rkey = absl::HexStringToBytes(k);
-      break;
-    }
-  }
-  ASSERT_FALSE(worker.empty()) << "the hung-client process did not start";
+  HungClient hung = StartHungClient("stop", kHungSourceBytes);
+  ASSERT_GT(hung.pid, 0);
+  ASSERT_FALSE(hung.worker.empty()) << "the hung-client process did not start";
+  const pid_t client = hung.pid;
+  const std::string& worker = hung.worker;
+  const std::string& rkey = hung.rkey;
+  const unsigned long long addr = hung.addr;
   ASSERT_EQ(kill(client, SIGSTOP), 0);
 
   // A put of 8 blocks whose WritePut names the stopped client's memory: the pool's pull hangs.
@@ -1474,8 +1516,98 @@ TEST(ServerBinaryTest, HungClientMidPullIsAbortedAtPutTimeoutAndSigtermDrains) {
 
   kill(client, SIGKILL);
   waitpid(client, nullptr, 0);
-  fclose(client_out);
+  fclose(hung.out);
+  fclose(hung.in);
 }
 
 }  // namespace
+// Last session's re-tester: a client process whose put the pool aborted (pool-initiated tcp,
+// the client SIGSTOPped past the put timeout, then resumed) crashed in UCX's tcp progress
+// (uct_tcp_ep_pending_queue_dispatch -> am_bcopy -> memcpy from unmapped memory) when it ended
+// within ~2 s: the pool's get requests it had received but not yet answered sat in its worker's
+// send queue pointing into the put's source buffer, and the client freed that buffer before its
+// worker had sent or dropped them. Now a region is freed only once the worker is quiescent (or,
+// failing that, kept until the worker is destroyed). The client's exit code is the check.
+TEST(ServerBinaryTest, ClientFreeingMemoryRightAfterAnAbortedPullDoesNotCrash) {
+  Child pool = Spawn({"--listen", "127.0.0.1:0", "--metrics-port", "-1", "--capacity", "64MiB",
+                      "--ucx-tls", "tcp", "--put-timeout-ms", "2000", "--drain-ms", "1000"});
+  int grpc_port = 0, metrics_port = 0;
+  ASSERT_TRUE(pool.ReadPorts(&grpc_port, &metrics_port));
+  auto stub = pb::KvPool::NewStub(grpc::CreateChannel(absl::StrCat("127.0.0.1:", grpc_port),
+                                                      grpc::InsecureChannelCredentials()));
+  auto ctx = [](absl::Duration d) {
+    auto c = std::make_unique<grpc::ClientContext>();
+    c->set_deadline(absl::ToChronoTime(absl::Now() + d));
+    return c;
+  };
+  // 512 KiB blocks, so that the answers to the pool's gets back up in the client's socket.
+  ModelSpec spec = testing::TinySpec();
+  spec.geometry =
+      BlockGeometry{.num_layers = 8, .num_kv_heads = 8, .head_dim = 128, .page_size = 16};
+  spec.sink_tokens = 16;
+  spec.recent_tokens = 16;
+  pb::RegisterModelResponse reg;
+  grpc::Status st = stub->RegisterModel(ctx(absl::Seconds(20)).get(), RegisterRequest(spec), &reg);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  ASSERT_TRUE(reg.pool_initiates_transfers());
+  const uint64_t bf16 = spec.geometry.Bf16FormBytes();
+  constexpr uint32_t kBlocks = 32;
+
+  HungClient hung = StartHungClient("free", kBlocks * bf16);
+  ASSERT_GT(hung.pid, 0);
+  ASSERT_FALSE(hung.worker.empty()) << "the hung-client process did not start";
+
+  auto begin_put = [&](uint32_t seq, uint32_t blocks, pb::BeginPutResponse* put) {
+    pb::BeginPutRequest bp;
+    bp.set_namespace_id(reg.namespace_id());
+    for (uint32_t t : testing::Tokens(seq, blocks * spec.geometry.page_size)) bp.add_token_ids(t);
+    bp.set_num_blocks(blocks);
+    return stub->BeginPut(ctx(absl::Seconds(20)).get(), bp, put);
+  };
+  auto write_put = [&](const pb::BeginPutResponse& put) {
+    pb::WritePutRequest wp;
+    wp.set_namespace_id(reg.namespace_id());
+    wp.set_put_id(put.put_id());
+    wp.set_client_worker_address(hung.worker);
+    wp.set_source_rkey(hung.rkey);
+    for (const pb::PutBlock& b : put.blocks()) {
+      pb::PutSource* src = wp.add_sources();
+      src->set_index(b.index());
+      src->set_offset(0);
+      src->set_length(b.size());
+      src->set_source_addr(hung.addr + b.index() * bf16);
+    }
+    pb::WritePutResponse resp;
+    return stub->WritePut(ctx(absl::Seconds(120)).get(), wp, &resp);
+  };
+  // One pull while the client runs: the pool's connection to it is up.
+  pb::BeginPutResponse warm;
+  ASSERT_TRUE(begin_put(1, 1, &warm).ok());
+  st = write_put(warm);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+
+  // Then a pull of 16 MiB while it is stopped: the pool gives up at the put timeout (2 s).
+  ASSERT_EQ(kill(hung.pid, SIGSTOP), 0);
+  pb::BeginPutResponse put;
+  ASSERT_TRUE(begin_put(2, kBlocks, &put).ok());
+  st = write_put(put);
+  EXPECT_FALSE(st.ok());  // aborted: the bytes never arrived
+
+  // Resumed, the client frees the source memory at once and ends.
+  ASSERT_EQ(kill(hung.pid, SIGCONT), 0);
+  std::fputs("go\n", hung.in);
+  std::fflush(hung.in);
+  std::string said;
+  char line[256];
+  while (std::fgets(line, sizeof(line), hung.out) != nullptr) said += line;
+  EXPECT_EQ(WaitExitFor(hung.pid, absl::Seconds(30)), 0) << said;
+  EXPECT_NE(said.find("freed"), std::string::npos) << said;
+  fclose(hung.out);
+  fclose(hung.in);
+
+  ASSERT_EQ(kill(pool.pid, SIGTERM), 0);
+  EXPECT_EQ(WaitExitFor(pool.pid, absl::Seconds(20)), 0);
+  fclose(pool.out);
+}
+
 }  // namespace kvpool::kvstore

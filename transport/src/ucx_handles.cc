@@ -276,7 +276,9 @@ absl::StatusOr<std::unique_ptr<UcxMemHandle>> UcxMemHandle::Map(
   std::string packed(static_cast<const char*>(rkey_buf), rkey_len);
   ucp_rkey_buffer_release(rkey_buf);
   return std::unique_ptr<UcxMemHandle>(
-      new UcxMemHandle(context.get(), memh, std::move(packed), attr.address, attr.length));
+      new UcxMemHandle(context.get(), memh, std::move(packed), attr.address, attr.length,
+                       (params.field_mask & UCP_MEM_MAP_PARAM_FIELD_FLAGS) != 0 &&
+                           (params.flags & UCP_MEM_MAP_ALLOCATE) != 0));
 }
 
 UcxMemHandle::~UcxMemHandle() { ucp_mem_unmap(context_, memh_); }

@@ -123,6 +123,8 @@ class UcxMemHandle {
                                                                 size_t length);
   void* address() const { return address_; }
   size_t length() const { return length_; }
+  // True when UCX allocated the memory (Allocate): it is freed with the handle.
+  bool allocated() const { return allocated_; }
   ~UcxMemHandle();
   UcxMemHandle(const UcxMemHandle&) = delete;
   UcxMemHandle& operator=(const UcxMemHandle&) = delete;
@@ -130,8 +132,14 @@ class UcxMemHandle {
   const std::string& packed_rkey() const { return packed_rkey_; }
 
  private:
-  UcxMemHandle(ucp_context_h c, ucp_mem_h m, std::string rkey, void* address, size_t length)
-      : context_(c), memh_(m), packed_rkey_(std::move(rkey)), address_(address), length_(length) {}
+  UcxMemHandle(ucp_context_h c, ucp_mem_h m, std::string rkey, void* address, size_t length,
+               bool allocated)
+      : context_(c),
+        memh_(m),
+        packed_rkey_(std::move(rkey)),
+        address_(address),
+        length_(length),
+        allocated_(allocated) {}
   static absl::StatusOr<std::unique_ptr<UcxMemHandle>> Map(const UcxContext& context,
                                                            const ucp_mem_map_params_t& params);
   ucp_context_h context_;
@@ -139,6 +147,7 @@ class UcxMemHandle {
   std::string packed_rkey_;
   void* address_;
   size_t length_;
+  bool allocated_;
 };
 
 // ucp_rkey_h unpacked on one endpoint.

@@ -48,6 +48,10 @@ using internal::UcxWorker;
 
 class UcxCore;
 
+// How long releasing a region waits for the worker to finish what it does for peers (UcxCore::
+// ReleaseMemory) before keeping the memory until the transport closes instead.
+constexpr absl::Duration kReleaseQuiesce = absl::Seconds(1);
+
 // Completion context of one posted UCX request; lives in its InFlight record.
 struct OpContext {
   UcxCore* core;
@@ -80,6 +84,27 @@ struct EndpointEntry {
   std::map<uint64_t, std::shared_ptr<UcxRkey>> rkeys;
 };
 
+// A region's memory whose release waits for the worker's destruction: its registration, and
+// the bytes when the transport mapped them itself (munmap'ed after the registration goes).
+struct DeferredMemory {
+  std::unique_ptr<UcxMemHandle> memh;
+  uint8_t* owned_data = nullptr;
+  size_t owned_size = 0;
+  DeferredMemory(std::unique_ptr<UcxMemHandle> m, uint8_t* data, size_t size)
+      : memh(std::move(m)), owned_data(data), owned_size(size) {}
+  DeferredMemory(DeferredMemory&& o) noexcept
+      : memh(std::move(o.memh)),
+        owned_data(std::exchange(o.owned_data, nullptr)),
+        owned_size(o.owned_size) {}
+  DeferredMemory(const DeferredMemory&) = delete;
+  DeferredMemory& operator=(const DeferredMemory&) = delete;
+  DeferredMemory& operator=(DeferredMemory&&) = delete;
+  ~DeferredMemory() {
+    memh.reset();
+    if (owned_data != nullptr) munmap(owned_data, owned_size);
+  }
+};
+
 class UcxCore : public std::enable_shared_from_this<UcxCore> {
  public:
   static absl::StatusOr<std::shared_ptr<UcxCore>> Create(const UcxOptions& options) {
@@ -104,7 +129,8 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
     Wake();
     if (owner_.joinable()) owner_.join();
     if (wake_fd_ >= 0) close(wake_fd_);
-    // worker_, context_, config_ are destroyed after this body, in reverse declaration order.
+    // worker_, deferred_ (memory kept past a release, ReleaseMemory), context_, config_ are
+    // destroyed after this body, in reverse declaration order.
   }
 
   const std::string& sealed_address() const { return sealed_address_; }
@@ -139,6 +165,62 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
   }
   absl::StatusOr<std::unique_ptr<UcxMemHandle>> AllocateMemory(size_t len) {
     return UcxMemHandle::Allocate(*context_, len);
+  }
+
+  // Releases a region's memory (its registration, and `owned_data` when the transport mapped
+  // the bytes itself) once this worker no longer reads or writes them on a peer's behalf.
+  //
+  // Why: over transports without hardware RMA (UCX 1.13 tcp) a peer's get of this region is
+  // answered by this worker in software: each request it has received queues a reply on the
+  // peer's connection that copies from the region when the socket takes it. A client whose put
+  // the pool gave up on (the client was stopped past the put timeout, then resumed) received the
+  // pool's requests after the pool had stopped reading; its replies sat in the queue, the
+  // client freed the put's buffer, and the next dispatch of the queue copied from unmapped memory
+  // (SIGSEGV in uct_tcp_ep_am_bcopy). So first everything already received is handled (progress
+  // until idle), then a worker flush waits until every queued reply is sent or dropped with its
+  // failed connection. If that does not finish within `kReleaseQuiesce` (a peer that stopped
+  // reading), the memory is kept until the worker is destroyed (which drops the queues) rather
+  // than freed under them; memory the caller owns (RegisterMemory) cannot be kept, so that case
+  // is logged. Owner thread only.
+  void ReleaseMemory(std::unique_ptr<UcxMemHandle> memh, uint8_t* owned_data, size_t owned_size) {
+    if (!Quiesce(absl::Now() + kReleaseQuiesce)) {
+      if (owned_data != nullptr || memh->allocated()) {
+        KVPOOL_LOG_WARN(
+            "transport: a released region may still be read for a peer (replies queued on a "
+            "connection that does not drain); its {} bytes are kept until the transport closes",
+            memh->length());
+        deferred_.emplace_back(std::move(memh), owned_data, owned_size);
+        return;
+      }
+      KVPOOL_LOG_WARN(
+          "transport: a caller-owned region is released while replies to a peer may still read "
+          "it (a connection that does not drain)");
+    }
+    DeferredMemory now(std::move(memh), owned_data, owned_size);
+  }
+
+  // Handles what the worker has received, then flushes every connection of the worker (its own
+  // and those peers opened to it) until `deadline`. True when the flush finished (sent, or failed
+  // with its connection); false at the deadline. Owner thread only.
+  bool Quiesce(absl::Time deadline) {
+    ucp_worker_h w = worker_->get();
+    while (ucp_worker_progress(w) != 0 && absl::Now() < deadline) {
+    }
+    ucp_request_param_t param;
+    std::memset(&param, 0, sizeof(param));
+    ucs_status_ptr_t r = ucp_worker_flush_nbx(w, &param);
+    if (r == nullptr || UCS_PTR_IS_ERR(r)) return true;
+    while (ucp_request_check_status(r) == UCS_INPROGRESS && absl::Now() < deadline) {
+      ucp_worker_progress(w);
+    }
+    const bool done = ucp_request_check_status(r) != UCS_INPROGRESS;
+    if (done) {
+      ucp_request_free(r);
+    } else {
+      ucp_request_cancel(w, r);
+      ucp_request_free(r);
+    }
+    return done;
   }
 
   absl::StatusOr<EndpointId> Connect(std::string payload) {
@@ -358,6 +440,9 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
   // ---- UCX handles, in construction order (destroyed in reverse) ----
   std::unique_ptr<UcxConfig> config_;
   std::unique_ptr<UcxContext> context_;
+  // Memory of regions released while the worker was not quiescent (ReleaseMemory): freed after
+  // the worker is destroyed (declared between context_ and worker_ for that), before the context.
+  std::vector<DeferredMemory> deferred_;
   std::unique_ptr<UcxWorker> worker_;
   // ---- owner-thread-only state (destroyed by Shutdown on the owner thread) ----
   std::map<std::string, std::weak_ptr<Connection>> connections_;  // peer address → connection
@@ -576,13 +661,15 @@ class UcxRegion final : public MemoryRegion {
         sealed_rkey_(internal::Seal('R', memh_->packed_rkey())) {}
 
   ~UcxRegion() override {
-    // Deregister on the owner thread, then free what we allocated.
-    std::shared_ptr<UcxMemHandle> memh(std::move(memh_));
-    core_->RunSync<int>([memh]() mutable {
-      memh.reset();
+    // Deregister and free on the owner thread once the worker no longer serves peers from the
+    // memory (UcxCore::ReleaseMemory); memory UCX allocated goes with the handle, memory we
+    // mapped (owned_) is munmap'ed after it.
+    auto memh = std::make_shared<std::unique_ptr<UcxMemHandle>>(std::move(memh_));
+    uint8_t* owned = owned_ ? data_ : nullptr;
+    core_->RunSync<int>([c = core_.get(), memh, owned, size = size_] {
+      c->ReleaseMemory(std::move(*memh), owned, size);
       return 0;
     });
-    if (owned_) munmap(data_, size_);  // else the memory went with the handle (UCX allocated it)
   }
 
   uint8_t* data() const override { return data_; }
