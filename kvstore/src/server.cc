@@ -1,15 +1,18 @@
 // The pool process (server.h): store + gRPC (service, health, reflection) + /metrics + ticks.
 #include "kvpool/kvstore/server.h"
 
+#include <grpc/grpc.h>
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
 #include <grpcpp/impl/codegen/service_type.h>
+#include <grpcpp/support/server_interceptor.h>
 #include <httplib.h>
 #include <netdb.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <condition_variable>
 #include <cstring>
@@ -113,6 +116,56 @@ std::string RenderStoreMetrics(BlockStore& store) {
   return RenderPrometheus(store.metrics(), g);
 }
 
+// Calls the gRPC server is running (every service: the pool's, health, reflection), counted by
+// a server interceptor that lives as long as its call, so that a drain can end once they are
+// done. Thread-safe.
+class InFlightCalls {
+ public:
+  void Begin() {
+    std::lock_guard l(mu_);
+    ++count_;
+  }
+  void End() {
+    std::lock_guard l(mu_);
+    if (--count_ == 0) cv_.notify_all();
+  }
+  // Blocks until no call runs or `deadline` passes; true when none runs.
+  bool WaitIdle(absl::Time deadline) {
+    std::unique_lock l(mu_);
+    return cv_.wait_until(l, absl::ToChronoTime(deadline), [this] { return count_ == 0; });
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int64_t count_ = 0;  // guarded by mu_
+};
+
+class CountingInterceptor final : public grpc::experimental::Interceptor {
+ public:
+  explicit CountingInterceptor(InFlightCalls* calls) : calls_(calls) { calls_->Begin(); }
+  ~CountingInterceptor() override { calls_->End(); }
+  void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
+    methods->Proceed();
+  }
+
+ private:
+  InFlightCalls* calls_;
+};
+
+class CountingInterceptorFactory final
+    : public grpc::experimental::ServerInterceptorFactoryInterface {
+ public:
+  explicit CountingInterceptorFactory(InFlightCalls* calls) : calls_(calls) {}
+  grpc::experimental::Interceptor* CreateServerInterceptor(
+      grpc::experimental::ServerRpcInfo*) override {
+    return new CountingInterceptor(calls_);
+  }
+
+ private:
+  InFlightCalls* calls_;
+};
+
 struct PoolServer::Impl {
   PoolServerOptions options;
 #if defined(KVPOOL_HAVE_TRANSPORT)
@@ -121,6 +174,7 @@ struct PoolServer::Impl {
   std::unique_ptr<PoolMemory> memory;
   std::unique_ptr<BlockStore> store;
   std::unique_ptr<grpc::Service> service;
+  InFlightCalls in_flight;  // outlives grpc_server (declared first), whose calls count into it
   std::unique_ptr<grpc::Server> grpc_server;
   int grpc_port = 0;
   httplib::Server http;
@@ -252,6 +306,11 @@ absl::StatusOr<std::unique_ptr<PoolServer>> PoolServer::Create(const PoolServerO
   builder.AddListeningPort(o.listen, grpc::InsecureServerCredentials(), &impl->grpc_port);
   builder.RegisterService(impl->service.get());
   builder.SetMaxReceiveMessageSize(256 << 20);  // rotation files of large models
+  {
+    std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> counting;
+    counting.push_back(std::make_unique<CountingInterceptorFactory>(&impl->in_flight));
+    builder.experimental().SetInterceptorCreators(std::move(counting));
+  }
   impl->grpc_server = builder.BuildAndStart();
   if (!impl->grpc_server || impl->grpc_port == 0) {
     std::string reason = BindFailureReason(listen.host, listen.port);
@@ -330,8 +389,25 @@ void PoolServer::Shutdown(absl::Duration grace) {
   auto* health = impl_->grpc_server->GetHealthCheckService();
   health->SetServingStatus(kServiceName, false);
   health->SetServingStatus("", false);
-  // Finish in-flight calls (new ones are refused), cancel what is left at the deadline.
-  impl_->grpc_server->Shutdown(absl::ToChronoTime(absl::Now() + grace));
+  // Finish in-flight calls (new ones are refused), cancel what is left at the deadline. gRPC's
+  // Shutdown(deadline) also waits for every client connection to close after its GOAWAY, so a
+  // client that keeps an idle connection open (stopped, hung, or one that simply does not close
+  // it) held every drain to the full `grace` with nothing running. So Shutdown runs on its own
+  // thread while this one waits for the calls alone; once none runs, the remaining connections
+  // are cut (grpc_server_cancel_all_calls: no call is left to cancel), which lets Shutdown
+  // return. Repeated until it returns, since Shutdown's own start on its thread is not observable
+  // (a cut before it started would let a connection in afterwards).
+  const absl::Time deadline = absl::Now() + grace;
+  std::atomic<bool> shut{false};
+  std::thread stopper([this, deadline, &shut] {
+    impl_->grpc_server->Shutdown(absl::ToChronoTime(deadline));
+    shut.store(true);
+  });
+  while (!shut.load() && impl_->in_flight.WaitIdle(deadline)) {
+    grpc_server_cancel_all_calls(impl_->grpc_server->c_server());
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  stopper.join();
   impl_->grpc_server->Wait();
   if (impl_->http_thread.joinable()) {
     impl_->http.stop();

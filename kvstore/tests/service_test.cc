@@ -1082,6 +1082,56 @@ TEST(ServerBinaryTest, ServesMetricsAndDrainsOnSigterm) {
   fclose(c.out);
 }
 
+int WaitExitFor(pid_t pid, absl::Duration limit);
+
+// SIGTERM waited the whole --drain-ms (10 s by default) with nothing in flight whenever a client
+// kept a connection open without closing it on the server's GOAWAY (a stopped or hung client, or
+// any peer that just holds the socket): gRPC's Shutdown waits for the connections too. The drain
+// now ends when the last call has finished; --drain-ms only bounds it. Here a gRPC client made
+// calls and keeps its channel, and a plain TCP connection stays silent; the bound below is half
+// the drain time, a behaviour check (did the drain wait for nothing?), not a speed target.
+TEST(ServerBinaryTest, SigtermWithNothingInFlightExitsBeforeTheDrainBound) {
+  for (const char* plane : {"none", "ucx"}) {
+    SCOPED_TRACE(plane);
+    std::vector<std::string> args = {"--listen",     "127.0.0.1:0", "--metrics-port", "0",
+                                     "--data-plane", plane,         "--capacity",     "8MiB",
+                                     "--drain-ms",   "20000"};
+    if (std::string(plane) == "ucx") {
+      args.insert(args.end(), {"--ucx-tls", "tcp"});
+    }
+    Child c = Spawn(args);
+    int grpc_port = 0, metrics_port = 0;
+    ASSERT_TRUE(c.ReadPorts(&grpc_port, &metrics_port));
+    auto ch = grpc::CreateChannel(absl::StrCat("127.0.0.1:", grpc_port),
+                                  grpc::InsecureChannelCredentials());
+    EXPECT_EQ(HealthCheck(ch, ""), 1);
+    auto stub = pb::KvPool::NewStub(ch);
+    pb::RegisterModelResponse reg;
+    grpc::Status st = stub->RegisterModel(Ctx().get(), RegisterRequest(testing::TinySpec()), &reg);
+    ASSERT_TRUE(st.ok()) << st.error_message();
+    pb::StatsResponse stats;
+    ASSERT_TRUE(stub->Stats(Ctx().get(), pb::StatsRequest(), &stats).ok());
+    httplib::Client http("127.0.0.1", metrics_port);
+    ASSERT_TRUE(http.Get("/metrics"));
+    const int silent = socket(AF_INET, SOCK_STREAM, 0);
+    ASSERT_GE(silent, 0);
+    sockaddr_in to{};
+    to.sin_family = AF_INET;
+    to.sin_port = htons(static_cast<uint16_t>(grpc_port));
+    to.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ASSERT_EQ(connect(silent, reinterpret_cast<sockaddr*>(&to), sizeof(to)), 0);
+    absl::SleepFor(absl::Milliseconds(200));  // accepted and handed to gRPC's transport
+    ASSERT_EQ(kill(c.pid, SIGTERM), 0);
+    EXPECT_EQ(WaitExitFor(c.pid, absl::Seconds(10)), 0) << "still draining after 10 s of 20";
+    if (waitpid(c.pid, nullptr, WNOHANG) == 0) {
+      kill(c.pid, SIGKILL);
+      waitpid(c.pid, nullptr, 0);
+    }
+    close(silent);
+    fclose(c.out);
+  }
+}
+
 TEST(ServerBinaryTest, ConfigFileSetsFlagsAndCommandLineWins) {
   const std::string path = ::testing::TempDir() + "/kvpool_server_test.yaml";
   std::ofstream(path) << "listen: 127.0.0.1:0\nmetrics-port: 0\ncapacity: 16MiB\n"
