@@ -123,6 +123,71 @@ absl::Status WithUcxTlsHint(absl::Status s, const std::string& tls) {
                              tls.empty() ? "UCX's default" : tls, "')"));
 }
 
+// gRPC's own words for a broken or refused connection (as opposed to a status the pool sent).
+bool IsConnectionLoss(absl::string_view message) {
+  for (absl::string_view phrase :
+       {"Broken pipe", "Socket closed", "Connection reset", "failed to connect",
+        "Connection refused", "connections to all backends failing", "GOAWAY", "Endpoint closing",
+        "Transport closed", "keepalive watchdog timeout"}) {
+    if (absl::StrContains(message, phrase)) return true;
+  }
+  return false;
+}
+
+// Makes a failed RPC say which call failed, why and what to do, where gRPC's own text says
+// only "Deadline Exceeded", "CANCELLED" or "Broken pipe" (newcomer findings). `method` is the
+// RPC's name, `timeout` the deadline it was given (from its start), `cancelled_here` whether
+// this client cancelled it (CallOptions::cancel), `server` the pool's address. Every other
+// status (the pool's own messages, which name the field) is returned unchanged.
+absl::Status ExplainRpcFailure(absl::Status s, absl::string_view method, absl::Duration timeout,
+                               bool cancelled_here, const std::string& server) {
+  if (s.ok()) return s;
+  const absl::string_view msg = s.message();
+  const std::string ms =
+      timeout > absl::ZeroDuration()
+          ? absl::StrCat(absl::ToInt64Milliseconds(absl::Ceil(timeout, absl::Milliseconds(1))),
+                         " ms")
+          : std::string("it had passed when the call began");
+  switch (s.code()) {
+    case absl::StatusCode::kDeadlineExceeded:
+      if (msg != "Deadline Exceeded") break;
+      return absl::DeadlineExceededError(absl::StrCat(
+          method, ": no answer from the pool at ", server, " within the call's deadline (", ms,
+          "; set per call with CallOptions::deadline, else ClientOptions::default_timeout, which "
+          "kvpool-worker sets with --call-timeout-ms): raise it if the pool is busy, or check that "
+          "the pool is running"));
+    case absl::StatusCode::kCancelled:
+      if (cancelled_here) {
+        return absl::CancelledError(
+            absl::StrCat(method, ": cancelled by this client (CallOptions::cancel)"));
+      }
+      return absl::CancelledError(absl::StrCat(
+          method, ": cancelled by the pool at ", server,
+          " while it ran (a pool that is shutting down cancels the calls still running when its "
+          "drain time, kvpool-server --drain-ms, runs out); retry once the pool is back",
+          msg.empty() || absl::EqualsIgnoreCase(msg, "CANCELLED") ? std::string()
+                                                                  : absl::StrCat(" (", msg, ")")));
+    case absl::StatusCode::kUnavailable:
+      if (!IsConnectionLoss(msg)) break;
+      return absl::UnavailableError(absl::StrCat(
+          method, ": lost the connection to the pool at ", server, " (", msg,
+          "): the pool stopped or restarted. A restarted pool has forgotten this client's open "
+          "puts and leases, and the pool memory this client had mapped is gone; the client "
+          "reconnects (and registers its model again) on its next call"));
+    default:
+      break;
+  }
+  return s;
+}
+
+// The RPC's name for messages: "BeginPut" for a BeginPutRequest.
+template <typename Req>
+std::string MethodName(const Req& req) {
+  std::string name = req.GetDescriptor()->name();
+  if (absl::EndsWith(name, "Request")) name.resize(name.size() - 7);
+  return name;
+}
+
 // Marks a status as this client's refusal of what the pool offered (RefusedByClient).
 absl::Status ClientRefusal(const std::string& message) {
   absl::Status s = absl::FailedPreconditionError(message);
@@ -364,14 +429,22 @@ class ClientImpl final : public Client {
   template <typename Req, typename Resp, typename Fn>
   absl::Status Rpc(const CallOptions& call, absl::Time deadline, Fn fn, const Req& req,
                    Resp* resp) {
-    if (call.cancel && call.cancel->cancelled()) return absl::CancelledError("call cancelled");
+    if (call.cancel && call.cancel->cancelled()) {
+      return absl::CancelledError(absl::StrCat(
+          MethodName(req), ": cancelled by this client (CallOptions::cancel) before it began"));
+    }
     grpc::ClientContext ctx;
     ctx.set_deadline(absl::ToChronoTime(deadline));
+    const absl::Duration timeout = deadline - absl::Now();
     uint64_t cancel_id = 0;
     if (call.cancel) cancel_id = call.cancel->Add([&ctx] { ctx.TryCancel(); });
     grpc::Status s = (stub_.get()->*fn)(&ctx, req, resp);
     if (call.cancel && cancel_id != 0) call.cancel->Remove(cancel_id);
     absl::Status out = WithUcxTlsHint(FromGrpc(s), options_.ucx_tls);
+    if (!out.ok()) {
+      out = ExplainRpcFailure(std::move(out), MethodName(req), timeout,
+                              call.cancel && call.cancel->cancelled(), options_.server);
+    }
     if (absl::IsUnavailable(out)) MarkStale("gRPC UNAVAILABLE");
     return out;
   }
@@ -959,14 +1032,20 @@ class ClientImpl final : public Client {
     call->ctx.set_deadline(absl::ToChronoTime(deadline));
     call->cancel = cancel;
     if (cancel) call->cancel_id = cancel->Add([call] { call->ctx.TryCancel(); });
-    stub_->async()->WritePut(&call->ctx, &call->req, &call->resp, [this, call](grpc::Status gs) {
-      if (call->cancel && call->cancel_id != 0) {
-        call->cancel->Remove(call->cancel_id);
-      }
-      absl::Status s = WithUcxTlsHint(FromGrpc(gs), options_.ucx_tls);
-      if (absl::IsUnavailable(s)) MarkStale("gRPC UNAVAILABLE");
-      call->done.set_value(std::move(s));  // last use of `this`
-    });
+    const absl::Duration timeout = deadline - absl::Now();
+    stub_->async()->WritePut(
+        &call->ctx, &call->req, &call->resp, [this, call, timeout](grpc::Status gs) {
+          if (call->cancel && call->cancel_id != 0) {
+            call->cancel->Remove(call->cancel_id);
+          }
+          absl::Status s = WithUcxTlsHint(FromGrpc(gs), options_.ucx_tls);
+          if (!s.ok()) {
+            s = ExplainRpcFailure(std::move(s), "WritePut", timeout,
+                                  call->cancel && call->cancel->cancelled(), options_.server);
+          }
+          if (absl::IsUnavailable(s)) MarkStale("gRPC UNAVAILABLE");
+          call->done.set_value(std::move(s));  // last use of `this`
+        });
     return result;
   }
 
@@ -1431,9 +1510,16 @@ absl::Status PutSessionImpl::Flush() {
 absl::StatusOr<PutResult> PutSessionImpl::Commit() {
   if (finished_) return absl::FailedPreconditionError("put: already committed or aborted");
   if (next_layer_ != conn_.geometry.num_layers) {
+    const absl::Status cause = error_;
     (void)Abort();
+    const std::string why =
+        cause.ok() ? absl::StrCat("every layer 0..", conn_.geometry.num_layers - 1,
+                                  " must be written with WriteLayer, in order, before Commit")
+                   : absl::StrCat("an earlier call of this put failed: ", cause.ToString());
     return absl::FailedPreconditionError(absl::StrCat(
-        "put: ", next_layer_, " of ", conn_.geometry.num_layers, " layers written; aborted"));
+        "put: Commit with only ", next_layer_, " of ", conn_.geometry.num_layers,
+        " layers written (", why,
+        "); the put was aborted and stored nothing: begin the put again (BeginPut or Put)"));
   }
   absl::Status s0 = WaitSlot(0);
   absl::Status s1 = WaitSlot(1);

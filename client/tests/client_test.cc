@@ -365,8 +365,13 @@ TEST_P(ClientTest, BadPutsAreRefusedAndStoreNothing) {
   EXPECT_THAT((*put)->WriteLayer(0, s.k[0], absl::MakeSpan(s.v[0]).subspan(0, 10)).message(),
               HasSubstr("v:"));
   EXPECT_EQ((*put)->WriteLayer(7, s.k[0], s.v[0]).code(), absl::StatusCode::kInvalidArgument);
-  // Commit with layers missing aborts.
-  EXPECT_EQ((*put)->Commit().status().code(), absl::StatusCode::kFailedPrecondition);
+  // Commit with layers missing aborts, and says why and what to do (it said only "0 of 2
+  // layers written; aborted").
+  const absl::Status early = (*put)->Commit().status();
+  EXPECT_EQ(early.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(early.message(), HasSubstr("Commit with only 0 of 2 layers written")) << early;
+  EXPECT_THAT(early.message(), HasSubstr("must be written with WriteLayer")) << early;
+  EXPECT_THAT(early.message(), HasSubstr("begin the put again")) << early;
   auto look = c->Lookup(s.tokens);
   ASSERT_TRUE(look.ok());
   EXPECT_EQ(look->num_blocks, 0u);
@@ -426,11 +431,24 @@ TEST_P(ClientTest, DeadlinesAndCancellation) {
   }
   Sequence s = MakeSequence(2 * kPage, 4);
   CallOptions past{absl::Now() - absl::Seconds(1), nullptr};
-  EXPECT_EQ(c->Lookup(s.tokens, past).status().code(), absl::StatusCode::kDeadlineExceeded);
+  const absl::Status late = c->Lookup(s.tokens, past).status();
+  EXPECT_EQ(late.code(), absl::StatusCode::kDeadlineExceeded);
+  // It said only "Deadline Exceeded": now which call, the deadline and what sets it.
+  EXPECT_THAT(late.message(), HasSubstr("Lookup: no answer from the pool")) << late;
+  EXPECT_THAT(late.message(), HasSubstr("ClientOptions::default_timeout")) << late;
+  EXPECT_THAT(late.message(), HasSubstr("--call-timeout-ms")) << late;
+  CallOptions short_deadline{absl::Now() + absl::Milliseconds(1), nullptr};
+  absl::Status quick = c->Stats(short_deadline).status();
+  if (!quick.ok()) {  // a fast pool may answer within 1 ms
+    EXPECT_EQ(quick.code(), absl::StatusCode::kDeadlineExceeded) << quick;
+    EXPECT_THAT(quick.message(), HasSubstr("Stats: no answer from the pool")) << quick;
+  }
   auto token = std::make_shared<CancelToken>();
   token->Cancel();
   CallOptions cancelled{absl::InfiniteFuture(), token};
-  EXPECT_EQ(c->Lookup(s.tokens, cancelled).status().code(), absl::StatusCode::kCancelled);
+  const absl::Status stopped = c->Lookup(s.tokens, cancelled).status();
+  EXPECT_EQ(stopped.code(), absl::StatusCode::kCancelled);
+  EXPECT_THAT(stopped.message(), HasSubstr("Lookup: cancelled by this client")) << stopped;
   EXPECT_EQ(c->Put(s.tokens, s.ks(), s.vs(), cancelled).status().code(),
             absl::StatusCode::kCancelled);
   auto look = c->Lookup(s.tokens);
@@ -785,6 +803,11 @@ TEST_P(ClientTest, PoolRestartGivesUnavailableThenWorksAgain) {
   server_.reset();
   auto down = c->Lookup(s.tokens);
   EXPECT_EQ(down.status().code(), absl::StatusCode::kUnavailable) << down.status();
+  // gRPC's own words ("Broken pipe", "failed to connect ...") now come with what happened and
+  // what the client does next.
+  EXPECT_THAT(down.status().message(), HasSubstr("Lookup: lost the connection to the pool"))
+      << down.status();
+  EXPECT_THAT(down.status().message(), HasSubstr("reconnects")) << down.status();
   StartServer(port);
 
   // The first call after the restart may still report UNAVAILABLE (it discovers the restart);
