@@ -21,10 +21,14 @@ configure: setup
 build: configure
 	@cmake --build $(BUILD) -j $(JOBS)
 
-# Every test that needs no GPU: ctest (label gpu excluded), then pytest.
+# Every test that needs no GPU: ctest (label gpu excluded), then pytest. Both always run (so
+# both summaries print); the target fails if either failed.
 test: build
-	@cd $(BUILD) && ctest --output-on-failure -j $(JOBS) -LE gpu
-	@$(BUILD)/venv/bin/python -m pytest -q python/tests
+	@cd $(BUILD) && ctest --output-on-failure -j $(JOBS) -LE gpu; c=$$?; cd $(CURDIR); \
+	  $(BUILD)/venv/bin/python -m pytest -q python/tests; p=$$?; \
+	  if [ $$c -ne 0 ]; then echo "make test: ctest failed (exit $$c)" >&2; fi; \
+	  if [ $$p -ne 0 ]; then echo "make test: pytest failed (exit $$p)" >&2; fi; \
+	  [ $$c -eq 0 ] && [ $$p -eq 0 ]
 
 demo: build
 	@scripts/demo.sh $(BUILD)
