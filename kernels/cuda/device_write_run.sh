@@ -10,11 +10,15 @@
 #                                               executed instructions per SASS line (CSV) and
 #                                               the ALU / FMA pipe utilization
 #   TEST_FILTER='KvWrite.*' ...                 a subset of the tests (default: KvWrite.*:EndToEnd.*)
-#   TEST_BINS='a b' ...                         several test builds in turn (default: cuda_kernels_test)
+#   TEST_BINS='a b%FILTER' ...                  several test builds in turn (default: cuda_kernels_test);
+#                                               'b%FILTER': that build with its own gtest filter
 #   BENCHES='a b' ROUNDS=2 NCU_BENCH=b TAR_JSON=1  several bench builds in turn (A/B in one run);
 #                                               an entry 'b@VAR=value' runs build b with that
 #                                               environment (launcher switches, e.g. KVPOOL_WRITE_TMA=0)
 #   ALT_TEST_ENV='VAR=value' ...                the tests again under that environment
+#                                               (binary ALT_TEST_BIN, default cuda_kernels_test)
+#   SASS_BINS='a b' ...                         the SASS of the d=128 quantize-only kernel of each
+#                                               build, gzipped, as $OUT/sass_<binary>.txt.gz
 #   TARBALL=1 ...                               pack everything under $OUT into write_results.tgz
 set -u
 OUT=${OUT:-/tmp/out}
@@ -27,11 +31,15 @@ LOG="$OUT/write_log.txt"
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,clocks.max.sm,temperature.gpu,power.draw --format=csv
 } 2>&1 | tee "$LOG"
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  for tb in ${TEST_BINS:-cuda_kernels_test}; do
+  for entry in ${TEST_BINS:-cuda_kernels_test}; do
+    # an entry 'binary%FILTER' runs that binary with its own gtest filter
+    tb=${entry%%\%*}
+    filter=${TEST_FILTER:-KvWrite.*:EndToEnd.*}
+    [ "$entry" != "$tb" ] && filter=${entry#*%}
     TL="$OUT/write_test_log.txt"
     [ "${TEST_BINS:-cuda_kernels_test}" != cuda_kernels_test ] && TL="$OUT/write_test_log_$tb.txt"
-    echo "== tests $tb" | tee -a "$LOG"
-    $L/$tb --gtest_filter="${TEST_FILTER:-KvWrite.*:EndToEnd.*}" > "$TL" 2>&1
+    echo "== tests $tb ($filter)" | tee -a "$LOG"
+    $L/$tb --gtest_filter="$filter" > "$TL" 2>&1
     echo "test exit $?" | tee -a "$LOG"
     grep -E "^\[( +OK|  FAILED|  PASSED|  SKIPPED)|^\[(quantize|rotate|e2e)|Failure|Expected|Which|actual" \
       "$TL" | head -80 | tee -a "$LOG"
@@ -39,7 +47,7 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
   if [ -n "${ALT_TEST_ENV:-}" ]; then
     TL="$OUT/write_test_log_alt.txt"
     echo "== tests cuda_kernels_test with $ALT_TEST_ENV" | tee -a "$LOG"
-    env $ALT_TEST_ENV $L/cuda_kernels_test --gtest_filter="${ALT_TEST_FILTER:-KvWrite.*}" > "$TL" 2>&1
+    env $ALT_TEST_ENV $L/${ALT_TEST_BIN:-cuda_kernels_test} --gtest_filter="${ALT_TEST_FILTER:-KvWrite.*}" > "$TL" 2>&1
     echo "test exit $?" | tee -a "$LOG"
     grep -E "^\[( +OK|  FAILED|  PASSED|  SKIPPED)|^\[(quantize|rotate|e2e)|Failure|Expected|Which|actual" \
       "$TL" | head -80 | tee -a "$LOG"
@@ -63,6 +71,11 @@ for round in $(seq 1 "${ROUNDS:-1}"); do
   done
 done
 [ -n "${TAR_JSON:-}" ] && (cd "$OUT" && tar cf bench_json.tar *.json && rm -f *.json)
+for sb in ${SASS_BINS:-}; do
+  cuobjdump -sass "$L/$sb" 2>/dev/null |
+    awk '/Function : /{p = ($0 ~ /KvWriteKernelILi128ELb0ELb0E/)} p' | gzip > "$OUT/sass_$sb.txt.gz"
+  echo "== sass $sb: $(zcat "$OUT/sass_$sb.txt.gz" | grep -cE '^\s+/\*[0-9a-f]{4}\*/') instructions" | tee -a "$LOG"
+done
 NB=${NCU_BENCH:-cuda_write_bench}
 if [ "${NCU:-0}" = 1 ]; then
   echo "== ncu (d=128, 32768 tokens x 8 KV heads; quantize-only, rotate+quantize, rotate-bf16, demote)" | tee -a "$LOG"

@@ -18,12 +18,20 @@
 //      tig·D/16 + q·D/4 + i (quarter q = 0..3, i < D/16), exactly the columns whose 2-bit
 //      codes make up bytes tig·D/16 .. tig·D/16 + D/16 - 1 of the quarter-planar row
 //      (FORMAT.md §2.6). Every per-element step below works on both rows at once.
+//      Quantize-only and demotion (v8, same-row layout, kNat): each register holds two
+//      adjacent columns of ONE row instead, as the 16-byte shared-memory reads deliver them
+//      (no PRMT per register to pair rows g and g+8); the selection networks then sort two
+//      lists per register (even / odd columns of the row) and cross the halves once, in the
+//      last in-lane merge (2L PRMTs), the group min/max combine the halves with 4 PRMTs, and
+//      the codes of a row's two columns land in one register (one PRMT per 4 code bytes).
 //      NaN/Inf rows are found from the NaN-propagating group min/max of step 4.
 //   3. Clip threshold τ (FORMAT.md §2.2, the need-th largest |x̃| with need = d − clip index):
 //      the two rows' magnitudes (sign cleared) are sorted together with packed bf16x2 min/max
 //      (integer u16x2 min/max give the same order): each lane sorts runs of 8 (Batcher
-//      odd-even merge network), keeps the top of its runs (bitonic max-merge), then the quad
-//      merges its lists through two shuffle rounds; the last round only follows the path to
+//      odd-even merge network), keeps the top of its runs (for lists shorter than 8: odd-even
+//      merge with the missing entries as -inf, pruned, see TopMerge; else bitonic max-merge),
+//      then the quad merges its lists through two shuffle rounds; the last round only follows
+//      the path to
 //      position need−1. need ≤ 6: networks pruned to their 6 largest outputs; need ≤ 8: top-8
 //      lists; need ≤ 16: top-8 lists merged to the quad's top 16 with an exactness check
 //      (every lane's 8th value ≤ the result), re-selected with top-16 lists when it fails;
@@ -171,7 +179,9 @@ __device__ __forceinline__ uint32_t SortMinFromMax(uint32_t a, uint32_t b, uint3
 // Code-byte weights 4^q (b0) and 2·4^q (b1) of quarter q, and -65537 (see step 5), read at
 // run time so that ptxas keeps the multiply-adds on the FMA pipe instead of turning them into
 // shifts on the ALU pipe.
-__constant__ uint32_t kCodeWeights[9] = {1u, 2u, 4u, 8u, 16u, 32u, 64u, 128u, 0xfffeffffu};
+// [9]: 0x10001, which copies a 16-bit threshold into both halves (same-row layout).
+__constant__ uint32_t kCodeWeights[10] = {1u,  2u,  4u,   8u,          16u,
+                                          32u, 64u, 128u, 0xfffeffffu, 0x10001u};
 // a·b + c (mod 2^32), one integer multiply-add.
 __device__ __forceinline__ uint32_t MadLo(uint32_t a, uint32_t b, uint32_t c) {
   uint32_t d;
@@ -245,6 +255,65 @@ constexpr PrunedNet Prune(const Net& net, int live_out) {
   return p;
 }
 
+// The top L (descending) of two descending lists of L, A at wires 0 .. L-1 and B at wires
+// K .. K+L-1 of 2K wires (K a power of two >= L), by Batcher's odd-even merge of 2K wires
+// (the last stage of OddEvenSortNet(2K)) with wires L .. K-1 and K+L .. 2K-1 fixed at -inf:
+// a comparator with a -inf input is dropped (its max is the other input, renamed into place at
+// compile time, its min -inf), then the network is pruned to the L outputs. Output i ends in
+// wire out[i]. For L = 6 (K = 8) 22 instructions per merge instead of 24 for max(A[i],
+// B[K-1-i]) + the pruned bitonic merge; for two lists of 8 to their top 12 (K = 8, L = 8, 12
+// outputs) 44 instead of 52. (Checked exhaustively by the 0-1 principle on the host.)
+struct MergeNet {
+  int n = 0;
+  unsigned char lo[256] = {};
+  unsigned char hi[256] = {};
+  unsigned char mode[256] = {};  // bit 0: max needed, bit 1: min needed
+  unsigned char out[32] = {};
+};
+constexpr MergeNet OddEvenTopMerge(int k, int l, int outs) {
+  MergeNet m;
+  const int size = 2 * k;
+  int where[64] = {};
+  bool neg[64] = {};
+  for (int i = 0; i < size; ++i) {
+    where[i] = i;
+    neg[i] = (i % k) >= l;
+  }
+  const int p = k;  // merge stage of the odd-even merge sort: two sorted halves of k
+  for (int kk = p; kk >= 1; kk /= 2)
+    for (int j = kk % p; j + kk < size; j += 2 * kk)
+      for (int i = 0; i < kk && i + j + kk < size; ++i)
+        if ((i + j) / (2 * p) == (i + j + kk) / (2 * p)) {
+          const int a = i + j, b = i + j + kk;  // a gets the max
+          if (neg[b]) continue;                 // max = a, min = -inf (already in b)
+          if (neg[a]) {                         // a takes b's value, b becomes -inf
+            const int t = where[a];
+            where[a] = where[b];
+            where[b] = t;
+            neg[a] = false;
+            neg[b] = true;
+            continue;
+          }
+          m.lo[m.n] = static_cast<unsigned char>(where[a]);
+          m.hi[m.n] = static_cast<unsigned char>(where[b]);
+          ++m.n;
+        }
+  bool live[64] = {};
+  for (int i = 0; i < outs; ++i) {
+    m.out[i] = static_cast<unsigned char>(where[i]);
+    live[where[i]] = true;
+  }
+  for (int c = m.n - 1; c >= 0; --c) {
+    const int lo = m.lo[c], hi = m.hi[c];
+    m.mode[c] = static_cast<unsigned char>((live[lo] ? 1 : 0) | (live[hi] ? 2 : 0));
+    if (m.mode[c] != 0) live[lo] = live[hi] = true;
+  }
+  return m;
+}
+template <int K, int L, int kOuts>
+struct TopMerge {
+  static constexpr MergeNet kNet = OddEvenTopMerge(K, L, kOuts);
+};
 template <int K, int L>
 struct Nets {
   static constexpr PrunedNet kSort = Prune(OddEvenSortNet(K), L);
@@ -255,11 +324,36 @@ struct Nets {
 // integer multiply-adds (FMA pipe, SortMinFromMax); the others use a second min/max (ALU
 // pipe). Measured on the H200 (quantize-only, 256K token-heads, v6 with the code sums on the
 // FMA pipe): 4 of 4 61.4 µs, 2 of 4 61.0 µs, 0 of 4 61.5 µs (v5, codes on the ALU pipe: 4 of
-// 4 was best). A compile-time switch for such A/B builds.
+// 4 was best); session 6 (same-row layout and odd-even merges, fewer ALU instructions): 1 of 4
+// 60.4 vs 2 of 4 59.5 µs, 3 of 4 58.9 / 58.3 vs 2 of 4 59.2 / 59.2, 4 of 4 61.1 / 60.8 vs 3 of 4
+// 58.5 / 58.6 (same-call rounds). A compile-time switch for such A/B builds.
 #ifndef KVPOOL_WRITE_IMAD_MIN_RUNS
-#define KVPOOL_WRITE_IMAD_MIN_RUNS 2
+#define KVPOOL_WRITE_IMAD_MIN_RUNS 3
 #endif
 constexpr int kImadMinRuns = KVPOOL_WRITE_IMAD_MIN_RUNS;
+// K (need <= 6) from per-lane top-5 lists with an exactness check (see SelectTopK's kL1) instead
+// of top-6 lists; a compile-time switch for A/B builds. Off: measured slower on the H200
+// (session 6, 256K token-heads: quantize-only 59.4 / 59.7 vs 58.5 / 58.6 µs, rotate+quantize
+// 116.2 / 116.7 vs 111.5 / 111.6), as v6's top-5 attempt was. The check is conservative: a lane
+// holding 5 of the row's 6 largest has its 5th value above τ' even when τ' is exact, so by
+// simulation (i.i.d. rows) it fails on 0.35 % of rows, 5.4 % of 16-row tiles, each a warp-wide
+// re-selection.
+#ifndef KVPOOL_WRITE_K_TOP5
+#define KVPOOL_WRITE_K_TOP5 0
+#endif
+
+// Applies TopMerge<K, L, kOuts> to w (A in w[0 .. L), B in w[K .. K+L)); output i is then in
+// w[TopMerge<K, L, kOuts>::kNet.out[i]].
+template <int K, int L, int kOuts>
+__device__ __forceinline__ void RunTopMerge(uint32_t (&w)[2 * K]) {
+  constexpr MergeNet net = TopMerge<K, L, kOuts>::kNet;
+#pragma unroll
+  for (int c = 0; c < net.n; ++c) {
+    const uint32_t x = w[net.lo[c]], y = w[net.hi[c]];
+    if (net.mode[c] & 1) w[net.lo[c]] = SortMax(x, y);
+    if (net.mode[c] & 2) w[net.hi[c]] = SortMin(x, y);
+  }
+}
 
 // Applies the descending comparator network of K elements (sort or bitonic merge), pruned to
 // its L largest outputs, to a[off .. off+K); packed u16x2, so both halves (rows) are sorted
@@ -303,13 +397,42 @@ __device__ __forceinline__ void TopKBitonic(uint32_t (&c)[K], const uint32_t (&a
   }
 }
 
+// The same for the last run merge of the same-row layout (kNat, see KvWriteKernel step 2):
+// a[ia ..] holds row gr's lists, a[ib ..] row gr+8's, each register {list of the row's even
+// columns, list of its odd columns} (the halves sorted independently). The lists to merge are
+// P = {gr even, gr+8 even} and Q = {gr odd, gr+8 odd}, assembled by PRMT on the way (2L PRMT),
+// so the result is packed {row gr, row gr+8} like the kernel's other layout.
+template <int K, int L, int NA>
+__device__ __forceinline__ void TopKBitonicCross(uint32_t (&c)[K], const uint32_t (&a)[NA], int ia,
+                                                 int ib) {
+#pragma unroll
+  for (int i = 0; i < K; ++i) {
+    if (i < K - L) {
+      c[i] = Prmt(a[ia + i], a[ib + i], 0x5410);
+    } else if (i >= L) {
+      c[i] = Prmt(a[ia + K - 1 - i], a[ib + K - 1 - i], 0x7632);
+    } else {
+      c[i] = SortMax(Prmt(a[ia + i], a[ib + i], 0x5410),
+                     Prmt(a[ia + K - 1 - i], a[ib + K - 1 - i], 0x7632));
+    }
+  }
+}
+
 // τ (packed magnitude bits, one half per row) of the quad's two rows, from the magnitudes m
 // (destroyed). need in 1..L: each lane keeps only its L largest (L <= K: a lane contributes at
 // most `need` of the row's need largest), so the networks are pruned to L outputs.
-template <int K, int L, int N>
-__device__ __forceinline__ uint32_t SelectTopK(uint32_t (&m)[N], int need) {
+// kNat: m is in the same-row layout (m[0 .. N/2) row gr, m[N/2 .. N) row gr+8, each register
+// two columns of one row): the runs of each half are sorted and merged as two independent lists
+// per row, and the last run merge (run 0 with run N/2K, one row each) crosses the halves.
+// kL1 > L (with `exact`): the lanes keep only their L largest, quad round 1 keeps the top kL1
+// of the pair's lists, and τ' (position need-1 <= kL1-1) is exact when every lane's L-th value
+// ℓ is <= τ' (as in SelectTop8Merge16); *exact says whether that held on the quad's four lanes.
+template <int K, int L, int N, bool kNat = false, int kL1 = L>
+__device__ __forceinline__ uint32_t SelectTopK(uint32_t (&m)[N], int need, bool* exact = nullptr) {
   static_assert(N % K == 0 && (K == 8 || K == 16) && 2 * L >= K && L <= K, "runs of K");
+  static_assert(kL1 >= L && kL1 <= K && (kL1 == L || L < K), "round-1 list length");
   constexpr int kRuns = N / K;
+  static_assert(!kNat || kRuns >= 2, "same-row layout: at least one run per row");
 #pragma unroll
   for (int r = 0; r < kRuns; ++r) {
     if (r < kImadMinRuns * kRuns / 4)
@@ -325,14 +448,47 @@ __device__ __forceinline__ uint32_t SelectTopK(uint32_t (&m)[N], int need) {
 #pragma unroll
     for (int r = 0; r + (1 << lv) < kRuns; r += 2 << lv) {
       const int step = 1 << lv;
-      uint32_t c[K];
-      TopKBitonic<K, L>(c, m, r * K, m, (r + step) * K);
+      if constexpr (L < K) {  // odd-even top-L merge (see TopMerge)
+        constexpr MergeNet net = TopMerge<K, L, L>::kNet;
+        uint32_t w[2 * K];
 #pragma unroll
-      for (int i = 0; i < K; ++i) m[r * K + i] = c[i];
-      RunNet<K, N, true, L>(m, r * K);
+        for (int i = 0; i < L; ++i) {
+          if (kNat && lv == kRunLevels - 1) {  // the last merge crosses the halves (see above)
+            w[i] = Prmt(m[r * K + i], m[(r + step) * K + i], 0x5410);
+            w[K + i] = Prmt(m[r * K + i], m[(r + step) * K + i], 0x7632);
+          } else {
+            w[i] = m[r * K + i];
+            w[K + i] = m[(r + step) * K + i];
+          }
+        }
+        RunTopMerge<K, L, L>(w);
+#pragma unroll
+        for (int i = 0; i < L; ++i) m[r * K + i] = w[net.out[i]];
+      } else {
+        uint32_t c[K];
+        if (kNat && lv == kRunLevels - 1)
+          TopKBitonicCross<K, L>(c, m, r * K, (r + step) * K);
+        else
+          TopKBitonic<K, L>(c, m, r * K, m, (r + step) * K);
+#pragma unroll
+        for (int i = 0; i < K; ++i) m[r * K + i] = c[i];
+        RunNet<K, N, true, L>(m, r * K);
+      }
     }
-  // Quad round 1: full merge with the partner lane (xor 1).
-  {
+  const uint32_t ell = m[L - 1];  // every element outside this lane's list is <= ell
+  // Quad round 1: full merge with the partner lane (xor 1), the top kL1 kept.
+  if constexpr (L < K) {
+    constexpr MergeNet net = TopMerge<K, L, kL1>::kNet;
+    uint32_t w[2 * K];
+#pragma unroll
+    for (int i = 0; i < L; ++i) {
+      w[i] = m[i];
+      w[K + i] = __shfl_xor_sync(0xffffffffu, m[i], 1);
+    }
+    RunTopMerge<K, L, kL1>(w);
+#pragma unroll
+    for (int i = 0; i < kL1; ++i) m[i] = w[net.out[i]];
+  } else {
     uint32_t b[K], c[K];
 #pragma unroll
     for (int i = 0; i < L; ++i) b[i] = __shfl_xor_sync(0xffffffffu, m[i], 1);
@@ -346,8 +502,8 @@ __device__ __forceinline__ uint32_t SelectTopK(uint32_t (&m)[N], int need) {
   {
     uint32_t b[K];
 #pragma unroll
-    for (int i = 0; i < L; ++i) b[i] = __shfl_xor_sync(0xffffffffu, m[i], 2);
-    TopKBitonic<K, L>(c, m, 0, b, 0);
+    for (int i = 0; i < kL1; ++i) b[i] = __shfl_xor_sync(0xffffffffu, m[i], 2);
+    TopKBitonic<K, kL1>(c, m, 0, b, 0);
   }
   const int p = need - 1;
   constexpr int kLevels = K == 8 ? 3 : 4;
@@ -364,6 +520,15 @@ __device__ __forceinline__ uint32_t SelectTopK(uint32_t (&m)[N], int need) {
         if (i < j) c[i] = SortMax(c[i], c[i + j]);
     }
   }
+  if constexpr (kL1 > L) {  // ℓ <= τ' in both halves on all four lanes
+    uint32_t ok = GeMaskBf16x2(c[0], ell);
+    ok &= __shfl_xor_sync(0xffffffffu, ok, 1);
+    ok &= __shfl_xor_sync(0xffffffffu, ok, 2);
+    *exact = ok == 0xffffffffu;
+  } else {
+    (void)ell;
+    if (exact != nullptr) *exact = true;
+  }
   return c[0];
 }
 
@@ -378,10 +543,11 @@ __device__ __forceinline__ uint32_t SelectTopK(uint32_t (&m)[N], int need) {
 // The quad rounds keep only the top L16 (12 or 16, >= need) of the merged lists: for need <= 12
 // (V at 0.92, d 128: need 11) the round-1 merge is pruned to 12 outputs and round 2 reads 12
 // of the partner's entries (24 fewer instructions per tile than with L16 = 16).
-template <int N, int L16>
+// kNat: m in the same-row layout, as for SelectTopK.
+template <int N, int L16, bool kNat = false>
 __device__ __forceinline__ uint32_t SelectTop8Merge16(uint32_t (&m)[N], int need, bool* exact) {
   static_assert(L16 == 12 || L16 == 16, "top 12 or 16");
-  static_assert(N % 8 == 0, "runs of 8");
+  static_assert(N % 8 == 0 && (!kNat || N >= 16), "runs of 8");
   constexpr int K = 8, kRuns = N / K;
 #pragma unroll
   for (int r = 0; r < kRuns; ++r) {
@@ -396,21 +562,34 @@ __device__ __forceinline__ uint32_t SelectTop8Merge16(uint32_t (&m)[N], int need
 #pragma unroll
     for (int r = 0; r + (1 << lv) < kRuns; r += 2 << lv) {
       const int step = 1 << lv;
+      if (kNat && lv == kRunLevels - 1) {
+        uint32_t c[K];
+        TopKBitonicCross<K, K>(c, m, r * K, (r + step) * K);
 #pragma unroll
-      for (int i = 0; i < K; ++i)
-        m[r * K + i] = SortMax(m[r * K + i], m[(r + step) * K + K - 1 - i]);
+        for (int i = 0; i < K; ++i) m[r * K + i] = c[i];
+      } else {
+#pragma unroll
+        for (int i = 0; i < K; ++i)
+          m[r * K + i] = SortMax(m[r * K + i], m[(r + step) * K + K - 1 - i]);
+      }
       RunNet<K, N, true>(m, r * K);
     }
   const uint32_t ell = m[K - 1];
-  // Quad round 1 (xor 1): the two sorted lists -> one sorted list of 16 (A descending followed
-  // by B ascending is bitonic).
+  // Quad round 1 (xor 1): the two sorted lists -> the top L16 of their union, sorted (odd-even
+  // merge pruned to L16 outputs, see TopMerge).
   uint32_t c[16];
+  {
+    constexpr MergeNet net = TopMerge<8, 8, L16>::kNet;
+    uint32_t w[16];
 #pragma unroll
-  for (int i = 0; i < K; ++i) {
-    c[i] = m[i];
-    c[2 * K - 1 - i] = __shfl_xor_sync(0xffffffffu, m[i], 1);
+    for (int i = 0; i < K; ++i) {
+      w[i] = m[i];
+      w[K + i] = __shfl_xor_sync(0xffffffffu, m[i], 1);
+    }
+    RunTopMerge<8, 8, L16>(w);
+#pragma unroll
+    for (int i = 0; i < 16; ++i) c[i] = i < L16 ? w[net.out[i]] : 0u;
   }
-  RunNet<16, 16, true, L16>(c, 0);
   // Quad round 2 (xor 2): top 16 of the two sorted lists (bitonic; entries >= L16 count as 0),
   // position need-1 only.
   {
@@ -636,6 +815,9 @@ __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate>(), MinBlocks<D, k
   static_assert(32 * kRegs * 4 == kStageBytes, "a stage holds the warp's packed registers");
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   constexpr bool kTmaLayout = UseTmaLayout<kRotate, kOutBf16>();
+  // Same-row register layout (quantize-only, demotion; see step 2): each packed register holds
+  // two adjacent columns of one row, x[0 .. kRegs/2) row gr and x[kRegs/2 ..) row gr+8.
+  constexpr bool kNat = kTmaLayout;
   // kTmaLayout: stages 1024-byte aligned (the 128-byte swizzle repeats every 1024 bytes);
   // WriteSmemBytes reserves the slack.
   uint8_t* smem = smem_raw;
@@ -959,8 +1141,13 @@ __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate>(), MinBlocks<D, k
           const int j = q * kSpan + 4 * m4;
 #pragma unroll
           for (int e = 0; e < (kSpan >= 8 ? 4 : 2); ++e) {
-            x[j + 2 * e] = Prmt(w[e], u[e], 0x5410);
-            x[j + 2 * e + 1] = Prmt(w[e], u[e], 0x7632);
+            if constexpr (kNat) {  // the words as loaded: no {row g, row g+8} PRMTs
+              x[j / 2 + e] = w[e];
+              x[kRegs / 2 + j / 2 + e] = u[e];
+            } else {
+              x[j + 2 * e] = Prmt(w[e], u[e], 0x5410);
+              x[j + 2 * e + 1] = Prmt(w[e], u[e], 0x7632);
+            }
           }
         }
     }
@@ -1015,14 +1202,43 @@ __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate>(), MinBlocks<D, k
         for (int c = 0; c < kRegs / 4; ++c)
           *reinterpret_cast<uint4*>(park_at(c)) =
               make_uint4(x[4 * c], x[4 * c + 1], x[4 * c + 2], x[4 * c + 3]);
+        // kNat -> {row gr, row gr+8} pairs (the rare paths below only).
+        auto rows_layout = [&]() {
+          if constexpr (kNat) {
+            uint32_t t[kRegs];
+#pragma unroll
+            for (int p = 0; p < kRegs / 2; ++p) {
+              t[2 * p] = Prmt(m[p], m[kRegs / 2 + p], 0x5410);
+              t[2 * p + 1] = Prmt(m[p], m[kRegs / 2 + p], 0x7632);
+            }
+#pragma unroll
+            for (int p = 0; p < kRegs; ++p) m[p] = t[p];
+          }
+        };
         if (need <= 6) {
-          tau = SelectTopK<8, 6>(m, need);
+#if KVPOOL_WRITE_K_TOP5
+          // per-lane top-5 lists, the quad's top 6, checked; rarely (a lane holding 6 of the
+          // row's 6 largest magnitudes) again from the parked values with top-6 lists
+          bool exact;
+          tau = SelectTopK<8, 5, kRegs, kNat, 6>(m, need, &exact);
+          if (!__all_sync(0xffffffffu, exact)) {
+#pragma unroll
+            for (int c = 0; c < kRegs / 4; ++c) {
+              const uint4 v = *reinterpret_cast<const uint4*>(park_at(c));
+              m[4 * c] = v.x & 0x7fff7fffu, m[4 * c + 1] = v.y & 0x7fff7fffu;
+              m[4 * c + 2] = v.z & 0x7fff7fffu, m[4 * c + 3] = v.w & 0x7fff7fffu;
+            }
+            tau = SelectTopK<8, 6, kRegs, kNat>(m, need);
+          }
+#else
+          tau = SelectTopK<8, 6, kRegs, kNat>(m, need);
+#endif
         } else if (need <= 8) {
-          tau = SelectTopK<8, 8>(m, need);
+          tau = SelectTopK<8, 8, kRegs, kNat>(m, need);
         } else if (need <= 16) {
           bool exact;
-          tau = need <= 12 ? SelectTop8Merge16<kRegs, 12>(m, need, &exact)
-                           : SelectTop8Merge16<kRegs, 16>(m, need, &exact);
+          tau = need <= 12 ? SelectTop8Merge16<kRegs, 12, kNat>(m, need, &exact)
+                           : SelectTop8Merge16<kRegs, 16, kNat>(m, need, &exact);
           if (!__all_sync(0xffffffffu, exact)) {  // rare: again from the parked values
 #pragma unroll
             for (int c = 0; c < kRegs / 4; ++c) {
@@ -1030,9 +1246,11 @@ __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate>(), MinBlocks<D, k
               m[4 * c] = v.x & 0x7fff7fffu, m[4 * c + 1] = v.y & 0x7fff7fffu;
               m[4 * c + 2] = v.z & 0x7fff7fffu, m[4 * c + 3] = v.w & 0x7fff7fffu;
             }
+            rows_layout();
             tau = SelectTopK<16, 16>(m, need);
           }
         } else {
+          rows_layout();
           tau = SelectBySearch(m, need);
         }
 #pragma unroll
@@ -1055,11 +1273,27 @@ __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate>(), MinBlocks<D, k
 #pragma unroll
       for (int grp = 0; grp < kNG; ++grp) {
         constexpr int kQPerGroup = 4 / kNG;
-        uint32_t lo = x[grp * kQPerGroup * kSpan], hi = lo;
+        uint32_t lo, hi;
+        if constexpr (kNat) {
+          // per row over its registers of the group, then {gr, gr+8} from the two halves
+          constexpr int kP = kQPerGroup * kSpan / 2;
+          uint32_t la = x[grp * kP], ha = la, lb = x[kRegs / 2 + grp * kP], hb = lb;
 #pragma unroll
-        for (int j = grp * kQPerGroup * kSpan + 1; j < (grp + 1) * kQPerGroup * kSpan; ++j) {
-          lo = MinNanBf16x2(lo, x[j]);
-          hi = MaxNanBf16x2(hi, x[j]);
+          for (int p = grp * kP + 1; p < (grp + 1) * kP; ++p) {
+            la = MinNanBf16x2(la, x[p]);
+            ha = MaxNanBf16x2(ha, x[p]);
+            lb = MinNanBf16x2(lb, x[kRegs / 2 + p]);
+            hb = MaxNanBf16x2(hb, x[kRegs / 2 + p]);
+          }
+          lo = MinNanBf16x2(Prmt(la, lb, 0x5410), Prmt(la, lb, 0x7632));
+          hi = MaxNanBf16x2(Prmt(ha, hb, 0x5410), Prmt(ha, hb, 0x7632));
+        } else {
+          lo = x[grp * kQPerGroup * kSpan], hi = lo;
+#pragma unroll
+          for (int j = grp * kQPerGroup * kSpan + 1; j < (grp + 1) * kQPerGroup * kSpan; ++j) {
+            lo = MinNanBf16x2(lo, x[j]);
+            hi = MaxNanBf16x2(hi, x[j]);
+          }
         }
         lo = MinNanBf16x2(lo, __shfl_xor_sync(0xffffffffu, lo, 1));
         hi = MaxNanBf16x2(hi, __shfl_xor_sync(0xffffffffu, hi, 1));
@@ -1115,52 +1349,96 @@ __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate>(), MinBlocks<D, k
         if (u < thf) th = 0x7f80u;
         mine[s] = th;
       }
-      uint32_t thr[kNG][3];  // packed {row g, row g+8} bf16 thresholds
-#pragma unroll
-      for (int grp = 0; grp < kNG; ++grp)
-#pragma unroll
-        for (int j = 0; j < 3; ++j) {
-          uint32_t v[2];
-#pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            const int c = r * kNG + grp;
-            const int src = kCombos == 2 ? (j == 1 ? 2 : 0) + c : c;
-            const int round = kCombos == 2 ? (j == 2 ? 1 : 0) : j;
-            v[r] = __shfl_sync(0xffffffffu, mine[round], (lane & ~3) | src);
-          }
-          thr[grp][j] = v[0] | (v[1] << 16);
-        }
-
       // ---- step 5: codes (2 bits b1 b0 per value; quarter q in bits 2q, 2q+1 of the byte).
       // Per column i the byte of each half is Σ_q (b0 + 2·b1)·4^q, summed on the FMA pipe
       // (v6; before: 7 bitwise selects per column on the saturated ALU pipe): with the masks m
       // (0xffff per true half) as integers, S = Σ w·m mod 2^32 = 2^16·(L − H) − L for the
       // weighted sums L (low half) and H (high half) of the true bits, so S·(−65537) =
       // L + 2^16·H mod 2^32 (L, H <= 255): the low byte of each half is that half's code byte.
-      uint32_t accb[kSpan];
-#pragma unroll
-      for (int i = 0; i < kSpan; ++i) {
-        uint32_t sum = 0;
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          const int grp = q / (4 / kNG);
-          const uint32_t v = x[q * kSpan + i];
-          // b1 = [x >= t2]; b0 = [x >= t3] when b1, else [x >= t1] (t1 <= t2 <= t3).
-          const uint32_t m2 = GeMaskBf16x2(v, thr[grp][1]);
-          const uint32_t m0 = GeMaskBf16x2(v, SelBits(m2, thr[grp][2], thr[grp][0]));
-          sum = MadLo(m2, kCodeWeights[2 * q + 1], sum);
-          sum = MadLo(m0, kCodeWeights[2 * q], sum);
-        }
-        accb[i] = MadLo(sum, kCodeWeights[8], 0u);
-      }
-      const uint32_t keep0 = bad[0] ? 0u : 0xffffffffu, keep1 = bad[1] ? 0u : 0xffffffffu;
       uint32_t row0[kSpan / 4], row1[kSpan / 4];
+      if constexpr (kNat) {
+        // Same-row layout: per row r, its thresholds in both halves ({t, t}, one IMAD each), the
+        // code bytes of columns 2k (low half) and 2k + 1 (high half) summed as above, and
+        // 4 bytes per PRMT.
 #pragma unroll
-      for (int w = 0; w < kSpan / 4; ++w) {
-        const uint32_t t01 = Prmt(accb[4 * w], accb[4 * w + 1], 0x6240);
-        const uint32_t t23 = Prmt(accb[4 * w + 2], accb[4 * w + 3], 0x6240);
-        row0[w] = Prmt(t01, t23, 0x5410) & keep0;
-        row1[w] = Prmt(t01, t23, 0x7632) & keep1;
+        for (int r = 0; r < 2; ++r) {
+          uint32_t thr[kNG][3];
+#pragma unroll
+          for (int grp = 0; grp < kNG; ++grp)
+#pragma unroll
+            for (int j = 0; j < 3; ++j) {
+              const int c = r * kNG + grp;
+              const int src = kCombos == 2 ? (j == 1 ? 2 : 0) + c : c;
+              const int round = kCombos == 2 ? (j == 2 ? 1 : 0) : j;
+              thr[grp][j] = MadLo(__shfl_sync(0xffffffffu, mine[round], (lane & ~3) | src),
+                                  kCodeWeights[9], 0u);
+            }
+          uint32_t accb[kSpan / 2];
+#pragma unroll
+          for (int k = 0; k < kSpan / 2; ++k) {
+            uint32_t sum = 0;
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+              const int grp = q / (4 / kNG);
+              const uint32_t v = x[r * (kRegs / 2) + q * (kSpan / 2) + k];
+              const uint32_t m2 = GeMaskBf16x2(v, thr[grp][1]);
+              const uint32_t m0 = GeMaskBf16x2(v, SelBits(m2, thr[grp][2], thr[grp][0]));
+              sum = MadLo(m2, kCodeWeights[2 * q + 1], sum);
+              sum = MadLo(m0, kCodeWeights[2 * q], sum);
+            }
+            accb[k] = MadLo(sum, kCodeWeights[8], 0u);
+          }
+          const uint32_t keep = bad[r] ? 0u : 0xffffffffu;
+#pragma unroll
+          for (int w = 0; w < kSpan / 4; ++w) {
+            const uint32_t word = Prmt(accb[2 * w], accb[2 * w + 1], 0x6420) & keep;
+            if (r)
+              row1[w] = word;
+            else
+              row0[w] = word;
+          }
+        }
+      } else {
+        uint32_t thr[kNG][3];  // packed {row g, row g+8} bf16 thresholds
+#pragma unroll
+        for (int grp = 0; grp < kNG; ++grp)
+#pragma unroll
+          for (int j = 0; j < 3; ++j) {
+            uint32_t v[2];
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+              const int c = r * kNG + grp;
+              const int src = kCombos == 2 ? (j == 1 ? 2 : 0) + c : c;
+              const int round = kCombos == 2 ? (j == 2 ? 1 : 0) : j;
+              v[r] = __shfl_sync(0xffffffffu, mine[round], (lane & ~3) | src);
+            }
+            thr[grp][j] = v[0] | (v[1] << 16);
+          }
+
+        uint32_t accb[kSpan];
+#pragma unroll
+        for (int i = 0; i < kSpan; ++i) {
+          uint32_t sum = 0;
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+            const int grp = q / (4 / kNG);
+            const uint32_t v = x[q * kSpan + i];
+            // b1 = [x >= t2]; b0 = [x >= t3] when b1, else [x >= t1] (t1 <= t2 <= t3).
+            const uint32_t m2 = GeMaskBf16x2(v, thr[grp][1]);
+            const uint32_t m0 = GeMaskBf16x2(v, SelBits(m2, thr[grp][2], thr[grp][0]));
+            sum = MadLo(m2, kCodeWeights[2 * q + 1], sum);
+            sum = MadLo(m0, kCodeWeights[2 * q], sum);
+          }
+          accb[i] = MadLo(sum, kCodeWeights[8], 0u);
+        }
+        const uint32_t keep0 = bad[0] ? 0u : 0xffffffffu, keep1 = bad[1] ? 0u : 0xffffffffu;
+#pragma unroll
+        for (int w = 0; w < kSpan / 4; ++w) {
+          const uint32_t t01 = Prmt(accb[4 * w], accb[4 * w + 1], 0x6240);
+          const uint32_t t23 = Prmt(accb[4 * w + 2], accb[4 * w + 3], 0x6240);
+          row0[w] = Prmt(t01, t23, 0x5410) & keep0;
+          row1[w] = Prmt(t01, t23, 0x7632) & keep1;
+        }
       }
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
