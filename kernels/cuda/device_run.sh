@@ -22,7 +22,7 @@
 #            sets the batches of the 32K rounds, e.g. AB_BATCHES=1,32 adds B 1 x 32K to them
 #            NO_PAIR=1 skips the SDPA/BF16 pass; TIMELINE_BENCH (a -DKVPOOL_DECODE_TIMELINE build of
 #            cuda_decode_bench) writes per-CTA timestamps of one launch per headline shape to
-#            $OUT/timeline.txt first
+#            $OUT/timeline.txt first (under TIMELINE_ENV="VAR=value ...")
 #     full:  every shape of PERF.md (long)
 # TEST_FILTER (gtest filter) and SKIP_TESTS=1 control the tests; TEST_BINS="a b" also runs other
 # builds' cuda_kernels_test, concurrently, before any timing (logs test_log_<binary>.txt)
@@ -130,7 +130,7 @@ case "$MODE" in
       echo "== timeline $TIMELINE_BENCH" | tee -a "$LOG"
       for tb in "32 32768" "8 131072"; do
         set -- $tb
-        KVPOOL_DECODE_TIMELINE="$OUT/timeline.txt" "$TIMELINE_BENCH" --skip-bf16 --batches "$1" \
+        env ${TIMELINE_ENV:-} KVPOOL_DECODE_TIMELINE="$OUT/timeline.txt" "$TIMELINE_BENCH" --skip-bf16 --batches "$1" \
           --contexts "$2" --gqa 32:8 --page-sizes 16 --iters 5 --warmup 2 2>&1 | grep -E "^int2" | tee -a "$LOG"
       done
     fi

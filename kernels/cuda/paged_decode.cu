@@ -12,6 +12,9 @@
 //      Σ p·min term (FORMAT.md §2.8). The head_dim permutation implied by the packed byte order
 //      is absorbed into the q̃ fragments (any permutation of the reduction index leaves a dot
 //      product unchanged) and into the output index map.
+//      The splits of a row (request, KV head) interleave by ring stage; when the grid is one wave,
+//      the last quarter of each row's stages is claimed at run time from a per-row counter in the
+//      workspace (zeroed by QRotateKernel) and the grid is ordered split-major (v18, MakePlan).
 //   Each decode CTA writes one partial (output normalized by its own sum, log2-sum-exp) per
 //   (request, q head, split).
 //   4. MergeKernel  LSE-merges the partials of every split and segment (empty ones carry
@@ -38,6 +41,9 @@ namespace detail {
 namespace {
 
 constexpr int kWarps = 4;
+// Claim counters of the INT2 kernel sit 128 bytes apart, so the rows' atomics spread over L2
+// slices (in one 128-byte line they serialized: +35 % launch time at B = 8 × 128K, s6 notes).
+constexpr int kClaimStride = 32;
 constexpr int kThreads = 32 * kWarps;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
@@ -72,6 +78,14 @@ struct AttnArgs {
   // segment (seg1): grid.x = seg1's splits, and CTA 0 streams the sink's units before its recent
   // units into the same softmax state and partial (v8; no sink CTAs, one partial fewer per row).
   int32_t fold_sink;
+  // INT2 kernel only (v18): one claim counter per history row (request, KV head, head chunk),
+  // kClaimStride ints apart, zeroed by QRotateKernel; dyn_claims = percent of a row's stages
+  // assigned statically before the rest is claimed (0: every stage static). split_major:
+  // grid (KV heads × chunks, batch, splits) instead of (splits, KV heads × chunks, batch), so the
+  // first wave holds the first splits of every row.
+  int* row_claims;
+  int32_t dyn_claims;
+  int32_t split_major;
 };
 
 __device__ __forceinline__ void ImmaU8S8(int (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
@@ -605,10 +619,11 @@ __global__ void __launch_bounds__(kThreads, (D <= 128 ? (KT == 1 ? 5 : 4) : 2))
   // (tokens 2tig, 2tig + 1 would put lanes tig and tig + 2 on the same bank).
   const int krow = (g >> 1) + 4 * (g & 1);
   const SegArgs& seg = a.seg0;
-  const int sx = blockIdx.x;
-  const int b = blockIdx.z;
-  const int kvh = blockIdx.y / a.head_chunks;
-  const int chunk = blockIdx.y % a.head_chunks;
+  const int sx = a.split_major ? blockIdx.z : blockIdx.x;
+  const int yy = a.split_major ? blockIdx.x : blockIdx.y;  // KV head × head chunk
+  const int b = a.split_major ? blockIdx.y : blockIdx.z;
+  const int kvh = yy / a.head_chunks;
+  const int chunk = yy % a.head_chunks;
   const int h_first = kvh * a.group + chunk * kHeads;
   const int nh = min(kHeads, a.group - chunk * kHeads);
   const int page_size = a.page_size;
@@ -620,28 +635,33 @@ __global__ void __launch_bounds__(kThreads, (D <= 128 ? (KT == 1 ? 5 : 4) : 2))
     npg = seg.indptr[b + 1] - pbeg;
     if (npg > 0) last_len = min(max(seg.last_len[b], 0), page_size);
   }
-  const int p0 = sx * seg.pages_per_split;
-  const int p1 = min(npg, p0 + seg.pages_per_split);
-  const bool overflow = (sx == seg.num_splits - 1) && npg > p1;
-  const int nunits = max(0, p1 - p0) << tpp_log2;
-  // Tokens of the segment before this split's first unit, and in the whole segment.
-  const int seg_tokens = npg > 0 ? (npg - 1) * page_size + last_len : 0;
-  const int tok_base = p0 * page_size;
-  const int first_unit = kSub * warp;
-  const int my_steps =
-      nunits > first_unit ? (nunits - first_unit + kSub * kWarps - 1) / (kSub * kWarps) : 0;
-  const int my_stages = (my_steps + kStepsPerStage - 1) / kStepsPerStage;
-  // This warp's loaded slots: slot 2a + b holds unit first_unit + 8a + b, valid while < nunits,
-  // so the valid slots are a prefix of length my_slots (counted once instead of per stage).
-  const int my_rem = nunits - first_unit;
-  const int my_slots =
-      my_rem > 0 ? kSub * (my_rem / (kSub * kWarps)) + min(my_rem % (kSub * kWarps), kSub) : 0;
-  // Units of the split that are loaded and hold 16 valid tokens. Step t (units u0, u0 + 1 with
-  // u0 = first_unit + 8t) needs the masked path iff u0 + kSub > full_units, i.e. 8t > part_lim.
-  const int full_units = min(nunits, max(seg_tokens - tok_base, 0) / 16);
-  const int part_lim = full_units - first_unit - kSub;
+  // v18: a ring stage holds kStageUnits consecutive units of the row (request, KV head, head
+  // chunk); stage t < t_fix of warp w in split sx is the fixed ((t·S + sx)·kWarps + w)-th stage of
+  // the row (the splits interleave at stage granularity), and with dyn_claims every later stage is
+  // claimed from the row's counter (atomicAdd of lane 0, issued one stage before the stage is
+  // prepared and two before its copies), so the splits of a row end within about one stage of
+  // each other however unevenly the SMs serve their CTAs. (One launch's timeline at B = 8 × 128K,
+  // v16: equal static splits ended between 101 and 162 µs, the CTAs an SM received last taking
+  // 32 % longer than its first; with the split-major grid a row's splits sit at every such rank.)
+  // Claims start only after the wait for QRotateKernel, which zeroes the counters; the first
+  // kStages stages are always fixed and issued before that wait.
+  const int num_splits = max(seg.num_splits, 1);
+  const int npg_eff = min(npg, num_splits * seg.pages_per_split);  // max_pages bound
+  const bool overflow = (sx == num_splits - 1) && npg > npg_eff;
+  const int row_units = npg_eff << tpp_log2;
+  const int row_tokens =
+      npg_eff < npg ? npg_eff * page_size : (npg > 0 ? (npg - 1) * page_size + last_len : 0);
+  // Stages t < t_fix of every warp are fixed (dyn_claims % of the row), later ones claimed.
+  const int t_fix =
+      a.dyn_claims
+          ? max(kStages, (a.dyn_claims * row_units) / (100 * num_splits * kWarps * kStageUnits))
+          : 1 << 30;
+  const int claim_base = t_fix * num_splits * kWarps * kStageUnits;  // units of fixed stages
+  auto fixed_base = [&](int t) { return ((t * num_splits + sx) * kWarps + warp) * kStageUnits; };
+  int* claims =
+      a.row_claims + kClaimStride * (size_t(b) * (a.split_major ? gridDim.x : gridDim.y) + yy);
   const uint64_t chunk_bytes = uint64_t(page_size) * (D / 2 + 8 * kNG);
-  const int32_t* page_ids = seg.indices + pbeg + p0;
+  const int32_t* page_ids = seg.indices + pbeg;
   const uint8_t* head_base = seg.base + uint64_t(kvh) * chunk_bytes;
 
   uint8_t* ring = smem + warp * kStages * kStageUnits * C::kTile;
@@ -653,43 +673,27 @@ __global__ void __launch_bounds__(kThreads, (D <= 128 ? (KT == 1 ? 5 : 4) : 2))
   }
   __syncwarp();
 
-  // Page ids of this warp's units, 32 slots (16 steps) per batch, one slot per lane.
-  auto slot_unit = [&](int slot) {
-    return first_unit + (slot / kSub) * kSub * kWarps + slot % kSub;
+  // Page id of unit base + lane (lanes < kStageUnits; 0 past the row's end).
+  auto load_pid = [&](int base) -> int {
+    const int u = base + lane;
+    return (lane < kStageUnits && u < row_units) ? __ldg(page_ids + (u >> tpp_log2)) : 0;
   };
-  auto load_pid = [&](int batch) -> int {
-    const int slot = 32 * batch + lane;
-    return slot < my_slots ? __ldg(page_ids + (slot_unit(slot) >> tpp_log2)) : 0;
-  };
-  int pid_cur = load_pid(0), pid_nxt = load_pid(1), pid_batch = 0;
-  // Ring stage t holds the units of warp steps kStepsPerStage·t .. kStepsPerStage·t + 1: one
-  // expect_tx, one wait and one page-id batch check per stage instead of per step. The lane that
-  // holds a unit's page id (slot mod 32) issues that unit's copies itself: no shuffles, and the
-  // address arithmetic of the stage's units runs once, in parallel lanes.
-  auto issue = [&](int t) {
-    if (t >= my_stages) return;  // warp-uniform
-    const int slot0 = t * kStageUnits;
-    const bool next_batch = (slot0 >> 5) != pid_batch;  // advances by at most one per stage
-    if (next_batch) {
-      pid_batch = slot0 >> 5;
-      pid_cur = pid_nxt;
-    }
+  // TMA copies of ring stage t = units base .. base + kStageUnits - 1 (base < row_units): lane j
+  // copies unit base + j with the page id it holds. No proxy fence before the copies: the
+  // generic-proxy reads of this stage completed (their values were consumed) before the
+  // __syncwarp that ended its previous use, as in a TMA pipeline's consumer release. expect_tx
+  // comes first in program order (same warp).
+  auto issue = [&](int t, int base, int pid) {
     const int s = t % kStages;
-    // Units grow with the slot, so the valid ones are a prefix of the stage.
-    const int nvalid = min(max(my_slots - slot0, 0), kStageUnits);
-    const int j = (lane - slot0) & 31;  // this lane's unit in the stage, if < kStageUnits
-    // No proxy fence before the copies: the generic-proxy reads of this stage completed (their
-    // values were consumed) before the __syncwarp that ended its previous use, as in a TMA
-    // pipeline's consumer release. expect_tx comes first in program order (same warp).
-    if (j == 0) MbarExpectTx(&bar[s], uint32_t(nvalid * C::kTile));
-    if (j < nvalid) {
-      const int u = slot_unit(slot0 + j);
-      const uint8_t* src = head_base + uint64_t(uint32_t(pid_cur)) * seg.page_stride;
-      uint8_t* dst = ring + (s * kStageUnits + j) * C::kTile;
+    const int nvalid = min(row_units - base, kStageUnits);
+    if (lane == 0) MbarExpectTx(&bar[s], uint32_t(nvalid * C::kTile));
+    if (lane < nvalid) {
+      const uint8_t* src = head_base + uint64_t(uint32_t(pid)) * seg.page_stride;
+      uint8_t* dst = ring + (s * kStageUnits + lane) * C::kTile;
       if (page_size == 16) {
         BulkCopy(dst, src, C::kTile, &bar[s]);
       } else {
-        const int sub = u & 3;
+        const int sub = (base + lane) & 3;
         const uint64_t code_part = uint64_t(page_size) * C::kCR;
         BulkCopy(dst, src + sub * 16 * C::kCR, 16 * C::kCR, &bar[s]);
         BulkCopy(dst + 16 * C::kCR, src + code_part + sub * 16 * C::kCR, 16 * C::kCR, &bar[s]);
@@ -699,17 +703,28 @@ __global__ void __launch_bounds__(kThreads, (D <= 128 ? (KT == 1 ? 5 : 4) : 2))
                  &bar[s]);
       }
     }
-    if (next_batch) pid_nxt = load_pid(pid_batch + 1);  // after the copies: nothing waits on it
   };
-  // The whole ring is filled before the wait for q̃ (v9: the copies read page ids only, never q̃),
-  // so a CTA resident while QRotateKernel runs has kStages stages of loads in flight.
-#pragma unroll
-  for (int t = 0; t < kStages; ++t) issue(t);
+  // The fixed stages fill the whole ring before the wait for q̃ (v9: the copies read page ids
+  // only, never q̃), so a CTA resident while QRotateKernel runs has kStages stages in flight.
+  static_assert(kStages == 2, "the stage bookkeeping below holds two ring slots");
+  int sb0 = fixed_base(0), sb1 = fixed_base(1);  // unit base of the stage in ring slot 0 / 1
+  {
+    const int pid0 = load_pid(sb0), pid1 = load_pid(sb1);
+    if (sb0 < row_units) issue(0, sb0, pid0);
+    if (sb1 < row_units) issue(1, sb1, pid1);
+  }
 
   // ---- q̃ (written by QRotateKernel) → 16-bit integers per head, in shared memory ----
   if (a.pdl_wait_first) PdlWait();
   PdlLaunchDependents();
   KVPOOL_TL(1, 1);
+  // Claims of stages 2 and 3 (the counters are zero now: QRotateKernel completed). Lane 0 holds
+  // the pending result; it is read one stage later, so the atomic's latency is hidden.
+  int claim2 = 0, claim = 0;
+  if (lane == 0 && sb1 < row_units) {
+    if (2 >= t_fix) claim2 = atomicAdd(claims, kStageUnits);
+    if (3 >= t_fix) claim = atomicAdd(claims, kStageUnits);
+  }
   for (int h = warp; h < kHeads; h += kWarps) {
     const bool real = h < nh;
     const float* qh = a.q_rot + (size_t(b) * a.num_q_heads + h_first + h) * D;
@@ -793,22 +808,31 @@ __global__ void __launch_bounds__(kThreads, (D <= 128 ? (KT == 1 ? 5 : 4) : 2))
     for (int grp = 0; grp < kNG; ++grp) mn_run[kt][grp] = 0.f;
   }
 
-  // One ring stage (two warp steps) per iteration. (v11 ran the stages without masked steps
-  // through a second, branch-free copy of this body: 96 registers instead of 90 and no faster
-  // (s5/s6 A/B in KERNELS.md), so v12 dropped it.)
-  for (int ts = 0; ts < my_stages; ++ts) {
+  // Stage 2: its base (claimed above, or fixed) and page ids; every later stage is prepared in
+  // the loop one stage before its copies are issued.
+  auto next_base = [&](int t, int c) {
+    return t >= t_fix ? claim_base + __shfl_sync(0xffffffffu, c, 0) : fixed_base(t);
+  };
+  int nb = sb1 < row_units ? next_base(2, claim2) : row_units;
+  int npid = load_pid(nb);
+
+  // One ring stage (two warp steps) per iteration, while the stage's base is inside the row
+  // (bases grow with the stage index, so the first one past the end ends the loop with no copy in
+  // flight). (v11 ran the stages without masked steps through a second, branch-free copy of this
+  // body: 96 registers instead of 90 and no faster (s5/s6 A/B in KERNELS.md), so v12 dropped it.)
+  for (int ts = 0;; ++ts) {
     const int s = ts % kStages;
+    const int sbase = s ? sb1 : sb0;
+    if (sbase >= row_units) break;  // warp-uniform
     MbarWait(&bar[s], uint32_t(ts / kStages) & 1u);
 #pragma unroll
     for (int h = 0; h < kStepsPerStage; ++h) {
-      // A step past my_steps (the last stage of an odd step count) is run fully masked (its units
-      // were not loaded: partial below, with every row invalid) rather than skipped, so the two
-      // steps of a stage form one basic block the compiler can interleave.
-      const int t = ts * kStepsPerStage + h;
+      // A step past the row's end (a stage that holds fewer than kStageUnits units) is run with
+      // every row masked rather than skipped, so the two steps of a stage form one basic block
+      // the compiler can interleave.
       const uint8_t* stage = ring + (s * kStageUnits + h * kSub) * C::kTile;
-      // Tokens of this step's units (split-local unit u covers 16 tokens from tok_base + 16u).
-      const int u0 = first_unit + t * kSub * kWarps;
-      const bool partial = t * kSub * kWarps > part_lim;  // warp-uniform
+      const int u0 = sbase + h * kSub;                     // row-global unit of the step
+      const bool partial = (u0 + kSub) * 16 > row_tokens;  // warp-uniform
 
       float logit[kSub][KT][2];    // relative to mref
       uint32_t vpw[kSub][2][kNG];  // V params {scale16, min16} of rows krow, krow + 8
@@ -880,8 +904,7 @@ __global__ void __launch_bounds__(kThreads, (D <= 128 ? (KT == 1 ? 5 : 4) : 2))
             logit[j][kt][r] = x;
           }
         if (partial) {  // warp-uniform: rows past the segment's end, or of units not loaded
-          const int u = u0 + j;
-          const int n = u < nunits ? min(max(seg_tokens - tok_base - 16 * u, 0), 16) : 0;
+          const int n = min(max(row_tokens - 16 * (u0 + j), 0), 16);
 #pragma unroll
           for (int r = 0; r < 2; ++r)
             if (krow + 8 * r >= n) {  // unused slots may hold anything (NaN included)
@@ -999,11 +1022,20 @@ __global__ void __launch_bounds__(kThreads, (D <= 128 ? (KT == 1 ? 5 : 4) : 2))
           }
         }
       }
-    }  // step t of stage ts
+    }  // step h of stage ts
     __syncwarp();
-    // Refill the stage just consumed (the same point in time as issuing it at the top of the next
-    // iteration, as v8 did, and the same one stage of lead).
-    issue(ts + kStages);
+    // Refill the slot just consumed with stage ts + 2 (prepared one stage ago), then prepare stage
+    // ts + 3 from the claim issued one stage ago and claim stage ts + 4.
+    if (s)
+      sb1 = nb;
+    else
+      sb0 = nb;
+    if (nb < row_units) {
+      issue(ts + kStages, nb, npid);
+      nb = next_base(ts + kStages + 1, claim);
+      npid = load_pid(nb);
+      if (ts + kStages + 2 >= t_fix && lane == 0) claim = atomicAdd(claims, kStageUnits);
+    }
   }
 
   // ---- reduce per-lane sums over the 8 lane groups ----
@@ -1096,13 +1128,18 @@ template <int D>
 __global__ void __launch_bounds__(kRotThreads)
     QRotateKernel(const uint16_t* __restrict__ q, const float* __restrict__ rk,
                   int64_t r_head_stride, int num_q_heads, int group, float scale,
-                  float* __restrict__ q_rot) {
+                  float* __restrict__ q_rot, int* __restrict__ row_claims, int claims_per_cta) {
   constexpr int kParts = kRotThreads / D;    // slices of the reduction index (1, 2 or 4)
   __shared__ __align__(16) float qs[D][16];  // [i][head]
   __shared__ float red[kParts][4][D];
   PdlLaunchDependents();
   KVPOOL_TL(0, 0);
   const int kvh = blockIdx.x, b = blockIdx.y;
+  // The INT2 kernel's claim counters of this (request, KV head), one per head chunk: this kernel
+  // runs after the previous launch completed and before any INT2 CTA claims (they claim after
+  // their wait for this grid), so a poisoned workspace is fine.
+  if (int(threadIdx.x) < claims_per_cta)
+    row_claims[kClaimStride * ((size_t(b) * gridDim.x + kvh) * claims_per_cta + threadIdx.x)] = 0;
   const int j = threadIdx.x % D, part = threadIdx.x / D;
   const size_t row0 = size_t(b) * num_q_heads + size_t(kvh) * group;
   const float* r = rk == nullptr ? nullptr : rk + kvh * r_head_stride;
@@ -1335,10 +1372,12 @@ struct Plan {
   int kt = 1;           // INT2 kernel: 4-head n-tiles (1 or 2)
   int i2_chunks = 1;    // INT2 kernel: CTAs per KV head
   SegPlan sink, history, recent;
-  bool fold_sink = false;  // sink CTA folded into the first recent split (FoldSink)
-  int sink_parts = 0;      // partials of the sink: 0 when folded
+  bool fold_sink = false;    // sink CTA folded into the first recent split (FoldSink)
+  int dyn_pct = 0;           // INT2: percent of a row's stages fixed before claiming (0: none)
+  bool split_major = false;  // INT2: grid (rows, batch, splits)
+  int sink_parts = 0;        // partials of the sink: 0 when folded
   int s_total = 0;
-  size_t off_q = 0, off_o = 0, off_lse = 0, total = 0;
+  size_t off_q = 0, off_o = 0, off_lse = 0, off_claims = 0, total = 0;
 };
 
 size_t AlignUp(size_t x) { return (x + 255) & ~size_t(255); }
@@ -1427,6 +1466,25 @@ double SplitFixedUnits() {
   static const double v = [] {
     const char* e = std::getenv("KVPOOL_DECODE_SPLIT_FIXED");
     return e == nullptr ? 16.0 : std::atof(e);
+  }();
+  return v;
+}
+
+// KVPOOL_DECODE_DYN=P (0..100) forces the INT2 kernel's claimed stages on with P % of each row
+// fixed (0: all fixed); unset (-1): the launcher's rule (MakePlan). A/B switch. Read once.
+int DynClaimsOverride() {
+  static const int v = [] {
+    const char* e = std::getenv("KVPOOL_DECODE_DYN");
+    return e == nullptr ? -1 : std::min(std::max(std::atoi(e), 0), 100);
+  }();
+  return v;
+}
+
+// KVPOOL_DECODE_SPLIT_MAJOR=0/1 forces the INT2 grid's order; unset (-1): the launcher's rule.
+int SplitMajorOverride() {
+  static const int v = [] {
+    const char* e = std::getenv("KVPOOL_DECODE_SPLIT_MAJOR");
+    return e == nullptr ? -1 : (std::string(e) == "1" ? 1 : 0);
   }();
   return v;
 }
@@ -1609,6 +1667,21 @@ KernelStatus MakePlan(const PagedDecodeParams& p, Plan* plan) {
         int32_t((p.history.max_pages + plan->history.pps - 1) / plan->history.pps);
   }
   plan->recent = PlanSegment(p.recent, p.page_size, base, slots_bf);
+  // INT2 work distribution (v18). When the INT2 grid is one wave (every CTA resident at once)
+  // and a warp has >= 8 stages, the last quarter of each row is claimed at run time and the grid
+  // is ordered split-major, so the splits of a row sit at different arrival ranks of their SMs
+  // and share the row's end (B = 8 × 128K: 0.1664-0.1670 ms vs 0.1710-0.1713 static, same call).
+  // Grids of several waves keep static stages in row-major order (B = 32 × 32K, 2 waves: claimed
+  // stages were 1.2-2.5 % slower, the split-major order lets a row's late splits start a wave
+  // later); B = 1 has 2 stages per warp, where claims only add the atomic's latency.
+  if (plan->history.splits > 0) {
+    const int64_t ctas = base_i2 * plan->history.splits;
+    const int64_t units = int64_t(p.history.max_pages) * (p.page_size / 16);
+    const int64_t stages_per_warp = units / (int64_t(plan->history.splits) * kWarps * 4);
+    const bool claim = ctas <= slots_i2 && stages_per_warp >= 8;
+    plan->dyn_pct = DynClaimsOverride() >= 0 ? DynClaimsOverride() : (claim ? 75 : 0);
+    plan->split_major = SplitMajorOverride() >= 0 ? SplitMajorOverride() == 1 : claim;
+  }
   plan->fold_sink = FoldSink() && plan->sink.splits == 1 && plan->recent.splits >= 1;
   plan->sink_parts = plan->fold_sink ? 0 : plan->sink.splits;
   plan->s_total = plan->sink_parts + plan->history.splits + plan->recent.splits;
@@ -1616,7 +1689,9 @@ KernelStatus MakePlan(const PagedDecodeParams& p, Plan* plan) {
   plan->off_q = 0;
   plan->off_o = AlignUp(rows * p.head_dim * sizeof(float));
   plan->off_lse = plan->off_o + AlignUp(rows * plan->s_total * p.head_dim * sizeof(float));
-  plan->total = plan->off_lse + AlignUp(rows * plan->s_total * sizeof(float));
+  plan->off_claims = plan->off_lse + AlignUp(rows * plan->s_total * sizeof(float));
+  plan->total = plan->off_claims + AlignUp(size_t(p.batch) * p.num_kv_heads * plan->i2_chunks *
+                                           kClaimStride * sizeof(int32_t));
   return KernelStatus::Ok();
 }
 
@@ -1728,7 +1803,8 @@ KernelStatus LaunchPagedDecode(const PagedDecodeParams& p, Stream stream_handle)
   KernelStatus st = MakePlan(p, &plan);
   if (!st.ok()) return st;
 #ifdef KVPOOL_DECODE_TIMELINE
-  {  // instrumented builds only: a zeroed stamp buffer (allocated on the first call) per launch
+  {  // instrumented builds only: a zeroed stamp buffer for this launch (synchronizes: not for
+     // timing)
     static unsigned long long* buf = nullptr;
     const size_t n = size_t(4) * detail::kTlMaxCtas * 4 * sizeof(unsigned long long);
     if (buf == nullptr) {
@@ -1752,6 +1828,7 @@ KernelStatus LaunchPagedDecode(const PagedDecodeParams& p, Stream stream_handle)
   float* q_rot = reinterpret_cast<float*>(ws + plan.off_q);
   float* part_o = reinterpret_cast<float*>(ws + plan.off_o);
   float* part_lse = reinterpret_cast<float*>(ws + plan.off_lse);
+  int* row_claims = reinterpret_cast<int*>(ws + plan.off_claims);
   const int d = p.head_dim;
   const int group = p.num_q_heads / p.num_kv_heads;
   const int64_t rstride = p.rotation_per_head ? int64_t(d) * d : 0;
@@ -1775,13 +1852,16 @@ KernelStatus LaunchPagedDecode(const PagedDecodeParams& p, Stream stream_handle)
   }
   if (d == 64)
     QRotateKernel<64><<<hb, kRotThreads, 0, stream>>>(p.q, p.rotation_k, rstride, p.num_q_heads,
-                                                      group, qscale, q_rot);
+                                                      group, qscale, q_rot, row_claims,
+                                                      plan.i2_chunks);
   else if (d == 128)
     QRotateKernel<128><<<hb, kRotThreads, 0, stream>>>(p.q, p.rotation_k, rstride, p.num_q_heads,
-                                                       group, qscale, q_rot);
+                                                       group, qscale, q_rot, row_claims,
+                                                       plan.i2_chunks);
   else
     QRotateKernel<256><<<hb, kRotThreads, 0, stream>>>(p.q, p.rotation_k, rstride, p.num_q_heads,
-                                                       group, qscale, q_rot);
+                                                       group, qscale, q_rot, row_claims,
+                                                       plan.i2_chunks);
   st = LaunchError("QRotateKernel");
   if (!st.ok()) return st;
 
@@ -1818,8 +1898,13 @@ KernelStatus LaunchPagedDecode(const PagedDecodeParams& p, Stream stream_handle)
     ai.pdl_wait_first = int2_first || !has_bf16;
     ai.seg0 = MakeSeg(p.history, p.int2_pool, plan.history, plan.sink_parts);
     ai.seg1 = SegArgs{};
+    ai.row_claims = row_claims;
+    ai.dyn_claims = plan.dyn_pct;
+    ai.split_major = plan.split_major;
+    const int rows_per_req = p.num_kv_heads * plan.i2_chunks;
     return DispatchInt2(d, plan.kt, ai,
-                        dim3(plan.history.splits, p.num_kv_heads * plan.i2_chunks, p.batch),
+                        ai.split_major ? dim3(rows_per_req, p.batch, plan.history.splits)
+                                       : dim3(plan.history.splits, rows_per_req, p.batch),
                         stream);
   };
   if (int2_first) {
