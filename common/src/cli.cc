@@ -92,19 +92,11 @@ namespace {
 
 namespace fs = std::filesystem;
 
-const char* FileKind(const fs::file_status& st) {
-  switch (st.type()) {
-    case fs::file_type::character:
-      return "a character device";
-    case fs::file_type::block:
-      return "a block device";
-    case fs::file_type::fifo:
-      return "a FIFO";
-    case fs::file_type::socket:
-      return "a socket";
-    default:
-      return "a special file";
-  }
+// Words for the type of the file `path` names (following links), e.g. "a FIFO".
+const char* FileKind(const std::string& path) {
+  struct stat sb {};
+  if (::stat(path.c_str(), &sb) != 0) return "a special file";
+  return FileTypeWords(sb.st_mode);
 }
 
 // The directory `target` lives in ("." for a bare name).
@@ -133,7 +125,7 @@ const CLI::Validator& OutputFile() {
         const fs::file_status st = fs::status(target, ec);
         if (fs::is_directory(st)) return named + "a directory; name a file";
         if (fs::exists(st) && !fs::is_regular_file(st)) {
-          return named + FileKind(st) + ", not a regular file";
+          return named + FileKind(path) + ", not a regular file";
         }
         const fs::path dir = fs::absolute(DirectoryOf(target), ec).lexically_normal();
         std::string d = dir.string();
@@ -161,22 +153,7 @@ const CLI::Validator& OutputFile() {
 namespace {
 
 // "64 GiB", "70.0 GiB", "300 bytes": binary units, one decimal unless whole.
-std::string HumanBytes(uint64_t n) {
-  static const char* const kUnits[] = {"bytes", "KiB", "MiB", "GiB", "TiB"};
-  int u = 0;
-  double v = static_cast<double>(n);
-  while (v >= 1024 && u < 4) {
-    v /= 1024;
-    ++u;
-  }
-  char buf[48];
-  if (u == 0 || v == static_cast<double>(static_cast<uint64_t>(v))) {
-    std::snprintf(buf, sizeof(buf), "%.0f %s", v, kUnits[u]);
-  } else {
-    std::snprintf(buf, sizeof(buf), "%.1f %s", v, kUnits[u]);
-  }
-  return buf;
-}
+std::string HumanBytes(uint64_t n) { return HumanByteCount(n); }
 
 std::string TooLarge(const std::string& path, uint64_t size, uint64_t max_bytes) {
   return "'" + path + "' is " + HumanBytes(size) + " (" + std::to_string(size) +
@@ -196,7 +173,7 @@ std::string InputFileProblem(const std::string& path, uint64_t max_bytes) {
     if (!ec) named = "'" + path + "' links to '" + target.string() + "', ";
   }
   if (fs::is_directory(st)) return named + "a directory; name a file";
-  if (!fs::is_regular_file(st)) return named + FileKind(st) + ", not a regular file";
+  if (!fs::is_regular_file(st)) return named + FileKind(path) + ", not a regular file";
   const uintmax_t size = fs::file_size(path, ec);
   if (!ec && size > max_bytes) return TooLarge(path, size, max_bytes);
   return {};
@@ -214,45 +191,12 @@ CLI::Validator InputFile(uint64_t max_bytes, std::vector<std::string> keywords) 
 }
 
 absl::StatusOr<std::string> ReadInputFile(const std::string& path, uint64_t max_bytes) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
-  if (fd < 0) {
-    const int err = errno;
-    return absl::NotFoundError("cannot open '" + path + "': " + std::strerror(err));
-  }
-  struct FdCloser {
-    int fd;
-    ~FdCloser() { ::close(fd); }
-  } closer{fd};
-  struct stat st {};
-  if (::fstat(fd, &st) != 0) {
-    const int err = errno;
-    return absl::InternalError("cannot stat '" + path + "': " + std::strerror(err));
-  }
-  if (!S_ISREG(st.st_mode)) {
+  FileReadInfo info;
+  auto bytes = ReadBoundedRegularFile(path, max_bytes, &info);
+  if (!bytes.ok() && info.stage == FileReadInfo::Stage::kNotRegular) {
+    // The flag check's words, which also say where a symbolic link led.
     std::string problem = InputFileProblem(path, max_bytes);
-    if (problem.empty()) problem = "'" + path + "' is not a regular file";
-    return absl::InvalidArgumentError(problem);
-  }
-  if (static_cast<uint64_t>(st.st_size) > max_bytes) {
-    return absl::InvalidArgumentError(TooLarge(path, st.st_size, max_bytes));
-  }
-  // Read to the end, not st_size bytes: the file may change while being read.
-  std::string bytes;
-  bytes.reserve(static_cast<size_t>(st.st_size));
-  std::vector<char> buf(size_t{1} << 16);
-  for (;;) {
-    const ssize_t n = ::read(fd, buf.data(), buf.size());
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      const int err = errno;
-      return absl::InternalError("cannot read '" + path + "': " + std::strerror(err));
-    }
-    if (n == 0) break;
-    if (bytes.size() + static_cast<uint64_t>(n) > max_bytes) {
-      return absl::InvalidArgumentError("'" + path + "' grew above the limit of " +
-                                        HumanBytes(max_bytes) + " while being read");
-    }
-    bytes.append(buf.data(), static_cast<size_t>(n));
+    if (!problem.empty()) return absl::InvalidArgumentError(problem);
   }
   return bytes;
 }

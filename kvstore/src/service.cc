@@ -14,6 +14,7 @@
 #include <mutex>
 
 #include "absl/strings/str_cat.h"
+#include "kvpool/common/bounded_file.h"
 #include "kvpool/common/checksum.h"
 #include "kvpool/common/log.h"
 #include "kvpool/common/status.h"
@@ -62,64 +63,45 @@ absl::StatusOr<KeyQuery> ParseQuery(const google::protobuf::RepeatedField<uint32
 }
 
 // The bytes of the rotation file at `path` (RegisterModelRequest.rotation_path), read by the pool
-// for a client. Only a regular file of 1..kMaxRotationFileBytes bytes is read (a device such as
-// /dev/zero, a FIFO, a directory or /proc/self/mem is refused before any byte is read; the open
-// does not block on a FIFO), into one buffer of the size fstat reported (no growth, no second
-// copy). Errors: INVALID_ARGUMENT naming rotation_path and the path; the message carries the
-// errno text, the file type or the size, never a byte of the file.
+// for a client with the shared bounded reader (kvpool::ReadBoundedRegularFile, exact size). Only a
+// regular file of 1..kMaxRotationFileBytes bytes is read (a device such as /dev/zero, a FIFO, a
+// directory or /proc/self/mem is refused before any byte is read; the open does not block on a
+// FIFO), into one buffer of the size fstat reported (no growth, no second copy). Errors:
+// INVALID_ARGUMENT naming rotation_path and the path; the message carries the errno text, the
+// file type or the size, never a byte of the file.
 absl::StatusOr<std::string> ReadRotationPath(const std::string& path) {
   const std::string where = absl::StrCat("rotation_path ", QuotedPath(path));
   if (path.empty()) return absl::InvalidArgumentError("rotation_path: empty");
   if (path.find('\0') != std::string::npos) {
     return absl::InvalidArgumentError(absl::StrCat(where, " contains a NUL byte"));
   }
-  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
-  if (fd < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(where, " cannot be opened (", std::strerror(errno), ")"));
-  }
-  struct Closer {
-    int fd;
-    ~Closer() { close(fd); }
-  } closer{fd};
-  struct stat st {};
-  if (fstat(fd, &st) != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(where, " cannot be examined (", std::strerror(errno), ")"));
-  }
-  if (!S_ISREG(st.st_mode)) {
-    const char* kind = S_ISDIR(st.st_mode)    ? "a directory"
-                       : S_ISCHR(st.st_mode)  ? "a character device"
-                       : S_ISBLK(st.st_mode)  ? "a block device"
-                       : S_ISFIFO(st.st_mode) ? "a FIFO"
-                       : S_ISSOCK(st.st_mode) ? "a socket"
-                                              : "not a regular file";
-    return absl::InvalidArgumentError(
-        absl::StrCat(where, " is ", kind, "; a rotation file must be a regular file"));
-  }
-  const uint64_t size = static_cast<uint64_t>(st.st_size);
-  if (size == 0) {
-    return absl::InvalidArgumentError(absl::StrCat(where, " is empty"));
-  }
-  if (size > kMaxRotationFileBytes) {
-    return absl::InvalidArgumentError(absl::StrCat(where, " has ", size, " bytes; at most ",
-                                                   kMaxRotationFileBytes, " are accepted"));
-  }
-  std::string bytes(size, '\0');
-  size_t got = 0;
-  while (got < size) {
-    const ssize_t n = read(fd, bytes.data() + got, size - got);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) {
+  FileReadInfo info;
+  auto bytes = ReadBoundedRegularFile(path, kMaxRotationFileBytes, &info, /*exact_size=*/true);
+  using Stage = FileReadInfo::Stage;
+  switch (info.stage) {
+    case Stage::kOk:
+      break;
+    case Stage::kOpen:
       return absl::InvalidArgumentError(
-          absl::StrCat(where, " cannot be read (", std::strerror(errno), ")"));
-    }
-    if (n == 0) break;
-    got += static_cast<size_t>(n);
+          absl::StrCat(where, " cannot be opened (", std::strerror(info.error), ")"));
+    case Stage::kStat:
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, " cannot be examined (", std::strerror(info.error), ")"));
+    case Stage::kNotRegular:
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, " is ", info.type, "; a rotation file must be a regular file"));
+    case Stage::kTooLarge:
+      return absl::InvalidArgumentError(absl::StrCat(where, " has ", info.size, " bytes; at most ",
+                                                     kMaxRotationFileBytes, " are accepted"));
+    case Stage::kGrew:
+    case Stage::kShrank:
+      return absl::InvalidArgumentError(absl::StrCat(where, " changed size while being read"));
+    case Stage::kRead:
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, " cannot be read (", std::strerror(info.error), ")"));
   }
-  if (got != size) {
-    return absl::InvalidArgumentError(absl::StrCat(where, " changed size while being read"));
-  }
+  if (!bytes.ok()) return absl::InvalidArgumentError(absl::StrCat(where, " cannot be read"));
+  if (bytes->empty()) return absl::InvalidArgumentError(absl::StrCat(where, " is empty"));
   return bytes;
 }
 

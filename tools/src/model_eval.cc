@@ -3,10 +3,9 @@
 
 #include <cmath>
 #include <filesystem>
-#include <fstream>
-#include <sstream>
 
 #include "absl/strings/str_cat.h"
+#include "kvpool/common/bounded_file.h"
 #include "kvpool/common/status.h"
 #include "kvpool/engine/engine.h"
 #include "kvpool/kernels/calibration.h"
@@ -16,12 +15,15 @@
 namespace kvpool::tools {
 namespace {
 
+// The --text file, through the shared bounded reader: the flag's parse-time check looked at the
+// path only, so a FIFO or device swapped in afterwards, or a file grown past the limit, is
+// refused here instead of blocking or being read without end.
 absl::StatusOr<std::string> ReadText(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat("cannot open text file '", path, "'"));
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
+  auto text = ReadBoundedRegularFile(path, kMaxTextFileBytes);
+  if (!text.ok()) {
+    return absl::Status(text.status().code(), absl::StrCat("text file: ", text.status().message()));
+  }
+  return text;
 }
 
 struct Recorded {

@@ -1,10 +1,14 @@
 // Calibration and evaluation on the real model (stories260K) through the reference engine.
 #include "model_eval.h"
 
+#include <unistd.h>
+
 #include <cmath>
+#include <cstdio>
 
 #include <gtest/gtest.h>
 
+#include "kvpool/common/bounded_file.h"
 #include "kvpool/kernels/rotation_file.h"
 
 namespace kvpool::tools {
@@ -74,6 +78,35 @@ TEST(ModelEvalTest, MissingFilesAreNotFound) {
   o = Opts(false);
   o.model_path = "/nonexistent.gguf";
   EXPECT_FALSE(CalibrateModel(o).ok());
+}
+
+// --text was read with an ifstream after the flag's parse-time path check: a directory or
+// device read as empty text (or, for /dev/zero or a FIFO swapped in after the check, without
+// end), and no size limit applied. It now goes through the shared bounded reader.
+TEST(ModelEvalTest, TextIsReadThroughTheBoundedReader) {
+  CalibrateOptions o = Opts(false);
+  o.text_path = "/dev/null";
+  auto r = CalibrateModel(o);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+  EXPECT_NE(r.status().message().find("'/dev/null' is a character device, not a regular file"),
+            std::string::npos)
+      << r.status();
+  o.text_path = KVPOOL_TOOLS_DATA;  // a directory
+  r = CalibrateModel(o);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+  EXPECT_NE(r.status().message().find("is a directory, not a regular file"), std::string::npos)
+      << r.status();
+  const std::string big = ::testing::TempDir() + "/kvpool_big_text.txt";
+  FILE* f = std::fopen(big.c_str(), "w");
+  ASSERT_NE(f, nullptr);
+  std::fclose(f);
+  ASSERT_EQ(truncate(big.c_str(), static_cast<off_t>(kMaxTextFileBytes + 1)), 0);  // sparse
+  o.text_path = big;
+  r = CalibrateModel(o);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+  EXPECT_NE(r.status().message().find("above the limit of 64 MiB"), std::string::npos)
+      << r.status();
+  std::remove(big.c_str());
 }
 
 }  // namespace

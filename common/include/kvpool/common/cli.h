@@ -29,6 +29,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "kvpool/common/bounded_file.h"
 
 namespace kvpool::cli {
 
@@ -67,14 +68,13 @@ void Setup(CLI::App& app, const std::string& program_name);
 // Usage: app.add_option("--report", path, "...")->check(kvpool::cli::OutputFile());
 const CLI::Validator& OutputFile();
 
-// Size limits of the input files the binaries read whole (docs/TOOLS.md "Input files"): text
-// (prompts, calibration and evaluation text), rotation files (the pool's own limit, docs/
-// OPERATIONS.md "Trust model"), GGUF models (the reference engine holds them in memory), and
-// --config YAML.
-inline constexpr uint64_t kMaxTextFileBytes = uint64_t{64} << 20;       // 64 MiB
-inline constexpr uint64_t kMaxRotationFileBytes = uint64_t{256} << 20;  // 256 MiB
-inline constexpr uint64_t kMaxModelFileBytes = uint64_t{64} << 30;      // 64 GiB
-inline constexpr uint64_t kMaxConfigFileBytes = uint64_t{1} << 20;      // 1 MiB
+// Size limits of the input files the binaries read whole (docs/TOOLS.md "Input files"), defined
+// with the shared reader in kvpool/common/bounded_file.h: text 64 MiB, rotation files 256 MiB,
+// GGUF models 64 GiB, --config YAML 1 MiB.
+using ::kvpool::kMaxConfigFileBytes;
+using ::kvpool::kMaxModelFileBytes;
+using ::kvpool::kMaxRotationFileBytes;
+using ::kvpool::kMaxTextFileBytes;
 
 // What is wrong with `path` as an input file of at most `max_bytes` bytes, "" when nothing is.
 // Looks at the path only (stat, following symbolic links; opens nothing, so a FIFO cannot block):
@@ -92,8 +92,9 @@ std::string InputFileProblem(const std::string& path, uint64_t max_bytes);
 // Usage: app.add_option("--prompt-file", f)->check(InputFile(kMaxTextFileBytes)).
 CLI::Validator InputFile(uint64_t max_bytes, std::vector<std::string> keywords = {});
 
-// Reads the whole input file at `path` (at most `max_bytes` bytes). Opens with O_NONBLOCK, so a
-// FIFO swapped in after the flag check does not block, and checks the opened file (fstat) again:
+// Reads the whole input file at `path` (at most `max_bytes` bytes) with the shared bounded reader
+// (kvpool::ReadBoundedRegularFile). Opens with O_NONBLOCK, so a FIFO swapped in after the flag
+// check does not block, and checks the opened file (fstat) again:
 // NOT_FOUND "cannot open 'P': <errno text>"; INVALID_ARGUMENT for a file that is not regular or
 // is (or grew) larger than max_bytes, in InputFileProblem's words; INTERNAL on a read error.
 // Thread-safe.
