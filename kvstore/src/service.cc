@@ -606,15 +606,27 @@ class KvPoolService final : public pb::KvPool::Service {
   // writes (a put's staging) only after this returns, so nothing is freed while UCX may still
   // write. A peer that stopped answering (SIGSTOP) used to keep the transfer, the put's staging
   // and, at shutdown, the whole drain waiting for minutes, and then crash ucp_worker_destroy.
+  // `what` names the transfer and `bound` what set its deadline, for the messages: a client
+  // saw only "transfer still in progress at its deadline".
   absl::Status WaitTransfer(const std::shared_ptr<transport::Transfer>& t, absl::Time deadline,
-                            grpc::ServerContext* call) {
+                            grpc::ServerContext* call, const char* what, const char* bound) {
     absl::Status s;
     while (true) {
       s = t->Wait(std::min(deadline, absl::Now() + absl::Milliseconds(100)));
       if (!absl::IsDeadlineExceeded(s)) return s;
-      if (absl::Now() >= deadline) break;
+      if (absl::Now() >= deadline) {
+        s = absl::DeadlineExceededError(absl::StrCat(
+            what, " did not finish by ", bound,
+            ", so the pool aborted it (its UCX connection to client_worker_address is closed): "
+            "the client process stopped answering UCX (stopped, hung or overloaded) or its "
+            "network is down"));
+        break;
+      }
       if (call != nullptr && call->IsCancelled()) {
-        s = absl::CancelledError("the call was cancelled while its transfer was in flight");
+        s = absl::CancelledError(absl::StrCat(
+            what,
+            " was aborted because its call was cancelled (the client went away, or the pool is "
+            "shutting down and its drain time, --drain-ms, ran out)"));
         break;
       }
     }
@@ -679,7 +691,10 @@ class KvPoolService final : public pb::KvPool::Service {
         auto t, ctx_.transport->Prepare({transport::TransferKind::kGet, link.peer->endpoint,
                                          link.key, ctx_.arena, transport::CoalesceOps(ops)}));
     KVPOOL_RETURN_IF_ERROR(ctx_.transport->Post(t));
-    KVPOOL_RETURN_IF_ERROR(WaitTransfer(t, deadline, call));
+    KVPOOL_RETURN_IF_ERROR(WaitTransfer(
+        t, deadline, call, "WritePut: the pool's pull of this put from the client's memory",
+        "the earlier of the call's deadline and the put's timeout (BeginPutRequest.timeout_ms, "
+        "else kvpool-server --put-timeout-ms; the put is then dropped: begin it again)"));
     resp->set_bytes_written(total);
     return absl::OkStatus();
 #else
@@ -754,7 +769,10 @@ class KvPoolService final : public pb::KvPool::Service {
       posted.emplace_back(*t, &g);
     }
     for (auto& [t, g] : posted) {
-      absl::Status s = WaitTransfer(t, deadline, call);
+      absl::Status s =
+          WaitTransfer(t, deadline, call,
+                       "ReadLeased: the pool's write of leased forms into the client's memory",
+                       "the call's deadline");
       std::vector<absl::Status> items = t->item_status();
       for (size_t k = 0; k < g->reads.size(); ++k) {
         const int i = g->reads[k];

@@ -883,8 +883,6 @@ TEST_F(ServiceTest, HealthReadinessAndLiveness) {
 }
 
 // --rotation-dir through RegisterModel (the rules themselves: rotation_source_test.cc).
-// DISABLED until service.cc calls ResolveRotationPath before ReadRotationPath (the lead's
-// change; rotation_source.h); then drop the DISABLED_ prefix.
 TEST(RotationDirServiceTest, RotationPathIsReadOnlyUnderTheRotationDir) {
   namespace fs = std::filesystem;
   const ModelSpec spec = testing::TinySpec();
@@ -1031,13 +1029,18 @@ TEST(ServerBinaryTest, FlagsHelpAndUsageErrors) {
   Child unknown = Spawn({"--no-such-flag"});
   fclose(unknown.out);
   EXPECT_EQ(WaitExit(unknown.pid), 1);
-  // The watermarks' range in --help is the one accepted: (0, 1], 0 refused at parse time.
-  EXPECT_NE(text.find("in (0, 1]"), std::string::npos) << text;
+  // The watermarks' range in --help is the one accepted: [0.01, 1]; 0 and values that are 0 in
+  // effect (newcomer report s6 #7: 1e-300 started a pool) refused at parse time, naming the flag.
+  EXPECT_NE(text.find("in [0.01, 1]"), std::string::npos) << text;
   for (const char* flag : {"--low-watermark", "--high-watermark"}) {
-    auto [rc, out] = RunToExit({flag, "0"});
-    EXPECT_EQ(rc, 1) << flag << ": " << out;
-    EXPECT_NE(out.find("(0, 1]"), std::string::npos) << flag << ": " << out;
-    EXPECT_EQ(out.find("grpc_port="), std::string::npos) << out;
+    for (const char* value : {"0", "1e-300", "0.009"}) {
+      auto [rc, out] = RunToExit({flag, value});
+      EXPECT_EQ(rc, 1) << flag << " " << value << ": " << out;
+      EXPECT_NE(out.find(std::string(flag) + ": " + value + " is outside [0.01, 1]"),
+                std::string::npos)
+          << flag << ": " << out;
+      EXPECT_EQ(out.find("grpc_port="), std::string::npos) << out;
+    }
   }
 }
 
@@ -1236,8 +1239,10 @@ TEST(ServerBinaryTest, ContradictoryOrMalformedFlagsNameTheFlag) {
         RunToExit({"--listen", "127.0.0.1:0", "--metrics-port", "-1", "--data-plane", "none",
                    "--capacity", "4MiB", "--lease-ms", "600000", "--max-lease-ms", "1000"});
     EXPECT_EQ(rc, 1) << text;
-    EXPECT_NE(text.find("--lease-ms"), std::string::npos) << text;
-    EXPECT_NE(text.find("--max-lease-ms"), std::string::npos) << text;
+    // With the program's name, as every other usage error (newcomer report s6 #9).
+    EXPECT_NE(text.find("kvpool-server: --lease-ms 600000 is longer than --max-lease-ms 1000"),
+              std::string::npos)
+        << text;
     EXPECT_EQ(text.find("grpc_port="), std::string::npos) << text;
   }
   // An unbracketed IPv6 address reached gRPC's bind and failed as a runtime error.
@@ -1317,15 +1322,18 @@ TEST(ServerBinaryTest, StartUpFailuresSayWhyEvenWithLoggingOff) {
         << text;
   }
   {
-    // The same port for both of one server: refused before anything starts, with the reason.
-    auto [rc, text] =
-        RunToExit({"--listen", "127.0.0.1:" + std::to_string(grpc_port + 1), "--metrics-port",
-                   std::to_string(grpc_port + 1), "--data-plane", "none", "--capacity", "4MiB"});
-    EXPECT_EQ(rc, 2) << text;
+    // The same port for both of one server: a configuration conflict, refused before anything
+    // starts as a usage error (exit 1; newcomer report s6 #9 got exit 2 and "Address already in
+    // use" with nothing else on the port).
+    const std::string same = std::to_string(grpc_port + 1);
+    auto [rc, text] = RunToExit({"--listen", "127.0.0.1:" + same, "--metrics-port", same,
+                                 "--data-plane", "none", "--capacity", "4MiB"});
+    EXPECT_EQ(rc, 1) << text;
     EXPECT_NE(
-        text.find("metrics-port: cannot bind 127.0.0.1:" + std::to_string(grpc_port + 1) + ", "),
+        text.find("metrics-port: " + same + " is the gRPC port of --listen 127.0.0.1:" + same),
         std::string::npos)
         << text;
+    EXPECT_EQ(text.find("grpc_port="), std::string::npos) << text;
   }
   {
     auto [rc, text] =
@@ -1551,6 +1559,14 @@ TEST(ServerBinaryTest, HungClientMidPullIsAbortedAtPutTimeoutAndSigtermDrains) {
   ASSERT_EQ(first.wait_for(std::chrono::seconds(10)), std::future_status::ready);
   const grpc::Status first_status = first.get();
   EXPECT_FALSE(first_status.ok());  // the bytes never arrived
+  // It said only "transfer still in progress at its deadline".
+  EXPECT_EQ(first_status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED)
+      << first_status.error_message();
+  EXPECT_NE(first_status.error_message().find("WritePut: the pool's pull of this put"),
+            std::string::npos)
+      << first_status.error_message();
+  EXPECT_NE(first_status.error_message().find("--put-timeout-ms"), std::string::npos)
+      << first_status.error_message();
 
   // Another hung pull whose put would live for a minute, then SIGTERM: drained within
   // --drain-ms (the call is cancelled and its pull aborted), exit 0 and no UCX assertion.
