@@ -222,7 +222,10 @@ class PutSession {
   // overlapping; Flush/Commit wait for them). Large layers are packed by the client's
   // copy threads too (ClientOptions::copy_threads). Errors: INVALID_ARGUMENT ("layer", "k", "v"
   // sizes; non-finite values naming layer/token — this one poisons the put: Commit fails with
-  // it), FAILED_PRECONDITION (layer out of order, session finished), UNAVAILABLE (data plane).
+  // it), FAILED_PRECONDITION (layer out of order, session finished), UNAVAILABLE (data plane;
+  // in direct mode also a pool found dead before the layer is written: the mapped staging is
+  // written with no call to the pool, so the client first checks that its gRPC connection is up,
+  // else asks Stats — as Fetch does; a pool that dies later is seen by Flush/Commit).
   virtual absl::Status WriteLayer(uint32_t layer, absl::Span<const uint16_t> k,
                                   absl::Span<const uint16_t> v) = 0;
   // Waits until every layer written so far is visible in the pool's staging memory (the
@@ -290,7 +293,9 @@ struct PagePool {
 struct FetchPlan {
   PagePool* bf16_pool = nullptr;  // required when any block is fetched in BF16
   PagePool* int2_pool = nullptr;  // required when any block is fetched in INT2
-  // Page ids to fill, consumed in block order from each list (must be long enough).
+  // Page ids to fill, consumed in block order from each list (must be long enough). No page
+  // may be given to two blocks, nor, when both pools share memory, overlap the other pool's
+  // (INVALID_ARGUMENT naming the list, the page and both blocks; nothing is copied).
   std::vector<int32_t> bf16_pages;
   std::vector<int32_t> int2_pages;
   uint32_t max_blocks = 0;  // 0 = every leased block
@@ -411,12 +416,21 @@ class Client {
   // Reads the leased blocks into the plan's page pools (UCX RMA get), verifies each block's
   // checksum (DATA_LOSS in its block_status) and builds the page tables. num_blocks counts the
   // leading blocks that all verified. Errors for the whole call: INVALID_ARGUMENT (plan:
-  // missing pool, too few pages, page_stride too small or region too small, naming the
-  // field), NOT_FOUND naming lease_id (a lease this client released, or did not acquire:
+  // missing pool, too few pages, page_stride too small or region too small, a page given to
+  // two blocks or overlapping the other pool's, naming the field; checked before any byte
+  // moves), NOT_FOUND naming lease_id (a lease this client released, or did not acquire:
   // only this client's live leases are read, whatever the Lease's fields say), UNAVAILABLE
   // (lease from another pool epoch, or the connection failed since the lease was taken and the
-  // pool cannot be reached to confirm its epoch — a dead pool's mapped memory is never read;
-  // or data plane down), FAILED_PRECONDITION (lease expired locally, before or during the
+  // pool cannot be reached to confirm its epoch; or data plane down). Liveness: when the client
+  // reads the pool's memory itself (mapped, or client-initiated RMA) nothing on that path tells
+  // it the pool died (no UCX peer failure detection over shared memory), so it first confirms
+  // the pool is alive — the gRPC connection is up, else a Stats call at the lease's epoch — and
+  // in direct mode again after the copy; a pool found dead is UNAVAILABLE (after the copy: the
+  // pages this call wrote must be discarded). A pool that dies after the last check goes
+  // unnoticed by this call: its bytes are then still the leased forms (verified against the
+  // lease's checksums unless verify_checksums is false), and the Release that follows fails
+  // (UNAVAILABLE); a caller that must know the pool outlived the fetch discards the bytes on a
+  // non-OK Release. FAILED_PRECONDITION (lease expired locally, before or during the
   // fetch, or released by another thread during it), DEADLINE_EXCEEDED, CANCELLED.
   virtual absl::StatusOr<FetchResult> Fetch(const Lease& lease, const FetchPlan& plan,
                                             const CallOptions& call = {}) = 0;
