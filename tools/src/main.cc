@@ -264,11 +264,31 @@ int RunInspect(const std::string& path) {
 
 int RunCalibrate(const CalibrateOptions& o, const std::string& out) {
   CalibrateOptions opt = o;
-  opt.progress = [](int64_t done, int64_t total) {
+  int64_t used = 0;  // text tokens the fit saw: the text's, capped by --tokens
+  opt.progress = [&used](int64_t done, int64_t total) {
+    used = total;
     KVPOOL_LOG_INFO("calibrate: {}/{} text tokens through the model", done, total);
   };
   auto rot = CalibrateModel(opt);
   if (!rot.ok()) return Fail(rot.status());
+  // The --tokens bounds, applied to the tokens actually used (newcomer report s6 #4: a 3-token
+  // text under the default --tokens 0 wrote a rotation with no word).
+  const std::string source =
+      absl::StrCat("--text '", o.text_path, "'",
+                   o.max_tokens > 0 ? absl::StrCat(" (--tokens ", o.max_tokens, ")") : "");
+  if (used < kMinCalibrationTokens) {
+    std::cerr << "kvpool: " << source << " gives " << used << " tokens, fewer than "
+              << kMinCalibrationTokens
+              << ": a rotation fitted on fewer tokens than head_dim is arbitrary; nothing "
+                 "written\n";
+    return cli::kExitRuntime;
+  }
+  if (used < kFewCalibrationTokens) {
+    KVPOOL_LOG_WARN(
+        "calibrate: {} gives {} tokens, which is few; rotations fitted on fewer tokens than a "
+        "few times head_dim are noisy (use {} or more)",
+        source, used, kFewCalibrationTokens);
+  }
   // Atomic, and through a symbolic link (cli.h); the id is the SHA-256 of the file's bytes, as
   // WriteRotationFile records it.
   const std::string bytes = SerializeRotations(*rot);
@@ -410,6 +430,22 @@ int main(int argc, char** argv) {
       ->check(kvpool::cli::Range(int64_t{0}, kMaxTextTokens))
       ->capture_default_str();
 
+  // `kvpool SUBCOMMAND --config FILE` reached the root's --config only after the subcommand's
+  // required flags were checked, so the file was never read, not even checked for existence
+  // (newcomer report s6 #5). Every subcommand takes --config only to refuse it, naming the file
+  // and where it goes.
+  for (CLI::App* sub : {quant, rots, inspect, calib, eval}) {
+    sub->add_option_function<std::string>(
+           "--config",
+           [sub](const std::string& path) {
+             throw CLI::ValidationError(
+                 "--config", "'" + path + "' is not read after the subcommand '" + sub->get_name() +
+                                 "': give it first (kvpool --config FILE SUBCOMMAND ...), with "
+                                 "the subcommand's flags in a section named after it");
+           },
+           "not read here: give --config FILE before the subcommand")
+        ->trigger_on_parse();
+  }
   KVPOOL_CLI_PARSE(app, argc, argv);
   if (*quant) return RunQuantize(q);
   if (*inspect) return RunInspect(inspect_path);
@@ -418,12 +454,6 @@ int main(int argc, char** argv) {
       std::cerr << "kvpool: --tokens must be 0 (all) or >= " << kMinCalibrationTokens << ", got "
                 << ctokens << ": a rotation fitted on fewer tokens than head_dim is arbitrary\n";
       return kvpool::cli::kExitUsage;
-    }
-    if (ctokens > 0 && ctokens < kFewCalibrationTokens) {
-      KVPOOL_LOG_WARN(
-          "calibrate: --tokens {} is few; rotations fitted on fewer tokens than a few times "
-          "head_dim are noisy (use {} or more)",
-          ctokens, kFewCalibrationTokens);
     }
     c.max_tokens = ctokens;
     return RunCalibrate(c, out);

@@ -95,6 +95,24 @@ check calibrate-out-is-dir 1 "is a directory" -- "$bin" calibrate --model "$mode
 check calibrate-tokens-1 1 "--tokens must be 0 (all) or >= 16, got 1" -- "$bin" calibrate --model "$model" --text "$data/calibration.txt" --tokens 1 --out "$tmp/r1.safetensors"
 [[ ! -e "$tmp/r1.safetensors" ]] && echo "ok   calibrate-tokens-1-no-file" || { echo "FAIL calibrate-tokens-1 wrote a file"; fail=1; }
 check calibrate-few-tokens-warns 0 "is few" -- "$bin" calibrate --model "$model" --text "$data/calibration.txt" --tokens 32 --out "$tmp/r32.safetensors"
+# The bounds apply to the tokens actually used, also under the default --tokens 0 (newcomer
+# report s6 #4: a 3-token text wrote a rotation with no word).
+printf 'hello' > "$tmp/short.txt"
+check calibrate-short-text 2 "--text '$tmp/short.txt' gives [0-9]* tokens, fewer than 16" -- "$bin" calibrate --model "$model" --text "$tmp/short.txt" --out "$tmp/rs.safetensors"
+[[ ! -e "$tmp/rs.safetensors" ]] && echo "ok   calibrate-short-text-no-file" || { echo "FAIL calibrate-short-text wrote a file"; fail=1; }
+head -c 400 "$data/calibration.txt" > "$tmp/t100.txt"
+check calibrate-short-text-warns 0 "--text '$tmp/t100.txt' gives [0-9]* tokens, which is few" -- "$bin" calibrate --model "$model" --text "$tmp/t100.txt" --out "$tmp/rw.safetensors"
+check calibrate-text-below-tokens-warns 0 "(--tokens 2000) gives [0-9]* tokens, which is few" -- "$bin" calibrate --model "$model" --text "$tmp/t100.txt" --tokens 2000 --out "$tmp/rw.safetensors"
+out="$("$bin" calibrate --model "$model" --text "$data/calibration.txt" --tokens 400 --out "$tmp/r400.safetensors" 2>&1)"
+! grep -q "is few" <<<"$out" && echo "ok   calibrate-enough-tokens-no-warning" || { echo "FAIL calibrate-enough-tokens-no-warning: $out"; fail=1; }
+# --config after the subcommand is refused naming the file, never silently ignored (newcomer
+# report s6 #5); before it, it is read (a missing file is named).
+printf 'calibrate:\n  model: %s\n  text: %s\n  out: %s\n' "$model" "$tmp/t100.txt" "$tmp/rc.safetensors" > "$tmp/c.yaml"
+check calibrate-config-after-missing 1 "--config: '/nonexistent.yaml' is not read after the subcommand 'calibrate'" -- "$bin" calibrate --config /nonexistent.yaml
+check calibrate-config-after 1 "--config: '$tmp/c.yaml' is not read after the subcommand 'calibrate'" -- "$bin" calibrate --config "$tmp/c.yaml"
+check inspect-config-after 1 "is not read after the subcommand 'inspect'" -- "$bin" rotations inspect --config "$tmp/c.yaml"
+check config-before-missing 1 "'/nonexistent.yaml' does not exist" -- "$bin" --config /nonexistent.yaml calibrate
+check calibrate-config-before 0 "wrote $tmp/rc.safetensors" -- "$bin" --config "$tmp/c.yaml" calibrate
 # Input files (docs/TOOLS.md "Input files"): only regular files up to their limit are read; a
 # device read forever, a FIFO blocked in open(). Usage errors naming the flag, before any work.
 mkfifo "$tmp/fifo"
