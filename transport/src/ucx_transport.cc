@@ -418,9 +418,28 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
       }
     }
     t->CompleteOne(ctx->index, s);
-    if (it != inflight_.end() && --it->second->outstanding == 0) inflight_.erase(it);
+    if (it != inflight_.end() && --it->second->outstanding == 0) {
+      // Not destroyed here: this runs inside ucp_worker_progress, and dropping the record may
+      // drop the last reference to the transfer's region, whose release progresses the worker
+      // (ReleaseMemory), which UCX forbids from a callback (ucp_worker.c "inprogress++ == 0").
+      finished_.push_back(std::move(it->second));
+      inflight_.erase(it);
+    }
   }
 
+ public:
+  // Drops the records of transfers that finished inside ucp_worker_progress (FinishOp), now
+  // that no progress call is on the stack. A release may progress the worker and finish more;
+  // they are dropped too. Owner thread only, never from a UCX callback.
+  void ReleaseFinished() {
+    while (!finished_.empty()) {
+      std::vector<std::unique_ptr<InFlight>> batch;
+      batch.swap(finished_);
+      batch.clear();
+    }
+  }
+
+ private:
   void Wake() {
     uint64_t one = 1;
     ssize_t n = write(wake_fd_, &one, sizeof(one));
@@ -448,6 +467,7 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
   std::map<std::string, std::weak_ptr<Connection>> connections_;  // peer address → connection
   std::map<uint64_t, EndpointEntry> endpoints_;
   std::map<Transfer*, std::unique_ptr<InFlight>> inflight_;
+  std::vector<std::unique_ptr<InFlight>> finished_;  // see FinishOp / ReleaseFinished
   uint64_t next_id_ = 1;
   bool shutting_down_ = false;
   bool peer_mode_supported_ = true;  // see UcxEndpoint::Create
@@ -592,7 +612,9 @@ void UcxCore::Shutdown() {
                    absl::UnavailableError("transport shut down"));
   }
   inflight_.clear();
+  ReleaseFinished();
   RunQueued();
+  ReleaseFinished();
 }
 
 void UcxCore::Loop() {
@@ -610,6 +632,7 @@ void UcxCore::Loop() {
     if (have_work) RunQueued();
     unsigned progressed = 0;
     while (ucp_worker_progress(w) != 0) ++progressed;
+    ReleaseFinished();
     if (have_work || progressed > 0) {
       last_activity = absl::Now();
       continue;
