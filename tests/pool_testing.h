@@ -292,6 +292,9 @@ inline std::unique_ptr<client::Client> NewClient(const std::string& server, cons
                                                  uint64_t parallel_min_bytes = 64 << 10) {
   client::ClientOptions o;
   o.copy_threads = copy_threads;
+  // With copy threads, BeginPut and Acquire also wake them (ClientOptions::copy_threads_prewake,
+  // off by default), so that path runs in every test with threads.
+  if (copy_threads > 1) o.copy_threads_prewake = absl::Milliseconds(1);
   // The same floor for put layers and fetches (tests pass 0 to spread everything).
   o.parallel_put_min_bytes = parallel_min_bytes;
   o.parallel_fetch_min_bytes = parallel_min_bytes;

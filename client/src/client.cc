@@ -762,6 +762,12 @@ class ClientImpl final : public Client {
           absl::StrCat("tokens: ", tokens.size(), " tokens hold no full block of ", P));
     }
     const uint32_t num_blocks = static_cast<uint32_t>(tokens.size() / P);
+    // The put's layers usually follow this call at once; when each will be spread over the
+    // copy threads, wake them now (their wake-up then overlaps the RPC). At most every block
+    // is written.
+    if (uint64_t{num_blocks} * c.geometry.Bf16LayerBytes() >= options_.parallel_put_min_bytes) {
+      PrewakeCopyThreads();
+    }
     pb::BeginPutRequest req;
     req.set_namespace_id(DigestBytes(c.namespace_id));
     req.mutable_token_ids()->Add(tokens.begin(), tokens.end());
@@ -872,6 +878,16 @@ class ClientImpl final : public Client {
     req.mutable_token_ids()->Add(tokens.begin(), tokens.end());
     req.set_max_blocks(max_blocks);
     req.set_lease_ms(lease_ms);
+    // A fetch of what this leases usually follows at once; when it will be spread over the copy
+    // threads, wake them now (PrewakeCopyThreads). Upper bound of its bytes: every full block of
+    // `tokens` (at most max_blocks) in its BF16 form.
+    {
+      uint64_t blocks = tokens.size() / c.geometry.page_size;
+      if (max_blocks > 0) blocks = std::min<uint64_t>(blocks, max_blocks);
+      if (blocks * c.info.bf16_form_bytes >= options_.parallel_fetch_min_bytes) {
+        PrewakeCopyThreads();
+      }
+    }
     pb::AcquireResponse resp;
     const absl::Time start = absl::Now();
     absl::Status s = Rpc(call, deadline, &pb::KvPool::Stub::Acquire, req, &resp);
@@ -1230,6 +1246,18 @@ class ClientImpl final : public Client {
 
   const ClientOptions& options() const { return options_; }
   CopyPool& copy_pool() { return *copy_pool_; }
+  // Wakes the copy threads and keeps them spinning for ClientOptions::copy_threads_prewake
+  // (nothing when that is zero, the default): called before an RPC (BeginPut, Acquire) that is
+  // usually followed at once by work large enough to spread over them. A sleeping worker needs
+  // tens of microseconds to run again and the caller pays for waking it, so the first layer of
+  // a put and the first fetch after a pause run mostly on the calling thread
+  // (docs/TRANSPORT.md "Session 6").
+  void PrewakeCopyThreads() {
+    if (copy_pool_->threads() > 1 && options_.copy_threads_prewake > absl::ZeroDuration()) {
+      copy_pool_->KeepAwake(std::chrono::microseconds(
+          std::min<int64_t>(absl::ToInt64Microseconds(options_.copy_threads_prewake), 10'000'000)));
+    }
+  }
   uint64_t parallel_put_min_bytes() const { return options_.parallel_put_min_bytes; }
 
  private:

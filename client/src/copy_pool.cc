@@ -35,6 +35,12 @@ class Backoff {
   int spins_ = 0;
 };
 
+int64_t NowNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
 }  // namespace
 
 int DefaultCopyThreads() {
@@ -72,6 +78,18 @@ bool CopyPool::TryRunSlot(uint64_t run, size_t s) {
   return true;
 }
 
+void CopyPool::KeepAwake(std::chrono::microseconds d) {
+  if (workers_.empty() || d.count() <= 0) return;
+  const int64_t until = NowNs() + std::chrono::nanoseconds(d).count();
+  int64_t cur = awake_until_ns_.load(std::memory_order_relaxed);
+  while (cur < until &&
+         !awake_until_ns_.compare_exchange_weak(cur, until, std::memory_order_relaxed)) {
+  }
+  // Sleeping workers see a new generation, find no slot to claim in the current job (or help
+  // with it, when a Run is in progress) and spin until awake_until_ns_.
+  if (sleepers_.load() > 0) Publish();
+}
+
 void CopyPool::Publish() {
   generation_.fetch_add(1);
   if (sleepers_.load() > 0) {
@@ -86,11 +104,12 @@ void CopyPool::WorkerLoop(int id, int participants) {
   uint32_t seen = 0;
   for (;;) {
     // Wait for a new job: spin a little (the next layer of a put usually comes within
-    // microseconds), then sleep.
-    const auto until = std::chrono::steady_clock::now() + spin_;
+    // microseconds) or as long as KeepAwake asked, then sleep.
+    int64_t until = NowNs() + std::chrono::nanoseconds(spin_).count();
     uint32_t g = generation_.load(std::memory_order_acquire);
     for (int k = 0; g == seen; ++k) {
-      if ((k & 63) == 63 && std::chrono::steady_clock::now() >= until) {
+      if ((k & 63) == 63 && NowNs() >= until &&
+          NowNs() >= (until = std::max(until, awake_until_ns_.load(std::memory_order_relaxed)))) {
         // Sleep. sleepers_ is raised before generation_ is re-read and Publish bumps
         // generation_ before reading sleepers_ (both seq_cst), so either this thread sees the
         // new job or Publish sees a sleeper and notifies under sleep_mu_.

@@ -128,6 +128,15 @@ struct ClientOptions {
   // in one call, 4.0 against 4.3 with 8 in another; the unverified one 19 against 28); from
   // 1 MiB on, spreading wins (1 MiB warm verified 28.0 against 10.8 GB/s).
   uint64_t parallel_fetch_min_bytes = 512 << 10;
+  // How long the copy threads are kept awake (spinning, not asleep) from the start of a BeginPut
+  // whose put layers, or an Acquire whose fetch, will be spread over them (the floors above), so
+  // that they are already running when that work comes instead of being woken for it: a
+  // sleeping worker needs tens of microseconds, and on the H200 host the first fetch after an
+  // Acquire and the first layer after a BeginPut ran mostly on the calling thread
+  // (docs/TRANSPORT.md "Session 6"). Costs the copy threads' cores for up to this long after
+  // each such call (at most 10 s is used). Zero or negative = off, the default: not yet
+  // measured end to end.
+  absl::Duration copy_threads_prewake = absl::ZeroDuration();
   // Creates the data plane. Default (null): transport::CreateUcxTransport({.tls = ucx_tls}).
   // Tests pass a FakeFabric transport.
   std::function<absl::StatusOr<std::unique_ptr<transport::Transport>>()> transport_factory;
