@@ -67,7 +67,11 @@ struct RemoteKeyId {
 // registration stays valid until the last transfer on it has completed. When the region was
 // allocated by the transport (AllocateMemory) the memory is freed with the region; when it was
 // registered (RegisterMemory) the caller keeps owning the bytes and must keep them alive as long
-// as the region. Thread-safe (immutable after creation).
+// as the region. Destroying a region waits (UCX: up to 1 s) until the transport no longer reads
+// or writes it on a peer's behalf (over tcp UCX answers a peer's get from a queue that copies
+// from the region later); memory the transport allocated is kept until the transport closes
+// when that does not finish, caller-owned memory is released anyway (logged). Thread-safe
+// (immutable after creation).
 class MemoryRegion {
  public:
   virtual ~MemoryRegion() = default;
