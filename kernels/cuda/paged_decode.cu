@@ -86,6 +86,12 @@ struct AttnArgs {
   int* row_claims;
   int32_t dyn_claims;
   int32_t split_major;
+  // INT2 kernel only (v19, "two items"): when > 0 the grid is 1-D, items_rows × splits CTAs,
+  // and CTA c runs two (row, split) items one after the other: first (c / S, c % S) of rows
+  // [0, items_rows) with static stages (row-major), then (items_rows + c % items_rows,
+  // c / items_rows) with dyn_claims (split-major), so a two-wave grid runs as one resident wave
+  // whose second items balance a row's splits like v18's one-wave grids. 0: one item per CTA.
+  int32_t items_rows;
 };
 
 __device__ __forceinline__ void ImmaU8S8(int (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
@@ -619,51 +625,8 @@ __global__ void __launch_bounds__(kThreads, (D <= 128 ? (KT == 1 ? 5 : 4) : 2))
   // (tokens 2tig, 2tig + 1 would put lanes tig and tig + 2 on the same bank).
   const int krow = (g >> 1) + 4 * (g & 1);
   const SegArgs& seg = a.seg0;
-  const int sx = a.split_major ? blockIdx.z : blockIdx.x;
-  const int yy = a.split_major ? blockIdx.x : blockIdx.y;  // KV head × head chunk
-  const int b = a.split_major ? blockIdx.y : blockIdx.z;
-  const int kvh = yy / a.head_chunks;
-  const int chunk = yy % a.head_chunks;
-  const int h_first = kvh * a.group + chunk * kHeads;
-  const int nh = min(kHeads, a.group - chunk * kHeads);
-  const int page_size = a.page_size;
-  const int tpp_log2 = page_size == 64 ? 2 : 0;
-
-  int pbeg = 0, npg = 0, last_len = 0;
-  if (seg.indptr != nullptr) {
-    pbeg = seg.indptr[b];
-    npg = seg.indptr[b + 1] - pbeg;
-    if (npg > 0) last_len = min(max(seg.last_len[b], 0), page_size);
-  }
-  // v18: a ring stage holds kStageUnits consecutive units of the row (request, KV head, head
-  // chunk); stage t < t_fix of warp w in split sx is the fixed ((t·S + sx)·kWarps + w)-th stage of
-  // the row (the splits interleave at stage granularity), and with dyn_claims every later stage is
-  // claimed from the row's counter (atomicAdd of lane 0, issued one stage before the stage is
-  // prepared and two before its copies), so the splits of a row end within about one stage of
-  // each other however unevenly the SMs serve their CTAs. (One launch's timeline at B = 8 × 128K,
-  // v16: equal static splits ended between 101 and 162 µs, the CTAs an SM received last taking
-  // 32 % longer than its first; with the split-major grid a row's splits sit at every such rank.)
-  // Claims start only after the wait for QRotateKernel, which zeroes the counters; the first
-  // kStages stages are always fixed and issued before that wait.
   const int num_splits = max(seg.num_splits, 1);
-  const int npg_eff = min(npg, num_splits * seg.pages_per_split);  // max_pages bound
-  const bool overflow = (sx == num_splits - 1) && npg > npg_eff;
-  const int row_units = npg_eff << tpp_log2;
-  const int row_tokens =
-      npg_eff < npg ? npg_eff * page_size : (npg > 0 ? (npg - 1) * page_size + last_len : 0);
-  // Stages t < t_fix of every warp are fixed (dyn_claims % of the row), later ones claimed.
-  const int t_fix =
-      a.dyn_claims
-          ? max(kStages, (a.dyn_claims * row_units) / (100 * num_splits * kWarps * kStageUnits))
-          : 1 << 30;
-  const int claim_base = t_fix * num_splits * kWarps * kStageUnits;  // units of fixed stages
-  auto fixed_base = [&](int t) { return ((t * num_splits + sx) * kWarps + warp) * kStageUnits; };
-  int* claims =
-      a.row_claims + kClaimStride * (size_t(b) * (a.split_major ? gridDim.x : gridDim.y) + yy);
-  const uint64_t chunk_bytes = uint64_t(page_size) * (D / 2 + 8 * kNG);
-  const int32_t* page_ids = seg.indices + pbeg;
-  const uint8_t* head_base = seg.base + uint64_t(kvh) * chunk_bytes;
-
+  const int rows_per_req = (a.num_q_heads / a.group) * a.head_chunks;
   uint8_t* ring = smem + warp * kStages * kStageUnits * C::kTile;
   uint64_t* bar = bars[warp];
   if (lane == 0) {
@@ -672,447 +635,514 @@ __global__ void __launch_bounds__(kThreads, (D <= 128 ? (KT == 1 ? 5 : 4) : 2))
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncwarp();
-
-  // Page id of unit base + lane (lanes < kStageUnits; 0 past the row's end).
-  auto load_pid = [&](int base) -> int {
-    const int u = base + lane;
-    return (lane < kStageUnits && u < row_units) ? __ldg(page_ids + (u >> tpp_log2)) : 0;
-  };
-  // TMA copies of ring stage t = units base .. base + kStageUnits - 1 (base < row_units): lane j
-  // copies unit base + j with the page id it holds. No proxy fence before the copies: the
-  // generic-proxy reads of this stage completed (their values were consumed) before the
-  // __syncwarp that ended its previous use, as in a TMA pipeline's consumer release. expect_tx
-  // comes first in program order (same warp).
-  auto issue = [&](int t, int base, int pid) {
-    const int s = t % kStages;
-    const int nvalid = min(row_units - base, kStageUnits);
-    if (lane == 0) MbarExpectTx(&bar[s], uint32_t(nvalid * C::kTile));
-    if (lane < nvalid) {
-      const uint8_t* src = head_base + uint64_t(uint32_t(pid)) * seg.page_stride;
-      uint8_t* dst = ring + (s * kStageUnits + lane) * C::kTile;
-      if (page_size == 16) {
-        BulkCopy(dst, src, C::kTile, &bar[s]);
-      } else {
-        const int sub = (base + lane) & 3;
-        const uint64_t code_part = uint64_t(page_size) * C::kCR;
-        BulkCopy(dst, src + sub * 16 * C::kCR, 16 * C::kCR, &bar[s]);
-        BulkCopy(dst + 16 * C::kCR, src + code_part + sub * 16 * C::kCR, 16 * C::kCR, &bar[s]);
-        BulkCopy(dst + 32 * C::kCR, src + 2 * code_part + sub * 64 * kNG, 64 * kNG, &bar[s]);
-        BulkCopy(dst + 32 * C::kCR + 64 * kNG,
-                 src + 2 * code_part + uint64_t(page_size) * 4 * kNG + sub * 64 * kNG, 64 * kNG,
-                 &bar[s]);
-      }
+  // Phase parity of the two ring slots carried across items: slot s waits for parity
+  // ((ts / kStages) ^ (par_bits >> s)) & 1.
+  uint32_t par_bits = 0;
+  const int n_items = a.items_rows > 0 ? 2 : 1;
+#pragma unroll 1
+  for (int item = 0; item < n_items; ++item) {
+    int sx, yy, b;  // split, KV head × head chunk, request of this item
+    if (a.items_rows > 0) {
+      const int c = blockIdx.x;
+      const int row = item == 0 ? c / num_splits : a.items_rows + c % a.items_rows;
+      sx = item == 0 ? c % num_splits : c / a.items_rows;
+      b = row / rows_per_req;
+      yy = row % rows_per_req;
+    } else {
+      sx = a.split_major ? blockIdx.z : blockIdx.x;
+      yy = a.split_major ? blockIdx.x : blockIdx.y;
+      b = a.split_major ? blockIdx.y : blockIdx.z;
     }
-  };
-  // The fixed stages fill the whole ring before the wait for q̃ (v9: the copies read page ids
-  // only, never q̃), so a CTA resident while QRotateKernel runs has kStages stages in flight.
-  static_assert(kStages == 2, "the stage bookkeeping below holds two ring slots");
-  int sb0 = fixed_base(0), sb1 = fixed_base(1);  // unit base of the stage in ring slot 0 / 1
-  {
-    const int pid0 = load_pid(sb0), pid1 = load_pid(sb1);
-    if (sb0 < row_units) issue(0, sb0, pid0);
-    if (sb1 < row_units) issue(1, sb1, pid1);
-  }
+    const int kvh = yy / a.head_chunks;
+    const int chunk = yy % a.head_chunks;
+    const int h_first = kvh * a.group + chunk * kHeads;
+    const int nh = min(kHeads, a.group - chunk * kHeads);
+    const int page_size = a.page_size;
+    const int tpp_log2 = page_size == 64 ? 2 : 0;
 
-  // ---- q̃ (written by QRotateKernel) → 16-bit integers per head, in shared memory ----
-  if (a.pdl_wait_first) PdlWait();
-  PdlLaunchDependents();
-  KVPOOL_TL(1, 1);
-  // Claims of stages 2 and 3 (the counters are zero now: QRotateKernel completed). Lane 0 holds
-  // the pending result; it is read one stage later, so the atomic's latency is hidden.
-  int claim2 = 0, claim = 0;
-  if (lane == 0 && sb1 < row_units) {
-    if (2 >= t_fix) claim2 = atomicAdd(claims, kStageUnits);
-    if (3 >= t_fix) claim = atomicAdd(claims, kStageUnits);
-  }
-  for (int h = warp; h < kHeads; h += kWarps) {
-    const bool real = h < nh;
-    const float* qh = a.q_rot + (size_t(b) * a.num_q_heads + h_first + h) * D;
-    float v[D / 32];
-    float amax = 0.f;
-    bool bad = false;
-#pragma unroll
-    for (int i = 0; i < D / 32; ++i) {
-      v[i] = real ? qh[lane + 32 * i] : 0.f;
-      bad |= !isfinite(v[i]);
-      amax = fmaxf(amax, fabsf(v[i]));
+    int pbeg = 0, npg = 0, last_len = 0;
+    if (seg.indptr != nullptr) {
+      pbeg = seg.indptr[b];
+      npg = seg.indptr[b + 1] - pbeg;
+      if (npg > 0) last_len = min(max(seg.last_len[b], 0), page_size);
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-      bad |= __shfl_xor_sync(0xffffffffu, int(bad), o) != 0;
-    }
-    // |v| <= 32512 = 127·256: hi = (v - lo) / 256 stays within int8 for lo in [-128, 127].
-    const float s = (amax > 0.f && !bad) ? 32512.f / amax : 0.f;
-    const float inv_s = bad ? NAN : (amax > 0.f ? amax / 32512.f : 0.f);
-    int sum[kNG];
-#pragma unroll
-    for (int grp = 0; grp < kNG; ++grp) sum[grp] = 0;
-#pragma unroll
-    for (int i = 0; i < D / 32; ++i) {
-      const int iv = bad ? 0 : __float2int_rn(v[i] * s);
-      const int lo = ((iv + 128) & 0xff) - 128;
-      q_b[h][0][lane + 32 * i] = int8_t((iv - lo) >> 8);
-      q_b[h][1][lane + 32 * i] = int8_t(lo);
-      sum[(kNG == 2) ? (i / 4) : 0] += iv;
-    }
-#pragma unroll
-    for (int grp = 0; grp < kNG; ++grp) {
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) sum[grp] += __shfl_xor_sync(0xffffffffu, sum[grp], o);
-      if (lane == 0) q_sum[h][grp] = float(sum[grp]) * inv_s;
-    }
-    if (lane == 0) q_inv_s[h] = inv_s;
-  }
-  __syncthreads();
-  // B fragments: column n = g is head 4kt + g/2, part g&1 (0: hi byte, 1: lo byte).
-  uint32_t qb[kMma][KT][2];
-  float inv_s[KT], sqs[KT][kNG];
-#pragma unroll
-  for (int kt = 0; kt < KT; ++kt) {
-    const int hb = 4 * kt + (g >> 1);
-    const bool hi_part = (g & 1) == 0;
-#pragma unroll
-    for (int m = 0; m < kMma; ++m) {
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int w = half ? CH::W1(m) : CH::W0(m);
-        const int k = half ? CH::K1(m) : CH::K0(m);
-        // Channels bb = 0..3 of (tig, w, k) are consecutive: one 32-bit load of four bytes
-        // (v6 built each byte from an int16 load and five ALU ops, ~230 instructions per warp).
-        qb[m][kt][half] = *reinterpret_cast<const uint32_t*>(
-            &q_b[hb][hi_part ? 0 : 1][CH::Channel(tig, w, k, 0)]);
-      }
-    }
-    inv_s[kt] = q_inv_s[4 * kt + tig] * (1.f / 64.f);  // the codes enter the MMA as code·64
-#pragma unroll
-    for (int grp = 0; grp < kNG; ++grp) sqs[kt][grp] = q_sum[4 * kt + tig][grp];
-  }
+    // v18: a ring stage holds kStageUnits consecutive units of the row (request, KV head, head
+    // chunk); stage t < t_fix of warp w in split sx is the fixed ((t·S + sx)·kWarps + w)-th stage
+    // of the row (the splits interleave at stage granularity), and with dyn_claims every later
+    // stage is claimed from the row's counter (atomicAdd of lane 0, issued one stage before the
+    // stage is prepared and two before its copies), so the splits of a row end within about one
+    // stage of each other however unevenly the SMs serve their CTAs. (One launch's timeline at B =
+    // 8 × 128K, v16: equal static splits ended between 101 and 162 µs, the CTAs an SM received last
+    // taking 32 % longer than its first; with the split-major grid a row's splits sit at every such
+    // rank.) Claims start only after the wait for QRotateKernel, which zeroes the counters; the
+    // first kStages stages are always fixed and issued before that wait.
+    const int npg_eff = min(npg, num_splits * seg.pages_per_split);  // max_pages bound
+    const bool overflow = (sx == num_splits - 1) && npg > npg_eff;
+    const int row_units = npg_eff << tpp_log2;
+    const int row_tokens =
+        npg_eff < npg ? npg_eff * page_size : (npg > 0 ? (npg - 1) * page_size + last_len : 0);
+    // Stages t < t_fix of every warp are fixed (dyn_claims % of the row), later ones claimed.
+    const int t_fix =
+        (a.dyn_claims && !(a.items_rows > 0 && item == 0))
+            ? max(kStages, (a.dyn_claims * row_units) / (100 * num_splits * kWarps * kStageUnits))
+            : 1 << 30;
+    const int claim_base = t_fix * num_splits * kWarps * kStageUnits;  // units of fixed stages
+    auto fixed_base = [&](int t) { return ((t * num_splits + sx) * kWarps + warp) * kStageUnits; };
+    int* claims = a.row_claims + kClaimStride * (size_t(b) * rows_per_req + yy);
+    const uint64_t chunk_bytes = uint64_t(page_size) * (D / 2 + 8 * kNG);
+    const int32_t* page_ids = seg.indices + pbeg;
+    const uint8_t* head_base = seg.base + uint64_t(kvh) * chunk_bytes;
 
-  float acc[kMt][4];
-#pragma unroll
-  for (int mt = 0; mt < kMt; ++mt)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) acc[mt][i] = 0.f;
-  // m_run: running max (log2 units). Logits are formed relative to mref = m_run (0 while m_run is
-  // -inf), i.e. the FFMA chain that builds a logit starts from -mref, so p = 2^logit needs no
-  // subtraction; a logit exceeds the running max iff it exceeds gth = m_run - mref (0 or -inf).
-  float m_run[KT], mref[KT], gth[KT], l_run[KT], mn_run[KT][kNG];
-#pragma unroll
-  for (int kt = 0; kt < KT; ++kt) {
-    m_run[kt] = -INFINITY;
-    mref[kt] = 0.f;
-    gth[kt] = -INFINITY;
-    l_run[kt] = 0.f;
-#pragma unroll
-    for (int grp = 0; grp < kNG; ++grp) mn_run[kt][grp] = 0.f;
-  }
-
-  // Stage 2: its base (claimed above, or fixed) and page ids; every later stage is prepared in
-  // the loop one stage before its copies are issued.
-  auto next_base = [&](int t, int c) {
-    return t >= t_fix ? claim_base + __shfl_sync(0xffffffffu, c, 0) : fixed_base(t);
-  };
-  int nb = sb1 < row_units ? next_base(2, claim2) : row_units;
-  int npid = load_pid(nb);
-
-  // One ring stage (two warp steps) per iteration, while the stage's base is inside the row
-  // (bases grow with the stage index, so the first one past the end ends the loop with no copy in
-  // flight). (v11 ran the stages without masked steps through a second, branch-free copy of this
-  // body: 96 registers instead of 90 and no faster (s5/s6 A/B in KERNELS.md), so v12 dropped it.)
-  for (int ts = 0;; ++ts) {
-    const int s = ts % kStages;
-    const int sbase = s ? sb1 : sb0;
-    if (sbase >= row_units) break;  // warp-uniform
-    MbarWait(&bar[s], uint32_t(ts / kStages) & 1u);
-#pragma unroll
-    for (int h = 0; h < kStepsPerStage; ++h) {
-      // A step past the row's end (a stage that holds fewer than kStageUnits units) is run with
-      // every row masked rather than skipped, so the two steps of a stage form one basic block
-      // the compiler can interleave.
-      const uint8_t* stage = ring + (s * kStageUnits + h * kSub) * C::kTile;
-      const int u0 = sbase + h * kSub;                     // row-global unit of the step
-      const bool partial = (u0 + kSub) * 16 > row_tokens;  // warp-uniform
-
-      float logit[kSub][KT][2];    // relative to mref
-      uint32_t vpw[kSub][2][kNG];  // V params {scale16, min16} of rows krow, krow + 8
-#pragma unroll
-      for (int j = 0; j < kSub; ++j) {
-        const uint8_t* st = stage + j * C::kTile;
-        const uint32_t* kpar = reinterpret_cast<const uint32_t*>(st + 32 * C::kCR);
-        const uint32_t* vpar = kpar + 16 * kNG;
-        float ks[2][kNG], km[2][kNG];
-#pragma unroll
-        for (int r = 0; r < 2; ++r)
-#pragma unroll
-          for (int grp = 0; grp < kNG; ++grp) {
-            const uint32_t kp = kpar[(krow + 8 * r) * kNG + grp];
-            vpw[j][r][grp] = vpar[(krow + 8 * r) * kNG + grp];
-            const __half2 kh = *reinterpret_cast<const __half2*>(&kp);
-            ks[r][grp] = __low2float(kh);
-            km[r][grp] = __high2float(kh);
-          }
-        // K words of rows g and g+8 for this lane.
-        uint32_t kw[2][kTW];
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const uint8_t* rowp = st + (krow + 8 * r) * C::kCR + tig * (D / 16);
-          if constexpr (kTW == 1) {
-            kw[r][0] = *reinterpret_cast<const uint32_t*>(rowp);
-          } else if constexpr (kTW == 2) {
-            const uint2 x = *reinterpret_cast<const uint2*>(rowp);
-            kw[r][0] = x.x;
-            kw[r][1] = x.y;
-          } else {
-            const uint4 x = *reinterpret_cast<const uint4*>(rowp);
-            kw[r][0] = x.x;
-            kw[r][1] = x.y;
-            kw[r][2] = x.z;
-            kw[r][3] = x.w;
-          }
-        }
-        int sacc[kNG][KT][4];
-#pragma unroll
-        for (int grp = 0; grp < kNG; ++grp)
-#pragma unroll
-          for (int kt = 0; kt < KT; ++kt)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) sacc[grp][kt][i] = 0;
-#pragma unroll
-        for (int m = 0; m < kMma; ++m) {
-          const int w0 = CH::W0(m), w1 = CH::W1(m), k0 = CH::K0(m), k1 = CH::K1(m);
-          // code·64 of quarter k: a left shift (IMAD.SHL, FMA pipe) and one LOP3 (ALU pipe, the
-          // busier one: ncu showed it at 65 % with right shifts).
-          const uint32_t a0 = (kw[0][w0] << (6 - 2 * k0)) & 0xc0c0c0c0u;
-          const uint32_t a1 = (kw[1][w0] << (6 - 2 * k0)) & 0xc0c0c0c0u;
-          const uint32_t a2 = (kw[0][w1] << (6 - 2 * k1)) & 0xc0c0c0c0u;
-          const uint32_t a3 = (kw[1][w1] << (6 - 2 * k1)) & 0xc0c0c0c0u;
-#pragma unroll
-          for (int kt = 0; kt < KT; ++kt)
-            ImmaU8S8(sacc[CH::Grp(m)][kt], a0, a1, a2, a3, qb[m][kt][0], qb[m][kt][1]);
-        }
-#pragma unroll
-        for (int kt = 0; kt < KT; ++kt)
-#pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            float x = -mref[kt];
-#pragma unroll
-            for (int grp = 0; grp < kNG; ++grp) {
-              const int dot = sacc[grp][kt][2 * r] * 256 + sacc[grp][kt][2 * r + 1];
-              x = fmaf(ks[r][grp] * inv_s[kt], float(dot), fmaf(km[r][grp], sqs[kt][grp], x));
-            }
-            logit[j][kt][r] = x;
-          }
-        if (partial) {  // warp-uniform: rows past the segment's end, or of units not loaded
-          const int n = min(max(row_tokens - 16 * (u0 + j), 0), 16);
-#pragma unroll
-          for (int r = 0; r < 2; ++r)
-            if (krow + 8 * r >= n) {  // unused slots may hold anything (NaN included)
-#pragma unroll
-              for (int kt = 0; kt < KT; ++kt) logit[j][kt][r] = -INFINITY;
-#pragma unroll
-              for (int grp = 0; grp < kNG; ++grp) vpw[j][r][grp] = 0u;
-            }
+    // Page id of unit base + lane (lanes < kStageUnits; 0 past the row's end).
+    auto load_pid = [&](int base) -> int {
+      const int u = base + lane;
+      return (lane < kStageUnits && u < row_units) ? __ldg(page_ids + (u >> tpp_log2)) : 0;
+    };
+    // TMA copies of ring stage t = units base .. base + kStageUnits - 1 (base < row_units): lane j
+    // copies unit base + j with the page id it holds. No proxy fence before the copies: the
+    // generic-proxy reads of this stage completed (their values were consumed) before the
+    // __syncwarp that ended its previous use, as in a TMA pipeline's consumer release. expect_tx
+    // comes first in program order (same warp).
+    auto issue = [&](int t, int base, int pid) {
+      const int s = t % kStages;
+      const int nvalid = min(row_units - base, kStageUnits);
+      if (lane == 0) MbarExpectTx(&bar[s], uint32_t(nvalid * C::kTile));
+      if (lane < nvalid) {
+        const uint8_t* src = head_base + uint64_t(uint32_t(pid)) * seg.page_stride;
+        uint8_t* dst = ring + (s * kStageUnits + lane) * C::kTile;
+        if (page_size == 16) {
+          BulkCopy(dst, src, C::kTile, &bar[s]);
+        } else {
+          const int sub = (base + lane) & 3;
+          const uint64_t code_part = uint64_t(page_size) * C::kCR;
+          BulkCopy(dst, src + sub * 16 * C::kCR, 16 * C::kCR, &bar[s]);
+          BulkCopy(dst + 16 * C::kCR, src + code_part + sub * 16 * C::kCR, 16 * C::kCR, &bar[s]);
+          BulkCopy(dst + 32 * C::kCR, src + 2 * code_part + sub * 64 * kNG, 64 * kNG, &bar[s]);
+          BulkCopy(dst + 32 * C::kCR + 64 * kNG,
+                   src + 2 * code_part + uint64_t(page_size) * 4 * kNG + sub * 64 * kNG, 64 * kNG,
+                   &bar[s]);
         }
       }
-
-      // ---- online softmax (log2 units) ----
-      bool grow = false;
-      float lmax[KT];
-#pragma unroll
-      for (int kt = 0; kt < KT; ++kt) {
-        lmax[kt] = -INFINITY;
-#pragma unroll
-        for (int j = 0; j < kSub; ++j)
-          lmax[kt] = fmaxf(lmax[kt], fmaxf(logit[j][kt][0], logit[j][kt][1]));
-        grow |= lmax[kt] > gth[kt];
-      }
-      if (__any_sync(0xffffffffu, grow)) {
-#pragma unroll
-        for (int kt = 0; kt < KT; ++kt) {
-          float x = lmax[kt];
-          x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 4));
-          x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 8));
-          x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 16));
-          const float m_new = fmaxf(m_run[kt], x + mref[kt]);
-          const float alpha = (m_new == -INFINITY) ? 1.f : Ex2(m_run[kt] - m_new);
-          const float ref = (m_new == -INFINITY) ? 0.f : m_new;
-#pragma unroll
-          for (int j = 0; j < kSub; ++j)
-#pragma unroll
-            for (int r = 0; r < 2; ++r) logit[j][kt][r] += mref[kt] - ref;
-          m_run[kt] = m_new;
-          mref[kt] = ref;
-          gth[kt] = m_new - ref;
-          l_run[kt] *= alpha;
-#pragma unroll
-          for (int grp = 0; grp < kNG; ++grp) mn_run[kt][grp] *= alpha;
-#pragma unroll
-          for (int mt = 0; mt < kMt; ++mt) {
-            acc[mt][kt] *= alpha;
-            acc[mt][2 + kt] *= alpha;
-          }
-        }
-      }
-      uint32_t pb[kSub][kNG][2];
-#pragma unroll
-      for (int j = 0; j < kSub; ++j) {
-        float p[KT][2];
-#pragma unroll
-        for (int kt = 0; kt < KT; ++kt) {
-#pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            p[kt][r] = Ex2(logit[j][kt][r]);
-            l_run[kt] += p[kt][r];
-#pragma unroll
-            for (int grp = 0; grp < kNG; ++grp)
-              mn_run[kt][grp] =
-                  fmaf(p[kt][r], __high2float(*reinterpret_cast<const __half2*>(&vpw[j][r][grp])),
-                       mn_run[kt][grp]);
-          }
-        }
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          // {p(head tig), p(head 4 + tig)} of token g + 8r, times its scale16.
-          const uint32_t pk = PackHalf2(p[0][r], KT == 2 ? p[KT - 1][r] : 0.f);
-#pragma unroll
-          for (int grp = 0; grp < kNG; ++grp) {
-            __half2 h = __hmul2(*reinterpret_cast<const __half2*>(&pk),
-                                __low2half2(*reinterpret_cast<const __half2*>(&vpw[j][r][grp])));
-            pb[j][grp][r] = MovMatrixTrans(*reinterpret_cast<const uint32_t*>(&h));
-          }
-        }
-      }
-
-      // ---- Oᵀ += Vᵀ·P' ----
-#pragma unroll
-      for (int j = 0; j < kSub; ++j) {
-        const uint8_t* vc = stage + j * C::kTile + 16 * C::kCR;
-        constexpr int kVB = C::kVB;
-        constexpr int kVW = (kVB + 3) / 4;
-        uint32_t vw[4][kVW];
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          const int row = tig + 4 * (q & 1) + 8 * (q >> 1);
-          const uint8_t* rp = vc + row * C::kCR + g * kVB;
-          if constexpr (kVB == 2) {
-            vw[q][0] = *reinterpret_cast<const uint16_t*>(rp);
-          } else if constexpr (kVB == 4) {
-            vw[q][0] = *reinterpret_cast<const uint32_t*>(rp);
-          } else {
-            const uint2 x = *reinterpret_cast<const uint2*>(rp);
-            vw[q][0] = x.x;
-            vw[q][1] = x.y;
-          }
-        }
-#pragma unroll
-        for (int i = 0; i < kVB; ++i) {
-          const int wi = i >> 2, bs = i & 3;
-          // bytes bs of tokens (2tig, 2tig+1) and (2tig+8, 2tig+9) in the low byte of each lane
-          const uint32_t sel = bs | ((4 + bs) << 8);
-          const uint32_t x0 = Prmt(vw[0][wi], vw[1][wi], sel);
-          const uint32_t x1 = Prmt(vw[2][wi], vw[3][wi], sel);
-#pragma unroll
-          for (int kk = 0; kk < 2; ++kk) {
-            const int k0 = 2 * kk;  // quarters k0 (row g) and k0 + 1 (row g + 8)
-            const int mt = 2 * i + kk;
-            const uint32_t m0 = 0x00030003u << (2 * k0), m1 = 0x00030003u << (2 * k0 + 2);
-            const int grp = (kNG == 2) ? kk : 0;
-            MmaF16(acc[mt], x0 & m0, x0 & m1, x1 & m0, x1 & m1, pb[j][grp][0], pb[j][grp][1]);
-          }
-        }
-      }
-    }  // step h of stage ts
-    __syncwarp();
-    // Refill the slot just consumed with stage ts + 2 (prepared one stage ago), then prepare stage
-    // ts + 3 from the claim issued one stage ago and claim stage ts + 4.
-    if (s)
-      sb1 = nb;
-    else
-      sb0 = nb;
-    if (nb < row_units) {
-      issue(ts + kStages, nb, npid);
-      nb = next_base(ts + kStages + 1, claim);
-      npid = load_pid(nb);
-      if (ts + kStages + 2 >= t_fix && lane == 0) claim = atomicAdd(claims, kStageUnits);
-    }
-  }
-
-  // ---- reduce per-lane sums over the 8 lane groups ----
-#pragma unroll
-  for (int kt = 0; kt < KT; ++kt)
-#pragma unroll
-    for (int o = 4; o < 32; o <<= 1) {
-      l_run[kt] += __shfl_xor_sync(0xffffffffu, l_run[kt], o);
-#pragma unroll
-      for (int grp = 0; grp < kNG; ++grp)
-        mn_run[kt][grp] += __shfl_xor_sync(0xffffffffu, mn_run[kt][grp], o);
+    };
+    // The fixed stages fill the whole ring before the wait for q̃ (v9: the copies read page ids
+    // only, never q̃), so a CTA resident while QRotateKernel runs has kStages stages in flight.
+    static_assert(kStages == 2, "the stage bookkeeping below holds two ring slots");
+    int sb0 = fixed_base(0), sb1 = fixed_base(1);  // unit base of the stage in ring slot 0 / 1
+    {
+      const int pid0 = load_pid(sb0), pid1 = load_pid(sb1);
+      if (sb0 < row_units) issue(0, sb0, pid0);
+      if (sb1 < row_units) issue(1, sb1, pid1);
     }
 
-  // ---- combine the warps in shared memory ----
-  constexpr int kN = 8;  // head slots per warp in the combine buffers
-  __syncthreads();       // every warp is done with its ring (all issued copies were consumed)
-  float* cm = reinterpret_cast<float*>(smem);
-  float* cl = cm + kWarps * kN;
-  float* co = cl + kWarps * kN;
-  if (g == 0) {
+    // ---- q̃ (written by QRotateKernel) → 16-bit integers per head, in shared memory ----
+    if (a.pdl_wait_first) PdlWait();
+    PdlLaunchDependents();
+    KVPOOL_TL(1, 1);
+    // Claims of stages 2 and 3 (the counters are zero now: QRotateKernel completed). Lane 0 holds
+    // the pending result; it is read one stage later, so the atomic's latency is hidden.
+    int claim2 = 0, claim = 0;
+    if (lane == 0 && sb1 < row_units) {
+      if (2 >= t_fix) claim2 = atomicAdd(claims, kStageUnits);
+      if (3 >= t_fix) claim = atomicAdd(claims, kStageUnits);
+    }
+    for (int h = warp; h < kHeads; h += kWarps) {
+      const bool real = h < nh;
+      const float* qh = a.q_rot + (size_t(b) * a.num_q_heads + h_first + h) * D;
+      float v[D / 32];
+      float amax = 0.f;
+      bool bad = false;
+#pragma unroll
+      for (int i = 0; i < D / 32; ++i) {
+        v[i] = real ? qh[lane + 32 * i] : 0.f;
+        bad |= !isfinite(v[i]);
+        amax = fmaxf(amax, fabsf(v[i]));
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+        bad |= __shfl_xor_sync(0xffffffffu, int(bad), o) != 0;
+      }
+      // |v| <= 32512 = 127·256: hi = (v - lo) / 256 stays within int8 for lo in [-128, 127].
+      const float s = (amax > 0.f && !bad) ? 32512.f / amax : 0.f;
+      const float inv_s = bad ? NAN : (amax > 0.f ? amax / 32512.f : 0.f);
+      int sum[kNG];
+#pragma unroll
+      for (int grp = 0; grp < kNG; ++grp) sum[grp] = 0;
+#pragma unroll
+      for (int i = 0; i < D / 32; ++i) {
+        const int iv = bad ? 0 : __float2int_rn(v[i] * s);
+        const int lo = ((iv + 128) & 0xff) - 128;
+        q_b[h][0][lane + 32 * i] = int8_t((iv - lo) >> 8);
+        q_b[h][1][lane + 32 * i] = int8_t(lo);
+        sum[(kNG == 2) ? (i / 4) : 0] += iv;
+      }
+#pragma unroll
+      for (int grp = 0; grp < kNG; ++grp) {
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) sum[grp] += __shfl_xor_sync(0xffffffffu, sum[grp], o);
+        if (lane == 0) q_sum[h][grp] = float(sum[grp]) * inv_s;
+      }
+      if (lane == 0) q_inv_s[h] = inv_s;
+    }
+    __syncthreads();
+    // B fragments: column n = g is head 4kt + g/2, part g&1 (0: hi byte, 1: lo byte).
+    uint32_t qb[kMma][KT][2];
+    float inv_s[KT], sqs[KT][kNG];
 #pragma unroll
     for (int kt = 0; kt < KT; ++kt) {
-      cm[warp * kN + 4 * kt + tig] = m_run[kt];
-      cl[warp * kN + 4 * kt + tig] = l_run[kt];
+      const int hb = 4 * kt + (g >> 1);
+      const bool hi_part = (g & 1) == 0;
+#pragma unroll
+      for (int m = 0; m < kMma; ++m) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int w = half ? CH::W1(m) : CH::W0(m);
+          const int k = half ? CH::K1(m) : CH::K0(m);
+          // Channels bb = 0..3 of (tig, w, k) are consecutive: one 32-bit load of four bytes
+          // (v6 built each byte from an int16 load and five ALU ops, ~230 instructions per warp).
+          qb[m][kt][half] = *reinterpret_cast<const uint32_t*>(
+              &q_b[hb][hi_part ? 0 : 1][CH::Channel(tig, w, k, 0)]);
+        }
+      }
+      inv_s[kt] = q_inv_s[4 * kt + tig] * (1.f / 64.f);  // the codes enter the MMA as code·64
+#pragma unroll
+      for (int grp = 0; grp < kNG; ++grp) sqs[kt][grp] = q_sum[4 * kt + tig][grp];
     }
-  }
+
+    float acc[kMt][4];
 #pragma unroll
-  for (int mt = 0; mt < kMt; ++mt)
+    for (int mt = 0; mt < kMt; ++mt)
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int kt = i & 1, r = i >> 1;
-      if (kt < KT) {
-        const int idx = 2 * mt + r;
-        const int k = idx & 3;
-        const int dim = g * (D / 32) + (idx >> 2) + (D / 4) * k;
-        const int grp = (kNG == 2) ? (dim >= 128) : 0;
-        // 2^24 undoes the subnormal code encoding, 4^-k the quarter's bit position.
-        const float o = acc[mt][i] * (16777216.f / float(1 << (2 * k))) + mn_run[kt][grp];
-        co[(warp * kN + 4 * kt + tig) * D + dim] = o;
+      for (int i = 0; i < 4; ++i) acc[mt][i] = 0.f;
+    // m_run: running max (log2 units). Logits are formed relative to mref = m_run (0 while m_run is
+    // -inf), i.e. the FFMA chain that builds a logit starts from -mref, so p = 2^logit needs no
+    // subtraction; a logit exceeds the running max iff it exceeds gth = m_run - mref (0 or -inf).
+    float m_run[KT], mref[KT], gth[KT], l_run[KT], mn_run[KT][kNG];
+#pragma unroll
+    for (int kt = 0; kt < KT; ++kt) {
+      m_run[kt] = -INFINITY;
+      mref[kt] = 0.f;
+      gth[kt] = -INFINITY;
+      l_run[kt] = 0.f;
+#pragma unroll
+      for (int grp = 0; grp < kNG; ++grp) mn_run[kt][grp] = 0.f;
+    }
+
+    // Stage 2: its base (claimed above, or fixed) and page ids; every later stage is prepared in
+    // the loop one stage before its copies are issued.
+    auto next_base = [&](int t, int c) {
+      return t >= t_fix ? claim_base + __shfl_sync(0xffffffffu, c, 0) : fixed_base(t);
+    };
+    int nb = sb1 < row_units ? next_base(2, claim2) : row_units;
+    int npid = load_pid(nb);
+
+    // One ring stage (two warp steps) per iteration, while the stage's base is inside the row
+    // (bases grow with the stage index, so the first one past the end ends the loop with no copy in
+    // flight). (v11 ran the stages without masked steps through a second, branch-free copy of this
+    // body: 96 registers instead of 90 and no faster (s5/s6 A/B in KERNELS.md), so v12 dropped it.)
+    int ts = 0;
+    for (;; ++ts) {
+      const int s = ts % kStages;
+      const int sbase = s ? sb1 : sb0;
+      if (sbase >= row_units) break;  // warp-uniform
+      MbarWait(&bar[s], (uint32_t(ts / kStages) ^ (par_bits >> s)) & 1u);
+#pragma unroll
+      for (int h = 0; h < kStepsPerStage; ++h) {
+        // A step past the row's end (a stage that holds fewer than kStageUnits units) is run with
+        // every row masked rather than skipped, so the two steps of a stage form one basic block
+        // the compiler can interleave.
+        const uint8_t* stage = ring + (s * kStageUnits + h * kSub) * C::kTile;
+        const int u0 = sbase + h * kSub;                     // row-global unit of the step
+        const bool partial = (u0 + kSub) * 16 > row_tokens;  // warp-uniform
+
+        float logit[kSub][KT][2];    // relative to mref
+        uint32_t vpw[kSub][2][kNG];  // V params {scale16, min16} of rows krow, krow + 8
+#pragma unroll
+        for (int j = 0; j < kSub; ++j) {
+          const uint8_t* st = stage + j * C::kTile;
+          const uint32_t* kpar = reinterpret_cast<const uint32_t*>(st + 32 * C::kCR);
+          const uint32_t* vpar = kpar + 16 * kNG;
+          float ks[2][kNG], km[2][kNG];
+#pragma unroll
+          for (int r = 0; r < 2; ++r)
+#pragma unroll
+            for (int grp = 0; grp < kNG; ++grp) {
+              const uint32_t kp = kpar[(krow + 8 * r) * kNG + grp];
+              vpw[j][r][grp] = vpar[(krow + 8 * r) * kNG + grp];
+              const __half2 kh = *reinterpret_cast<const __half2*>(&kp);
+              ks[r][grp] = __low2float(kh);
+              km[r][grp] = __high2float(kh);
+            }
+          // K words of rows g and g+8 for this lane.
+          uint32_t kw[2][kTW];
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            const uint8_t* rowp = st + (krow + 8 * r) * C::kCR + tig * (D / 16);
+            if constexpr (kTW == 1) {
+              kw[r][0] = *reinterpret_cast<const uint32_t*>(rowp);
+            } else if constexpr (kTW == 2) {
+              const uint2 x = *reinterpret_cast<const uint2*>(rowp);
+              kw[r][0] = x.x;
+              kw[r][1] = x.y;
+            } else {
+              const uint4 x = *reinterpret_cast<const uint4*>(rowp);
+              kw[r][0] = x.x;
+              kw[r][1] = x.y;
+              kw[r][2] = x.z;
+              kw[r][3] = x.w;
+            }
+          }
+          int sacc[kNG][KT][4];
+#pragma unroll
+          for (int grp = 0; grp < kNG; ++grp)
+#pragma unroll
+            for (int kt = 0; kt < KT; ++kt)
+#pragma unroll
+              for (int i = 0; i < 4; ++i) sacc[grp][kt][i] = 0;
+#pragma unroll
+          for (int m = 0; m < kMma; ++m) {
+            const int w0 = CH::W0(m), w1 = CH::W1(m), k0 = CH::K0(m), k1 = CH::K1(m);
+            // code·64 of quarter k: a left shift (IMAD.SHL, FMA pipe) and one LOP3 (ALU pipe, the
+            // busier one: ncu showed it at 65 % with right shifts).
+            const uint32_t a0 = (kw[0][w0] << (6 - 2 * k0)) & 0xc0c0c0c0u;
+            const uint32_t a1 = (kw[1][w0] << (6 - 2 * k0)) & 0xc0c0c0c0u;
+            const uint32_t a2 = (kw[0][w1] << (6 - 2 * k1)) & 0xc0c0c0c0u;
+            const uint32_t a3 = (kw[1][w1] << (6 - 2 * k1)) & 0xc0c0c0c0u;
+#pragma unroll
+            for (int kt = 0; kt < KT; ++kt)
+              ImmaU8S8(sacc[CH::Grp(m)][kt], a0, a1, a2, a3, qb[m][kt][0], qb[m][kt][1]);
+          }
+#pragma unroll
+          for (int kt = 0; kt < KT; ++kt)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+              float x = -mref[kt];
+#pragma unroll
+              for (int grp = 0; grp < kNG; ++grp) {
+                const int dot = sacc[grp][kt][2 * r] * 256 + sacc[grp][kt][2 * r + 1];
+                x = fmaf(ks[r][grp] * inv_s[kt], float(dot), fmaf(km[r][grp], sqs[kt][grp], x));
+              }
+              logit[j][kt][r] = x;
+            }
+          if (partial) {  // warp-uniform: rows past the segment's end, or of units not loaded
+            const int n = min(max(row_tokens - 16 * (u0 + j), 0), 16);
+#pragma unroll
+            for (int r = 0; r < 2; ++r)
+              if (krow + 8 * r >= n) {  // unused slots may hold anything (NaN included)
+#pragma unroll
+                for (int kt = 0; kt < KT; ++kt) logit[j][kt][r] = -INFINITY;
+#pragma unroll
+                for (int grp = 0; grp < kNG; ++grp) vpw[j][r][grp] = 0u;
+              }
+          }
+        }
+
+        // ---- online softmax (log2 units) ----
+        bool grow = false;
+        float lmax[KT];
+#pragma unroll
+        for (int kt = 0; kt < KT; ++kt) {
+          lmax[kt] = -INFINITY;
+#pragma unroll
+          for (int j = 0; j < kSub; ++j)
+            lmax[kt] = fmaxf(lmax[kt], fmaxf(logit[j][kt][0], logit[j][kt][1]));
+          grow |= lmax[kt] > gth[kt];
+        }
+        if (__any_sync(0xffffffffu, grow)) {
+#pragma unroll
+          for (int kt = 0; kt < KT; ++kt) {
+            float x = lmax[kt];
+            x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 4));
+            x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 8));
+            x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 16));
+            const float m_new = fmaxf(m_run[kt], x + mref[kt]);
+            const float alpha = (m_new == -INFINITY) ? 1.f : Ex2(m_run[kt] - m_new);
+            const float ref = (m_new == -INFINITY) ? 0.f : m_new;
+#pragma unroll
+            for (int j = 0; j < kSub; ++j)
+#pragma unroll
+              for (int r = 0; r < 2; ++r) logit[j][kt][r] += mref[kt] - ref;
+            m_run[kt] = m_new;
+            mref[kt] = ref;
+            gth[kt] = m_new - ref;
+            l_run[kt] *= alpha;
+#pragma unroll
+            for (int grp = 0; grp < kNG; ++grp) mn_run[kt][grp] *= alpha;
+#pragma unroll
+            for (int mt = 0; mt < kMt; ++mt) {
+              acc[mt][kt] *= alpha;
+              acc[mt][2 + kt] *= alpha;
+            }
+          }
+        }
+        uint32_t pb[kSub][kNG][2];
+#pragma unroll
+        for (int j = 0; j < kSub; ++j) {
+          float p[KT][2];
+#pragma unroll
+          for (int kt = 0; kt < KT; ++kt) {
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+              p[kt][r] = Ex2(logit[j][kt][r]);
+              l_run[kt] += p[kt][r];
+#pragma unroll
+              for (int grp = 0; grp < kNG; ++grp)
+                mn_run[kt][grp] =
+                    fmaf(p[kt][r], __high2float(*reinterpret_cast<const __half2*>(&vpw[j][r][grp])),
+                         mn_run[kt][grp]);
+            }
+          }
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            // {p(head tig), p(head 4 + tig)} of token g + 8r, times its scale16.
+            const uint32_t pk = PackHalf2(p[0][r], KT == 2 ? p[KT - 1][r] : 0.f);
+#pragma unroll
+            for (int grp = 0; grp < kNG; ++grp) {
+              __half2 h = __hmul2(*reinterpret_cast<const __half2*>(&pk),
+                                  __low2half2(*reinterpret_cast<const __half2*>(&vpw[j][r][grp])));
+              pb[j][grp][r] = MovMatrixTrans(*reinterpret_cast<const uint32_t*>(&h));
+            }
+          }
+        }
+
+        // ---- Oᵀ += Vᵀ·P' ----
+#pragma unroll
+        for (int j = 0; j < kSub; ++j) {
+          const uint8_t* vc = stage + j * C::kTile + 16 * C::kCR;
+          constexpr int kVB = C::kVB;
+          constexpr int kVW = (kVB + 3) / 4;
+          uint32_t vw[4][kVW];
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+            const int row = tig + 4 * (q & 1) + 8 * (q >> 1);
+            const uint8_t* rp = vc + row * C::kCR + g * kVB;
+            if constexpr (kVB == 2) {
+              vw[q][0] = *reinterpret_cast<const uint16_t*>(rp);
+            } else if constexpr (kVB == 4) {
+              vw[q][0] = *reinterpret_cast<const uint32_t*>(rp);
+            } else {
+              const uint2 x = *reinterpret_cast<const uint2*>(rp);
+              vw[q][0] = x.x;
+              vw[q][1] = x.y;
+            }
+          }
+#pragma unroll
+          for (int i = 0; i < kVB; ++i) {
+            const int wi = i >> 2, bs = i & 3;
+            // bytes bs of tokens (2tig, 2tig+1) and (2tig+8, 2tig+9) in the low byte of each lane
+            const uint32_t sel = bs | ((4 + bs) << 8);
+            const uint32_t x0 = Prmt(vw[0][wi], vw[1][wi], sel);
+            const uint32_t x1 = Prmt(vw[2][wi], vw[3][wi], sel);
+#pragma unroll
+            for (int kk = 0; kk < 2; ++kk) {
+              const int k0 = 2 * kk;  // quarters k0 (row g) and k0 + 1 (row g + 8)
+              const int mt = 2 * i + kk;
+              const uint32_t m0 = 0x00030003u << (2 * k0), m1 = 0x00030003u << (2 * k0 + 2);
+              const int grp = (kNG == 2) ? kk : 0;
+              MmaF16(acc[mt], x0 & m0, x0 & m1, x1 & m0, x1 & m1, pb[j][grp][0], pb[j][grp][1]);
+            }
+          }
+        }
+      }  // step h of stage ts
+      __syncwarp();
+      // Refill the slot just consumed with stage ts + 2 (prepared one stage ago), then prepare
+      // stage ts + 3 from the claim issued one stage ago and claim stage ts + 4.
+      if (s)
+        sb1 = nb;
+      else
+        sb0 = nb;
+      if (nb < row_units) {
+        issue(ts + kStages, nb, npid);
+        nb = next_base(ts + kStages + 1, claim);
+        npid = load_pid(nb);
+        if (ts + kStages + 2 >= t_fix && lane == 0) claim = atomicAdd(claims, kStageUnits);
       }
     }
-  __syncthreads();
-  const int split = seg.split_offset + sx;
-  // Per (warp, head) weight 2^(m_w - m) / l, computed once per head (v11; v10 recomputed the
-  // four exp2f, the sum l and a division for every output element). A NaN l (a NaN input of a
-  // valid token, or in q̃) makes every weight of the head NaN, so its outputs stay NaN; l = 0
-  // (no valid token) makes them 0.
-  float* cw = co + kWarps * kN * D;  // [kWarps][kN], inside the ring (larger than the combine)
-  if (threadIdx.x < nh) {
-    const int h = threadIdx.x;
-    float mx = -INFINITY;
+
+    // Stages 0, 2, … used slot 0 and 1, 3, … slot 1: their phases carry into the next item.
+    par_bits ^= (uint32_t((ts + 1) / 2) & 1u) | ((uint32_t(ts / 2) & 1u) << 1);
+
+    // ---- reduce per-lane sums over the 8 lane groups ----
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, cm[w * kN + h]);
-    const float ms = (mx == -INFINITY) ? 0.f : mx;
-    float f[kWarps], l = 0.f;
+    for (int kt = 0; kt < KT; ++kt)
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
-      f[w] = exp2f(cm[w * kN + h] - ms);
-      l += cl[w * kN + h] * f[w];
+      for (int o = 4; o < 32; o <<= 1) {
+        l_run[kt] += __shfl_xor_sync(0xffffffffu, l_run[kt], o);
+#pragma unroll
+        for (int grp = 0; grp < kNG; ++grp)
+          mn_run[kt][grp] += __shfl_xor_sync(0xffffffffu, mn_run[kt][grp], o);
+      }
+
+    // ---- combine the warps in shared memory ----
+    constexpr int kN = 8;  // head slots per warp in the combine buffers
+    __syncthreads();       // every warp is done with its ring (all issued copies were consumed)
+    float* cm = reinterpret_cast<float*>(smem);
+    float* cl = cm + kWarps * kN;
+    float* co = cl + kWarps * kN;
+    if (g == 0) {
+#pragma unroll
+      for (int kt = 0; kt < KT; ++kt) {
+        cm[warp * kN + 4 * kt + tig] = m_run[kt];
+        cl[warp * kN + 4 * kt + tig] = l_run[kt];
+      }
     }
-    const bool nan = isnan(l);
-    const float inv_l = l > 0.f ? 1.f / l : 0.f;
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) cw[w * kN + h] = nan ? NAN : f[w] * inv_l;
-    const size_t row = (size_t(b) * a.num_q_heads + h_first + h) * a.s_total + split;
-    a.part_lse[row] = (overflow || nan) ? NAN : (l > 0.f ? ms + log2f(l) : -INFINITY);
-  }
-  __syncthreads();
+    for (int mt = 0; mt < kMt; ++mt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int kt = i & 1, r = i >> 1;
+        if (kt < KT) {
+          const int idx = 2 * mt + r;
+          const int k = idx & 3;
+          const int dim = g * (D / 32) + (idx >> 2) + (D / 4) * k;
+          const int grp = (kNG == 2) ? (dim >= 128) : 0;
+          // 2^24 undoes the subnormal code encoding, 4^-k the quarter's bit position.
+          const float o = acc[mt][i] * (16777216.f / float(1 << (2 * k))) + mn_run[kt][grp];
+          co[(warp * kN + 4 * kt + tig) * D + dim] = o;
+        }
+      }
+    __syncthreads();
+    const int split = seg.split_offset + sx;
+    // Per (warp, head) weight 2^(m_w - m) / l, computed once per head (v11; v10 recomputed the
+    // four exp2f, the sum l and a division for every output element). A NaN l (a NaN input of a
+    // valid token, or in q̃) makes every weight of the head NaN, so its outputs stay NaN; l = 0
+    // (no valid token) makes them 0.
+    float* cw = co + kWarps * kN * D;  // [kWarps][kN], inside the ring (larger than the combine)
+    if (threadIdx.x < nh) {
+      const int h = threadIdx.x;
+      float mx = -INFINITY;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, cm[w * kN + h]);
+      const float ms = (mx == -INFINITY) ? 0.f : mx;
+      float f[kWarps], l = 0.f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) {
+        f[w] = exp2f(cm[w * kN + h] - ms);
+        l += cl[w * kN + h] * f[w];
+      }
+      const bool nan = isnan(l);
+      const float inv_l = l > 0.f ? 1.f / l : 0.f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) cw[w * kN + h] = nan ? NAN : f[w] * inv_l;
+      const size_t row = (size_t(b) * a.num_q_heads + h_first + h) * a.s_total + split;
+      a.part_lse[row] = (overflow || nan) ? NAN : (l > 0.f ? ms + log2f(l) : -INFINITY);
+    }
+    __syncthreads();
 #pragma unroll 1
-  for (int idx = threadIdx.x; idx < nh * D; idx += kThreads) {
-    const int h = idx / D, dim = idx % D;
-    float o = 0.f;
+    for (int idx = threadIdx.x; idx < nh * D; idx += kThreads) {
+      const int h = idx / D, dim = idx % D;
+      float o = 0.f;
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) o = fmaf(co[(w * kN + h) * D + dim], cw[w * kN + h], o);
-    const size_t row = (size_t(b) * a.num_q_heads + h_first + h) * a.s_total + split;
-    a.part_o[row * D + dim] = o;
-  }
+      for (int w = 0; w < kWarps; ++w) o = fmaf(co[(w * kN + h) * D + dim], cw[w * kN + h], o);
+      const size_t row = (size_t(b) * a.num_q_heads + h_first + h) * a.s_total + split;
+      a.part_o[row * D + dim] = o;
+    }
+    if (item + 1 < n_items) {
+      // The next item's copies overwrite the combine buffers (generic-proxy accesses) in the ring.
+      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+      __syncthreads();
+    }
+  }  // item
   KVPOOL_TL(1, 2);
   // The merge kernel waits for this grid only: make its completion imply the BF16 grid's.
   PdlWait();
@@ -1375,6 +1405,7 @@ struct Plan {
   bool fold_sink = false;    // sink CTA folded into the first recent split (FoldSink)
   int dyn_pct = 0;           // INT2: percent of a row's stages fixed before claiming (0: none)
   bool split_major = false;  // INT2: grid (rows, batch, splits)
+  int items_rows = 0;        // INT2: > 0 = two (row, split) items per CTA (AttnArgs::items_rows)
   int sink_parts = 0;        // partials of the sink: 0 when folded
   int s_total = 0;
   size_t off_q = 0, off_o = 0, off_lse = 0, off_claims = 0, total = 0;
@@ -1484,6 +1515,16 @@ int DynClaimsOverride() {
 int SplitMajorOverride() {
   static const int v = [] {
     const char* e = std::getenv("KVPOOL_DECODE_SPLIT_MAJOR");
+    return e == nullptr ? -1 : (std::string(e) == "1" ? 1 : 0);
+  }();
+  return v;
+}
+
+// KVPOOL_DECODE_ITEMS=0/1 forces the INT2 kernel's two-items-per-CTA form off / on (on: for any
+// even row count); unset (-1): the launcher's rule (MakePlan). A/B and test switch. Read once.
+int ItemsOverride() {
+  static const int v = [] {
+    const char* e = std::getenv("KVPOOL_DECODE_ITEMS");
     return e == nullptr ? -1 : (std::string(e) == "1" ? 1 : 0);
   }();
   return v;
@@ -1681,6 +1722,18 @@ KernelStatus MakePlan(const PagedDecodeParams& p, Plan* plan) {
     const bool claim = ctas <= slots_i2 && stages_per_warp >= 8;
     plan->dyn_pct = DynClaimsOverride() >= 0 ? DynClaimsOverride() : (claim ? 75 : 0);
     plan->split_major = SplitMajorOverride() >= 0 ? SplitMajorOverride() == 1 : claim;
+    // v19: a grid of two waves or less whose rows are even in number runs as one resident wave of
+    // CTAs that take two (row, split) items each, static first, then claimed and split-major (the
+    // one-wave balance of v18 for the second half of the rows). B = 32 × 32K: 1280 CTAs on 660
+    // slots become 640 CTAs of two items.
+    const int64_t rows = base_i2;
+    bool items = ctas > slots_i2 && rows % 2 == 0 && ctas / 2 <= slots_i2 && stages_per_warp >= 8;
+    if (ItemsOverride() >= 0) items = ItemsOverride() == 1 && rows % 2 == 0;
+    if (items) {
+      plan->items_rows = int(rows / 2);
+      plan->dyn_pct = DynClaimsOverride() >= 0 ? DynClaimsOverride() : 50;
+      plan->split_major = false;
+    }
   }
   plan->fold_sink = FoldSink() && plan->sink.splits == 1 && plan->recent.splits >= 1;
   plan->sink_parts = plan->fold_sink ? 0 : plan->sink.splits;
@@ -1901,11 +1954,13 @@ KernelStatus LaunchPagedDecode(const PagedDecodeParams& p, Stream stream_handle)
     ai.row_claims = row_claims;
     ai.dyn_claims = plan.dyn_pct;
     ai.split_major = plan.split_major;
+    ai.items_rows = plan.items_rows;
     const int rows_per_req = p.num_kv_heads * plan.i2_chunks;
-    return DispatchInt2(d, plan.kt, ai,
-                        ai.split_major ? dim3(rows_per_req, p.batch, plan.history.splits)
-                                       : dim3(plan.history.splits, rows_per_req, p.batch),
-                        stream);
+    const dim3 grid = plan.items_rows > 0
+                          ? dim3(unsigned(plan.items_rows) * unsigned(plan.history.splits))
+                      : ai.split_major ? dim3(rows_per_req, p.batch, plan.history.splits)
+                                       : dim3(plan.history.splits, rows_per_req, p.batch);
+    return DispatchInt2(d, plan.kt, ai, grid, stream);
   };
   if (int2_first) {
     st = launch_int2();
