@@ -47,23 +47,27 @@ bool ParseBytes(const std::string& s, uint64_t* out) {
   return absl::SimpleAtoi(s, out);
 }
 
-// CLI11 check for a watermark: a fraction in (0, 1]. cli::Range is inclusive at both ends, so
+// Smallest watermark: below 1 % of capacity eviction empties the pool in effect (newcomer
+// report s6 #7: 1e-300 was accepted while 0 is refused for that reason).
+constexpr double kMinWatermark = 0.01;
+
+// CLI11 check for a watermark: a fraction in [0.01, 1]. cli::Range is inclusive at both ends, so
 // it showed 0..1 in --help while the store then refused 0 ("need 0 < low-watermark").
-CLI::Validator PositiveFraction() {
+CLI::Validator WatermarkFraction() {
   return CLI::Validator(
       [](std::string& v) -> std::string {
         double x = 0;
         if (v.empty() || std::isspace(static_cast<unsigned char>(v.front())) ||
             std::isspace(static_cast<unsigned char>(v.back())) ||
             !CLI::detail::lexical_cast(v, x)) {
-          return "'" + v + "' is not a number (want a fraction in (0, 1])";
+          return "'" + v + "' is not a number (want a fraction in [0.01, 1])";
         }
-        if (!(x > 0.0 && x <= 1.0)) {
-          return v + " is outside (0, 1] (0 excluded)";
+        if (!(x >= kMinWatermark && x <= 1.0)) {
+          return v + " is outside [0.01, 1] (below 1 % of capacity eviction would empty the pool)";
         }
         return {};
       },
-      "in (0, 1]");
+      "in [0.01, 1]");
 }
 
 // The termination signals main waits for (sigwait): SIGTERM, SIGINT, SIGHUP.
@@ -138,10 +142,10 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--high-watermark", o.store.high_watermark,
                  "Eviction starts above this fraction of capacity (>= --low-watermark)")
-      ->check(PositiveFraction());
+      ->check(WatermarkFraction());
   app.add_option("--low-watermark", o.store.low_watermark,
                  "Eviction stops at this fraction of capacity (<= --high-watermark)")
-      ->check(PositiveFraction());
+      ->check(WatermarkFraction());
   app.add_option("--put-timeout-ms", put_timeout_ms,
                  "Default lifetime of an uncommitted put before its staging is reclaimed")
       ->check(kvpool::cli::Range(int64_t{1}, int64_t{3600000}));
@@ -210,8 +214,9 @@ int main(int argc, char** argv) {
   // pool used to raise the maximum silently.
   if (lease_ms > max_lease_ms) {
     std::fprintf(stderr,
-                 "--lease-ms %lld is longer than --max-lease-ms %lld: the default lease must not "
-                 "exceed the maximum (raise --max-lease-ms or lower --lease-ms)\n",
+                 "kvpool-server: --lease-ms %lld is longer than --max-lease-ms %lld: the default "
+                 "lease must not exceed the maximum (raise --max-lease-ms or lower --lease-ms)\n"
+                 "Run with --help for more information.\n",
                  static_cast<long long>(lease_ms), static_cast<long long>(max_lease_ms));
     return kvpool::cli::kExitUsage;
   }

@@ -223,11 +223,11 @@ absl::StatusOr<std::unique_ptr<PoolServer>> PoolServer::Create(const PoolServerO
         "metrics-port: expected -1 (off), 0 (any free port) or 1..65535, got ", o.metrics_port));
   }
 
+  // A configuration conflict, not a busy port: INVALID_ARGUMENT (kvpool-server exits 1).
   if (o.metrics_port > 0 && o.metrics_port == listen.port) {
-    return absl::UnavailableError(
-        absl::StrCat("metrics-port: cannot bind ",
-                     listen.host == "localhost" ? "127.0.0.1" : listen.host, ":", o.metrics_port,
-                     ", Address already in use (it is the gRPC port of --listen ", o.listen, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("metrics-port: ", o.metrics_port, " is the gRPC port of --listen ", o.listen,
+                     " (give them different ports; -1 turns metrics off)"));
   }
 
   KVPOOL_ASSIGN_OR_RETURN(const std::string rotation_dir, CanonicalRotationDir(o.rotation_dir));
