@@ -134,7 +134,7 @@ int main(int argc, char** argv) {
   CLI::App app{"kvpool-worker — prefill node, decode worker and in-process evaluation"};
   kvpool::cli::Setup(app, "kvpool-worker");
   std::string role, pool = "127.0.0.1:7070", model, rotations_path, ucx_tls = "tcp";
-  std::string model_id = "stories260K", revision = "auto", history = "int2", report, fault;
+  std::string model_id, revision = "auto", history = "int2", report, fault;
   std::string windows = "64:256,16:16";
   std::vector<std::string> prompt_files;
   int max_new = 48, page_size = 16, sink = 64, recent = 256, fault_pool_pid = 0;
@@ -164,8 +164,11 @@ int main(int argc, char** argv) {
   app.add_option("--history-precision", history, "int2 | bf16")
       ->capture_default_str()
       ->check(CLI::IsMember({"int2", "bf16"}));
-  app.add_option("--model-id", model_id, "model id registered with the pool")
-      ->capture_default_str();
+  // The default was "stories260K" whatever --model loaded (newcomer report s6 #10); the file's
+  // stem is what `kvpool calibrate` records as the rotation file's model_name.
+  app.add_option("--model-id", model_id,
+                 "model id registered with the pool (default: the --model file's name without "
+                 "its extension, e.g. stories260K-f32)");
   app.add_option("--revision", revision,
                  "registered revision; 'auto' = model hash + recipe (P, S, W, precision, clip "
                  "ratios) + rotation id. An explicit revision asserts the weights: the pool "
@@ -200,6 +203,7 @@ int main(int argc, char** argv) {
   app.add_option("--fault-pool-pid", fault_pool_pid,
                  "pid of the pool for kill-pool-mid-fetch and stop-pool-after-register");
   KVPOOL_CLI_PARSE(app, argc, argv);
+  if (model_id.empty()) model_id = std::filesystem::path(model).stem().string();
 
   auto fault_or = kw::ParseFault(fault);
   if (!fault_or.ok()) {

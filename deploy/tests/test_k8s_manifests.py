@@ -31,6 +31,19 @@ def check(cond, msg):
         problems.append(msg)
 
 
+GIB = 1 << 30
+
+
+def byte_size(v):
+    """Bytes of a kvpool size ("8GiB", "512MiB", digits) or a Kubernetes quantity ("10Gi")."""
+    m = re.fullmatch(r"(\d+)\s*(|Ki|Mi|Gi|Ti|KiB|MiB|GiB|TiB)", str(v).strip())
+    check(m is not None, f"cannot read the size {v!r}")
+    if not m:
+        return 0
+    unit = {"": 0, "Ki": 10, "Mi": 20, "Gi": 30, "Ti": 40}[m.group(2).removesuffix("B")]
+    return int(m.group(1)) << unit
+
+
 def matches(selector, labels):
     return all(labels.get(k) == v for k, v in (selector or {}).items())
 
@@ -101,6 +114,20 @@ def main(deploy_dir, server):
                 cm = vols.get(vol, {}).get("configMap", {}).get("name")
                 check(cm in configmaps and os.path.basename(cfg_path) in configmaps[cm]["data"],
                       f"{cname}: --config {cfg_path} is not a key of a ConfigMap volume")
+                # The memory limit covers the pinned capacity, the registrations held outside it
+                # (--max-registration-bytes, default 1GiB) and ~1 GiB of process overhead; an
+                # unset registration bound was left out of the sizing (newcomer report s6 #10).
+                if cm in configmaps and os.path.basename(cfg_path) in configmaps[cm]["data"]:
+                    cfg = yaml.safe_load(configmaps[cm]["data"][os.path.basename(cfg_path)]) or {}
+                    check("max-registration-bytes" in cfg,
+                          f"{cname}: the config leaves --max-registration-bytes at its default; "
+                          "set it so the memory limit can count it")
+                    need = (byte_size(cfg.get("capacity", "64GiB")) +
+                            byte_size(cfg.get("max-registration-bytes", "1GiB")) + GIB)
+                    limit = c.get("resources", {}).get("limits", {}).get("memory")
+                    check(limit is not None and byte_size(limit) >= need,
+                          f"{cname}: memory limit {limit} < capacity + max-registration-bytes + "
+                          f"1 GiB overhead = {need} bytes")
             for probe_name in ("readinessProbe", "livenessProbe", "startupProbe"):
                 probe = c.get(probe_name)
                 check(probe is not None, f"{cname}: no {probe_name}")

@@ -105,11 +105,15 @@ for n in (511, 512):
     open(f"{sys.argv[1]}/prompt{n}.txt", "w").write("Once" + " upon" * (n - 2))
 PY
 expect 0 "a 511-token prompt (context 512)" -- "${worker}" --role eval "${model_flags[@]}" --eval-windows 64:256 --max-new-tokens 1 --prompt-file "${work}/prompt511.txt" --report "${work}/p511.json"
-python3 - "${work}/p511.json" <<'PY' || failures=$((failures + 1))
+python3 - "${work}/p511.json" "$(basename "${model}" .gguf)" <<'PY' || failures=$((failures + 1))
 import json, sys
-p = json.load(open(sys.argv[1]))["prompts"][0]
+d = json.load(open(sys.argv[1]))
+p = d["prompts"][0]
 assert p["prompt_tokens"] == 511, p["prompt_tokens"]
 print("ok: 511-token prompt accepted")
+# --model-id defaults to the --model file's stem, not a fixed "stories260K" (newcomer s6 #10).
+assert d["model"] == sys.argv[2], (d["model"], sys.argv[2])
+print("ok: default --model-id is the model file's stem")
 PY
 expect 1 "a 512-token prompt (context 512) is a usage error" -- "${worker}" --role eval "${base[@]}" --prompt-file "${work}/prompt512.txt"
 expect_err "kvpool-worker: --prompt-file: '${work}/prompt512.txt' is 512 tokens long; a prompt may hold at most 511" "the message gives the length and the limit"
