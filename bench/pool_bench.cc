@@ -109,11 +109,13 @@ uint16_t Bf16(float f) {
 
 std::unique_ptr<Client> NewClient(const std::string& server, const std::string& tls,
                                   bool map_shared_memory = true, int copy_threads = 0,
-                                  uint64_t put_min_kib = 64, uint64_t fetch_min_kib = 512) {
+                                  uint64_t put_min_kib = 64, uint64_t fetch_min_kib = 512,
+                                  uint64_t prewake_us = 0) {
   ClientOptions o;
   o.copy_threads = copy_threads;
   o.parallel_put_min_bytes = put_min_kib << 10;
   o.parallel_fetch_min_bytes = fetch_min_kib << 10;
+  o.copy_threads_prewake = absl::Microseconds(prewake_us);
   o.server = server;
   o.ucx_tls = tls;
   o.map_shared_memory = map_shared_memory;
@@ -155,7 +157,7 @@ int main(int argc, char** argv) {
   std::string json_path;
   bool map_shared_memory = true;
   int copy_threads = 0;
-  uint64_t put_min_kib = 64, fetch_min_kib = 512;
+  uint64_t put_min_kib = 64, fetch_min_kib = 512, prewake_us = 0;
   app.add_option("--copy-threads", copy_threads,
                  "ClientOptions::copy_threads of the measuring client (0 = the client's default: "
                  "half the hardware threads, 1..8)")
@@ -170,6 +172,12 @@ int main(int argc, char** argv) {
                  "ClientOptions::parallel_fetch_min_bytes in KiB (smaller fetches stay on the "
                  "calling thread)")
       ->check(CLI::Range(uint64_t{0}, uint64_t{1} << 30))
+      ->capture_default_str();
+  app.add_option("--copy-threads-prewake-us", prewake_us,
+                 "ClientOptions::copy_threads_prewake in microseconds of the measuring client: "
+                 "BeginPut/Acquire wake the copy threads for this long when the put layers / "
+                 "fetch that follow reach the floors (0 = off, the client's default)")
+      ->check(CLI::Range(uint64_t{0}, uint64_t{10'000'000}))
       ->capture_default_str();
   app.add_option("--server", server, "gRPC address of the pool")->capture_default_str();
   app.add_option("--map-shared-memory", map_shared_memory,
@@ -220,11 +228,13 @@ int main(int argc, char** argv) {
   // A fresh seed per run: sequences from an earlier run against the same pool would already
   // be stored, and their puts would write nothing.
   std::mt19937 rng(std::random_device{}());
-  auto client = NewClient(server, tls, map_shared_memory, copy_threads, put_min_kib, fetch_min_kib);
+  auto client = NewClient(server, tls, map_shared_memory, copy_threads, put_min_kib, fetch_min_kib,
+                          prewake_us);
   out["map_shared_memory"] = map_shared_memory;
   out["copy_threads"] = copy_threads;  // 0: the client's default
   out["parallel_put_min_kib"] = put_min_kib;
   out["parallel_fetch_min_kib"] = fetch_min_kib;
+  out["copy_threads_prewake_us"] = prewake_us;
   // What "verified" means in this build: the form checksum of docs/BLOCK_FORMAT.md "Checksums"
   // (protocol v1.3: xxh3_64 per 16 KiB chunk, combined), hashed by the thread that copies each
   // chunk. Results from before it (one xxh3 stream per form) have no such field.
