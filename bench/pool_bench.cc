@@ -362,9 +362,12 @@ int main(int argc, char** argv) {
                 fs = Summarize(fetch_us), fw = Summarize(fetch_warm_us),
                 nvs = Summarize(fetch_nv_us), fe = Summarize(fetch_e2e_us), rs = Summarize(raw_us);
     auto gbps = [&](const Stats& st) { return st.mean_us > 0 ? bytes / (st.mean_us * 1e3) : 0.0; };
-    std::printf("%-9s %9.3f %9.3f %9.3f %9.3f %9.3f %9.3f %9.3f %9.3f %9.1f %6.1f %6.1f\n",
+    // No raw get when the pool initiates transfers (docs/TRANSPORT.md): "n/a", not a measured 0.
+    char raw_cell[32] = "n/a";
+    if (!raw_us.empty()) std::snprintf(raw_cell, sizeof(raw_cell), "%.3f", gbps(rs));
+    std::printf("%-9s %9.3f %9.3f %9.3f %9.3f %9.3f %9.3f %9.3f %9s %9.1f %6.1f %6.1f\n",
                 absl::StrCat(kib, " KiB").c_str(), gbps(ps), gbps(pe), gbps(pc), gbps(fs), gbps(fw),
-                gbps(nvs), gbps(fe), gbps(rs), ps.p50_us, double(put_faults) / iters,
+                gbps(nvs), gbps(fe), raw_cell, ps.p50_us, double(put_faults) / iters,
                 double(fetch_faults) / iters);
     auto add = [&](nlohmann::json& j, const std::string& name, const Stats& st) {
       j[name + "_gbps"] = gbps(st);
