@@ -1,5 +1,8 @@
 #include <gtest/gtest.h>
 
+#include <cstdint>
+#include <vector>
+
 #include "kvpool/kvstore/memory.h"
 
 namespace kvpool::kvstore {
@@ -41,6 +44,43 @@ TEST(ArenaTest, ExhaustionAndFragmentation) {
   EXPECT_EQ(a.Allocate(512).status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_TRUE(a.Allocate(256).ok());
   EXPECT_EQ(a.Allocate(0).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// A put's staging is freed after its commit allocated the forms, so the next put of the same
+// size gets the same range back (first fit by address): the staging a streaming prefill writes
+// stays the recently used one (docs/TRANSPORT.md "Session 6").
+TEST(ArenaTest, FreedStagingGoesToTheNextAllocationOfItsSize) {
+  Arena a(uint64_t{64} << 20, 256);
+  const uint64_t staging_size = uint64_t{1} << 20;
+  uint64_t first_staging = 0;
+  for (int put = 0; put < 5; ++put) {
+    auto staging = a.Allocate(staging_size);
+    ASSERT_TRUE(staging.ok());
+    if (put == 0) {
+      first_staging = *staging;
+    } else {
+      EXPECT_EQ(*staging, first_staging) << "put " << put;
+    }
+    auto form = a.Allocate(staging_size);  // the commit's form, while the staging is held
+    ASSERT_TRUE(form.ok());
+    EXPECT_NE(*form, *staging);
+    a.Free(*staging, staging_size);
+  }
+  EXPECT_EQ(a.used_bytes(), 5 * staging_size);  // the five forms
+}
+
+// DemoteToSharedCache is a cache hint: every byte of the buffer is the same afterwards, for
+// unaligned ranges, ranges shorter than a line and empty ones.
+TEST(DemoteToSharedCacheTest, ChangesNoByte) {
+  std::vector<uint8_t> buf(3 * 4096 + 77);
+  for (size_t i = 0; i < buf.size(); ++i) buf[i] = static_cast<uint8_t>(i * 131 + 7);
+  const std::vector<uint8_t> want = buf;
+  DemoteToSharedCache(buf.data(), buf.size());
+  DemoteToSharedCache(buf.data() + 13, 1000);
+  DemoteToSharedCache(buf.data() + 63, 2);
+  DemoteToSharedCache(buf.data() + 5, 0);
+  DemoteToSharedCache(nullptr, 0);
+  EXPECT_EQ(buf, want);
 }
 
 TEST(HeapPoolMemoryTest, CreateAndRejectZero) {
