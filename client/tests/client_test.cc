@@ -783,6 +783,31 @@ TEST_P(ClientTest, APoolThatDiedSinceTheLeaseOrBeginPutIsNotReadOrWritten) {
   }
 }
 
+// BeginPut and Acquire have their latency histograms to themselves; the transfers a pool runs
+// (WritePut per layer, ReadLeased per fetch) have their own (newcomer report s6 #6: over tcp
+// kvpool_put_latency_seconds counted 1 BeginPut + 5 WritePuts per put).
+TEST_P(ClientTest, TransfersHaveLatencyHistogramsOfTheirOwn) {
+  auto c = NewClient();
+  ASSERT_NE(c, nullptr);
+  auto reg = c->RegisterModel(Spec("int2"));
+  ASSERT_TRUE(reg.ok()) << reg.status();
+  const bool pool_transfers = reg->pool_initiates_transfers;
+  Sequence s = MakeSequence(4 * kPage, 71);
+  ASSERT_TRUE(c->Put(s.tokens, s.ks(), s.vs()).ok());
+  auto pools = MakePools(*c, 4);
+  ASSERT_NE(pools, nullptr);
+  auto lease = c->Acquire(s.tokens);
+  ASSERT_TRUE(lease.ok()) << lease.status();
+  auto f = c->Fetch(*lease, pools->plan);
+  ASSERT_TRUE(f.ok()) << f.status();
+  ASSERT_TRUE(c->Release(*lease).ok());
+  const kvstore::Metrics& m = server_->store().metrics();
+  EXPECT_EQ(m.put_latency.count(), 1u);
+  EXPECT_EQ(m.fetch_latency.count(), 1u);
+  EXPECT_EQ(m.write_put_latency.count(), pool_transfers ? uint64_t{kLayers} : 0u);
+  EXPECT_EQ(m.read_leased_latency.count(), pool_transfers ? 1u : 0u);
+}
+
 TEST_P(ClientTest, CorruptedStoredBytesAreDataLoss) {
   auto c = NewClient();
   ASSERT_NE(c, nullptr);

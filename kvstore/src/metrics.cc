@@ -68,6 +68,8 @@ Metrics::Metrics()
       commit_latency(Histogram::Exponential(50e-6, 2, 18)),
       fetch_latency(Histogram::Exponential(50e-6, 2, 16)),
       lookup_latency(Histogram::Exponential(10e-6, 2, 16)),
+      write_put_latency(Histogram::Exponential(50e-6, 2, 18)),
+      read_leased_latency(Histogram::Exponential(50e-6, 2, 18)),
       put_size(Histogram::Exponential(4096, 4, 10)),
       commit_size(Histogram::Exponential(4096, 4, 10)),
       fetch_size(Histogram::Exponential(4096, 4, 10)) {}
@@ -130,6 +132,14 @@ std::string RenderPrometheus(const Metrics& m, const std::vector<GaugeSample>& g
        &m.commit_latency},
       {"kvpool_fetch_latency_seconds", "Acquire (fetch lease) latency.", &m.fetch_latency},
       {"kvpool_lookup_latency_seconds", "Lookup latency.", &m.lookup_latency},
+      {"kvpool_write_put_latency_seconds",
+       "WritePut latency (the pool pulls one put layer from the client; pool-initiated "
+       "transfers only).",
+       &m.write_put_latency},
+      {"kvpool_read_leased_latency_seconds",
+       "ReadLeased latency (the pool pushes leased forms to the client; pool-initiated "
+       "transfers only).",
+       &m.read_leased_latency},
       {"kvpool_put_size_bytes", "Staging bytes per BeginPut.", &m.put_size},
       {"kvpool_commit_size_bytes", "Staging bytes per successful CommitPut.", &m.commit_size},
       {"kvpool_fetch_size_bytes", "Form bytes per Acquire.", &m.fetch_size},

@@ -231,13 +231,13 @@ class KvPoolService final : public pb::KvPool::Service {
 
   grpc::Status WritePut(grpc::ServerContext* context, const pb::WritePutRequest* req,
                         pb::WritePutResponse* resp) override {
-    return Timed(store_.metrics().put_latency,
+    return Timed(store_.metrics().write_put_latency,
                  [&] { return WritePutImpl(*req, resp, CallDeadline(context), context); });
   }
 
   grpc::Status ReadLeased(grpc::ServerContext* context, const pb::ReadLeasedRequest* req,
                           pb::ReadLeasedResponse* resp) override {
-    return Timed(store_.metrics().fetch_latency,
+    return Timed(store_.metrics().read_leased_latency,
                  [&] { return ReadLeasedImpl(*req, resp, CallDeadline(context), context); });
   }
 

@@ -65,6 +65,8 @@ TEST(MetricsTest, StoreMetricsPassPromtoolAndCountActivity) {
   ASSERT_TRUE(store->CommitPut(info->namespace_id, plan->put_id, sums).ok());
   ASSERT_TRUE(store->Lookup(info->namespace_id, {.token_ids = testing::Tokens(1, 20)}).ok());
   store->metrics().commit_latency.Observe(0.003);
+  store->metrics().write_put_latency.Observe(0.02);
+  store->metrics().read_leased_latency.Observe(0.01);
 
   const std::string text = RenderStoreMetrics(*store);
   std::string out;
@@ -76,6 +78,11 @@ TEST(MetricsTest, StoreMetricsPassPromtoolAndCountActivity) {
   EXPECT_NE(text.find("kvpool_lookup_misses_total 1\n"), std::string::npos);
   EXPECT_NE(text.find("kvpool_commit_bytes_total 1536\n"), std::string::npos);
   EXPECT_NE(text.find("kvpool_commit_latency_seconds_count 1\n"), std::string::npos);
+  // The transfers have histograms of their own (BeginPut's and Acquire's stay empty here).
+  EXPECT_NE(text.find("kvpool_write_put_latency_seconds_count 1\n"), std::string::npos);
+  EXPECT_NE(text.find("kvpool_read_leased_latency_seconds_count 1\n"), std::string::npos);
+  EXPECT_NE(text.find("kvpool_put_latency_seconds_count 0\n"), std::string::npos);
+  EXPECT_NE(text.find("kvpool_fetch_latency_seconds_count 0\n"), std::string::npos);
   EXPECT_NE(text.find("kvpool_evictions_total{reason=\"demote_bf16\"} 0\n"), std::string::npos);
 
   // And promtool does reject broken text (so the check above can fail).

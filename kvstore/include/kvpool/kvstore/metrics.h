@@ -57,10 +57,15 @@ struct Metrics {
   std::atomic<uint64_t> fetch_bytes{0};           // form bytes handed out under leases
   std::atomic<uint64_t> grpc_errors{0};
   // Latency (seconds) and size (bytes) histograms.
-  Histogram put_latency;
+  Histogram put_latency;  // BeginPut
   Histogram commit_latency;
   Histogram fetch_latency;  // Acquire
   Histogram lookup_latency;
+  // The data transfers the pool runs when it initiates them (tcp): WritePut (pulling a put's
+  // layer from the client) and ReadLeased (pushing leased forms to it). Kept apart from the
+  // control calls above, which they would swamp (newcomer report s6 #6).
+  Histogram write_put_latency;
+  Histogram read_leased_latency;
   Histogram put_size;
   Histogram commit_size;
   Histogram fetch_size;
