@@ -45,7 +45,14 @@ class YamlConfig : public CLI::Config {
     std::vector<CLI::ConfigItem> items;
     YAML::Node root;
     try {
-      root = YAML::Load(input);
+      // yaml-cpp's Load reads the first document only: a second one ("---") was silently
+      // ignored (newcomer report s6 #8).
+      const std::vector<YAML::Node> documents = YAML::LoadAll(input);
+      if (documents.size() > 1) {
+        throw CLI::ConversionError("config file holds " + std::to_string(documents.size()) +
+                                   " YAML documents (separated by ---); give one map");
+      }
+      if (!documents.empty()) root = documents.front();
     } catch (const YAML::Exception& e) {
       throw CLI::ConversionError("config file is not valid YAML: " + std::string(e.what()));
     }
@@ -276,6 +283,18 @@ int Parse(CLI::App& app, int argc, char** argv) {
     } else {
       std::cerr << app.get_name() << ": " << ConfigNamed(app) << ": " << what << "\n";
     }
+    std::cerr << "Run with --help for more information.\n";
+    return kExitUsage;
+  } catch (const CLI::ArgumentMismatch& e) {
+    // CLI11 words a repeated single-value flag as "--x: At Most 1 required but received 2".
+    std::string what = e.what();
+    const std::string::size_type at = what.find(": At Most 1 required but received ");
+    if (at != std::string::npos) {
+      what = what.substr(0, at) + " is given " +
+             what.substr(at + std::string(": At Most 1 required but received ").size()) +
+             " times; give it once";
+    }
+    std::cerr << app.get_name() << ": " << what << "\n";
     std::cerr << "Run with --help for more information.\n";
     return kExitUsage;
   } catch (const CLI::ParseError& e) {

@@ -122,6 +122,31 @@ TEST(CliConfigTest, ContentErrorsNameTheFile) {
   }
 }
 
+// A second YAML document was silently ignored (newcomer report s6 #8): refused, naming the file.
+TEST(CliConfigTest, MultiDocumentYamlIsRefusedNamingTheFile) {
+  FlatApp f;
+  const std::string path =
+      WriteYaml("multidoc", "---\nlisten: 127.0.0.1:0\n---\nlisten: 1.2.3.4:5\n");
+  auto [rc, err] = RunParse(f.app, {"--config", path});
+  EXPECT_EQ(rc, kExitUsage) << err;
+  EXPECT_NE(err.find("prog: --config '" + path + "' holds 2 YAML documents"), std::string::npos)
+      << err;
+  // One document, with or without its "---", still reads.
+  FlatApp g;
+  const std::string one = WriteYaml("onedoc", "---\nlisten: 127.0.0.1:1\n");
+  auto [rc1, err1] = RunParse(g.app, {"--config", one});
+  EXPECT_EQ(rc1, -1) << err1;
+  EXPECT_EQ(g.listen, "127.0.0.1:1");
+}
+
+// A flag given twice: CLI11 said only "--listen: At Most 1 required but received 2".
+TEST(CliConfigTest, AFlagGivenTwiceSaysSo) {
+  FlatApp f;
+  auto [rc, err] = RunParse(f.app, {"--listen", "a:1", "--listen", "b:2"});
+  EXPECT_EQ(rc, kExitUsage) << err;
+  EXPECT_NE(err.find("prog: --listen is given 2 times; give it once"), std::string::npos) << err;
+}
+
 // The file itself is checked before CLI11 reads it: a directory used to read as "not readable
 // (missing?)", a FIFO blocked and /dev/zero was read without end.
 TEST(CliConfigTest, DirectoriesDevicesFifosMissingAndHugeFilesAreRefused) {
