@@ -239,10 +239,15 @@ absl::StatusOr<ModelInfo> BlockStore::RegisterModel(const ModelSpec& spec_in,
     }
     absl::StatusOr<kvpool::RotationSet> parsed = ParseRotations(rotation.file_bytes);
     if (!parsed.ok()) {
+      // Bytes that do not parse are a malformed request field: INVALID_ARGUMENT, also where the
+      // parser says DATA_LOSS for a truncated file (newcomer report s6 #9: PROTOCOL.md keeps
+      // DATA_LOSS for checksum mismatches, which engines may alert on as pool corruption).
       if (rotation.redact_file_content) {
-        return RedactedRotationError(parsed.status(), rotation.field);
+        return RedactedRotationError(parsed.status(), rotation.field);  // INVALID_ARGUMENT
       }
-      return Annotate(parsed.status(), rotation.field);
+      absl::Status bad = parsed.status();
+      if (absl::IsDataLoss(bad)) bad = absl::InvalidArgumentError(bad.message());
+      return Annotate(bad, rotation.field);
     }
     absl::Status match = CheckRotationsMatch(*parsed, {.head_dim = spec.geometry.head_dim,
                                                        .num_layers = spec.geometry.num_layers,

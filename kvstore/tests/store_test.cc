@@ -141,6 +141,16 @@ TEST_F(StoreTest, RegistrationErrorsNameTheField) {
   EXPECT_NE(rf.status().message().find("num_layers"), std::string_view::npos);
   EXPECT_EQ(store_->RegisterModel(s, {.file_bytes = "garbage!garbage!"}).status().code(),
             absl::StatusCode::kInvalidArgument);
+  // A truncated rotation file is a malformed field too, not DATA_LOSS (kept for checksum
+  // mismatches; newcomer report s6 #9), and the message still says what is wrong.
+  const std::string whole = RotationFileFor(spec_);
+  for (size_t cut : {size_t{4}, size_t{20}, whole.size() - 100}) {
+    auto truncated = store_->RegisterModel(s, {.file_bytes = whole.substr(0, cut)});
+    EXPECT_EQ(truncated.status().code(), absl::StatusCode::kInvalidArgument)
+        << cut << ": " << truncated.status();
+    EXPECT_NE(truncated.status().message().find("rotation_file"), std::string_view::npos)
+        << truncated.status();
+  }
 }
 
 // Newcomer report s5 #4: registrations (parsed rotation files) lived outside --capacity and were
