@@ -466,22 +466,31 @@ class ClientImpl final : public Client {
     if (channel_->GetState(/*try_to_connect=*/false) == GRPC_CHANNEL_READY) {
       return absl::OkStatus();
     }
+    return ProbeEpoch(epoch, deadline,
+                      "pool unreachable, so its mapped memory is not trusted (the pool may have "
+                      "died since the lease or put began): ",
+                      "re-acquire or re-put");
+  }
+
+  // One Stats call (deadline at least 1 s away) to learn whether the pool still runs at `epoch`.
+  // OK when it does; otherwise UNAVAILABLE with the connection marked stale: `unreachable` then
+  // the gRPC error when the pool does not answer, "pool restarted (epoch a → b); " then
+  // `restarted` when it answers with another epoch.
+  absl::Status ProbeEpoch(uint64_t epoch, absl::Time deadline, absl::string_view unreachable,
+                          absl::string_view restarted) {
     pb::StatsRequest req;
     pb::StatsResponse resp;
     grpc::ClientContext ctx;
     ctx.set_deadline(absl::ToChronoTime(std::max(deadline, absl::Now() + absl::Seconds(1))));
     grpc::Status gs = stub_->Stats(&ctx, req, &resp);
     if (!gs.ok()) {
-      MarkStale("liveness probe failed");
-      return absl::UnavailableError(
-          absl::StrCat("pool unreachable, so its mapped memory is not trusted (the pool may have "
-                       "died since the lease or put began): ",
-                       gs.error_message()));
+      MarkStale("stats probe failed");
+      return absl::UnavailableError(absl::StrCat(unreachable, gs.error_message()));
     }
     if (resp.pool_epoch() != epoch) {
       MarkStale("pool epoch changed");
       return absl::UnavailableError(absl::StrCat("pool restarted (epoch ", epoch, " → ",
-                                                 resp.pool_epoch(), "); re-acquire or re-put"));
+                                                 resp.pool_epoch(), "); ", restarted));
     }
     return absl::OkStatus();
   }
@@ -493,21 +502,9 @@ class ClientImpl final : public Client {
   // model again.
   absl::Status CheckRestart(absl::Status s, uint64_t epoch, absl::Time deadline) {
     if (!absl::IsNotFound(s)) return s;
-    pb::StatsRequest req;
-    pb::StatsResponse resp;
-    grpc::ClientContext ctx;
-    ctx.set_deadline(absl::ToChronoTime(std::max(deadline, absl::Now() + absl::Seconds(1))));
-    grpc::Status gs = stub_->Stats(&ctx, req, &resp);
-    if (!gs.ok()) {
-      MarkStale("stats probe failed");
-      return absl::UnavailableError(absl::StrCat("pool unreachable: ", gs.error_message()));
-    }
-    if (resp.pool_epoch() != epoch) {
-      MarkStale("pool epoch changed");
-      return absl::UnavailableError(
-          absl::StrCat("pool restarted (epoch ", epoch, " → ", resp.pool_epoch(),
-                       "); the client reconnects on the next call: ", s.message()));
-    }
+    KVPOOL_RETURN_IF_ERROR(
+        ProbeEpoch(epoch, deadline, "pool unreachable: ",
+                   absl::StrCat("the client reconnects on the next call: ", s.message())));
     if (absl::StrContains(s.message(), "is not registered")) {
       MarkStale("the pool freed this model's registration");
       return absl::UnavailableError(
