@@ -440,6 +440,39 @@ TEST_P(PoolIntegrationTest, ServerKilledAndRestartedClientsRecover) {
   EXPECT_TRUE(c->Release(*l2).ok());
 }
 
+// Re-tester s6 #1: with no call in flight, gRPC 1.51 notices a killed peer's closed socket only
+// at its 5 s backup poll, so a direct (shared-memory) Fetch or WriteLayer shortly after the pool
+// died found the channel still READY and read or wrote the dead pool's mapping (and an RMA fetch
+// over posix unpacked its rkey, which crashes inside UCX 1.13). The client keeps the channel
+// polled, so a pool killed 300 ms before the call is seen: UNAVAILABLE, no page written.
+TEST_P(PoolIntegrationTest, APoolKilledJustBeforeAFetchOrALayerIsNotReadOrWritten) {
+  StartServer({"--capacity", "16MiB"});
+  auto c = NewClient();
+  ASSERT_NE(c, nullptr);
+  ASSERT_TRUE(c->RegisterModel(Spec("int2")).ok());
+  Sequence a = MakeSequence(4 * kPage, 81);
+  ASSERT_TRUE(c->Put(a.tokens, a.ks(), a.vs()).ok());
+  auto pools = MakePools(*c, 4);
+  ASSERT_NE(pools, nullptr);
+  auto lease = c->Acquire(a.tokens);
+  ASSERT_TRUE(lease.ok()) << lease.status();
+  Sequence b = MakeSequence(4 * kPage, 82);
+  auto begun = c->BeginPut(b.tokens);
+  ASSERT_TRUE(begun.ok()) << begun.status();
+  std::unique_ptr<client::PutSession> put = *std::move(begun);
+  ASSERT_TRUE(put->WriteLayer(0, b.ks()[0], b.vs()[0]).ok());
+
+  server_->Kill();
+  absl::SleepFor(absl::Milliseconds(300));
+  auto f = c->Fetch(*lease, pools->plan);
+  EXPECT_EQ(f.status().code(), absl::StatusCode::kUnavailable) << f.status();
+  for (uint8_t byte : pools->bf16_mem) ASSERT_EQ(byte, 0xCD) << "a page was written";
+  for (uint8_t byte : pools->int2_mem) ASSERT_EQ(byte, 0xCD) << "a page was written";
+  absl::Status w = put->WriteLayer(1, b.ks()[1], b.vs()[1]);
+  EXPECT_EQ(w.code(), absl::StatusCode::kUnavailable) << w;
+  (void)put->Abort();
+}
+
 TEST_P(PoolIntegrationTest, BadInputsGetClearStatusesAndDamageNothing) {
   StartServer({"--capacity", "1MiB", "--max-put-blocks", "128"});
   const auto spec = Spec("int2");

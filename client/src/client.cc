@@ -2,11 +2,13 @@
 #include "kvpool/client/client.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <future>
 #include <map>
+#include <thread>
 #include <tuple>
 #include <unordered_map>
 #include <utility>
@@ -409,9 +411,12 @@ class ClientImpl final : public Client {
         channel_(std::move(channel)),
         stub_(pb::KvPool::NewStub(channel_)),
         copy_pool_(std::make_unique<CopyPool>(options_.copy_threads > 0 ? options_.copy_threads
-                                                                        : DefaultCopyThreads())) {}
+                                                                        : DefaultCopyThreads())),
+        channel_watch_([this] { WatchChannel(); }) {}
 
   ~ClientImpl() override {
+    stop_watch_.store(true, std::memory_order_relaxed);
+    channel_watch_.join();
     EndpointId ep;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -459,9 +464,24 @@ class ClientImpl final : public Client {
   // Direct mode reads and writes the pool's mapped memory without a call to the pool, and over
   // shared memory UCX detects no peer failure: a dead pool's mapping still reads and writes
   // (newcomer report s6 #3: a fetch from a pool killed 4.5 s earlier returned OK). The gRPC
-  // channel sees the pool's socket close: while it is READY this is one state read; otherwise
-  // a Stats call confirms the pool is up at `epoch`. UNAVAILABLE (the connection marked stale)
-  // when it is not. A pool that dies after this check is not seen by it.
+  // channel sees the pool's socket close within milliseconds (WatchChannel keeps it polled):
+  // while it is READY this is one state read; otherwise a Stats call confirms the pool is up at
+  // `epoch`. UNAVAILABLE (the connection marked stale) when it is not. A pool that dies within
+  // those milliseconds before the check, or after it, is not seen by it.
+  // Runs on channel_watch_ until the destructor: keeps a thread waiting on the channel's state,
+  // which makes gRPC poll the channel's socket between calls. With no call in flight gRPC 1.51
+  // otherwise notices a closed socket only at its 5 s backup poll, and the channel reads READY
+  // for up to 5 s after the pool died (re-tester s6 #1: direct fetches from a pool killed 0-4 s
+  // earlier returned OK). With it, the state leaves READY within milliseconds of the close.
+  // Wakes every kChannelWatchTick to see the stop flag (the destructor waits at most that).
+  void WatchChannel() {
+    constexpr auto kChannelWatchTick = std::chrono::milliseconds(20);
+    while (!stop_watch_.load(std::memory_order_relaxed)) {
+      const grpc_connectivity_state state = channel_->GetState(/*try_to_connect=*/false);
+      channel_->WaitForStateChange(state, std::chrono::system_clock::now() + kChannelWatchTick);
+    }
+  }
+
   absl::Status ConfirmPoolAlive(uint64_t epoch, absl::Time deadline) {
     if (channel_->GetState(/*try_to_connect=*/false) == GRPC_CHANNEL_READY) {
       return absl::OkStatus();
@@ -1264,6 +1284,9 @@ class ClientImpl final : public Client {
   std::unique_ptr<pb::KvPool::Stub> stub_;
   // Worker threads for packing puts and copying fetches (never a UCX or gRPC call).
   std::unique_ptr<CopyPool> copy_pool_;
+  // WatchChannel's thread and its stop flag (declared after channel_, which it reads).
+  std::atomic<bool> stop_watch_{false};
+  std::thread channel_watch_;
 
   // The leases this client acquired and has not released: lease id -> (pool epoch, local
   // expiry, updated by Renew). Fetch reads only under a lease found here, so a released,

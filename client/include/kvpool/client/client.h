@@ -435,10 +435,11 @@ class Client {
   // pool cannot be reached to confirm its epoch; or data plane down). Liveness: when the client
   // reads the pool's memory itself (mapped, or client-initiated RMA) nothing on that path tells
   // it the pool died (no UCX peer failure detection over shared memory), so it first confirms
-  // the pool is alive — the gRPC connection is up, else a Stats call at the lease's epoch — and
+  // the pool is alive — the gRPC connection is up (a client thread keeps the channel polled, so
+  // a closed socket is seen within milliseconds), else a Stats call at the lease's epoch — and
   // in direct mode again after the copy; a pool found dead is UNAVAILABLE (after the copy: the
-  // pages this call wrote must be discarded). A pool that dies after the last check goes
-  // unnoticed by this call: its bytes are then still the leased forms (verified against the
+  // pages this call wrote must be discarded). A pool that dies after the last check (or within
+  // those milliseconds before it) goes unnoticed by this call: its bytes are then still the leased forms (verified against the
   // lease's checksums unless verify_checksums is false), and the Release that follows fails
   // (UNAVAILABLE); a caller that must know the pool outlived the fetch discards the bytes on a
   // non-OK Release. FAILED_PRECONDITION (lease expired locally, before or during the
