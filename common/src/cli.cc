@@ -4,6 +4,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -47,7 +48,11 @@ class YamlConfig : public CLI::Config {
     try {
       // yaml-cpp's Load reads the first document only: a second one ("---") was silently
       // ignored (newcomer report s6 #8).
-      const std::vector<YAML::Node> documents = YAML::LoadAll(input);
+      // Empty documents (a leading or trailing "---") hold nothing and are skipped.
+      std::vector<YAML::Node> documents = YAML::LoadAll(input);
+      documents.erase(std::remove_if(documents.begin(), documents.end(),
+                                     [](const YAML::Node& d) { return d.IsNull(); }),
+                      documents.end());
       if (documents.size() > 1) {
         throw CLI::ConversionError("config file holds " + std::to_string(documents.size()) +
                                    " YAML documents (separated by ---); give one map");

@@ -137,6 +137,12 @@ TEST(CliConfigTest, MultiDocumentYamlIsRefusedNamingTheFile) {
   auto [rc1, err1] = RunParse(g.app, {"--config", one});
   EXPECT_EQ(rc1, -1) << err1;
   EXPECT_EQ(g.listen, "127.0.0.1:1");
+  // A trailing "---" (an empty document) is not a second document (re-tester s6).
+  FlatApp h;
+  const std::string trailing = WriteYaml("trailing", "listen: 127.0.0.1:2\n---\n");
+  auto [rc2, err2] = RunParse(h.app, {"--config", trailing});
+  EXPECT_EQ(rc2, -1) << err2;
+  EXPECT_EQ(h.listen, "127.0.0.1:2");
 }
 
 // A flag given twice: CLI11 said only "--listen: At Most 1 required but received 2".

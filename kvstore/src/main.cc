@@ -62,7 +62,8 @@ CLI::Validator WatermarkFraction() {
             !CLI::detail::lexical_cast(v, x)) {
           return "'" + v + "' is not a number (want a fraction in [0.01, 1])";
         }
-        if (!(x >= kMinWatermark && x <= 1.0)) {
+        if (x > 1.0) return v + " is outside [0.01, 1] (a fraction of --capacity)";
+        if (!(x >= kMinWatermark)) {
           return v + " is outside [0.01, 1] (below 1 % of capacity eviction would empty the pool)";
         }
         return {};

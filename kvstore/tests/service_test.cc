@@ -1041,6 +1041,12 @@ TEST(ServerBinaryTest, FlagsHelpAndUsageErrors) {
           << flag << ": " << out;
       EXPECT_EQ(out.find("grpc_port="), std::string::npos) << out;
     }
+    // Above 1 the reason is the range, not "eviction would empty the pool" (re-tester s6).
+    auto [rc, out] = RunToExit({flag, "1.5"});
+    EXPECT_EQ(rc, 1) << out;
+    EXPECT_NE(out.find(std::string(flag) + ": 1.5 is outside [0.01, 1] (a fraction of --capacity)"),
+              std::string::npos)
+        << out;
   }
 }
 
