@@ -446,31 +446,39 @@ TEST_P(PoolIntegrationTest, ServerKilledAndRestartedClientsRecover) {
 // over posix unpacked its rkey, which crashes inside UCX 1.13). The client keeps the channel
 // polled, so a pool killed 300 ms before the call is seen: UNAVAILABLE, no page written.
 TEST_P(PoolIntegrationTest, APoolKilledJustBeforeAFetchOrALayerIsNotReadOrWritten) {
-  StartServer({"--capacity", "16MiB"});
-  auto c = NewClient();
-  ASSERT_NE(c, nullptr);
-  ASSERT_TRUE(c->RegisterModel(Spec("int2")).ok());
-  Sequence a = MakeSequence(4 * kPage, 81);
-  ASSERT_TRUE(c->Put(a.tokens, a.ks(), a.vs()).ok());
-  auto pools = MakePools(*c, 4);
-  ASSERT_NE(pools, nullptr);
-  auto lease = c->Acquire(a.tokens);
-  ASSERT_TRUE(lease.ok()) << lease.status();
-  Sequence b = MakeSequence(4 * kPage, 82);
-  auto begun = c->BeginPut(b.tokens);
-  ASSERT_TRUE(begun.ok()) << begun.status();
-  std::unique_ptr<client::PutSession> put = *std::move(begun);
-  ASSERT_TRUE(put->WriteLayer(0, b.ks()[0], b.vs()[0]).ok());
+  // Mapped (direct) and client-initiated RMA (map_shared_memory = false) clients.
+  for (const bool mapped : {true, false}) {
+    SCOPED_TRACE(mapped ? "mapped" : "rma");
+    StartServer({"--capacity", "16MiB"});
+    absl::Status error;
+    auto c = testing::NewClient(server_->address(), GetParam(), true, &error, mapped);
+    ASSERT_NE(c, nullptr) << error;
+    ASSERT_TRUE(c->RegisterModel(Spec("int2")).ok());
+    Sequence a = MakeSequence(4 * kPage, 81);
+    ASSERT_TRUE(c->Put(a.tokens, a.ks(), a.vs()).ok());
+    auto pools = MakePools(*c, 4);
+    ASSERT_NE(pools, nullptr);
+    auto lease = c->Acquire(a.tokens);
+    ASSERT_TRUE(lease.ok()) << lease.status();
+    Sequence b = MakeSequence(4 * kPage, 82);
+    auto begun = c->BeginPut(b.tokens);
+    ASSERT_TRUE(begun.ok()) << begun.status();
+    std::unique_ptr<client::PutSession> put = *std::move(begun);
+    ASSERT_TRUE(put->WriteLayer(0, b.ks()[0], b.vs()[0]).ok());
 
-  server_->Kill();
-  absl::SleepFor(absl::Milliseconds(300));
-  auto f = c->Fetch(*lease, pools->plan);
-  EXPECT_EQ(f.status().code(), absl::StatusCode::kUnavailable) << f.status();
-  for (uint8_t byte : pools->bf16_mem) ASSERT_EQ(byte, 0xCD) << "a page was written";
-  for (uint8_t byte : pools->int2_mem) ASSERT_EQ(byte, 0xCD) << "a page was written";
-  absl::Status w = put->WriteLayer(1, b.ks()[1], b.vs()[1]);
-  EXPECT_EQ(w.code(), absl::StatusCode::kUnavailable) << w;
-  (void)put->Abort();
+    server_->Kill();
+    absl::SleepFor(absl::Milliseconds(300));
+    auto f = c->Fetch(*lease, pools->plan);
+    EXPECT_EQ(f.status().code(), absl::StatusCode::kUnavailable) << f.status();
+    for (uint8_t byte : pools->bf16_mem) ASSERT_EQ(byte, 0xCD) << "a page was written";
+    for (uint8_t byte : pools->int2_mem) ASSERT_EQ(byte, 0xCD) << "a page was written";
+    // Direct layers are checked before they are written; RMA layers only fail at Commit.
+    if (c->model()->mapped_pool_memory) {
+      absl::Status w = put->WriteLayer(1, b.ks()[1], b.vs()[1]);
+      EXPECT_EQ(w.code(), absl::StatusCode::kUnavailable) << w;
+    }
+    (void)put->Abort();
+  }
 }
 
 TEST_P(PoolIntegrationTest, BadInputsGetClearStatusesAndDamageNothing) {
