@@ -957,6 +957,19 @@ struct Child {
   }
 };
 
+// A stub on the pool's gRPC port on the loopback address.
+std::unique_ptr<pb::KvPool::Stub> LoopbackStub(int grpc_port) {
+  return pb::KvPool::NewStub(grpc::CreateChannel(absl::StrCat("127.0.0.1:", grpc_port),
+                                                 grpc::InsecureChannelCredentials()));
+}
+
+// A client context whose deadline is `d` from now.
+std::unique_ptr<grpc::ClientContext> ContextWithin(absl::Duration d) {
+  auto c = std::make_unique<grpc::ClientContext>();
+  c->set_deadline(absl::ToChronoTime(absl::Now() + d));
+  return c;
+}
+
 // Starts the binary with its stdout (and, with merge_stderr, its stderr) on `out`.
 Child Spawn(const std::vector<std::string>& args, bool merge_stderr = false) {
   int fds[2];
@@ -1490,13 +1503,8 @@ TEST(ServerBinaryTest, HungClientMidPullIsAbortedAtPutTimeoutAndSigtermDrains) {
                       "--ucx-tls", "tcp", "--put-timeout-ms", "2000", "--drain-ms", "1000"});
   int grpc_port = 0, metrics_port = 0;
   ASSERT_TRUE(pool.ReadPorts(&grpc_port, &metrics_port));
-  auto stub = pb::KvPool::NewStub(grpc::CreateChannel(absl::StrCat("127.0.0.1:", grpc_port),
-                                                      grpc::InsecureChannelCredentials()));
-  auto ctx = [](absl::Duration d) {
-    auto c = std::make_unique<grpc::ClientContext>();
-    c->set_deadline(absl::ToChronoTime(absl::Now() + d));
-    return c;
-  };
+  auto stub = LoopbackStub(grpc_port);
+  const auto ctx = &ContextWithin;
   const ModelSpec spec = testing::TinySpec();
   pb::RegisterModelResponse reg;
   grpc::Status st = stub->RegisterModel(ctx(absl::Seconds(20)).get(), RegisterRequest(spec), &reg);
@@ -1605,13 +1613,8 @@ TEST(ServerBinaryTest, ClientFreeingMemoryRightAfterAnAbortedPullDoesNotCrash) {
                       "--ucx-tls", "tcp", "--put-timeout-ms", "2000", "--drain-ms", "1000"});
   int grpc_port = 0, metrics_port = 0;
   ASSERT_TRUE(pool.ReadPorts(&grpc_port, &metrics_port));
-  auto stub = pb::KvPool::NewStub(grpc::CreateChannel(absl::StrCat("127.0.0.1:", grpc_port),
-                                                      grpc::InsecureChannelCredentials()));
-  auto ctx = [](absl::Duration d) {
-    auto c = std::make_unique<grpc::ClientContext>();
-    c->set_deadline(absl::ToChronoTime(absl::Now() + d));
-    return c;
-  };
+  auto stub = LoopbackStub(grpc_port);
+  const auto ctx = &ContextWithin;
   // 512 KiB blocks, so that the answers to the pool's gets back up in the client's socket.
   ModelSpec spec = testing::TinySpec();
   spec.geometry =
