@@ -446,10 +446,18 @@ class ClientImpl final : public Client {
     if (call.cancel) cancel_id = call.cancel->Add([&ctx] { ctx.TryCancel(); });
     grpc::Status s = (stub_.get()->*fn)(&ctx, req, resp);
     if (call.cancel && cancel_id != 0) call.cancel->Remove(cancel_id);
-    absl::Status out = WithUcxTlsHint(FromGrpc(s), options_.ucx_tls);
+    return RpcOutcome(s, MethodName(req), timeout, call.cancel.get());
+  }
+
+  // The status of a finished RPC (sync or async) `method`, given `timeout` from its start and
+  // the caller's cancel token (may be null): gRPC's status with the UCX transport hint and the
+  // explanations of ExplainRpcFailure; UNAVAILABLE marks the connection stale.
+  absl::Status RpcOutcome(const grpc::Status& gs, absl::string_view method, absl::Duration timeout,
+                          const CancelToken* cancel) {
+    absl::Status out = WithUcxTlsHint(FromGrpc(gs), options_.ucx_tls);
     if (!out.ok()) {
-      out = ExplainRpcFailure(std::move(out), MethodName(req), timeout,
-                              call.cancel && call.cancel->cancelled(), options_.server);
+      out = ExplainRpcFailure(std::move(out), method, timeout,
+                              cancel != nullptr && cancel->cancelled(), options_.server);
     }
     if (absl::IsUnavailable(out)) MarkStale("gRPC UNAVAILABLE");
     return out;
@@ -461,13 +469,6 @@ class ClientImpl final : public Client {
     stale_ = true;
   }
 
-  // Direct mode reads and writes the pool's mapped memory without a call to the pool, and over
-  // shared memory UCX detects no peer failure: a dead pool's mapping still reads and writes
-  // (newcomer report s6 #3: a fetch from a pool killed 4.5 s earlier returned OK). The gRPC
-  // channel sees the pool's socket close within milliseconds (WatchChannel keeps it polled):
-  // while it is READY this is one state read; otherwise a Stats call confirms the pool is up at
-  // `epoch`. UNAVAILABLE (the connection marked stale) when it is not. A pool that dies within
-  // those milliseconds before the check, or after it, is not seen by it.
   // Runs on channel_watch_ until the destructor: keeps a thread waiting on the channel's state,
   // which makes gRPC poll the channel's socket between calls. With no call in flight gRPC 1.51
   // otherwise notices a closed socket only at its 5 s backup poll, and the channel reads READY
@@ -482,6 +483,13 @@ class ClientImpl final : public Client {
     }
   }
 
+  // Direct mode reads and writes the pool's mapped memory without a call to the pool, and over
+  // shared memory UCX detects no peer failure: a dead pool's mapping still reads and writes
+  // (newcomer report s6 #3: a fetch from a pool killed 4.5 s earlier returned OK). The gRPC
+  // channel sees the pool's socket close within milliseconds (WatchChannel keeps it polled):
+  // while it is READY this is one state read; otherwise a Stats call confirms the pool is up at
+  // `epoch`. UNAVAILABLE (the connection marked stale) when it is not. A pool that dies within
+  // those milliseconds before the check, or after it, is not seen by it.
   absl::Status ConfirmPoolAlive(uint64_t epoch, absl::Time deadline) {
     if (channel_->GetState(/*try_to_connect=*/false) == GRPC_CHANNEL_READY) {
       return absl::OkStatus();
@@ -1102,13 +1110,8 @@ class ClientImpl final : public Client {
           if (call->cancel && call->cancel_id != 0) {
             call->cancel->Remove(call->cancel_id);
           }
-          absl::Status s = WithUcxTlsHint(FromGrpc(gs), options_.ucx_tls);
-          if (!s.ok()) {
-            s = ExplainRpcFailure(std::move(s), "WritePut", timeout,
-                                  call->cancel && call->cancel->cancelled(), options_.server);
-          }
-          if (absl::IsUnavailable(s)) MarkStale("gRPC UNAVAILABLE");
-          call->done.set_value(std::move(s));  // last use of `this`
+          call->done.set_value(RpcOutcome(gs, "WritePut", timeout,
+                                          call->cancel.get()));  // last use of `this`
         });
     return result;
   }
