@@ -214,12 +214,8 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
       ucp_worker_progress(w);
     }
     const bool done = ucp_request_check_status(r) != UCS_INPROGRESS;
-    if (done) {
-      ucp_request_free(r);
-    } else {
-      ucp_request_cancel(w, r);
-      ucp_request_free(r);
-    }
+    if (!done) ucp_request_cancel(w, r);
+    ucp_request_free(r);
     return done;
   }
 
