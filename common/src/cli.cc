@@ -164,12 +164,9 @@ const CLI::Validator& OutputFile() {
 
 namespace {
 
-// "64 GiB", "70.0 GiB", "300 bytes": binary units, one decimal unless whole.
-std::string HumanBytes(uint64_t n) { return HumanByteCount(n); }
-
 std::string TooLarge(const std::string& path, uint64_t size, uint64_t max_bytes) {
-  return "'" + path + "' is " + HumanBytes(size) + " (" + std::to_string(size) +
-         " bytes), above the limit of " + HumanBytes(max_bytes);
+  return "'" + path + "' is " + HumanByteCount(size) + " (" + std::to_string(size) +
+         " bytes), above the limit of " + HumanByteCount(max_bytes);
 }
 
 }  // namespace
@@ -199,7 +196,7 @@ CLI::Validator InputFile(uint64_t max_bytes, std::vector<std::string> keywords) 
         }
         return InputFileProblem(path, max_bytes);
       },
-      "FILE (at most " + HumanBytes(max_bytes) + ")");
+      "FILE (at most " + HumanByteCount(max_bytes) + ")");
 }
 
 absl::StatusOr<std::string> ReadInputFile(const std::string& path, uint64_t max_bytes) {
@@ -243,7 +240,7 @@ void Setup(CLI::App& app, const std::string& program_name) {
             }
             return {};
           },
-          "YAML FILE (at most " + HumanBytes(kMaxConfigFileBytes) + ")"));
+          "YAML FILE (at most " + HumanByteCount(kMaxConfigFileBytes) + ")"));
   // A misspelt key ("metrics_port", "lease-msec") must not be dropped silently: refuse keys that
   // match no flag, also inside subcommand sections (the check runs for the whole tree at the
   // root; subcommands added later are looked up by name).
