@@ -284,13 +284,12 @@ struct FetchPools {
 
 // A client of the pool at `server` ("host:port") over UCX `tls`, 20 s default deadline; null
 // (with the status in *error when given) when it cannot be created.
-inline std::unique_ptr<client::Client> NewClient(const std::string& server, const std::string& tls,
-                                                 bool check_finite = true,
-                                                 absl::Status* error = nullptr,
-                                                 bool map_shared_memory = true,
-                                                 int copy_threads = 0,
-                                                 uint64_t parallel_min_bytes = 64 << 10) {
+inline std::unique_ptr<client::Client> NewClient(
+    const std::string& server, const std::string& tls, bool check_finite = true,
+    absl::Status* error = nullptr, bool map_shared_memory = true, int copy_threads = 0,
+    uint64_t parallel_min_bytes = 64 << 10, bool report_corrupt_forms = true) {
   client::ClientOptions o;
+  o.report_corrupt_forms = report_corrupt_forms;
   o.copy_threads = copy_threads;
   // With copy threads, BeginPut and Acquire also wake them (ClientOptions::copy_threads_prewake,
   // off by default), so that path runs in every test with threads.

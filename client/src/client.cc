@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <future>
@@ -415,6 +416,7 @@ class ClientImpl final : public Client {
         channel_watch_([this] { WatchChannel(); }) {}
 
   ~ClientImpl() override {
+    reports_->WaitIdle();  // background corruption reports use stub_ (bounded by their deadline)
     stop_watch_.store(true, std::memory_order_relaxed);
     channel_watch_.join();
     EndpointId ep;
@@ -1046,6 +1048,100 @@ class ClientImpl final : public Client {
 
   transport::Transport& transport() override { return *transport_; }
 
+  absl::StatusOr<std::vector<CorruptionOutcome>> ReportCorrupt(absl::Span<const CorruptForm> forms,
+                                                               const CallOptions& call) override {
+    if (forms.empty()) return absl::InvalidArgumentError("forms: empty (name at least one form)");
+    if (forms.size() > kMaxCorruptionReports) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("forms: ", forms.size(), " in one call, at most ", kMaxCorruptionReports));
+    }
+    const absl::Time deadline = Deadline(call);
+    KVPOOL_ASSIGN_OR_RETURN(ConnSnapshot c, Conn(call, deadline));
+    pb::ReportCorruptRequest req = CorruptionRequest(c, forms);
+    pb::ReportCorruptResponse resp;
+    absl::Status s = Rpc(call, deadline, &pb::KvPool::Stub::ReportCorrupt, req, &resp);
+    if (!s.ok()) return CheckRestart(s, c.epoch, deadline);
+    if (resp.results_size() != static_cast<int>(forms.size())) {
+      return absl::InternalError(absl::StrCat("pool returned ", resp.results_size(),
+                                              " results for ", forms.size(), " reports"));
+    }
+    std::vector<CorruptionOutcome> out;
+    for (const pb::CorruptFormResult& r : resp.results()) {
+      CorruptionOutcome o;
+      o.status =
+          absl::Status(static_cast<absl::StatusCode>(r.status().code()), r.status().message());
+      o.verdict = r.verdict() == pb::CORRUPTION_VERDICT_DROPPED ? CorruptionVerdict::kDropped
+                                                                : CorruptionVerdict::kIntact;
+      o.block_held = r.block_held();
+      out.push_back(std::move(o));
+    }
+    return out;
+  }
+
+  static pb::ReportCorruptRequest CorruptionRequest(const ConnSnapshot& c,
+                                                    absl::Span<const CorruptForm> forms) {
+    pb::ReportCorruptRequest req;
+    req.set_namespace_id(DigestBytes(c.namespace_id));
+    for (const CorruptForm& f : forms) {
+      pb::CorruptFormReport* r = req.add_reports();
+      r->set_key(DigestBytes(f.key));
+      r->set_form(f.form == Form::kBf16 ? pb::FORM_BF16 : pb::FORM_INT2);
+      r->set_generation(f.generation);
+      r->set_observed_xxh3(f.observed_xxh3);
+    }
+    return req;
+  }
+
+  // Fetch's report of the forms that failed their checksum: one ReportCorrupt call on gRPC's
+  // callback API, not waited for (the caller has its DATA_LOSS already), deadline
+  // kBackgroundReportTimeout; at most kMaxBackgroundReports in flight (a report beyond is
+  // dropped: logged). The outcome is logged only. The destructor waits for those in flight.
+  void ReportCorruptInBackground(const ConnSnapshot& c, std::vector<CorruptForm> forms) {
+    if (forms.size() > kMaxCorruptionReports) forms.resize(kMaxCorruptionReports);
+    if (!reports_->TryBegin()) {
+      KVPOOL_LOG_WARN(
+          "client: {} fetched forms failed their checksum; not reported to the pool ({} reports "
+          "in flight already)",
+          forms.size(), ReportTracker::kMaxInFlight);
+      return;
+    }
+    struct Call {
+      grpc::ClientContext ctx;
+      pb::ReportCorruptRequest req;
+      pb::ReportCorruptResponse resp;
+    };
+    auto call = std::make_shared<Call>();
+    call->req = CorruptionRequest(c, forms);
+    call->ctx.set_deadline(absl::ToChronoTime(absl::Now() + kBackgroundReportTimeout));
+    std::shared_ptr<ReportTracker> tracker = reports_;
+    const std::string server = options_.server;
+    stub_->async()->ReportCorrupt(
+        &call->ctx, &call->req, &call->resp, [call, tracker, server](grpc::Status gs) {
+          if (!gs.ok()) {
+            KVPOOL_LOG_WARN(
+                "client: reporting {} corrupt fetched forms to the pool at {} failed: {}",
+                call->req.reports_size(), server, gs.error_message());
+          } else {
+            int dropped = 0, intact = 0, refused = 0;
+            for (const pb::CorruptFormResult& r : call->resp.results()) {
+              if (r.status().code() != 0) {
+                ++refused;
+              } else if (r.verdict() == pb::CORRUPTION_VERDICT_DROPPED) {
+                ++dropped;
+              } else {
+                ++intact;
+              }
+            }
+            KVPOOL_LOG_INFO(
+                "client: reported {} fetched forms that failed their checksum: the pool dropped {} "
+                "(its stored bytes were corrupt; put them again), kept {} (its bytes verify: "
+                "damaged in transit or in this process), refused {} (stale)",
+                call->req.reports_size(), dropped, intact, refused);
+          }
+          tracker->End();  // last use of the tracker's client
+        });
+  }
+
   // ---- for PutSessionImpl ----
   absl::Status CommitRpc(const ConnSnapshot& c, uint64_t put_id,
                          const std::vector<std::pair<uint32_t, uint64_t>>& sums,
@@ -1324,6 +1420,31 @@ class ClientImpl final : public Client {
   // The pool's memory mapped through endpoint_ (MapArena), for pool epoch arena_epoch_.
   std::shared_ptr<transport::RemoteMapping> arena_;
   uint64_t arena_epoch_ = 0;
+
+  // Background corruption reports in flight (ReportCorruptInBackground); shared with their
+  // callbacks, which may end after a wait in the destructor saw the count reach zero.
+  struct ReportTracker {
+    static constexpr int kMaxInFlight = 4;
+    std::mutex mu;
+    std::condition_variable idle;
+    int in_flight = 0;  // guarded by mu
+    bool TryBegin() {
+      std::lock_guard<std::mutex> lock(mu);
+      if (in_flight >= kMaxInFlight) return false;
+      ++in_flight;
+      return true;
+    }
+    void End() {
+      std::lock_guard<std::mutex> lock(mu);
+      if (--in_flight == 0) idle.notify_all();
+    }
+    void WaitIdle() {
+      std::unique_lock<std::mutex> lock(mu);
+      idle.wait(lock, [this] { return in_flight == 0; });
+    }
+  };
+  static constexpr absl::Duration kBackgroundReportTimeout = absl::Seconds(2);
+  std::shared_ptr<ReportTracker> reports_ = std::make_shared<ReportTracker>();
 
   static constexpr size_t kMaxCachedBuffers = 8;
   std::mutex buffers_mu_;  // guards buffers_; never held across gRPC or UCX calls
@@ -1956,14 +2077,20 @@ absl::StatusOr<FetchResult> ClientImpl::Fetch(const Lease& lease, const FetchPla
     HashForms(forms, sizes, skip, &copied_sums);
   }
   // Verify checksums (fail closed: a slot reused under us would not match).
+  std::vector<CorruptForm> corrupt;  // reported to the pool once the fetch's result stands
   for (size_t j = 0; j < items.size(); ++j) {
     const Item& it = items[j];
     if (!out.block_status[it.block].ok()) continue;
     const uint64_t got = direct || plan.verify_checksums ? copied_sums[j] : it.loc->xxh3;
     if (got != it.loc->xxh3) {
-      out.block_status[it.block] = absl::DataLossError(
-          absl::StrCat("block ", it.block, " (", HexPrefix(lease.blocks[it.block].key),
-                       "): form checksum (chunked xxh3) ", got, " != leased ", it.loc->xxh3));
+      out.block_status[it.block] = absl::DataLossError(absl::StrCat(
+          "block ", it.block, " (", HexPrefix(lease.blocks[it.block].key),
+          "): form checksum (chunked xxh3) ", got, " != leased ", it.loc->xxh3,
+          "; reported to the pool, which drops the form if its stored bytes are corrupt"));
+      corrupt.push_back({.key = lease.blocks[it.block].key,
+                         .form = it.form,
+                         .generation = it.loc->generation,
+                         .observed_xxh3 = got});
     }
     out.bytes += it.loc->size;
   }
@@ -1979,6 +2106,11 @@ absl::StatusOr<FetchResult> ClientImpl::Fetch(const Lease& lease, const FetchPla
           "lease_id: ", lease.id,
           " was released during the fetch; the bytes may have been reused and were discarded"));
     }
+  }
+  // The bytes were the leased forms' (the lease held throughout): a mismatch is corruption, in
+  // the pool or on the way. The pool tells which and drops what is corrupt at its end.
+  if (!corrupt.empty() && options_.report_corrupt_forms) {
+    ReportCorruptInBackground(c, std::move(corrupt));
   }
   uint32_t ok_prefix = 0;
   while (ok_prefix < items.size() && out.block_status[ok_prefix].ok()) ++ok_prefix;

@@ -6,6 +6,7 @@
 #include <array>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <optional>
 #include <random>
 #include <string>
@@ -67,16 +68,19 @@ class ClientTest : public ::testing::TestWithParam<std::string> {
     port_ = server_->grpc_port();
   }
 
-  std::unique_ptr<Client> NewClient(bool check_finite = true) {
+  // `report_corrupt_forms` false: fetches that fail a checksum do not report it to the pool
+  // (tests that corrupt pool memory and restore it).
+  std::unique_ptr<Client> NewClient(bool check_finite = true, bool report_corrupt_forms = true) {
     absl::Status error;
     // MODE "threads": 4 copy threads and no size floor, so every put layer and every fetch
     // of these small sequences is spread over the client's CopyPool (chunk pipeline for few
     // blocks, one task per block for many).
     const bool threads = Threads();
-    auto c = testing::NewClient(absl::StrCat("127.0.0.1:", port_), Tls(), check_finite, &error,
-                                /*map_shared_memory=*/Mode() != "rma",
-                                /*copy_threads=*/threads ? 4 : 1,
-                                /*parallel_min_bytes=*/threads ? 0 : 64 << 10);
+    auto c =
+        testing::NewClient(absl::StrCat("127.0.0.1:", port_), Tls(), check_finite, &error,
+                           /*map_shared_memory=*/Mode() != "rma",
+                           /*copy_threads=*/threads ? 4 : 1,
+                           /*parallel_min_bytes=*/threads ? 0 : 64 << 10, report_corrupt_forms);
     EXPECT_NE(c, nullptr) << error;
     return c;
   }
@@ -825,6 +829,15 @@ TEST_P(ClientTest, CorruptedStoredBytesAreDataLoss) {
   auto* stored = reinterpret_cast<uint8_t*>(lease->blocks[1].int2->remote_addr);
   stored[17] ^= 0x40;
   auto pools = MakePools(*c, 4);
+  // Without the checksum (verify_checksums = false) the corrupted bytes are delivered as they
+  // are: the option trades corruption detection for speed.
+  FetchPlan unverified = pools->plan;
+  unverified.verify_checksums = false;
+  auto g = c->Fetch(*lease, unverified);
+  ASSERT_TRUE(g.ok()) << g.status();
+  EXPECT_EQ(g->num_blocks, 4u);
+  EXPECT_EQ(pools->int2_mem[g->pages[1] * Geometry().Int2FormBytes() + 17], stored[17]);
+  // Verified: DATA_LOSS for that block (and the form is reported to the pool, next test).
   auto f = c->Fetch(*lease, pools->plan);
   ASSERT_TRUE(f.ok()) << f.status();
   EXPECT_EQ(f->num_blocks, 1u);  // only the verified leading blocks count
@@ -834,15 +847,129 @@ TEST_P(ClientTest, CorruptedStoredBytesAreDataLoss) {
   EXPECT_TRUE(f->block_status[2].ok());
   EXPECT_EQ(f->tables.history.indices.size(), 0u);  // tables stop before the bad block
   EXPECT_EQ(f->tables.sink.indices.size(), 1u);
-  // Without the checksum (verify_checksums = false) the corrupted bytes are delivered as they
-  // are: the option trades corruption detection for speed.
-  FetchPlan unverified = pools->plan;
-  unverified.verify_checksums = false;
-  auto g = c->Fetch(*lease, unverified);
-  ASSERT_TRUE(g.ok()) << g.status();
-  EXPECT_EQ(g->num_blocks, 4u);
-  EXPECT_EQ(pools->int2_mem[g->pages[1] * Geometry().Int2FormBytes() + 17], stored[17]);
-  stored[17] ^= 0x40;
+  EXPECT_TRUE(c->Release(*lease).ok());
+}
+
+// Waits up to 10 s for `done` (a pool-side effect of the client's background report).
+bool Eventually(const std::function<bool()>& done) {
+  for (int i = 0; i < 1000; ++i) {
+    if (done()) return true;
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  return done();
+}
+
+// A stored form corrupted in the pool: the fetch that finds it returns DATA_LOSS for the block
+// and reports it; the pool re-verifies, drops it and stops serving it (the next Lookup and
+// Acquire end before the block; when the pool pushes the forms, the lease that still names it
+// gets DATA_LOSS from the pool without a byte moving), and the next put of the sequence writes
+// that one block again and restores it byte for byte. Before ReportCorrupt the pool went on
+// leasing the same bytes to every reader.
+TEST_P(ClientTest, ACorruptFormFoundAtFetchIsReportedAndNoLongerServed) {
+  auto c = NewClient();
+  ASSERT_NE(c, nullptr);
+  ModelSpec spec = Spec("int2");
+  ASSERT_TRUE(c->RegisterModel(spec).ok());
+  Sequence s = MakeSequence(4 * kPage, 16);
+  ASSERT_TRUE(c->Put(s.tokens, s.ks(), s.vs()).ok());
+  auto lease = c->Acquire(s.tokens);
+  ASSERT_TRUE(lease.ok()) << lease.status();
+  ASSERT_EQ(lease->blocks.size(), 4u);
+  ASSERT_TRUE(lease->blocks[1].int2.has_value());  // the one history block: INT2 only
+  ASSERT_FALSE(lease->blocks[1].bf16.has_value());
+  auto* stored = reinterpret_cast<uint8_t*>(lease->blocks[1].int2->remote_addr);
+  stored[100] ^= 0x04;  // the pool lives in this process
+  auto pools = MakePools(*c, 4);
+  auto f = c->Fetch(*lease, pools->plan);
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_EQ(f->num_blocks, 1u);
+  EXPECT_EQ(f->block_status[1].code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(f->block_status[1].message(), HasSubstr("reported to the pool"));
+  const kvstore::Metrics& m = server_->store().metrics();
+  ASSERT_TRUE(Eventually([&] { return m.checksum_failures_fetch_stored.load() == 1; }))
+      << "the pool never dropped the reported form";
+  EXPECT_EQ(m.checksum_failures_fetch_transit.load(), 0u);
+  EXPECT_EQ(m.checksum_failures.load(), 0u);
+
+  // No longer served: the held prefix ends before block 1.
+  auto look = c->Lookup(s.tokens);
+  ASSERT_TRUE(look.ok()) << look.status();
+  EXPECT_EQ(look->num_blocks, 1u);
+  auto short_lease = c->Acquire(s.tokens);
+  ASSERT_TRUE(short_lease.ok()) << short_lease.status();
+  EXPECT_EQ(short_lease->blocks.size(), 1u);
+  ASSERT_TRUE(c->Release(*short_lease).ok());
+  // The old lease still names the form: it is DATA_LOSS again (when the pool pushes, from the
+  // pool itself, which refuses to send it).
+  auto again = c->Fetch(*lease, pools->plan);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->num_blocks, 1u);
+  EXPECT_EQ(again->block_status[1].code(), absl::StatusCode::kDataLoss);
+  if (c->model()->pool_initiates_transfers) {
+    EXPECT_THAT(again->block_status[1].message(), HasSubstr("the pool found this form corrupt"));
+  }
+  ASSERT_TRUE(c->Release(*lease).ok());
+
+  // A re-put writes block 1 only and restores it.
+  auto put = c->Put(s.tokens, s.ks(), s.vs());
+  ASSERT_TRUE(put.ok()) << put.status();
+  EXPECT_EQ(put->blocks_written, 1u);
+  auto restored = c->Acquire(s.tokens);
+  ASSERT_TRUE(restored.ok()) << restored.status();
+  ASSERT_EQ(restored->blocks.size(), 4u);
+  ASSERT_TRUE(restored->blocks[1].int2.has_value());
+  EXPECT_NE(restored->blocks[1].int2->generation, lease->blocks[1].int2->generation);
+  auto ok = c->Fetch(*restored, pools->plan);
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  ASSERT_EQ(ok->num_blocks, 4u);
+  std::vector<uint8_t> bf16, int2;
+  ASSERT_TRUE(ExpectedForms(s, 1, spec, &bf16, &int2));
+  EXPECT_EQ(0, std::memcmp(pools->int2_mem.data() + ok->pages[1] * Geometry().Int2FormBytes(),
+                           int2.data(), int2.size()));
+  EXPECT_TRUE(c->Release(*restored).ok());
+}
+
+// Client::ReportCorrupt for callers that verify themselves: a form whose stored bytes verify is
+// kept (the damage was the caller's), a stale generation or a form the block does not hold
+// changes nothing, and each refusal names the field.
+TEST_P(ClientTest, ReportCorruptKeepsAnIntactFormAndRefusesStaleReports) {
+  auto c = NewClient();
+  ASSERT_NE(c, nullptr);
+  ASSERT_TRUE(c->RegisterModel(Spec("int2")).ok());
+  Sequence s = MakeSequence(4 * kPage, 17);
+  ASSERT_TRUE(c->Put(s.tokens, s.ks(), s.vs()).ok());
+  auto lease = c->Acquire(s.tokens);
+  ASSERT_TRUE(lease.ok()) << lease.status();
+  ASSERT_EQ(lease->blocks.size(), 4u);
+  const LeasedBlock& b2 = lease->blocks[2];
+  ASSERT_TRUE(b2.bf16.has_value());
+  auto r = c->ReportCorrupt(
+      {{.key = b2.key, .form = Form::kBf16, .generation = b2.bf16->generation},
+       {.key = b2.key, .form = Form::kInt2, .generation = 0},
+       {.key = lease->blocks[1].key, .form = Form::kBf16, .generation = b2.bf16->generation}});
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_EQ(r->size(), 3u);
+  EXPECT_TRUE((*r)[0].status.ok()) << (*r)[0].status;
+  EXPECT_EQ((*r)[0].verdict, CorruptionVerdict::kIntact);
+  EXPECT_TRUE((*r)[0].block_held);
+  EXPECT_EQ((*r)[1].status.code(), absl::StatusCode::kFailedPrecondition) << (*r)[1].status;
+  EXPECT_THAT((*r)[1].status.message(), HasSubstr("reports[1].generation"));
+  EXPECT_EQ((*r)[2].status.code(), absl::StatusCode::kNotFound) << (*r)[2].status;
+  EXPECT_THAT((*r)[2].status.message(), HasSubstr("reports[2].form"));
+  EXPECT_EQ(c->ReportCorrupt({}).status().code(), absl::StatusCode::kInvalidArgument);
+  const kvstore::Metrics& m = server_->store().metrics();
+  EXPECT_EQ(m.checksum_failures_fetch_transit.load(), 1u);
+  EXPECT_EQ(m.checksum_failures_fetch_stored.load(), 0u);
+  EXPECT_EQ(m.corruption_reports_refused.load(), 2u);
+  // Nothing was dropped: every block and form is served.
+  auto pools = MakePools(*c, 4);
+  auto f = c->Fetch(*lease, pools->plan);
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_EQ(f->num_blocks, 4u);
+  auto look = c->Lookup(s.tokens);
+  ASSERT_TRUE(look.ok());
+  ASSERT_EQ(look->num_blocks, 4u);
+  EXPECT_TRUE(look->blocks[2].has_bf16 && look->blocks[2].has_int2);
   EXPECT_TRUE(c->Release(*lease).ok());
 }
 
@@ -859,7 +986,8 @@ TEST_P(ClientTest, MultiChunkFormsVerifyAndACorruptedByteInAnyChunkIsDataLoss) {
   };
   for (const Shape shape : {Shape{3, 3, 64}, Shape{2, 4, 128}}) {
     SCOPED_TRACE(absl::StrCat("L=", shape.layers, " H=", shape.heads, " d=", shape.dim));
-    auto c = NewClient();
+    // The bytes flipped below are flipped back: a report would make the pool drop the form.
+    auto c = NewClient(/*check_finite=*/true, /*report_corrupt_forms=*/false);
     ASSERT_NE(c, nullptr);
     ModelSpec spec = Spec("int2", absl::StrCat("-chunks-", shape.layers, shape.heads, shape.dim));
     spec.num_layers = shape.layers;
@@ -935,7 +1063,7 @@ TEST_P(ClientTest, MultiChunkFormsVerifyAndACorruptedByteInAnyChunkIsDataLoss) {
     }
     auto again = c->Fetch(*lease, plan);
     ASSERT_TRUE(again.ok()) << again.status();
-    EXPECT_EQ(again->num_blocks, blocks);
+    ASSERT_EQ(again->num_blocks, blocks);
     EXPECT_EQ(std::memcmp(bf16_mem.data() + again->pages[0] * g.Bf16FormBytes(), stored0, size), 0);
     EXPECT_TRUE(c->Release(*lease).ok());
   }

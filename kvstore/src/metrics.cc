@@ -107,8 +107,22 @@ std::string RenderPrometheus(const Metrics& m, const std::vector<GaugeSample>& g
           m.registrations_freed);
   Counter(&out, "kvpool_put_aborts_total", "Puts aborted by the client or by a failed commit.",
           m.put_aborts);
-  Counter(&out, "kvpool_checksum_failures_total", "Commits refused with DATA_LOSS.",
-          m.checksum_failures);
+  Header(&out, "kvpool_checksum_failures_total",
+         "Checksum failures by where they were found: commit (staging refused with DATA_LOSS), "
+         "fetch_stored (a form a reader reported whose stored bytes the pool found corrupt and "
+         "dropped), fetch_transit (a reported form whose stored bytes verified: damaged in "
+         "transit or in the reader).",
+         "counter");
+  absl::StrAppend(&out, "kvpool_checksum_failures_total{where=\"commit\"} ",
+                  m.checksum_failures.load(), "\n");
+  absl::StrAppend(&out, "kvpool_checksum_failures_total{where=\"fetch_stored\"} ",
+                  m.checksum_failures_fetch_stored.load(), "\n");
+  absl::StrAppend(&out, "kvpool_checksum_failures_total{where=\"fetch_transit\"} ",
+                  m.checksum_failures_fetch_transit.load(), "\n");
+  Counter(&out, "kvpool_corruption_reports_refused_total",
+          "ReportCorrupt reports that changed nothing (unknown key, other namespace, form not "
+          "held, stale generation, duplicate).",
+          m.corruption_reports_refused);
   Counter(&out, "kvpool_nonfinite_refusals_total", "Commits refused for NaN/Inf K/V.",
           m.nonfinite_refusals);
   Counter(&out, "kvpool_int2_overflow_blocks_total",

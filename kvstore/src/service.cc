@@ -294,6 +294,11 @@ class KvPoolService final : public pb::KvPool::Service {
     return grpc::Status::OK;
   }
 
+  grpc::Status ReportCorrupt(grpc::ServerContext*, const pb::ReportCorruptRequest* req,
+                             pb::ReportCorruptResponse* resp) override {
+    return Finish(ReportCorruptImpl(*req, resp));
+  }
+
   grpc::Status Stats(grpc::ServerContext*, const pb::StatsRequest*,
                      pb::StatsResponse* resp) override {
     const StoreStats s = store_.Stats();
@@ -564,6 +569,45 @@ class KvPoolService final : public pb::KvPool::Service {
     return absl::OkStatus();
   }
 
+  absl::Status ReportCorruptImpl(const pb::ReportCorruptRequest& req,
+                                 pb::ReportCorruptResponse* resp) {
+    KVPOOL_ASSIGN_OR_RETURN(Digest ns, ParseNamespace(req.namespace_id()));
+    if (req.reports_size() > static_cast<int>(kMaxCorruptionReports)) {
+      return absl::InvalidArgumentError(absl::StrCat("reports: ", req.reports_size(),
+                                                     " in one call, at most ",
+                                                     kMaxCorruptionReports, " are accepted"));
+    }
+    // A malformed report refuses the whole call (as a malformed key does in Delete): nothing is
+    // re-verified or dropped.
+    std::vector<CorruptionReport> reports;
+    for (int i = 0; i < req.reports_size(); ++i) {
+      const pb::CorruptFormReport& r = req.reports(i);
+      KVPOOL_ASSIGN_OR_RETURN(Digest key,
+                              DigestFromBytes(r.key(), absl::StrCat("reports[", i, "].key")));
+      if (r.form() != pb::FORM_BF16 && r.form() != pb::FORM_INT2) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("reports[", i, "].form: must be FORM_BF16 or FORM_INT2, got ", r.form()));
+      }
+      reports.push_back({.key = key,
+                         .form = r.form() == pb::FORM_BF16 ? FormKind::kBf16 : FormKind::kInt2,
+                         .generation = r.generation(),
+                         .observed_xxh3 = r.observed_xxh3()});
+    }
+    KVPOOL_ASSIGN_OR_RETURN(std::vector<CorruptionOutcome> outcomes,
+                            store_.ReportCorrupt(ns, reports));
+    for (const CorruptionOutcome& o : outcomes) {
+      pb::CorruptFormResult* out = resp->add_results();
+      out->mutable_status()->set_code(static_cast<int32_t>(o.status.code()));
+      out->mutable_status()->set_message(std::string(o.status.message()));
+      if (!o.status.ok()) continue;
+      out->set_verdict(o.verdict == CorruptionVerdict::kDropped ? pb::CORRUPTION_VERDICT_DROPPED
+                                                                : pb::CORRUPTION_VERDICT_INTACT);
+      out->set_block_held(o.block_held);
+      out->set_bytes_freed(o.bytes_freed);
+    }
+    return absl::OkStatus();
+  }
+
   absl::Status NotInitiating(const char* rpc) const {
     return absl::FailedPreconditionError(
         absl::StrCat(rpc,
@@ -714,7 +758,8 @@ class KvPoolService final : public pb::KvPool::Service {
     }
     if (req.reads().empty()) return absl::InvalidArgumentError("reads: empty");
     KVPOOL_RETURN_IF_ERROR(CheckClientWorker(req.client_worker_address()));
-    KVPOOL_ASSIGN_OR_RETURN(auto leased, store_.LeasedRanges(req.lease_id()));
+    std::vector<std::pair<uint64_t, uint64_t>> dropped;  // found corrupt since the Acquire
+    KVPOOL_ASSIGN_OR_RETURN(auto leased, store_.LeasedRanges(req.lease_id(), &dropped));
     const uint64_t base = store_.memory().remote_address();
     std::vector<absl::Status> results(req.reads_size());
     // One transfer per destination key (normally one or two: the caller's page pools).
@@ -731,8 +776,18 @@ class KvPoolService final : public pb::KvPool::Service {
           r.remote_addr() >= base &&
           std::binary_search(leased.begin(), leased.end(), std::make_pair(off, r.size()));
       if (!held) {
-        results[i] = absl::NotFoundError(
-            absl::StrCat("reads[", i, "]: not a form held by lease ", req.lease_id()));
+        const bool was_dropped =
+            r.remote_addr() >= base &&
+            std::binary_search(dropped.begin(), dropped.end(), std::make_pair(off, r.size()));
+        results[i] =
+            was_dropped
+                ? absl::DataLossError(absl::StrCat(
+                      "reads[", i,
+                      "]: the pool found this form corrupt (a reader reported it and the stored "
+                      "bytes failed their checksum) and dropped it; re-acquire, and put the "
+                      "block again"))
+                : absl::NotFoundError(
+                      absl::StrCat("reads[", i, "]: not a form held by lease ", req.lease_id()));
         continue;
       }
       Group& g = groups[r.dest_rkey()];

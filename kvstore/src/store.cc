@@ -507,9 +507,11 @@ void BlockStore::RemoveBlockLocked(const Digest& key, const char* reason) {
     return;
   }
   Block& b = it->second;
+  if (!HoldsAForm(b) && formless_blocks_ > 0) --formless_blocks_;
   for (int f = 0; f < kNumForms; ++f) {
     FreeSlotLocked(b, static_cast<FormKind>(f), reason);
   }
+  for (const Slot& s : b.dropped) arena_.Free(s.offset, s.size);  // only pinned blocks keep any
   if (b.parent.has_value()) {
     // The parent's children list is not read by Lookup: mu_ (held) guards it.
     if (Block* p = FindBlockLocked(*b.parent)) {
@@ -563,9 +565,34 @@ uint64_t BlockStore::ReclaimLocked(uint64_t target_used, const char* trigger) {
 
 void BlockStore::UnpinLocked(const Digest& key) {
   Block* b = FindBlockLocked(key);
-  if (b != nullptr && b->pins > 0) {
-    b->pins--;
+  if (b == nullptr || b->pins == 0 || --b->pins > 0) {
+    return;
   }
+  // The last reader of forms dropped as corrupt is gone: free their bytes now.
+  for (const Slot& s : b->dropped) arena_.Free(s.offset, s.size);
+  b->dropped.clear();
+  // A block left without forms serves nobody; as a leaf it goes (an inner one stays, so that its
+  // descendants keep their place, until eviction reaches it leaf-first or a put restores it).
+  if (!HoldsAForm(*b) && b->children.empty()) {
+    RemoveBlockLocked(key, "corrupt");
+  }
+}
+
+void BlockStore::DropCorruptFormLocked(Block& b, FormKind f) {
+  Slot s = b.forms[int(f)];
+  if (!s.present) return;
+  {
+    std::unique_lock shard_lock(ShardOf(b.key).mu);  // Lookup reads `forms` under it
+    b.forms[int(f)] = Slot{};
+  }
+  form_count_[int(f)]--;
+  form_bytes_[int(f)] -= s.size;
+  if (b.pins > 0) {
+    b.dropped.push_back(s);  // a reader may still be copying it
+  } else {
+    arena_.Free(s.offset, s.size);
+  }
+  if (!HoldsAForm(b)) ++formless_blocks_;
 }
 
 void BlockStore::ReleasePutLocked(Put& put, bool free_staging) {
@@ -956,6 +983,8 @@ absl::StatusOr<CommitResult> BlockStore::CommitPut(const Digest& namespace_id, u
     for (const PutBlockState& b : blocks) {
       const uint32_t i = b.plan.index;
       Block* blk = FindBlockLocked(b.plan.key);
+      // An existing block whose every form was dropped as corrupt gets them back here.
+      const bool was_formless = blk != nullptr && !HoldsAForm(*blk);
       bool have_new = false;
       for (int f = 0; f < kNumForms; ++f) {
         have_new |= res[i].slot[f].present;
@@ -994,6 +1023,7 @@ absl::StatusOr<CommitResult> BlockStore::CommitPut(const Digest& namespace_id, u
         form_count_[f]++;
         form_bytes_[f] += s.size;
       }
+      if (was_formless && HoldsAForm(*blk) && formless_blocks_ > 0) --formless_blocks_;
       bool present[kNumForms];
       for (int f = 0; f < kNumForms; ++f) {
         present[f] = blk->forms[f].present;
@@ -1034,8 +1064,8 @@ absl::StatusOr<std::vector<BlockFormsInfo>> BlockStore::Lookup(const Digest& nam
     const Shard& sh = ShardOf(k);
     std::shared_lock shard_lock(sh.mu);
     auto it = sh.blocks.find(k);
-    if (it == sh.blocks.end() || it->second.model != m) {
-      break;
+    if (it == sh.blocks.end() || it->second.model != m || !HoldsAForm(it->second)) {
+      break;  // absent, or every form dropped as corrupt (ReportCorrupt)
     }
     bool present[kNumForms];
     for (int f = 0; f < kNumForms; ++f) {
@@ -1072,8 +1102,8 @@ absl::StatusOr<LeaseGrant> BlockStore::Acquire(const Digest& namespace_id, const
     Lease l;
     for (uint32_t i = 0; i < keys.size(); ++i) {
       Block* found = FindBlockLocked(keys[i]);
-      if (found == nullptr || found->model != m) {
-        break;
+      if (found == nullptr || found->model != m || !HoldsAForm(*found)) {
+        break;  // absent, or every form dropped as corrupt (ReportCorrupt)
       }
       Block& b = *found;
       b.pins++;
@@ -1202,6 +1232,7 @@ StoreStats BlockStore::Stats() const {
   for (const Shard& sh : shards_) {
     s.blocks += sh.blocks.size();
   }
+  s.blocks -= std::min<uint64_t>(s.blocks, formless_blocks_);  // they hold nothing readable
   for (int f = 0; f < kNumForms; ++f) {
     s.forms[f] = form_count_[f];
     s.form_bytes[f] = form_bytes_[f];
@@ -1242,7 +1273,7 @@ void BlockStore::EndPutWrite(uint64_t put_id) {
 }
 
 absl::StatusOr<std::vector<std::pair<uint64_t, uint64_t>>> BlockStore::LeasedRanges(
-    uint64_t lease_id) {
+    uint64_t lease_id, std::vector<std::pair<uint64_t, uint64_t>>* dropped) {
   std::shared_lock lock(mu_);
   auto it = leases_.find(lease_id);
   if (it == leases_.end() || it->second.deadline <= clock_->Now()) {
@@ -1261,8 +1292,131 @@ absl::StatusOr<std::vector<std::pair<uint64_t, uint64_t>>> BlockStore::LeasedRan
         out.emplace_back(slot.offset, slot.size);
       }
     }
+    if (dropped != nullptr) {
+      for (const Slot& slot : b->second.dropped) dropped->emplace_back(slot.offset, slot.size);
+    }
   }
   std::sort(out.begin(), out.end());
+  if (dropped != nullptr) std::sort(dropped->begin(), dropped->end());
+  return out;
+}
+
+// ---- corruption reports ------------------------------------------------------------------------
+
+absl::StatusOr<std::vector<CorruptionOutcome>> BlockStore::ReportCorrupt(
+    const Digest& namespace_id, absl::Span<const CorruptionReport> reports) {
+  std::shared_ptr<const Model> model_ref;  // keeps the model alive for this call
+  {
+    std::shared_lock lock(models_mu_);
+    KVPOOL_ASSIGN_OR_RETURN(model_ref, FindModelLocked(namespace_id));
+  }
+  const Model* m = model_ref.get();
+  if (reports.empty()) {
+    return absl::InvalidArgumentError("reports: empty (name at least one form)");
+  }
+  if (reports.size() > kMaxCorruptionReports) {
+    return absl::InvalidArgumentError(absl::StrCat("reports: ", reports.size(),
+                                                   " in one call, at most ", kMaxCorruptionReports,
+                                                   " are accepted"));
+  }
+  std::vector<CorruptionOutcome> out(reports.size());
+  // The forms to re-verify: the slot as the report found it, pinned until phase 3.
+  struct Check {
+    size_t report;
+    Slot slot;
+    bool corrupt = false;
+    uint64_t hashed = 0;
+  };
+  std::vector<Check> checks;
+  auto refuse = [&](size_t i, absl::Status s) {
+    out[i].status = std::move(s);
+    metrics_->corruption_reports_refused.fetch_add(1, std::memory_order_relaxed);
+  };
+  // Phase 1 (lock): every report must name a form held now, with the generation it has now.
+  {
+    std::unique_lock lock(mu_);
+    for (size_t i = 0; i < reports.size(); ++i) {
+      const CorruptionReport& r = reports[i];
+      const std::string what = absl::StrCat("block ", ToHex(r.key).substr(0, 12));
+      Block* b = FindBlockLocked(r.key);
+      if (b == nullptr || b->model != m) {
+        refuse(i, absl::NotFoundError(absl::StrCat("reports[", i, "].key: ", what,
+                                                   " is not held in this namespace")));
+        continue;
+      }
+      const Slot& slot = b->forms[int(r.form)];
+      if (!slot.present) {
+        refuse(i, absl::NotFoundError(absl::StrCat(
+                      "reports[", i, "].form: ", what, " holds no ", FormName(r.form),
+                      " form (dropped already, demoted, or never stored); nothing changed")));
+        continue;
+      }
+      if (slot.generation != r.generation) {
+        refuse(i, absl::FailedPreconditionError(absl::StrCat(
+                      "reports[", i, "].generation: ", r.generation, " is not the generation of ",
+                      what, "'s stored ", FormName(r.form),
+                      " form (stored again since the reader's lease: a stale report); nothing "
+                      "changed")));
+        continue;
+      }
+      bool duplicate = false;
+      for (const Check& c : checks) {
+        const CorruptionReport& other = reports[c.report];
+        if (other.key == r.key && other.form == r.form) {
+          refuse(i, absl::InvalidArgumentError(absl::StrCat(
+                        "reports[", i, "]: names the same form as reports[", c.report, "]")));
+          duplicate = true;
+          break;
+        }
+      }
+      if (duplicate) continue;
+      b->pins++;  // neither evicted, demoted, deleted nor freed while its bytes are hashed
+      checks.push_back({.report = i, .slot = slot});
+    }
+  }
+  // Phase 2 (no lock): hash the stored bytes; the pins keep them in place.
+  const uint8_t* base = memory_->data();
+  for (Check& c : checks) {
+    c.hashed = FormChecksum(base + c.slot.offset, c.slot.size);
+    c.corrupt = c.hashed != c.slot.xxh3;
+  }
+  // Phase 3 (lock): drop what is corrupt, unpin.
+  std::unique_lock lock(mu_);
+  for (const Check& c : checks) {
+    const CorruptionReport& r = reports[c.report];
+    CorruptionOutcome& o = out[c.report];
+    Block* b = FindBlockLocked(r.key);  // pinned in phase 1: still there
+    const std::string where =
+        absl::StrCat("block ", ToHex(r.key), " (model ", m->spec.model_id, ", index ", b->index,
+                     ") ", FormName(r.form), " form, generation ", c.slot.generation);
+    if (!c.corrupt) {
+      o.verdict = CorruptionVerdict::kIntact;
+      metrics_->checksum_failures_fetch_transit.fetch_add(1, std::memory_order_relaxed);
+      KVPOOL_LOG_INFO(
+          "a reader reported {} corrupt (it computed {:x}); the stored bytes verify ({:x}), so the "
+          "form is kept: its copy was damaged in transit or in the reader",
+          where, r.observed_xxh3, c.slot.xxh3);
+    } else {
+      o.verdict = CorruptionVerdict::kDropped;
+      const Slot& now = b->forms[int(r.form)];
+      if (now.present && now.generation == c.slot.generation) {  // not dropped meanwhile
+        DropCorruptFormLocked(*b, r.form);
+        metrics_->checksum_failures_fetch_stored.fetch_add(1, std::memory_order_relaxed);
+        KVPOOL_LOG_WARN(
+            "{} is corrupt in the pool: its bytes hash to {:x}, the checksum computed at commit "
+            "is {:x} (a reader reported it, computing {:x}); the form is dropped{}",
+            where, c.hashed, c.slot.xxh3, r.observed_xxh3,
+            HoldsAForm(*b) ? ""
+                           : "; the block holds no other form, so lookups stop before it until it "
+                             "is put again");
+      }
+    }
+    o.block_held = HoldsAForm(*b);
+    UnpinLocked(r.key);  // frees the dropped bytes when this was the last pin
+    const Block* after = FindBlockLocked(r.key);
+    o.bytes_freed =
+        o.verdict == CorruptionVerdict::kDropped && (after == nullptr || after->dropped.empty());
+  }
   return out;
 }
 

@@ -64,6 +64,23 @@ TEST(MetricsTest, StoreMetricsPassPromtoolAndCountActivity) {
   }
   ASSERT_TRUE(store->CommitPut(info->namespace_id, plan->put_id, sums).ok());
   ASSERT_TRUE(store->Lookup(info->namespace_id, {.token_ids = testing::Tokens(1, 20)}).ok());
+  // One reported form that verifies (damaged in transit) and one whose stored bytes are corrupt
+  // (block 2's INT2 form, dropped).
+  auto lease = store->Acquire(info->namespace_id, {.token_ids = testing::Tokens(1, 12)}, 0, {});
+  ASSERT_TRUE(lease.ok());
+  ASSERT_EQ(lease->blocks.size(), 3u);
+  std::vector<CorruptionReport> reports;
+  for (const FormLocation& f : lease->blocks[1].forms) {
+    if (f.form == FormKind::kBf16) reports.push_back({lease->blocks[1].key, f.form, f.generation});
+  }
+  for (const FormLocation& f : lease->blocks[2].forms) {
+    if (f.form != FormKind::kInt2) continue;
+    mem->data()[f.offset] ^= 1;
+    reports.push_back({lease->blocks[2].key, f.form, f.generation});
+  }
+  ASSERT_TRUE(store->Release(lease->lease_id).ok());
+  ASSERT_EQ(reports.size(), 2u);
+  ASSERT_TRUE(store->ReportCorrupt(info->namespace_id, reports).ok());
   store->metrics().commit_latency.Observe(0.003);
   store->metrics().write_put_latency.Observe(0.02);
   store->metrics().read_leased_latency.Observe(0.01);
@@ -73,8 +90,14 @@ TEST(MetricsTest, StoreMetricsPassPromtoolAndCountActivity) {
   EXPECT_EQ(Promtool(text, &out), 0) << out << "\n" << text;
   EXPECT_NE(text.find("kvpool_blocks 3\n"), std::string::npos) << text;
   EXPECT_NE(text.find("kvpool_forms{form=\"bf16\"} 3\n"), std::string::npos);
-  EXPECT_NE(text.find("kvpool_forms{form=\"int2\"} 2\n"), std::string::npos);
-  EXPECT_NE(text.find("kvpool_lookup_hit_blocks_total 3\n"), std::string::npos);
+  EXPECT_NE(text.find("kvpool_forms{form=\"int2\"} 1\n"), std::string::npos);  // one dropped
+  EXPECT_NE(text.find("kvpool_checksum_failures_total{where=\"commit\"} 0\n"), std::string::npos);
+  EXPECT_NE(text.find("kvpool_checksum_failures_total{where=\"fetch_stored\"} 1\n"),
+            std::string::npos);
+  EXPECT_NE(text.find("kvpool_checksum_failures_total{where=\"fetch_transit\"} 1\n"),
+            std::string::npos);
+  EXPECT_NE(text.find("kvpool_corruption_reports_refused_total 0\n"), std::string::npos);
+  EXPECT_NE(text.find("kvpool_lookup_hit_blocks_total 6\n"), std::string::npos);  // + Acquire
   EXPECT_NE(text.find("kvpool_lookup_misses_total 1\n"), std::string::npos);
   EXPECT_NE(text.find("kvpool_commit_bytes_total 1536\n"), std::string::npos);
   EXPECT_NE(text.find("kvpool_commit_latency_seconds_count 1\n"), std::string::npos);

@@ -330,6 +330,63 @@ TEST_F(ServiceTest, ErrorsAreTypedAndNameTheField) {
   EXPECT_EQ(look.num_blocks(), 0u);
 }
 
+// ReportCorrupt (v1.5) over gRPC: a malformed report refuses the whole call naming its field
+// (nothing is re-verified), the call's bounds name "reports", an unknown namespace is NOT_FOUND,
+// and well-formed reports get one result each, with the field of a refusal in its message.
+TEST_F(ServiceTest, ReportCorruptNamesTheFieldOfEveryRefusal) {
+  const ModelSpec spec = testing::TinySpec();
+  pb::RegisterModelResponse reg;
+  ASSERT_TRUE(stub_->RegisterModel(Ctx().get(), RegisterRequest(spec), &reg).ok());
+  auto call = [&](const pb::ReportCorruptRequest& r, pb::ReportCorruptResponse* resp) {
+    return stub_->ReportCorrupt(Ctx().get(), r, resp);
+  };
+  pb::ReportCorruptRequest req;
+  req.set_namespace_id(reg.namespace_id());
+  pb::ReportCorruptResponse resp;
+  grpc::Status st = call(req, &resp);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(st.error_message().find("reports: empty"), std::string::npos) << st.error_message();
+
+  pb::CorruptFormReport* good = req.add_reports();
+  good->set_key(std::string(32, 'k'));
+  good->set_form(pb::FORM_INT2);
+  good->set_generation(7);
+  pb::CorruptFormReport* bad_key = req.add_reports();
+  *bad_key = *good;
+  bad_key->set_key("short");
+  st = call(req, &resp);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(st.error_message().find("reports[1].key"), std::string::npos) << st.error_message();
+  req.mutable_reports(1)->set_key(std::string(32, 'j'));
+  req.mutable_reports(1)->set_form(pb::FORM_UNSPECIFIED);
+  st = call(req, &resp);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(st.error_message().find("reports[1].form"), std::string::npos) << st.error_message();
+
+  req.mutable_reports(1)->set_form(pb::FORM_BF16);
+  ASSERT_TRUE(call(req, &resp).ok());
+  ASSERT_EQ(resp.results_size(), 2);
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_EQ(resp.results(i).status().code(), grpc::StatusCode::NOT_FOUND);
+    EXPECT_NE(resp.results(i).status().message().find(absl::StrCat("reports[", i, "].key")),
+              std::string::npos)
+        << resp.results(i).status().message();
+    EXPECT_EQ(resp.results(i).verdict(), pb::CORRUPTION_VERDICT_UNSPECIFIED);
+  }
+
+  pb::ReportCorruptRequest many;
+  many.set_namespace_id(reg.namespace_id());
+  for (size_t i = 0; i <= kMaxCorruptionReports; ++i) *many.add_reports() = *good;
+  st = call(many, &resp);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(st.error_message().find("reports: 257"), std::string::npos) << st.error_message();
+  pb::ReportCorruptRequest unregistered = req;
+  unregistered.set_namespace_id(std::string(32, 'n'));
+  st = call(unregistered, &resp);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_NE(st.error_message().find("namespace_id"), std::string::npos) << st.error_message();
+}
+
 // The newcomer's RegisterModel findings. rotation_path: /dev/zero grew the server without bound,
 // a directory or /proc/self/mem claimed no rotation was given, /etc/shadow's first 8 bytes came
 // back as a "header length", a huge sparse file was read whole (twice). Now: regular files of

@@ -694,6 +694,231 @@ TEST_F(StoreTest, DeleteRemovesDescendantsAndRespectsLeases) {
   EXPECT_EQ(Forms(1, 4).size(), 4u);
 }
 
+// ---- corruption reports (ReportCorrupt, protocol v1.5) ----
+
+// The form `f` of leased block `b`.
+const FormLocation* LeasedForm(const LeasedBlock& b, FormKind f) {
+  for (const FormLocation& l : b.forms) {
+    if (l.form == f) return &l;
+  }
+  return nullptr;
+}
+
+// A reader found a stored form corrupt and said so: the pool re-verifies it, drops it at once
+// (lookups and new leases stop before the block, whose only form it was), keeps its bytes while
+// the reporter's lease may still read them, frees them at the release, keeps the descendants,
+// and a re-put writes only that block and restores it byte for byte.
+TEST_F(StoreTest, ACorruptStoredFormReportedByAReaderIsDroppedAndARePutRestoresIt) {
+  ASSERT_TRUE(Put(1, 4).ok());  // forms B, I, B+I, B+I
+  auto lease = store_->Acquire(ns_, {.token_ids = Tokens(1, 16)}, 0, absl::Minutes(1));
+  ASSERT_TRUE(lease.ok());
+  ASSERT_EQ(lease->blocks.size(), 4u);
+  const FormLocation* int2 = LeasedForm(lease->blocks[1], kI);
+  ASSERT_NE(int2, nullptr);
+  ASSERT_EQ(lease->blocks[1].forms.size(), 1u);  // a history block: INT2 only
+  const std::vector<uint8_t> good(mem_->data() + int2->offset,
+                                  mem_->data() + int2->offset + int2->size);
+  mem_->data()[int2->offset + 5] ^= 0x10;  // the stored form goes bad
+  const uint64_t used = store_->Stats().used_bytes;
+
+  auto r = store_->ReportCorrupt(
+      ns_, {{.key = lease->blocks[1].key, .form = kI, .generation = int2->generation}});
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_EQ(r->size(), 1u);
+  EXPECT_TRUE((*r)[0].status.ok()) << (*r)[0].status;
+  EXPECT_EQ((*r)[0].verdict, CorruptionVerdict::kDropped);
+  EXPECT_FALSE((*r)[0].block_held);
+  EXPECT_FALSE((*r)[0].bytes_freed);  // the lease may still be reading them
+  EXPECT_EQ(store_->metrics().checksum_failures_fetch_stored.load(), 1u);
+  EXPECT_EQ(store_->metrics().checksum_failures_fetch_transit.load(), 0u);
+  EXPECT_EQ(store_->metrics().checksum_failures.load(), 0u);  // commit failures are apart
+
+  // No longer served: lookups and leases stop before block 1; the descendants stay resident.
+  EXPECT_EQ(Forms(1, 4).size(), 1u);
+  auto again = store_->Acquire(ns_, {.token_ids = Tokens(1, 16)}, 0, {});
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(again->blocks.size(), 1u);
+  ASSERT_TRUE(store_->Release(again->lease_id).ok());
+  EXPECT_EQ(store_->Stats().blocks, 3u);  // block 1 holds nothing readable
+  EXPECT_EQ(store_->Stats().forms[int(kI)], 2u);
+  // The reporter's lease names the dropped form apart from the ones it may still read.
+  std::vector<std::pair<uint64_t, uint64_t>> dropped;
+  auto ranges = store_->LeasedRanges(lease->lease_id, &dropped);
+  ASSERT_TRUE(ranges.ok());
+  EXPECT_EQ(ranges->size(), 5u);  // B, B+I, B+I
+  ASSERT_EQ(dropped.size(), 1u);
+  EXPECT_EQ(dropped[0], std::make_pair(int2->offset, int2->size));
+  EXPECT_EQ(store_->Stats().used_bytes, used);  // not freed under the lease
+  ASSERT_TRUE(store_->Release(lease->lease_id).ok());
+  EXPECT_EQ(store_->Stats().used_bytes, used - 256);  // 192 bytes, allocated as 256
+
+  // A re-put of the sequence writes block 1 only and restores it.
+  auto plan = store_->BeginPut(ns_, Tokens(1, 16), 4, {});
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  for (const PutBlockPlan& b : plan->blocks) {
+    EXPECT_EQ(b.action, b.index == 1 ? PutAction::kWrite : PutAction::kSkip) << b.index;
+  }
+  EXPECT_EQ(plan->blocks[1].forms_added, (std::vector<FormKind>{kI}));
+  ASSERT_TRUE(store_->CommitPut(ns_, plan->put_id, Write(*plan, 1)).ok());
+  auto restored = store_->Acquire(ns_, {.token_ids = Tokens(1, 16)}, 0, {});
+  ASSERT_TRUE(restored.ok());
+  ASSERT_EQ(restored->blocks.size(), 4u);
+  const FormLocation* fresh = LeasedForm(restored->blocks[1], kI);
+  ASSERT_NE(fresh, nullptr);
+  EXPECT_NE(fresh->generation, int2->generation);
+  EXPECT_EQ(fresh->xxh3, int2->xxh3);
+  EXPECT_EQ(0, std::memcmp(mem_->data() + fresh->offset, good.data(), good.size()));
+  EXPECT_EQ(store_->Stats().blocks, 4u);
+  EXPECT_EQ(store_->Stats().used_bytes, used);
+  ASSERT_TRUE(store_->Release(restored->lease_id).ok());
+}
+
+// A report whose stored form verifies keeps it (the damage was in transit or in the reader).
+TEST_F(StoreTest, AReportedFormThatVerifiesIsKept) {
+  ASSERT_TRUE(Put(1, 4).ok());
+  auto lease = store_->Acquire(ns_, {.token_ids = Tokens(1, 16)}, 0, {});
+  ASSERT_TRUE(lease.ok());
+  const FormLocation* bf16 = LeasedForm(lease->blocks[2], kB);
+  ASSERT_NE(bf16, nullptr);
+  const uint64_t used = store_->Stats().used_bytes;
+  auto r = store_->ReportCorrupt(ns_, {{.key = lease->blocks[2].key,
+                                        .form = kB,
+                                        .generation = bf16->generation,
+                                        .observed_xxh3 = bf16->xxh3 ^ 1}});
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE((*r)[0].status.ok()) << (*r)[0].status;
+  EXPECT_EQ((*r)[0].verdict, CorruptionVerdict::kIntact);
+  EXPECT_TRUE((*r)[0].block_held);
+  EXPECT_FALSE((*r)[0].bytes_freed);
+  EXPECT_EQ(store_->metrics().checksum_failures_fetch_transit.load(), 1u);
+  EXPECT_EQ(store_->metrics().checksum_failures_fetch_stored.load(), 0u);
+  auto f = Forms(1, 4);
+  ASSERT_EQ(f.size(), 4u);
+  EXPECT_EQ(f[2], (std::vector<FormKind>{kB, kI}));
+  EXPECT_EQ(store_->Stats().used_bytes, used);
+  ASSERT_TRUE(store_->Release(lease->lease_id).ok());
+  EXPECT_EQ(store_->Stats().used_bytes, used);
+}
+
+// Forged or stale reports (another generation, an unknown key, another namespace's block, a form
+// the block does not hold, a duplicate) never drop a form, not even a corrupt one: each is
+// refused naming the field, and the call's own errors name theirs.
+TEST_F(StoreTest, ForgedOrStaleReportsDropNothingAndNameTheField) {
+  ASSERT_TRUE(Put(1, 4).ok());
+  ModelSpec other = spec_;
+  other.revision = "r2";
+  auto info2 = store_->RegisterModel(other, {.id = info_.rotation_id});
+  ASSERT_TRUE(info2.ok());
+  auto lease = store_->Acquire(ns_, {.token_ids = Tokens(1, 16)}, 0, {});
+  ASSERT_TRUE(lease.ok());
+  ASSERT_EQ(lease->blocks.size(), 4u);
+  const LeasedBlock& b1 = lease->blocks[1];
+  const LeasedBlock& b2 = lease->blocks[2];
+  const FormLocation* i1 = LeasedForm(b1, kI);
+  const FormLocation* b2bf16 = LeasedForm(b2, kB);
+  ASSERT_NE(i1, nullptr);
+  ASSERT_NE(b2bf16, nullptr);
+  mem_->data()[i1->offset] ^= 1;  // really corrupt: still the wrong reports must not drop it
+  const std::vector<CorruptionReport> reports = {
+      {.key = b1.key, .form = kI, .generation = i1->generation + 1},  // stale
+      {.key = Sha256("not a block"), .form = kB, .generation = 1},    // unknown
+      {.key = b1.key, .form = kB, .generation = i1->generation},      // not held
+      {.key = b2.key, .form = kB, .generation = b2bf16->generation},  // intact: kept
+      {.key = b2.key, .form = kB, .generation = b2bf16->generation},  // duplicate
+  };
+  auto r = store_->ReportCorrupt(ns_, reports);
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_EQ(r->size(), reports.size());
+  EXPECT_EQ((*r)[0].status.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE((*r)[0].status.message().find("reports[0].generation"), std::string_view::npos)
+      << (*r)[0].status;
+  EXPECT_EQ((*r)[1].status.code(), absl::StatusCode::kNotFound);
+  EXPECT_NE((*r)[1].status.message().find("reports[1].key"), std::string_view::npos)
+      << (*r)[1].status;
+  EXPECT_EQ((*r)[2].status.code(), absl::StatusCode::kNotFound);
+  EXPECT_NE((*r)[2].status.message().find("reports[2].form"), std::string_view::npos)
+      << (*r)[2].status;
+  EXPECT_TRUE((*r)[3].status.ok()) << (*r)[3].status;
+  EXPECT_EQ((*r)[3].verdict, CorruptionVerdict::kIntact);
+  EXPECT_EQ((*r)[4].status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE((*r)[4].status.message().find("reports[4]"), std::string_view::npos) << (*r)[4].status;
+  // Another namespace cannot name this one's blocks (its own key of the same tokens is another).
+  auto foreign = store_->ReportCorrupt(info2->namespace_id,
+                                       {{.key = b1.key, .form = kI, .generation = i1->generation}});
+  ASSERT_TRUE(foreign.ok()) << foreign.status();
+  EXPECT_EQ((*foreign)[0].status.code(), absl::StatusCode::kNotFound);
+  EXPECT_NE((*foreign)[0].status.message().find("reports[0].key"), std::string_view::npos);
+  EXPECT_EQ(store_->metrics().corruption_reports_refused.load(), 5u);
+  EXPECT_EQ(store_->metrics().checksum_failures_fetch_stored.load(), 0u);
+  // Errors of the call: no report, too many, a namespace not registered.
+  auto none = store_->ReportCorrupt(ns_, {});
+  EXPECT_EQ(none.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(none.status().message().find("reports"), std::string_view::npos);
+  std::vector<CorruptionReport> many(kMaxCorruptionReports + 1, reports[3]);
+  auto too_many = store_->ReportCorrupt(ns_, many);
+  EXPECT_EQ(too_many.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(too_many.status().message().find("reports: 257"), std::string_view::npos)
+      << too_many.status();
+  auto unregistered = store_->ReportCorrupt(Sha256("no model"), {reports[3]});
+  EXPECT_EQ(unregistered.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_NE(unregistered.status().message().find("namespace_id"), std::string_view::npos);
+  // Everything is still held, every form.
+  auto f = Forms(1, 4);
+  ASSERT_EQ(f.size(), 4u);
+  EXPECT_EQ(f[1], (std::vector<FormKind>{kI}));
+  EXPECT_EQ(f[2], (std::vector<FormKind>{kB, kI}));
+  EXPECT_EQ(store_->Stats().blocks, 4u);
+  ASSERT_TRUE(store_->Release(lease->lease_id).ok());
+}
+
+// An unleased leaf: a dropped form's bytes are freed at once; when its last form goes the block
+// goes too (nothing pins it and no block descends from it), and its parent stays held.
+TEST_F(StoreTest, AnUnpinnedLeafLosesItsCorruptFormsAtOnce) {
+  ASSERT_TRUE(Put(1, 4).ok());
+  auto lease = store_->Acquire(ns_, {.token_ids = Tokens(1, 16)}, 0, {});
+  ASSERT_TRUE(lease.ok());
+  const LeasedBlock b3 = lease->blocks[3];
+  ASSERT_TRUE(store_->Release(lease->lease_id).ok());
+  const FormLocation* bf16 = LeasedForm(b3, kB);
+  const FormLocation* int2 = LeasedForm(b3, kI);
+  ASSERT_NE(bf16, nullptr);
+  ASSERT_NE(int2, nullptr);
+  const uint64_t used = store_->Stats().used_bytes;
+  mem_->data()[bf16->offset + bf16->size - 1] ^= 0x80;
+  auto r =
+      store_->ReportCorrupt(ns_, {{.key = b3.key, .form = kB, .generation = bf16->generation}});
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ((*r)[0].verdict, CorruptionVerdict::kDropped);
+  EXPECT_TRUE((*r)[0].block_held);  // its INT2 form remains
+  EXPECT_TRUE((*r)[0].bytes_freed);
+  EXPECT_EQ(store_->Stats().used_bytes, used - 512);
+  auto f = Forms(1, 4);
+  ASSERT_EQ(f.size(), 4u);
+  EXPECT_EQ(f[3], (std::vector<FormKind>{kI}));
+
+  mem_->data()[int2->offset + 7] ^= 0x01;
+  r = store_->ReportCorrupt(ns_, {{.key = b3.key, .form = kI, .generation = int2->generation}});
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ((*r)[0].verdict, CorruptionVerdict::kDropped);
+  EXPECT_FALSE((*r)[0].block_held);
+  EXPECT_TRUE((*r)[0].bytes_freed);
+  EXPECT_EQ(store_->Stats().used_bytes, used - 512 - 256);
+  EXPECT_EQ(store_->Stats().blocks, 3u);
+  EXPECT_EQ(Forms(1, 4).size(), 3u);
+  // The block is gone from the index: a second report of it names the key.
+  r = store_->ReportCorrupt(ns_, {{.key = b3.key, .form = kI, .generation = int2->generation}});
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ((*r)[0].status.code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(store_->metrics().checksum_failures_fetch_stored.load(), 2u);
+  // The put that follows writes it again (as the recent tail: both forms).
+  auto c = Put(1, 4);
+  ASSERT_TRUE(c.ok()) << c.status();
+  f = Forms(1, 4);
+  ASSERT_EQ(f.size(), 4u);
+  EXPECT_EQ(f[3], (std::vector<FormKind>{kB, kI}));
+  EXPECT_EQ(store_->Stats().used_bytes, used);
+}
+
 TEST_F(StoreTest, ConcurrentClientsKeepTheStoreConsistent) {
   Init(4 << 20);
   std::atomic<int> failures{0};

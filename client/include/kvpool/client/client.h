@@ -20,7 +20,9 @@
 // Statuses (canonical, STYLE.md): NOT_FOUND absent key/put/lease; RESOURCE_EXHAUSTED pool
 // full; UNAVAILABLE server down or restarted (retry: the client reconnects and re-registers on
 // the next call); DEADLINE_EXCEEDED; CANCELLED (CallOptions::cancel); FAILED_PRECONDITION
-// incompatible registration; DATA_LOSS checksum mismatch; INVALID_ARGUMENT names the field.
+// incompatible registration; DATA_LOSS checksum mismatch (a fetched form that fails it is also
+// reported to the pool, which drops it when its stored bytes are corrupt: Client::Fetch);
+// INVALID_ARGUMENT names the field.
 //
 // Threading: a Client is thread-safe; calls from many threads proceed in parallel (no lock is
 // held across a gRPC or UCX call). A PutSession belongs to one thread at a time. The client
@@ -139,6 +141,12 @@ struct ClientOptions {
   // against 13.1 GB/s, 4 MiB 26.5 against 22.2, the 1 MiB put 11.9 against 10.7; 256 KiB
   // unchanged (docs/TRANSPORT.md "Session 6", lead's final call).
   absl::Duration copy_threads_prewake = absl::ZeroDuration();
+  // Report fetched forms that fail their checksum to the pool (Client::Fetch, in the background;
+  // protocol v1.5), which drops them when its stored bytes are corrupt. false: Fetch only
+  // returns DATA_LOSS and the pool keeps serving the form (for a pool from before v1.5, which
+  // answers UNIMPLEMENTED, logged at each report; or tests that corrupt and restore pool memory
+  // themselves). Default true.
+  bool report_corrupt_forms = true;
   // Creates the data plane. Default (null): transport::CreateUcxTransport({.tls = ucx_tls}).
   // Tests pass a FakeFabric transport.
   std::function<absl::StatusOr<std::unique_ptr<transport::Transport>>()> transport_factory;
@@ -347,6 +355,36 @@ struct FetchResult {
   uint64_t bytes = 0;                      // bytes moved
 };
 
+// ---- corruption reports ----
+
+// A fetched form that failed its checksum, for Client::ReportCorrupt: the block's key, the form
+// and the generation its lease gave for that form (FormLocation::generation).
+struct CorruptForm {
+  BlockKey key{};
+  Form form = Form::kBf16;
+  uint64_t generation = 0;
+  uint64_t observed_xxh3 = 0;  // the form checksum the caller computed (the pool only logs it)
+};
+
+enum class CorruptionVerdict {
+  kDropped,  // the pool's stored bytes were corrupt: it dropped the form (re-put the block)
+  kIntact,   // the stored bytes verify: the pool kept the form; the caller's copy was damaged in
+             // transit or in this process (fetch again)
+};
+
+// The pool's answer to one CorruptForm.
+struct CorruptionOutcome {
+  // OK: the pool re-verified its stored form (verdict). Otherwise it did nothing: NOT_FOUND
+  // naming reports[i].key (no such block in this model's namespace) or reports[i].form (the
+  // block does not hold that form: dropped already, demoted), FAILED_PRECONDITION naming
+  // reports[i].generation (the form was stored again since: a stale report), INVALID_ARGUMENT
+  // naming reports[i] (the same form twice).
+  absl::Status status;
+  CorruptionVerdict verdict = CorruptionVerdict::kIntact;
+  // Whether the block still holds a form (false: lookups stop before it until it is put again).
+  bool block_held = true;
+};
+
 // The payload (absl::Status::GetPayload) a status carries when this client, not the pool,
 // refused what the pool offered: FAILED_PRECONDITION from RegisterModel when the pool has no
 // UCX data plane (kvpool-server --data-plane none) or its form sizes differ from this client's.
@@ -439,13 +477,37 @@ class Client {
   // a closed socket is seen within milliseconds), else a Stats call at the lease's epoch — and
   // in direct mode again after the copy; a pool found dead is UNAVAILABLE (after the copy: the
   // pages this call wrote must be discarded). A pool that dies after the last check (or within
-  // those milliseconds before it) goes unnoticed by this call: its bytes are then still the leased forms (verified against the
-  // lease's checksums unless verify_checksums is false), and the Release that follows fails
-  // (UNAVAILABLE); a caller that must know the pool outlived the fetch discards the bytes on a
-  // non-OK Release. FAILED_PRECONDITION (lease expired locally, before or during the
-  // fetch, or released by another thread during it), DEADLINE_EXCEEDED, CANCELLED.
+  // those milliseconds before it) goes unnoticed by this call: its bytes are then still the leased
+  // forms (verified against the lease's checksums unless verify_checksums is false), and the
+  // Release that follows fails (UNAVAILABLE); a caller that must know the pool outlived the fetch
+  // discards the bytes on a non-OK Release. FAILED_PRECONDITION (lease expired locally, before or
+  // during the fetch, or released by another thread during it), DEADLINE_EXCEEDED, CANCELLED.
+  // Corruption: the forms of a fetch that returns OK and whose checksum failed (DATA_LOSS in
+  // block_status) are reported to the pool (ReportCorrupt below, one call for the fetch, at
+  // most kMaxCorruptionReports forms; unless ClientOptions::report_corrupt_forms is false) in
+  // the background: Fetch does not wait for it, the report
+  // has a 2 s deadline, at most 4 are in flight per client (more are dropped, logged), and its
+  // outcome is only logged. The pool re-verifies each stored form and drops the corrupt ones, so
+  // the next Acquire no longer leases them (the Lookup stops before such a block until it is put
+  // again); a form that verifies at the pool stays. When the pool pushes the forms
+  // (pool_initiates_transfers), a form it has dropped since the Acquire comes back DATA_LOSS
+  // without moving ("the pool found this form corrupt").
   virtual absl::StatusOr<FetchResult> Fetch(const Lease& lease, const FetchPlan& plan,
                                             const CallOptions& call = {}) = 0;
+
+  // Most forms one ReportCorrupt call (and one Fetch's background report) names.
+  static constexpr size_t kMaxCorruptionReports = 256;
+  // Tells the pool that `forms` of this model failed their checksum here, for callers that
+  // verify fetched bytes themselves (FetchPlan::verify_checksums = false, e.g. on the GPU);
+  // Fetch reports its own failures. The pool re-hashes each stored form and drops it when it is
+  // corrupt (CorruptionVerdict::kDropped: put the block again), else keeps it (kIntact). One
+  // outcome per form, in order (see CorruptionOutcome); a report cannot drop a form whose
+  // stored bytes verify, whatever it names. Errors for the call: INVALID_ARGUMENT ("forms":
+  // empty or more than kMaxCorruptionReports), FAILED_PRECONDITION (RegisterModel first),
+  // UNAVAILABLE (pool unreachable or restarted: the forms named are gone anyway),
+  // DEADLINE_EXCEEDED, CANCELLED. Thread-safe.
+  virtual absl::StatusOr<std::vector<CorruptionOutcome>> ReportCorrupt(
+      absl::Span<const CorruptForm> forms, const CallOptions& call = {}) = 0;
 
   // Deletes blocks; one status per key.
   virtual absl::StatusOr<std::vector<absl::Status>> Delete(absl::Span<const BlockKey> keys,

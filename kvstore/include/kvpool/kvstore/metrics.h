@@ -49,7 +49,17 @@ struct Metrics {
   std::atomic<uint64_t> put_expiries{0};
   std::atomic<uint64_t> registrations_freed{0};  // by --max-registration-bytes (LRU)
   std::atomic<uint64_t> put_aborts{0};
-  std::atomic<uint64_t> checksum_failures{0};
+  // Checksum failures by where they were found (kvpool_checksum_failures_total{where=...}):
+  // staging refused at commit ("commit"); a form a reader reported (ReportCorrupt) whose stored
+  // bytes the pool found corrupt and dropped ("fetch_stored"); a reported form whose stored
+  // bytes verified, so the reader's copy was damaged in transit or in the reader
+  // ("fetch_transit").
+  std::atomic<uint64_t> checksum_failures{0};  // commit
+  std::atomic<uint64_t> checksum_failures_fetch_stored{0};
+  std::atomic<uint64_t> checksum_failures_fetch_transit{0};
+  // ReportCorrupt reports that changed nothing: unknown key, other namespace, a form not held,
+  // another generation, a duplicate.
+  std::atomic<uint64_t> corruption_reports_refused{0};
   std::atomic<uint64_t> nonfinite_refusals{0};
   std::atomic<uint64_t> int2_overflow_blocks{0};  // kept BF16 because a group exceeded fp16
   std::atomic<uint64_t> put_bytes{0};             // staging bytes reserved by BeginPut

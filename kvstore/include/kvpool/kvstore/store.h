@@ -244,6 +244,43 @@ struct StoreStats {
   std::string commit_device;        // "cpu" or "gpu": where commits encode (BlockEncoder)
 };
 
+// A reader's report that a fetched form failed its checksum (ReportCorrupt): the block, the
+// form and the generation its lease gave for the form (FormLocation::generation).
+struct CorruptionReport {
+  Digest key{};
+  FormKind form = FormKind::kBf16;
+  uint64_t generation = 0;
+  uint64_t observed_xxh3 = 0;  // the checksum the reader computed (logged only)
+};
+
+// Most reports in one ReportCorrupt call (each costs the pool one hash of the stored form).
+inline constexpr size_t kMaxCorruptionReports = 256;
+
+enum class CorruptionVerdict : uint8_t {
+  kDropped,  // the stored bytes fail the checksum computed at commit: the form was dropped
+  kIntact,   // the stored bytes verify: the form is kept (the reader's copy was damaged in
+             // transit or in the reader)
+};
+
+// What ReportCorrupt did with one report.
+struct CorruptionOutcome {
+  // OK: the pool re-verified the stored form (verdict says how it came out). Otherwise nothing
+  // was done: NOT_FOUND naming reports[i].key (no such block in this namespace) or
+  // reports[i].form (the block holds no such form), FAILED_PRECONDITION naming
+  // reports[i].generation (the form was stored again since: the report is stale),
+  // INVALID_ARGUMENT naming reports[i] (the same form twice in one call).
+  absl::Status status;
+  CorruptionVerdict verdict = CorruptionVerdict::kIntact;
+  // After the report: the block still holds a form (Lookup counts it). False when the dropped
+  // form was its last: the block stays in the index without forms (so its resident
+  // descendants keep their place and a re-put of the prefix writes only this block), Lookup
+  // and Acquire stop before it, and it is removed once nothing pins it and it has no children.
+  bool block_held = true;
+  // The dropped form's bytes were freed by this call. False while a lease or an open put pins
+  // the block (a reader may still be copying them): they are freed when the last pin ends.
+  bool bytes_freed = false;
+};
+
 // Either token ids (keys computed by the store) or an explicit key chain.
 struct KeyQuery {
   std::vector<uint32_t> token_ids;
@@ -299,8 +336,11 @@ class BlockStore {
   void EndPutWrite(uint64_t put_id);
   // (offset from PoolMemory::data(), size) of every form held by live lease `lease_id`, sorted
   // by offset. Leased forms are never evicted, demoted or reused while the lease lives.
+  // `dropped` (optional) receives, sorted, the ranges of forms the lease was granted that were
+  // dropped since as corrupt (ReportCorrupt): still allocated, but not to be served.
   // Errors: NOT_FOUND (unknown or expired lease). Thread-safe.
-  absl::StatusOr<std::vector<std::pair<uint64_t, uint64_t>>> LeasedRanges(uint64_t lease_id);
+  absl::StatusOr<std::vector<std::pair<uint64_t, uint64_t>>> LeasedRanges(
+      uint64_t lease_id, std::vector<std::pair<uint64_t, uint64_t>>* dropped = nullptr);
 
   // Leading held blocks of `query`. Side-effect free (no LRU touch). Errors: NOT_FOUND
   // (namespace), INVALID_ARGUMENT (both or neither of token_ids/keys).
@@ -313,6 +353,21 @@ class BlockStore {
   // Errors: NOT_FOUND when the lease is unknown or expired.
   absl::StatusOr<absl::Duration> Renew(uint64_t lease_id, absl::Duration lease);
   absl::Status Release(uint64_t lease_id);
+
+  // A reader found that forms it fetched fail their checksums (protocol v1.5). For each report
+  // the store re-hashes the stored form (outside the lock, the block pinned meanwhile) and
+  // compares it with the checksum it computed at commit: corrupt → the form is dropped at once
+  // (Lookup, Acquire and BeginPut no longer see it, so a re-put writes it again; its bytes are
+  // freed when no lease or put pins the block; counted as checksum_failures_fetch_stored and
+  // logged); intact → kept (checksum_failures_fetch_transit, logged). A report that names a
+  // block of another namespace, an unknown key, a form the block does not hold or another
+  // generation changes nothing (per-report status, see CorruptionOutcome;
+  // corruption_reports_refused). Descendants of a block that lost its last form stay resident
+  // (leaf-first: nothing is removed out of order) but are unreachable by prefix until the
+  // block is stored again. Errors for the call: NOT_FOUND (namespace), INVALID_ARGUMENT
+  // ("reports": empty or more than kMaxCorruptionReports). Thread-safe.
+  absl::StatusOr<std::vector<CorruptionOutcome>> ReportCorrupt(
+      const Digest& namespace_id, absl::Span<const CorruptionReport> reports);
 
   // Deletes each key and its resident descendants. Per key: OK, NOT_FOUND (absent),
   // FAILED_PRECONDITION (it or a descendant is leased or pinned by an open put).
@@ -362,6 +417,9 @@ class BlockStore {
     std::vector<Digest> children;  // resident children
     uint32_t pins = 0;             // leases + open puts holding it
     std::list<Digest>::iterator lru;
+    // Forms dropped as corrupt (ReportCorrupt) while the block was pinned: no longer in
+    // `forms`, their bytes stay allocated until the last pin ends (UnpinLocked frees them).
+    std::vector<Slot> dropped;
   };
   struct PendingForm {
     bool wanted = false;
@@ -415,7 +473,13 @@ class BlockStore {
   // namespace's put), FAILED_PRECONDITION (already committing), both naming put_id.
   absl::StatusOr<std::unordered_map<uint64_t, Put>::iterator> FindOpenPutLocked(
       const Digest& namespace_id, uint64_t put_id);
+  // Drops one pin; at the last one frees the block's dropped forms, and removes the block when
+  // it holds no form and has no resident child. Requires mu_ exclusive (no shard lock held).
   void UnpinLocked(const Digest& key);
+  // Drops form `f` of `b` found corrupt: out of `forms` at once, its bytes freed now or (when
+  // pinned) at the last unpin. Requires mu_ exclusive; takes the block's shard lock.
+  void DropCorruptFormLocked(Block& b, FormKind f);
+  static bool HoldsAForm(const Block& b) { return b.forms[0].present || b.forms[1].present; }
   void ExpireLocked(absl::Time now);
   uint64_t NextGeneration() { return ++generation_; }
 
@@ -453,6 +517,7 @@ class BlockStore {
   uint64_t staging_bytes_ = 0;                  // guarded by mu_
   uint64_t form_count_[kNumForms] = {0, 0};     // guarded by mu_
   uint64_t form_bytes_[kNumForms] = {0, 0};     // guarded by mu_
+  uint64_t formless_blocks_ = 0;  // indexed blocks whose every form was dropped; guarded by mu_
   // A fresh put or lease id: 64 random bits from OpenSSL's CSPRNG, nonzero and not in use by an
   // open put or a live lease, so that no client can guess another's id (Release, Renew,
   // AbortPut and CommitPut take nothing else). Requires mu_ exclusive.
