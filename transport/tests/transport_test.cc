@@ -1,9 +1,18 @@
 // transport_test — one suite run over every backend: the fake, UCX over TCP, UCX over shared
 // memory (posix,cma and sm). Byte-exact get/put, validation errors naming fields, endpoint
 // failure as state, cancellation, deadlines, concurrency from many threads.
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <memory>
 #include <numeric>
 #include <random>
@@ -14,6 +23,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "kvpool/transport/fake_transport.h"
 #include "kvpool/transport/transport.h"
@@ -610,6 +621,181 @@ TEST(SameUcxWorker, TellsWorkersApartAndRefusesGarbage) {
   EXPECT_FALSE(SameUcxWorker(corrupt, wa));
   EXPECT_FALSE(SameUcxWorker("", wa));
   EXPECT_FALSE(SameUcxWorker("KVPT", "KVPTA"));
+}
+
+// ---- a peer that stops reading while this worker answers its gets (UcxCore::ReleaseMemory) ----
+
+// The byte at offset i of the region the stopped reader gets (never 0 at offset 0).
+uint8_t PatternByte(size_t i) { return static_cast<uint8_t>(i * 7 + 3); }
+
+// Helper process for the test below: the test binary re-executed with KVPOOL_STOPPED_READER set
+// and this test as its filter. Reads "worker=HEX addr=N rkey=HEX size=N" on stdin, connects to
+// that UCX tcp worker, posts one get of the whole region and, as soon as its first bytes have
+// landed (the peer is answering), stops itself (SIGSTOP): it then reads nothing while the peer's
+// replies queue up. Once continued it waits for the get, compares every byte with PatternByte
+// and prints "match=1" (or "match=0 at=OFFSET"). Skipped in a normal run.
+TEST(StoppedReaderProcess, GetsARegionAndStopsReadingMidway) {
+  if (std::getenv("KVPOOL_STOPPED_READER") == nullptr) GTEST_SKIP() << "helper process only";
+  char line[16384];
+  ASSERT_NE(std::fgets(line, sizeof(line), stdin), nullptr);
+  char worker[8192], rkey[4096];
+  unsigned long long addr = 0, size = 0;
+  ASSERT_EQ(std::sscanf(line, "worker=%8191s addr=%llu rkey=%4095s size=%llu", worker, &addr, rkey,
+                        &size),
+            4)
+      << line;
+  auto t = CreateUcxTransport({.tls = "tcp"});
+  ASSERT_TRUE(t.ok()) << t.status();
+  auto local = (*t)->AllocateMemory(size);
+  ASSERT_TRUE(local.ok()) << local.status();
+  std::memset((*local)->data(), 0, size);
+  auto ep = (*t)->Connect(absl::HexStringToBytes(worker));
+  ASSERT_TRUE(ep.ok()) << ep.status();
+  auto rk = (*t)->UnpackRemoteKey(*ep, absl::HexStringToBytes(rkey));
+  ASSERT_TRUE(rk.ok()) << rk.status();
+  auto get = (*t)->Prepare({.kind = TransferKind::kGet,
+                            .endpoint = *ep,
+                            .remote_key = *rk,
+                            .local = *local,
+                            .ops = {{0, addr, size}}});
+  ASSERT_TRUE(get.ok()) << get.status();
+  ASSERT_TRUE((*t)->Post(*get).ok());
+  volatile uint8_t* first = (*local)->data();
+  const absl::Time give_up = absl::Now() + absl::Seconds(20);
+  while (first[0] != PatternByte(0) && absl::Now() < give_up) {
+  }
+  if (first[size - 1] == PatternByte(size - 1)) {
+    std::printf("raced: the whole get landed before this process could stop\n");
+    std::fflush(stdout);
+    return;
+  }
+  raise(SIGSTOP);  // every thread stops: the worker no longer reads its socket
+  const absl::Status s = (*get)->Wait(absl::Now() + absl::Seconds(60));
+  ASSERT_TRUE(s.ok()) << s;
+  for (size_t i = 0; i < size; ++i) {
+    if ((*local)->data()[i] != PatternByte(i)) {
+      std::printf("match=0 at=%zu\n", i);
+      std::fflush(stdout);
+      return;
+    }
+  }
+  std::printf("match=1\n");
+  std::fflush(stdout);
+}
+
+// Whether [p, p + n) is mapped in this process (mincore fails with ENOMEM on an unmapped page).
+bool Mapped(const void* p, size_t n) {
+  const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  const uintptr_t lo = reinterpret_cast<uintptr_t>(p) & ~(page - 1);
+  std::vector<unsigned char> resident((reinterpret_cast<uintptr_t>(p) + n - lo + page - 1) / page);
+  return mincore(reinterpret_cast<void*>(lo), reinterpret_cast<uintptr_t>(p) + n - lo,
+                 resident.data()) == 0;
+}
+
+// The region-free timeout path (80657d2): releasing a region waits until this worker no longer
+// serves peers from it, at most 1 s; over UCX tcp a peer's get is answered in software from the
+// region, so replies to a peer that stopped reading stay queued and point into it. Then the
+// transport keeps the memory (mapped, not freed under UCX) until it closes. A real peer process
+// stops (SIGSTOP) in the middle of a 64 MiB get; the region is dropped; its memory must still be
+// mapped and hold its bytes, the resumed peer must receive every byte intact (served from the
+// kept memory after the release), and the memory must be unmapped once the transport is closed.
+TEST(UcxRegionRelease, MemoryAPeerStoppedReadingIsKeptUntilTheTransportCloses) {
+  constexpr size_t kBytes = 64 << 20;  // far beyond the loopback socket buffers
+  auto t = CreateUcxTransport({.tls = "tcp"});
+  ASSERT_TRUE(t.ok()) << t.status();
+  auto region = (*t)->AllocateMemory(kBytes);
+  ASSERT_TRUE(region.ok()) << region.status();
+  uint8_t* const data = (*region)->data();
+  for (size_t i = 0; i < kBytes; ++i) data[i] = PatternByte(i);
+
+  // The peer: this binary again, as StoppedReaderProcess.
+  int to_child[2], from_child[2];
+  ASSERT_EQ(pipe(to_child), 0);
+  ASSERT_EQ(pipe(from_child), 0);
+  const std::string self = std::filesystem::read_symlink("/proc/self/exe").string();
+  std::string filter = "--gtest_filter=StoppedReaderProcess.GetsARegionAndStopsReadingMidway";
+  std::vector<std::string> env_strings;
+  for (char** e = environ; *e != nullptr; ++e) env_strings.emplace_back(*e);
+  env_strings.emplace_back("KVPOOL_STOPPED_READER=1");
+  std::vector<char*> envp;
+  for (auto& e : env_strings) envp.push_back(e.data());
+  envp.push_back(nullptr);
+  std::string self_arg = self;
+  char* argv[] = {self_arg.data(), filter.data(), nullptr};
+  const pid_t pid = fork();
+  if (pid == 0) {
+    dup2(to_child[0], 0);
+    dup2(from_child[1], 1);
+    close(to_child[0]);
+    close(to_child[1]);
+    close(from_child[0]);
+    close(from_child[1]);
+    execve(self.c_str(), argv, envp.data());
+    _exit(127);
+  }
+  ASSERT_GT(pid, 0);
+  // A peer left behind by a failed assertion is killed, not left stopped.
+  struct Reaper {
+    pid_t pid;
+    bool reaped = false;
+    ~Reaper() {
+      if (reaped) return;
+      kill(pid, SIGKILL);
+      waitpid(pid, nullptr, 0);
+    }
+  } reaper{pid};
+  close(to_child[0]);
+  close(from_child[1]);
+  const std::string request = absl::StrCat(
+      "worker=", absl::BytesToHexString((*t)->WorkerAddress()), " addr=", (*region)->address(),
+      " rkey=", absl::BytesToHexString((*region)->packed_rkey()), " size=", kBytes, "\n");
+  ASSERT_EQ(write(to_child[1], request.data(), request.size()),
+            static_cast<ssize_t>(request.size()));
+  close(to_child[1]);
+  // Until it has stopped itself in the middle of the get.
+  int status = 0;
+  pid_t r = 0;
+  for (int i = 0; i < 600 && r == 0; ++i) {
+    r = waitpid(pid, &status, WNOHANG | WUNTRACED);
+    if (r == 0) absl::SleepFor(absl::Milliseconds(50));
+  }
+  ASSERT_EQ(r, pid) << "the peer process did not stop within 30 s";
+  if (!WIFSTOPPED(status)) {
+    reaper.reaped = true;
+    std::string said;
+    char buf[256];
+    ssize_t n;
+    while ((n = read(from_child[0], buf, sizeof(buf))) > 0) said.append(buf, size_t(n));
+    FAIL() << "the peer ended instead of stopping (status " << status << "): " << said;
+  }
+
+  // Release the region while replies to the stopped peer are queued.
+  const absl::Time start = absl::Now();
+  region->reset();
+  const absl::Duration took = absl::Now() - start;
+  EXPECT_GE(took, absl::Milliseconds(900)) << "the release did not wait for the worker";
+  EXPECT_LT(took, absl::Seconds(10)) << "the release is not bounded";
+  // Kept, not freed under UCX: still mapped, still its bytes.
+  ASSERT_TRUE(Mapped(data, kBytes)) << "released memory was unmapped while replies queued";
+  size_t differ = 0;
+  for (size_t i = 0; i < kBytes; i += 4096) differ += data[i] != PatternByte(i);
+  EXPECT_EQ(differ, 0u);
+
+  // The peer resumes and receives every byte from the kept memory.
+  ASSERT_EQ(kill(pid, SIGCONT), 0);
+  std::string said;
+  char buf[256];
+  ssize_t n;
+  while ((n = read(from_child[0], buf, sizeof(buf))) > 0) said.append(buf, static_cast<size_t>(n));
+  close(from_child[0]);
+  ASSERT_EQ(waitpid(pid, &status, 0), pid);
+  reaper.reaped = true;
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "peer status " << status << said;
+  EXPECT_NE(said.find("match=1"), std::string::npos) << said;
+
+  // Closing the transport frees what it kept.
+  t->reset();
+  EXPECT_FALSE(Mapped(data, 4096)) << "the kept memory outlived the transport";
 }
 
 TEST(UcxTransportInfo, RejectsUnknownTransportList) {
