@@ -48,6 +48,19 @@
 //      into the quarter-planar bytes (2 bits per quarter) by integer multiply-adds of the
 //      compare masks (FMA pipe) and stored as D/16 contiguous bytes per row and lane.
 //   kOutBf16 instead stores X̃ (bf16) into BF16 pages with 16-byte stores.
+// Warp-specialized rotating kernels (kWs; d 128, the default when TMA maps can be encoded,
+// KVPOOL_WRITE_ROT_WS=0 selects the mma.sync kernels above; session 7): a CTA per SM of 4
+// consumer warpgroups and kWsProducers producer warpgroups (each serving every kWsProducers-th
+// consumer warpgroup), Rᵀ of K and V (fp16) in shared memory. The
+// consumer warps run the quantize-only path (TMA tile loads into their own ring, same-row
+// layout, K/V alternation) on items of 64 tokens (warp w of a warpgroup takes tile w of the 4);
+// between the TMA and the consumer the producer rotates the warpgroup's four tiles in place:
+// ldmatrix as wgmma A fragments (bf16 -> fp16 as in step 1), wgmma m64nNk16 (N = kWsN = 32
+// columns at a time) against Rᵀ (B from shared memory, fp32 accumulators), bf16 rounding,
+// stmatrix back into the stage, an
+// mbarrier arrival per consumer warp. Same operands and accumulation as step 1, so the
+// rounded rows (and the INT2 bytes) are those of the mma.sync kernels up to the tensor cores'
+// accumulation order (measured by KvWrite.WarpSpecializedRotationMatchesMmaSync).
 #include <cuda.h>  // CUtensorMap (the encoder comes from the runtime's driver entry point)
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
@@ -67,12 +80,32 @@ namespace {
 
 // Warps per CTA: 8 for the rotating kernels at d <= 128 (they share one Rᵀ in shared memory,
 // so 2 CTAs give 16 warps per SM), else 4.
-template <int D, bool kRotate>
-__host__ __device__ constexpr int WarpsPerCta() {
-  return kRotate && D <= 128 ? 8 : 4;
-}
+template <int D, bool kRotate, bool kWs = false>
+__host__ __device__ constexpr int WarpsPerCta();
 constexpr int kTileRows = 16;
 constexpr int kStages = 2;
+// Warp-specialized rotating kernels (kWs, d 128, session 7): kWsGroups consumer warpgroups (the
+// quantize-only code path on the rotated tiles) and kWsProducers producer warpgroups (wgmma) per
+// CTA. The macros are measurement switches (the defaults are what was measured and kept).
+#ifndef KVPOOL_WRITE_WS_GROUPS
+#define KVPOOL_WRITE_WS_GROUPS 4
+#endif
+constexpr int kWsGroups = KVPOOL_WRITE_WS_GROUPS;
+// Columns per wgmma of the producer (its accumulators: kWsN / 2 per thread).
+#ifndef KVPOOL_WRITE_WS_N
+#define KVPOOL_WRITE_WS_N 32
+#endif
+constexpr int kWsN = KVPOOL_WRITE_WS_N;
+constexpr int kWsConsumerWarps = 4 * kWsGroups;
+// Producer warpgroups; producer p serves the consumer warpgroups c with c % kWsProducers == p.
+#ifndef KVPOOL_WRITE_WS_PRODUCERS
+#define KVPOOL_WRITE_WS_PRODUCERS 1
+#endif
+constexpr int kWsProducers = KVPOOL_WRITE_WS_PRODUCERS;
+template <int D, bool kRotate, bool kWs>
+__host__ __device__ constexpr int WarpsPerCta() {
+  return kWs ? kWsConsumerWarps + 4 * kWsProducers : kRotate && D <= 128 ? 8 : 4;
+}
 
 struct WriteArgs {
   int32_t num_tokens;
@@ -340,6 +373,12 @@ constexpr int kImadMinRuns = KVPOOL_WRITE_IMAD_MIN_RUNS;
 // re-selection.
 #ifndef KVPOOL_WRITE_K_TOP5
 #define KVPOOL_WRITE_K_TOP5 0
+#endif
+// Measurement switch (not a supported mode): the warp-specialized rotation with bf16 operands
+// (Rᵀ rounded to bf16, the bf16 input unconverted) instead of fp16 ones, to time the fp16
+// conversion of the tiles. The default (0) keeps the rotation numerics of the mma.sync kernels.
+#ifndef KVPOOL_WRITE_ROT_BF16
+#define KVPOOL_WRITE_ROT_BF16 0
 #endif
 
 // Applies TopMerge<K, L, kOuts> to w (A in w[0 .. L), B in w[K .. K+L)); output i is then in
@@ -692,6 +731,94 @@ __device__ __forceinline__ void TmaLoad3d(uint32_t dst, const CUtensorMap* map, 
       "l"(reinterpret_cast<uint64_t>(map)), "r"(0), "r"(y), "r"(z), "r"(bar)
       : "memory");
 }
+// One plain arrival (no transaction bytes); release semantics at CTA scope (PTX default), so
+// this thread's earlier shared-memory writes, and those its __syncwarp ordered before it, are
+// visible to a thread that then sees the phase complete.
+__device__ __forceinline__ void MbarArrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// Orders this thread's generic-proxy shared-memory writes before later async-proxy accesses
+// (wgmma operand reads of Rᵀ).
+__device__ __forceinline__ void FenceProxyAsyncShared() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// ---- wgmma (sm_90a; PTX ISA "Asynchronous Warpgroup Level Matrix Multiply-Accumulate") -------
+
+// Shared-memory matrix descriptor of a K-major operand in the 128-byte swizzle: 8-row groups of
+// 128-byte rows (1024 bytes, 1024-aligned) SBO = 1024 bytes apart; LBO unused for this layout
+// (1); swizzle mode 1 = 128B in bits 62-63. A start address inside the swizzle atom (k steps of
+// 32 bytes) is legal: the hardware applies the XOR to the final address bits.
+// (The shared-window address is < 2^18, so it needs no mask to fit the 14-bit field.)
+__device__ __forceinline__ uint64_t WgmmaDescK128(uint32_t smem_addr) {
+  return uint64_t(smem_addr >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) |
+         (uint64_t(1) << 62);
+}
+__device__ __forceinline__ void WgmmaFence() {
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void WgmmaCommit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void WgmmaWaitAll() {
+  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+}
+// Compiler-level fences: the value of r is "changed" here, so reads after and writes before
+// cannot move across (used around the asynchronous wgmma on its accumulators and A registers).
+__device__ __forceinline__ void RegFence(float& r) { asm volatile("" : "+f"(r)::"memory"); }
+__device__ __forceinline__ void RegFence(uint32_t& r) { asm volatile("" : "+r"(r)::"memory"); }
+
+// D(64 x N, f32) (+)= A(64 x 16, registers: the mma.m16n8k16 A fragment of this warp's 16 rows)
+// · B(16 x N, shared memory, K-major, descriptor), fp16 or bf16 operands, N = 64 or 32.
+// d[4·nt + e]: row g (e < 2) or g + 8 of the warp's 16, column 8·nt + 2·tig + e % 2.
+#define KVPOOL_WGMMA_D16(o)                                                                       \
+  "+f"(d[o + 0]), "+f"(d[o + 1]), "+f"(d[o + 2]), "+f"(d[o + 3]), "+f"(d[o + 4]), "+f"(d[o + 5]), \
+      "+f"(d[o + 6]), "+f"(d[o + 7]), "+f"(d[o + 8]), "+f"(d[o + 9]), "+f"(d[o + 10]),            \
+      "+f"(d[o + 11]), "+f"(d[o + 12]), "+f"(d[o + 13]), "+f"(d[o + 14]), "+f"(d[o + 15])
+template <int N, bool kBf16>
+__device__ __forceinline__ void WgmmaM64K16(float (&d)[N / 2], const uint32_t (&a)[4],
+                                            uint64_t desc_b, int accumulate) {
+  static_assert(N == 64 || N == 32, "N = 64 or 32");
+#define KVPOOL_WGMMA_N64(T)                                                                      \
+  asm volatile(                                                                                  \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                               \
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32." T "." T                                      \
+      " "                                                                                        \
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "   \
+      "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, " \
+      "%36, p, 1, 1, 0;\n}\n"                                                                    \
+      : KVPOOL_WGMMA_D16(0), KVPOOL_WGMMA_D16(16)                                                \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate))
+#define KVPOOL_WGMMA_N32(T)                                                                      \
+  asm volatile(                                                                                  \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"                                               \
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32." T "." T                                      \
+      " "                                                                                        \
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, " \
+      "%19}, %20, p, 1, 1, 0;\n}\n"                                                              \
+      : KVPOOL_WGMMA_D16(0)                                                                      \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate))
+  if constexpr (N == 64 && kBf16) {
+    KVPOOL_WGMMA_N64("bf16");
+  } else if constexpr (N == 64) {
+    KVPOOL_WGMMA_N64("f16");
+  } else if constexpr (kBf16) {
+    KVPOOL_WGMMA_N32("bf16");
+  } else {
+    KVPOOL_WGMMA_N32("f16");
+  }
+#undef KVPOOL_WGMMA_N64
+#undef KVPOOL_WGMMA_N32
+}
+#undef KVPOOL_WGMMA_D16
+// Four 8x8 b16 matrices from the mma fragment layout (lane l: row l/4, columns 2(l%4), +1 of
+// each) to shared memory; lane l gives the row address of row l%8 of matrix l/8.
+__device__ __forceinline__ void StMatrixX4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2,
+                                           uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr),
+               "r"(r0), "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
+}
 
 // Ordered key of a bf16 pattern (not NaN): larger value, larger key; -0 and +0 are adjacent.
 __device__ __forceinline__ int Bf16Key(uint32_t b) {
@@ -751,9 +878,9 @@ __device__ __forceinline__ int Swz(int chunk, int row) {
 // d 64: the four rows of a half-warp's 8-byte reads differ in bits 1-2; d 256: 2-way conflicts
 // remain, the swizzle term being the same for both rows). The rotating kernels keep the layout
 // of Swz (their ldmatrix reads need it), and so does the BF16-output kernel.
-template <bool kRotate, bool kOutBf16>
+template <bool kRotate, bool kOutBf16, bool kWs = false>
 __host__ __device__ constexpr bool UseTmaLayout() {
-  return !kRotate && !kOutBf16;
+  return kWs || (!kRotate && !kOutBf16);
 }
 template <int D>
 __device__ __forceinline__ int RowOf(int g) {
@@ -785,8 +912,13 @@ __host__ __device__ constexpr int ReadAdd(int q) {
   return D == 64 ? 0 : 128 * (D == 128 ? q >> 1 : q);
 }
 
-template <int D, bool kRotate, bool kOutBf16 = false>
+// kWs: Rᵀ of K and of V (fp16, 2·D·D·2 bytes), the consumer warps' rings, and two mbarriers per
+// consumer stage (tile loaded; tile rotated).
+template <int D, bool kRotate, bool kOutBf16 = false, bool kWs = false>
 constexpr int WriteSmemBytes() {
+  if constexpr (kWs)
+    return 2 * D * D * 2 + kWsConsumerWarps * kStages * kTileRows * 2 * D + 1024 +
+           kWsConsumerWarps * kStages * 8 * 2;
   return (kRotate ? D * D * 2 : 0) + WarpsPerCta<D, kRotate>() * kStages * kTileRows * 2 * D +
          (UseTmaLayout<kRotate, kOutBf16>() ? 1024 + WarpsPerCta<D, kRotate>() * kStages * 8 : 0);
 }
@@ -796,13 +928,13 @@ constexpr int WriteSmemBytes() {
 // H200: 6 CTAs 2.6 % faster than 5 at 256K token-heads; 4 CTAs of 7 warps (72 registers, the
 // whole 228 KB of shared memory) 4 % slower than 6 x 4. Rotating: 2 x 8 warps, which shared
 // memory allows anyway).
-template <int D, bool kRotate>
+template <int D, bool kRotate, bool kWs = false>
 constexpr int MinBlocks() {
-  return D >= 256 ? 1 : kRotate ? 2 : 6;
+  return kWs || D >= 256 ? 1 : kRotate ? 2 : 6;
 }
 
-template <int D, bool kRotate, bool kOutBf16>
-__global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate>(), MinBlocks<D, kRotate>())
+template <int D, bool kRotate, bool kOutBf16, bool kWs = false>
+__global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate, kWs>(), MinBlocks<D, kRotate, kWs>())
     KvWriteKernel(const WriteArgs a, const __grid_constant__ TmaMaps maps) {
   constexpr int kRegs = D / 4;   // packed registers per lane
   constexpr int kSpan = D / 16;  // columns per quarter per lane (= code bytes per row)
@@ -810,11 +942,18 @@ __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate>(), MinBlocks<D, k
   constexpr int kRowBytes = 2 * D;
   constexpr int kChunks = D / 8;  // 16-byte chunks per row
   constexpr int kStageBytes = kTileRows * kRowBytes;
-  constexpr int kWarps = WarpsPerCta<D, kRotate>();
+  constexpr int kWarps = WarpsPerCta<D, kRotate, kWs>();
   constexpr int kThreads = 32 * kWarps;
   static_assert(32 * kRegs * 4 == kStageBytes, "a stage holds the warp's packed registers");
+  static_assert(!kWs || (D == 128 && kRotate), "the warp-specialized kernels are d 128 rotations");
   extern __shared__ __align__(1024) uint8_t smem_raw[];
-  constexpr bool kTmaLayout = UseTmaLayout<kRotate, kOutBf16>();
+  constexpr bool kTmaLayout = UseTmaLayout<kRotate, kOutBf16, kWs>();
+  // The rotation by mma.sync inside every warp (d 64 / 256, and the fallback at d 128); kWs
+  // rotates in a producer warpgroup (wgmma) and its consumer warps run the TMA-layout path.
+  constexpr bool kMma = kRotate && !kWs;
+  constexpr int kRotBytes = kWs ? 2 * D * D * 2 : kMma ? D * D * 2 : 0;
+  // Rings of all (consumer) warps.
+  constexpr int kRingWarps = kWs ? kWsConsumerWarps : kWarps;
   // Same-row register layout (quantize-only, demotion; see step 2): each packed register holds
   // two adjacent columns of one row, x[0 .. kRegs/2) row gr and x[kRegs/2 ..) row gr+8.
   constexpr bool kNat = kTmaLayout;
@@ -827,24 +966,34 @@ __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate>(), MinBlocks<D, k
   const int g = lane >> 2, tig = lane & 3;
   // Tile rows of this lane in the register layout: gr and gr + 8.
   const int gr = kTmaLayout ? RowOf<D>(g) : g;
-  uint8_t* rt = smem;  // [D][D] fp16: row n = column π(n) of R (Rᵀ, permuted), swizzled
-  uint8_t* ring = smem + (kRotate ? D * D * 2 : 0) + warp * kStages * kStageBytes;
-  // TMA loads: the warp's two stage mbarriers (after all rings), phase parity per stage.
+  // kMma: [D][D] fp16, row n = column π(n) of R (Rᵀ, permuted), swizzled. kWs: Rᵀ of K then of
+  // V, fp16, K-major in the 128-byte swizzle for wgmma (see the producer below).
+  uint8_t* rt = smem;
+  uint8_t* ring = smem + kRotBytes + warp * kStages * kStageBytes;
+  // TMA loads: the warp's two stage mbarriers (after all rings), phase parity per stage. kWs: a
+  // consumer warp's TMA completes on bar_sa (the producer waits there), and the producer's
+  // rotated tile on full_sa (the consumer waits there).
   const bool tma = kTmaLayout && a.use_tma != 0;
-  const uint32_t bar_sa = SmemAddr(smem + kWarps * kStages * kStageBytes) + warp * 8 * kStages;
+  const uint32_t bars0 = SmemAddr(smem + kRotBytes + kRingWarps * kStages * kStageBytes);
+  const uint32_t bar_sa = bars0 + warp * 8 * kStages;
+  const uint32_t full_sa = bars0 + kRingWarps * 8 * kStages + warp * 8 * kStages;
   uint32_t phases = 0;
-  if (tma) {
+  const bool ring_warp = !kWs || warp < kWsConsumerWarps;
+  if (tma && ring_warp) {
     if (lane == 0) {
       TmaPrefetchDescriptor(&maps.k);
       if (a.src_pages == nullptr) TmaPrefetchDescriptor(&maps.v);
 #pragma unroll
-      for (int st = 0; st < kStages; ++st) MbarInit(bar_sa + 8 * st, 1);
+      for (int st = 0; st < kStages; ++st) {
+        MbarInit(bar_sa + 8 * st, 1);
+        if constexpr (kWs) MbarInit(full_sa + 8 * st, 1);
+      }
       MbarInitFence();
     }
     __syncwarp();
   }
 
-  if constexpr (kRotate) {
+  if constexpr (kMma) {
     const float* r = (kv_cta ? a.rot_v : a.rot_k) + blockIdx.y * a.rot_head_stride;
     for (int idx = threadIdx.x; idx < D * D; idx += kThreads) {
       const int k = idx / D, col = idx % D;  // R[k][col]
@@ -875,7 +1024,7 @@ __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate>(), MinBlocks<D, k
   // (items 2i, 2i+1 = tile i's K, V): V tiles cost more than K tiles (the V clip selects the
   // 11th instead of the 6th largest), and with one kind per CTA the block scheduler filled
   // whole SMs with K CTAs that then idled while the V SMs finished.
-  constexpr bool kMix = !kRotate;
+  constexpr bool kMix = !kMma;
   const uint64_t tok_row_bytes = uint64_t(a.token_stride) * 2;
 
   // P is 16 or 64 (CheckShape): token -> (page, slot) by shifts.
@@ -896,7 +1045,26 @@ __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate>(), MinBlocks<D, k
   Item cur;
   int64_t left;
   int stride = 0;
-  if constexpr (kMix) {
+  // kWs: items are (head, group of 4 tiles = 64 tokens, K|V), numbered (h·ngroups + grp)·2 + kv
+  // over the CTA's heads (one head when the rotation is per head: grid y; else all), split into
+  // one contiguous range per consumer warpgroup; warp sub of the warpgroup takes tile
+  // 4·grp + sub of each item (the producer rotates the four tiles with one wgmma, M = 64).
+  const int ngroups = (ntiles + 3) / 4;
+  const bool per_head_rot = a.rot_head_stride != 0;
+  const int ws_h0 = per_head_rot ? int(blockIdx.y) : 0;
+  const int ws_nh = per_head_rot ? 1 : a.num_kv_heads;
+  const int64_t ws_items = 2 * int64_t(ws_nh) * ngroups;
+  const int64_t ws_wgs = int64_t(gridDim.x) * kWsGroups;
+  if constexpr (kWs) {
+    const int sub = warp & 3;
+    const int64_t wg = int64_t(blockIdx.x) * kWsGroups + (warp >> 2);
+    const int64_t begin = wg * ws_items / ws_wgs, end = (wg + 1) * ws_items / ws_wgs;
+    left = ring_warp ? end - begin : 0;
+    const int64_t gt = begin >> 1;
+    cur.h = ws_h0 + int(gt / ngroups);
+    cur.tile = 4 * int(gt - int64_t(cur.h - ws_h0) * ngroups) + sub;
+    cur.kv = int(begin & 1);
+  } else if constexpr (kMix) {
     const int64_t n_items = 2 * int64_t(a.num_kv_heads) * ntiles;
     const int64_t w = int64_t(blockIdx.x) * kWarps + warp;
     const int64_t n_warps = int64_t(gridDim.x) * kWarps;
@@ -915,7 +1083,16 @@ __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate>(), MinBlocks<D, k
     left = first < ntiles ? (ntiles - first + stride - 1) / stride : 0;
   }
   auto adv = [&](Item c) {
-    if constexpr (kMix) {
+    if constexpr (kWs) {
+      c.kv ^= 1;
+      if (c.kv == 0) {
+        c.tile += 4;
+        if (c.tile >= 4 * ngroups) {
+          c.tile &= 3;
+          ++c.h;
+        }
+      }
+    } else if constexpr (kMix) {
       c.kv ^= 1;
       if (c.kv == 0 && ++c.tile == ntiles) {
         c.tile = 0;
@@ -949,6 +1126,12 @@ __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate>(), MinBlocks<D, k
       if (valid && lane == 0) {
         const uint32_t bar = bar_sa + 8 * st;
         const int t0 = c.tile * kTileRows;
+        if (kWs && t0 >= a.num_tokens) {
+          // a tile past the end of the last group: nothing to load (the producer rotates
+          // whatever the stage holds; no row of it is stored)
+          MbarArrive(bar);
+          return;
+        }
         MbarArriveExpectTx(bar, kStageBytes);
         if (demote)
           TmaLoad3d(ring_sa + st * kStageBytes, &maps.k,
@@ -1050,6 +1233,141 @@ __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate>(), MinBlocks<D, k
   if constexpr (!kOutBf16) make_rb(cur.h, pg, sl);
   int stage = 0;
 
+  if constexpr (kWs) {
+    // ---- Rᵀ of K and V for wgmma (after the consumers' first tile loads are in flight) ----
+    // B operand K-major in the 128-byte swizzle: element R[k][n] of kind kv at
+    // kv·2D² + (k / 64)·128·D + 128·n + 16·((k % 64) / 8 ^ n % 8) + 2·(k % 8) (two 64-wide k
+    // blocks of D rows of 128 bytes). Each thread converts whole 16-byte chunks (8 consecutive
+    // k of one column n; consecutive lanes take consecutive n: coalesced loads, conflict-free
+    // stores), all loads first.
+    {
+      const int hr = per_head_rot ? int(blockIdx.y) : 0;
+      constexpr int kChunksR = 2 * D * D / 8;
+      constexpr int kIt = (kChunksR + kThreads - 1) / kThreads;
+      float f[kIt][8];
+#pragma unroll
+      for (int it = 0; it < kIt; ++it) {
+        const int idx = threadIdx.x + it * kThreads;
+        const int kvr = idx / (D * D / 8), rem = idx % (D * D / 8);
+        const int kc = rem / D, n = rem % D;
+        const float* r =
+            (kvr ? a.rot_v : a.rot_k) + int64_t(hr) * a.rot_head_stride + (8 * kc) * D + n;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) f[it][j] = idx < kChunksR ? __ldg(r + j * D) : 0.f;
+      }
+#pragma unroll
+      for (int it = 0; it < kIt; ++it) {
+        const int idx = threadIdx.x + it * kThreads;
+        if (idx >= kChunksR) continue;
+        const int kvr = idx / (D * D / 8), rem = idx % (D * D / 8);
+        const int kc = rem / D, n = rem % D;
+        uint4 v;
+#if KVPOOL_WRITE_ROT_BF16
+        v.x = PackBf162(f[it][0], f[it][1]), v.y = PackBf162(f[it][2], f[it][3]);
+        v.z = PackBf162(f[it][4], f[it][5]), v.w = PackBf162(f[it][6], f[it][7]);
+#else
+        v.x = PackHalf2(f[it][0], f[it][1]), v.y = PackHalf2(f[it][2], f[it][3]);
+        v.z = PackHalf2(f[it][4], f[it][5]), v.w = PackHalf2(f[it][6], f[it][7]);
+#endif
+        *reinterpret_cast<uint4*>(rt + kvr * 2 * D * D + (kc >> 3) * 128 * D + 128 * n +
+                                  16 * ((kc & 7) ^ (n & 7))) = v;
+      }
+      FenceProxyAsyncShared();  // generic stores -> wgmma (async proxy) reads
+      __syncthreads();          // also: every consumer warp's mbarriers are initialized
+    }
+    if (warp >= kWsConsumerWarps) {
+      // ---- producer warpgroup: per consumer warpgroup c and its item n in turn (the order
+      // in which the consumers take them), its warp pw waits for consumer warp 4c + pw's tile
+      // (TMA into that warp's stage), loads it as wgmma A fragments (bf16 -> fp16, exact unless
+      // |x| > 65504: inf, and the row is refused downstream), the warpgroup multiplies the 64
+      // rows by Rᵀ of the item's kind (two N = 64 halves of eight k16 steps, fp32
+      // accumulation), and the bf16-rounded products overwrite the tile in place in the same
+      // layout (stmatrix), which the consumer then reads like a loaded tile.
+      const int pw = (warp - kWsConsumerWarps) & 3;
+      const int pg_idx = (warp - kWsConsumerWarps) >> 2;  // this producer warpgroup
+      int left_c[kWsGroups], kv0_c[kWsGroups];
+      int max_left = 0;
+#pragma unroll
+      for (int c = 0; c < kWsGroups; ++c) {
+        const int64_t wg = int64_t(blockIdx.x) * kWsGroups + c;
+        const int64_t begin = wg * ws_items / ws_wgs, end = (wg + 1) * ws_items / ws_wgs;
+        left_c[c] = int(end - begin);
+        kv0_c[c] = int(begin & 1);
+        max_left = max(max_left, left_c[c]);
+      }
+      const uint32_t rt_sa = SmemAddr(rt);
+      const uint32_t ring0_sa = SmemAddr(smem + kRotBytes);
+      const int mi = lane >> 3;                    // ldmatrix / stmatrix: matrix of this lane's
+      const int lrow = (lane & 7) + 8 * (mi & 1);  // row address, and that row of the tile
+      for (int n = 0; n < max_left; ++n) {
+        const int st = n & 1;
+        const uint32_t par = uint32_t(n >> 1) & 1u;
+#pragma unroll
+        for (int c = 0; c < kWsGroups; ++c) {
+          if (c % kWsProducers != pg_idx || n >= left_c[c]) continue;  // warpgroup-uniform
+          const int cw = 4 * c + pw;
+          const uint32_t xs = ring0_sa + uint32_t((cw * kStages + st) * kStageBytes);
+          MbarWaitParity(bars0 + uint32_t(cw * 8 * kStages + 8 * st), par);
+          uint32_t af[8][4];
+#pragma unroll
+          for (int s8 = 0; s8 < 8; ++s8) {
+            const uint32_t ad = xs + uint32_t(Swz128(lrow * 256 + (2 * s8 + (mi >> 1)) * 16));
+            asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                         : "=r"(af[s8][0]), "=r"(af[s8][1]), "=r"(af[s8][2]), "=r"(af[s8][3])
+                         : "r"(ad));
+#if !KVPOOL_WRITE_ROT_BF16
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+              af[s8][i] = PackHalf2(Bf16LoToFloat(af[s8][i]), Bf16HiToFloat(af[s8][i]));
+#endif
+          }
+          const int kvi = (kv0_c[c] + n) & 1;
+          const uint32_t b_sa = rt_sa + uint32_t(kvi * 2 * D * D);  // Rᵀ of the item's kind
+          // N in chunks of kWsN columns (kWsN / 2 accumulators per thread).
+#pragma unroll
+          for (int nc = 0; nc < D / kWsN; ++nc) {
+            float acc[kWsN / 2];
+#pragma unroll
+            for (int r = 0; r < kWsN / 2; ++r) acc[r] = 0.f;
+            WgmmaFence();
+#pragma unroll
+            for (int s8 = 0; s8 < 8; ++s8)
+              // (adding the offsets to one descriptor instead made ptxas keep all 32 live and
+              // spill)
+              WgmmaM64K16<kWsN, KVPOOL_WRITE_ROT_BF16 != 0>(
+                  acc, af[s8],
+                  WgmmaDescK128(b_sa +
+                                uint32_t((s8 >> 2) * 128 * D + nc * kWsN * 128 + (s8 & 3) * 32)),
+                  s8 > 0);
+            WgmmaCommit();
+            WgmmaWaitAll();
+#pragma unroll
+            for (int r = 0; r < kWsN / 2; ++r) RegFence(acc[r]);
+            if (nc == D / kWsN - 1) {
+#pragma unroll
+              for (int s8 = 0; s8 < 8; ++s8)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) RegFence(af[s8][i]);
+            }
+            // stmatrix j: the n8 tiles 2j, 2j + 1 of the chunk, rows 0-7 / 8-15 each
+#pragma unroll
+            for (int j = 0; j < kWsN / 16; ++j) {
+              const uint32_t ad =
+                  xs + uint32_t(Swz128(lrow * 256 + (nc * (kWsN / 8) + 2 * j + (mi >> 1)) * 16));
+              StMatrixX4(ad, PackBf162(acc[8 * j], acc[8 * j + 1]),
+                         PackBf162(acc[8 * j + 2], acc[8 * j + 3]),
+                         PackBf162(acc[8 * j + 4], acc[8 * j + 5]),
+                         PackBf162(acc[8 * j + 6], acc[8 * j + 7]));
+            }
+          }
+          __syncwarp();
+          if (lane == 0) MbarArrive(bars0 + uint32_t((kRingWarps + cw) * 8 * kStages + 8 * st));
+        }
+      }
+      return;
+    }
+  }
+
   for (; left > 0; --left) {
     const int tile = cur.tile, kv = cur.kv, h = cur.h;
     const int need = kv ? need_v : need_k;
@@ -1065,7 +1383,7 @@ __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate>(), MinBlocks<D, k
       dest_of(nxt, left > 1, npg, nsl);
     }
     if (tma) {
-      MbarWaitParity(bar_sa + 8 * stage, (phases >> stage) & 1u);
+      MbarWaitParity((kWs ? full_sa : bar_sa) + 8 * stage, (phases >> stage) & 1u);
       phases ^= 1u << stage;
     } else {
       CpAsyncWait<1>();
@@ -1076,7 +1394,7 @@ __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate>(), MinBlocks<D, k
     // ---- step 1/2: packed registers P[q·kSpan + i] = {row g, row g+8} of column
     //      tig·kSpan + q·D/4 + i ----
     uint32_t x[kRegs];
-    if constexpr (kRotate) {
+    if constexpr (kMma) {
       float acc[D / 8][4];
 #pragma unroll
       for (int nt = 0; nt < D / 8; ++nt)
@@ -1153,7 +1471,25 @@ __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate>(), MinBlocks<D, k
     }
     __syncwarp();  // every lane has read its rows: the stage may be reused (parking, prefetch)
 
-    if constexpr (kOutBf16) {
+    if constexpr (kOutBf16 && kNat) {
+      // Same-row layout (kWs): x[r·kRegs/2 + 4q .. + 3] are columns tig·kSpan + q·D/4 .. + 7 of
+      // row gr + 8r, one 16-byte store each.
+      static_assert(kSpan == 8, "kNat BF16 output is implemented for d 128");
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int t = tile * kTileRows + gr + 8 * r;
+        if (t < a.num_tokens) {
+          uint8_t* dst = a.dst_base + uint64_t(pg[r]) * a.dst_stride + uint64_t(h) * bf16_chunk +
+                         uint64_t(kv) * 2 * P * D + uint64_t(sl[r]) * kRowBytes;
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+            const int j = r * (kRegs / 2) + 4 * q;
+            *reinterpret_cast<uint4*>(dst + 2 * (tig * kSpan + q * (D / 4))) =
+                make_uint4(x[j], x[j + 1], x[j + 2], x[j + 3]);
+          }
+        }
+      }
+    } else if constexpr (kOutBf16) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int t = tile * kTileRows + g + 8 * r;
@@ -1542,8 +1878,52 @@ bool EncodeSourceMaps(int d, const WriteArgs& a, TmaMaps* maps) {
   return one(&maps->k, a.src_k, dims, strides, box) && one(&maps->v, a.src_v, dims, strides, box);
 }
 
+// The warp-specialized rotating kernels at d 128 unless KVPOOL_WRITE_ROT_WS=0 (then the
+// mma.sync kernels; for A/B measurements and the test that compares the two), read at each
+// launch.
+bool WsEnabled() {
+  const char* e = std::getenv("KVPOOL_WRITE_ROT_WS");
+  return e == nullptr || std::string(e) != "0";
+}
+
+// kWs launch (d 128, rotation set, TMA maps encoded): one CTA per SM (its shared memory), grid y
+// = the heads when the rotation is per head (each CTA holds one head's Rᵀ), else 1; at most as
+// many CTAs as give every consumer warpgroup an item.
+template <bool kOutBf16>
+KernelStatus LaunchWriteWs(const WriteArgs& a, const TmaMaps& maps, int sms, cudaStream_t stream) {
+  constexpr int D = 128;
+  constexpr int smem = WriteSmemBytes<D, true, kOutBf16, true>();
+  constexpr int threads = 32 * WarpsPerCta<D, true, true>();
+  auto kernel = KvWriteKernel<D, true, kOutBf16, true>;
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) !=
+      cudaSuccess)
+    return WLaunchError("cudaFuncSetAttribute(KvWriteKernel ws)");
+  const int ntiles = (a.num_tokens + kTileRows - 1) / kTileRows;
+  const int64_t ngroups = (ntiles + 3) / 4;
+  const bool per_head = a.rot_head_stride != 0;
+  const int64_t items = 2 * ngroups * (per_head ? 1 : a.num_kv_heads);
+  const int64_t slots = per_head ? std::max(1, sms / a.num_kv_heads) : sms;
+  const int64_t x = std::max<int64_t>(1, std::min(slots, (items + kWsGroups - 1) / kWsGroups));
+  const dim3 grid(unsigned(x), per_head ? unsigned(a.num_kv_heads) : 1u, 1);
+  WriteArgs args = a;
+  args.use_tma = 1;
+  kernel<<<grid, threads, smem, stream>>>(args, maps);
+  return WLaunchError("KvWriteKernel ws");
+}
+
 template <int D, bool kRotate, bool kOutBf16>
 KernelStatus LaunchWrite(const WriteArgs& a, cudaStream_t stream) {
+  if constexpr (kRotate && D == 128) {
+    TmaMaps maps{};
+    if (WsEnabled() && TmaEnabled() && EncodeSourceMaps(D, a, &maps)) {
+      int dev = 0, sms = 132;
+      if (cudaGetDevice(&dev) != cudaSuccess ||
+          cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
+        sms = 132;
+      cudaGetLastError();
+      return LaunchWriteWs<kOutBf16>(a, maps, sms, stream);
+    }
+  }
   constexpr int smem = WriteSmemBytes<D, kRotate, kOutBf16>();
   constexpr int threads = 32 * WarpsPerCta<D, kRotate>();
   auto kernel = KvWriteKernel<D, kRotate, kOutBf16>;

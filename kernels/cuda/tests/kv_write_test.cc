@@ -4,6 +4,7 @@
 // CPU path. Label gpu; skipped when no device is present.
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <numeric>
 #include <random>
@@ -419,6 +420,118 @@ TEST(KvWrite, RotateWriteAndFusedQuantize) {
     EXPECT_LT(rel, 3e-3) << "d=" << d;
     EXPECT_EQ(fused_mismatch, 0) << "d=" << d;
     EXPECT_LT(double(cpu_code_diff) / double(codes_total), 0.02) << "d=" << d;
+  }
+}
+
+// d 128 rotates in the warp-specialized kernels (wgmma in a producer warpgroup); with
+// KVPOOL_WRITE_ROT_WS=0 (read at each launch) in the mma.sync kernels. Both paths, shared and
+// per-head rotations, 3 heads (items cross heads) and 1000 tokens (the last 64-token group has
+// a partial tile and one past the end): the rotated BF16 rows of the two paths are compared
+// value by value (the count printed; same fp16 operands and fp32 accumulation, so at most one
+// bf16 step apart), the warp-specialized fused kernel's bytes must equal the CPU quantizer on
+// the warp-specialized kernel's own rotated rows, and every BF16 value must have been written.
+TEST(KvWrite, WarpSpecializedRotationMatchesMmaSync) {
+  SKIP_WITHOUT_GPU();
+  const int n = 1000, H = 3, d = 128, page = 16;
+  const BlockGeometry geo{1, uint32_t(H), uint32_t(d), uint32_t(page)};
+  for (bool per_head : {false, true}) {
+    WriteSetup s = MakeSetup(n, H, d, page, 4242 + per_head);
+    std::mt19937_64 rng(4343 + per_head);
+    std::vector<float> rk, rv;
+    for (int h = 0; h < (per_head ? H : 1); ++h) {
+      const std::vector<float> a = ToFloat(RandomOrthogonal(d, rng));
+      const std::vector<float> b = ToFloat(RandomOrthogonal(d, rng));
+      rk.insert(rk.end(), a.begin(), a.end());
+      rv.insert(rv.end(), b.begin(), b.end());
+    }
+    DeviceBuffer dk, dv, dp, ds, drk, drv;
+    Upload(dk, s.k);
+    Upload(dv, s.v);
+    Upload(dp, s.dst_page);
+    Upload(ds, s.dst_slot);
+    Upload(drk, rk);
+    Upload(drv, rv);
+    const uint64_t bf_bytes = uint64_t(s.num_pages) * geo.Bf16LayerBytes();
+    const uint64_t i2_bytes = uint64_t(s.num_pages) * geo.Int2LayerBytes();
+    DeviceBuffer bf_ws(bf_bytes), bf_mma(bf_bytes), i2_ws(i2_bytes);
+    ASSERT_TRUE(bf_ws.ok() && bf_mma.ok() && i2_ws.ok());
+    KvWriteParams p;
+    p.num_tokens = n;
+    p.num_kv_heads = H;
+    p.head_dim = d;
+    p.page_size = page;
+    p.k = dk.as<uint16_t>();
+    p.v = dv.as<uint16_t>();
+    p.rotation_k = drk.as<float>();
+    p.rotation_v = drv.as<float>();
+    p.rotation_per_head = per_head;
+    p.dst_page = dp.as<int32_t>();
+    p.dst_slot = ds.as<int32_t>();
+    KVPOOL_CUDA_OK(cudaMemset(bf_ws.get(), 0xff, bf_bytes));
+    KVPOOL_CUDA_OK(cudaMemset(bf_mma.get(), 0xff, bf_bytes));
+    KVPOOL_CUDA_OK(cudaMemset(i2_ws.get(), 0xff, i2_bytes));
+    p.dst = {bf_ws.get(), geo.Bf16LayerBytes()};
+    ASSERT_TRUE(LaunchRotateWriteBf16(p, nullptr).ok());
+    p.dst = {i2_ws.get(), geo.Int2LayerBytes()};
+    ASSERT_TRUE(LaunchQuantizeWrite(p, nullptr).ok());
+    KVPOOL_CUDA_OK(cudaDeviceSynchronize());
+    ASSERT_EQ(setenv("KVPOOL_WRITE_ROT_WS", "0", 1), 0);
+    p.dst = {bf_mma.get(), geo.Bf16LayerBytes()};
+    const KernelStatus st = LaunchRotateWriteBf16(p, nullptr);
+    unsetenv("KVPOOL_WRITE_ROT_WS");
+    ASSERT_TRUE(st.ok());
+    KVPOOL_CUDA_OK(cudaDeviceSynchronize());
+    const std::vector<uint8_t> ws = Download<uint8_t>(bf_ws.get(), bf_bytes);
+    const std::vector<uint8_t> mma = Download<uint8_t>(bf_mma.get(), bf_bytes);
+    const std::vector<uint8_t> i2 = Download<uint8_t>(i2_ws.get(), i2_bytes);
+    int64_t differ = 0, beyond_one_step = 0, unwritten = 0, fused_mismatch = 0, rows = 0;
+    double num = 0, den = 0;
+    for (int t = 0; t < n; ++t) {
+      for (int h = 0; h < H; ++h) {
+        for (int kv = 0; kv < 2; ++kv) {
+          const uint64_t off = uint64_t(s.dst_page[t]) * geo.Bf16LayerBytes() +
+                               geo.Bf16ChunkOffset(0, h) + (kv ? geo.Bf16VOffset() : 0) +
+                               uint64_t(s.dst_slot[t]) * 2 * d;
+          const uint16_t* a = reinterpret_cast<const uint16_t*>(ws.data() + off);
+          const uint16_t* b = reinterpret_cast<const uint16_t*>(mma.data() + off);
+          const uint16_t* src = (kv ? s.v.data() : s.k.data()) + (size_t(t) * H + h) * d;
+          const float* r = (kv ? rv.data() : rk.data()) + (per_head ? size_t(h) * d * d : 0);
+          std::vector<float> rot(d);
+          for (int j = 0; j < d; ++j) {
+            unwritten += a[j] == 0xffff || b[j] == 0xffff;
+            if (a[j] != b[j]) {
+              ++differ;
+              const int step = std::abs(int(a[j] & 0x7fff) - int(b[j] & 0x7fff));
+              if ((a[j] ^ b[j]) & 0x8000 ? (a[j] & 0x7fff) + (b[j] & 0x7fff) > 1 : step > 1)
+                ++beyond_one_step;
+            }
+            double ref = 0;
+            for (int i = 0; i < d; ++i) ref += double(Bf16ToFp32(src[i])) * r[size_t(i) * d + j];
+            rot[j] = Bf16ToFp32(a[j]);
+            num += (rot[j] - ref) * (rot[j] - ref);
+            den += ref * ref;
+          }
+          std::vector<uint8_t> codes;
+          std::vector<uint16_t> params;
+          RowQuantStatus rs;
+          CpuQuantRow(rot, kv ? 0.92f : 0.96f, &codes, &params, &rs);
+          const Int2Row q = ReadInt2Row(i2, geo, s.dst_page[t], s.dst_slot[t], h, kv);
+          ++rows;
+          if (q.codes != codes || q.params != params) ++fused_mismatch;
+        }
+      }
+    }
+    const double rel = std::sqrt(num / den);
+    std::printf(
+        "[rotate-ws] per_head=%d rel_l2(ws bf16(x·R) vs fp64) = %.3e; ws vs mma.sync: %lld of "
+        "%lld bf16 values differ (%lld by more than one bf16 step); fused-ws vs "
+        "quantize(ws rows) mismatched rows %lld/%lld\n",
+        int(per_head), rel, (long long)differ, (long long)(int64_t(n) * H * 2 * d),
+        (long long)beyond_one_step, (long long)fused_mismatch, (long long)rows);
+    EXPECT_EQ(unwritten, 0) << "per_head=" << per_head;
+    EXPECT_LT(rel, 3e-3) << "per_head=" << per_head;
+    EXPECT_EQ(beyond_one_step, 0) << "per_head=" << per_head;
+    EXPECT_EQ(fused_mismatch, 0) << "per_head=" << per_head;
   }
 }
 

@@ -27,7 +27,11 @@
 // rotation and LaunchDemote encode TMA descriptors of their sources on the host per call
 // (cuTensorMapEncodeTiled through the runtime's driver entry point; no device work); when the
 // driver refuses one they load with cp.async instead (same bytes). KVPOOL_WRITE_TMA=0 in the
-// environment forces cp.async (A/B measurements).
+// environment forces cp.async (A/B measurements). The rotating launchers at head_dim 128 use
+// the same TMA loads in warp-specialized kernels (the rotation by wgmma in producer warpgroups);
+// without a map, or with KVPOOL_WRITE_ROT_WS=0 (read at each launch), they run the mma.sync
+// kernels of the other head dims, which round to the same bf16 values (measured bit-identical,
+// docs/KERNELS.md "Session 7 (v11: warp-specialized d 128 rotation)").
 #pragma once
 
 #include <cstdint>
