@@ -23,6 +23,16 @@
 #            NO_PAIR=1 skips the SDPA/BF16 pass; TIMELINE_BENCH (a -DKVPOOL_DECODE_TIMELINE build of
 #            cuda_decode_bench) writes per-CTA timestamps of one launch per headline shape to
 #            $OUT/timeline.txt first (under TIMELINE_ENV="VAR=value ...")
+#     rounds: ROUNDS (default 3) alternating rounds of every entry of CFGS over every bench argument
+#            set of SHAPES (';'-separated, default the two headline sets), INT2 launch only
+#            (--skip-bf16), each run's JSON under $OUT/rounds/ (packed into $OUT/rounds.tgz); a CFGS
+#            entry is a cuda_decode_bench path, or PATH@VAR=a,VAR2=b (that binary under those launcher
+#            settings); the first entry is the baseline of the summary table printed last (median
+#            of each round per shape and config, mean ratio to the baseline); TEST_JOBS entries
+#            BIN%FILTER[%VAR=a,VAR2=b] run concurrently before any timing (logs test_<i>.txt);
+#            TIMELINE_BENCH with TIMELINE_SHAPES (';'-separated) writes per-CTA stamps first;
+#            PAIRS (';'-separated argument sets) runs SDPA and PAIR_BENCH with its BF16 baseline on
+#            each set first (JSON rounds/sdpa_pair<i>.json, rounds/cuda_decode_bench_pair<i>.json)
 #     full:  every shape of PERF.md (long)
 # TEST_FILTER (gtest filter) and SKIP_TESTS=1 control the tests; TEST_BINS="a b" also runs other
 # builds' cuda_kernels_test, concurrently, before any timing (logs test_log_<binary>.txt)
@@ -146,6 +156,84 @@ case "$MODE" in
         env $e "$ab" $sk --batches 8 --contexts 131072 --gqa 32:8 --page-sizes 16 --iters 30 2>&1 | grep -E "^int2" | tee -a "$LOG"
       done
     done
+    ;;
+  rounds)  # CFGS x SHAPES in alternating rounds (see the header)
+    mkdir -p "$OUT/rounds"
+    TSV="$OUT/rounds/results.tsv"
+    : >"$TSV"
+    i=0
+    for job in ${TEST_JOBS:-}; do  # concurrent test processes (CPU-bound references)
+      IFS=% read -r tb tf te <<<"$job"
+      i=$((i + 1))
+      echo "== test job $i: ${te:-} $tb --gtest_filter=$tf" | tee -a "$LOG"
+      env ${te//,/ } "$tb" --gtest_filter="$tf" >"$OUT/rounds/test_$i.txt" 2>&1 &
+    done
+    wait
+    i=0
+    for job in ${TEST_JOBS:-}; do
+      i=$((i + 1))
+      echo "-- test job $i: $job" | tee -a "$LOG"
+      grep -E "^\[(  FAILED|  PASSED|  SKIPPED)|^\[=+\] .* ran|Failure|Expected|Which|actual|error|worst|e2e" \
+        "$OUT/rounds/test_$i.txt" | head -40 | tee -a "$LOG"
+    done
+    if [ -n "${PAIRS:-}" ]; then  # SDPA + our INT2 and BF16 launches (PAIR_BENCH) per set
+      B=${PAIR_BENCH:-$B}
+      IFS=';' read -ra PS <<<"$PAIRS"
+      n=0
+      for ps in "${PS[@]}"; do
+        n=$((n + 1))
+        run_pair "pair$n" $ps --iters 30
+      done
+      mv "$OUT"/sdpa_pair*.json "$OUT"/cuda_decode_bench_pair*.json "$OUT/rounds/" 2>/dev/null
+    fi
+    if [ -n "${TIMELINE_BENCH:-}" ]; then
+      IFS=';' read -ra TS <<<"${TIMELINE_SHAPES:---batches 32 --contexts 32768 --gqa 32:8 --page-sizes 16}"
+      for ts in "${TS[@]}"; do
+        echo "== timeline $TIMELINE_BENCH $ts" | tee -a "$LOG"
+        env ${TIMELINE_ENV:-} KVPOOL_DECODE_TIMELINE="$OUT/rounds/timeline.txt" "$TIMELINE_BENCH" --skip-bf16 $ts \
+          --iters 5 --warmup 2 2>&1 | grep -E "^int2" | tee -a "$LOG"
+      done
+    fi
+    IFS=';' read -ra SH <<<"${SHAPES:---batches 1,32 --contexts 32768 --gqa 32:8 --page-sizes 16;--batches 8 --contexts 131072 --gqa 32:8 --page-sizes 16}"
+    for r in $(seq "${ROUNDS:-3}"); do
+      c=0
+      for cfg in ${CFGS:-$B}; do
+        c=$((c + 1))
+        bin=${cfg%%@*}
+        e=""
+        [ "$cfg" != "$bin" ] && e=${cfg#*@} && e=${e//,/ }
+        n=0
+        for sh in "${SH[@]}"; do
+          n=$((n + 1))
+          echo "== round $r cfg $c: $cfg | $sh" | tee -a "$LOG"
+          env $e "$bin" --skip-bf16 $sh --iters 30 \
+            --json "$OUT/rounds/r${r}_c${c}_s${n}.json" 2>&1 | grep -E "^int2|rror" | tee -a "$LOG" |
+            awk -v r="$r" -v c="$cfg" '/^int2/{print r "\t" c "\t" $2 "\t" $3 "\t" $4 "\t" $6}' >>"$TSV"
+        done
+      done
+    done
+    python3 - "$TSV" <<'PY' | tee -a "$LOG"
+import collections, sys
+rows = [l.rstrip("\n").split("\t") for l in open(sys.argv[1]) if l.strip()]
+cfgs, shapes, ms = [], [], collections.defaultdict(list)
+for r, c, b, ctx, heads, t in rows:
+    sh = f"B={b} ctx={ctx} {heads}"
+    cfgs += [c] if c not in cfgs else []
+    shapes += [sh] if sh not in shapes else []
+    ms[(sh, c)].append(float(t))
+print("== summary: per-round medians (ms); ratio = mean / mean of the first config")
+for sh in shapes:
+    print(sh)
+    base = ms.get((sh, cfgs[0]))
+    for c in cfgs:
+        v = ms.get((sh, c))
+        if not v:
+            continue
+        m = sum(v) / len(v)
+        ratio = m / (sum(base) / len(base)) if base else float("nan")
+        print(f"  {' / '.join(f'{x:.4f}' for x in v):<28} ratio {ratio:.3f}  {c.split('/')[-1]}")
+PY
+    tar -czf "$OUT/rounds.tgz" -C "$OUT" rounds && rm -rf "$OUT/rounds"
     ;;
   full)
     run_pair full
