@@ -88,10 +88,13 @@ struct AttnArgs {
   int32_t split_major;
   // INT2 kernel only (v19, "two items"): when > 0 the grid is 1-D, items_rows × splits CTAs,
   // and CTA c runs two (row, split) items one after the other: first (c / S, c % S) of rows
-  // [0, items_rows) with static stages (row-major), then (items_rows + c % items_rows,
-  // c / items_rows) with dyn_claims (split-major), so a two-wave grid runs as one resident wave
+  // [0, items_rows) with static stages (row-major), then an item of rows [items_rows,
+  // 2·items_rows) with dyn_claims, handed out in the order the CTAs finish their first (v20; v19:
+  // (items_rows + c % items_rows, c / items_rows)), so a two-wave grid runs as one resident wave
   // whose second items balance a row's splits like v18's one-wave grids. 0: one item per CTA.
   int32_t items_rows;
+  // With items_rows > 0: the ticket counter of the second items (zeroed by QRotateKernel, v20).
+  int* item_counter;
 };
 
 __device__ __forceinline__ void ImmaU8S8(int (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
@@ -146,22 +149,34 @@ __device__ __forceinline__ void PdlLaunchDependents() {
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 }
 __device__ __forceinline__ void PdlWait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+// The CTA of the highest linear index in the grid.
+__device__ __forceinline__ bool IsLastCta() {
+  return blockIdx.x == gridDim.x - 1 && blockIdx.y == gridDim.y - 1 && blockIdx.z == gridDim.z - 1;
+}
 
 // Timeline instrumentation (only in builds compiled with -DKVPOOL_DECODE_TIMELINE, for the
 // device profile; the shipped kernels contain none of it): thread 0 of every CTA stamps
 // %globaltimer at entry (field 0), after its PDL wait (1) and at its end (2), plus its SM id (3),
-// into g_tl[kernel][cta][4] (kernel 0 QRotate, 1 INT2, 2 BF16, 3 merge). The last launch's
-// stamps are written out by KvpoolDecodeTimelineDump (host side, below).
+// into g_tl[kernel][cta][kTlFields] (kernel 0 QRotate, 1 INT2, 2 BF16, 3 merge); field 4 is one
+// more stamp (INT2: the end of the first item; merge: before the R_V product) and field 5 a value
+// (INT2: the second item's row). The last launch's stamps are written out by
+// KvpoolDecodeTimelineDump (host side, below).
 #ifdef KVPOOL_DECODE_TIMELINE
 constexpr int kTlMaxCtas = 16384;
+constexpr int kTlFields = 6;
 __device__ unsigned long long* g_tl = nullptr;
+__device__ __forceinline__ void TlValue(int kernel, int field, unsigned long long v) {
+  if (threadIdx.x != 0 || g_tl == nullptr) return;
+  const unsigned cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+  if (cta < unsigned(kTlMaxCtas)) g_tl[(size_t(kernel) * kTlMaxCtas + cta) * kTlFields + field] = v;
+}
 __device__ __forceinline__ void TlMark(int kernel, int field) {
   if (threadIdx.x != 0 || g_tl == nullptr) return;
   const unsigned cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
   if (cta >= unsigned(kTlMaxCtas)) return;
   unsigned long long t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  unsigned long long* r = g_tl + (size_t(kernel) * kTlMaxCtas + cta) * 4;
+  unsigned long long* r = g_tl + (size_t(kernel) * kTlMaxCtas + cta) * kTlFields;
   r[field] = t;
   if (field == 0) {
     unsigned sm;
@@ -170,8 +185,10 @@ __device__ __forceinline__ void TlMark(int kernel, int field) {
   }
 }
 #define KVPOOL_TL(kernel, field) TlMark(kernel, field)
+#define KVPOOL_TL_VALUE(kernel, field, v) TlValue(kernel, field, v)
 #else
 #define KVPOOL_TL(kernel, field) ((void)0)
+#define KVPOOL_TL_VALUE(kernel, field, v) ((void)0)
 #endif
 
 // ---------------------------------------------------------------------------------------------
@@ -514,9 +531,12 @@ __global__ void __launch_bounds__(kThreads, (D == 128 && NT == 1) ? 4 : 1)
     if (dim == 0) a.part_lse[row] = (overflow || nan) ? NAN : (l > 0.f ? ms + log2f(l) : -INFINITY);
   }
   // Behind the INT2 kernel: the merge kernel waits for this grid only, make its completion imply
-  // the INT2 grid's.
+  // the INT2 grid's. One CTA waiting is enough (the grid completes when its last CTA exits); the
+  // others exit and free their slot for the CTAs still queued (v20: with every CTA waiting, the
+  // BF16 CTAs that ran beside the INT2 grid held their slot until it ended, so at B = 32 × 32K
+  // 245 of 256 started only in the INT2 grid's tail).
   KVPOOL_TL(2, 2);
-  if (!a.pdl_wait_first) PdlWait();
+  if (!a.pdl_wait_first && IsLastCta()) PdlWait();
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -638,14 +658,20 @@ __global__ void __launch_bounds__(kThreads, (D <= 128 ? (KT == 1 ? 5 : 4) : 2))
   // Phase parity of the two ring slots carried across items: slot s waits for parity
   // ((ts / kStages) ^ (par_bits >> s)) & 1.
   uint32_t par_bits = 0;
-  const int n_items = a.items_rows > 0 ? 2 : 1;
+  // Claims and two items are compiled for one n-tile only (v20): at KT = 2 they lost (64 q / 8 KV,
+  // s7), and without their code that instantiation keeps v17's register allocation.
+  constexpr bool kDyn = KT == 1;
+  const int n_items = (kDyn && a.items_rows > 0) ? 2 : 1;
+  __shared__ int next_item[2];  // the second item's row and split (v20), see below
 #pragma unroll 1
   for (int item = 0; item < n_items; ++item) {
     int sx, yy, b;  // split, KV head × head chunk, request of this item
-    if (a.items_rows > 0) {
+    if (kDyn && a.items_rows > 0) {
+      // The first item is (c / S, c % S) of rows [0, R2); the second comes in the order the CTAs
+      // finish their first (v20; ticket and mapping below, before this loop's last barrier).
       const int c = blockIdx.x;
-      const int row = item == 0 ? c / num_splits : a.items_rows + c % a.items_rows;
-      sx = item == 0 ? c % num_splits : c / a.items_rows;
+      const int row = item == 0 ? c / num_splits : next_item[0];
+      sx = item == 0 ? c % num_splits : next_item[1];
       b = row / rows_per_req;
       yy = row % rows_per_req;
     } else {
@@ -683,7 +709,7 @@ __global__ void __launch_bounds__(kThreads, (D <= 128 ? (KT == 1 ? 5 : 4) : 2))
         npg_eff < npg ? npg_eff * page_size : (npg > 0 ? (npg - 1) * page_size + last_len : 0);
     // Stages t < t_fix of every warp are fixed (dyn_claims % of the row), later ones claimed.
     const int t_fix =
-        (a.dyn_claims && !(a.items_rows > 0 && item == 0))
+        (kDyn && a.dyn_claims && !(a.items_rows > 0 && item == 0))
             ? max(kStages, (a.dyn_claims * row_units) / (100 * num_splits * kWarps * kStageUnits))
             : 1 << 30;
     const int claim_base = t_fix * num_splits * kWarps * kStageUnits;  // units of fixed stages
@@ -1059,6 +1085,10 @@ __global__ void __launch_bounds__(kThreads, (D <= 128 ? (KT == 1 ? 5 : 4) : 2))
       }
     }
 
+    // The ticket of this CTA's next item (its latency hides behind the epilogue below).
+    int ticket = 0;
+    if (item + 1 < n_items && threadIdx.x == 0) ticket = atomicAdd(a.item_counter, 1);
+    if (item + 1 < n_items) KVPOOL_TL(1, 4);
     // Stages 0, 2, … used slot 0 and 1, 3, … slot 1: their phases carry into the next item.
     par_bits ^= (uint32_t((ts + 1) / 2) & 1u) | ((uint32_t(ts / 2) & 1u) << 1);
 
@@ -1138,14 +1168,26 @@ __global__ void __launch_bounds__(kThreads, (D <= 128 ? (KT == 1 ? 5 : 4) : 2))
       a.part_o[row * D + dim] = o;
     }
     if (item + 1 < n_items) {
+      if (threadIdx.x == 0) {
+        // Ticket g = q·R2 + p is split q of row R2 + p, p reversed for odd q: each row's splits go
+        // to CTAs from every fifth of the finishing order, early and late ones paired. (v19 gave
+        // CTA c the fixed second item (R2 + c % R2, c / R2); the rows' ends then followed the mean
+        // first-item end of their CTAs: correlation 0.81, rows ending 145-170 µs at B = 32 × 32K.)
+        const int r2 = a.items_rows, q = ticket / r2, pp = ticket % r2;
+        next_item[0] = r2 + ((q & 1) ? r2 - 1 - pp : pp);
+        next_item[1] = q;
+        KVPOOL_TL_VALUE(1, 5, next_item[0]);
+      }
       // The next item's copies overwrite the combine buffers (generic-proxy accesses) in the ring.
       asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
       __syncthreads();
     }
   }  // item
   KVPOOL_TL(1, 2);
-  // The merge kernel waits for this grid only: make its completion imply the BF16 grid's.
-  PdlWait();
+  // The merge kernel waits for this grid only: make its completion imply the BF16 grid's (behind
+  // the BF16 kernel; otherwise the predecessor is QRotateKernel, already waited for). One CTA
+  // waiting is enough, as in the BF16 kernel.
+  if (IsLastCta()) PdlWait();
 }
 
 // q̃[b, i, :] = q[b, i, :]·R_K(kvh) · scale; grid (H_kv, B), 256 threads. Thread t owns column
@@ -1170,6 +1212,9 @@ __global__ void __launch_bounds__(kRotThreads)
   // their wait for this grid), so a poisoned workspace is fine.
   if (int(threadIdx.x) < claims_per_cta)
     row_claims[kClaimStride * ((size_t(b) * gridDim.x + kvh) * claims_per_cta + threadIdx.x)] = 0;
+  // ... and the second items' ticket counter behind them (AttnArgs::item_counter).
+  if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0)
+    row_claims[kClaimStride * (size_t(gridDim.y) * gridDim.x * claims_per_cta)] = 0;
   const int j = threadIdx.x % D, part = threadIdx.x / D;
   const size_t row0 = size_t(b) * num_q_heads + size_t(kvh) * group;
   const float* r = rk == nullptr ? nullptr : rk + kvh * r_head_stride;
@@ -1344,6 +1389,7 @@ __global__ void __launch_bounds__(kMergeThreads, 2)
     }
     return;
   }
+  KVPOOL_TL(3, 4);
   // Rows are taken in pairs: a lane's 8 products (2 rows × 4 heads) are reduced over the warp by
   // halving exchanges (offset 16: 8 → 4 values per lane, 8: 4 → 2, 4: 2 → 1, then a butterfly
   // over offsets 2 and 1), 9 shuffles per pair where a butterfly per (row, head) took 40 (v17;
@@ -1502,7 +1548,8 @@ double SplitFixedUnits() {
 }
 
 // KVPOOL_DECODE_DYN=P (0..100) forces the INT2 kernel's claimed stages on with P % of each row
-// fixed (0: all fixed); unset (-1): the launcher's rule (MakePlan). A/B switch. Read once.
+// fixed (0: all fixed); unset (-1): the launcher's rule (MakePlan). A/B switch; no effect on
+// groups of more than 4 heads per KV head (two n-tiles: no claims compiled). Read once.
 int DynClaimsOverride() {
   static const int v = [] {
     const char* e = std::getenv("KVPOOL_DECODE_DYN");
@@ -1521,7 +1568,8 @@ int SplitMajorOverride() {
 }
 
 // KVPOOL_DECODE_ITEMS=0/1 forces the INT2 kernel's two-items-per-CTA form off / on (on: for any
-// even row count); unset (-1): the launcher's rule (MakePlan). A/B and test switch. Read once.
+// even row count, one n-tile); unset (-1): the launcher's rule (MakePlan). A/B and test switch.
+// Read once.
 int ItemsOverride() {
   static const int v = [] {
     const char* e = std::getenv("KVPOOL_DECODE_ITEMS");
@@ -1564,6 +1612,16 @@ bool QRotCarveout() {
 int HistSplitsOverride() {
   static const int v = [] {
     const char* e = std::getenv("KVPOOL_DECODE_HIST_SPLITS");
+    return e == nullptr ? 0 : std::atoi(e);
+  }();
+  return v;
+}
+
+// Recent-window splits forced by KVPOOL_DECODE_RECENT_SPLITS (> 0; A/B of the BF16 kernel's CTA
+// length only, any split count is valid). Read once per process.
+int RecentSplitsOverride() {
+  static const int v = [] {
+    const char* e = std::getenv("KVPOOL_DECODE_RECENT_SPLITS");
     return e == nullptr ? 0 : std::atoi(e);
   }();
   return v;
@@ -1708,18 +1766,28 @@ KernelStatus MakePlan(const PagedDecodeParams& p, Plan* plan) {
         int32_t((p.history.max_pages + plan->history.pps - 1) / plan->history.pps);
   }
   plan->recent = PlanSegment(p.recent, p.page_size, base, slots_bf);
-  // INT2 work distribution (v18). When the INT2 grid is one wave (every CTA resident at once)
-  // and a warp has >= 8 stages, the last quarter of each row is claimed at run time and the grid
-  // is ordered split-major, so the splits of a row sit at different arrival ranks of their SMs
-  // and share the row's end (B = 8 × 128K: 0.1664-0.1670 ms vs 0.1710-0.1713 static, same call).
-  // Grids of several waves keep static stages in row-major order (B = 32 × 32K, 2 waves: claimed
-  // stages were 1.2-2.5 % slower, the split-major order lets a row's late splits start a wave
-  // later); B = 1 has 2 stages per warp, where claims only add the atomic's latency.
+  if (RecentSplitsOverride() > 0 && plan->recent.splits > 0) {  // A/B only
+    const int64_t want = std::min<int64_t>(RecentSplitsOverride(), p.recent.max_pages);
+    plan->recent.pps = int32_t((p.recent.max_pages + want - 1) / want);
+    plan->recent.splits = int32_t((p.recent.max_pages + plan->recent.pps - 1) / plan->recent.pps);
+  }
+  // INT2 work distribution (v18, v20). When the INT2 grid is one wave (every CTA resident at
+  // once), a CTA holds one n-tile and a warp has >= 32 stages, the last quarter of each row is
+  // claimed at run time and the grid is ordered split-major, so the splits of a row sit at
+  // different arrival ranks of their SMs and share the row's end (B = 8 × 128K: 0.1664-0.1670 ms vs
+  // 0.1710-0.1713 static, same call). Grids of several waves keep static stages in row-major order
+  // (B = 32 × 32K, 2 waves: claimed stages were 1.2-2.5 % slower, the split-major order lets a
+  // row's late splits start a wave later); B = 1 has 2 stages per warp, where claims only add the
+  // atomic's latency.
   if (plan->history.splits > 0) {
     const int64_t ctas = base_i2 * plan->history.splits;
     const int64_t units = int64_t(p.history.max_pages) * (p.page_size / 16);
     const int64_t stages_per_warp = units / (int64_t(plan->history.splits) * kWarps * 4);
-    const bool claim = ctas <= slots_i2 && stages_per_warp >= 8;
+    // v20 (s7, same call): claims only with one n-tile and >= 32 stages per warp. B = 8 × 32K
+    // (12.7 stages) ran 0.0648 ms with claims vs 0.0622 static; 64 q / 8 KV (KT = 2) 0.0765 vs
+    // 0.0705 at B = 8 and 0.2143 vs 0.2088 at B = 32 (63 stages); B = 8 × 128K (51 stages)
+    // 0.1676-0.1681 vs 0.1736-0.1743.
+    const bool claim = plan->kt == 1 && ctas <= slots_i2 && stages_per_warp >= 32;
     plan->dyn_pct = DynClaimsOverride() >= 0 ? DynClaimsOverride() : (claim ? 75 : 0);
     plan->split_major = SplitMajorOverride() >= 0 ? SplitMajorOverride() == 1 : claim;
     // v19: a grid of two waves or less whose rows are even in number runs as one resident wave of
@@ -1729,6 +1797,10 @@ KernelStatus MakePlan(const PagedDecodeParams& p, Plan* plan) {
     const int64_t rows = base_i2;
     bool items = ctas > slots_i2 && rows % 2 == 0 && ctas / 2 <= slots_i2 && stages_per_warp >= 8;
     if (ItemsOverride() >= 0) items = ItemsOverride() == 1 && rows % 2 == 0;
+    if (plan->kt != 1) {  // the KT = 2 instantiation has neither (Int2DecodeKernel, kDyn)
+      items = false;
+      plan->dyn_pct = 0;
+    }
     if (items) {
       plan->items_rows = int(rows / 2);
       plan->dyn_pct = DynClaimsOverride() >= 0 ? DynClaimsOverride() : 50;
@@ -1743,8 +1815,10 @@ KernelStatus MakePlan(const PagedDecodeParams& p, Plan* plan) {
   plan->off_o = AlignUp(rows * p.head_dim * sizeof(float));
   plan->off_lse = plan->off_o + AlignUp(rows * plan->s_total * p.head_dim * sizeof(float));
   plan->off_claims = plan->off_lse + AlignUp(rows * plan->s_total * sizeof(float));
-  plan->total = plan->off_claims + AlignUp(size_t(p.batch) * p.num_kv_heads * plan->i2_chunks *
-                                           kClaimStride * sizeof(int32_t));
+  // One claim counter per history row, then the second items' ticket counter.
+  plan->total =
+      plan->off_claims + AlignUp((size_t(p.batch) * p.num_kv_heads * plan->i2_chunks + 1) *
+                                 kClaimStride * sizeof(int32_t));
   return KernelStatus::Ok();
 }
 
@@ -1859,7 +1933,8 @@ KernelStatus LaunchPagedDecode(const PagedDecodeParams& p, Stream stream_handle)
   {  // instrumented builds only: a zeroed stamp buffer for this launch (synchronizes: not for
      // timing)
     static unsigned long long* buf = nullptr;
-    const size_t n = size_t(4) * detail::kTlMaxCtas * 4 * sizeof(unsigned long long);
+    const size_t n =
+        size_t(4) * detail::kTlMaxCtas * detail::kTlFields * sizeof(unsigned long long);
     if (buf == nullptr) {
       if (cudaMalloc(&buf, n) != cudaSuccess ||
           cudaMemcpyToSymbol(detail::g_tl, &buf, sizeof(buf)) != cudaSuccess)
@@ -1956,6 +2031,7 @@ KernelStatus LaunchPagedDecode(const PagedDecodeParams& p, Stream stream_handle)
     ai.split_major = plan.split_major;
     ai.items_rows = plan.items_rows;
     const int rows_per_req = p.num_kv_heads * plan.i2_chunks;
+    ai.item_counter = row_claims + kClaimStride * (size_t(p.batch) * rows_per_req);
     const dim3 grid = plan.items_rows > 0
                           ? dim3(unsigned(plan.items_rows) * unsigned(plan.history.splits))
                       : ai.split_major ? dim3(rows_per_req, p.batch, plan.history.splits)
@@ -2000,8 +2076,9 @@ KernelStatus LaunchPagedDecode(const PagedDecodeParams& p, Stream stream_handle)
 
 #ifdef KVPOOL_DECODE_TIMELINE
 // Appends the stamps of the last launch to the file named by $KVPOOL_DECODE_TIMELINE (one line
-// per CTA: kernel, cta, sm, entry, after-wait, end in ns from the first QRotate entry; 0 = not
-// stamped), under a "# tag" line. Synchronizes the device. Instrumented builds only.
+// per CTA: kernel, cta, sm, entry, after-wait, end, field 4 in ns from the first QRotate entry
+// (-1 = not stamped), field 5 as stored), under a "# tag" line. Synchronizes the device.
+// Instrumented builds only.
 extern "C" void KvpoolDecodeTimelineDump(const char* tag) {
   using namespace kvpool::cuda::detail;
   const char* path = std::getenv("KVPOOL_DECODE_TIMELINE");
@@ -2010,21 +2087,22 @@ extern "C" void KvpoolDecodeTimelineDump(const char* tag) {
   if (cudaDeviceSynchronize() != cudaSuccess ||
       cudaMemcpyFromSymbol(&dev, g_tl, sizeof(dev)) != cudaSuccess || dev == nullptr)
     return;
-  std::vector<unsigned long long> h(size_t(4) * kTlMaxCtas * 4);
+  std::vector<unsigned long long> h(size_t(4) * kTlMaxCtas * kTlFields);
   if (cudaMemcpy(h.data(), dev, h.size() * sizeof(h[0]), cudaMemcpyDeviceToHost) != cudaSuccess)
     return;
   unsigned long long t_min = ~0ull;
-  for (size_t i = 0; i < h.size(); i += 4)
+  for (size_t i = 0; i < h.size(); i += kTlFields)
     if (h[i] != 0) t_min = std::min(t_min, h[i]);
   FILE* f = std::fopen(path, "a");
   if (f == nullptr) return;
   std::fprintf(f, "# %s\n", tag);
   for (int k = 0; k < 4; ++k)
     for (int c = 0; c < kTlMaxCtas; ++c) {
-      const unsigned long long* r = &h[(size_t(k) * kTlMaxCtas + c) * 4];
+      const unsigned long long* r = &h[(size_t(k) * kTlMaxCtas + c) * kTlFields];
       if (r[0] == 0) continue;
       auto rel = [&](unsigned long long t) { return t == 0 ? -1.0 : double(t - t_min); };
-      std::fprintf(f, "%d %d %llu %.0f %.0f %.0f\n", k, c, r[3], rel(r[0]), rel(r[1]), rel(r[2]));
+      std::fprintf(f, "%d %d %llu %.0f %.0f %.0f %.0f %llu\n", k, c, r[3], rel(r[0]), rel(r[1]),
+                   rel(r[2]), rel(r[4]), r[5]);
     }
   std::fclose(f);
 }

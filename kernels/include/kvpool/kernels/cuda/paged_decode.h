@@ -101,8 +101,8 @@ struct PagedDecodeParams {
 
 // Workspace bytes LaunchPagedDecode needs for `params` on the current device (depends on
 // shapes, the max_pages hints and the device's multiprocessor count; not on pointers; the A/B
-// switches KVPOOL_DECODE_SPLIT_FIXED and KVPOOL_DECODE_FOLD_SINK change it too, and are read once
-// per process, so the size stays valid for every launch of that process).
+// switches KVPOOL_DECODE_SPLIT_FIXED, _HIST_SPLITS, _RECENT_SPLITS and _FOLD_SINK change it too,
+// and are read once per process, so the size stays valid for every launch of that process).
 // Errors: kInvalidArgument / kUnsupported as LaunchPagedDecode.
 KernelStatus PagedDecodeWorkspaceBytes(const PagedDecodeParams& params, size_t* bytes);
 
