@@ -106,6 +106,22 @@ __device__ __forceinline__ void ImmaU8S8(int (&c)[4], uint32_t a0, uint32_t a1, 
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// fp32 -> tf32 (round to nearest, ties away), as the .b32 operand of a tf32 mma.
+__device__ __forceinline__ uint32_t ToTf32(float x) {
+  uint32_t y;
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(y) : "f"(x));
+  return y;
+}
+// D = A·B + D, m16n8k8, tf32 operands, fp32 accumulators.
+__device__ __forceinline__ void MmaTf32(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                        uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
 __device__ __forceinline__ float Ex2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
@@ -1285,7 +1301,10 @@ __global__ void __launch_bounds__(kMergeThreads, 2)
     MergeKernel(const float* __restrict__ part_o, const float* __restrict__ part_lse, int s_total,
                 const float* __restrict__ rv, int64_t r_head_stride, int num_q_heads, int group,
                 uint16_t* __restrict__ out, float* __restrict__ lse_out) {
-  __shared__ __align__(16) float os[D][16];  // merged outputs, [i][head]
+  // Merged outputs, [head][i]; rows padded by 8 floats so the tensor-core path's float2 B loads
+  // (lanes (g, t) at row g, column 8k + 2t) hit 32 distinct banks per half warp.
+  constexpr int kOsStride = D + 8;
+  __shared__ __align__(16) float os[16][kOsStride];
   KVPOOL_TL(3, 0);
   const int kvh = blockIdx.x, b = blockIdx.y;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -1297,16 +1316,41 @@ __global__ void __launch_bounds__(kMergeThreads, 2)
   constexpr int kRows = D / (kMergeThreads / 32);              // rows per warp
   constexpr int kBatch = kRows < 2048 / D ? kRows : 2048 / D;  // ≤ 64 floats of R per lane
   const float* r = rv == nullptr ? nullptr : rv + kvh * r_head_stride;
-  float rr[kBatch][D / 32];
+  // d 128 (v21): outᵀ = R_V·osᵀ on tensor cores (mma m16n8k8 tf32, fp32 accumulation): warp w
+  // owns output rows j in [16w, 16w + 16) and holds their A fragments (R_V rounded to tf32, 2^-11
+  // relative, 4x below the bf16 output's rounding) in ra, loaded before the PDL wait like rr.
+  // The reduction index is permuted (fragment column t / t + 4 of k-step k = i 8k + 2t / 8k + 2t +
+  // 1) so that a lane's A and B elements are float2 pairs. The FMA + halving-exchange path (v17)
+  // took ~2.1 µs after the LSE phase at B = 32 × 32K (s7 timeline); it stays for d 64 / 256.
+  constexpr bool kTc = D == 128;
+  constexpr int kRa = kTc ? D / 8 : 1;  // k-steps
+  const int g = lane >> 2, t = lane & 3;
+  uint32_t ra[kRa][4];
+  float rr[kTc ? 1 : kBatch][kTc ? 1 : D / 32];
   auto load_batch = [&](int rb) {
+    if constexpr (kTc) {
 #pragma unroll
-    for (int k = 0; k < kBatch; ++k)
+      for (int kk = 0; kk < kRa; ++kk) {
+        const float2 x =
+            __ldg(reinterpret_cast<const float2*>(r + size_t(16 * warp + g) * D + 8 * kk + 2 * t));
+        const float2 y = __ldg(
+            reinterpret_cast<const float2*>(r + size_t(16 * warp + g + 8) * D + 8 * kk + 2 * t));
+        ra[kk][0] = ToTf32(x.x);
+        ra[kk][1] = ToTf32(y.x);
+        ra[kk][2] = ToTf32(x.y);
+        ra[kk][3] = ToTf32(y.y);
+      }
+    } else {
 #pragma unroll
-      for (int i = 0; i < D / 32; ++i)
-        rr[k][i] = __ldg(r + size_t(warp + 8 * (rb + k)) * D + lane + 32 * i);
+      for (int k = 0; k < kBatch; ++k)
+#pragma unroll
+        for (int i = 0; i < D / 32; ++i)
+          rr[k][i] = __ldg(r + size_t(warp + 8 * (rb + k)) * D + lane + 32 * i);
+    }
   };
   if (r != nullptr) load_batch(0);
-  for (int idx = threadIdx.x; idx < 16 * D; idx += kMergeThreads) os[idx / 16][idx % 16] = 0.f;
+  for (int idx = threadIdx.x; idx < 16 * kOsStride; idx += kMergeThreads)
+    os[idx / kOsStride][idx % kOsStride] = 0.f;
   __syncthreads();
   PdlWait();  // partials of the decode kernels
   KVPOOL_TL(3, 1);
@@ -1376,7 +1420,7 @@ __global__ void __launch_bounds__(kMergeThreads, 2)
       }
     }
 #pragma unroll
-    for (int i = 0; i < D / 32; ++i) os[lane + 32 * i][h] = nan ? NAN : (l > 0.f ? o[i] / l : 0.f);
+    for (int i = 0; i < D / 32; ++i) os[h][lane + 32 * i] = nan ? NAN : (l > 0.f ? o[i] / l : 0.f);
     if (lane == 0 && lse_out != nullptr)
       lse_out[row] = nan ? NAN : (l > 0.f ? (mx + log2f(l)) * kLn2 : -INFINITY);
   }
@@ -1384,12 +1428,34 @@ __global__ void __launch_bounds__(kMergeThreads, 2)
   if (r == nullptr) {
     for (int idx = threadIdx.x; idx < group * D; idx += kMergeThreads) {
       const int h = idx / D, jj = idx % D;
-      const __nv_bfloat16 v = __float2bfloat16_rn(os[jj][h]);
+      const __nv_bfloat16 v = __float2bfloat16_rn(os[h][jj]);
       out[(row0 + h) * D + jj] = *reinterpret_cast<const uint16_t*>(&v);
     }
     return;
   }
   KVPOOL_TL(3, 4);
+  if constexpr (kTc) {
+    for (int nt = 0; nt * 8 < group; ++nt) {
+      float c[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int kk = 0; kk < kRa; ++kk) {
+        const float2 bv = *reinterpret_cast<const float2*>(&os[8 * nt + g][8 * kk + 2 * t]);
+        MmaTf32(c, ra[kk][0], ra[kk][1], ra[kk][2], ra[kk][3], ToTf32(bv.x), ToTf32(bv.y));
+      }
+      // c[e]: output row j = 16w + g (+8 for e >= 2), head 8nt + 2t + (e & 1).
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int h = 8 * nt + 2 * t + (e & 1);
+        if (h < group) {
+          const __nv_bfloat16 bv = __float2bfloat16_rn(c[e]);
+          out[(row0 + h) * D + 16 * warp + g + 8 * (e >> 1)] =
+              *reinterpret_cast<const uint16_t*>(&bv);
+        }
+      }
+    }
+    KVPOOL_TL(3, 2);
+    return;
+  }
   // Rows are taken in pairs: a lane's 8 products (2 rows × 4 heads) are reduced over the warp by
   // halving exchanges (offset 16: 8 → 4 values per lane, 8: 4 → 2, 4: 2 → 1, then a butterfly
   // over offsets 2 and 1), 9 shuffles per pair where a butterfly per (row, head) took 40 (v17;
@@ -1409,7 +1475,7 @@ __global__ void __launch_bounds__(kMergeThreads, 2)
           v[e] = 0.f;
 #pragma unroll
           for (int i = 0; i < D / 32; ++i)
-            v[e] = fmaf(os[lane + 32 * i][h0 + (e & 3)], rr[k + (e >> 2)][i], v[e]);
+            v[e] = fmaf(os[h0 + (e & 3)][lane + 32 * i], rr[k + (e >> 2)][i], v[e]);
         }
         float v4[4], v2[2];
 #pragma unroll
@@ -1483,6 +1549,9 @@ KernelStatus Validate(const PagedDecodeParams& p) {
   if (!(p.sm_scale > 0.f) || !std::isfinite(p.sm_scale))
     return bad("sm_scale must be finite and > 0");
   if (p.q == nullptr) return bad("q is null");
+  // The merge reads R_V rows as float2 pairs (tensor-core path, v21).
+  if (reinterpret_cast<uintptr_t>(p.rotation_v) % 8 != 0)
+    return bad("rotation_v must be 8-byte aligned");
   if (p.out == nullptr) return bad("out is null");
   BlockGeometry geo{1, uint32_t(p.num_kv_heads), uint32_t(p.head_dim), uint32_t(p.page_size)};
   struct Item {

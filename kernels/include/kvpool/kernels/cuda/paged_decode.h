@@ -76,7 +76,9 @@ struct PagedDecodeParams {
   // ---- inputs (device) ----
   const uint16_t* q = nullptr;  // bf16 [batch][H_q][head_dim], un-rotated (model basis)
   // Rotations, fp32 row-major [d][d] (x̃ = x·R), or [H_kv][d][d] when rotation_per_head.
-  // nullptr = identity (q and the stored KV are in the same basis).
+  // nullptr = identity (q and the stored KV are in the same basis). rotation_v: 8-byte aligned.
+  // At head_dim 128 the output rotation runs on tensor cores with R_V and the merged output
+  // rounded to tf32 (2^-11 relative, below the bf16 output's 2^-9); q·R_K is fp32.
   const float* rotation_k = nullptr;
   const float* rotation_v = nullptr;
   bool rotation_per_head = false;
