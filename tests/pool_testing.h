@@ -141,6 +141,7 @@ class ServerProcess {
   }
 
   int port() const { return port_; }
+  pid_t pid() const { return pid_; }  // -1 once killed or reaped
   std::string address() const { return absl::StrCat("127.0.0.1:", port_); }
   const std::string& error() const { return error_; }
 

@@ -416,7 +416,7 @@ class ClientImpl final : public Client {
         channel_watch_([this] { WatchChannel(); }) {}
 
   ~ClientImpl() override {
-    reports_->WaitIdle();  // background corruption reports use stub_ (bounded by their deadline)
+    background_->WaitIdle();  // background calls use stub_ (each bounded by its deadline)
     stop_watch_.store(true, std::memory_order_relaxed);
     channel_watch_.join();
     EndpointId ep;
@@ -1098,11 +1098,11 @@ class ClientImpl final : public Client {
   // dropped: logged). The outcome is logged only. The destructor waits for those in flight.
   void ReportCorruptInBackground(const ConnSnapshot& c, std::vector<CorruptForm> forms) {
     if (forms.size() > kMaxCorruptionReports) forms.resize(kMaxCorruptionReports);
-    if (!reports_->TryBegin()) {
+    if (!background_->TryBegin(kMaxBackgroundReports)) {
       KVPOOL_LOG_WARN(
           "client: {} fetched forms failed their checksum; not reported to the pool ({} reports "
           "in flight already)",
-          forms.size(), ReportTracker::kMaxInFlight);
+          forms.size(), kMaxBackgroundReports);
       return;
     }
     struct Call {
@@ -1113,7 +1113,7 @@ class ClientImpl final : public Client {
     auto call = std::make_shared<Call>();
     call->req = CorruptionRequest(c, forms);
     call->ctx.set_deadline(absl::ToChronoTime(absl::Now() + kBackgroundReportTimeout));
-    std::shared_ptr<ReportTracker> tracker = reports_;
+    std::shared_ptr<BackgroundCalls> tracker = background_;
     const std::string server = options_.server;
     stub_->async()->ReportCorrupt(
         &call->ctx, &call->req, &call->resp, [call, tracker, server](grpc::Status gs) {
@@ -1255,6 +1255,35 @@ class ClientImpl final : public Client {
     pb::AbortPutResponse resp;
     deadline = std::min(deadline, absl::Now() + absl::Seconds(2));
     return Rpc(CallOptions{}, deadline, &pb::KvPool::Stub::AbortPut, req, &resp);
+  }
+
+  // AbortPut of a put whose CommitPut got no answer within its call timeout: sent on gRPC's
+  // callback API and not waited for, so Commit returns at its deadline (it took the commit's
+  // timeout plus up to 2 s more for an abort the unresponsive pool did not answer either:
+  // re-tester s6). Deadline 2 s; at most kMaxBackgroundAborts in flight (beyond, none is sent:
+  // the pool drops the put at its put timeout anyway). Not cancellable.
+  void AbortRpcInBackground(const ConnSnapshot& c, uint64_t put_id) {
+    if (!background_->TryBegin(kMaxBackgroundAborts)) return;
+    struct Call {
+      grpc::ClientContext ctx;
+      pb::AbortPutRequest req;
+      pb::AbortPutResponse resp;
+    };
+    auto call = std::make_shared<Call>();
+    call->req.set_namespace_id(DigestBytes(c.namespace_id));
+    call->req.set_put_id(put_id);
+    call->ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
+    std::shared_ptr<BackgroundCalls> tracker = background_;
+    stub_->async()->AbortPut(&call->ctx, &call->req, &call->resp,
+                             [call, tracker, put_id](grpc::Status gs) {
+                               if (!gs.ok() && gs.error_code() != grpc::StatusCode::NOT_FOUND) {
+                                 KVPOOL_LOG_DEBUG(
+                                     "client: background AbortPut of put {} failed ({}); the pool "
+                                     "drops it at its put timeout",
+                                     put_id, gs.error_message());
+                               }
+                               tracker->End();  // last use of the tracker's client
+                             });
   }
 
   // Direct-mode fetch: copies each leased form (sources[j], items[j].loc->size bytes) to
@@ -1421,16 +1450,17 @@ class ClientImpl final : public Client {
   std::shared_ptr<transport::RemoteMapping> arena_;
   uint64_t arena_epoch_ = 0;
 
-  // Background corruption reports in flight (ReportCorruptInBackground); shared with their
-  // callbacks, which may end after a wait in the destructor saw the count reach zero.
-  struct ReportTracker {
-    static constexpr int kMaxInFlight = 4;
+  // Calls this client starts and does not wait for (corruption reports, aborts of puts whose
+  // commit got no answer), counted so that the destructor waits for them (each has a deadline);
+  // shared with their callbacks.
+  struct BackgroundCalls {
     std::mutex mu;
     std::condition_variable idle;
     int in_flight = 0;  // guarded by mu
-    bool TryBegin() {
+    // Counts one more call unless `limit` are in flight already (then false: do not start it).
+    bool TryBegin(int limit) {
       std::lock_guard<std::mutex> lock(mu);
-      if (in_flight >= kMaxInFlight) return false;
+      if (in_flight >= limit) return false;
       ++in_flight;
       return true;
     }
@@ -1444,7 +1474,9 @@ class ClientImpl final : public Client {
     }
   };
   static constexpr absl::Duration kBackgroundReportTimeout = absl::Seconds(2);
-  std::shared_ptr<ReportTracker> reports_ = std::make_shared<ReportTracker>();
+  static constexpr int kMaxBackgroundReports = 4;  // corruption reports in flight at once
+  static constexpr int kMaxBackgroundAborts = 64;  // AbortPut calls in flight at once
+  std::shared_ptr<BackgroundCalls> background_ = std::make_shared<BackgroundCalls>();
 
   static constexpr size_t kMaxCachedBuffers = 8;
   std::mutex buffers_mu_;  // guards buffers_; never held across gRPC or UCX calls
@@ -1745,8 +1777,20 @@ absl::StatusOr<PutResult> PutSessionImpl::Commit() {
   for (size_t i = 0; i < writes_.size(); ++i)
     sums.emplace_back(writes_[i].index, hashes_[i]->Finish());
   pb::CommitPutResponse resp;
-  absl::Status s =
-      Expired(client_->CommitRpc(conn_, put_id_, sums, CallDeadline(), cancel_, &resp));
+  absl::Status s = client_->CommitRpc(conn_, put_id_, sums, CallDeadline(), cancel_, &resp);
+  if (absl::IsDeadlineExceeded(s)) {
+    // The pool did not answer within the call timeout (stopped, hung or overloaded), and the
+    // message names that timeout: return at it. Every transfer of the put has finished, so the
+    // abort may go out without waiting (the pool also drops the put at its put timeout).
+    finished_ = true;
+    client_->AbortRpcInBackground(conn_, put_id_);
+    return absl::DeadlineExceededError(absl::StrCat(
+        s.message(),
+        "; the put is aborted in the background (AbortPut, not waited for; the pool drops an "
+        "uncommitted put at its put timeout anyway); a pool that was only slow may still have "
+        "committed it (a Lookup tells)"));
+  }
+  s = Expired(s);
   if (!s.ok()) {
     (void)Abort();
     return s;

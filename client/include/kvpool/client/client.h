@@ -251,7 +251,11 @@ class PutSession {
   // data-plane half of a put; an engine's wait_for_save). Errors: UNAVAILABLE,
   // DEADLINE_EXCEEDED.
   virtual absl::Status Flush() = 0;
-  // Waits for every layer's transfer, sends checksums, commits. On failure the put is aborted.
+  // Waits for every layer's transfer, sends checksums, commits. On failure the put is aborted
+  // (AbortPut, at most 2 s more), except when CommitPut got no answer within the call timeout:
+  // then Commit returns DEADLINE_EXCEEDED at that timeout and the AbortPut is sent without
+  // waiting for it (a pool that does not answer the commit would hold the caller another 2 s
+  // for the abort; one that was only slow may still have committed the put).
   // Errors: FAILED_PRECONDITION (a layer missing), DATA_LOSS, UNAVAILABLE, DEADLINE_EXCEEDED,
   // plus the pool's refusals (e.g. INVALID_ARGUMENT for NaN/Inf found at commit).
   virtual absl::StatusOr<PutResult> Commit() = 0;
