@@ -47,11 +47,15 @@ bool ParseBytes(const std::string& s, uint64_t* out) {
   return absl::SimpleAtoi(s, out);
 }
 
-// Smallest watermark: below 1 % of capacity eviction empties the pool in effect (newcomer
-// report s6 #7: 1e-300 was accepted while 0 is refused for that reason).
-constexpr double kMinWatermark = 0.01;
+// Smallest watermark. Eviction, whether the high watermark or a failed allocation triggered it,
+// frees down to --low-watermark (a failed allocation further only when its request needs more),
+// so a low watermark of 0.01 threw away 99 % of a pool at every pass: every block of a small pool
+// (re-tester s6; newcomer report s6 #7 had already refused 0 and 1e-300). Below one half a pass
+// would drop most of what the pool holds, and nothing needs it: an allocation that needs more
+// than the low watermark leaves gets it anyway. The high watermark is at least the low one.
+constexpr double kMinWatermark = 0.5;
 
-// CLI11 check for a watermark: a fraction in [0.01, 1]. cli::Range is inclusive at both ends, so
+// CLI11 check for a watermark: a fraction in [0.5, 1]. cli::Range is inclusive at both ends, so
 // it showed 0..1 in --help while the store then refused 0 ("need 0 < low-watermark").
 CLI::Validator WatermarkFraction() {
   return CLI::Validator(
@@ -60,15 +64,18 @@ CLI::Validator WatermarkFraction() {
         if (v.empty() || std::isspace(static_cast<unsigned char>(v.front())) ||
             std::isspace(static_cast<unsigned char>(v.back())) ||
             !CLI::detail::lexical_cast(v, x)) {
-          return "'" + v + "' is not a number (want a fraction in [0.01, 1])";
+          return "'" + v + "' is not a number (want a fraction in [0.5, 1])";
         }
-        if (x > 1.0) return v + " is outside [0.01, 1] (a fraction of --capacity)";
+        if (x > 1.0) return v + " is outside [0.5, 1] (a fraction of --capacity)";
         if (!(x >= kMinWatermark)) {
-          return v + " is outside [0.01, 1] (below 1 % of capacity eviction would empty the pool)";
+          return v +
+                 " is outside [0.5, 1] (eviction frees down to --low-watermark of --capacity "
+                 "each time it runs: below one half a pass would drop most of what the pool "
+                 "holds)";
         }
         return {};
       },
-      "in [0.01, 1]");
+      "in [0.5, 1]");
 }
 
 // The termination signals main waits for (sigwait): SIGTERM, SIGINT, SIGHUP.
@@ -145,7 +152,9 @@ int main(int argc, char** argv) {
                  "Eviction starts above this fraction of capacity (>= --low-watermark)")
       ->check(WatermarkFraction());
   app.add_option("--low-watermark", o.store.low_watermark,
-                 "Eviction stops at this fraction of capacity (<= --high-watermark)")
+                 "Eviction (at the high watermark or when an allocation fails) frees down to "
+                 "this fraction of capacity (<= --high-watermark; a failed allocation further "
+                 "only as far as its request needs)")
       ->check(WatermarkFraction());
   app.add_option("--put-timeout-ms", put_timeout_ms,
                  "Default lifetime of an uncommitted put before its staging is reclaimed")

@@ -1099,22 +1099,25 @@ TEST(ServerBinaryTest, FlagsHelpAndUsageErrors) {
   Child unknown = Spawn({"--no-such-flag"});
   fclose(unknown.out);
   EXPECT_EQ(WaitExit(unknown.pid), 1);
-  // The watermarks' range in --help is the one accepted: [0.01, 1]; 0 and values that are 0 in
-  // effect (newcomer report s6 #7: 1e-300 started a pool) refused at parse time, naming the flag.
-  EXPECT_NE(text.find("in [0.01, 1]"), std::string::npos) << text;
+  // The watermarks' range in --help is the one accepted: [0.5, 1]. 0 and values that are 0 in
+  // effect (newcomer report s6 #7: 1e-300 started a pool) and, since the re-tester's s6 LOW list,
+  // anything below one half (0.01 evicted 99 % of the pool at every pass) are refused at parse
+  // time, naming the flag and why.
+  EXPECT_NE(text.find("in [0.5, 1]"), std::string::npos) << text;
   for (const char* flag : {"--low-watermark", "--high-watermark"}) {
-    for (const char* value : {"0", "1e-300", "0.009"}) {
+    for (const char* value : {"0", "1e-300", "0.009", "0.01", "0.49"}) {
       auto [rc, out] = RunToExit({flag, value});
       EXPECT_EQ(rc, 1) << flag << " " << value << ": " << out;
-      EXPECT_NE(out.find(std::string(flag) + ": " + value + " is outside [0.01, 1]"),
+      EXPECT_NE(out.find(std::string(flag) + ": " + value +
+                         " is outside [0.5, 1] (eviction frees down to --low-watermark"),
                 std::string::npos)
           << flag << ": " << out;
       EXPECT_EQ(out.find("grpc_port="), std::string::npos) << out;
     }
-    // Above 1 the reason is the range, not "eviction would empty the pool" (re-tester s6).
+    // Above 1 the reason is the range, not the eviction depth (re-tester s6).
     auto [rc, out] = RunToExit({flag, "1.5"});
     EXPECT_EQ(rc, 1) << out;
-    EXPECT_NE(out.find(std::string(flag) + ": 1.5 is outside [0.01, 1] (a fraction of --capacity)"),
+    EXPECT_NE(out.find(std::string(flag) + ": 1.5 is outside [0.5, 1] (a fraction of --capacity)"),
               std::string::npos)
         << out;
   }

@@ -135,7 +135,9 @@ struct StoreOptions {
   // Upper bound for a requested lease. Default 5 min.
   absl::Duration max_lease = absl::Minutes(5);
   // Eviction starts when used bytes exceed high_watermark·capacity and stops at
-  // low_watermark·capacity. Defaults 0.90 / 0.80. 0 < low <= high <= 1.
+  // low_watermark·capacity (a failed allocation frees further only as far as it needs).
+  // Defaults 0.90 / 0.80. 0 < low <= high <= 1 (kvpool-server takes only [0.5, 1]: every pass
+  // frees down to the low watermark, and below one half that drops most of the pool).
   double high_watermark = 0.90;
   double low_watermark = 0.80;
   // Largest number of blocks in one put (bounds staging per request). Default 65536.
