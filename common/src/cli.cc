@@ -78,6 +78,18 @@ class YamlConfig : public CLI::Config {
         for (const auto& p : parents) path += p + ".";
         throw CLI::ConversionError("config file sets \"" + path + key + "\" more than once");
       }
+      // A config file naming another one: --config is read from the command line only. Inside a
+      // subcommand's section the key reached the subcommand's own --config, whose message (the
+      // kvpool tool's "is not read after the subcommand") is about the command line and misled
+      // (re-tester s6); at the top CLI11 said "This option is not allowed in a configuration file".
+      if (key == "config") {
+        std::string path;
+        for (const auto& p : parents) path += p + ".";
+        throw CLI::ConversionError("config file sets \"" + path + key +
+                                   "\": a config file cannot name another config file; give "
+                                   "--config FILE once, on the command line, before any "
+                                   "subcommand");
+      }
       const YAML::Node& v = kv.second;
       if (v.IsMap()) {
         auto p = parents;

@@ -213,6 +213,33 @@ TEST(CliConfigTest, UnknownKeyInsideASubcommandSectionIsRefused) {
   EXPECT_NE(err.find("unknown key \"generate.bogus\""), std::string::npos) << err;
 }
 
+// A `config:` key names another config file, which is never read: refused naming the key (with
+// its section) and the file, at the top and inside a subcommand's section (re-tester s6: inside a
+// section the kvpool tool said its --config "is not read after the subcommand", about a command
+// line that had none).
+TEST(CliConfigTest, AConfigKeyInTheFileIsRefusedNamingTheKeyAndTheFile) {
+  for (const std::string& text :
+       {std::string("config: other.yaml\n"), std::string("generate: {config: other.yaml}\n"),
+        std::string("rotations:\n  inspect:\n    config: other.yaml\n")}) {
+    SCOPED_TRACE(text);
+    SubcommandApp s;
+    s.gen->add_option_function<std::string>(
+        "--config", [](const std::string&) { throw CLI::ValidationError("--config", "misled"); },
+        "refused after the subcommand");
+    const std::string path = WriteYaml("config_key", text);
+    auto [rc, err] = RunParse(s.app, {"--config", path, "generate"});
+    EXPECT_EQ(rc, kExitUsage);
+    const std::string key = text.rfind("generate", 0) == 0    ? "generate.config"
+                            : text.rfind("rotations", 0) == 0 ? "rotations.inspect.config"
+                                                              : "config";
+    EXPECT_NE(err.find("prog: --config '" + path + "' sets \"" + key +
+                       "\": a config file cannot name another config file"),
+              std::string::npos)
+        << err;
+    EXPECT_EQ(err.find("misled"), std::string::npos) << err;
+  }
+}
+
 TEST(CliConfigTest, UnknownSectionIsRefused) {
   SubcommandApp s;
   const std::string path = WriteYaml("section_bad", "genrate: {model: m.gguf}\n");

@@ -112,6 +112,12 @@ check calibrate-config-after-missing 1 "--config: '/nonexistent.yaml' is not rea
 check calibrate-config-after 1 "--config: '$tmp/c.yaml' is not read after the subcommand 'calibrate'" -- "$bin" calibrate --config "$tmp/c.yaml"
 check inspect-config-after 1 "is not read after the subcommand 'inspect'" -- "$bin" rotations inspect --config "$tmp/c.yaml"
 check config-before-missing 1 "'/nonexistent.yaml' does not exist" -- "$bin" --config /nonexistent.yaml calibrate
+# A config: key in the file (re-tester s6: inside a subcommand's section it got the message about
+# --config after the subcommand on the command line) names the key and the file.
+printf 'calibrate:\n  config: other.yaml\n' > "$tmp/nested-config.yaml"
+check config-key-in-section 1 "--config '$tmp/nested-config.yaml' sets \"calibrate.config\": a config file cannot name another config file" -- "$bin" --config "$tmp/nested-config.yaml" calibrate
+printf 'config: other.yaml\n' > "$tmp/top-config.yaml"
+check config-key-at-top 1 "--config '$tmp/top-config.yaml' sets \"config\": a config file cannot name another config file" -- "$bin" --config "$tmp/top-config.yaml" calibrate
 check calibrate-config-before 0 "wrote $tmp/rc.safetensors" -- "$bin" --config "$tmp/c.yaml" calibrate
 # Input files (docs/TOOLS.md "Input files"): only regular files up to their limit are read; a
 # device read forever, a FIFO blocked in open(). Usage errors naming the flag, before any work.
