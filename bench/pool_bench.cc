@@ -4,7 +4,10 @@
 //   * put data phase: first WriteLayer → Flush returned (the bytes are in the pool's staging;
 //     packing, hashing and the transfers; no control RPC except, when the pool initiates
 //     transfers, the WritePut calls that make it pull). Comparable to ucx_perftest, which
-//     times only transfers.
+//     times only transfers. With --async-put (default) every iteration also puts a second
+//     sequence with WriteLayerAsync (the layers packed by the copy threads in the background,
+//     joined by Flush): "put async", first WriteLayerAsync → Flush returned; the two puts of an
+//     iteration alternate in order.
 //   * put end to end: BeginPut → Flush (adds the BeginPut RPC), and + CommitPut (the whole
 //     two-phase put, including the pool's commit of one block).
 //   * fetch data phase: Fetch() of the leased block, verified (form checksum: chunked xxh3,
@@ -107,15 +110,25 @@ uint16_t Bf16(float f) {
   return static_cast<uint16_t>(u >> 16);
 }
 
+// The measuring client's copy-thread settings (defaults: the client's own).
+struct CopySettings {
+  int copy_threads = 0;
+  uint64_t put_min_kib = ClientOptions{}.parallel_put_min_bytes >> 10;
+  uint64_t async_put_min_kib = ClientOptions{}.parallel_async_put_min_bytes >> 10;
+  uint64_t fetch_min_kib = ClientOptions{}.parallel_fetch_min_bytes >> 10;
+  uint64_t fetch_awake_min_kib = ClientOptions{}.parallel_fetch_awake_min_bytes >> 10;
+  int64_t prewake_us = absl::ToInt64Microseconds(ClientOptions{}.copy_threads_prewake);
+};
+
 std::unique_ptr<Client> NewClient(const std::string& server, const std::string& tls,
-                                  bool map_shared_memory = true, int copy_threads = 0,
-                                  uint64_t put_min_kib = 64, uint64_t fetch_min_kib = 512,
-                                  uint64_t prewake_us = 0) {
+                                  bool map_shared_memory = true, const CopySettings& cs = {}) {
   ClientOptions o;
-  o.copy_threads = copy_threads;
-  o.parallel_put_min_bytes = put_min_kib << 10;
-  o.parallel_fetch_min_bytes = fetch_min_kib << 10;
-  o.copy_threads_prewake = absl::Microseconds(prewake_us);
+  o.copy_threads = cs.copy_threads;
+  o.parallel_put_min_bytes = cs.put_min_kib << 10;
+  o.parallel_async_put_min_bytes = cs.async_put_min_kib << 10;
+  o.parallel_fetch_min_bytes = cs.fetch_min_kib << 10;
+  o.parallel_fetch_awake_min_bytes = cs.fetch_awake_min_kib << 10;
+  o.copy_threads_prewake = absl::Microseconds(cs.prewake_us);
   o.server = server;
   o.ucx_tls = tls;
   o.map_shared_memory = map_shared_memory;
@@ -133,6 +146,15 @@ long ThreadMinorFaults() {
   rusage ru{};
   getrusage(RUSAGE_THREAD, &ru);
   return ru.ru_minflt;
+}
+
+// CPU time (user + system) of this whole process so far, in microseconds: the calling thread,
+// the client's copy threads (spinning or working) and gRPC's threads.
+double ProcessCpuUs() {
+  rusage ru{};
+  getrusage(RUSAGE_SELF, &ru);
+  return (ru.ru_utime.tv_sec + ru.ru_stime.tv_sec) * 1e6 + ru.ru_utime.tv_usec +
+         ru.ru_stime.tv_usec;
 }
 
 #define BENCH_CHECK(expr)                               \
@@ -156,28 +178,43 @@ int main(int argc, char** argv) {
       commit_iters = 5;
   std::string json_path;
   bool map_shared_memory = true;
-  int copy_threads = 0;
-  uint64_t put_min_kib = 64, fetch_min_kib = 512, prewake_us = 0;
-  app.add_option("--copy-threads", copy_threads,
+  bool async_put = true;
+  CopySettings cs;
+  app.add_option("--async-put", async_put,
+                 "Also put a second sequence per iteration with PutSession::WriteLayerAsync "
+                 "(layers packed in the background, joined by Flush) and report it as 'put "
+                 "async'; false: only WriteLayer puts")
+      ->capture_default_str();
+  app.add_option("--copy-threads", cs.copy_threads,
                  "ClientOptions::copy_threads of the measuring client (0 = the client's default: "
                  "half the hardware threads, 1..8)")
       ->check(CLI::Range(0, 64))
       ->capture_default_str();
-  app.add_option("--parallel-put-min-kib", put_min_kib,
-                 "ClientOptions::parallel_put_min_bytes in KiB (smaller put layers stay on the "
-                 "calling thread)")
+  app.add_option("--parallel-put-min-kib", cs.put_min_kib,
+                 "ClientOptions::parallel_put_min_bytes in KiB (smaller WriteLayer layers stay on "
+                 "the calling thread)")
       ->check(CLI::Range(uint64_t{0}, uint64_t{1} << 30))
       ->capture_default_str();
-  app.add_option("--parallel-fetch-min-kib", fetch_min_kib,
+  app.add_option("--parallel-async-put-min-kib", cs.async_put_min_kib,
+                 "ClientOptions::parallel_async_put_min_bytes in KiB (WriteLayerAsync puts of "
+                 "fewer written bytes pack on the calling thread)")
+      ->check(CLI::Range(uint64_t{0}, uint64_t{1} << 30))
+      ->capture_default_str();
+  app.add_option("--parallel-fetch-min-kib", cs.fetch_min_kib,
                  "ClientOptions::parallel_fetch_min_bytes in KiB (smaller fetches stay on the "
-                 "calling thread)")
+                 "calling thread unless the copy threads are awake)")
       ->check(CLI::Range(uint64_t{0}, uint64_t{1} << 30))
       ->capture_default_str();
-  app.add_option("--copy-threads-prewake-us", prewake_us,
+  app.add_option("--parallel-fetch-awake-min-kib", cs.fetch_awake_min_kib,
+                 "ClientOptions::parallel_fetch_awake_min_bytes in KiB (fetches of at least this "
+                 "are spread when no copy thread is asleep)")
+      ->check(CLI::Range(uint64_t{0}, uint64_t{1} << 30))
+      ->capture_default_str();
+  app.add_option("--copy-threads-prewake-us", cs.prewake_us,
                  "ClientOptions::copy_threads_prewake in microseconds of the measuring client: "
-                 "BeginPut/Acquire wake the copy threads for this long when the put layers / "
-                 "fetch that follow reach the floors (0 = off, the client's default)")
-      ->check(CLI::Range(uint64_t{0}, uint64_t{10'000'000}))
+                 "BeginPut/Acquire hold the copy threads awake through the RPC (at most this "
+                 "long) when the put layers / fetch that follow will be spread; 0 = off")
+      ->check(CLI::Range(int64_t{0}, int64_t{10'000'000}))
       ->capture_default_str();
   app.add_option("--server", server, "gRPC address of the pool")->capture_default_str();
   app.add_option("--map-shared-memory", map_shared_memory,
@@ -228,23 +265,26 @@ int main(int argc, char** argv) {
   // A fresh seed per run: sequences from an earlier run against the same pool would already
   // be stored, and their puts would write nothing.
   std::mt19937 rng(std::random_device{}());
-  auto client = NewClient(server, tls, map_shared_memory, copy_threads, put_min_kib, fetch_min_kib,
-                          prewake_us);
+  auto client = NewClient(server, tls, map_shared_memory, cs);
   out["map_shared_memory"] = map_shared_memory;
-  out["copy_threads"] = copy_threads;  // 0: the client's default
-  out["parallel_put_min_kib"] = put_min_kib;
-  out["parallel_fetch_min_kib"] = fetch_min_kib;
-  out["copy_threads_prewake_us"] = prewake_us;
+  out["async_put"] = async_put;
+  out["copy_threads"] = cs.copy_threads;  // 0: the client's default
+  out["parallel_put_min_kib"] = cs.put_min_kib;
+  out["parallel_async_put_min_kib"] = cs.async_put_min_kib;
+  out["parallel_fetch_min_kib"] = cs.fetch_min_kib;
+  out["parallel_fetch_awake_min_kib"] = cs.fetch_awake_min_kib;
+  out["copy_threads_prewake_us"] = cs.prewake_us;
   // What "verified" means in this build: the form checksum of docs/BLOCK_FORMAT.md "Checksums"
   // (protocol v1.3: xxh3_64 per 16 KiB chunk, combined), hashed by the thread that copies each
   // chunk. Results from before it (one xxh3 stream per form) have no such field.
   out["checksum"] = absl::StrCat("chunked xxh3_64, ", kvpool::kChecksumChunkBytes, "-byte chunks");
 
   std::printf(
-      "%-9s %9s %9s %9s %9s %9s %9s %9s %9s %9s %6s %6s  (GB/s; mean over iterations; faults: "
-      "minor page faults per put / first fetch)\n",
-      "size", "put data", "put e2e", "put+cmt", "fetch", "warm", "no-xxh3", "fetch e2e", "raw get",
-      "p50 put", "pf put", "pf get");
+      "%-9s %9s %9s %9s %9s %9s %9s %9s %9s %9s %9s %9s %6s %6s %8s  (GB/s; mean over "
+      "iterations; p50 in us; faults: minor page faults per put / first fetch; cpu: process CPU "
+      "ms per iteration)\n",
+      "size", "put data", "put async", "put e2e", "put+cmt", "fetch", "warm", "no-xxh3",
+      "fetch e2e", "raw get", "p50 put", "p50 async", "pf put", "pf get", "cpu ms");
   for (uint64_t kib : sizes_kib) {
     const uint64_t bytes = kib << 10;
     if (bytes < (16u << 10) || (bytes & (bytes - 1)) != 0) {
@@ -269,29 +309,60 @@ int main(int argc, char** argv) {
     BENCH_CHECK(region.status());
     kvpool::client::PagePool pool{*region, bytes};
 
-    std::vector<double> put_us, put_e2e_us, put_commit_us, fetch_us, fetch_warm_us, fetch_nv_us,
-        fetch_e2e_us, raw_us;
+    std::vector<double> put_us, put_e2e_us, put_commit_us, put_async_us, put_async_e2e_us, fetch_us,
+        fetch_warm_us, fetch_nv_us, fetch_e2e_us, raw_us;
     bool direct = false;
     long put_faults = 0, fetch_faults = 0;  // minor page faults of this thread, timed phases
+    double cpu_us = 0;                      // process CPU time of the timed iterations
     for (int it = 0; it < warmup + iters; ++it) {
-      std::vector<uint32_t> tokens(16);
-      for (auto& t : tokens) t = rng();
-      const absl::Time b0 = absl::Now();
-      auto put = client->BeginPut(tokens);
-      BENCH_CHECK(put.status());
-      const long pf0 = ThreadMinorFaults();
-      const absl::Time t0 = absl::Now();
-      for (uint32_t l = 0; l < L; ++l) BENCH_CHECK((*put)->WriteLayer(l, kv[2 * l], kv[2 * l + 1]));
-      BENCH_CHECK((*put)->Flush());
-      const absl::Time t1 = absl::Now();
-      const long pf1 = ThreadMinorFaults();
-      auto committed = (*put)->Commit();
-      const absl::Time t1c = absl::Now();
-      BENCH_CHECK(committed.status());
-      if (committed->blocks_written != 1) {
-        KVPOOL_LOG_ERROR("put wrote {} blocks (the sequence was already stored?)",
-                         committed->blocks_written);
-        return kvpool::cli::kExitRuntime;
+      const double cpu0 = ProcessCpuUs();
+      // One put of a fresh sequence (`async`: WriteLayerAsync); returns its tokens.
+      auto put_one = [&](bool async) {
+        std::vector<uint32_t> tokens(16);
+        for (auto& t : tokens) t = rng();
+        const absl::Time b0 = absl::Now();
+        auto put = client->BeginPut(tokens);
+        BENCH_CHECK(put.status());
+        const long pf0 = ThreadMinorFaults();
+        const absl::Time t0 = absl::Now();
+        for (uint32_t l = 0; l < L; ++l) {
+          BENCH_CHECK(async ? (*put)->WriteLayerAsync(l, kv[2 * l], kv[2 * l + 1])
+                            : (*put)->WriteLayer(l, kv[2 * l], kv[2 * l + 1]));
+        }
+        BENCH_CHECK((*put)->Flush());
+        const absl::Time t1 = absl::Now();
+        const long pf1 = ThreadMinorFaults();
+        auto committed = (*put)->Commit();
+        const absl::Time t1c = absl::Now();
+        BENCH_CHECK(committed.status());
+        if (committed->blocks_written != 1) {
+          KVPOOL_LOG_ERROR("put wrote {} blocks (the sequence was already stored?)",
+                           committed->blocks_written);
+          std::exit(kvpool::cli::kExitRuntime);
+        }
+        if (it >= warmup) {
+          if (async) {
+            put_async_us.push_back(absl::ToDoubleMicroseconds(t1 - t0));
+            put_async_e2e_us.push_back(absl::ToDoubleMicroseconds(t1 - b0));
+          } else {
+            put_us.push_back(absl::ToDoubleMicroseconds(t1 - t0));
+            put_e2e_us.push_back(absl::ToDoubleMicroseconds(t1 - b0));
+            put_commit_us.push_back(absl::ToDoubleMicroseconds(t1c - b0));
+            put_faults += pf1 - pf0;
+          }
+        }
+        return tokens;
+      };
+      // Both kinds alternate in order; the block fetched below is the one committed last.
+      std::vector<uint32_t> tokens;
+      if (!async_put) {
+        tokens = put_one(false);
+      } else if (it % 2 == 0) {
+        put_one(false);
+        tokens = put_one(true);
+      } else {
+        put_one(true);
+        tokens = put_one(false);
       }
       kvpool::client::FetchPlan plan;
       plan.bf16_pool = &pool;
@@ -341,16 +412,13 @@ int main(int argc, char** argv) {
       BENCH_CHECK(client->Release(*lease));
       const absl::Duration release = absl::Now() - r0;
       if (it >= warmup) {
-        put_us.push_back(absl::ToDoubleMicroseconds(t1 - t0));
-        put_e2e_us.push_back(absl::ToDoubleMicroseconds(t1 - b0));
-        put_commit_us.push_back(absl::ToDoubleMicroseconds(t1c - b0));
         fetch_us.push_back(absl::ToDoubleMicroseconds(t3 - t2));
         fetch_e2e_us.push_back(absl::ToDoubleMicroseconds((t3 - a0) + release));
         fetch_warm_us.push_back(warm_us);
         fetch_nv_us.push_back(nv_us);
         if (t5 > t4) raw_us.push_back(absl::ToDoubleMicroseconds(t5 - t4));
-        put_faults += pf1 - pf0;
         fetch_faults += pf3 - pf2;
+        cpu_us += ProcessCpuUs() - cpu0;
       }
     }
     {
@@ -358,6 +426,7 @@ int main(int argc, char** argv) {
       BENCH_CHECK(m.status());
       direct = m->mapped_pool_memory;
     }
+    const Stats pa = Summarize(put_async_us), pae = Summarize(put_async_e2e_us);
     const Stats ps = Summarize(put_us), pe = Summarize(put_e2e_us), pc = Summarize(put_commit_us),
                 fs = Summarize(fetch_us), fw = Summarize(fetch_warm_us),
                 nvs = Summarize(fetch_nv_us), fe = Summarize(fetch_e2e_us), rs = Summarize(raw_us);
@@ -365,10 +434,11 @@ int main(int argc, char** argv) {
     // No raw get when the pool initiates transfers (docs/TRANSPORT.md): "n/a", not a measured 0.
     char raw_cell[32] = "n/a";
     if (!raw_us.empty()) std::snprintf(raw_cell, sizeof(raw_cell), "%.3f", gbps(rs));
-    std::printf("%-9s %9.3f %9.3f %9.3f %9.3f %9.3f %9.3f %9.3f %9s %9.1f %6.1f %6.1f\n",
-                absl::StrCat(kib, " KiB").c_str(), gbps(ps), gbps(pe), gbps(pc), gbps(fs), gbps(fw),
-                gbps(nvs), gbps(fe), raw_cell, ps.p50_us, double(put_faults) / iters,
-                double(fetch_faults) / iters);
+    std::printf(
+        "%-9s %9.3f %9.3f %9.3f %9.3f %9.3f %9.3f %9.3f %9.3f %9s %9.1f %9.1f %6.1f %6.1f %8.3f\n",
+        absl::StrCat(kib, " KiB").c_str(), gbps(ps), gbps(pa), gbps(pe), gbps(pc), gbps(fs),
+        gbps(fw), gbps(nvs), gbps(fe), raw_cell, ps.p50_us, pa.p50_us, double(put_faults) / iters,
+        double(fetch_faults) / iters, cpu_us / iters / 1e3);
     auto add = [&](nlohmann::json& j, const std::string& name, const Stats& st) {
       j[name + "_gbps"] = gbps(st);
       j[name + "_p50_us"] = st.p50_us;
@@ -392,10 +462,17 @@ int main(int argc, char** argv) {
       j["transfers_per_fetch"] = direct ? 0 : 1;
     }
     j["put_minor_faults_per_iter"] = double(put_faults) / iters;
+    // Process CPU time per iteration (all puts, fetches, lease RPCs of it; copy threads spinning
+    // or working included): what copy_threads_prewake costs shows here.
+    j["cpu_us_per_iter"] = cpu_us / iters;
     j["fetch_minor_faults_per_iter"] = double(fetch_faults) / iters;
     add(j, "put", ps);         // data phase
     add(j, "put_e2e", pe);     // BeginPut → Flush
     add(j, "put_commit", pc);  // BeginPut → CommitPut returned
+    if (!put_async_us.empty()) {
+      add(j, "put_async", pa);       // WriteLayerAsync puts: first layer → Flush returned
+      add(j, "put_async_e2e", pae);  // BeginPut → Flush
+    }
     add(j, "fetch", fs);       // first Fetch after the commit, verified
     add(j, "fetch_warm", fw);  // the same block again, verified
     add(j, "fetch_unverified", nvs);

@@ -7,8 +7,10 @@ client, commit throughput, lookup p99 with 16 clients), then runs ucx_perftest (
 ucp_get) with the same UCX_TLS and message sizes, and prints a table with the ratio
 kvpool / ucx_perftest: data-phase numbers (what ucx_perftest's numbers compare with: it times
 only transfers) and end-to-end numbers (with the control RPCs) side by side. Results go to
-bench/results/pool_bench_<tls>[_<tag>].json. The last column is the measuring thread's minor page
-faults per put data phase / first fetch (pool_bench counts them with getrusage).
+bench/results/pool_bench_<tls>[_<tag>].json. The last columns are the measuring thread's minor page
+faults per put data phase / first fetch (pool_bench counts them with getrusage) and the bench
+process's CPU time per iteration (copy threads included). "put async" is the put through
+PutSession::WriteLayerAsync (pool_bench --async-put, on by default; absent for builds without it).
 
     bench/pool_bench.py --build build [--tls tcp --tls posix,cma] [--iters 50] [--repeat 3]
                         [--sizes-kib 64,256,1024,4096] [--tag NAME] [--bench-flag=--map-shared-memory=false]
@@ -168,7 +170,8 @@ def main():
         def ratio(t, k):
             r = t.get(k.replace("_gbps", "_ratio"))
             return f"{t[k]:7.3f} ({r:4.2f})" if r is not None else f"{t[k]:7.3f} (  - )"
-        cols = [("put data", "put_gbps"), ("put e2e", "put_e2e_gbps"),
+        cols = [("put data", "put_gbps"), ("put async", "put_async_gbps"),
+                ("put e2e", "put_e2e_gbps"),
                 ("put+commit", "put_commit_gbps"), ("fetch", "fetch_gbps"),
                 ("fetch warm", "fetch_warm_gbps"), ("no xxh3", "fetch_unverified_gbps"),
                 ("fetch e2e", "fetch_e2e_gbps"), ("raw get", "raw_get_gbps")]
@@ -176,16 +179,20 @@ def main():
               "get / ucp_get); path: " + res["transfers"][0].get("data_path", "?"))
         print(f"{'size':>9} | " + " | ".join(f"{c:>14}" for c, _ in cols) +
               f" | {'ucp_put_bw':>10} {'ucp_get':>8} | {'put p50/p99 us':>15} "
-              f"{'fetch p50/p99 us':>17} | page faults put/fetch")
+              f"{'async p50/p99 us':>17} {'fetch p50/p99 us':>17} | page faults put/fetch"
+              f" | cpu ms/iter")
         for t in res["transfers"]:
             p = t["perftest"]
             cells = [ratio(t, k) if k in t else f"{'-':>14}" for _, k in cols]
             print(f"{t['bytes'] // 1024:>5} KiB | " + " | ".join(cells) +
                   f" | {p['ucp_put_bw_gbps']:10.3f} {p['ucp_get_gbps']:8.3f} | "
                   f"{t['put_p50_us']:7.1f}/{t['put_p99_us']:<7.1f} "
+                  f"{t.get('put_async_p50_us', float('nan')):8.1f}/"
+                  f"{t.get('put_async_p99_us', float('nan')):<8.1f} "
                   f"{t['fetch_p50_us']:8.1f}/{t['fetch_p99_us']:<8.1f} | "
                   f"{t.get('put_minor_faults_per_iter', float('nan')):.1f}/"
-                  f"{t.get('fetch_minor_faults_per_iter', float('nan')):.1f}")
+                  f"{t.get('fetch_minor_faults_per_iter', float('nan')):.1f} | "
+                  f"{t.get('cpu_us_per_iter', float('nan')) / 1e3:.3f}")
         c = res["commit"]
         print(f"commit (rotate + INT2 quantize on the pool, {c['blocks']} blocks): "
               f"{c['gbps']:.3f} GB/s of BF16 input, p50 {c['p50_ms']:.1f} ms")

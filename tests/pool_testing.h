@@ -292,12 +292,15 @@ inline std::unique_ptr<client::Client> NewClient(
   client::ClientOptions o;
   o.report_corrupt_forms = report_corrupt_forms;
   o.copy_threads = copy_threads;
-  // With copy threads, BeginPut and Acquire also wake them (ClientOptions::copy_threads_prewake,
-  // off by default), so that path runs in every test with threads.
+  // With copy threads, BeginPut and Acquire also hold them awake through the RPC
+  // (ClientOptions::copy_threads_prewake), so that path runs in every test with threads.
   if (copy_threads > 1) o.copy_threads_prewake = absl::Milliseconds(1);
-  // The same floor for put layers and fetches (tests pass 0 to spread everything).
+  // The same floor for put layers, asynchronous puts and fetches (tests pass 0 to spread
+  // everything: every WriteLayerAsync, and Client::Put, then runs on the copy threads).
   o.parallel_put_min_bytes = parallel_min_bytes;
+  o.parallel_async_put_min_bytes = parallel_min_bytes;
   o.parallel_fetch_min_bytes = parallel_min_bytes;
+  o.parallel_fetch_awake_min_bytes = parallel_min_bytes;
   o.server = server;
   o.ucx_tls = tls;
   o.default_timeout = absl::Seconds(20);

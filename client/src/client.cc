@@ -270,6 +270,52 @@ bool PackRowsCheckFinite(const BlockGeometry& g, uint32_t block, uint32_t r0, ui
 
 std::string HexPrefix(const Digest& d) { return ToHex(d).substr(0, 12); }
 
+// A piece of a put layer: the layer slice [base, base + slice) of a block's BF16 form
+// (base = layer · slice) cut at the form checksum's chunk boundaries (multiples of
+// kChecksumChunkBytes in the form; docs/BLOCK_FORMAT.md "Checksums"), so a piece is a whole
+// chunk (which the thread that packs it hashes right away, while it is in that thread's L1) or
+// the part of a chunk that straddles layers (fed to the block's streaming state, in order).
+// Chunk boundaries fall on row boundaries (a K or V row is 2·d bytes, d a power of two ≤ 8192,
+// which divides 16 KiB).
+struct LayerPiece {
+  uint64_t begin, end;  // bytes of the layer slice
+  bool whole;           // covers a whole checksum chunk of the form
+};
+
+std::vector<LayerPiece> LayerPieces(const BlockGeometry& g, uint32_t layer) {
+  const uint64_t slice = g.Bf16LayerBytes();
+  const uint64_t base = uint64_t(layer) * slice;
+  const uint64_t form = g.Bf16FormBytes();
+  std::vector<LayerPiece> pieces;
+  for (uint64_t at = base; at < base + slice;) {
+    const uint64_t chunk_start = at / kChecksumChunkBytes * kChecksumChunkBytes;
+    const uint64_t chunk_end = std::min<uint64_t>(chunk_start + kChecksumChunkBytes, form);
+    const uint64_t end = std::min(chunk_end, base + slice);
+    pieces.push_back({at - base, end - base, at == chunk_start && end == chunk_end});
+    at = end;
+  }
+  return pieces;
+}
+
+// INVALID_ARGUMENT naming the first non-finite token of block `block` of layer `layer` (element
+// by element, in token order; the rare path after the fused scan flagged the block), or
+// INTERNAL when none is found.
+absl::Status NonFiniteError(const BlockGeometry& g, uint32_t layer, uint32_t block,
+                            const uint16_t* k, const uint16_t* v) {
+  const size_t row = size_t(g.num_kv_heads) * g.head_dim;
+  for (uint32_t t = 0; t < g.page_size; ++t) {
+    const size_t base = (size_t(block) * g.page_size + t) * row;
+    for (size_t j = 0; j < row; ++j) {
+      if (!Bf16Finite(k[base + j]) || !Bf16Finite(v[base + j])) {
+        return absl::InvalidArgumentError(absl::StrCat(!Bf16Finite(k[base + j]) ? "k" : "v",
+                                                       ": NaN or Inf at layer ", layer, ", token ",
+                                                       size_t(block) * g.page_size + t));
+      }
+    }
+  }
+  return absl::InternalError("put: NaN/Inf flagged but not found");
+}
+
 // Copies bytes [begin, end) of a form from `src` to `dst` (both the form's first byte) and adds
 // each 16 KiB chunk to `h` right after it is copied, while it is in the L1 cache (one pass over
 // memory, not two). `begin` is a multiple of kChecksumChunkBytes and `end` one too or the form's
@@ -338,6 +384,8 @@ class PutSessionImpl final : public PutSession {
 
   absl::Status WriteLayer(uint32_t layer, absl::Span<const uint16_t> k,
                           absl::Span<const uint16_t> v) override;
+  absl::Status WriteLayerAsync(uint32_t layer, absl::Span<const uint16_t> k,
+                               absl::Span<const uint16_t> v) override;
   absl::Status Flush() override;
   absl::StatusOr<PutResult> Commit() override;
   absl::Status Abort() override;
@@ -356,6 +404,55 @@ class PutSessionImpl final : public PutSession {
   // A NOT_FOUND for this put after expires_: the pool dropped it for its put timeout.
   absl::Status Expired(absl::Status s) const;
   absl::Status WaitSlot(int slot);
+  // The checks WriteLayer and WriteLayerAsync share, before anything is written (state, layer
+  // order, k/v sizes, cancellation, and in direct mode the pool's liveness).
+  absl::Status CheckLayer(uint32_t layer, absl::Span<const uint16_t> k,
+                          absl::Span<const uint16_t> v);
+  // Where block i's slice of `layer` is packed (its layer offset in the destination): the
+  // mapped staging (direct mode), or whole_ (pool-initiated mode, and asynchronous layers of
+  // client-initiated RMA puts).
+  uint8_t* WholeDst(size_t i, uint32_t layer) const {
+    return direct_ ? writes_[i].mapped + uint64_t(layer) * conn_.geometry.Bf16LayerBytes()
+                   : whole_->data() + i * conn_.geometry.Bf16FormBytes() +
+                         uint64_t(layer) * conn_.geometry.Bf16LayerBytes();
+  }
+  // Client-initiated RMA: one put transfer of `layer` of every block from `region` (block i's
+  // slice at local offset local(i)) into the staging; the last layer flushes.
+  absl::Status PostLayer(uint32_t layer, const std::shared_ptr<transport::MemoryRegion>& region,
+                         absl::FunctionRef<uint64_t(size_t)> local, int slot);
+
+  // ---- asynchronous layers (WriteLayerAsync) ----
+  // The put's background work on the client's copy threads (CopyPool::Stream): task indices
+  // are layer-major, layer l owning [async_first_[l], async_first_[l + 1]); with many blocks a
+  // task packs one block's whole layer slice, with few blocks one piece (LayerPieces) of one
+  // block. Tasks of layers written synchronously are published too (to keep indices dense) and
+  // do nothing.
+  class AsyncLayers final : public CopyPool::Stream {
+   public:
+    explicit AsyncLayers(PutSessionImpl* s) : session_(s) {}
+
+   private:
+    void RunTask(size_t i) override { session_->RunAsyncTask(i); }
+    PutSessionImpl* session_;
+  };
+  // Sets up the task layout (first asynchronous layer of the put).
+  absl::Status InitAsync();
+  void RunAsyncTask(size_t t);
+  // Joins every asynchronous layer: waits for (and helps with) their tasks, streams the pieces
+  // of checksum chunks that straddle layers into the blocks' checksums in layer order, turns a
+  // non-finite value into the put's sticky error (the lowest bad layer, naming its token), and
+  // in RMA and pool-initiated mode sends what is packed. Returns error_.
+  absl::Status JoinAsync();
+  // Whether every task of asynchronous layer l has finished (acquire).
+  bool AsyncLayerDone(uint32_t l) const {
+    return async_left_[l].load(std::memory_order_acquire) == 0;
+  }
+  // RMA and pool-initiated mode: sends the leading packed layers not sent yet (packed_layers_
+  // onwards while AsyncLayerDone, or every submitted layer when `all`, after a JoinAsync).
+  absl::Status SendPacked(bool all);
+  // INVALID_ARGUMENT naming the first non-finite token of finished asynchronous layer l (OK when
+  // every value is finite or ClientOptions::check_finite is off).
+  absl::Status AsyncFiniteError(uint32_t l) const;
   // Packs layer `layer` of every WRITE block i from k/v into dst(i) (that block's layer slice,
   // Bf16LayerBytes), scanning the copied values for NaN/Inf in the same pass (when
   // ClientOptions::check_finite) and feeding the packed bytes to each block's checksum. Shared
@@ -398,9 +495,26 @@ class PutSessionImpl final : public PutSession {
   uint32_t requested_layers_ = 0;                 // layers a WritePut call was started for
   std::vector<std::future<absl::Status>> pulls_;  // WritePut calls not yet waited for
   uint32_t next_layer_ = 0;
+  // Leading layers whose bytes are packed and sent (RMA: transfer posted; pool-initiated: ready
+  // for a WritePut; direct: stored). A synchronous WriteLayer sends its layer before returning;
+  // asynchronous ones are sent once packed (SendPacked).
+  uint32_t packed_layers_ = 0;
   uint64_t bytes_written_ = 0;
   bool finished_ = false;
   absl::Status error_;  // first data-plane error of this put
+
+  // Asynchronous layers. Everything the tasks read is written before the Submit that publishes
+  // them (release) and not changed while they may run.
+  std::unique_ptr<AsyncLayers> async_;                   // null until the first WriteLayerAsync
+  bool async_per_block_ = false;                         // a task = one block's layer slice
+  std::vector<std::vector<LayerPiece>> pieces_;          // per layer
+  std::vector<size_t> async_first_;                      // per layer + 1: first task index
+  std::vector<const uint16_t*> async_k_, async_v_;       // per layer (null: written synchronously)
+  std::unique_ptr<std::atomic<uint32_t>[]> async_left_;  // per layer: tasks not finished
+  std::unique_ptr<uint8_t[]> async_finite_;              // per task: every value finite
+  std::atomic<bool> async_abandon_{false};               // Abort: tasks not yet run do nothing
+  uint32_t async_joined_ = 0;   // layers below this are joined (streamed, checked)
+  bool async_pending_ = false;  // asynchronous layers submitted since the last join
 };
 
 class ClientImpl final : public Client {
@@ -789,12 +903,14 @@ class ClientImpl final : public Client {
           absl::StrCat("tokens: ", tokens.size(), " tokens hold no full block of ", P));
     }
     const uint32_t num_blocks = static_cast<uint32_t>(tokens.size() / P);
-    // The put's layers usually follow this call at once; when each will be spread over the
-    // copy threads, wake them now (their wake-up then overlaps the RPC). At most every block
-    // is written.
-    if (uint64_t{num_blocks} * c.geometry.Bf16LayerBytes() >= options_.parallel_put_min_bytes) {
-      PrewakeCopyThreads();
-    }
+    // The put's layers usually follow this call at once; when they will be spread over the
+    // copy threads (a synchronous layer reaching parallel_put_min_bytes, or an asynchronous put
+    // reaching parallel_async_put_min_bytes; at most every block is written), hold them awake
+    // through the RPC, so that their wake-up overlaps it.
+    AwakeHold hold(
+        *this,
+        uint64_t{num_blocks} * c.geometry.Bf16LayerBytes() >= options_.parallel_put_min_bytes ||
+            uint64_t{num_blocks} * c.info.bf16_form_bytes >= options_.parallel_async_put_min_bytes);
     pb::BeginPutRequest req;
     req.set_namespace_id(DigestBytes(c.namespace_id));
     req.mutable_token_ids()->Add(tokens.begin(), tokens.end());
@@ -806,6 +922,7 @@ class ClientImpl final : public Client {
     const absl::Time start = absl::Now();
     pb::BeginPutResponse resp;
     absl::Status s = Rpc(call, deadline, &pb::KvPool::Stub::BeginPut, req, &resp);
+    hold.Release();
     if (!s.ok()) return CheckRestart(s, c.epoch, deadline);
     if (resp.pool_epoch() != c.epoch) {
       MarkStale("epoch changed at BeginPut");
@@ -861,8 +978,9 @@ class ClientImpl final : public Client {
     }
     KVPOOL_ASSIGN_OR_RETURN(auto put, BeginPutSession(tokens, call));
     if (call.deadline != absl::InfiniteFuture()) put->CapDeadline(call.deadline);
+    // k and v stay valid until Commit returns: the layers may be packed in the background.
     for (uint32_t l = 0; l < info.geometry.num_layers; ++l) {
-      absl::Status s = put->WriteLayer(l, k[l], v[l]);
+      absl::Status s = put->WriteLayerAsync(l, k[l], v[l]);
       if (!s.ok()) {
         (void)put->Abort();
         return s;
@@ -906,18 +1024,17 @@ class ClientImpl final : public Client {
     req.set_max_blocks(max_blocks);
     req.set_lease_ms(lease_ms);
     // A fetch of what this leases usually follows at once; when it will be spread over the copy
-    // threads, wake them now (PrewakeCopyThreads). Upper bound of its bytes: every full block of
-    // `tokens` (at most max_blocks) in its BF16 form.
-    {
-      uint64_t blocks = tokens.size() / c.geometry.page_size;
-      if (max_blocks > 0) blocks = std::min<uint64_t>(blocks, max_blocks);
-      if (blocks * c.info.bf16_form_bytes >= options_.parallel_fetch_min_bytes) {
-        PrewakeCopyThreads();
-      }
-    }
+    // threads (FetchParallel with the workers awake), hold them awake through the RPC. Upper
+    // bound of its bytes: every full block of `tokens` (at most max_blocks) in its BF16 form.
+    uint64_t blocks = tokens.size() / c.geometry.page_size;
+    if (max_blocks > 0) blocks = std::min<uint64_t>(blocks, max_blocks);
+    AwakeHold hold(*this, blocks * c.info.bf16_form_bytes >=
+                              std::min(options_.parallel_fetch_min_bytes,
+                                       options_.parallel_fetch_awake_min_bytes));
     pb::AcquireResponse resp;
     const absl::Time start = absl::Now();
     absl::Status s = Rpc(call, deadline, &pb::KvPool::Stub::Acquire, req, &resp);
+    hold.Release();
     if (!s.ok()) return CheckRestart(s, c.epoch, deadline);
     Lease lease;
     lease.id = resp.lease_id();
@@ -1307,7 +1424,7 @@ class ClientImpl final : public Client {
         (*sums)[j] = items[j].loc->xxh3;
       }
     };
-    const bool parallel = pool.threads() > 1 && total >= options_.parallel_fetch_min_bytes;
+    const bool parallel = FetchParallel(total);
     if (!parallel) {
       for (size_t j = 0; j < n; ++j) whole(j);
       return;
@@ -1362,9 +1479,9 @@ class ClientImpl final : public Client {
     auto one = [&](size_t j) {
       if (!skip[j]) (*sums)[j] = FormChecksum(forms[j], sizes[j]);
     };
-    if (pool.threads() <= 1 || total < options_.parallel_fetch_min_bytes ||
-        n >= size_t(2 * pool.threads())) {
-      if (pool.threads() > 1 && total >= options_.parallel_fetch_min_bytes) {
+    const bool parallel = FetchParallel(total);
+    if (!parallel || n >= size_t(2 * pool.threads())) {
+      if (parallel) {
         pool.Run(n, one);
       } else {
         for (size_t j = 0; j < n; ++j) one(j);
@@ -1391,19 +1508,44 @@ class ClientImpl final : public Client {
 
   const ClientOptions& options() const { return options_; }
   CopyPool& copy_pool() { return *copy_pool_; }
-  // Wakes the copy threads and keeps them spinning for ClientOptions::copy_threads_prewake
-  // (nothing when that is zero, the default): called before an RPC (BeginPut, Acquire) that is
-  // usually followed at once by work large enough to spread over them. A sleeping worker needs
-  // tens of microseconds to run again and the caller pays for waking it, so the first layer of
-  // a put and the first fetch after a pause run mostly on the calling thread
-  // (docs/TRANSPORT.md "Session 6").
-  void PrewakeCopyThreads() {
-    if (copy_pool_->threads() > 1 && options_.copy_threads_prewake > absl::ZeroDuration()) {
-      copy_pool_->KeepAwake(std::chrono::microseconds(
-          std::min<int64_t>(absl::ToInt64Microseconds(options_.copy_threads_prewake), 10'000'000)));
+  // Holds the copy threads awake through an RPC (BeginPut, Acquire) that is usually followed at
+  // once by work large enough to spread over them, when ClientOptions::copy_threads_prewake is
+  // positive (its cap): a sleeping worker needs tens of microseconds to run again and the caller
+  // pays for waking it, so without it the first layers of a put and the first fetch after a
+  // pause run mostly on the calling thread (docs/TRANSPORT.md "Session 6"). The hold ends when
+  // the RPC returns (Release, or the destructor); the workers then spin their usual 50 us.
+  class AwakeHold {
+   public:
+    AwakeHold(ClientImpl& c, bool wanted) {
+      if (wanted && c.copy_pool_->threads() > 1 &&
+          c.options_.copy_threads_prewake > absl::ZeroDuration()) {
+        pool_ = c.copy_pool_.get();
+        pool_->HoldAwake(std::chrono::microseconds(std::min<int64_t>(
+            absl::ToInt64Microseconds(c.options_.copy_threads_prewake), 10'000'000)));
+      }
     }
+    ~AwakeHold() { Release(); }
+    AwakeHold(const AwakeHold&) = delete;
+    AwakeHold& operator=(const AwakeHold&) = delete;
+    void Release() {
+      if (pool_ != nullptr) pool_->ReleaseAwake();
+      pool_ = nullptr;
+    }
+
+   private:
+    CopyPool* pool_ = nullptr;
+  };
+  // Whether a fetch (or the hashing of landed forms) of `total` bytes is spread over the copy
+  // threads: from parallel_fetch_min_bytes always, from parallel_fetch_awake_min_bytes when no
+  // copy thread is asleep (they were held awake through the Acquire, or just finished a job),
+  // so the spread pays no wake-up.
+  bool FetchParallel(uint64_t total) const {
+    if (copy_pool_->threads() <= 1) return false;
+    if (total >= options_.parallel_fetch_min_bytes) return true;
+    return total >= options_.parallel_fetch_awake_min_bytes && copy_pool_->awake();
   }
   uint64_t parallel_put_min_bytes() const { return options_.parallel_put_min_bytes; }
+  uint64_t parallel_async_put_min_bytes() const { return options_.parallel_async_put_min_bytes; }
 
  private:
   ClientOptions options_;
@@ -1495,6 +1637,12 @@ absl::Status PutSessionImpl::Expired(absl::Status s) const {
 
 PutSessionImpl::~PutSessionImpl() {
   if (!finished_) (void)Abort();
+  // Abort and Commit joined the asynchronous layers; never free what a copy thread may still
+  // read or write (this also covers a Commit that returned before joining).
+  if (async_ != nullptr) {
+    async_abandon_.store(true, std::memory_order_relaxed);
+    client_->copy_pool().Drain(*async_);
+  }
   (void)FinishPulls();  // never hand back a buffer the pool may still be reading
   for (auto& slot : slots_) client_->GiveBuffer(std::move(slot));
   client_->GiveBuffer(std::move(whole_));
@@ -1502,11 +1650,11 @@ PutSessionImpl::~PutSessionImpl() {
 
 absl::Status PutSessionImpl::StartPull() {
   if (!error_.ok()) return error_;
-  if (writes_.empty() || requested_layers_ == next_layer_) return error_;
+  if (writes_.empty() || requested_layers_ >= packed_layers_) return error_;
   const BlockGeometry& g = conn_.geometry;
   const uint64_t slice = g.Bf16LayerBytes(), form = g.Bf16FormBytes();
   const uint64_t from = uint64_t(requested_layers_) * slice;
-  const uint64_t length = uint64_t(next_layer_ - requested_layers_) * slice;
+  const uint64_t length = uint64_t(packed_layers_ - requested_layers_) * slice;
   std::vector<std::tuple<uint32_t, uint64_t, uint64_t, uint64_t>> src;
   src.reserve(writes_.size());
   for (size_t i = 0; i < writes_.size(); ++i) {
@@ -1514,7 +1662,7 @@ absl::Status PutSessionImpl::StartPull() {
   }
   // These layers of whole_ are complete and never written again; later WriteLayer calls pack
   // other bytes of it while the pool pulls them. Calls for one put may overlap at the pool.
-  requested_layers_ = next_layer_;
+  requested_layers_ = packed_layers_;
   pulls_.push_back(client_->WritePutAsync(conn_, put_id_, *whole_, src, CallDeadline(), cancel_));
   return error_;
 }
@@ -1554,32 +1702,14 @@ absl::Status PutSessionImpl::PackLayer(uint32_t layer, const uint16_t* k, const 
   const uint64_t base = uint64_t(layer) * slice;  // the layer's offset in each block's form
   CopyPool& pool = client_->copy_pool();
   const bool parallel = pool.threads() > 1 && blocks * slice >= client_->parallel_put_min_bytes();
-  // Pieces: the layer slice [base, base + slice) of each block cut at the form checksum's chunk
-  // boundaries (multiples of kChecksumChunkBytes in the form; docs/BLOCK_FORMAT.md
-  // "Checksums"), so a piece is a whole chunk (which the thread that packs it hashes right away,
-  // while it is in that thread's L1) or the part of a chunk that straddles layers (fed to the
-  // block's streaming state, in order). Chunk boundaries fall on row boundaries (a K or V row is
-  // 2·d bytes, d a power of two ≤ 8192, which divides 16 KiB).
-  struct Piece {
-    uint64_t begin, end;  // bytes of the layer slice
-    bool whole;           // covers a whole checksum chunk of the form
-  };
-  std::vector<Piece> pieces;
-  const uint64_t form = g.Bf16FormBytes();
-  for (uint64_t at = base; at < base + slice;) {
-    const uint64_t chunk_start = at / kChecksumChunkBytes * kChecksumChunkBytes;
-    const uint64_t chunk_end = std::min<uint64_t>(chunk_start + kChecksumChunkBytes, form);
-    const uint64_t end = std::min(chunk_end, base + slice);
-    pieces.push_back({at - base, end - base, at == chunk_start && end == chunk_end});
-    at = end;
-  }
+  const std::vector<LayerPiece> pieces = LayerPieces(g, layer);
   const size_t per_block = pieces.size();
   const uint32_t row_bytes = 2 * g.head_dim;
   std::vector<uint8_t> finite(blocks * per_block, 1);
   // Packs piece p of block i (rows [begin, end) / row_bytes of its slice) and, when the piece is
   // a whole chunk, hashes it into the block's checksum.
   auto pack = [&](size_t i, size_t p) {
-    const Piece& c = pieces[p];
+    const LayerPiece& c = pieces[p];
     uint8_t* out = dst(i);
     finite[i * per_block + p] =
         PackRowsCheckFinite(g, writes_[i].index, static_cast<uint32_t>(c.begin / row_bytes),
@@ -1588,7 +1718,7 @@ absl::Status PutSessionImpl::PackLayer(uint32_t layer, const uint16_t* k, const 
   };
   // Feeds a piece that is part of a chunk to the block's streaming state (in order).
   auto stream = [&](size_t i, size_t p) {
-    const Piece& c = pieces[p];
+    const LayerPiece& c = pieces[p];
     if (!c.whole) hashes_[i]->Add(base + c.begin, dst(i) + c.begin, c.end - c.begin);
   };
   const size_t tasks = blocks * per_block;
@@ -1605,7 +1735,7 @@ absl::Status PutSessionImpl::PackLayer(uint32_t layer, const uint16_t* k, const 
     // pieces of chunks that straddle layers, in order (none when the layer slice is a multiple
     // of 16 KiB).
     bool partial = false;
-    for (const Piece& c : pieces) partial |= !c.whole;
+    for (const LayerPiece& c : pieces) partial |= !c.whole;
     auto work = [&](size_t t) { pack(t / per_block, t % per_block); };
     if (partial) {
       pool.Run(tasks, work, [&](size_t t) { stream(t / per_block, t % per_block); });
@@ -1623,25 +1753,12 @@ absl::Status PutSessionImpl::PackLayer(uint32_t layer, const uint16_t* k, const 
   while (bad < tasks && finite[bad]) ++bad;
   if (bad == tasks) return absl::OkStatus();
   // Name the first non-finite token of the first bad block (element by element, rare path).
-  const size_t row = size_t(g.num_kv_heads) * g.head_dim;
-  const uint32_t block = writes_[bad / per_block].index;
-  absl::Status s = absl::InternalError("put: NaN/Inf flagged but not found");
-  for (uint32_t t = 0; t < g.page_size && s.code() == absl::StatusCode::kInternal; ++t) {
-    const size_t base = (size_t(block) * g.page_size + t) * row;
-    for (size_t j = 0; j < row; ++j) {
-      if (!Bf16Finite(k[base + j]) || !Bf16Finite(v[base + j])) {
-        s = absl::InvalidArgumentError(absl::StrCat(!Bf16Finite(k[base + j]) ? "k" : "v",
-                                                    ": NaN or Inf at layer ", layer, ", token ",
-                                                    size_t(block) * g.page_size + t));
-        break;
-      }
-    }
-  }
+  absl::Status s = NonFiniteError(g, layer, writes_[bad / per_block].index, k, v);
   if (error_.ok()) error_ = s;  // sticky: this layer's bytes already reached some checksums
   return s;
 }
 
-absl::Status PutSessionImpl::WriteLayer(uint32_t layer, absl::Span<const uint16_t> k,
+absl::Status PutSessionImpl::CheckLayer(uint32_t layer, absl::Span<const uint16_t> k,
                                         absl::Span<const uint16_t> v) {
   if (finished_) return absl::FailedPreconditionError("put: already committed or aborted");
   const BlockGeometry& g = conn_.geometry;
@@ -1669,22 +1786,60 @@ absl::Status PutSessionImpl::WriteLayer(uint32_t layer, absl::Span<const uint16_
   if (direct_ && !writes_.empty()) {
     KVPOOL_RETURN_IF_ERROR(client_->ConfirmPoolAlive(conn_.epoch, CallDeadline()));
   }
-  ++next_layer_;
-  if (writes_.empty()) return absl::OkStatus();
+  return absl::OkStatus();
+}
 
+absl::Status PutSessionImpl::PostLayer(uint32_t layer,
+                                       const std::shared_ptr<transport::MemoryRegion>& region,
+                                       absl::FunctionRef<uint64_t(size_t)> local, int slot) {
+  const BlockGeometry& g = conn_.geometry;
   const uint64_t slice = g.Bf16LayerBytes();
+  // Ops grouped by remote key (normally one: the pool's arena).
+  std::map<uint64_t, std::vector<TransferOp>> by_key;
+  for (size_t i = 0; i < writes_.size(); ++i) {
+    by_key[writes_[i].rkey.value].push_back(
+        TransferOp{local(i), writes_[i].staging_addr + layer * slice, slice});
+  }
+  for (auto& [key, ops] : by_key) {
+    // Only the last layer flushes: its flush makes every earlier layer's puts on this endpoint
+    // visible too, so a put costs one round trip for remote completion, not one per layer.
+    TransferRequest req{TransferKind::kPut, conn_.endpoint,
+                        RemoteKeyId{key},   region,
+                        std::move(ops),     /*flush=*/layer + 1 == g.num_layers};
+    KVPOOL_ASSIGN_OR_RETURN(auto t, client_->transport().Prepare(std::move(req)));
+    KVPOOL_RETURN_IF_ERROR(client_->transport().Post(t));
+    inflight_[slot].push_back(std::move(t));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status PutSessionImpl::WriteLayer(uint32_t layer, absl::Span<const uint16_t> k,
+                                        absl::Span<const uint16_t> v) {
+  KVPOOL_RETURN_IF_ERROR(CheckLayer(layer, k, v));
+  // Asynchronous layers before this one are joined first: their straddling checksum pieces
+  // stream before this layer's, and in RMA / pool-initiated mode they are sent before it.
+  if (async_pending_) KVPOOL_RETURN_IF_ERROR(JoinAsync());
+  ++next_layer_;
+  if (writes_.empty()) {
+    packed_layers_ = next_layer_;
+    return absl::OkStatus();
+  }
+
+  const uint64_t slice = conn_.geometry.Bf16LayerBytes();
   if (direct_) {
     // The staging is mapped: packing the layer into it is the transfer.
-    KVPOOL_RETURN_IF_ERROR(PackLayer(layer, k.data(), v.data(), [&](size_t i) {
+    absl::Status s = PackLayer(layer, k.data(), v.data(), [&](size_t i) {
       return writes_[i].mapped + uint64_t(layer) * slice;
-    }));
+    });
+    packed_layers_ = next_layer_;
+    KVPOOL_RETURN_IF_ERROR(s);
     bytes_written_ += slice * writes_.size();
     return absl::OkStatus();
   }
   if (pool_initiates()) {
     // Pack into the whole-put buffer, then let the pool pull what is written (in the
     // background), so the layer travels while the caller computes the next one.
-    const uint64_t form = g.Bf16FormBytes();
+    const uint64_t form = conn_.geometry.Bf16FormBytes();
     if (whole_ == nullptr) {
       KVPOOL_ASSIGN_OR_RETURN(whole_, client_->TakeBuffer(form * writes_.size()));
     }
@@ -1692,6 +1847,7 @@ absl::Status PutSessionImpl::WriteLayer(uint32_t layer, absl::Span<const uint16_
     KVPOOL_RETURN_IF_ERROR(PackLayer(layer, k.data(), v.data(), [&](size_t i) {
       return whole + i * form + uint64_t(layer) * slice;
     }));
+    packed_layers_ = next_layer_;
     bytes_written_ += slice * writes_.size();
     // Every layer starts its own pull, overlapping any still in flight (the pool accepts
     // overlapping calls for one put). Holding a layer back until the next WriteLayer while a
@@ -1710,28 +1866,173 @@ absl::Status PutSessionImpl::WriteLayer(uint32_t layer, absl::Span<const uint16_
     KVPOOL_ASSIGN_OR_RETURN(slots_[slot], client_->TakeBuffer(slice * writes_.size()));
   }
   uint8_t* buf = slots_[slot]->data();
-  // Ops grouped by remote key (normally one: the pool's arena).
-  std::map<uint64_t, std::vector<TransferOp>> by_key;
   KVPOOL_RETURN_IF_ERROR(
       PackLayer(layer, k.data(), v.data(), [&](size_t i) { return buf + i * slice; }));
-  for (size_t i = 0; i < writes_.size(); ++i) {
-    by_key[writes_[i].rkey.value].push_back(
-        TransferOp{i * slice, writes_[i].staging_addr + layer * slice, slice});
-  }
-  for (auto& [key, ops] : by_key) {
-    // Only the last layer flushes: its flush makes every earlier layer's puts on this endpoint
-    // visible too, so a put costs one round trip for remote completion, not one per layer.
-    TransferRequest req{TransferKind::kPut, conn_.endpoint, RemoteKeyId{key},
-                        slots_[slot],       std::move(ops), /*flush=*/layer + 1 == g.num_layers};
-    KVPOOL_ASSIGN_OR_RETURN(auto t, client_->transport().Prepare(std::move(req)));
-    KVPOOL_RETURN_IF_ERROR(client_->transport().Post(t));
-    inflight_[slot].push_back(std::move(t));
-  }
+  KVPOOL_RETURN_IF_ERROR(PostLayer(
+      layer, slots_[slot], [&](size_t i) { return i * slice; }, slot));
+  packed_layers_ = next_layer_;
   bytes_written_ += slice * writes_.size();
   return absl::OkStatus();
 }
 
+absl::Status PutSessionImpl::InitAsync() {
+  const BlockGeometry& g = conn_.geometry;
+  const size_t blocks = writes_.size();
+  const uint32_t L = g.num_layers;
+  if (!direct_ && whole_ == nullptr) {
+    KVPOOL_ASSIGN_OR_RETURN(whole_, client_->TakeBuffer(g.Bf16FormBytes() * blocks));
+  }
+  async_per_block_ = blocks >= size_t(2 * client_->copy_pool().threads());
+  pieces_.resize(L);
+  async_first_.assign(L + 1, 0);
+  for (uint32_t l = 0; l < L; ++l) {
+    pieces_[l] = LayerPieces(g, l);
+    async_first_[l + 1] =
+        async_first_[l] + (async_per_block_ ? blocks : blocks * pieces_[l].size());
+  }
+  async_k_.assign(L, nullptr);
+  async_v_.assign(L, nullptr);
+  async_left_ = std::make_unique<std::atomic<uint32_t>[]>(L);
+  for (uint32_t l = 0; l < L; ++l) {
+    async_left_[l].store(static_cast<uint32_t>(async_first_[l + 1] - async_first_[l]),
+                         std::memory_order_relaxed);
+  }
+  async_finite_ = std::make_unique<uint8_t[]>(async_first_[L]);
+  std::fill_n(async_finite_.get(), async_first_[L], uint8_t{1});
+  async_joined_ = next_layer_;  // layers before are synchronous: joined when written
+  async_ = std::make_unique<AsyncLayers>(this);
+  return absl::OkStatus();
+}
+
+void PutSessionImpl::RunAsyncTask(size_t t) {
+  const uint32_t layer = static_cast<uint32_t>(
+      std::upper_bound(async_first_.begin(), async_first_.end(), t) - async_first_.begin() - 1);
+  const uint16_t* k = async_k_[layer];
+  if (k == nullptr) return;  // a layer written synchronously: nothing to do
+  if (!async_abandon_.load(std::memory_order_relaxed)) {
+    const BlockGeometry& g = conn_.geometry;
+    const uint16_t* v = async_v_[layer];
+    const std::vector<LayerPiece>& pieces = pieces_[layer];
+    const uint64_t base = uint64_t(layer) * g.Bf16LayerBytes();
+    const uint32_t row_bytes = 2 * g.head_dim;
+    const size_t j = t - async_first_[layer];
+    // Packs piece p of block i with its NaN/Inf scan; a whole chunk is hashed at once, while
+    // it is in this thread's L1 (straddling pieces are streamed by JoinAsync, in order).
+    auto pack = [&](size_t i, size_t p) {
+      const LayerPiece& c = pieces[p];
+      uint8_t* out = WholeDst(i, layer);
+      const bool ok =
+          PackRowsCheckFinite(g, writes_[i].index, static_cast<uint32_t>(c.begin / row_bytes),
+                              static_cast<uint32_t>(c.end / row_bytes), k, v, out);
+      if (c.whole) hashes_[i]->Add(base + c.begin, out + c.begin, c.end - c.begin);
+      return ok;
+    };
+    bool finite = true;
+    if (async_per_block_) {
+      for (size_t p = 0; p < pieces.size(); ++p) finite &= pack(j, p);
+    } else {
+      finite = pack(j / pieces.size(), j % pieces.size());
+    }
+    async_finite_[t] = finite ? 1 : 0;
+  }
+  async_left_[layer].fetch_sub(1, std::memory_order_release);
+}
+
+absl::Status PutSessionImpl::AsyncFiniteError(uint32_t l) const {
+  if (!client_->options().check_finite) return absl::OkStatus();
+  for (size_t t = async_first_[l]; t < async_first_[l + 1]; ++t) {
+    if (async_finite_[t]) continue;
+    const size_t j = t - async_first_[l];
+    const size_t i = async_per_block_ ? j : j / pieces_[l].size();
+    return NonFiniteError(conn_.geometry, l, writes_[i].index, async_k_[l], async_v_[l]);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status PutSessionImpl::JoinAsync() {
+  if (!async_pending_) return error_;
+  client_->copy_pool().Drain(*async_);
+  async_pending_ = false;
+  if (async_abandon_.load(std::memory_order_relaxed)) return error_;
+  const BlockGeometry& g = conn_.geometry;
+  absl::Status bad;
+  for (uint32_t l = async_joined_; l < next_layer_; ++l) {
+    if (async_k_[l] == nullptr) continue;
+    const uint64_t base = uint64_t(l) * g.Bf16LayerBytes();
+    for (size_t i = 0; i < writes_.size(); ++i) {
+      for (const LayerPiece& c : pieces_[l]) {
+        if (!c.whole) hashes_[i]->Add(base + c.begin, WholeDst(i, l) + c.begin, c.end - c.begin);
+      }
+    }
+    if (bad.ok()) bad = AsyncFiniteError(l);
+  }
+  async_joined_ = next_layer_;
+  if (!bad.ok() && error_.ok()) error_ = bad;  // poisons the put (Commit fails with it)
+  return SendPacked(/*all=*/true);
+}
+
+absl::Status PutSessionImpl::SendPacked(bool all) {
+  if (direct_) return error_;
+  const BlockGeometry& g = conn_.geometry;
+  const uint64_t slice = g.Bf16LayerBytes(), form = g.Bf16FormBytes();
+  while (error_.ok() && packed_layers_ < next_layer_) {
+    const uint32_t l = packed_layers_;
+    if (!all && !AsyncLayerDone(l)) break;
+    // A layer holding NaN/Inf is never sent (check_finite): the put is poisoned.
+    if (absl::Status s = AsyncFiniteError(l); !s.ok()) {
+      error_ = s;
+      break;
+    }
+    if (!pool_initiates()) {
+      absl::Status s = PostLayer(
+          l, whole_, [&](size_t i) { return i * form + uint64_t(l) * slice; }, l % 2);
+      if (!s.ok()) {
+        error_ = s;
+        break;
+      }
+    }
+    ++packed_layers_;
+  }
+  if (pool_initiates()) {
+    if (!pulls_.empty() &&
+        pulls_.back().wait_for(std::chrono::seconds(0)) == std::future_status::ready) {
+      (void)FinishPulls();
+    }
+    return StartPull();
+  }
+  return error_;
+}
+
+absl::Status PutSessionImpl::WriteLayerAsync(uint32_t layer, absl::Span<const uint16_t> k,
+                                             absl::Span<const uint16_t> v) {
+  KVPOOL_RETURN_IF_ERROR(CheckLayer(layer, k, v));
+  if (!error_.ok()) return error_;  // poisoned or failed: nothing more is written
+  CopyPool& pool = client_->copy_pool();
+  // One thread, or a put below the floor: the synchronous path (the same work, done before
+  // return; waking the workers for it would cost more than it saves).
+  if (writes_.empty() || pool.threads() <= 1 ||
+      writes_.size() * conn_.geometry.Bf16FormBytes() < client_->parallel_async_put_min_bytes()) {
+    return WriteLayer(layer, k, v);
+  }
+  if (async_ == nullptr) KVPOOL_RETURN_IF_ERROR(InitAsync());
+  // RMA and pool-initiated mode send a layer once it is packed: the previous layer had the
+  // caller's compute time to be packed, so it is sent now at the latest (waiting for it, and
+  // helping with it, only when it is not done), and at most this layer is left unsent when the
+  // call returns (Flush sends it).
+  if (!direct_ && layer > 0 && packed_layers_ < layer && async_k_[layer - 1] != nullptr) {
+    pool.WaitFor(*async_, [&] { return AsyncLayerDone(layer - 1); });
+  }
+  async_k_[layer] = k.data();
+  async_v_[layer] = v.data();
+  ++next_layer_;
+  async_pending_ = true;
+  bytes_written_ += conn_.geometry.Bf16LayerBytes() * writes_.size();
+  pool.Submit(*async_, async_first_[layer + 1]);
+  return SendPacked(/*all=*/false);
+}
+
 absl::Status PutSessionImpl::Flush() {
+  (void)JoinAsync();           // every asynchronous layer packed, checked and (RMA, pool) sent
   if (direct_) return error_;  // stores into the mapped staging are visible once made
   if (pool_initiates()) return PullPending();
   absl::Status s0 = WaitSlot(0);
@@ -1749,6 +2050,7 @@ absl::Status PutSessionImpl::Flush() {
 
 absl::StatusOr<PutResult> PutSessionImpl::Commit() {
   if (finished_) return absl::FailedPreconditionError("put: already committed or aborted");
+  (void)JoinAsync();
   if (next_layer_ != conn_.geometry.num_layers) {
     const absl::Status cause = error_;
     (void)Abort();
@@ -1806,6 +2108,13 @@ absl::StatusOr<PutResult> PutSessionImpl::Commit() {
 absl::Status PutSessionImpl::Abort() {
   if (finished_) return absl::OkStatus();
   finished_ = true;
+  // Asynchronous layers: tasks not started yet do nothing; wait for those running, so that no
+  // copy thread reads the caller's k/v or writes the staging once this returns.
+  if (async_ != nullptr) {
+    async_abandon_.store(true, std::memory_order_relaxed);
+    client_->copy_pool().Drain(*async_);
+    async_pending_ = false;
+  }
   // Never let the pool reuse staging that a transfer of ours may still write: wait (bounded).
   // A pull in flight keeps the put claimed at the pool (it refuses AbortPut meanwhile).
   (void)FinishPulls();

@@ -90,6 +90,107 @@ void CopyPool::KeepAwake(std::chrono::microseconds d) {
   if (sleepers_.load() > 0) Publish();
 }
 
+void CopyPool::HoldAwake(std::chrono::microseconds cap) {
+  if (workers_.empty() || cap.count() <= 0) return;
+  const int64_t until = NowNs() + std::chrono::nanoseconds(cap).count();
+  {
+    // The cap of the holds standing now (a released hold's cap no longer counts).
+    std::lock_guard<std::mutex> lock(hold_mu_);
+    const int64_t cur = hold_until_ns_.load(std::memory_order_relaxed);
+    hold_until_ns_.store(holds_.load(std::memory_order_relaxed) == 0 ? until : std::max(cur, until),
+                         std::memory_order_relaxed);
+    holds_.fetch_add(1);
+  }
+  if (sleepers_.load() > 0) Publish();
+}
+
+void CopyPool::ReleaseAwake() {
+  if (workers_.empty()) return;
+  // The usual spin after a job, counted from the end of the hold.
+  const int64_t until = NowNs() + std::chrono::nanoseconds(spin_).count();
+  int64_t cur = awake_until_ns_.load(std::memory_order_relaxed);
+  while (cur < until &&
+         !awake_until_ns_.compare_exchange_weak(cur, until, std::memory_order_relaxed)) {
+  }
+  std::lock_guard<std::mutex> lock(hold_mu_);
+  if (holds_.fetch_sub(1) == 1) hold_until_ns_.store(0, std::memory_order_relaxed);
+}
+
+bool CopyPool::TryRunStreamTask(Stream& s) {
+  size_t c = s.claimed_.load(std::memory_order_relaxed);
+  for (;;) {
+    // claimed_ <= published_ always (a task is claimed only below a published count seen), and
+    // the acquire makes the owner's writes before that Submit visible to RunTask(c).
+    if (c >= s.published_.load(std::memory_order_acquire)) return false;
+    if (s.claimed_.compare_exchange_weak(c, c + 1, std::memory_order_acq_rel,
+                                         std::memory_order_relaxed)) {
+      break;
+    }
+  }
+  s.RunTask(c);
+  s.done_.fetch_add(1, std::memory_order_release);
+  return true;
+}
+
+void CopyPool::RunStreamSlot(int k) {
+  StreamSlot& slot = stream_slots_[k];
+  if (slot.stream.load(std::memory_order_relaxed) == nullptr) return;
+  // users is raised before the stream pointer is read and Drain clears the pointer before it
+  // reads users (all seq_cst): either Drain sees this worker and waits for it, or this worker
+  // reads null.
+  slot.users.fetch_add(1);
+  if (Stream* s = slot.stream.load(); s != nullptr) {
+    uint64_t ran = 0;
+    while (TryRunStreamTask(*s)) ++ran;
+    if (ran != 0) stream_tasks_on_workers_.fetch_add(ran, std::memory_order_relaxed);
+  }
+  slot.users.fetch_sub(1);
+}
+
+void CopyPool::Submit(Stream& s, size_t n) {
+  if (n <= s.published_.load(std::memory_order_relaxed)) return;
+  if (s.slot_ < 0 && !workers_.empty()) {
+    for (int k = 0; k < kStreamSlots; ++k) {
+      Stream* expected = nullptr;
+      if (stream_slots_[k].stream.compare_exchange_strong(expected, &s)) {
+        s.slot_ = k;
+        break;
+      }
+    }
+  }
+  s.published_.store(n, std::memory_order_release);
+  if (s.slot_ >= 0) {
+    Publish();
+    return;
+  }
+  // No worker runs this stream (no workers, or every slot taken): run it here.
+  while (TryRunStreamTask(s)) {
+  }
+}
+
+void CopyPool::WaitFor(Stream& s, absl::FunctionRef<bool()> ready) {
+  Backoff b;
+  while (!ready()) {
+    if (!TryRunStreamTask(s)) b.Pause();
+  }
+}
+
+void CopyPool::Drain(Stream& s) {
+  const size_t n = s.published_.load(std::memory_order_relaxed);
+  Backoff b;
+  // The acquire load that sees n pairs with the release increments of every task (a chain of
+  // RMWs): their writes are visible here.
+  while (s.done_.load(std::memory_order_acquire) < n) {
+    if (!TryRunStreamTask(s)) b.Pause();
+  }
+  if (s.slot_ >= 0) {
+    StreamSlot& slot = stream_slots_[s.slot_];
+    slot.stream.store(nullptr);
+    while (slot.users.load() != 0) CpuRelax();
+    s.slot_ = -1;
+  }
+}
+
 void CopyPool::Publish() {
   generation_.fetch_add(1);
   if (sleepers_.load() > 0) {
@@ -102,14 +203,22 @@ void CopyPool::WorkerLoop(int id, int participants) {
   // generation_ is 0 when the pool is constructed: a worker that starts late still sees every
   // job published (or the stop) since then.
   uint32_t seen = 0;
+  uint64_t scanned_run = 0;  // the last Run whose slots this worker has tried every one of
   for (;;) {
     // Wait for a new job: spin a little (the next layer of a put usually comes within
-    // microseconds) or as long as KeepAwake asked, then sleep.
-    int64_t until = NowNs() + std::chrono::nanoseconds(spin_).count();
+    // microseconds) or as long as KeepAwake / HoldAwake asked, then sleep.
+    const int64_t spin_end = NowNs() + std::chrono::nanoseconds(spin_).count();
+    // Whether this worker may sleep now: its own spin is over, no KeepAwake window stands, and
+    // no HoldAwake stands (or the holds' cap has passed).
+    auto may_sleep = [&] {
+      const int64_t now = NowNs();
+      return now >= spin_end && now >= awake_until_ns_.load(std::memory_order_relaxed) &&
+             (holds_.load(std::memory_order_relaxed) <= 0 ||
+              now >= hold_until_ns_.load(std::memory_order_relaxed));
+    };
     uint32_t g = generation_.load(std::memory_order_acquire);
     for (int k = 0; g == seen; ++k) {
-      if ((k & 63) == 63 && NowNs() >= until &&
-          NowNs() >= (until = std::max(until, awake_until_ns_.load(std::memory_order_relaxed)))) {
+      if ((k & 63) == 63 && may_sleep()) {
         // Sleep. sleepers_ is raised before generation_ is re-read and Publish bumps
         // generation_ before reading sleepers_ (both seq_cst), so either this thread sees the
         // new job or Publish sees a sleeper and notifies under sleep_mu_.
@@ -126,10 +235,16 @@ void CopyPool::WorkerLoop(int id, int participants) {
     if (stop_.load(std::memory_order_acquire)) return;
     const uint64_t job = job_.load(std::memory_order_acquire);
     const uint64_t run = job >> kSlotBits;
-    const size_t num_slots = job & ((uint64_t{1} << kSlotBits) - 1);
-    // Own slots first, then whatever is left.
-    for (size_t s = id; s < num_slots; s += size_t(participants)) TryRunSlot(run, s);
-    for (size_t s = 0; s < num_slots; ++s) TryRunSlot(run, s);
+    if (run != scanned_run) {
+      // A Run's slots once (a later generation bump may be a stream's or a wake-up: this run's
+      // slots that were claimed stay claimed).
+      const size_t num_slots = job & ((uint64_t{1} << kSlotBits) - 1);
+      // Own slots first, then whatever is left.
+      for (size_t s = id; s < num_slots; s += size_t(participants)) TryRunSlot(run, s);
+      for (size_t s = 0; s < num_slots; ++s) TryRunSlot(run, s);
+      scanned_run = run;
+    }
+    for (int k = 0; k < kStreamSlots; ++k) RunStreamSlot(k);
   }
 }
 

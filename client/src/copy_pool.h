@@ -9,6 +9,11 @@
 //   pool.Run(n, [&](size_t i) { pack piece i; },           // any thread, any order
 //               [&](size_t i) { stream piece i; });        // the caller, i = 0, 1, ..., n-1
 //
+//   struct Layers : CopyPool::Stream { void RunTask(size_t i) override { pack piece i; } };
+//   Layers s;  // background work (an asynchronous put): tasks run while the owner goes on
+//   pool.Submit(s, n1); ... pool.Submit(s, n2);  // publish tasks [0, n1), then [n1, n2)
+//   pool.Drain(s);                               // the owner joins: every task has run
+//
 // Internal to kvpool_client. Worker threads run only the `work` callbacks: plain memory work,
 // never a UCX or gRPC call (the transport's one-owner-thread rule is untouched).
 #pragma once
@@ -59,11 +64,76 @@ class CopyPool {
   // nothing when d <= 0 or there are no workers.
   void KeepAwake(std::chrono::microseconds d);
 
+  // Holds the workers awake (spinning) from now until the matching ReleaseAwake, at most `cap`
+  // from now, and wakes the sleeping ones: for a caller about to block in an RPC that is
+  // usually followed at once by parallel work (BeginPut before an asynchronous put's layers,
+  // Acquire before a fetch), so that the workers' wake-up overlaps the RPC and costs their cores
+  // only for as long as the RPC takes (KeepAwake's fixed window spends them for the whole window
+  // whatever the RPC took). Holds from several threads nest (the workers stay up while any is
+  // held). Thread-safe; nothing when there are no workers or cap <= 0.
+  void HoldAwake(std::chrono::microseconds cap);
+  // Ends one HoldAwake (every HoldAwake needs exactly one, on any thread); the workers then
+  // spin for their usual `spin` (the work the RPC announced normally comes within it), then
+  // sleep unless another hold or KeepAwake stands.
+  void ReleaseAwake();
+  // True when no worker is asleep (each is running a task or spinning), so a Run now starts
+  // on every thread at once instead of paying for their wake-up. A hint: a worker may fall
+  // asleep right after. For the fetch floor that applies only with awake workers.
+  bool awake() const { return !workers_.empty() && sleepers_.load(std::memory_order_relaxed) == 0; }
+
+  // ---- background streams ----
+  // A Stream is a list of tasks 0, 1, 2, ... that grows while it is used (Submit) and that the
+  // workers run in the background, claiming them in index order, while the stream's owner
+  // thread does other things; the owner joins them with Drain. The owner subclasses it and
+  // implements RunTask(i): called once for every published index, on a worker or on the owner
+  // (inside Submit or Drain), concurrently for different indices; whatever the owner wrote
+  // before the Submit that published i is visible to RunTask(i), and whatever RunTask(i) wrote
+  // is visible to the owner once Drain (or a WaitFor whose predicate saw the task's own release
+  // store) returns. One owner thread at a time per stream. At most kStreamSlots streams are run
+  // by the workers at once; a Submit that finds them all taken (or a pool without workers) runs
+  // the tasks it publishes on the owner before it returns (the same results).
+  class Stream {
+   public:
+    Stream() = default;
+    Stream(const Stream&) = delete;
+    Stream& operator=(const Stream&) = delete;
+    // A stream must be drained (or never have been submitted) when it is destroyed.
+    virtual ~Stream() = default;
+    size_t published() const { return published_.load(std::memory_order_relaxed); }
+
+   protected:
+    virtual void RunTask(size_t i) = 0;
+
+   private:
+    friend class CopyPool;
+    alignas(64) std::atomic<size_t> claimed_{0};  // tasks claimed (<= published_)
+    alignas(64) std::atomic<size_t> done_{0};     // tasks finished
+    std::atomic<size_t> published_{0};            // written by the owner only
+    int slot_ = -1;                               // the stream slot it holds (owner only)
+  };
+  static constexpr int kStreamSlots = 4;
+  // Publishes the tasks [s.published(), n) of `s` (n >= s.published()) and wakes the workers.
+  // Attaches the stream to a free slot on its first Submit (or a later one, when the slots were
+  // taken before). Owner only.
+  void Submit(Stream& s, size_t n);
+  // The owner waits until `ready()` is true, running unclaimed tasks of `s` itself meanwhile
+  // (for a partial join, e.g. one layer of an asynchronous put). `ready` should become true
+  // once some published tasks are done; it is called repeatedly.
+  void WaitFor(Stream& s, absl::FunctionRef<bool()> ready);
+  // Runs the unclaimed tasks of `s` on the owner, waits until every published task is done,
+  // and detaches the stream (no worker touches it after this returns). Owner only. The stream
+  // can be submitted to again afterwards.
+  void Drain(Stream& s);
+
   // Jobs that used the workers / ran inline because the workers were busy (for tests).
   uint64_t parallel_runs() const { return parallel_runs_.load(std::memory_order_relaxed); }
   uint64_t busy_fallbacks() const { return busy_fallbacks_.load(std::memory_order_relaxed); }
   // Workers asleep on the condition variable right now (for tests).
   int sleeping_workers() const { return sleepers_.load(); }
+  // Stream tasks run by worker threads (not by the owner) since the pool started (for tests).
+  uint64_t stream_tasks_on_workers() const {
+    return stream_tasks_on_workers_.load(std::memory_order_relaxed);
+  }
 
  private:
   // A job's n indices are cut into num_slots <= kSlots slots of `group` consecutive indices
@@ -93,6 +163,10 @@ class CopyPool {
   // Claims slot `s` for run `run` and runs its indices; false when it was claimed already.
   bool TryRunSlot(uint64_t run, size_t s);
   void WorkerLoop(int id, int participants);
+  // Claims and runs one published, unclaimed task of `s`; false when there is none.
+  static bool TryRunStreamTask(Stream& s);
+  // A worker's turn at stream slot k: runs the tasks of the stream attached there, if any.
+  void RunStreamSlot(int k);
   // Announces a new job (or stop) to the workers: bumps generation_, wakes sleepers.
   void Publish();
 
@@ -106,8 +180,22 @@ class CopyPool {
   std::condition_variable wake_;
   std::atomic<int> sleepers_{0};
   std::atomic<bool> stop_{false};
-  // Workers do not sleep before this steady_clock time (nanoseconds since its epoch; KeepAwake).
+  // Workers do not sleep before this steady_clock time (nanoseconds since its epoch; KeepAwake,
+  // and ReleaseAwake's spin).
   std::atomic<int64_t> awake_until_ns_{0};
+  // HoldAwake: holds standing now, and the time the longest of them is capped at (changed
+  // under hold_mu_; the workers only read them).
+  std::mutex hold_mu_;
+  std::atomic<int> holds_{0};
+  std::atomic<int64_t> hold_until_ns_{0};
+  // Streams the workers run (Submit attaches, Drain detaches). `users` counts the workers
+  // inside RunStreamSlot(k), so that Drain can wait until none still looks at the stream.
+  struct alignas(64) StreamSlot {
+    std::atomic<Stream*> stream{nullptr};
+    std::atomic<int> users{0};
+  };
+  StreamSlot stream_slots_[kStreamSlots];
+  std::atomic<uint64_t> stream_tasks_on_workers_{0};
   // The current job; written by the owning Run before job_ is published (release), read by a
   // worker only after it claimed a slot of that run, and unchanged until every slot is done.
   const absl::FunctionRef<void(size_t)>* work_ = nullptr;

@@ -287,6 +287,272 @@ TEST_P(ClientTest, EachLayerReachesStagingBeforeTheNextIsWritten) {
   }
 }
 
+// WriteLayerAsync: the same stored bytes as the encoder gives, for few blocks (one task per
+// 16 KiB checksum piece) and many (one task per block and layer; 12 >= 2 x 4 threads), with
+// every layer asynchronous and mixed with WriteLayer; after Flush the caller may overwrite
+// k/v (the put no longer reads them) and the commit still stores the original bytes (its
+// checksums were computed from them).
+TEST_P(ClientTest, AsyncLayersAreByteExactAgainstTheCpuEncoder) {
+  auto c = NewClient();
+  ASSERT_NE(c, nullptr);
+  const ModelSpec spec = Spec("int2");
+  ASSERT_TRUE(c->RegisterModel(spec).ok());
+  const BlockGeometry g = Geometry();
+  uint32_t seed = 100;
+  for (uint32_t blocks : {3u, 12u}) {
+    for (const char* mode : {"async", "async,sync", "sync,async"}) {
+      SCOPED_TRACE(absl::StrCat(blocks, " blocks, layers ", mode));
+      const Sequence s = MakeSequence(blocks * kPage, ++seed);
+      Sequence scratch = s;  // what the put reads; overwritten after Flush
+      auto put = c->BeginPut(s.tokens);
+      ASSERT_TRUE(put.ok()) << put.status();
+      for (uint32_t l = 0; l < kLayers; ++l) {
+        const bool async = std::string_view(mode) == "async" ||
+                           (l == 0) == (std::string_view(mode) == "async,sync");
+        absl::Status w = async ? (*put)->WriteLayerAsync(l, scratch.k[l], scratch.v[l])
+                               : (*put)->WriteLayer(l, scratch.k[l], scratch.v[l]);
+        ASSERT_TRUE(w.ok()) << w;
+      }
+      ASSERT_TRUE((*put)->Flush().ok());
+      for (auto& layer : scratch.k) std::fill(layer.begin(), layer.end(), uint16_t{0x7FC0});
+      for (auto& layer : scratch.v) std::fill(layer.begin(), layer.end(), uint16_t{0x3F80});
+      auto r = (*put)->Commit();
+      ASSERT_TRUE(r.ok()) << r.status();
+      EXPECT_EQ(r->blocks_written, blocks);
+      EXPECT_EQ(r->bytes_written, uint64_t{blocks} * g.Bf16FormBytes());
+
+      auto lease = c->Acquire(s.tokens);
+      ASSERT_TRUE(lease.ok()) << lease.status();
+      ASSERT_EQ(lease->blocks.size(), blocks);
+      auto pools = MakePools(*c, blocks);
+      ASSERT_NE(pools, nullptr);
+      auto f = c->Fetch(*lease, pools->plan);
+      ASSERT_TRUE(f.ok()) << f.status();
+      ASSERT_EQ(f->num_blocks, blocks);
+      for (uint32_t b = 0; b < blocks; ++b) {
+        std::vector<uint8_t> bf16, int2;
+        ASSERT_TRUE(ExpectedForms(s, b, spec, &bf16, &int2));
+        if (f->forms[b] == Form::kInt2) {
+          EXPECT_EQ(0, std::memcmp(pools->int2_mem.data() + f->pages[b] * g.Int2FormBytes(),
+                                   int2.data(), int2.size()))
+              << "block " << b;
+        } else {
+          EXPECT_EQ(0, std::memcmp(pools->bf16_mem.data() + f->pages[b] * g.Bf16FormBytes(),
+                                   bf16.data(), bf16.size()))
+              << "block " << b;
+        }
+      }
+      EXPECT_TRUE(c->Release(*lease).ok());
+    }
+  }
+}
+
+// Asynchronous layers reach the pool's staging without a Flush: in direct mode the copy threads
+// store them straight into the mapped staging; over RMA and pool pulls a layer is sent once
+// packed, at the latest by the next WriteLayerAsync (so layer l-1 is there after layer l was
+// queued), and Flush sends and waits for the rest. Abort and Commit keep their meaning.
+TEST_P(ClientTest, AsyncLayersReachStagingAndFlushJoinsThem) {
+  const ModelSpec spec = Spec("bf16");
+  const BlockGeometry g = Geometry();
+  auto c = NewClient();
+  ASSERT_NE(c, nullptr);
+  auto info = c->RegisterModel(spec);
+  ASSERT_TRUE(info.ok()) << info.status();
+  const bool direct = info->mapped_pool_memory;
+  kvstore::PoolMemory& mem = server_->store().memory();
+  auto in_pool = [&](const Sequence& s, uint32_t layer) {
+    std::vector<uint8_t> slice(g.Bf16LayerBytes());
+    for (uint32_t b = 0; b < s.tokens.size() / kPage; ++b) {
+      PackLayerSlice(g, b, s.k[layer].data(), s.v[layer].data(), slice.data());
+      if (memmem(mem.data(), mem.size(), slice.data(), slice.size()) == nullptr) return false;
+    }
+    return true;
+  };
+  auto arrives = [&](const Sequence& s, uint32_t layer) {
+    const absl::Time deadline = absl::Now() + absl::Seconds(20);  // a bound, not a speed check
+    while (!in_pool(s, layer) && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(2));
+    return in_pool(s, layer);
+  };
+  for (bool commit : {false, true}) {
+    SCOPED_TRACE(commit ? "commit" : "abort");
+    Sequence s = MakeSequence(3 * kPage, commit ? 23 : 24);
+    auto put = c->BeginPut(s.tokens);
+    ASSERT_TRUE(put.ok()) << put.status();
+    for (uint32_t l = 0; l < kLayers; ++l) {
+      ASSERT_TRUE((*put)->WriteLayerAsync(l, s.k[l], s.v[l]).ok());
+      if (direct) {
+        EXPECT_TRUE(arrives(s, l)) << "layer " << l << " never reached staging";
+      } else if (l > 0) {
+        EXPECT_TRUE(arrives(s, l - 1)) << "layer " << l - 1 << " not sent by the next layer";
+      }
+    }
+    ASSERT_TRUE((*put)->Flush().ok());
+    for (uint32_t l = 0; l < kLayers; ++l) EXPECT_TRUE(in_pool(s, l)) << "after Flush, " << l;
+    if (!commit) {
+      ASSERT_TRUE((*put)->Abort().ok());
+      auto look = c->Lookup(s.tokens);
+      ASSERT_TRUE(look.ok()) << look.status();
+      EXPECT_EQ(look->num_blocks, 0u);
+      auto st = c->Stats();
+      ASSERT_TRUE(st.ok()) << st.status();
+      EXPECT_EQ(st->staging_bytes, 0u);
+      EXPECT_EQ(st->open_puts, 0u);
+      continue;
+    }
+    auto r = (*put)->Commit();
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->blocks_written, 3u);
+    EXPECT_TRUE(FetchAndCompareBf16(*c, s, spec, 3).has_value());
+  }
+}
+
+// A non-finite value in an asynchronous layer: found while the copy threads pack it, reported
+// by Flush (and Commit, which aborts) as WriteLayer reports it — INVALID_ARGUMENT naming the
+// lowest bad layer and its first bad token — and the put is poisoned: later layers are refused
+// with it, nothing becomes visible, and over RMA / pool pulls the bad layer never reaches the
+// pool. Few and many blocks (both task shapes).
+TEST_P(ClientTest, AsyncNonFiniteValuesPoisonThePutNamingLayerAndToken) {
+  auto c = NewClient();
+  ASSERT_NE(c, nullptr);
+  auto info = c->RegisterModel(Spec("int2"));
+  ASSERT_TRUE(info.ok()) << info.status();
+  const BlockGeometry g = Geometry();
+  kvstore::PoolMemory& mem = server_->store().memory();
+  const size_t row = size_t(kHeads) * kDim;
+  uint32_t seed = 300;
+  for (uint32_t blocks : {2u, 12u}) {
+    for (bool both : {false, true}) {
+      SCOPED_TRACE(absl::StrCat(blocks, " blocks", both ? ", layers 0 and 1 bad" : ""));
+      Sequence s = MakeSequence(blocks * kPage, ++seed);
+      const uint32_t token = blocks * kPage - 3;         // in the last block
+      s.v[1][token * row + 5] = 0xFFC1;                  // NaN at layer 1
+      if (both) s.k[0][(kPage + 2) * row + 1] = 0x7F80;  // +Inf at layer 0, token 18
+      auto put = c->BeginPut(s.tokens);
+      ASSERT_TRUE(put.ok()) << put.status();
+      for (uint32_t l = 0; l < kLayers; ++l) {
+        absl::Status w = (*put)->WriteLayerAsync(l, s.k[l], s.v[l]);
+        // Found at once only where the layer was packed on the calling thread, or an earlier
+        // layer's value was found by then.
+        EXPECT_TRUE(w.ok() || w.code() == absl::StatusCode::kInvalidArgument) << w;
+      }
+      const absl::Status flushed = (*put)->Flush();
+      EXPECT_EQ(flushed.code(), absl::StatusCode::kInvalidArgument) << flushed;
+      EXPECT_THAT(flushed.message(), HasSubstr(both ? "k: NaN or Inf at layer 0, token 18"
+                                                    : absl::StrCat("v: NaN or Inf at layer 1, "
+                                                                   "token ",
+                                                                   token)));
+      if (!info->mapped_pool_memory) {
+        // Never RMA-put or pulled: the bad layer's packed bytes are nowhere in the pool.
+        const uint32_t bad_layer = both ? 0 : 1;
+        std::vector<uint8_t> slice(g.Bf16LayerBytes());
+        PackLayerSlice(g, blocks - (both ? blocks - 1 : 1), s.k[bad_layer].data(),
+                       s.v[bad_layer].data(), slice.data());
+        EXPECT_EQ(memmem(mem.data(), mem.size(), slice.data(), slice.size()), nullptr);
+      }
+      // The same status, or (when a later layer was refused because the put was already
+      // poisoned) WriteLayer's "Commit with only N of L layers" naming it as the cause.
+      auto committed = (*put)->Commit();
+      EXPECT_FALSE(committed.ok());
+      if (committed.status() != flushed) {
+        EXPECT_EQ(committed.status().code(), absl::StatusCode::kFailedPrecondition);
+        EXPECT_THAT(committed.status().message(), HasSubstr(flushed.ToString()));
+      }
+      auto look = c->Lookup(s.tokens);
+      ASSERT_TRUE(look.ok()) << look.status();
+      EXPECT_EQ(look->num_blocks, 0u);
+    }
+  }
+  // Client::Put packs its layers asynchronously: the same status.
+  Sequence bad = MakeSequence(3 * kPage, 399);
+  bad.k[1][20 * row + 3] = 0x7FC0;
+  auto r = c->Put(bad.tokens, bad.ks(), bad.vs());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+  EXPECT_THAT(r.status().message(), HasSubstr("k: NaN or Inf at layer 1, token 20"));
+  auto st = c->Stats();
+  ASSERT_TRUE(st.ok()) << st.status();
+  EXPECT_EQ(st->open_puts, 0u);
+}
+
+// WriteLayerAsync refuses what WriteLayer refuses, at once: layers out of order or twice, short
+// k/v, a layer beyond the model, a finished session.
+TEST_P(ClientTest, AsyncLayersOutOfOrderOrAfterTheEndAreRefused) {
+  auto c = NewClient();
+  ASSERT_NE(c, nullptr);
+  ASSERT_TRUE(c->RegisterModel(Spec("int2")).ok());
+  Sequence s = MakeSequence(3 * kPage, 41);
+  auto put = c->BeginPut(s.tokens);
+  ASSERT_TRUE(put.ok()) << put.status();
+  EXPECT_EQ((*put)->WriteLayerAsync(1, s.k[1], s.v[1]).code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT((*put)->WriteLayerAsync(0, absl::MakeSpan(s.k[0]).subspan(0, 10), s.v[0]).message(),
+              HasSubstr("k:"));
+  EXPECT_THAT((*put)->WriteLayerAsync(0, s.k[0], absl::MakeSpan(s.v[0]).subspan(0, 10)).message(),
+              HasSubstr("v:"));
+  EXPECT_EQ((*put)->WriteLayerAsync(7, s.k[0], s.v[0]).code(), absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE((*put)->WriteLayerAsync(0, s.k[0], s.v[0]).ok());
+  const absl::Status twice = (*put)->WriteLayerAsync(0, s.k[0], s.v[0]);
+  EXPECT_EQ(twice.code(), absl::StatusCode::kFailedPrecondition) << twice;
+  EXPECT_THAT(twice.message(), HasSubstr("expected layer 1, got 0"));
+  // Commit with a layer missing joins the queued one, aborts and stores nothing.
+  EXPECT_EQ((*put)->Commit().status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ((*put)->WriteLayerAsync(1, s.k[1], s.v[1]).code(),
+            absl::StatusCode::kFailedPrecondition);
+  auto look = c->Lookup(s.tokens);
+  ASSERT_TRUE(look.ok());
+  EXPECT_EQ(look->num_blocks, 0u);
+}
+
+// Abort, destroying the session, or destroying the session and then the client right after
+// queuing asynchronous layers (64 blocks: still being packed by the copy threads): nothing
+// becomes visible, the staging is reclaimed, and once the call returns nothing of this put
+// writes the pool's memory any more (a snapshot of it stays equal); the same put then works.
+TEST_P(ClientTest, AbortOrDestroyWithAsyncLayersInFlightLeavesNothing) {
+  const ModelSpec spec = Spec("bf16");
+  auto observer = NewClient();
+  ASSERT_NE(observer, nullptr);
+  ASSERT_TRUE(observer->RegisterModel(spec).ok());
+  kvstore::PoolMemory& mem = server_->store().memory();
+  uint32_t seed = 500;
+  for (const char* how : {"abort", "destroy session", "destroy session and client"}) {
+    SCOPED_TRACE(how);
+    auto c = NewClient();
+    ASSERT_NE(c, nullptr);
+    ASSERT_TRUE(c->RegisterModel(spec).ok());
+    auto s = std::make_unique<Sequence>(MakeSequence(64 * kPage, ++seed));
+    auto put = c->BeginPut(s->tokens);
+    ASSERT_TRUE(put.ok()) << put.status();
+    for (uint32_t l = 0; l < kLayers; ++l) {
+      ASSERT_TRUE((*put)->WriteLayerAsync(l, s->k[l], s->v[l]).ok());
+    }
+    if (std::string_view(how) == "abort") {
+      EXPECT_TRUE((*put)->Abort().ok());
+    } else {
+      put->reset();
+      if (std::string_view(how) != "destroy session") c.reset();
+    }
+    const Sequence kept = *s;
+    s.reset();  // the caller frees k/v: nothing of the put reads them any more
+    const std::vector<uint8_t> snapshot(mem.data(), mem.data() + mem.size());
+    absl::SleepFor(absl::Milliseconds(20));
+    EXPECT_EQ(0, std::memcmp(snapshot.data(), mem.data(), mem.size()))
+        << "the pool's memory changed after the put was dropped";
+    auto st = observer->Stats();
+    ASSERT_TRUE(st.ok()) << st.status();
+    EXPECT_EQ(st->open_puts, 0u);
+    EXPECT_EQ(st->staging_bytes, 0u);
+    auto look = observer->Lookup(kept.tokens);
+    ASSERT_TRUE(look.ok());
+    EXPECT_EQ(look->num_blocks, 0u);
+    if (c == nullptr) c = NewClient();
+    ASSERT_NE(c, nullptr);
+    ASSERT_TRUE(c->RegisterModel(spec).ok());
+    auto again = c->Put(kept.tokens, kept.ks(), kept.vs());
+    ASSERT_TRUE(again.ok()) << again.status();
+    EXPECT_EQ(again->blocks_written, 64u);
+    EXPECT_TRUE(FetchAndCompareBf16(*c, kept, spec, 64).has_value());
+  }
+}
+
 // The client's vectorized NaN/Inf scan: a bad value at each of 9 consecutive positions (every
 // lane of a vector word and across a word boundary), both signs, NaN payloads and Inf are
 // refused naming the token; the extreme finite values pass.
@@ -782,6 +1048,9 @@ TEST_P(ClientTest, APoolThatDiedSinceTheLeaseOrBeginPutIsNotReadOrWritten) {
   if (put != nullptr) {
     Sequence b = MakeSequence(4 * kPage, 62);
     absl::Status w = put->WriteLayer(1, b.ks()[1], b.vs()[1]);
+    EXPECT_EQ(w.code(), absl::StatusCode::kUnavailable) << w;
+    // The asynchronous layer makes the same check before it is queued.
+    w = put->WriteLayerAsync(1, b.ks()[1], b.vs()[1]);
     EXPECT_EQ(w.code(), absl::StatusCode::kUnavailable) << w;
     (void)put->Abort();
   }

@@ -12,6 +12,9 @@
 //   KVPOOL_ASSIGN_OR_RETURN(auto put, client->BeginPut(tokens));
 //   for (uint32_t l = 0; l < L; ++l) KVPOOL_RETURN_IF_ERROR(put->WriteLayer(l, k[l], v[l]));
 //   KVPOOL_ASSIGN_OR_RETURN(PutResult r, put->Commit());
+//   // or, keeping k[l]/v[l] alive until Flush/Commit (an engine's save_kv_layer / wait_for_save):
+//   for (uint32_t l = 0; l < L; ++l) KVPOOL_RETURN_IF_ERROR(put->WriteLayerAsync(l, k[l], v[l]));
+//   KVPOOL_RETURN_IF_ERROR(put->Flush());
 //   // decode: lease the longest prefix and fetch it into page pools
 //   KVPOOL_ASSIGN_OR_RETURN(Lease lease, client->Acquire(tokens));
 //   KVPOOL_ASSIGN_OR_RETURN(FetchResult f, client->Fetch(lease, plan));
@@ -130,17 +133,24 @@ struct ClientOptions {
   // in one call, 4.0 against 4.3 with 8 in another; the unverified one 19 against 28); from
   // 1 MiB on, spreading wins (1 MiB warm verified 28.0 against 10.8 GB/s).
   uint64_t parallel_fetch_min_bytes = 512 << 10;
-  // How long the copy threads are kept awake (spinning, not asleep) from the start of a BeginPut
-  // whose put layers, or an Acquire whose fetch, will be spread over them (the floors above), so
-  // that they are already running when that work comes instead of being woken for it: a
-  // sleeping worker needs tens of microseconds, and on the H200 host the first fetch after an
-  // Acquire and the first layer after a BeginPut ran mostly on the calling thread
-  // (docs/TRANSPORT.md "Session 6"). Costs the copy threads' cores for up to this long after
-  // each such call (at most 10 s is used). Zero or negative = off, the default, because of
-  // that CPU cost. Measured on the H200 host (posix,cma, 1 ms): the 1 MiB first fetch 19.7
-  // against 13.1 GB/s, 4 MiB 26.5 against 22.2, the 1 MiB put 11.9 against 10.7; 256 KiB
-  // unchanged (docs/TRANSPORT.md "Session 6", lead's final call).
-  absl::Duration copy_threads_prewake = absl::ZeroDuration();
+  // Fetches of at least this many bytes (and below parallel_fetch_min_bytes) are spread over
+  // the copy threads when none of them is asleep (held awake through the Acquire by
+  // copy_threads_prewake, or spinning after their last job), so the spread pays no wake-up.
+  // Default 256 KiB: TODO(s7) measured value.
+  uint64_t parallel_fetch_awake_min_bytes = 256 << 10;
+  // Asynchronous puts (PutSession::WriteLayerAsync) whose blocks to write hold fewer bytes than
+  // this are packed on the calling thread before WriteLayerAsync returns, as WriteLayer does.
+  // Default 128 KiB: TODO(s7).
+  uint64_t parallel_async_put_min_bytes = 128 << 10;
+  // Holds the copy threads awake (spinning, not asleep) through a BeginPut whose layers, or an
+  // Acquire whose fetch, will be spread over them (the floors above): from the start of the RPC
+  // until it returns, then their usual 50 µs spin, so that they are running when that work
+  // comes instead of being woken for it (a sleeping worker needs tens of microseconds, and on
+  // the H200 host the first fetch after an Acquire and the first layer after a BeginPut ran
+  // mostly on the calling thread: docs/TRANSPORT.md "Session 6"). This is the cap of one hold
+  // (at most 10 s is used), for an RPC that takes longer; the cost is the copy threads' cores
+  // for as long as the RPC takes. Zero or negative = off. Default TODO(s7).
+  absl::Duration copy_threads_prewake = absl::Milliseconds(2);
   // Report fetched forms that fail their checksum to the pool (Client::Fetch, in the background;
   // protocol v1.5), which drops them when its stored bytes are corrupt. false: Fetch only
   // returns DATA_LOSS and the pool keeps serving the form (for a pool from before v1.5, which
@@ -247,9 +257,42 @@ class PutSession {
   // else asks Stats — as Fetch does; a pool that dies later is seen by Flush/Commit).
   virtual absl::Status WriteLayer(uint32_t layer, absl::Span<const uint16_t> k,
                                   absl::Span<const uint16_t> v) = 0;
+  // Sends layer `layer` like WriteLayer (same arguments, same bytes, same checksums, same
+  // refusals), but returns once the layer is queued: it is packed, scanned for NaN/Inf and
+  // hashed by the client's copy threads in the background, with no wait per layer, while the
+  // caller computes the next layer. This is vLLM's save_kv_layer … wait_for_save contract.
+  //
+  // Ownership: the memory of `k` and `v` must stay valid and unchanged from this call until the
+  // next Flush, Commit or Abort of this session returns (whatever its status), or until the
+  // session is destroyed; the client reads it until then and never writes it. Flush joins every
+  // layer written so far (that is the put's wait_for_save); Commit and Abort join too, and the
+  // destructor joins before it returns, so nothing of this session runs after it.
+  //
+  // Errors returned at once: those of WriteLayer's checks (INVALID_ARGUMENT "layer"/"k"/"v",
+  // FAILED_PRECONDITION out of order or finished, CANCELLED, UNAVAILABLE in direct mode when
+  // the pool is found dead before the layer is queued), and the put's earlier error when it is
+  // already failed or poisoned. A non-finite value is found while the layer is packed, so it is
+  // reported later: by Flush, Commit (which aborts the put) or a later WriteLayer(Async) — the
+  // same INVALID_ARGUMENT naming the lowest bad layer and its first bad token, and it poisons the
+  // put as in WriteLayer (a layer holding one is never RMA-put or pulled). A data-plane error
+  // (RMA, pool pulls) is reported the same way.
+  //
+  // How it travels: direct mode — the copy threads pack straight into the mapped staging;
+  // client-initiated RMA and pool-initiated mode — they pack into a registered buffer of the
+  // whole put, and this session's calls send each layer once it is packed (at the latest the
+  // next WriteLayerAsync sends the one before, so at most the newest layer waits for Flush).
+  // Puts whose written blocks hold fewer than ClientOptions::parallel_async_put_min_bytes, and
+  // clients with one copy thread, pack on the calling thread before return (as WriteLayer).
+  // Mixing WriteLayer and WriteLayerAsync in one put is allowed (WriteLayer joins the
+  // asynchronous layers before it). One copy-pool stream per put; with more than four
+  // asynchronous puts in flight at once in one client, the extra ones pack on their calling
+  // threads.
+  virtual absl::Status WriteLayerAsync(uint32_t layer, absl::Span<const uint16_t> k,
+                                       absl::Span<const uint16_t> v) = 0;
   // Waits until every layer written so far is visible in the pool's staging memory (the
-  // data-plane half of a put; an engine's wait_for_save). Errors: UNAVAILABLE,
-  // DEADLINE_EXCEEDED.
+  // data-plane half of a put; an engine's wait_for_save), joining asynchronous layers first;
+  // afterwards the caller may reuse their k/v. Errors: UNAVAILABLE, DEADLINE_EXCEEDED, and
+  // INVALID_ARGUMENT for a non-finite value in an asynchronous layer (the put is poisoned).
   virtual absl::Status Flush() = 0;
   // Waits for every layer's transfer, sends checksums, commits. On failure the put is aborted
   // (AbortPut, at most 2 s more), except when CommitPut got no answer within the call timeout:
@@ -259,7 +302,9 @@ class PutSession {
   // Errors: FAILED_PRECONDITION (a layer missing), DATA_LOSS, UNAVAILABLE, DEADLINE_EXCEEDED,
   // plus the pool's refusals (e.g. INVALID_ARGUMENT for NaN/Inf found at commit).
   virtual absl::StatusOr<PutResult> Commit() = 0;
-  // Drops the put; nothing becomes visible. Idempotent.
+  // Drops the put; nothing becomes visible. Idempotent. Asynchronous layers not yet packed are
+  // skipped; the call waits for those being packed (no copy thread touches k/v or the staging
+  // after it returns).
   virtual absl::Status Abort() = 0;
   // Full blocks this put covers and how many need writing (the rest already exist).
   virtual uint32_t num_blocks() const = 0;
@@ -442,8 +487,10 @@ class Client {
   virtual absl::StatusOr<std::unique_ptr<PutSession>> BeginPut(absl::Span<const uint32_t> tokens,
                                                                const CallOptions& call = {}) = 0;
 
-  // Convenience: BeginPut + WriteLayer for every layer (k[l], v[l]) + Commit. An explicit
-  // `call.deadline` bounds the whole put; without one each call gets default_timeout.
+  // Convenience: BeginPut + WriteLayerAsync for every layer (k[l], v[l]) + Commit (k and v are
+  // the caller's for the whole call, so every layer is packed in the background and joined once,
+  // at Commit). An explicit `call.deadline` bounds the whole put; without one each call gets
+  // default_timeout. A non-finite value fails it with WriteLayer's INVALID_ARGUMENT.
   virtual absl::StatusOr<PutResult> Put(absl::Span<const uint32_t> tokens,
                                         absl::Span<const absl::Span<const uint16_t>> k,
                                         absl::Span<const absl::Span<const uint16_t>> v,
