@@ -78,18 +78,6 @@ bool CopyPool::TryRunSlot(uint64_t run, size_t s) {
   return true;
 }
 
-void CopyPool::KeepAwake(std::chrono::microseconds d) {
-  if (workers_.empty() || d.count() <= 0) return;
-  const int64_t until = NowNs() + std::chrono::nanoseconds(d).count();
-  int64_t cur = awake_until_ns_.load(std::memory_order_relaxed);
-  while (cur < until &&
-         !awake_until_ns_.compare_exchange_weak(cur, until, std::memory_order_relaxed)) {
-  }
-  // Sleeping workers see a new generation, find no slot to claim in the current job (or help
-  // with it, when a Run is in progress) and spin until awake_until_ns_.
-  if (sleepers_.load() > 0) Publish();
-}
-
 void CopyPool::HoldAwake(std::chrono::microseconds cap) {
   if (workers_.empty() || cap.count() <= 0) return;
   const int64_t until = NowNs() + std::chrono::nanoseconds(cap).count();
@@ -206,9 +194,9 @@ void CopyPool::WorkerLoop(int id, int participants) {
   uint64_t scanned_run = 0;  // the last Run whose slots this worker has tried every one of
   for (;;) {
     // Wait for a new job: spin a little (the next layer of a put usually comes within
-    // microseconds) or as long as KeepAwake / HoldAwake asked, then sleep.
+    // microseconds) or as long as a HoldAwake asks, then sleep.
     const int64_t spin_end = NowNs() + std::chrono::nanoseconds(spin_).count();
-    // Whether this worker may sleep now: its own spin is over, no KeepAwake window stands, and
+    // Whether this worker may sleep now: its own spin is over, ReleaseAwake's spin too, and
     // no HoldAwake stands (or the holds' cap has passed).
     auto may_sleep = [&] {
       const int64_t now = NowNs();

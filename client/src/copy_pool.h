@@ -54,27 +54,20 @@ class CopyPool {
   void Run(size_t n, absl::FunctionRef<void(size_t)> work, absl::FunctionRef<void(size_t)> ordered);
   void Run(size_t n, absl::FunctionRef<void(size_t)> work);
 
-  // Keeps the workers awake (spinning between jobs instead of going to sleep) until `d` from now
-  // (or later, when an earlier call asked for more), and wakes the sleeping ones now. For a
-  // caller that knows parallel work is coming shortly, e.g. a fetch right after the Acquire
-  // that is about to be sent: a sleeping worker needs tens of microseconds to run again, and the
-  // first Run after a pause would otherwise do most of its work on the calling thread (and pay
-  // for waking them: on the H200 host a Run of 8 empty tasks took 8 us with sleeping workers
-  // against 2.5 with spinning ones). Costs the workers' cores for up to `d`. Thread-safe;
-  // nothing when d <= 0 or there are no workers.
-  void KeepAwake(std::chrono::microseconds d);
-
   // Holds the workers awake (spinning) from now until the matching ReleaseAwake, at most `cap`
   // from now, and wakes the sleeping ones: for a caller about to block in an RPC that is
   // usually followed at once by parallel work (BeginPut before an asynchronous put's layers,
   // Acquire before a fetch), so that the workers' wake-up overlaps the RPC and costs their cores
-  // only for as long as the RPC takes (KeepAwake's fixed window spends them for the whole window
-  // whatever the RPC took). Holds from several threads nest (the workers stay up while any is
-  // held). Thread-safe; nothing when there are no workers or cap <= 0.
+  // only for as long as the RPC takes (session 6's fixed window spent them for the whole window
+  // whatever the RPC took): a sleeping worker needs tens of microseconds to run again, and the
+  // first Run after a pause would otherwise do most of its work on the calling thread (and pay
+  // for waking them: on the H200 host a Run of 8 empty tasks took 8 us with sleeping workers
+  // against 2.5 with spinning ones). Holds from several threads nest (the workers stay up while any
+  // is held). Thread-safe; nothing when there are no workers or cap <= 0.
   void HoldAwake(std::chrono::microseconds cap);
   // Ends one HoldAwake (every HoldAwake needs exactly one, on any thread); the workers then
   // spin for their usual `spin` (the work the RPC announced normally comes within it), then
-  // sleep unless another hold or KeepAwake stands.
+  // sleep unless another hold stands.
   void ReleaseAwake();
   // True when no worker is asleep (each is running a task or spinning), so a Run now starts
   // on every thread at once instead of paying for their wake-up. A hint: a worker may fall
@@ -180,8 +173,8 @@ class CopyPool {
   std::condition_variable wake_;
   std::atomic<int> sleepers_{0};
   std::atomic<bool> stop_{false};
-  // Workers do not sleep before this steady_clock time (nanoseconds since its epoch; KeepAwake,
-  // and ReleaseAwake's spin).
+  // Workers do not sleep before this steady_clock time (nanoseconds since its epoch):
+  // ReleaseAwake's spin after a hold.
   std::atomic<int64_t> awake_until_ns_{0};
   // HoldAwake: holds standing now, and the time the longest of them is capped at (changed
   // under hold_mu_; the workers only read them).

@@ -94,30 +94,6 @@ TEST(CopyPool, ConcurrentCallersAllComplete) {
   EXPECT_GT(pool.parallel_runs(), 0u);
 }
 
-// Workers sleep once their spin after a job ends; KeepAwake wakes them and keeps them from
-// sleeping until its time is up; Run still works meanwhile.
-TEST(CopyPool, KeepAwakeWakesTheWorkersAndKeepsThemUp) {
-  CopyPool pool(3, std::chrono::microseconds(50));
-  auto wait_for = [&](int sleeping) {
-    for (int i = 0; i < 10000 && pool.sleeping_workers() != sleeping; ++i) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    }
-    return pool.sleeping_workers();
-  };
-  ASSERT_EQ(wait_for(2), 2);  // 50 us of spinning after start, then asleep
-  pool.KeepAwake(std::chrono::seconds(60));
-  ASSERT_EQ(wait_for(0), 0);
-  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // 4000 x their spin
-  EXPECT_EQ(pool.sleeping_workers(), 0);
-  std::vector<std::atomic<int>> runs(100);
-  pool.Run(runs.size(), [&](size_t i) { runs[i].fetch_add(1); });
-  for (auto& r : runs) EXPECT_EQ(r.load(), 1);
-  EXPECT_EQ(pool.sleeping_workers(), 0);
-  pool.KeepAwake(std::chrono::microseconds(0));  // nothing: an earlier, longer call stands
-  std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  EXPECT_EQ(pool.sleeping_workers(), 0);
-}
-
 // A stream whose task i records which thread ran it and sleeps `sleep` (so that workers get a
 // share while the owner is elsewhere).
 class RecordingStream : public CopyPool::Stream {
