@@ -136,11 +136,15 @@ struct ClientOptions {
   // Fetches of at least this many bytes (and below parallel_fetch_min_bytes) are spread over
   // the copy threads when none of them is asleep (held awake through the Acquire by
   // copy_threads_prewake, or spinning after their last job), so the spread pays no wake-up.
-  // Default 256 KiB: TODO(s7) measured value.
+  // Default 256 KiB: on the H200 host (posix,cma, 8 copy threads held through the Acquire) a
+  // verified 256 KiB first fetch ran at 8.8 GB/s spread against 4.4 on the calling thread, the
+  // warm one 17.2 against 9.2 (docs/TRANSPORT.md "Session 7", call s7a).
   uint64_t parallel_fetch_awake_min_bytes = 256 << 10;
   // Asynchronous puts (PutSession::WriteLayerAsync) whose blocks to write hold fewer bytes than
   // this are packed on the calling thread before WriteLayerAsync returns, as WriteLayer does.
-  // Default 128 KiB: TODO(s7).
+  // Default 128 KiB: on the H200 host spreading gained nothing below it (16 KiB puts 1.6 GB/s
+  // spread against 2.0 inline, 64 KiB 3.1 either way) and from 256 KiB on it doubles the put
+  // (docs/TRANSPORT.md "Session 7"; 64-256 KiB not measured).
   uint64_t parallel_async_put_min_bytes = 128 << 10;
   // Holds the copy threads awake (spinning, not asleep) through a BeginPut whose layers, or an
   // Acquire whose fetch, will be spread over them (the floors above): from the start of the RPC
@@ -149,7 +153,13 @@ struct ClientOptions {
   // the H200 host the first fetch after an Acquire and the first layer after a BeginPut ran
   // mostly on the calling thread: docs/TRANSPORT.md "Session 6"). This is the cap of one hold
   // (at most 10 s is used), for an RPC that takes longer; the cost is the copy threads' cores
-  // for as long as the RPC takes. Zero or negative = off. Default TODO(s7).
+  // for as long as the RPC takes: about (copy_threads - 1) x the RPC's duration of process CPU
+  // per held call (on the H200 host, whose BeginPut/Acquire take ~0.3-0.4 ms, a benchmark
+  // iteration of two puts and one fetch of 256 KiB cost 10.6 ms of CPU held against 2.1 not
+  // held). Zero or negative = off. Default 2 ms (on): there it doubled the 256 KiB async put
+  // (9.8 against 5.0 GB/s) and first fetch (8.8 against 4.2), and the 1 MiB ones 16.6 / 16.1
+  // against 11.4 / 10.3 (docs/TRANSPORT.md "Session 7", call s7a). An engine that is short of
+  // CPU rather than latency turns it off.
   absl::Duration copy_threads_prewake = absl::Milliseconds(2);
   // Report fetched forms that fail their checksum to the pool (Client::Fetch, in the background;
   // protocol v1.5), which drops them when its stored bytes are corrupt. false: Fetch only
