@@ -147,6 +147,47 @@ class ClientTest : public ::testing::TestWithParam<std::string> {
     return *std::move(f);
   }
 
+  // Is the packed slice of `layer` of every block of `s` somewhere in the pool's memory?
+  bool LayerInPool(const Sequence& s, uint32_t layer) {
+    const BlockGeometry g = testing::Geometry();
+    kvstore::PoolMemory& mem = server_->store().memory();
+    std::vector<uint8_t> slice(g.Bf16LayerBytes());
+    for (uint32_t b = 0; b < s.tokens.size() / kPage; ++b) {
+      PackLayerSlice(g, b, s.k[layer].data(), s.v[layer].data(), slice.data());
+      if (memmem(mem.data(), mem.size(), slice.data(), slice.size()) == nullptr) return false;
+    }
+    return true;
+  }
+  // LayerInPool, waited for (bounded by 20 s: a bound, not a speed check).
+  bool LayerArrives(const Sequence& s, uint32_t layer) {
+    const absl::Time deadline = absl::Now() + absl::Seconds(20);
+    while (!LayerInPool(s, layer) && absl::Now() < deadline) {
+      absl::SleepFor(absl::Milliseconds(2));
+    }
+    return LayerInPool(s, layer);
+  }
+  // Ends a 3-block bf16 put whose layers were all written: `commit` false aborts it and checks
+  // that nothing is visible and its staging and open put are gone; true commits it and checks
+  // the stored bytes against the encoder.
+  void AbortOrCommitThreeBlocks(Client& c, PutSession& put, const Sequence& s,
+                                const ModelSpec& spec, bool commit) {
+    if (!commit) {
+      ASSERT_TRUE(put.Abort().ok());
+      auto look = c.Lookup(s.tokens);
+      ASSERT_TRUE(look.ok()) << look.status();
+      EXPECT_EQ(look->num_blocks, 0u);
+      auto st = c.Stats();
+      ASSERT_TRUE(st.ok()) << st.status();
+      EXPECT_EQ(st->staging_bytes, 0u);
+      EXPECT_EQ(st->open_puts, 0u);
+      return;
+    }
+    auto r = put.Commit();
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->blocks_written, 3u);
+    EXPECT_TRUE(FetchAndCompareBf16(c, s, spec, 3).has_value());
+  }
+
   std::unique_ptr<kvstore::PoolServer> server_;
   int port_ = 0;
 };
@@ -231,7 +272,6 @@ TEST_P(ClientTest, Bf16HistoryStoresTheRotatedInputExactly) {
 // afterwards.
 TEST_P(ClientTest, EachLayerReachesStagingBeforeTheNextIsWritten) {
   const ModelSpec spec = Spec("bf16");
-  const BlockGeometry g = Geometry();
   auto c = NewClient();
   ASSERT_NE(c, nullptr);
   auto info = c->RegisterModel(spec);
@@ -242,21 +282,6 @@ TEST_P(ClientTest, EachLayerReachesStagingBeforeTheNextIsWritten) {
     EXPECT_FALSE(info->mapped_pool_memory);
   }
   RecordProperty("mapped_pool_memory", info->mapped_pool_memory ? "yes" : "no");
-  kvstore::PoolMemory& mem = server_->store().memory();
-  // Is the packed slice of `layer` of every block of `s` somewhere in the pool's memory?
-  auto in_pool = [&](const Sequence& s, uint32_t layer) {
-    std::vector<uint8_t> slice(g.Bf16LayerBytes());
-    for (uint32_t b = 0; b < s.tokens.size() / kPage; ++b) {
-      PackLayerSlice(g, b, s.k[layer].data(), s.v[layer].data(), slice.data());
-      if (memmem(mem.data(), mem.size(), slice.data(), slice.size()) == nullptr) return false;
-    }
-    return true;
-  };
-  auto arrives = [&](const Sequence& s, uint32_t layer) {
-    const absl::Time deadline = absl::Now() + absl::Seconds(20);  // a bound, not a speed check
-    while (!in_pool(s, layer) && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(2));
-    return in_pool(s, layer);
-  };
   for (bool commit : {false, true}) {
     SCOPED_TRACE(commit ? "commit" : "abort");
     Sequence s = MakeSequence(3 * kPage, commit ? 21 : 22);
@@ -264,26 +289,12 @@ TEST_P(ClientTest, EachLayerReachesStagingBeforeTheNextIsWritten) {
     ASSERT_TRUE(put.ok()) << put.status();
     for (uint32_t l = 0; l < kLayers; ++l) {
       ASSERT_TRUE((*put)->WriteLayer(l, s.k[l], s.v[l]).ok());
-      EXPECT_TRUE(arrives(s, l)) << "layer " << l << " never reached staging";
+      EXPECT_TRUE(LayerArrives(s, l)) << "layer " << l << " never reached staging";
       if (l + 1 < kLayers) {
-        EXPECT_FALSE(in_pool(s, l + 1)) << "layer " << l + 1;
+        EXPECT_FALSE(LayerInPool(s, l + 1)) << "layer " << l + 1;
       }
     }
-    if (!commit) {
-      ASSERT_TRUE((*put)->Abort().ok());
-      auto look = c->Lookup(s.tokens);
-      ASSERT_TRUE(look.ok()) << look.status();
-      EXPECT_EQ(look->num_blocks, 0u);
-      auto st = c->Stats();
-      ASSERT_TRUE(st.ok()) << st.status();
-      EXPECT_EQ(st->staging_bytes, 0u);
-      EXPECT_EQ(st->open_puts, 0u);
-      continue;
-    }
-    auto r = (*put)->Commit();
-    ASSERT_TRUE(r.ok()) << r.status();
-    EXPECT_EQ(r->blocks_written, 3u);
-    EXPECT_TRUE(FetchAndCompareBf16(*c, s, spec, 3).has_value());
+    AbortOrCommitThreeBlocks(*c, **put, s, spec, commit);
   }
 }
 
@@ -353,26 +364,11 @@ TEST_P(ClientTest, AsyncLayersAreByteExactAgainstTheCpuEncoder) {
 // queued), and Flush sends and waits for the rest. Abort and Commit keep their meaning.
 TEST_P(ClientTest, AsyncLayersReachStagingAndFlushJoinsThem) {
   const ModelSpec spec = Spec("bf16");
-  const BlockGeometry g = Geometry();
   auto c = NewClient();
   ASSERT_NE(c, nullptr);
   auto info = c->RegisterModel(spec);
   ASSERT_TRUE(info.ok()) << info.status();
   const bool direct = info->mapped_pool_memory;
-  kvstore::PoolMemory& mem = server_->store().memory();
-  auto in_pool = [&](const Sequence& s, uint32_t layer) {
-    std::vector<uint8_t> slice(g.Bf16LayerBytes());
-    for (uint32_t b = 0; b < s.tokens.size() / kPage; ++b) {
-      PackLayerSlice(g, b, s.k[layer].data(), s.v[layer].data(), slice.data());
-      if (memmem(mem.data(), mem.size(), slice.data(), slice.size()) == nullptr) return false;
-    }
-    return true;
-  };
-  auto arrives = [&](const Sequence& s, uint32_t layer) {
-    const absl::Time deadline = absl::Now() + absl::Seconds(20);  // a bound, not a speed check
-    while (!in_pool(s, layer) && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(2));
-    return in_pool(s, layer);
-  };
   for (bool commit : {false, true}) {
     SCOPED_TRACE(commit ? "commit" : "abort");
     Sequence s = MakeSequence(3 * kPage, commit ? 23 : 24);
@@ -381,28 +377,14 @@ TEST_P(ClientTest, AsyncLayersReachStagingAndFlushJoinsThem) {
     for (uint32_t l = 0; l < kLayers; ++l) {
       ASSERT_TRUE((*put)->WriteLayerAsync(l, s.k[l], s.v[l]).ok());
       if (direct) {
-        EXPECT_TRUE(arrives(s, l)) << "layer " << l << " never reached staging";
+        EXPECT_TRUE(LayerArrives(s, l)) << "layer " << l << " never reached staging";
       } else if (l > 0) {
-        EXPECT_TRUE(arrives(s, l - 1)) << "layer " << l - 1 << " not sent by the next layer";
+        EXPECT_TRUE(LayerArrives(s, l - 1)) << "layer " << l - 1 << " not sent by the next layer";
       }
     }
     ASSERT_TRUE((*put)->Flush().ok());
-    for (uint32_t l = 0; l < kLayers; ++l) EXPECT_TRUE(in_pool(s, l)) << "after Flush, " << l;
-    if (!commit) {
-      ASSERT_TRUE((*put)->Abort().ok());
-      auto look = c->Lookup(s.tokens);
-      ASSERT_TRUE(look.ok()) << look.status();
-      EXPECT_EQ(look->num_blocks, 0u);
-      auto st = c->Stats();
-      ASSERT_TRUE(st.ok()) << st.status();
-      EXPECT_EQ(st->staging_bytes, 0u);
-      EXPECT_EQ(st->open_puts, 0u);
-      continue;
-    }
-    auto r = (*put)->Commit();
-    ASSERT_TRUE(r.ok()) << r.status();
-    EXPECT_EQ(r->blocks_written, 3u);
-    EXPECT_TRUE(FetchAndCompareBf16(*c, s, spec, 3).has_value());
+    for (uint32_t l = 0; l < kLayers; ++l) EXPECT_TRUE(LayerInPool(s, l)) << "after Flush, " << l;
+    AbortOrCommitThreeBlocks(*c, **put, s, spec, commit);
   }
 }
 
