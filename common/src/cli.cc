@@ -27,6 +27,10 @@ namespace {
 // multiple inputs. Keys are flag names without the leading dashes.
 class YamlConfig : public CLI::Config {
  public:
+  // `root`: the app whose options the keys name (not owned; outlives the formatter, which it
+  // owns). Used to word a list or a missing value for a flag that takes one value.
+  explicit YamlConfig(const CLI::App* root) : root_(root) {}
+
   std::string to_config(const CLI::App* app, bool default_also, bool, std::string) const override {
     YAML::Emitter out;
     out << YAML::BeginMap;
@@ -63,13 +67,99 @@ class YamlConfig : public CLI::Config {
     }
     if (root.IsNull()) return items;
     if (!root.IsMap()) throw CLI::ConversionError("config file must be a YAML map of flag: value");
-    Walk(root, {}, items);
+    try {
+      Walk(root, {}, items);
+    } catch (const YAML::Exception& e) {  // e.g. a key that is a list or a map
+      throw CLI::ConversionError("config file is not a map of flag names to values: " +
+                                 std::string(e.what()));
+    }
     return items;
   }
 
  private:
-  static void Walk(const YAML::Node& node, std::vector<std::string> parents,
-                   std::vector<CLI::ConfigItem>& items) {
+  // The option `parents`.`name` of root_ stands for, as CLI11 looks it up ("--name", "-n",
+  // then a positional "name"); null when there is none (CLI11 then refuses the key as unknown).
+  const CLI::Option* FindOption(const std::vector<std::string>& parents,
+                                const std::string& name) const {
+    const CLI::App* app = root_;
+    for (const auto& p : parents) {
+      if (app == nullptr) return nullptr;
+      try {
+        app = app->get_subcommand(p);
+      } catch (const CLI::OptionNotFound&) {
+        return nullptr;
+      }
+    }
+    if (app == nullptr) return nullptr;
+    const CLI::Option* op = app->get_option_no_throw("--" + name);
+    if (op == nullptr && name.size() == 1) op = app->get_option_no_throw("-" + name);
+    if (op == nullptr) op = app->get_option_no_throw(name);
+    return op;
+  }
+
+  // Whether `parents`.`name` is a subcommand of root_ (a section, not an option's value).
+  bool HasSubcommand(std::vector<std::string> parents, const std::string& name) const {
+    parents.push_back(name);
+    const CLI::App* app = root_;
+    for (const auto& p : parents) {
+      try {
+        app = app->get_subcommand(p);
+      } catch (const CLI::OptionNotFound&) {
+        return false;
+      }
+      if (app == nullptr) return false;
+    }
+    return true;
+  }
+
+  // Refuses what CLI11 would word about the command line or in its own terms (newcomer s7 F6:
+  // "capacity: [1, 2]" read as "--capacity is given 2 times", "capacity:" as "At least 1
+  // required but received 0"): a key with no value, a list for an option that takes one value,
+  // a list item that is not a value, a map for an option. The message names the key (with its
+  // section) and the flag; Parse puts the file's name in front.
+  void CheckValue(const YAML::Node& v, const std::string& key, const CLI::Option* op) const {
+    const std::string flag = op->get_name();
+    const bool is_flag = op->get_expected_min() == 0 && op->get_type_size_max() <= 1 &&
+                         op->get_items_expected_max() <= 1;
+    const bool one_value = op->get_items_expected_max() <= 1;
+    const std::string want =
+        is_flag     ? flag + " is a flag: write \"" + key + ": true\" or \"" + key + ": false\""
+        : one_value ? flag + " takes one value: write \"" + key + ": VALUE\""
+                    : flag + " takes a value or a list of values";
+    if (v.IsNull()) {
+      throw CLI::ConversionError("config file key \"" + key + "\" has no value; " + want +
+                                 ", or remove the key to keep the default");
+    }
+    if (v.IsMap()) {
+      throw CLI::ConversionError("config file key \"" + key + "\" is a map; " + want);
+    }
+    if (v.IsSequence()) {
+      if (one_value) {
+        throw CLI::ConversionError("config file key \"" + key + "\" is a list (" +
+                                   std::to_string(v.size()) + (v.size() == 1 ? " item" : " items") +
+                                   "); " + want);
+      }
+      if (v.size() == 0) {
+        throw CLI::ConversionError("config file key \"" + key + "\" is an empty list; " + want +
+                                   ", or remove the key to keep the default");
+      }
+      size_t i = 0;
+      for (const auto& e : v) {
+        ++i;
+        if (!e.IsScalar()) {
+          throw CLI::ConversionError("config file key \"" + key + "\": item " + std::to_string(i) +
+                                     " is " +
+                                     (e.IsMap()        ? "a map"
+                                      : e.IsSequence() ? "a list"
+                                                       : "empty") +
+                                     "; " + want);
+        }
+      }
+    }
+  }
+
+  void Walk(const YAML::Node& node, std::vector<std::string> parents,
+            std::vector<CLI::ConfigItem>& items) const {
     std::set<std::string> seen;  // yaml-cpp keeps duplicate keys; the first would silently win
     for (const auto& kv : node) {
       const std::string key = kv.first.as<std::string>();
@@ -91,6 +181,12 @@ class YamlConfig : public CLI::Config {
                                    "subcommand");
       }
       const YAML::Node& v = kv.second;
+      if (const CLI::Option* op = FindOption(parents, key);
+          op != nullptr && !(v.IsMap() && HasSubcommand(parents, key))) {
+        std::string path;
+        for (const auto& p : parents) path += p + ".";
+        CheckValue(v, path + key, op);
+      }
       if (v.IsMap()) {
         auto p = parents;
         p.push_back(key);
@@ -108,6 +204,8 @@ class YamlConfig : public CLI::Config {
       items.push_back(std::move(item));
     }
   }
+
+  const CLI::App* root_;
 };
 
 }  // namespace
@@ -232,7 +330,7 @@ void Setup(CLI::App& app, const std::string& program_name) {
   app.name(program_name);
   app.option_defaults()->always_capture_default();
   app.set_version_flag("--version", program_name + " " + VersionString());
-  app.config_formatter(std::make_shared<YamlConfig>());
+  app.config_formatter(std::make_shared<YamlConfig>(&app));
   // The file is checked before CLI11 reads it: CLI11 alone would block on a FIFO, read /dev/zero
   // forever and call a directory "not readable (missing?)".
   app.set_config("--config", "", "YAML file whose keys are flag names; explicit flags win")

@@ -47,7 +47,10 @@ std::string VersionString();
 // "generate.bogus"). The --config file itself must exist and pass InputFile's checks with
 // kMaxConfigFileBytes (a directory, FIFO or device is a usage error naming it, before CLI11 reads
 // it); Parse names the file in errors about its content ("--config 'c.yaml': unknown key ...",
-// "--config 'c.yaml' is not valid YAML: ..."). Not thread-safe (touches `app` only).
+// "--config 'c.yaml' is not valid YAML: ..."), also a key with no value ("capacity:"), a list
+// for a flag that takes one value ("capacity: [1, 2]"), a map for a flag, or a list item that is
+// not a value ("--config 'c.yaml' key \"capacity\" is a list (2 items); --capacity takes one
+// value: write \"capacity: VALUE\""). Not thread-safe (touches `app` only).
 void Setup(CLI::App& app, const std::string& program_name);
 
 // CLI11 check for an output file written after a long run, so the run does not fail at its
