@@ -1,6 +1,11 @@
 // ParseHostPort (host_port.h).
 #include "kvpool/common/host_port.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+
+#include <string>
+
 #include "absl/status/status.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -29,8 +34,15 @@ absl::StatusOr<HostPort> ParseHostPort(absl::string_view field, absl::string_vie
   if (open) {
     host = host.substr(1, host.size() - 2);
   } else if (host.find(':') != absl::string_view::npos) {
+    // Brackets only help an IPv6 literal: "127.0.0.1:0:0" is no address in any spelling.
+    in6_addr ignored{};
+    if (::inet_pton(AF_INET6, std::string(host).c_str(), &ignored) == 1) {
+      return bad(
+          absl::StrCat("looks like an IPv6 address without brackets; write [", host, "]:", port));
+    }
     return bad(
-        absl::StrCat("looks like an IPv6 address without brackets; write [", host, "]:", port));
+        "has more than one ':' outside brackets; want HOST:PORT with one ':' (an IPv6 address in "
+        "brackets: [::1]:7070)");
   }
   int value = -1;
   if (port.empty() || port.size() > 5 || port.find_first_not_of("0123456789") != port.npos ||

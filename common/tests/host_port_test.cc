@@ -5,6 +5,8 @@
 
 #include <string>
 
+#include "absl/strings/str_cat.h"
+
 namespace kvpool {
 namespace {
 
@@ -47,6 +49,26 @@ TEST(ParseHostPort, UnbracketedIpv6SaysHowToWriteIt) {
   auto r = ParseHostPort("listen", "::1:0", 0);
   ASSERT_FALSE(r.ok());
   EXPECT_NE(r.status().message().find("[::1]:0"), std::string::npos) << r.status();
+}
+
+// "127.0.0.1:0:0" was told to write "[127.0.0.1:0]:0", which is no address either (newcomer s7
+// F13): brackets are suggested only for a host that is an IPv6 address.
+TEST(ParseHostPort, ExtraColonsInANonIpv6HostAskForOneColon) {
+  for (const char* bad : {"127.0.0.1:0:0", "pool.svc:70:70", "a:b:7070"}) {
+    auto r = ParseHostPort("--listen", bad, 0);
+    ASSERT_FALSE(r.ok()) << bad;
+    const std::string msg(r.status().message());
+    EXPECT_EQ(msg.find("write ["), std::string::npos) << msg;
+    EXPECT_NE(msg.find(absl::StrCat("--listen: '", bad,
+                                    "' has more than one ':' outside brackets; want HOST:PORT "
+                                    "with one ':' (an IPv6 address in brackets: [::1]:7070)")),
+              std::string::npos)
+        << msg;
+  }
+  // An IPv6 literal still gets its bracketed spelling, also a longer one.
+  auto r = ParseHostPort("--pool", "fe80::1:2:7070", 1);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("write [fe80::1:2]:7070"), std::string::npos) << r.status();
 }
 
 }  // namespace
