@@ -324,6 +324,89 @@ absl::Status WriteOutputFile(const std::string& path, std::string_view bytes) {
   return WriteFileAtomically(path, bytes);
 }
 
+namespace {
+
+// What a path names, for RefuseSameFiles: the device and inode of the file it reaches (through
+// symbolic links) when that exists, else the absolute path with links resolved as far as the
+// file system has them (an output not written yet).
+struct FileIdentity {
+  bool exists = false;
+  dev_t dev = 0;
+  ino_t ino = 0;
+  std::string path;
+  bool operator==(const FileIdentity& o) const {
+    return exists == o.exists && (exists ? dev == o.dev && ino == o.ino : path == o.path);
+  }
+};
+
+FileIdentity IdentityOf(const std::string& path) {
+  FileIdentity id;
+  const std::string target = AtomicWriteTarget(path);  // what a write replaces; stat follows too
+  struct stat sb {};
+  if (::stat(target.c_str(), &sb) == 0) {
+    id.exists = true;
+    id.dev = sb.st_dev;
+    id.ino = sb.st_ino;
+    return id;
+  }
+  std::error_code ec;
+  fs::path p = fs::weakly_canonical(fs::absolute(target, ec), ec);
+  id.path = (ec ? fs::absolute(target, ec) : p).lexically_normal().string();
+  return id;
+}
+
+}  // namespace
+
+void RefuseSameFiles(CLI::App* app, std::vector<FileFlag> outputs, std::vector<FileFlag> inputs) {
+  const CLI::App* root = app;
+  while (root->get_parent() != nullptr) root = root->get_parent();
+  if (const CLI::Option* config = root->get_config_ptr(); config != nullptr) {
+    inputs.push_back({config});
+  }
+  app->final_callback([outputs = std::move(outputs), inputs = std::move(inputs)] {
+    struct Named {
+      std::string flag, path;
+      FileIdentity id;
+    };
+    auto given = [](const std::vector<FileFlag>& flags, bool must_exist) {
+      std::vector<Named> out;
+      for (const FileFlag& f : flags) {
+        if (f.option == nullptr) continue;
+        for (const std::string& v : f.option->results()) {
+          if (v.empty() || std::find(f.keywords.begin(), f.keywords.end(), v) != f.keywords.end()) {
+            continue;
+          }
+          Named n{f.option->get_name(), v, IdentityOf(v)};
+          if (must_exist && !n.id.exists) continue;  // the reader says "cannot open"
+          out.push_back(std::move(n));
+        }
+      }
+      return out;
+    };
+    const std::vector<Named> outs = given(outputs, false);
+    const std::vector<Named> ins = given(inputs, true);
+    for (size_t i = 0; i < outs.size(); ++i) {
+      for (const Named& in : ins) {
+        if (outs[i].id == in.id) {
+          throw CLI::ValidationError(
+              outs[i].flag, "'" + outs[i].path + "' is the same file as " + in.flag + " '" +
+                                in.path +
+                                "'; writing it would replace that input: name another "
+                                "file");
+        }
+      }
+      for (size_t j = 0; j < i; ++j) {
+        if (outs[i].id == outs[j].id) {
+          throw CLI::ValidationError(outs[i].flag, "'" + outs[i].path + "' is the same file as " +
+                                                       outs[j].flag + " '" + outs[j].path +
+                                                       "'; one would overwrite the other: name "
+                                                       "another file");
+        }
+      }
+    }
+  });
+}
+
 std::string VersionString() { return std::string(kVersion) + " (git " + kGitSha + ")"; }
 
 void Setup(CLI::App& app, const std::string& program_name) {

@@ -525,6 +525,87 @@ TEST(CliOutputFileTest, WritesAtomicallyThroughASymlink) {
   EXPECT_NE(s.message().find("'/proc/r.json'"), std::string::npos) << s;
 }
 
+// An app with two inputs (one repeatable, one with keywords) and two outputs checked by
+// RefuseSameFiles, like `kvpool calibrate` / kvpool-worker.
+struct SameFilesApp {
+  CLI::App app{"test"};
+  std::string model, out, report, rotation = "none";
+  std::vector<std::string> prompts;
+  SameFilesApp() {
+    kvpool::cli::Setup(app, "prog");
+    CLI::Option* m = app.add_option("--model", model, "input");
+    CLI::Option* r = app.add_option("--rotation", rotation, "input or a keyword");
+    CLI::Option* p = app.add_option("--prompt-file", prompts, "repeatable input");
+    CLI::Option* o = app.add_option("--out", out, "output");
+    CLI::Option* j = app.add_option("--report", report, "output");
+    RefuseSameFiles(&app, {{o}, {j}}, {{m}, {r, {"none"}}, {p}});
+  }
+};
+
+// `kvpool calibrate --out` equal to --model turned the model into a rotation file (newcomer s7
+// F7): an output that is an input, the config file or another output is refused at parse time,
+// naming both flags, whatever path reaches the same file.
+TEST(CliRefuseSameFilesTest, AnOutputThatIsAnInputOrAnotherOutputIsRefusedNamingBothFlags) {
+  const std::string dir = FreshDir("same");
+  { std::ofstream(dir + "/m.gguf") << "model"; }
+  { std::ofstream(dir + "/p1.txt") << "one"; }
+  { std::ofstream(dir + "/p2.txt") << "two"; }
+  std::filesystem::create_directories(dir + "/sub");
+  std::filesystem::create_symlink(dir + "/m.gguf", dir + "/m-link.gguf");
+  std::filesystem::create_hard_link(dir + "/p2.txt", dir + "/p2-hard.txt");
+  const std::string cfg = WriteYaml("same_files", "model: " + dir + "/m.gguf\n");
+  struct Case {
+    std::vector<std::string> args;
+    std::string want;
+  };
+  const std::vector<Case> refused = {
+      {{"--model", dir + "/m.gguf", "--out", dir + "/m.gguf"},
+       "prog: --out: '" + dir + "/m.gguf' is the same file as --model '" + dir +
+           "/m.gguf'; writing it would replace that input: name another file"},
+      // Another spelling of the path, a symbolic link, a hard link.
+      {{"--model", dir + "/m.gguf", "--out", dir + "/sub/../m.gguf"},
+       "--out: '" + dir + "/sub/../m.gguf' is the same file as --model"},
+      {{"--model", dir + "/m.gguf", "--out", dir + "/m-link.gguf"},
+       "--out: '" + dir + "/m-link.gguf' is the same file as --model '" + dir + "/m.gguf'"},
+      {{"--model", dir + "/m-link.gguf", "--report", dir + "/m.gguf"},
+       "--report: '" + dir + "/m.gguf' is the same file as --model '" + dir + "/m-link.gguf'"},
+      // Every value of a repeatable input.
+      {{"--prompt-file", dir + "/p1.txt", "--prompt-file", dir + "/p2.txt", "--out",
+        dir + "/p2-hard.txt"},
+       "--out: '" + dir + "/p2-hard.txt' is the same file as --prompt-file '" + dir + "/p2.txt'"},
+      // A file given as --rotation (not a keyword).
+      {{"--rotation", dir + "/p1.txt", "--report", dir + "/p1.txt"},
+       "--report: '" + dir + "/p1.txt' is the same file as --rotation"},
+      // Two outputs, neither written yet.
+      {{"--out", dir + "/new.json", "--report", dir + "/sub/../new.json"},
+       "--report: '" + dir + "/sub/../new.json' is the same file as --out '" + dir +
+           "/new.json'; one would overwrite the other: name another file"},
+      // The --config file, and an input the config file names.
+      {{"--config", cfg, "--out", cfg},
+       "--out: '" + cfg + "' is the same file as --config '" + cfg},
+      {{"--config", cfg, "--report", dir + "/m-link.gguf"},
+       "--report: '" + dir + "/m-link.gguf' is the same file as --model '" + dir + "/m.gguf'"},
+  };
+  for (const Case& c : refused) {
+    SameFilesApp a;
+    auto [rc, err] = RunParse(a.app, c.args);
+    EXPECT_EQ(rc, kExitUsage) << c.want << "\n" << err;
+    EXPECT_NE(err.find(c.want), std::string::npos) << err;
+  }
+  // Distinct files, a keyword input, and a missing input (left to the reader) pass.
+  const std::vector<std::vector<std::string>> accepted = {
+      {"--model", dir + "/m.gguf", "--out", dir + "/r.safetensors", "--report", dir + "/r.json"},
+      {"--rotation", "none", "--out", dir + "/none"},
+      {"--model", dir + "/missing.gguf", "--out", dir + "/other.gguf"},
+  };
+  for (const auto& args : accepted) {
+    SameFilesApp a;
+    auto [rc, err] = RunParse(a.app, args);
+    EXPECT_EQ(rc, -1) << err;
+  }
+  EXPECT_EQ(ReadAll(dir + "/m.gguf"), "model");
+}
+
 // InputFile / ReadInputFile: what every text, prompt, model and rotation flag reads.
 TEST(CliInputFileTest, RefusesDirectoriesDevicesFifosAndOversizedFiles) {
   const std::string dir = FreshDir("input");

@@ -345,12 +345,14 @@ int main(int argc, char** argv) {
   auto* quant = app.add_subcommand("quantize",
                                    "quantize a float32 .npy array to OSCAR INT2 and "
                                    "print error statistics");
-  quant->add_option("--in", q.in, "float32 [tokens, d] or [tokens, heads, d] .npy")
-      ->required()
-      ->check(kvpool::cli::InputFile(kMaxNpyFileBytes));
-  quant->add_option("--rotation", q.rotation, "none | hadamard | a rotation .safetensors file")
-      ->capture_default_str()
-      ->check(kvpool::cli::InputFile(kvpool::cli::kMaxRotationFileBytes, {"none", "hadamard"}));
+  CLI::Option* quant_in =
+      quant->add_option("--in", q.in, "float32 [tokens, d] or [tokens, heads, d] .npy")
+          ->required()
+          ->check(kvpool::cli::InputFile(kMaxNpyFileBytes));
+  CLI::Option* quant_rot =
+      quant->add_option("--rotation", q.rotation, "none | hadamard | a rotation .safetensors file")
+          ->capture_default_str()
+          ->check(kvpool::cli::InputFile(kvpool::cli::kMaxRotationFileBytes, {"none", "hadamard"}));
   quant->add_option("--layer", q.layer, "layer of the rotation file (needs a rotation file)")
       ->check(kIndex)
       ->capture_default_str();
@@ -365,14 +367,16 @@ int main(int argc, char** argv) {
       ->add_option("--clip", q.clip,
                    "clip ratio (0 disables; default: the file's ratio for --kind, else 0.96/0.92)")
       ->check(kClipRatio);
-  quant
-      ->add_option("--dequant-out", q.dequant_out,
-                   "write the dequantized array (.npy, input space)")
-      ->check(kvpool::cli::OutputFile());
-  quant
-      ->add_option("--packed-out", q.packed_out,
-                   "write codes [tokens][heads][d/4] then fp16 {scale,min} [tokens][heads][d/G]")
-      ->check(kvpool::cli::OutputFile());
+  CLI::Option* dequant_out = quant
+                                 ->add_option("--dequant-out", q.dequant_out,
+                                              "write the dequantized array (.npy, input space)")
+                                 ->check(kvpool::cli::OutputFile());
+  CLI::Option* packed_out =
+      quant
+          ->add_option(
+              "--packed-out", q.packed_out,
+              "write codes [tokens][heads][d/4] then fp16 {scale,min} [tokens][heads][d/G]")
+          ->check(kvpool::cli::OutputFile());
 
   std::string inspect_path;
   auto* rots = app.add_subcommand("rotations", "rotation file tools");
@@ -386,12 +390,12 @@ int main(int argc, char** argv) {
   std::string out;
   int64_t ctokens = 0;
   auto* calib = app.add_subcommand("calibrate", "fit OSCAR rotations on a model and a text");
-  calib->add_option("--model", c.model_path, "GGUF model")
-      ->required()
-      ->check(kvpool::cli::InputFile(kvpool::cli::kMaxModelFileBytes));
-  calib->add_option("--text", c.text_path, "calibration text file")
-      ->required()
-      ->check(kvpool::cli::InputFile(kvpool::cli::kMaxTextFileBytes));
+  CLI::Option* calib_model = calib->add_option("--model", c.model_path, "GGUF model")
+                                 ->required()
+                                 ->check(kvpool::cli::InputFile(kvpool::cli::kMaxModelFileBytes));
+  CLI::Option* calib_text = calib->add_option("--text", c.text_path, "calibration text file")
+                                ->required()
+                                ->check(kvpool::cli::InputFile(kvpool::cli::kMaxTextFileBytes));
   calib
       ->add_option(
           "--tokens", ctokens,
@@ -399,9 +403,9 @@ int main(int argc, char** argv) {
                        ", a warning below ", kFewCalibrationTokens, ")"))
       ->check(kvpool::cli::Range(int64_t{0}, kMaxTextTokens))
       ->capture_default_str();
-  calib->add_option("--out", out, "output rotation .safetensors")
-      ->required()
-      ->check(kvpool::cli::OutputFile());
+  CLI::Option* calib_out = calib->add_option("--out", out, "output rotation .safetensors")
+                               ->required()
+                               ->check(kvpool::cli::OutputFile());
   calib->add_flag("--per-head", c.per_head, "one rotation per (layer, KV head) (format_version 2)");
   calib->add_option("--clip-k", c.clip_ratio_k, "K clip ratio recorded in the file")
       ->check(kClipRatio)
@@ -409,6 +413,11 @@ int main(int argc, char** argv) {
   calib->add_option("--clip-v", c.clip_ratio_v, "V clip ratio recorded in the file")
       ->check(kClipRatio)
       ->capture_default_str();
+
+  // An output that is one of the inputs (or the other output) would replace it (newcomer s7 F7).
+  kvpool::cli::RefuseSameFiles(quant, {{dequant_out}, {packed_out}},
+                               {{quant_in}, {quant_rot, {"none", "hadamard"}}});
+  kvpool::cli::RefuseSameFiles(calib, {{calib_out}}, {{calib_model}, {calib_text}});
 
   EvaluateOptions e;
   std::string eval_rot;

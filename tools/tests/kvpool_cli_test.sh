@@ -181,4 +181,32 @@ b[off:off + 4] = struct.pack("<f", math.inf)
 open(sys.argv[2], "wb").write(b)
 PY
 check inspect-inf-eigenvalue 2 "layers.1.v.eigenvalues' element 3 is not finite" -- "$bin" rotations inspect "$tmp/infeig.safetensors"
+# An output that is an input (also through another spelling, a symlink or a hard link), the
+# --config file or the other output is refused at parse time naming both flags, and the input
+# is left as it was (newcomer s7 F7: --out equal to --model turned the model into a rotation
+# file).
+cp "$model" "$tmp/mcopy.gguf"; cp "$data/calibration.txt" "$tmp/text.txt"
+ln -s mcopy.gguf "$tmp/mcopy-link.gguf"; ln "$tmp/text.txt" "$tmp/text-hard.txt"
+mkdir -p "$tmp/sub"
+msum="$(sha256sum <"$tmp/mcopy.gguf")"; tsum="$(sha256sum <"$tmp/text.txt")"
+check calibrate-out-is-model 1 "kvpool: --out: '$tmp/mcopy.gguf' is the same file as --model '$tmp/mcopy.gguf'; writing it would replace that input" -- "$bin" calibrate --model "$tmp/mcopy.gguf" --text "$tmp/text.txt" --out "$tmp/mcopy.gguf"
+check calibrate-out-is-model-spelt 1 "--out: '$tmp/sub/../mcopy.gguf' is the same file as --model" -- "$bin" calibrate --model "$tmp/mcopy.gguf" --text "$tmp/text.txt" --out "$tmp/sub/../mcopy.gguf"
+check calibrate-out-links-to-model 1 "--out: '$tmp/mcopy-link.gguf' is the same file as --model" -- "$bin" calibrate --model "$tmp/mcopy.gguf" --text "$tmp/text.txt" --out "$tmp/mcopy-link.gguf"
+check calibrate-out-is-text 1 "--out: '$tmp/text.txt' is the same file as --text '$tmp/text.txt'" -- "$bin" calibrate --model "$tmp/mcopy.gguf" --text "$tmp/text.txt" --out "$tmp/text.txt"
+check calibrate-out-hard-link-to-text 1 "--out: '$tmp/text-hard.txt' is the same file as --text" -- "$bin" calibrate --model "$tmp/mcopy.gguf" --text "$tmp/text.txt" --out "$tmp/text-hard.txt"
+printf 'calibrate:\n  tokens: 400\n' >"$tmp/c.yaml"
+check calibrate-out-is-config 1 "--out: '$tmp/c.yaml' is the same file as --config '$tmp/c.yaml'" -- "$bin" --config "$tmp/c.yaml" calibrate --model "$tmp/mcopy.gguf" --text "$tmp/text.txt" --out "$tmp/c.yaml"
+[[ "$(sha256sum <"$tmp/mcopy.gguf")" == "$msum" && "$(sha256sum <"$tmp/text.txt")" == "$tsum" && -L "$tmp/mcopy-link.gguf" && $(grep -c tokens "$tmp/c.yaml") -eq 1 ]] \
+  && echo "ok   calibrate-inputs-kept" || { echo "FAIL calibrate replaced an input"; fail=1; }
+cp "$tmp/x.npy" "$tmp/xin.npy"; xsum="$(sha256sum <"$tmp/xin.npy")"
+check quantize-dequant-out-is-in 1 "--dequant-out: '$tmp/xin.npy' is the same file as --in '$tmp/xin.npy'" -- "$bin" quantize --in "$tmp/xin.npy" --dequant-out "$tmp/xin.npy"
+check quantize-packed-out-is-in 1 "--packed-out: '$tmp/./xin.npy' is the same file as --in" -- "$bin" quantize --in "$tmp/xin.npy" --packed-out "$tmp/./xin.npy"
+"$bin" calibrate --model "$model" --text "$data/calibration.txt" --tokens 400 --out "$tmp/rq.safetensors" >/dev/null 2>&1
+rsum="$(sha256sum <"$tmp/rq.safetensors")"
+check quantize-packed-out-is-rotation 1 "--packed-out: '$tmp/rq.safetensors' is the same file as --rotation" -- "$bin" quantize --in "$tmp/xin.npy" --rotation "$tmp/rq.safetensors" --layer 0 --packed-out "$tmp/rq.safetensors"
+check quantize-two-outputs-one-file 1 "--packed-out: '$tmp/both.bin' is the same file as --dequant-out '$tmp/both.bin'; one would overwrite the other" -- "$bin" quantize --in "$tmp/xin.npy" --dequant-out "$tmp/both.bin" --packed-out "$tmp/both.bin"
+[[ "$(sha256sum <"$tmp/xin.npy")" == "$xsum" && "$(sha256sum <"$tmp/rq.safetensors")" == "$rsum" && ! -e "$tmp/both.bin" ]] \
+  && echo "ok   quantize-inputs-kept" || { echo "FAIL quantize replaced an input"; fail=1; }
+# A keyword is not a file: --rotation none with an output named "none" still runs.
+check quantize-rotation-keyword-not-a-file 0 "relative L2 err" -- bash -c "cd '$tmp' && '$bin' quantize --in xin.npy --rotation none --packed-out none"
 exit $fail

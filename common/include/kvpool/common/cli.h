@@ -71,6 +71,26 @@ void Setup(CLI::App& app, const std::string& program_name);
 // Usage: app.add_option("--report", path, "...")->check(kvpool::cli::OutputFile());
 const CLI::Validator& OutputFile();
 
+// A file flag for RefuseSameFiles: its option and the values that name no file (e.g. {"none",
+// "hadamard"} for `kvpool quantize --rotation`).
+struct FileFlag {
+  const CLI::Option* option = nullptr;
+  std::vector<std::string> keywords = {};
+};
+
+// Refuses, once `app` (the root or a subcommand) is parsed and before the program runs, an
+// output path that names the same file as one of `inputs`, as the --config file or as another
+// output — also through another spelling of the path, a symbolic link or a hard link (the same
+// device and inode; for outputs that do not exist yet, the same path once links are resolved) —
+// so a run cannot replace what it reads (newcomer s7 F7: `kvpool calibrate --out` equal to
+// `--model` turned the model into a rotation file). Parse then exits kExitUsage naming both
+// flags: "--out: 'm2.gguf' is the same file as --model 'm.gguf'; writing it would replace that
+// input: name another file". Only values given (command line or --config) are compared, every
+// value of a repeatable flag. Sets `app`'s final callback (CLI::App::final_callback); not
+// thread-safe (touches `app` only). Usage, after adding the options:
+//   kvpool::cli::RefuseSameFiles(calib, {{out_opt}}, {{model_opt}, {text_opt}});
+void RefuseSameFiles(CLI::App* app, std::vector<FileFlag> outputs, std::vector<FileFlag> inputs);
+
 // Size limits of the input files the binaries read whole (docs/TOOLS.md "Input files"), defined
 // with the shared reader in kvpool/common/bounded_file.h: text 64 MiB, rotation files 256 MiB,
 // GGUF models 64 GiB, --config YAML 1 MiB.
