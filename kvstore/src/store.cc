@@ -64,9 +64,9 @@ absl::Status ValidateSpec(const ModelSpec& s) {
   const BlockGeometry& g = s.geometry;
   KVPOOL_RETURN_IF_ERROR(ValidateIdentityString(s.tenant, "identity.tenant"));
   KVPOOL_RETURN_IF_ERROR(ValidateIdentityString(s.model_id, "identity.model_id"));
-  if (!s.revision.empty()) {
-    KVPOOL_RETURN_IF_ERROR(ValidateIdentityString(s.revision, "identity.revision"));
-  }
+  // An empty revision was accepted ("default/m@") while an empty model_id was not (newcomer
+  // s7 F4): every identity string is 1..kMaxIdentityBytes printable bytes.
+  KVPOOL_RETURN_IF_ERROR(ValidateIdentityString(s.revision, "identity.revision"));
   if (g.num_layers == 0 || g.num_layers > kMaxLayersOrHeads) {
     return absl::InvalidArgumentError(absl::StrCat("geometry.num_layers: must be in 1..",
                                                    kMaxLayersOrHeads, ", got ", g.num_layers));
@@ -256,11 +256,27 @@ absl::StatusOr<ModelInfo> BlockStore::RegisterModel(const ModelSpec& spec_in,
                                                        .clip_ratio_v = spec.clip_ratio_v});
     if (!match.ok()) {
       if (rotation.redact_file_content) {
-        return absl::FailedPreconditionError(absl::StrCat(
+        match = absl::FailedPreconditionError(absl::StrCat(
             rotation.field,
             ": the rotation file does not match the model (its head_dim, num_layers, "
             "num_kv_heads or clip ratios differ; `kvpool rotations inspect FILE` on the pool's "
             "host shows them)"));
+      }
+      // A registration under this identity that differs too: list its differences first, so
+      // the rotation check does not hide them (newcomer s7 F5; PROTOCOL.md "every differing
+      // field"), then the file's own mismatch.
+      std::shared_lock lock(models_mu_);
+      auto existing = models_by_identity_.find(IdentityKey(spec));
+      if (existing != models_by_identity_.end()) {
+        const Model& m = *existing->second;
+        std::vector<std::string> diff =
+            DiffSpecs(m.spec, m.info.rotation_id, spec, Sha256(rotation.file_bytes));
+        if (!diff.empty()) {
+          return absl::FailedPreconditionError(
+              absl::StrCat("model ", spec.tenant, "/", spec.model_id, "@", spec.revision,
+                           " is registered with a different layout: ", absl::StrJoin(diff, "; "),
+                           "; also: ", match.message()));
+        }
       }
       return match;
     }

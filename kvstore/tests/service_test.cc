@@ -499,6 +499,13 @@ TEST_F(ServiceTest, IdentityStringsAndRecipeNumbersAreBounded) {
   r = RegisterRequest(spec);
   r.mutable_identity()->set_revision(std::string(1000, 'r'));
   refused(r, "identity.revision");
+  // Empty identity strings (newcomer s7 F4: an empty revision registered "default/tiny@").
+  r = RegisterRequest(spec);
+  r.mutable_identity()->set_revision("");
+  refused(r, "identity.revision: must not be empty");
+  r = RegisterRequest(spec);
+  r.mutable_identity()->set_model_id("");
+  refused(r, "identity.model_id: must not be empty");
   r = RegisterRequest(spec);
   r.mutable_identity()->set_tenant(std::string("t\x01", 2));
   refused(r, "identity.tenant");

@@ -113,6 +113,73 @@ TEST_F(StoreTest, RegistrationIsIdempotentAndMismatchListsEveryField) {
   EXPECT_NE(r2->namespace_id, ns_);
 }
 
+// A conflicting registration whose rotation file also disagrees with its clip ratio was refused
+// with the rotation file's mismatch only, hiding the page_size / sink / recent differences
+// (newcomer s7 F5; PROTOCOL.md: "listing every differing field"): one FAILED_PRECONDITION lists
+// them all, and the rotation file's own mismatch.
+TEST_F(StoreTest, AConflictThatAlsoFailsTheRotationCheckListsEveryDifferingField) {
+  ModelSpec other = spec_;  // P 4, S 4, W 8, clip 0.96 / 0.92 registered
+  other.geometry.page_size = 8;
+  other.sink_tokens = 8;
+  other.recent_tokens = 16;
+  other.clip_ratio_k = 0.5f;
+  const std::string file = RotationFileFor(spec_);  // says clip_ratio_k 0.96
+  for (bool redact : {false, true}) {
+    auto bad = store_->RegisterModel(
+        other, {.file_bytes = file, .field = "rotation_path 'r'", .redact_file_content = redact});
+    ASSERT_EQ(bad.status().code(), absl::StatusCode::kFailedPrecondition) << bad.status();
+    const std::string msg(bad.status().message());
+    for (const char* f :
+         {"model default/tiny@r1 is registered with a different layout: ",
+          "page_size (registered 4, requested 8)", "recipe.sink_tokens (registered 4, requested 8)",
+          "recipe.recent_tokens (registered 8, requested 16)",
+          "recipe.clip_ratio_k (registered 0.96, requested 0.5)"}) {
+      EXPECT_NE(msg.find(f), std::string::npos) << f << "\n" << msg;
+    }
+    EXPECT_EQ(msg.find("clip_ratio_v"), std::string::npos) << msg;
+    if (redact) {  // the file's numbers stay on the pool's host
+      EXPECT_NE(msg.find("the rotation file does not match the model"), std::string::npos) << msg;
+      EXPECT_EQ(msg.find("0.96 != 0.5"), std::string::npos) << msg;
+    } else {
+      EXPECT_NE(msg.find("rotation file does not match the model: clip_ratio_k 0.96 != 0.5"),
+                std::string::npos)
+          << msg;
+    }
+  }
+  // Without a registration under that identity, the rotation check alone speaks, as before.
+  other.revision = "fresh";
+  auto alone = store_->RegisterModel(other, {.file_bytes = file});
+  ASSERT_EQ(alone.status().code(), absl::StatusCode::kFailedPrecondition) << alone.status();
+  EXPECT_EQ(alone.status().message(),
+            "rotation file does not match the model: clip_ratio_k 0.96 != 0.5");
+  EXPECT_EQ(store_->Stats().models, 1u);
+}
+
+// An empty revision was accepted ("registered model default/m@"), an empty model_id refused
+// (newcomer s7 F4; OPERATIONS.md: identity strings are 1-256 printable ASCII bytes): every
+// identity string is checked the same way, naming its field. An empty tenant means "default".
+TEST_F(StoreTest, EveryIdentityStringMustBeOneTo256PrintableBytes) {
+  for (const char* field : {"identity.model_id", "identity.revision"}) {
+    for (const std::string& v : {std::string(), std::string(257, 'x'), std::string("a\tb")}) {
+      ModelSpec s = spec_;
+      (std::string(field) == "identity.model_id" ? s.model_id : s.revision) = v;
+      auto r = store_->RegisterModel(s, {.id = info_.rotation_id});
+      EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << field << " " << v.size();
+      EXPECT_EQ(r.status().message().rfind(absl::StrCat(field, ": "), 0), 0u) << r.status();
+    }
+  }
+  ModelSpec s = spec_;
+  s.tenant = std::string(257, 't');
+  auto r = store_->RegisterModel(s, {.id = info_.rotation_id});
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+  EXPECT_EQ(r.status().message().rfind("identity.tenant: ", 0), 0u) << r.status();
+  s.tenant = "";  // "default"
+  auto same = store_->RegisterModel(s, {.id = info_.rotation_id});
+  ASSERT_TRUE(same.ok()) << same.status();
+  EXPECT_EQ(same->namespace_id, ns_);
+  EXPECT_EQ(store_->Stats().models, 1u);
+}
+
 TEST_F(StoreTest, RegistrationErrorsNameTheField) {
   ModelSpec s = spec_;
   s.revision = "x";
