@@ -141,10 +141,12 @@ bool IsConnectionLoss(absl::string_view message) {
 // Makes a failed RPC say which call failed, why and what to do, where gRPC's own text says
 // only "Deadline Exceeded", "CANCELLED" or "Broken pipe" (newcomer findings). `method` is the
 // RPC's name, `timeout` the deadline it was given (from its start), `cancelled_here` whether
-// this client cancelled it (CallOptions::cancel), `server` the pool's address. Every other
-// status (the pool's own messages, which name the field) is returned unchanged.
+// this client cancelled it (CallOptions::cancel), `server` the pool's address, `ever_answered`
+// whether the pool has answered this client before (if not, a refused connection means no pool
+// runs there, not that it stopped). Every other status (the pool's own messages, which name the
+// field) is returned unchanged.
 absl::Status ExplainRpcFailure(absl::Status s, absl::string_view method, absl::Duration timeout,
-                               bool cancelled_here, const std::string& server) {
+                               bool cancelled_here, const std::string& server, bool ever_answered) {
   if (s.ok()) return s;
   const absl::string_view msg = s.message();
   const std::string ms =
@@ -173,6 +175,12 @@ absl::Status ExplainRpcFailure(absl::Status s, absl::string_view method, absl::D
                                                                   : absl::StrCat(" (", msg, ")")));
     case absl::StatusCode::kUnavailable:
       if (!IsConnectionLoss(msg)) break;
+      if (!ever_answered) {  // newcomer s7 F13: "stopped or restarted" for a pool never started
+        return absl::UnavailableError(absl::StrCat(
+            method, ": could not reach the pool at ", server, " (", msg,
+            "): no pool has answered at that address yet; check that kvpool-server runs and "
+            "listens there (its --listen); the client tries again on its next call"));
+      }
       return absl::UnavailableError(absl::StrCat(
           method, ": lost the connection to the pool at ", server, " (", msg,
           "): the pool stopped or restarted. A restarted pool has forgotten this client's open "
@@ -573,7 +581,14 @@ class ClientImpl final : public Client {
     absl::Status out = WithUcxTlsHint(FromGrpc(gs), options_.ucx_tls);
     if (!out.ok()) {
       out = ExplainRpcFailure(std::move(out), method, timeout,
-                              cancel != nullptr && cancel->cancelled(), options_.server);
+                              cancel != nullptr && cancel->cancelled(), options_.server,
+                              pool_answered_.load(std::memory_order_relaxed));
+    }
+    // An answer of the pool's own (OK, or a code a transport failure does not produce).
+    if (gs.ok() || (gs.error_code() != grpc::StatusCode::UNAVAILABLE &&
+                    gs.error_code() != grpc::StatusCode::DEADLINE_EXCEEDED &&
+                    gs.error_code() != grpc::StatusCode::CANCELLED)) {
+      pool_answered_.store(true, std::memory_order_relaxed);
     }
     if (absl::IsUnavailable(out)) MarkStale("gRPC UNAVAILABLE");
     return out;
@@ -1556,6 +1571,9 @@ class ClientImpl final : public Client {
   std::unique_ptr<CopyPool> copy_pool_;
   // WatchChannel's thread and its stop flag (declared after channel_, which it reads).
   std::atomic<bool> stop_watch_{false};
+  // Set by the first RPC the pool answered (RpcOutcome): until then a refused connection is
+  // worded "could not reach the pool", after it "lost the connection".
+  std::atomic<bool> pool_answered_{false};
   std::thread channel_watch_;
 
   // The leases this client acquired and has not released: lease id -> (pool epoch, local
