@@ -12,6 +12,7 @@
 // Exit codes: 0 ok, 1 usage, 2 runtime error.
 #include <signal.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -119,6 +120,25 @@ bool AllThreadsStopped(int pid) {
   return !ec && threads > 0;
 }
 
+// One counter of --metrics-file.
+struct Counter {
+  const char* name;
+  const char* help;
+  uint64_t value;
+};
+
+// Prometheus text exposition of `counters`: HELP, TYPE and value of each (promtool check metrics
+// wants the HELP line; newcomer s7 F9 found three counters without one).
+std::string PrometheusCounters(const std::vector<Counter>& counters) {
+  std::ostringstream m;
+  for (const Counter& c : counters) {
+    m << "# HELP " << c.name << " " << c.help << "\n"
+      << "# TYPE " << c.name << " counter\n"
+      << c.name << " " << c.value << "\n";
+  }
+  return m.str();
+}
+
 // Writes the report (none when `path` is empty), atomically and through a symbolic link
 // (kvpool::cli::WriteOutputFile).
 absl::Status WriteJson(const std::string& path, const json& j) {
@@ -146,15 +166,17 @@ int main(int argc, char** argv) {
   app.add_option("--pool", pool, "gRPC address of the pool (HOST:PORT)")->capture_default_str();
   // Input files: a directory, a device, a FIFO or a file above the size limit is a usage error
   // naming the flag (kvpool::cli::InputFile; docs/TOOLS.md "Input files").
-  app.add_option("--model", model, "GGUF model file")
-      ->required()
-      ->check(kvpool::cli::InputFile(kvpool::cli::kMaxModelFileBytes));
-  app.add_option("--rotations", rotations_path, "OSCAR rotation file (safetensors)")
-      ->required()
-      ->check(kvpool::cli::InputFile(kvpool::cli::kMaxRotationFileBytes));
-  app.add_option("--prompt-file", prompt_files, "a prompt text file (repeatable)")
-      ->required()
-      ->check(kvpool::cli::InputFile(kvpool::cli::kMaxTextFileBytes));
+  CLI::Option* model_opt = app.add_option("--model", model, "GGUF model file")
+                               ->required()
+                               ->check(kvpool::cli::InputFile(kvpool::cli::kMaxModelFileBytes));
+  CLI::Option* rotations_opt =
+      app.add_option("--rotations", rotations_path, "OSCAR rotation file (safetensors)")
+          ->required()
+          ->check(kvpool::cli::InputFile(kvpool::cli::kMaxRotationFileBytes));
+  CLI::Option* prompts_opt =
+      app.add_option("--prompt-file", prompt_files, "a prompt text file (repeatable)")
+          ->required()
+          ->check(kvpool::cli::InputFile(kvpool::cli::kMaxTextFileBytes));
   app.add_option("--max-new-tokens", max_new, "tokens to generate per prompt")
       ->capture_default_str()
       ->check(kvpool::cli::Range(0, 4096));
@@ -182,15 +204,17 @@ int main(int argc, char** argv) {
       ->check(kvpool::cli::Range(0, 3600000));
   app.add_option("--call-timeout-ms", call_timeout_ms,
                  "timeout of each pool call without a deadline of its own (lookup, lease, "
-                 "each call of a put), counted from that call's start")
+                 "each call of a put), counted from that call's start; prefill: also how long "
+                 "the later prompts wait for a pool found unreachable to come back")
       ->capture_default_str()
       ->check(kvpool::cli::Range(1, 3600000));
-  app.add_option("--report", report, "write a JSON report to this file")
-      ->check(kvpool::cli::OutputFile());
+  CLI::Option* report_opt = app.add_option("--report", report, "write a JSON report to this file")
+                                ->check(kvpool::cli::OutputFile());
   std::string metrics_file;
-  app.add_option("--metrics-file", metrics_file,
-                 "decode/prefill: write counters in Prometheus text format to this file")
-      ->check(kvpool::cli::OutputFile());
+  CLI::Option* metrics_opt =
+      app.add_option("--metrics-file", metrics_file,
+                     "decode/prefill: write counters in Prometheus text format to this file")
+          ->check(kvpool::cli::OutputFile());
   app.add_option("--eval-windows", windows, "eval: S:W pairs, comma-separated")
       ->capture_default_str();
   app.add_option("--teacher-force", teacher_force,
@@ -198,10 +222,14 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--fault", fault,
                  "test hook: none | prefill-exit-mid-push | kill-pool-mid-fetch | "
-                 "stop-pool-after-register")
+                 "stop-pool-after-register | kill-pool-after-first-commit")
       ->capture_default_str();
   app.add_option("--fault-pool-pid", fault_pool_pid,
-                 "pid of the pool for kill-pool-mid-fetch and stop-pool-after-register");
+                 "pid of the pool for kill-pool-mid-fetch, stop-pool-after-register and "
+                 "kill-pool-after-first-commit");
+  // An output that is one of the inputs (or the other output) would replace it (newcomer s7 F7).
+  kvpool::cli::RefuseSameFiles(&app, {{report_opt}, {metrics_opt}},
+                               {{model_opt}, {rotations_opt}, {prompts_opt}});
   KVPOOL_CLI_PARSE(app, argc, argv);
   if (model_id.empty()) model_id = std::filesystem::path(model).stem().string();
 
@@ -217,7 +245,8 @@ int main(int argc, char** argv) {
     return kvpool::cli::kExitUsage;
   }
   if ((*fault_or == kw::Fault::kKillPoolMidFetch ||
-       *fault_or == kw::Fault::kStopPoolAfterRegister) &&
+       *fault_or == kw::Fault::kStopPoolAfterRegister ||
+       *fault_or == kw::Fault::kKillPoolAfterFirstCommit) &&
       fault_pool_pid <= 0) {
     std::fprintf(stderr,
                  "kvpool-worker: --fault-pool-pid: %s needs the pool's pid (a positive integer)\n",
@@ -234,6 +263,15 @@ int main(int argc, char** argv) {
                    "kvpool-worker: --eval-windows: '%s' is not S:W (two non-negative "
                    "integers)\n",
                    std::string(w).c_str());
+      return kvpool::cli::kExitUsage;
+    }
+    // Each pair is one entry of the report ("int2_S64_W256"): a repeat wrote the key twice into
+    // one JSON object (newcomer s7 F8).
+    if (std::find(wins.begin(), wins.end(), std::pair<int, int>(s, r)) != wins.end()) {
+      std::fprintf(stderr,
+                   "kvpool-worker: --eval-windows: %d:%d is given twice ('%s'); give each S:W "
+                   "pair once\n",
+                   s, r, windows.c_str());
       return kvpool::cli::kExitUsage;
     }
     wins.emplace_back(s, r);
@@ -432,7 +470,10 @@ int main(int argc, char** argv) {
                             copts.clip_ratio_k, "-v", copts.clip_ratio_v, "-r",
                             kvpool::Sha256Hex(*rot_bytes).substr(0, 16));
   }
-  kw::NodeOptions nopts{.cache = copts, .fault_pool_pid = fault_pool_pid, .fault = *fault_or};
+  kw::NodeOptions nopts{.cache = copts,
+                        .fault_pool_pid = fault_pool_pid,
+                        .fault = *fault_or,
+                        .reconnect_wait = std::chrono::milliseconds(call_timeout_ms)};
   kvpool::client::ClientOptions clo;
   clo.server = pool;
   clo.ucx_tls = ucx_tls;
@@ -541,9 +582,28 @@ int main(int argc, char** argv) {
                       {"compute_seconds", compute},
                       {"push_seconds", push},
                       {"skipped_prompts", skipped},
-                      {"failed_prompts", failed}};
+                      {"failed_prompts", failed},
+                      {"pool_reconnects", node.pool_reconnects()}};
     out["seconds"] =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+    if (!metrics_file.empty()) {
+      const std::string text = PrometheusCounters({
+          {"kvpool_worker_prefill_prompts_total", "Prompts given to this prefill node.",
+           prompts.size()},
+          {"kvpool_worker_prefill_failed_prompts_total",
+           "Prompts whose put failed (aborted; nothing of them stored).", uint64_t(failed)},
+          {"kvpool_worker_prefill_skipped_prompts_total",
+           "Prompts shorter than one block (nothing to push).", uint64_t(skipped)},
+          {"kvpool_worker_pushed_bytes_total",
+           "Staging bytes written to the pool by committed puts.", bytes},
+          {"kvpool_worker_pool_reconnects_total",
+           "Times the pool answered again after it was found unreachable.",
+           uint64_t(node.pool_reconnects())},
+      });
+      if (auto s = kvpool::cli::WriteOutputFile(metrics_file, text); !s.ok()) {
+        return Fail(s, "--metrics-file");
+      }
+    }
     if (auto s = WriteJson(report, out); !s.ok()) {
       return Fail(s, "--report");
     }
@@ -656,21 +716,19 @@ int main(int argc, char** argv) {
   out["seconds"] =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
   if (!metrics_file.empty()) {
-    std::ostringstream m;
-    m << "# HELP kvpool_worker_requests_total Requests served by this decode worker.\n"
-      << "# TYPE kvpool_worker_requests_total counter\n"
-      << "kvpool_worker_requests_total " << prompts.size() << "\n"
-      << "# HELP kvpool_worker_pool_fallbacks_total Requests whose prefix was computed locally "
-         "because the pool path failed.\n"
-      << "# TYPE kvpool_worker_pool_fallbacks_total counter\n"
-      << "kvpool_worker_pool_fallbacks_total " << fallbacks << "\n"
-      << "# TYPE kvpool_worker_blocks_hit_total counter\n"
-      << "kvpool_worker_blocks_hit_total " << hits << "\n"
-      << "# TYPE kvpool_worker_blocks_missed_total counter\n"
-      << "kvpool_worker_blocks_missed_total " << (wanted - hits) << "\n"
-      << "# TYPE kvpool_worker_fetched_bytes_total counter\n"
-      << "kvpool_worker_fetched_bytes_total " << moved << "\n";
-    if (auto s = kvpool::cli::WriteOutputFile(metrics_file, m.str()); !s.ok()) {
+    const std::string text = PrometheusCounters({
+        {"kvpool_worker_requests_total", "Requests served by this decode worker.", prompts.size()},
+        {"kvpool_worker_pool_fallbacks_total",
+         "Requests whose prefix was computed locally because the pool path failed.",
+         uint64_t(fallbacks)},
+        {"kvpool_worker_blocks_hit_total", "Blocks of the wanted prefixes the pool held (leased).",
+         uint64_t(hits)},
+        {"kvpool_worker_blocks_missed_total",
+         "Blocks of the wanted prefixes the pool did not hold.", uint64_t(wanted - hits)},
+        {"kvpool_worker_fetched_bytes_total", "Bytes fetched from the pool over the data plane.",
+         moved},
+    });
+    if (auto s = kvpool::cli::WriteOutputFile(metrics_file, text); !s.ok()) {
       return Fail(s, "--metrics-file");
     }
   }

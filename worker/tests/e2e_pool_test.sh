@@ -11,10 +11,12 @@
 #   4. a pool killed mid-fetch still yields the same output as a run without the pool, and the
 #      decode reports the fallback;
 #   5. a hung pool (SIGSTOP) costs one call's deadline, not one per prompt: the later prompts
-#      report that the pool was skipped after the first one's failure.
-# Usage: e2e_pool_test.sh SERVER WORKER KVPOOL_TOOL MODEL DEMO_DIR
+#      report that the pool was skipped after the first one's failure;
+#   6. a pool killed mid-prefill and restarted a second later receives the later prompts (only
+#      the put that was open fails), and the prefill node's counters pass promtool.
+# Usage: e2e_pool_test.sh SERVER WORKER KVPOOL_TOOL MODEL DEMO_DIR [PROMTOOL]
 set -euo pipefail
-server_bin="$1"; worker_bin="$2"; tool_bin="$3"; model="$4"; demo="$5"
+server_bin="$1"; worker_bin="$2"; tool_bin="$3"; model="$4"; demo="$5"; promtool="${6:-}"
 INT2_MIN_AGREEMENT=0.80
 work="$(mktemp -d)"
 server_pid=""
@@ -253,4 +255,65 @@ for i, p in enumerate(d["prompts"][:2]):
 print(f"hung pool: {first['name']} waited for its deadline ({first['fallback_reason'][:45]}...), "
       f"the other {len(rest)} skipped the pool; answers identical to the single-process run")
 PY
+echo "== pool killed mid-prefill and restarted 1 s later: the later prompts reach the new pool"
+# The worker SIGKILLs the pool right after the first prompt committed, while the second
+# prompt's put is open; the test restarts the pool on the same port a second later. The open
+# put is lost (the restarted pool has forgotten it); every later prompt waits for the pool (up
+# to --call-timeout-ms), and the client registers the model again (newcomer s7 F2: the later
+# prompts all failed in the same millisecond, the restarted pool never saw a registration).
+five=()
+for f in "${demo}"/prompts/0[1-5]_*.txt; do five+=(--prompt-file "$f"); done
+"${worker_bin}" --role prefill --pool "${pool}" --revision restart-test "${common[@]}" "${five[@]}" \
+  --fault kill-pool-after-first-commit --fault-pool-pid "${server_pid}" --call-timeout-ms 30000 \
+  --report "${work}/prefill_restart.json" --metrics-file "${work}/prefill_restart.prom" \
+  >/dev/null 2>"${work}/prefill_restart.log" &
+worker_pid=$!
+old_pool=${server_pid}
+for _ in $(seq 1 1200); do  # until the worker has killed the pool (or itself stopped)
+  kill -0 "${old_pool}" 2>/dev/null && kill -0 "${worker_pid}" 2>/dev/null || break
+  sleep 0.05
+done
+wait "${old_pool}" 2>/dev/null || true
+server_pid=""
+grep -q "fault kill-pool-after-first-commit" "${work}/prefill_restart.log" \
+  || { cat "${work}/prefill_restart.log" >&2; fail "the kill-pool-after-first-commit hook did not fire"; }
+sleep 1
+start_pool
+rc=0
+wait "${worker_pid}" || rc=$?
+[[ ${rc} -eq 2 ]] || { cat "${work}/prefill_restart.log" >&2; fail "prefill across a restart: exit ${rc}, want 2 (one failed prompt)"; }
+grep -q "prefill: the pool answers again after" "${work}/prefill_restart.log" \
+  || { cat "${work}/prefill_restart.log" >&2; fail "the reconnect is not logged"; }
+"${worker_bin}" --role decode --pool "${pool}" --revision restart-test "${common[@]}" "${five[@]}" \
+  --teacher-force false --report "${work}/decode_restart.json" >/dev/null \
+  2>"${work}/decode_restart.log" || { cat "${work}/decode_restart.log" >&2; fail "decode after the restart"; }
+python3 - "${work}" <<'PY' || { cat "${work}/prefill_restart.log" >&2; fail "prefill across a pool restart"; }
+import json, sys
+work = sys.argv[1]
+pre = json.load(open(f"{work}/prefill_restart.json"))
+p = pre["prompts"]
+assert len(p) == 5, p
+assert "error" not in p[0] and p[0]["blocks"] > 0, p[0]   # committed to the old pool
+assert p[1]["error"].startswith("UNAVAILABLE"), p[1]        # its put was open when the pool died
+for x in p[2:]:                                             # all reach the restarted pool
+    assert "error" not in x and x["blocks_written"] == x["blocks"] > 0, x
+assert pre["overall"]["failed_prompts"] == 1 and pre["overall"]["pool_reconnects"] == 1, pre["overall"]
+dec = {d["name"]: d for d in json.load(open(f"{work}/decode_restart.json"))["prompts"]}
+assert dec[p[0]["name"]]["lookup_blocks"] == 0, dec[p[0]["name"]]  # the new pool is another one
+for x in p[2:]:
+    d = dec[x["name"]]
+    assert not d["fallback"] and d["hit_blocks"] == d["wanted_blocks"] > 0, d
+print(f"pool restart mid-prefill: {p[1]['name']} lost ({p[1]['error'][:60]}...), "
+      f"{len(p) - 2} later prompts stored in the restarted pool and served from it")
+PY
+grep -q "^kvpool_worker_pool_reconnects_total 1$" "${work}/prefill_restart.prom" \
+  && grep -q "^kvpool_worker_prefill_failed_prompts_total 1$" "${work}/prefill_restart.prom" \
+  || { cat "${work}/prefill_restart.prom" >&2; fail "prefill metrics"; }
+if [[ -n "${promtool}" && -x "${promtool}" ]]; then
+  "${promtool}" check metrics <"${work}/prefill_restart.prom" \
+    || { cat "${work}/prefill_restart.prom" >&2; fail "promtool check metrics on the prefill counters"; }
+  echo "promtool check metrics passes on the prefill node's counters"
+else
+  echo "skip: promtool not found; prefill metrics format not checked"
+fi
 echo "PASS"

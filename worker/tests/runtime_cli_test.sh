@@ -2,9 +2,9 @@
 # kvpool-worker command line: exit codes (0 ok, 1 usage, 2 runtime) and messages, and the
 # decode worker's answer when the pool is unreachable (it computes the prefix itself, gives the
 # single-process answer, and says so in its log, report and metrics).
-# Usage: runtime_cli_test.sh WORKER KVPOOL_TOOL MODEL DEMO_DIR
+# Usage: runtime_cli_test.sh WORKER KVPOOL_TOOL MODEL DEMO_DIR [PROMTOOL]
 set -uo pipefail
-worker="$1"; tool="$2"; model="$3"; demo="$4"
+worker="$1"; tool="$2"; model="$3"; demo="$4"; promtool="${5:-}"
 work="$(mktemp -d)"
 trap 'rm -rf "${work}"' EXIT
 failures=0
@@ -67,6 +67,38 @@ expect 1 "eval window beyond the context" -- "${worker}" --role eval --eval-wind
 expect_err "kvpool-worker: --eval-windows: 64:4096: exceeds" "the message names --eval-windows"
 expect 1 "kill-pool-mid-fetch without --fault-pool-pid" -- "${worker}" --role decode --fault kill-pool-mid-fetch "${base[@]}" "${prompt[@]}"
 expect_err "kvpool-worker: --fault-pool-pid: " "the message names --fault-pool-pid"
+expect 1 "kill-pool-after-first-commit without --fault-pool-pid" -- "${worker}" --role prefill --fault kill-pool-after-first-commit "${base[@]}" "${prompt[@]}"
+expect_err "kvpool-worker: --fault-pool-pid: kill-pool-after-first-commit needs the pool's pid" "the message names --fault-pool-pid"
+# A repeated pair wrote its key twice into one JSON object (newcomer s7 F8).
+expect 1 "a repeated --eval-windows pair" -- "${worker}" --role eval --eval-windows 64:256,16:16,64:256 "${base[@]}" "${prompt[@]}" --report "${work}/dupw.json"
+expect_err "kvpool-worker: --eval-windows: 64:256 is given twice ('64:256,16:16,64:256'); give each S:W pair once" "the message names the pair"
+[[ ! -e "${work}/dupw.json" ]] || { echo "FAIL: a repeated --eval-windows pair wrote a report" >&2; failures=$((failures + 1)); }
+expect 1 "a repeated --eval-windows pair, spelt differently" -- "${worker}" --role eval --eval-windows 16:16,016:16 "${base[@]}" "${prompt[@]}"
+expect_err "kvpool-worker: --eval-windows: 16:16 is given twice" "the message names the pair as parsed"
+# An output that is an input (another spelling, a symlink, a hard link), the --config file or
+# the other output is refused before any work, naming both flags (newcomer s7 F7).
+cp "${demo}/prompts/01_kite.txt" "${work}/kite.txt"
+ln -s kite.txt "${work}/kite-link.txt"; ln "${work}/rot.safetensors" "${work}/rot-hard.safetensors"
+kite_sum="$(sha256sum <"${work}/kite.txt")"; rot_sum="$(sha256sum <"${work}/rot.safetensors")"
+expect 1 "--report is the --prompt-file" -- "${worker}" --role eval "${base[@]}" --prompt-file "${work}/kite.txt" --report "${work}/kite.txt"
+expect_err "kvpool-worker: --report: '${work}/kite.txt' is the same file as --prompt-file '${work}/kite.txt'; writing it would replace that input" "the message names both flags"
+expect 1 "--metrics-file links to the --prompt-file" -- "${worker}" --role decode --pool 127.0.0.1:1 "${base[@]}" --prompt-file "${work}/kite.txt" --metrics-file "${work}/kite-link.txt"
+expect_err "kvpool-worker: --metrics-file: '${work}/kite-link.txt' is the same file as --prompt-file" "a symlink to an input is refused"
+expect 1 "--report is a hard link to --rotations" -- "${worker}" --role eval "${model_flags[@]}" "${prompt[@]}" --report "${work}/rot-hard.safetensors"
+expect_err "kvpool-worker: --report: '${work}/rot-hard.safetensors' is the same file as --rotations" "a hard link to an input is refused"
+# (A copy: a worker without the check would write its report over the model given.)
+cp "${model}" "${work}/model-copy.gguf"
+expect 1 "--report is the --model" -- "${worker}" --role eval --model "${work}/model-copy.gguf" --rotations "${work}/rot.safetensors" "${prompt[@]}" --report "${work}/model-copy.gguf"
+expect_err "kvpool-worker: --report: '${work}/model-copy.gguf' is the same file as --model" "the model is refused as an output"
+cmp -s "${model}" "${work}/model-copy.gguf" || { echo "FAIL: the --model copy was replaced" >&2; failures=$((failures + 1)); }
+expect 1 "--report and --metrics-file one file" -- "${worker}" --role decode --pool 127.0.0.1:1 "${base[@]}" "${prompt[@]}" --report "${work}/same.out" --metrics-file "${work}/./same.out"
+expect_err "kvpool-worker: --metrics-file: '${work}/./same.out' is the same file as --report '${work}/same.out'; one would overwrite the other" "two outputs on one file are refused"
+printf 'max-new-tokens: 1\n' >"${work}/w.yaml"
+expect 1 "--report is the --config file" -- "${worker}" --config "${work}/w.yaml" --role eval "${model_flags[@]}" "${prompt[@]}" --report "${work}/w.yaml"
+expect_err "kvpool-worker: --report: '${work}/w.yaml' is the same file as --config '${work}/w.yaml'" "the config file is refused as an output"
+[[ "$(sha256sum <"${work}/kite.txt")" == "${kite_sum}" && "$(sha256sum <"${work}/rot.safetensors")" == "${rot_sum}" && -L "${work}/kite-link.txt" && ! -e "${work}/same.out" && "$(cat "${work}/w.yaml")" == "max-new-tokens: 1" ]] \
+  || { echo "FAIL: an input was replaced" >&2; failures=$((failures + 1)); }
+if grep -q "fp32 reference" "${work}/out"; then echo "FAIL: the run started before refusing the output" >&2; failures=$((failures + 1)); fi
 expect 1 "--report into a missing directory" -- "${worker}" --role eval "${base[@]}" "${prompt[@]}" --report "${work}/no/such/dir/r.json"
 expect_err "kvpool-worker: --report: directory '${work}/no/such/dir' of " "the message names --report and the directory"
 expect 1 "--metrics-file into a missing directory" -- "${worker}" --role decode --pool 127.0.0.1:1 "${base[@]}" "${prompt[@]}" --metrics-file "${work}/none/m.prom"
@@ -145,6 +177,11 @@ expect 2 "corrupted rotation file" -- "${worker}" --role eval --model "${model}"
 expect 2 "missing prompt file" -- "${worker}" --role eval "${base[@]}" --prompt-file /nonexistent.txt
 expect 2 "prefill without a pool" -- "${worker}" --role prefill --pool 127.0.0.1:1 "${base[@]}" "${prompt[@]}"
 expect_err "pool 127.0.0.1:1: UNAVAILABLE: " "the pool's own status code is kept"
+# A pool that never answered was said to have "stopped or restarted" and forgotten this client's
+# puts (newcomer s7 F13): the message says no pool answers at the address.
+expect_err "UNAVAILABLE: RegisterModel: could not reach the pool at 127.0.0.1:1 (" "a pool that never started is not reachable"
+expect_err "no pool has answered at that address yet; check that kvpool-server runs and listens there" "the message says what to check"
+if grep -q "stopped or restarted\|forgotten" "${work}/err"; then echo "FAIL: a pool that never started is said to have stopped" >&2; cat "${work}/err" >&2; failures=$((failures + 1)); fi
 # A bad local transport list is this worker's misconfiguration, not a pool failure: both roles
 # stop with exit 2 and name the local data plane (no silent fallback).
 expect 2 "decode with a bogus --ucx-tls" -- "${worker}" --role decode --pool 127.0.0.1:1 --ucx-tls bogus "${base[@]}" "${prompt[@]}" --teacher-force false
@@ -196,6 +233,24 @@ expect 0 "decode with the pool unreachable" -- "${worker}" --role decode --pool 
 expect_err "not usable (pool unreachable at start-up: UNAVAILABLE: " "the fallback is logged"
 [[ $(grep -c "UNAVAILABLE" "${work}/err") -eq 1 ]] || { echo "FAIL: the start-up status is not logged exactly once" >&2; cat "${work}/err" >&2; failures=$((failures + 1)); }
 grep -q "^kvpool_worker_pool_fallbacks_total 1$" "${work}/metrics.txt" || { echo "FAIL: metrics lack the fallback" >&2; failures=$((failures + 1)); }
+expect_err "pool unreachable at start-up: UNAVAILABLE: RegisterModel: could not reach the pool at 127.0.0.1:1" "the decode worker says the pool could not be reached"
+if grep -q "stopped or restarted" "${work}/err"; then echo "FAIL: decode: a pool that never started is said to have stopped" >&2; failures=$((failures + 1)); fi
+# The counters pass promtool (three had no HELP text: newcomer s7 F9), as the pool's do
+# (kvstore metrics_test; the prefill node's are checked in worker_e2e_pool_test).
+if [[ -n "${promtool}" && -x "${promtool}" ]]; then
+  for m in metrics.txt; do
+    if "${promtool}" check metrics <"${work}/${m}" >"${work}/promtool.out" 2>&1; then
+      echo "ok: promtool check metrics passes on the decode worker's ${m}"
+    else
+      echo "FAIL: promtool check metrics on ${m}:" >&2; cat "${work}/promtool.out" "${work}/${m}" >&2; failures=$((failures + 1))
+    fi
+  done
+  # And promtool does refuse a counter without HELP (so the check above can fail).
+  printf '# TYPE x_total counter\nx_total 1\n' | "${promtool}" check metrics >/dev/null 2>&1 \
+    && { echo "FAIL: promtool accepted a counter without HELP" >&2; failures=$((failures + 1)); }
+else
+  echo "skip: promtool not found (Debian package prometheus); metrics format not checked"
+fi
 python3 - "${work}" <<'PY' || failures=$((failures + 1))
 import json, sys
 w = sys.argv[1]

@@ -6,7 +6,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <fstream>
 #include <optional>
+#include <string>
 #include <thread>
 #include <utility>
 
@@ -68,10 +70,13 @@ absl::StatusOr<Fault> ParseFault(const std::string& name) {
   if (name == "stop-pool-after-register") {
     return Fault::kStopPoolAfterRegister;
   }
+  if (name == "kill-pool-after-first-commit") {
+    return Fault::kKillPoolAfterFirstCommit;
+  }
   return absl::InvalidArgumentError(
       absl::StrCat("fault '", name,
-                   "' must be none, prefill-exit-mid-push, kill-pool-mid-fetch or "
-                   "stop-pool-after-register"));
+                   "' must be none, prefill-exit-mid-push, kill-pool-mid-fetch, "
+                   "stop-pool-after-register or kill-pool-after-first-commit"));
 }
 
 client::ModelSpec MakeModelSpec(const engine::ModelConfig& config, const MixedCacheOptions& cache,
@@ -111,7 +116,7 @@ absl::StatusOr<PrefillNode::Pending> PrefillNode::ComputeAndWrite(absl::Span<con
   rep.prompt_tokens = static_cast<int>(prompt.size());
   const std::vector<uint32_t> tokens = ToU32(prompt);
   // Open the put first: staging space is reserved while the prompt is computed.
-  KVPOOL_ASSIGN_OR_RETURN(pending.put, client_->BeginPut(tokens));
+  KVPOOL_ASSIGN_OR_RETURN(pending.put, BeginPut(tokens));
   rep.blocks = pending.put->num_blocks();
 
   // A prefill node attends in BF16 (history precision bf16, the registered S/W).
@@ -148,6 +153,61 @@ absl::StatusOr<PrefillReport> PrefillNode::Commit(Pending pending) {
   return rep;
 }
 
+void PrefillNode::NoteOutage(const absl::Status& s) {
+  if (outage_start_.has_value()) return;
+  outage_start_ = std::chrono::steady_clock::now();
+  KVPOOL_LOG_WARN(
+      "prefill: the pool is unreachable ({}); the later prompts wait up to {} ms from now for "
+      "it to come back (--call-timeout-ms), then each tries once",
+      StatusText(s), options_.reconnect_wait.count());
+}
+
+absl::StatusOr<std::unique_ptr<client::PutSession>> PrefillNode::BeginPut(
+    const std::vector<uint32_t>& tokens) {
+  absl::StatusOr<std::unique_ptr<client::PutSession>> put = client_->BeginPut(tokens);
+  auto backoff = std::chrono::milliseconds(50);
+  while (absl::IsUnavailable(put.status())) {
+    NoteOutage(put.status());
+    const auto end = *outage_start_ + options_.reconnect_wait;
+    const auto now = std::chrono::steady_clock::now();
+    if (now >= end) {
+      return put;  // the wait of this outage is spent: one attempt per prompt from now on
+    }
+    std::this_thread::sleep_for(std::min<std::chrono::steady_clock::duration>(backoff, end - now));
+    backoff = std::min(backoff * 2, std::chrono::milliseconds(1000));
+    put = client_->BeginPut(tokens);  // the client re-registers the model first (stale)
+  }
+  if (put.ok() && outage_start_.has_value()) {
+    ++pool_reconnects_;
+    KVPOOL_LOG_INFO("prefill: the pool answers again after {:.2f} s (model registered again)",
+                    Since(*outage_start_));
+    outage_start_.reset();
+  }
+  return put;
+}
+
+namespace {
+
+// The kill-pool-after-first-commit fault: SIGKILL the pool and wait (up to 5 s) until it is gone
+// or a zombie, so the next call cannot reach it.
+void KillPoolAndWait(int pid) {
+  KVPOOL_LOG_WARN("fault kill-pool-after-first-commit: killing pool pid {}", pid);
+  ::kill(pid, SIGKILL);
+  for (int i = 0; i < 500; ++i) {
+    std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
+    std::string line;
+    if (!std::getline(in, line)) return;   // gone
+    const size_t paren = line.rfind(')');  // the state follows "(comm) "
+    if (paren != std::string::npos && paren + 2 < line.size() &&
+        (line[paren + 2] == 'Z' || line[paren + 2] == 'X')) {
+      return;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+}
+
+}  // namespace
+
 absl::StatusOr<PrefillReport> PrefillNode::Run(absl::Span<const int> prompt) {
   KVPOOL_ASSIGN_OR_RETURN(Pending pending, ComputeAndWrite(prompt));
   return Commit(std::move(pending));
@@ -159,12 +219,18 @@ std::vector<absl::StatusOr<PrefillReport>> PrefillNode::RunAll(
                                                  absl::InternalError("prompt not run"));
   std::optional<Pending> in_flight;  // destroying an uncommitted session aborts it
   size_t in_flight_index = 0;
+  auto commit = [&] {
+    out[in_flight_index] = Commit(std::move(*in_flight));
+    in_flight.reset();
+    if (out[in_flight_index].ok() && options_.fault == Fault::kKillPoolAfterFirstCommit &&
+        !fault_fired_ && options_.fault_pool_pid > 0) {
+      fault_fired_ = true;
+      KillPoolAndWait(options_.fault_pool_pid);
+    }
+  };
   for (size_t i = 0; i < prompts.size(); ++i) {
     absl::StatusOr<Pending> next = ComputeAndWrite(prompts[i]);
-    if (in_flight.has_value()) {
-      out[in_flight_index] = Commit(std::move(*in_flight));
-      in_flight.reset();
-    }
+    if (in_flight.has_value()) commit();
     if (!next.ok()) {
       out[i] = next.status();
       continue;
@@ -172,9 +238,7 @@ std::vector<absl::StatusOr<PrefillReport>> PrefillNode::RunAll(
     in_flight.emplace(std::move(next).value());
     in_flight_index = i;
   }
-  if (in_flight.has_value()) {
-    out[in_flight_index] = Commit(std::move(*in_flight));
-  }
+  if (in_flight.has_value()) commit();
   return out;
 }
 

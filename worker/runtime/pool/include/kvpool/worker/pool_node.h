@@ -5,7 +5,10 @@
 // prompt with BF16 attention (MixedKvCache, history bf16, the registered S/W), records the
 // un-rotated bf16 K/V (StagingRecorder), writes them layer by layer (PutSession::WriteLayer;
 // each layer's transfer proceeds while the next is packed) and commits. Nothing is visible
-// before the commit; a prefill killed mid-push leaves nothing behind.
+// before the commit; a prefill killed mid-push leaves nothing behind. A pool found unreachable
+// (UNAVAILABLE) fails the prompts in flight, not the later ones: each later prompt's BeginPut
+// waits for the pool to come back (re-registering the model), up to NodeOptions::reconnect_wait
+// per outage (PrefillNode::RunAll).
 //
 // Decode (DecodeNode::Run): leases the longest held prefix (at most the full blocks before the
 // last prompt token), keeps the longest part of it whose recent window has BF16 forms, fetches
@@ -22,6 +25,7 @@
 
 #include <chrono>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -49,13 +53,23 @@ enum class Fault {
   // decode: SIGSTOP the pool (pid) once the model is registered, so every later call times out
   // (a hung pool; kvpool-worker sends it, the test resumes the pool with SIGCONT).
   kStopPoolAfterRegister,
+  // prefill: SIGKILL the pool (pid) right after the first prompt committed (the next prompt's put
+  // is open), and wait until it is dead; the test restarts the pool.
+  kKillPoolAfterFirstCommit,
 };
 absl::StatusOr<Fault> ParseFault(const std::string& name);
 
 struct NodeOptions {
   MixedCacheOptions cache;  // page size, S, W, history precision, clip ratios, capacity
-  int fault_pool_pid = 0;   // for kKillPoolMidFetch and kStopPoolAfterRegister
+  int fault_pool_pid = 0;   // for kKillPoolMidFetch, kStopPoolAfterRegister and
+                            // kKillPoolAfterFirstCommit
   Fault fault = Fault::kNone;
+  // Prefill: how long the node waits, per outage, for a pool that answers UNAVAILABLE (refused,
+  // restarted, reconnecting) to come back before a prompt's BeginPut fails (kvpool-worker sets
+  // --call-timeout-ms). Counted from the outage's first UNAVAILABLE, across prompts; once it has
+  // passed, each later prompt tries once (so a pool that stays down costs one wait per run, and
+  // one restarted later still gets the later prompts). Zero: no wait, every prompt tries once.
+  std::chrono::milliseconds reconnect_wait{0};
   // Why a DecodeNode built with a null client has no pool (reported as fallback_reason), e.g.
   // "pool unreachable at start-up: UNAVAILABLE: …" or "pool refused the registration:
   // FAILED_PRECONDITION: …". Empty: "pool unreachable at start-up". The node does not log it
@@ -85,14 +99,22 @@ class PrefillNode {
   PrefillNode(engine::Engine* engine, client::Client* client,
               std::shared_ptr<const RotationSet> rotations, NodeOptions options);
   // Errors: the engine's, the client's (UNAVAILABLE, RESOURCE_EXHAUSTED, ...); INVALID_ARGUMENT
-  // for a prompt shorter than one block.
+  // for a prompt shorter than one block. An UNAVAILABLE BeginPut is retried while
+  // NodeOptions::reconnect_wait allows (see there); the prompt is computed only once its put is
+  // open.
   absl::StatusOr<PrefillReport> Run(absl::Span<const int> prompt);
 
   // Serves several prompts pipelined: while the layers of prompt i are in flight to the pool,
   // prompt i+1 is computed; prompt i commits after that (each put stays two-phase: nothing of
   // it is visible before its own commit). One outcome per prompt, in order: its report, or its
   // error as Run's (a failed prompt's put is aborted; the other prompts still run and commit).
+  // When the pool goes away mid-run, the prompts whose puts were open fail (a restarted pool has
+  // forgotten them) and each later prompt waits for it as Run does, so a pool restarted within
+  // reconnect_wait receives them.
   std::vector<absl::StatusOr<PrefillReport>> RunAll(absl::Span<const std::vector<int>> prompts);
+
+  // Outages after which a BeginPut reached the pool again (the client re-registered the model).
+  int pool_reconnects() const { return pool_reconnects_; }
 
  private:
   // A put whose layers are written (transfers possibly still in flight), not yet committed.
@@ -103,11 +125,21 @@ class PrefillNode {
   };
   absl::StatusOr<Pending> ComputeAndWrite(absl::Span<const int> prompt);
   absl::StatusOr<PrefillReport> Commit(Pending pending);
+  // client_->BeginPut, retried on UNAVAILABLE within the outage's reconnect_wait (50 ms backoff
+  // doubling to 1 s); the last status when the wait is over.
+  absl::StatusOr<std::unique_ptr<client::PutSession>> BeginPut(const std::vector<uint32_t>& tokens);
+  // An UNAVAILABLE BeginPut `s` starts an outage when none is open (logged once).
+  void NoteOutage(const absl::Status& s);
 
   engine::Engine* engine_;
   client::Client* client_;
   std::shared_ptr<const RotationSet> rotations_;
   NodeOptions options_;
+  bool fault_fired_ = false;
+  // When the current outage began (the first UNAVAILABLE BeginPut since one last reached the
+  // pool); unset while the pool answers.
+  std::optional<std::chrono::steady_clock::time_point> outage_start_;
+  int pool_reconnects_ = 0;
 };
 
 struct DecodeReport {
