@@ -17,8 +17,9 @@
 // missing tokens and generates greedily. When the pool is unreachable or a fetch fails or is
 // incomplete, it computes the prefix itself exactly as a single process would (eval.h
 // PrefillPd), so the answer is the same; the report and the log say so. After a pool call that
-// timed out or found the pool down, the node stops asking the pool for its remaining requests
-// (they fall back at once; logged once; fallback_reason starts with kPoolSkipped).
+// timed out (DEADLINE_EXCEEDED), the node stops asking the pool for its remaining requests
+// (they fall back at once; logged once; fallback_reason starts with kPoolSkipped); after an
+// UNAVAILABLE it asks again with the next request (the client reconnects).
 //
 // Thread-safety: one node per thread (the Engine is single-threaded).
 #pragma once
@@ -40,8 +41,8 @@
 namespace kvpool::worker {
 
 // Prefix of DecodeReport::fallback_reason for a request that did not ask the pool because an
-// earlier request of the same DecodeNode found it not answering (DEADLINE_EXCEEDED or
-// UNAVAILABLE); the earlier failure follows, e.g. "pool skipped after an earlier failure in this
+// earlier request of the same DecodeNode found it not answering (DEADLINE_EXCEEDED); the
+// earlier failure follows, e.g. "pool skipped after an earlier failure in this
 // run: lookup: DEADLINE_EXCEEDED: ...".
 extern const char kPoolSkipped[];
 
@@ -180,8 +181,8 @@ class DecodeNode {
   NodeOptions options_;
   bool fault_fired_ = false;
   // Set by the first pool call (Lookup, Acquire, Fetch, Release) that failed with
-  // DEADLINE_EXCEEDED or UNAVAILABLE, to that call's failure text: later requests do not ask
-  // the pool (a hung pool would cost each of them the full deadline) and report
+  // DEADLINE_EXCEEDED (not UNAVAILABLE: docs/WORKER.md), to that call's failure text: later
+  // requests do not ask the pool (a hung pool would cost each of them the full deadline) and report
   // kPoolSkipped + this text as their fallback_reason.
   std::string pool_down_;
 };
