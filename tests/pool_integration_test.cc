@@ -8,6 +8,8 @@
 
 #include <atomic>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <random>
 #include <thread>
 
@@ -86,6 +88,29 @@ class PoolIntegrationTest : public ::testing::TestWithParam<std::string> {
     if (h.out >= 0) close(h.out);
     h = Helper{};
     return status;
+  }
+
+  // SIGSTOPs `pid` and waits (at most 2 s) until every thread of it is stopped: a signal stops
+  // a process asynchronously, and a call sent right after kill() may still be answered.
+  static bool StopProcess(pid_t pid) {
+    if (kill(pid, SIGSTOP) != 0) return false;
+    const std::string tasks = absl::StrCat("/proc/", pid, "/task");
+    const absl::Time deadline = absl::Now() + absl::Seconds(2);
+    while (absl::Now() < deadline) {
+      bool all = true;
+      std::error_code ec;
+      for (const auto& t : std::filesystem::directory_iterator(tasks, ec)) {
+        std::ifstream stat(t.path() / "stat");
+        std::string line;
+        std::getline(stat, line);
+        const size_t paren = line.rfind(')');  // "tid (comm) S ..."; comm may hold ')'
+        all &= paren != std::string::npos && paren + 2 < line.size() &&
+               (line[paren + 2] == 'T' || line[paren + 2] == 't');
+      }
+      if (all && !ec) return true;
+      absl::SleepFor(absl::Milliseconds(1));
+    }
+    return false;
   }
 
   // Compares fetched pages with the encoder's forms; returns the number of mismatching blocks.
@@ -500,7 +525,7 @@ TEST_P(PoolIntegrationTest, ACommitAgainstAStoppedPoolReturnsAtItsCallTimeout) {
     ASSERT_TRUE(put->WriteLayer(l, s.ks()[l], s.vs()[l]).ok()) << l;
   }
   ASSERT_TRUE(put->Flush().ok());  // every byte is in staging: only the commit is left
-  ASSERT_EQ(kill(server_->pid(), SIGSTOP), 0);
+  ASSERT_TRUE(StopProcess(server_->pid()));
   const absl::Time start = absl::Now();
   auto r = put->Commit();
   const absl::Duration took = absl::Now() - start;
