@@ -412,10 +412,25 @@ class PutSessionImpl final : public PutSession {
   // A NOT_FOUND for this put after expires_: the pool dropped it for its put timeout.
   absl::Status Expired(absl::Status s) const;
   absl::Status WaitSlot(int slot);
-  // The checks WriteLayer and WriteLayerAsync share, before anything is written (state, layer
-  // order, k/v sizes, cancellation, and in direct mode the pool's liveness).
-  absl::Status CheckLayer(uint32_t layer, absl::Span<const uint16_t> k,
-                          absl::Span<const uint16_t> v);
+  // The argument checks WriteLayer and WriteLayerAsync share (the session's state, the layer and
+  // its order, k/v sizes). A layer refused here is not counted: nothing is written and the
+  // caller may call again with the right arguments. Every other error counts the layer.
+  absl::Status CheckLayerArgs(uint32_t layer, absl::Span<const uint16_t> k,
+                              absl::Span<const uint16_t> v) const;
+  // Whether the put may go on before a layer is written (cancellation, and in direct mode the
+  // pool's liveness); a failure becomes the put's sticky error. Returns error_.
+  absl::Status CheckPutAlive();
+  // Makes `s` the put's sticky error unless it already has one; returns error_.
+  absl::Status Fail(absl::Status s) {
+    if (!s.ok() && error_.ok()) error_ = std::move(s);
+    return error_;
+  }
+  // WriteLayer after CheckLayerArgs accepted the layer (counted from here on, whatever this
+  // returns). `report_own_nonfinite` false (WriteLayerAsync packing on the calling thread): a
+  // NaN/Inf in this layer poisons the put but is not returned by this call — the next call of
+  // the session reports it, as for a layer packed by the copy threads.
+  absl::Status WriteAcceptedLayer(uint32_t layer, absl::Span<const uint16_t> k,
+                                  absl::Span<const uint16_t> v, bool report_own_nonfinite);
   // Where block i's slice of `layer` is packed (its layer offset in the destination): the
   // mapped staging (direct mode), or whole_ (pool-initiated mode, and asynchronous layers of
   // client-initiated RMA puts).
@@ -455,9 +470,10 @@ class PutSessionImpl final : public PutSession {
   bool AsyncLayerDone(uint32_t l) const {
     return async_left_[l].load(std::memory_order_acquire) == 0;
   }
-  // RMA and pool-initiated mode: sends the leading packed layers not sent yet (packed_layers_
-  // onwards while AsyncLayerDone, or every submitted layer when `all`, after a JoinAsync).
-  absl::Status SendPacked(bool all);
+  // RMA and pool-initiated mode: sends the layers [packed_layers_, upto) not sent yet, which
+  // must all be packed (joined, or waited for by WriteLayerAsync); a layer holding NaN/Inf is
+  // not sent and poisons the put. Returns error_.
+  absl::Status SendPacked(uint32_t upto);
   // INVALID_ARGUMENT naming the first non-finite token of finished asynchronous layer l (OK when
   // every value is finite or ClientOptions::check_finite is off).
   absl::Status AsyncFiniteError(uint32_t l) const;
@@ -473,7 +489,7 @@ class PutSessionImpl final : public PutSession {
   absl::Status PackLayer(uint32_t layer, const uint16_t* k, const uint16_t* v,
                          absl::FunctionRef<uint8_t*(size_t)> dst);
   // Pool-initiated mode. StartPull asks the pool (in the background: one asynchronous
-  // WritePut call) to pull the layers [requested_layers_, next_layer_) written since the last
+  // WritePut call) to pull the layers [requested_layers_, packed_layers_) packed since the last
   // request; FinishPulls waits for every call in flight; PullPending requests the rest and
   // waits. Each returns the put's sticky error.
   absl::Status StartPull();
@@ -509,7 +525,9 @@ class PutSessionImpl final : public PutSession {
   uint32_t packed_layers_ = 0;
   uint64_t bytes_written_ = 0;
   bool finished_ = false;
-  absl::Status error_;  // first data-plane error of this put
+  // The first error of this put after its layers' arguments were accepted: data plane, NaN/Inf,
+  // cancellation, a dead pool. Sticky: every later WriteLayer(Async), Flush and Commit returns it.
+  absl::Status error_;
 
   // Asynchronous layers. Everything the tasks read is written before the Submit that publishes
   // them (release) and not changed while they may run.
@@ -1776,8 +1794,8 @@ absl::Status PutSessionImpl::PackLayer(uint32_t layer, const uint16_t* k, const 
   return s;
 }
 
-absl::Status PutSessionImpl::CheckLayer(uint32_t layer, absl::Span<const uint16_t> k,
-                                        absl::Span<const uint16_t> v) {
+absl::Status PutSessionImpl::CheckLayerArgs(uint32_t layer, absl::Span<const uint16_t> k,
+                                            absl::Span<const uint16_t> v) const {
   if (finished_) return absl::FailedPreconditionError("put: already committed or aborted");
   const BlockGeometry& g = conn_.geometry;
   if (layer >= g.num_layers) {
@@ -1789,20 +1807,34 @@ absl::Status PutSessionImpl::CheckLayer(uint32_t layer, absl::Span<const uint16_
                                                       ", got ", layer,
                                                       " (layers are written once, in order)"));
   }
-  const size_t need = size_t(num_blocks_) * g.page_size * g.num_kv_heads * g.head_dim;
+  const size_t row = size_t(g.num_kv_heads) * g.head_dim;
+  const size_t need = size_t(num_blocks_) * g.page_size * row;
   if (k.size() < need) {
     return absl::InvalidArgumentError(absl::StrCat("k: ", k.size(), " elements, need at least ",
                                                    need, " ([tokens][heads][head_dim])"));
   }
-  if (v.size() < need) {
-    return absl::InvalidArgumentError(absl::StrCat("v: ", v.size(), " elements, need at least ",
-                                                   need, " ([tokens][heads][head_dim])"));
+  // A span that is not whole tokens, or k and v of different lengths, is a caller's layout
+  // mistake (newcomer report s7 F13: both were accepted and the extra elements ignored).
+  if (k.size() % row != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "k: ", k.size(), " elements is not a whole number of tokens of num_kv_heads x head_dim = ",
+        row, " elements ([tokens][heads][head_dim])"));
   }
-  if (cancel_ && cancel_->cancelled()) return absl::CancelledError("put cancelled");
+  if (v.size() != k.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("v: ", v.size(), " elements, k has ", k.size(),
+                     " (k and v hold the same tokens: [tokens][heads][head_dim] each)"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status PutSessionImpl::CheckPutAlive() {
+  if (!error_.ok()) return error_;
+  if (cancel_ && cancel_->cancelled()) return Fail(absl::CancelledError("put cancelled"));
   // Direct mode writes the mapped staging with no call to the pool: a dead pool's staging still
   // takes the bytes (newcomer report s6 #3: layers 3-7 "written" after the pool was killed).
   if (direct_ && !writes_.empty()) {
-    KVPOOL_RETURN_IF_ERROR(client_->ConfirmPoolAlive(conn_.epoch, CallDeadline()));
+    return Fail(client_->ConfirmPoolAlive(conn_.epoch, CallDeadline()));
   }
   return absl::OkStatus();
 }
@@ -1833,15 +1865,27 @@ absl::Status PutSessionImpl::PostLayer(uint32_t layer,
 
 absl::Status PutSessionImpl::WriteLayer(uint32_t layer, absl::Span<const uint16_t> k,
                                         absl::Span<const uint16_t> v) {
-  KVPOOL_RETURN_IF_ERROR(CheckLayer(layer, k, v));
+  KVPOOL_RETURN_IF_ERROR(CheckLayerArgs(layer, k, v));
+  return WriteAcceptedLayer(layer, k, v, /*report_own_nonfinite=*/true);
+}
+
+absl::Status PutSessionImpl::WriteAcceptedLayer(uint32_t layer, absl::Span<const uint16_t> k,
+                                                absl::Span<const uint16_t> v,
+                                                bool report_own_nonfinite) {
   // Asynchronous layers before this one are joined first: their straddling checksum pieces
-  // stream before this layer's, and in RMA / pool-initiated mode they are sent before it.
-  if (async_pending_) KVPOOL_RETURN_IF_ERROR(JoinAsync());
-  ++next_layer_;
+  // stream before this layer's, and in RMA / pool-initiated mode they are sent before it; a
+  // NaN/Inf in one of them is this call's status.
+  if (async_pending_) (void)JoinAsync();
+  (void)CheckPutAlive();
+  ++next_layer_;                    // accepted: the layer counts, whatever this call returns
+  if (!error_.ok()) return error_;  // failed or poisoned: nothing more is written
   if (writes_.empty()) {
     packed_layers_ = next_layer_;
     return absl::OkStatus();
   }
+  // This layer's own NaN/Inf (PackLayer made it the put's error): returned by WriteLayer; for
+  // WriteLayerAsync left to the session's next call, as when the copy threads find it.
+  auto own_nonfinite = [&](absl::Status s) { return report_own_nonfinite ? s : absl::OkStatus(); };
 
   const uint64_t slice = conn_.geometry.Bf16LayerBytes();
   if (direct_) {
@@ -1850,7 +1894,7 @@ absl::Status PutSessionImpl::WriteLayer(uint32_t layer, absl::Span<const uint16_
       return writes_[i].mapped + uint64_t(layer) * slice;
     });
     packed_layers_ = next_layer_;
-    KVPOOL_RETURN_IF_ERROR(s);
+    if (!s.ok()) return own_nonfinite(s);
     bytes_written_ += slice * writes_.size();
     return absl::OkStatus();
   }
@@ -1859,12 +1903,17 @@ absl::Status PutSessionImpl::WriteLayer(uint32_t layer, absl::Span<const uint16_
     // background), so the layer travels while the caller computes the next one.
     const uint64_t form = conn_.geometry.Bf16FormBytes();
     if (whole_ == nullptr) {
-      KVPOOL_ASSIGN_OR_RETURN(whole_, client_->TakeBuffer(form * writes_.size()));
+      auto buffer = client_->TakeBuffer(form * writes_.size());
+      if (!buffer.ok()) return Fail(buffer.status());
+      whole_ = *std::move(buffer);
     }
     uint8_t* whole = whole_->data();
-    KVPOOL_RETURN_IF_ERROR(PackLayer(layer, k.data(), v.data(), [&](size_t i) {
-      return whole + i * form + uint64_t(layer) * slice;
-    }));
+    if (absl::Status s =
+            PackLayer(layer, k.data(), v.data(),
+                      [&](size_t i) { return whole + i * form + uint64_t(layer) * slice; });
+        !s.ok()) {
+      return own_nonfinite(s);  // never pulled: the put is poisoned
+    }
     packed_layers_ = next_layer_;
     bytes_written_ += slice * writes_.size();
     // Every layer starts its own pull, overlapping any still in flight (the pool accepts
@@ -1881,13 +1930,21 @@ absl::Status PutSessionImpl::WriteLayer(uint32_t layer, absl::Span<const uint16_
   const int slot = layer % 2;
   KVPOOL_RETURN_IF_ERROR(WaitSlot(slot));
   if (slots_[slot] == nullptr) {
-    KVPOOL_ASSIGN_OR_RETURN(slots_[slot], client_->TakeBuffer(slice * writes_.size()));
+    auto buffer = client_->TakeBuffer(slice * writes_.size());
+    if (!buffer.ok()) return Fail(buffer.status());
+    slots_[slot] = *std::move(buffer);
   }
   uint8_t* buf = slots_[slot]->data();
-  KVPOOL_RETURN_IF_ERROR(
-      PackLayer(layer, k.data(), v.data(), [&](size_t i) { return buf + i * slice; }));
-  KVPOOL_RETURN_IF_ERROR(PostLayer(
-      layer, slots_[slot], [&](size_t i) { return i * slice; }, slot));
+  if (absl::Status s =
+          PackLayer(layer, k.data(), v.data(), [&](size_t i) { return buf + i * slice; });
+      !s.ok()) {
+    return own_nonfinite(s);  // never put: the put is poisoned
+  }
+  if (absl::Status s = PostLayer(
+          layer, slots_[slot], [&](size_t i) { return i * slice; }, slot);
+      !s.ok()) {
+    return Fail(s);
+  }
   packed_layers_ = next_layer_;
   bytes_written_ += slice * writes_.size();
   return absl::OkStatus();
@@ -1985,17 +2042,16 @@ absl::Status PutSessionImpl::JoinAsync() {
     if (bad.ok()) bad = AsyncFiniteError(l);
   }
   async_joined_ = next_layer_;
-  if (!bad.ok() && error_.ok()) error_ = bad;  // poisons the put (Commit fails with it)
-  return SendPacked(/*all=*/true);
+  (void)Fail(bad);  // poisons the put (Commit fails with it)
+  return SendPacked(next_layer_);
 }
 
-absl::Status PutSessionImpl::SendPacked(bool all) {
+absl::Status PutSessionImpl::SendPacked(uint32_t upto) {
   if (direct_) return error_;
   const BlockGeometry& g = conn_.geometry;
   const uint64_t slice = g.Bf16LayerBytes(), form = g.Bf16FormBytes();
-  while (error_.ok() && packed_layers_ < next_layer_) {
+  while (error_.ok() && packed_layers_ < upto) {
     const uint32_t l = packed_layers_;
-    if (!all && !AsyncLayerDone(l)) break;
     // A layer holding NaN/Inf is never sent (check_finite): the put is poisoned.
     if (absl::Status s = AsyncFiniteError(l); !s.ok()) {
       error_ = s;
@@ -2023,22 +2079,20 @@ absl::Status PutSessionImpl::SendPacked(bool all) {
 
 absl::Status PutSessionImpl::WriteLayerAsync(uint32_t layer, absl::Span<const uint16_t> k,
                                              absl::Span<const uint16_t> v) {
-  KVPOOL_RETURN_IF_ERROR(CheckLayer(layer, k, v));
-  if (!error_.ok()) return error_;  // poisoned or failed: nothing more is written
+  KVPOOL_RETURN_IF_ERROR(CheckLayerArgs(layer, k, v));
   CopyPool& pool = client_->copy_pool();
   // One thread, or a put below the floor: the synchronous path (the same work, done before
-  // return; waking the workers for it would cost more than it saves).
+  // return; waking the workers for it would cost more than it saves), reporting this layer's
+  // own NaN/Inf at the next call, as below.
   if (writes_.empty() || pool.threads() <= 1 ||
       writes_.size() * conn_.geometry.Bf16FormBytes() < client_->parallel_async_put_min_bytes()) {
-    return WriteLayer(layer, k, v);
+    return WriteAcceptedLayer(layer, k, v, /*report_own_nonfinite=*/false);
   }
-  if (async_ == nullptr) KVPOOL_RETURN_IF_ERROR(InitAsync());
-  // RMA and pool-initiated mode send a layer once it is packed: the previous layer had the
-  // caller's compute time to be packed, so it is sent now at the latest (waiting for it, and
-  // helping with it, only when it is not done), and at most this layer is left unsent when the
-  // call returns (Flush sends it).
-  if (!direct_ && layer > 0 && packed_layers_ < layer && async_k_[layer - 1] != nullptr) {
-    pool.WaitFor(*async_, [&] { return AsyncLayerDone(layer - 1); });
+  // Accepted: the layer counts from here on, whatever this call returns (client.h).
+  if (CheckPutAlive().ok() && async_ == nullptr) (void)Fail(InitAsync());
+  if (!error_.ok()) {
+    ++next_layer_;
+    return error_;  // failed or poisoned: nothing more is packed or sent
   }
   async_k_[layer] = k.data();
   async_v_[layer] = v.data();
@@ -2046,7 +2100,17 @@ absl::Status PutSessionImpl::WriteLayerAsync(uint32_t layer, absl::Span<const ui
   async_pending_ = true;
   bytes_written_ += conn_.geometry.Bf16LayerBytes() * writes_.size();
   pool.Submit(*async_, async_first_[layer + 1]);
-  return SendPacked(/*all=*/false);
+  // Then the previous layer is waited for (helping with it when it is not done; it had the
+  // caller's compute time, and this layer's tasks are already queued behind it, so the copy
+  // threads never run dry): on every path this call knows whether every earlier layer was finite
+  // and reports the first NaN/Inf among them, and never this layer's own (newcomer report s7 F1:
+  // which call reported what depended on the path and on timing). RMA and pool-initiated mode
+  // then send every earlier layer, so at most this one waits for the next call or Flush.
+  if (layer > 0 && async_k_[layer - 1] != nullptr) {
+    pool.WaitFor(*async_, [&] { return AsyncLayerDone(layer - 1); });
+    (void)Fail(AsyncFiniteError(layer - 1));
+  }
+  return SendPacked(layer);
 }
 
 absl::Status PutSessionImpl::Flush() {
@@ -2069,17 +2133,21 @@ absl::Status PutSessionImpl::Flush() {
 absl::StatusOr<PutResult> PutSessionImpl::Commit() {
   if (finished_) return absl::FailedPreconditionError("put: already committed or aborted");
   (void)JoinAsync();
-  if (next_layer_ != conn_.geometry.num_layers) {
+  if (!error_.ok()) {
+    // The put failed or was poisoned (a NaN/Inf): its own status, however many layers were
+    // written (newcomer report s7 F1: a FAILED_PRECONDITION "only 3 of 5 layers written" hid the
+    // INVALID_ARGUMENT when a refused layer had not been counted).
     const absl::Status cause = error_;
     (void)Abort();
-    const std::string why =
-        cause.ok() ? absl::StrCat("every layer 0..", conn_.geometry.num_layers - 1,
-                                  " must be written with WriteLayer, in order, before Commit")
-                   : absl::StrCat("an earlier call of this put failed: ", cause.ToString());
+    return cause;
+  }
+  if (next_layer_ != conn_.geometry.num_layers) {
+    (void)Abort();
     return absl::FailedPreconditionError(absl::StrCat(
         "put: Commit with only ", next_layer_, " of ", conn_.geometry.num_layers,
-        " layers written (", why,
-        "); the put was aborted and stored nothing: begin the put again (BeginPut or Put)"));
+        " layers written (every layer 0..", conn_.geometry.num_layers - 1,
+        " must be written with WriteLayer or WriteLayerAsync, in order, before Commit); the put "
+        "was aborted and stored nothing: begin the put again (BeginPut or Put)"));
   }
   absl::Status s0 = WaitSlot(0);
   absl::Status s1 = WaitSlot(1);

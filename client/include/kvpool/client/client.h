@@ -227,6 +227,19 @@ struct PutResult {
 // One open two-phase put. Write every layer once, in order 0..L-1 (the checksum of each block
 // form is streamed layer by layer), then Commit. Destroying an
 // uncommitted session aborts it (best effort). Not thread-safe; movable only via unique_ptr.
+//
+// Errors and layer counting. A WriteLayer(Async) refused for its own arguments or order
+// (INVALID_ARGUMENT "layer"/"k"/"v", FAILED_PRECONDITION out of order or finished) writes
+// nothing and does not count its layer: the caller may call again with the right arguments.
+// Every other error fails the put for good (a NaN/Inf, a data-plane or pool error, CANCELLED, a
+// pool found dead): it is sticky — that call (or, for a NaN/Inf of WriteLayerAsync, the next
+// one) and every later WriteLayer(Async), Flush and Commit of the session return the same
+// status, Commit after aborting the put. A call that returns the put's error still counts its
+// layer (nothing more is written), so a caller that goes on writing layers 0..L-1 after an
+// error, or one that stops at the first error, gets that error from Commit, never a
+// FAILED_PRECONDITION about missing layers. Commit returns FAILED_PRECONDITION "only N of L
+// layers written" only for a put without such an error.
+//
 // A session must not outlive the Client that created it.
 //
 // Deadlines. BeginPut's CallOptions::deadline bounds the BeginPut call only. Every later call
@@ -249,22 +262,27 @@ class PutSession {
   // the effective put timeout the pool returned (BeginPutResponse.timeout_ms).
   virtual absl::Time expires() const = 0;
   // Sends layer `layer` of the sequence: `k` and `v` are [num_tokens][num_kv_heads][head_dim]
-  // bf16 (uint16 bit patterns), un-rotated (post-RoPE, as the engine has them), with
-  // num_tokens >= num_blocks * page_size (extra tokens are ignored). The bytes are copied
-  // before return; the transfer proceeds in the background, so layer l travels while the
-  // caller computes layer l+1. How it travels: in direct mode (the pool's memory is mapped,
-  // ClientOptions::map_shared_memory) the layer is packed straight into the pool's staging
-  // before return; with client-initiated RMA it is packed into a registered buffer and put (one
-  // transfer per layer); when the pool initiates transfers
+  // bf16 (uint16 bit patterns), un-rotated (post-RoPE, as the engine has them), both of the same
+  // length, a whole number of tokens, with num_tokens >= num_blocks * page_size (extra tokens
+  // are ignored). The bytes are copied before return; the transfer proceeds in the background,
+  // so layer l travels while the caller computes layer l+1. How it travels: in direct mode (the
+  // pool's memory is mapped, ClientOptions::map_shared_memory) the layer is packed straight into
+  // the pool's staging before return; with client-initiated RMA it is packed into a registered
+  // buffer and put (one transfer per layer); when the pool initiates transfers
   // (ModelInfo::pool_initiates_transfers) it is packed into a registered buffer and a WritePut
   // call (gRPC callback API, no thread of ours) lets the pool pull it (one call per layer, calls
-  // overlapping; Flush/Commit wait for them). Large layers are packed by the client's
-  // copy threads too (ClientOptions::copy_threads). Errors: INVALID_ARGUMENT ("layer", "k", "v"
-  // sizes; non-finite values naming layer/token — this one poisons the put: Commit fails with
-  // it), FAILED_PRECONDITION (layer out of order, session finished), UNAVAILABLE (data plane;
-  // in direct mode also a pool found dead before the layer is written: the mapped staging is
-  // written with no call to the pool, so the client first checks that its gRPC connection is up,
-  // else asks Stats — as Fetch does; a pool that dies later is seen by Flush/Commit).
+  // overlapping; Flush/Commit wait for them). Large layers are packed by the client's copy
+  // threads too (ClientOptions::copy_threads). Errors (the class comment says which count
+  // the layer and which fail the put): INVALID_ARGUMENT "layer" (>= num_layers), "k" (fewer
+  // elements than num_blocks * page_size tokens, or not a whole number of tokens of
+  // num_kv_heads * head_dim elements) or "v" (not as long as k), each naming the sizes;
+  // INVALID_ARGUMENT for a non-finite value in this layer or an earlier asynchronous one, naming
+  // the layer and its first bad token (the put is poisoned: every later call and Commit return
+  // it); FAILED_PRECONDITION (layer out of order, session finished); CANCELLED; UNAVAILABLE
+  // (data plane; in direct mode also a pool found dead before the layer is written: the mapped
+  // staging is written with no call to the pool, so the client first checks that its gRPC
+  // connection is up, else asks Stats — as Fetch does; a pool that dies later is seen by
+  // Flush/Commit); the put's earlier error.
   virtual absl::Status WriteLayer(uint32_t layer, absl::Span<const uint16_t> k,
                                   absl::Span<const uint16_t> v) = 0;
   // Sends layer `layer` like WriteLayer (same arguments, same bytes, same checksums, same
@@ -278,21 +296,29 @@ class PutSession {
   // layer written so far (that is the put's wait_for_save); Commit and Abort join too, and the
   // destructor joins before it returns, so nothing of this session runs after it.
   //
-  // Errors returned at once: those of WriteLayer's checks (INVALID_ARGUMENT "layer"/"k"/"v",
-  // FAILED_PRECONDITION out of order or finished, CANCELLED, UNAVAILABLE in direct mode when
-  // the pool is found dead before the layer is queued), and the put's earlier error when it is
-  // already failed or poisoned. A non-finite value is found while the layer is packed, so it is
-  // reported later: by Flush, Commit (which aborts the put) or a later WriteLayer(Async) — the
-  // same INVALID_ARGUMENT naming the lowest bad layer and its first bad token, and it poisons the
-  // put as in WriteLayer (a layer holding one is never RMA-put or pulled). A data-plane error
-  // (RMA, pool pulls) is reported the same way.
+  // Errors: those of WriteLayer's checks (INVALID_ARGUMENT "layer"/"k"/"v", FAILED_PRECONDITION
+  // out of order or finished, CANCELLED, UNAVAILABLE in direct mode when the pool is found dead
+  // before the layer is queued), and the put's earlier error.
+  //
+  // A non-finite value (ClientOptions::check_finite) gives the same result on every path (direct,
+  // client-initiated RMA, pool-initiated; packed by the copy threads or on the calling thread):
+  // the call that queues a layer never reports that layer's own NaN/Inf; the next
+  // WriteLayer(Async), and every call after it, Flush and Commit (which aborts the put) return the
+  // same INVALID_ARGUMENT naming the lowest bad layer and its first bad token. So a NaN/Inf in the
+  // last layer is first reported by Flush or Commit. The put is poisoned as in WriteLayer: a
+  // layer holding one is never RMA-put or pulled, and later layers are counted but not written.
+  // To know this, each WriteLayerAsync(l) queues layer l and then waits until layer l-1 is packed
+  // (helping with it; it had the caller's compute time, so normally it is done), so at most two
+  // layers are packed in the background at once. A data-plane error (RMA, pool pulls) is returned
+  // by the call that finds it and then, sticky, by every later one.
   //
   // How it travels: direct mode — the copy threads pack straight into the mapped staging;
   // client-initiated RMA and pool-initiated mode — they pack into a registered buffer of the
-  // whole put, and this session's calls send each layer once it is packed (at the latest the
-  // next WriteLayerAsync sends the one before, so at most the newest layer waits for Flush).
+  // whole put, and each WriteLayerAsync(l) sends every layer before l once l-1 is packed, so
+  // at most the newest layer waits for the next call or Flush.
   // Puts whose written blocks hold fewer than ClientOptions::parallel_async_put_min_bytes, and
-  // clients with one copy thread, pack on the calling thread before return (as WriteLayer).
+  // clients with one copy thread, pack on the calling thread before return (as WriteLayer, but
+  // leaving this layer's own NaN/Inf to the next call, as above).
   // Mixing WriteLayer and WriteLayerAsync in one put is allowed (WriteLayer joins the
   // asynchronous layers before it). One copy-pool stream per put; with more than four
   // asynchronous puts in flight at once in one client, the extra ones pack on their calling
@@ -301,16 +327,19 @@ class PutSession {
                                        absl::Span<const uint16_t> v) = 0;
   // Waits until every layer written so far is visible in the pool's staging memory (the
   // data-plane half of a put; an engine's wait_for_save), joining asynchronous layers first;
-  // afterwards the caller may reuse their k/v. Errors: UNAVAILABLE, DEADLINE_EXCEEDED, and
-  // INVALID_ARGUMENT for a non-finite value in an asynchronous layer (the put is poisoned).
+  // afterwards the caller may reuse their k/v. Errors: UNAVAILABLE, DEADLINE_EXCEEDED, and the
+  // put's error, e.g. INVALID_ARGUMENT for a non-finite value in an asynchronous layer (the put
+  // is poisoned; see WriteLayerAsync).
   virtual absl::Status Flush() = 0;
   // Waits for every layer's transfer, sends checksums, commits. On failure the put is aborted
   // (AbortPut, at most 2 s more), except when CommitPut got no answer within the call timeout:
   // then Commit returns DEADLINE_EXCEEDED at that timeout and the AbortPut is sent without
   // waiting for it (a pool that does not answer the commit would hold the caller another 2 s
   // for the abort; one that was only slow may still have committed the put).
-  // Errors: FAILED_PRECONDITION (a layer missing), DATA_LOSS, UNAVAILABLE, DEADLINE_EXCEEDED,
-  // plus the pool's refusals (e.g. INVALID_ARGUMENT for NaN/Inf found at commit).
+  // Errors: the put's error when it has one (the class comment: e.g. INVALID_ARGUMENT for a
+  // NaN/Inf, however many layers were written), else FAILED_PRECONDITION (a layer missing),
+  // DATA_LOSS, UNAVAILABLE, DEADLINE_EXCEEDED, plus the pool's refusals (e.g. INVALID_ARGUMENT
+  // for NaN/Inf found at commit).
   virtual absl::StatusOr<PutResult> Commit() = 0;
   // Drops the put; nothing becomes visible. Idempotent. Asynchronous layers not yet packed are
   // skipped; the call waits for those being packed (no copy thread touches k/v or the staging
