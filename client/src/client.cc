@@ -346,6 +346,30 @@ uint64_t CopyAndHash(uint8_t* dst, const uint8_t* src, size_t size) {
 }
 
 class ClientImpl;
+class PutSessionImpl;
+
+// How long an abort may take: PutSession::Abort (and a failed Commit's abort) returns within the
+// smaller of this and the session's call timeout (client.h).
+constexpr absl::Duration kAbortBound = absl::Seconds(2);
+
+// The tie between a PutSessionImpl and its ClientImpl, shared by both, so that a Client destroyed
+// before its sessions (outside the contract: client.h) aborts them and leaves them inert instead
+// of having them touch freed state later (newcomer report s7 F12: SIGSEGV in UCX). `mu` is held
+// by the session's destructor and by the Client's destructor while it detaches the session;
+// lock order: SessionLink::mu before ClientImpl::sessions_mu_.
+struct SessionLink {
+  std::mutex mu;
+  PutSessionImpl* session = nullptr;  // null once the session's destructor ran (guarded by mu)
+  bool client_gone = false;           // the Client's destructor detached it (guarded by mu)
+};
+
+// A pool-initiated put's pull (one asynchronous WritePut call): its status, and a way to cancel
+// the call (gRPC's TryCancel: the call then completes at once here, and the pool drops the pull
+// within ~100 ms, when its WritePut handler next looks at the call).
+struct PendingPull {
+  std::future<absl::Status> done;
+  std::function<void()> cancel;
+};
 
 // Everything a call needs from the connection, captured under the client's lock.
 struct ConnSnapshot {
@@ -389,6 +413,8 @@ class PutSessionImpl final : public PutSession {
     for (const Block& b : writes_) direct_ &= b.mapped != nullptr;
   }
   ~PutSessionImpl() override;
+  PutSessionImpl(const PutSessionImpl&) = delete;
+  PutSessionImpl& operator=(const PutSessionImpl&) = delete;
 
   absl::Status WriteLayer(uint32_t layer, absl::Span<const uint16_t> k,
                           absl::Span<const uint16_t> v) override;
@@ -405,8 +431,20 @@ class PutSessionImpl final : public PutSession {
   absl::Time expires() const override { return expires_; }
   // Client::Put with an explicit deadline: no call of the session runs past `cap`.
   void CapDeadline(absl::Time cap) { cap_ = cap; }
+  // The Client's destructor, for a session still alive (under link_->mu): aborts the put when it
+  // is open, joins everything of it and gives back what belongs to the client; later calls
+  // return FAILED_PRECONDITION and the destructor does nothing.
+  void DetachFromClient();
+  void SetLink(std::shared_ptr<SessionLink> link) { link_ = std::move(link); }
 
  private:
+  // Everything of the session that needs the client, at its end: aborts an open put, joins the
+  // copy threads and the pulls, gives back (or keeps away, KeepAwayBuffer) the registered
+  // buffers and drops the mapping of the pool's memory. The destructor's work; DetachFromClient
+  // runs it early.
+  void ReleaseClientResources();
+  // FAILED_PRECONDITION when the Client was destroyed first (DetachFromClient).
+  absl::Status CheckAttached() const;
   // The deadline of a call of the session starting now (class comment of PutSession).
   absl::Time CallDeadline() const { return std::min(absl::Now() + call_timeout_, cap_); }
   // A NOT_FOUND for this put after expires_: the pool dropped it for its put timeout.
@@ -491,10 +529,19 @@ class PutSessionImpl final : public PutSession {
   // Pool-initiated mode. StartPull asks the pool (in the background: one asynchronous
   // WritePut call) to pull the layers [requested_layers_, packed_layers_) packed since the last
   // request; FinishPulls waits for every call in flight; PullPending requests the rest and
-  // waits. Each returns the put's sticky error.
+  // waits. Each returns the put's sticky error. CancelPulls (Abort) waits for the calls in
+  // flight until `wait_until`, then cancels the rest and collects them (at once).
   absl::Status StartPull();
   absl::Status FinishPulls();
   absl::Status PullPending();
+  // Returns how many calls it cancelled.
+  int CancelPulls(absl::Time wait_until);
+  // Collects one finished pull: a failure becomes the put's sticky error, and any non-OK pull
+  // leaves the pool's release of whole_ unconfirmed (pulls_unsettled_).
+  void CollectPull(absl::Status s);
+  // AbortPut, retried while the pool still holds a pull of the put (FAILED_PRECONDITION) until
+  // `deadline`. OK or NOT_FOUND: the pool holds nothing of the put any more.
+  absl::Status AbortRpcUntil(absl::Time deadline);
   bool pool_initiates() const { return conn_.info.pool_initiates_transfers; }
 
   ClientImpl* client_;
@@ -516,8 +563,12 @@ class PutSessionImpl final : public PutSession {
   // Pool-initiated mode: every WRITE block's staging bytes, block after block (block i at
   // i * bf16_form_bytes, layer l of it at + l * layer slice), pulled by the pool.
   std::shared_ptr<transport::MemoryRegion> whole_;
-  uint32_t requested_layers_ = 0;                 // layers a WritePut call was started for
-  std::vector<std::future<absl::Status>> pulls_;  // WritePut calls not yet waited for
+  uint32_t requested_layers_ = 0;   // layers a WritePut call was started for
+  std::vector<PendingPull> pulls_;  // WritePut calls not yet waited for
+  // A WritePut call ended without OK (failed, timed out or cancelled here) and the pool has not
+  // confirmed since that it holds nothing of the put (AbortPut or CommitPut OK, NOT_FOUND): the
+  // pool may still be reading whole_, which is then never reused (ClientImpl::KeepAwayBuffer).
+  bool pulls_unsettled_ = false;
   uint32_t next_layer_ = 0;
   // Leading layers whose bytes are packed and sent (RMA: transfer posted; pool-initiated: ready
   // for a WritePut; direct: stored). A synchronous WriteLayer sends its layer before returning;
@@ -528,6 +579,8 @@ class PutSessionImpl final : public PutSession {
   // The first error of this put after its layers' arguments were accepted: data plane, NaN/Inf,
   // cancellation, a dead pool. Sticky: every later WriteLayer(Async), Flush and Commit returns it.
   absl::Status error_;
+  std::shared_ptr<SessionLink> link_;  // to the client (F12); SetLink, right after construction
+  bool detached_ = false;              // DetachFromClient ran: client_ must not be used
 
   // Asynchronous layers. Everything the tasks read is written before the Submit that publishes
   // them (release) and not changed while they may run.
@@ -556,6 +609,7 @@ class ClientImpl final : public Client {
         channel_watch_([this] { WatchChannel(); }) {}
 
   ~ClientImpl() override {
+    DetachSessions();         // before anything a session uses goes away
     background_->WaitIdle();  // background calls use stub_ (each bounded by its deadline)
     stop_watch_.store(true, std::memory_order_relaxed);
     channel_watch_.join();
@@ -986,6 +1040,7 @@ class ClientImpl final : public Client {
     auto session = std::make_unique<PutSessionImpl>(
         this, c, resp.put_id(), num_blocks, std::move(writes), options_.default_timeout,
         start + absl::Milliseconds(resp.timeout_ms()), call.cancel);
+    session->SetLink(AddSession(session.get()));
     if (!bad.ok()) return bad;  // the session's destructor aborts the put
     return session;
   }
@@ -1316,8 +1371,9 @@ class ClientImpl final : public Client {
   // returns its status as a future. gRPC's callback API runs it: no thread of ours waits, and
   // none is created per call (a thread per layer cost 0.25-2.5 ms on the loaded 2-core host).
   // A NOT_FOUND is returned as is: the waiter runs CheckRestart (a blocking call does not
-  // belong on gRPC's callback thread).
-  std::future<absl::Status> WritePutAsync(
+  // belong on gRPC's callback thread). PendingPull::cancel cancels the call (TryCancel; any
+  // thread, any time, also after it finished).
+  PendingPull WritePutAsync(
       const ConnSnapshot& c, uint64_t put_id, const transport::MemoryRegion& region,
       const std::vector<std::tuple<uint32_t, uint64_t, uint64_t, uint64_t>>& src,
       absl::Time deadline, const std::shared_ptr<CancelToken>& cancel) {
@@ -1330,7 +1386,7 @@ class ClientImpl final : public Client {
       uint64_t cancel_id = 0;
     };
     auto call = std::make_shared<Call>();
-    std::future<absl::Status> result = call->done.get_future();
+    PendingPull result{call->done.get_future(), [call] { call->ctx.TryCancel(); }};
     pb::WritePutRequest& req = call->req;
     req.set_namespace_id(DigestBytes(c.namespace_id));
     req.set_put_id(put_id);
@@ -1383,6 +1439,28 @@ class ClientImpl final : public Client {
     while (alloc < bytes) alloc *= 2;
     return transport_->AllocateMemory(alloc);
   }
+  // Keeps a registered buffer that the pool may still read (a pull of an aborted put that was
+  // cancelled or failed here, whose end the pool never confirmed) out of use until `until`:
+  // never reused for another put, nor freed while a pool still reading it would make this
+  // process's UCX read freed memory. A running pool ends every pull by its put's timeout, so
+  // `until` is the put's expiry plus kKeepAwayMargin; a pool stopped for longer than that is not
+  // covered. Entries past their time are dropped (freed) at the next call; the rest go with
+  // the client.
+  void KeepAwayBuffer(std::shared_ptr<transport::MemoryRegion> r, absl::Time until) {
+    if (r == nullptr) return;
+    std::vector<std::shared_ptr<transport::MemoryRegion>> expired;  // freed outside the lock
+    std::lock_guard<std::mutex> lock(buffers_mu_);
+    const absl::Time now = absl::Now();
+    for (auto it = kept_away_.begin(); it != kept_away_.end();) {
+      if (it->second > now) {
+        ++it;
+        continue;
+      }
+      expired.push_back(std::move(it->first));
+      it = kept_away_.erase(it);
+    }
+    kept_away_.emplace_back(std::move(r), until + kKeepAwayMargin);
+  }
   // Returns a buffer to the cache (at most kMaxCachedBuffers are kept; the largest stay).
   void GiveBuffer(std::shared_ptr<transport::MemoryRegion> r) {
     if (r == nullptr) return;
@@ -1396,14 +1474,14 @@ class ClientImpl final : public Client {
     }
   }
 
-  // Not cancellable (an abort must reach the pool even after a cancel); `deadline` is the
-  // session's call deadline, at most 2 s from now (the pool drops the put at its timeout anyway).
+  // One AbortPut call. Not cancellable (an abort must reach the pool even after a cancel);
+  // `deadline` is the abort's (PutSessionImpl::Abort: at most kAbortBound from its start; the
+  // pool drops the put at its timeout anyway).
   absl::Status AbortRpc(const ConnSnapshot& c, uint64_t put_id, absl::Time deadline) {
     pb::AbortPutRequest req;
     req.set_namespace_id(DigestBytes(c.namespace_id));
     req.set_put_id(put_id);
     pb::AbortPutResponse resp;
-    deadline = std::min(deadline, absl::Now() + absl::Seconds(2));
     return Rpc(CallOptions{}, deadline, &pb::KvPool::Stub::AbortPut, req, &resp);
   }
 
@@ -1657,8 +1735,49 @@ class ClientImpl final : public Client {
   std::shared_ptr<BackgroundCalls> background_ = std::make_shared<BackgroundCalls>();
 
   static constexpr size_t kMaxCachedBuffers = 8;
-  std::mutex buffers_mu_;  // guards buffers_; never held across gRPC or UCX calls
+  static constexpr absl::Duration kKeepAwayMargin = absl::Seconds(10);
+  std::mutex buffers_mu_;  // guards buffers_ and kept_away_; never held across gRPC or UCX calls
   std::vector<std::shared_ptr<transport::MemoryRegion>> buffers_;  // idle registered buffers
+  // KeepAwayBuffer: buffers the pool may still read, and until when they are kept.
+  std::vector<std::pair<std::shared_ptr<transport::MemoryRegion>, absl::Time>> kept_away_;
+
+ public:
+  // ---- open put sessions (F12) ----
+  // Links a new session to this client (BeginPut); the session's destructor removes it.
+  std::shared_ptr<SessionLink> AddSession(PutSessionImpl* session) {
+    auto link = std::make_shared<SessionLink>();
+    link->session = session;
+    std::lock_guard<std::mutex> lock(sessions_mu_);
+    sessions_[session] = link;
+    return link;
+  }
+  void RemoveSession(PutSessionImpl* session) {
+    std::lock_guard<std::mutex> lock(sessions_mu_);
+    sessions_.erase(session);
+  }
+
+ private:
+  // The destructor's first step: every session still alive is detached (its put aborted and
+  // joined, what it holds of this client given back), so that its later calls fail clearly and
+  // its destructor touches nothing of this client.
+  void DetachSessions() {
+    std::unordered_map<PutSessionImpl*, std::shared_ptr<SessionLink>> open;
+    {
+      std::lock_guard<std::mutex> lock(sessions_mu_);
+      open.swap(sessions_);
+    }
+    for (auto& [session, link] : open) {
+      std::lock_guard<std::mutex> lock(link->mu);
+      if (link->session == nullptr) continue;  // its destructor ran meanwhile
+      KVPOOL_LOG_WARN(
+          "client: destroyed while a put session it created is still alive (a session must not "
+          "outlive its Client): the put is aborted and the session's later calls fail");
+      link->session->DetachFromClient();
+      link->client_gone = true;
+    }
+  }
+  std::mutex sessions_mu_;  // guards sessions_; taken after a SessionLink::mu, never before
+  std::unordered_map<PutSessionImpl*, std::shared_ptr<SessionLink>> sessions_;
 };
 
 // ---- PutSessionImpl ----
@@ -1672,6 +1791,24 @@ absl::Status PutSessionImpl::Expired(absl::Status s) const {
 }
 
 PutSessionImpl::~PutSessionImpl() {
+  if (link_ == nullptr) {  // not linked: only if SetLink's allocation threw
+    ReleaseClientResources();
+    return;
+  }
+  std::lock_guard<std::mutex> lock(link_->mu);
+  if (link_->client_gone) return;  // the Client's destructor did it all (DetachFromClient)
+  ReleaseClientResources();
+  client_->RemoveSession(this);
+  link_->session = nullptr;
+}
+
+void PutSessionImpl::DetachFromClient() {
+  ReleaseClientResources();
+  detached_ = true;
+}
+
+void PutSessionImpl::ReleaseClientResources() {
+  if (detached_) return;
   if (!finished_) (void)Abort();
   // Abort and Commit joined the asynchronous layers; never free what a copy thread may still
   // read or write (this also covers a Commit that returned before joining).
@@ -1679,9 +1816,23 @@ PutSessionImpl::~PutSessionImpl() {
     async_abandon_.store(true, std::memory_order_relaxed);
     client_->copy_pool().Drain(*async_);
   }
-  (void)FinishPulls();  // never hand back a buffer the pool may still be reading
+  (void)FinishPulls();  // Abort and Commit collected them; no callback may outlive this
   for (auto& slot : slots_) client_->GiveBuffer(std::move(slot));
-  client_->GiveBuffer(std::move(whole_));
+  if (pulls_unsettled_) {
+    client_->KeepAwayBuffer(std::move(whole_), std::max(expires_, absl::Now()));
+  } else {
+    client_->GiveBuffer(std::move(whole_));
+  }
+  inflight_[0].clear();
+  inflight_[1].clear();
+  conn_.arena.reset();  // a mapping of the client's transport
+}
+
+absl::Status PutSessionImpl::CheckAttached() const {
+  if (!detached_) return absl::OkStatus();
+  return absl::FailedPreconditionError(
+      "put: the Client that created this session was destroyed, which aborted the put (a "
+      "session must not outlive its Client); begin the put again with a live Client");
 }
 
 absl::Status PutSessionImpl::StartPull() {
@@ -1703,14 +1854,43 @@ absl::Status PutSessionImpl::StartPull() {
   return error_;
 }
 
+void PutSessionImpl::CollectPull(absl::Status s) {
+  if (s.ok()) return;
+  pulls_unsettled_ = true;  // the pool may still be reading whole_ (a local timeout or cancel)
+  // While the put is open, name what failed (a restart, the put timeout); an abort only collects.
+  if (!finished_) s = Expired(client_->CheckRestart(s, conn_.epoch, CallDeadline()));
+  (void)Fail(std::move(s));  // sticky: Commit must see it
+}
+
 absl::Status PutSessionImpl::FinishPulls() {
-  for (auto& pull : pulls_) {
-    absl::Status s = pull.get();
-    if (!s.ok()) s = Expired(client_->CheckRestart(s, conn_.epoch, CallDeadline()));
-    if (!s.ok() && error_.ok()) error_ = s;  // sticky: Commit must see it
-  }
+  for (auto& pull : pulls_) CollectPull(pull.done.get());
   pulls_.clear();
   return error_;
+}
+
+int PutSessionImpl::CancelPulls(absl::Time wait_until) {
+  int cancelled = 0;
+  for (auto& pull : pulls_) {
+    if (pull.done.wait_until(absl::ToChronoTime(wait_until)) != std::future_status::ready) {
+      pull.cancel();  // its callback runs soon, here: the call completes CANCELLED at once
+      ++cancelled;
+    }
+  }
+  for (auto& pull : pulls_) CollectPull(pull.done.get());
+  pulls_.clear();
+  return cancelled;
+}
+
+absl::Status PutSessionImpl::AbortRpcUntil(absl::Time deadline) {
+  for (;;) {
+    absl::Status s = client_->AbortRpc(conn_, put_id_, deadline);
+    // FAILED_PRECONDITION: a pull of the put (a WritePut this abort cancelled) is still running at
+    // the pool, which drops it within ~100 ms; or a commit is running. Ask again.
+    if (!absl::IsFailedPrecondition(s) || absl::Now() + absl::Milliseconds(10) >= deadline) {
+      return s;
+    }
+    absl::SleepFor(absl::Milliseconds(10));
+  }
 }
 
 absl::Status PutSessionImpl::PullPending() {
@@ -1796,6 +1976,7 @@ absl::Status PutSessionImpl::PackLayer(uint32_t layer, const uint16_t* k, const 
 
 absl::Status PutSessionImpl::CheckLayerArgs(uint32_t layer, absl::Span<const uint16_t> k,
                                             absl::Span<const uint16_t> v) const {
+  KVPOOL_RETURN_IF_ERROR(CheckAttached());
   if (finished_) return absl::FailedPreconditionError("put: already committed or aborted");
   const BlockGeometry& g = conn_.geometry;
   if (layer >= g.num_layers) {
@@ -1922,7 +2103,7 @@ absl::Status PutSessionImpl::WriteAcceptedLayer(uint32_t layer, absl::Span<const
     // EachLayerReachesStagingBeforeTheNextIsWritten timed out under load). Finished pulls are
     // collected here; Flush/Commit wait for the rest.
     if (!pulls_.empty() &&
-        pulls_.back().wait_for(std::chrono::seconds(0)) == std::future_status::ready) {
+        pulls_.back().done.wait_for(std::chrono::seconds(0)) == std::future_status::ready) {
       KVPOOL_RETURN_IF_ERROR(FinishPulls());
     }
     return StartPull();
@@ -2069,7 +2250,7 @@ absl::Status PutSessionImpl::SendPacked(uint32_t upto) {
   }
   if (pool_initiates()) {
     if (!pulls_.empty() &&
-        pulls_.back().wait_for(std::chrono::seconds(0)) == std::future_status::ready) {
+        pulls_.back().done.wait_for(std::chrono::seconds(0)) == std::future_status::ready) {
       (void)FinishPulls();
     }
     return StartPull();
@@ -2114,6 +2295,7 @@ absl::Status PutSessionImpl::WriteLayerAsync(uint32_t layer, absl::Span<const ui
 }
 
 absl::Status PutSessionImpl::Flush() {
+  KVPOOL_RETURN_IF_ERROR(CheckAttached());
   (void)JoinAsync();           // every asynchronous layer packed, checked and (RMA, pool) sent
   if (direct_) return error_;  // stores into the mapped staging are visible once made
   if (pool_initiates()) return PullPending();
@@ -2131,6 +2313,7 @@ absl::Status PutSessionImpl::Flush() {
 }
 
 absl::StatusOr<PutResult> PutSessionImpl::Commit() {
+  KVPOOL_RETURN_IF_ERROR(CheckAttached());
   if (finished_) return absl::FailedPreconditionError("put: already committed or aborted");
   (void)JoinAsync();
   if (!error_.ok()) {
@@ -2166,6 +2349,7 @@ absl::StatusOr<PutResult> PutSessionImpl::Commit() {
     sums.emplace_back(writes_[i].index, hashes_[i]->Finish());
   pb::CommitPutResponse resp;
   absl::Status s = client_->CommitRpc(conn_, put_id_, sums, CallDeadline(), cancel_, &resp);
+  if (s.ok()) pulls_unsettled_ = false;  // the pool commits a put only with no pull running
   if (absl::IsDeadlineExceeded(s)) {
     // The pool did not answer within the call timeout (stopped, hung or overloaded), and the
     // message names that timeout: return at it. Every transfer of the put has finished, so the
@@ -2192,8 +2376,11 @@ absl::StatusOr<PutResult> PutSessionImpl::Commit() {
 }
 
 absl::Status PutSessionImpl::Abort() {
-  if (finished_) return absl::OkStatus();
+  if (finished_) return absl::OkStatus();  // also after DetachFromClient, which aborted it
   finished_ = true;
+  const absl::Time start = absl::Now();
+  const absl::Duration bound = std::min(call_timeout_, kAbortBound);
+  const absl::Time deadline = std::min(start + bound, cap_);
   // Asynchronous layers: tasks not started yet do nothing; wait for those running, so that no
   // copy thread reads the caller's k/v or writes the staging once this returns.
   if (async_ != nullptr) {
@@ -2201,18 +2388,43 @@ absl::Status PutSessionImpl::Abort() {
     client_->copy_pool().Drain(*async_);
     async_pending_ = false;
   }
-  // Never let the pool reuse staging that a transfer of ours may still write: wait (bounded).
-  // A pull in flight keeps the put claimed at the pool (it refuses AbortPut meanwhile).
-  (void)FinishPulls();
-  for (int s = 0; s < 2; ++s) {
-    for (auto& t : inflight_[s]) {
-      t->Cancel();
-      (void)t->Wait(absl::Now() + absl::Seconds(5));
+  // Pool-initiated: a pull in flight keeps the put claimed at the pool (it refuses AbortPut
+  // meanwhile). A running pool finishes its pulls in milliseconds; a stopped one never does, and
+  // waiting for each WritePut's own timeout before the AbortPut made the abort take twice the
+  // bound (newcomer report s7 F10: 4.08 s with a 2 s call timeout). So the calls get half the
+  // abort's time, the rest are cancelled (the pool drops a cancelled pull within ~100 ms), and
+  // the AbortPut gets the remainder, asked again while the pool still holds a pull.
+  const int cancelled = CancelPulls(start + (deadline - start) / 2);
+  // Client-initiated RMA: never let the pool reuse staging that a transfer of ours may still
+  // write: wait for them (bounded by 5 s; RMA in flight cannot be recalled), then give the
+  // AbortPut at least half the bound.
+  absl::Time abort_deadline = deadline;
+  if (!inflight_[0].empty() || !inflight_[1].empty()) {
+    const absl::Time rma_deadline = absl::Now() + absl::Seconds(5);
+    for (int s = 0; s < 2; ++s) {
+      for (auto& t : inflight_[s]) {
+        t->Cancel();
+        (void)t->Wait(rma_deadline);
+      }
+      inflight_[s].clear();
     }
-    inflight_[s].clear();
+    abort_deadline = std::max(deadline, std::min(absl::Now() + bound / 2, cap_));
   }
-  absl::Status s = client_->AbortRpc(conn_, put_id_, CallDeadline());
-  if (absl::IsNotFound(s)) return absl::OkStatus();  // already gone (committed/expired/restart)
+  absl::Status s = AbortRpcUntil(abort_deadline);
+  if (s.ok() || absl::IsNotFound(s)) {
+    pulls_unsettled_ = false;  // the pool holds nothing of the put: no pull reads whole_
+    return absl::OkStatus();   // NOT_FOUND: already gone (expired, restarted)
+  }
+  if (absl::IsDeadlineExceeded(s)) {
+    return absl::DeadlineExceededError(
+        absl::StrCat("put ", put_id_, ": the abort got no answer from the pool within ",
+                     absl::FormatDuration(bound), " (the smaller of the call timeout and 2 s",
+                     cancelled > 0 ? absl::StrCat("; ", cancelled,
+                                                  " WritePut calls still in flight then were "
+                                                  "cancelled")
+                                   : std::string(),
+                     "); the pool reclaims the put's staging at its put timeout: ", s.message()));
+  }
   return s;
 }
 

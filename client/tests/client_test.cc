@@ -672,6 +672,63 @@ TEST_P(ClientTest, LayersOfPartialTokensOrUnequalKAndVAreRefusedNamingTheSizes) 
   }
 }
 
+// Newcomer report s7 F12: destroying the Client before a session it created (outside the
+// contract) crashed (SIGSEGV in UCX) when the session was destroyed. Now the Client's
+// destructor aborts its open sessions (joining their layers in flight) and leaves them inert:
+// their later calls return FAILED_PRECONDITION naming the destroyed Client, Abort is a no-op,
+// the destructor touches nothing. The put leaves nothing in the pool (no open put, no staging,
+// nothing visible). Also for a session already committed and one with no layer written.
+TEST_P(ClientTest, DestroyingTheClientBeforeItsSessionsAbortsThemAndLeavesThemInert) {
+  const ModelSpec spec = Spec("bf16");
+  auto observer = NewClient();
+  ASSERT_NE(observer, nullptr);
+  ASSERT_TRUE(observer->RegisterModel(spec).ok());
+  auto c = NewClient();
+  ASSERT_NE(c, nullptr);
+  ASSERT_TRUE(c->RegisterModel(spec).ok());
+  const Sequence s = MakeSequence(64 * kPage, 801), empty = MakeSequence(2 * kPage, 802),
+                 done = MakeSequence(2 * kPage, 803);
+  auto in_flight = c->BeginPut(s.tokens);
+  ASSERT_TRUE(in_flight.ok()) << in_flight.status();
+  for (uint32_t l = 0; l < kLayers; ++l) {
+    ASSERT_TRUE((*in_flight)->WriteLayerAsync(l, s.k[l], s.v[l]).ok());
+  }
+  auto untouched = c->BeginPut(empty.tokens);
+  ASSERT_TRUE(untouched.ok()) << untouched.status();
+  auto committed = c->BeginPut(done.tokens);
+  ASSERT_TRUE(committed.ok()) << committed.status();
+  for (uint32_t l = 0; l < kLayers; ++l) {
+    ASSERT_TRUE((*committed)->WriteLayer(l, done.k[l], done.v[l]).ok());
+  }
+  ASSERT_TRUE((*committed)->Commit().ok());
+  c.reset();
+  for (auto* put : {&*in_flight, &*untouched}) {
+    const absl::Status w = (*put)->WriteLayerAsync(0, s.k[0], s.v[0]);
+    EXPECT_EQ(w.code(), absl::StatusCode::kFailedPrecondition) << w;
+    EXPECT_THAT(w.message(), HasSubstr("Client that created this session was destroyed"));
+    EXPECT_EQ((*put)->WriteLayer(0, s.k[0], s.v[0]).code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_EQ((*put)->Flush().code(), absl::StatusCode::kFailedPrecondition);
+    const absl::Status r = (*put)->Commit().status();
+    EXPECT_EQ(r.code(), absl::StatusCode::kFailedPrecondition) << r;
+    EXPECT_THAT(r.message(), HasSubstr("destroyed"));
+    EXPECT_TRUE((*put)->Abort().ok());
+  }
+  EXPECT_EQ((*committed)->Commit().status().code(), absl::StatusCode::kFailedPrecondition);
+  in_flight->reset();
+  untouched->reset();
+  committed->reset();
+  auto st = observer->Stats();
+  ASSERT_TRUE(st.ok()) << st.status();
+  EXPECT_EQ(st->open_puts, 0u);
+  EXPECT_EQ(st->staging_bytes, 0u);
+  auto look = observer->Lookup(s.tokens);
+  ASSERT_TRUE(look.ok()) << look.status();
+  EXPECT_EQ(look->num_blocks, 0u);
+  look = observer->Lookup(done.tokens);
+  ASSERT_TRUE(look.ok()) << look.status();
+  EXPECT_EQ(look->num_blocks, 2u);  // committed before the Client went
+}
+
 // Abort, destroying the session, or destroying the session and then the client right after
 // queuing asynchronous layers (64 blocks: still being packed by the copy threads): nothing
 // becomes visible, the staging is reclaimed, and once the call returns nothing of this put

@@ -240,7 +240,12 @@ struct PutResult {
 // FAILED_PRECONDITION about missing layers. Commit returns FAILED_PRECONDITION "only N of L
 // layers written" only for a put without such an error.
 //
-// A session must not outlive the Client that created it.
+// A session must not outlive the Client that created it. Destroying the Client first fails
+// clearly instead of crashing: the Client's destructor aborts each of its sessions still open
+// (joining its layers in flight, the abort bounded as Abort's) and detaches it; its later
+// WriteLayer(Async), Flush and Commit return FAILED_PRECONDITION naming the destroyed Client,
+// Abort returns OK (nothing is left to abort) and its destructor does nothing. Destroying the
+// Client while another thread is inside a call of one of its sessions is undefined.
 //
 // Deadlines. BeginPut's CallOptions::deadline bounds the BeginPut call only. Every later call
 // of the session gets its own deadline, from its own start: the call timeout
@@ -278,11 +283,11 @@ class PutSession {
   // num_kv_heads * head_dim elements) or "v" (not as long as k), each naming the sizes;
   // INVALID_ARGUMENT for a non-finite value in this layer or an earlier asynchronous one, naming
   // the layer and its first bad token (the put is poisoned: every later call and Commit return
-  // it); FAILED_PRECONDITION (layer out of order, session finished); CANCELLED; UNAVAILABLE
-  // (data plane; in direct mode also a pool found dead before the layer is written: the mapped
-  // staging is written with no call to the pool, so the client first checks that its gRPC
-  // connection is up, else asks Stats — as Fetch does; a pool that dies later is seen by
-  // Flush/Commit); the put's earlier error.
+  // it); FAILED_PRECONDITION (layer out of order, session finished, Client destroyed);
+  // CANCELLED; UNAVAILABLE (data plane; in direct mode also a pool found dead before the layer
+  // is written: the mapped staging is written with no call to the pool, so the client first
+  // checks that its gRPC connection is up, else asks Stats — as Fetch does; a pool that dies
+  // later is seen by Flush/Commit); the put's earlier error.
   virtual absl::Status WriteLayer(uint32_t layer, absl::Span<const uint16_t> k,
                                   absl::Span<const uint16_t> v) = 0;
   // Sends layer `layer` like WriteLayer (same arguments, same bytes, same checksums, same
@@ -297,8 +302,8 @@ class PutSession {
   // destructor joins before it returns, so nothing of this session runs after it.
   //
   // Errors: those of WriteLayer's checks (INVALID_ARGUMENT "layer"/"k"/"v", FAILED_PRECONDITION
-  // out of order or finished, CANCELLED, UNAVAILABLE in direct mode when the pool is found dead
-  // before the layer is queued), and the put's earlier error.
+  // out of order, finished or Client destroyed, CANCELLED, UNAVAILABLE in direct mode when the
+  // pool is found dead before the layer is queued), and the put's earlier error.
   //
   // A non-finite value (ClientOptions::check_finite) gives the same result on every path (direct,
   // client-initiated RMA, pool-initiated; packed by the copy threads or on the calling thread):
@@ -327,23 +332,33 @@ class PutSession {
                                        absl::Span<const uint16_t> v) = 0;
   // Waits until every layer written so far is visible in the pool's staging memory (the
   // data-plane half of a put; an engine's wait_for_save), joining asynchronous layers first;
-  // afterwards the caller may reuse their k/v. Errors: UNAVAILABLE, DEADLINE_EXCEEDED, and the
-  // put's error, e.g. INVALID_ARGUMENT for a non-finite value in an asynchronous layer (the put
-  // is poisoned; see WriteLayerAsync).
+  // afterwards the caller may reuse their k/v. Errors: UNAVAILABLE, DEADLINE_EXCEEDED,
+  // FAILED_PRECONDITION (Client destroyed), and the put's error, e.g. INVALID_ARGUMENT for a
+  // non-finite value in an asynchronous layer (the put is poisoned; see WriteLayerAsync).
   virtual absl::Status Flush() = 0;
   // Waits for every layer's transfer, sends checksums, commits. On failure the put is aborted
-  // (AbortPut, at most 2 s more), except when CommitPut got no answer within the call timeout:
+  // (Abort: at most 2 s more), except when CommitPut got no answer within the call timeout:
   // then Commit returns DEADLINE_EXCEEDED at that timeout and the AbortPut is sent without
   // waiting for it (a pool that does not answer the commit would hold the caller another 2 s
   // for the abort; one that was only slow may still have committed the put).
   // Errors: the put's error when it has one (the class comment: e.g. INVALID_ARGUMENT for a
-  // NaN/Inf, however many layers were written), else FAILED_PRECONDITION (a layer missing),
-  // DATA_LOSS, UNAVAILABLE, DEADLINE_EXCEEDED, plus the pool's refusals (e.g. INVALID_ARGUMENT
-  // for NaN/Inf found at commit).
+  // NaN/Inf, however many layers were written), else FAILED_PRECONDITION (a layer missing, or
+  // the Client destroyed), DATA_LOSS, UNAVAILABLE, DEADLINE_EXCEEDED, plus the pool's refusals
+  // (e.g. INVALID_ARGUMENT for NaN/Inf found at commit).
   virtual absl::StatusOr<PutResult> Commit() = 0;
-  // Drops the put; nothing becomes visible. Idempotent. Asynchronous layers not yet packed are
-  // skipped; the call waits for those being packed (no copy thread touches k/v or the staging
-  // after it returns).
+  // Drops the put; nothing becomes visible. Idempotent (OK once committed, aborted or detached
+  // from a destroyed Client). Asynchronous layers not yet packed are skipped; the call waits for
+  // those being packed (no copy thread touches k/v or the staging after it returns).
+  // Bounded by the smaller of the call timeout and 2 s, also against a pool that stopped
+  // answering: pool-initiated puts give their WritePut calls in flight half of that and then
+  // cancel them (the pool drops a cancelled pull within ~100 ms), and the AbortPut gets the rest
+  // (asked again while the pool still holds a pull of the put); the registered buffer such a
+  // cancelled pull reads is never reused while the pool may still read it (kept until the put's
+  // timeout plus 10 s). With client-initiated RMA the put's transfers in flight are waited for
+  // first, up to 5 s (RMA in flight cannot be recalled, and the pool must not reuse staging it
+  // may still write), and the AbortPut then gets at least half the bound. Errors:
+  // DEADLINE_EXCEEDED when the AbortPut got no answer in time (the message says so; the pool
+  // reclaims the put's staging at its put timeout, expires()), UNAVAILABLE.
   virtual absl::Status Abort() = 0;
   // Full blocks this put covers and how many need writing (the rest already exist).
   virtual uint32_t num_blocks() const = 0;
@@ -501,6 +516,8 @@ class Client {
   // Creates the data plane, the gRPC channel (no RPC yet) and the copy threads. Errors:
   // INVALID_ARGUMENT ("server", "copy_threads"), INTERNAL (UCX).
   static absl::StatusOr<std::unique_ptr<Client>> Create(const ClientOptions& options);
+  // Destroy the Client after every PutSession it created; one still alive is aborted and
+  // detached (logged; PutSession's class comment).
   virtual ~Client() = default;
 
   // Registers (or re-attaches to) the model; the client remembers it and re-registers after a
