@@ -2515,8 +2515,17 @@ absl::StatusOr<FetchResult> ClientImpl::Fetch(const Lease& lease, const FetchPla
     const PagePool* pool = int2 ? plan.int2_pool : plan.bf16_pool;
     const char* pool_name = int2 ? "int2_pool" : "bf16_pool";
     if (loc == nullptr) {
-      out.block_status.push_back(absl::NotFoundError(
-          absl::StrCat("block ", i, ": no ", int2 ? "INT2" : "BF16", " form leased")));
+      // A history block held in BF16 only: the pool keeps one whose INT2 encoding overflowed
+      // (values beyond fp16's range) that way, and history is read as INT2 (the decode kernel's
+      // history segment), so no reader can take it as history (newcomer report s7 F3).
+      const bool bf16_only_history = int2 && b.bf16.has_value();
+      out.block_status.push_back(absl::NotFoundError(absl::StrCat(
+          "block ", i, ": no ", int2 ? "INT2" : "BF16", " form leased",
+          bf16_only_history
+              ? " (the pool holds this history block in BF16 only: its INT2 encoding overflowed, "
+                "values beyond fp16's range; history is fetched as INT2, so recompute the "
+                "sequence from this block on from its tokens)"
+              : "")));
       n = i;
       break;
     }

@@ -622,6 +622,47 @@ TEST_P(ClientTest, ANonFiniteValueIsReportedByEveryLaterCallOnEveryPath) {
   EXPECT_EQ(good->blocks_written, 2u);
 }
 
+// Newcomer report s7 F3: history blocks whose INT2 encoding overflows (values beyond fp16's
+// range, here V = 70000) are kept by the pool in BF16 only, and a history block is fetched as
+// INT2 (the decode kernel's history segment), so Fetch stops before the first of them with
+// NOT_FOUND in its block_status, which now says why and what to do (recompute from the tokens);
+// Lookup shows it (has_int2 false). Also with accept_int2_window.
+TEST_P(ClientTest, AHistoryBlockHeldInBf16OnlyEndsTheFetchSayingWhy) {
+  auto c = NewClient();
+  ASSERT_NE(c, nullptr);
+  ASSERT_TRUE(c->RegisterModel(Spec("int2")).ok());
+  Sequence s = MakeSequence(6 * kPage, 71);  // sink 0, history 1..3, window 4..5
+  std::mt19937 rng(72);
+  std::normal_distribution<float> n(0.f, 70000.f);
+  for (uint16_t& x : s.v[0]) x = testing::ToBf16(n(rng));
+  auto put = c->Put(s.tokens, s.ks(), s.vs());
+  ASSERT_TRUE(put.ok()) << put.status();
+  auto look = c->Lookup(s.tokens);
+  ASSERT_TRUE(look.ok()) << look.status();
+  ASSERT_EQ(look->num_blocks, 6u);
+  EXPECT_TRUE(look->blocks[1].has_bf16);
+  EXPECT_FALSE(look->blocks[1].has_int2);
+  auto pools = MakePools(*c, 6);
+  ASSERT_NE(pools, nullptr);
+  for (bool accept_int2_window : {false, true}) {
+    SCOPED_TRACE(accept_int2_window ? "accept_int2_window" : "default plan");
+    auto lease = c->Acquire(s.tokens);
+    ASSERT_TRUE(lease.ok()) << lease.status();
+    FetchPlan plan = pools->plan;
+    plan.accept_int2_window = accept_int2_window;
+    auto f = c->Fetch(*lease, plan);
+    ASSERT_TRUE(f.ok()) << f.status();
+    EXPECT_EQ(f->num_blocks, 1u);  // the sink block
+    ASSERT_EQ(f->block_status.size(), 2u);
+    const absl::Status& st = f->block_status[1];
+    EXPECT_EQ(st.code(), absl::StatusCode::kNotFound) << st;
+    EXPECT_THAT(st.message(), HasSubstr("block 1: no INT2 form leased"));
+    EXPECT_THAT(st.message(), HasSubstr("history block in BF16 only"));
+    EXPECT_THAT(st.message(), HasSubstr("recompute"));
+    EXPECT_TRUE(c->Release(*lease).ok());
+  }
+}
+
 // Newcomer report s7 F13: a k span that is not a whole number of tokens, and a v span of
 // another length than k, were accepted (the extra elements ignored). Both WriteLayer and
 // WriteLayerAsync refuse them naming the span and the sizes; a refused call writes nothing and

@@ -344,7 +344,9 @@ class PutSession {
   // Errors: the put's error when it has one (the class comment: e.g. INVALID_ARGUMENT for a
   // NaN/Inf, however many layers were written), else FAILED_PRECONDITION (a layer missing, or
   // the Client destroyed), DATA_LOSS, UNAVAILABLE, DEADLINE_EXCEEDED, plus the pool's refusals
-  // (e.g. INVALID_ARGUMENT for NaN/Inf found at commit).
+  // (e.g. INVALID_ARGUMENT for NaN/Inf found at commit; RESOURCE_EXHAUSTED when the pool has no
+  // room for the new forms: the commit needs them and the put's staging at once, see
+  // Client::BeginPut).
   virtual absl::StatusOr<PutResult> Commit() = 0;
   // Drops the put; nothing becomes visible. Idempotent (OK once committed, aborted or detached
   // from a destroyed Client). Asynchronous layers not yet packed are skipped; the call waits for
@@ -424,6 +426,13 @@ struct FetchPlan {
   // When some block of the recent window (the last recent_blocks leased blocks) has no BF16
   // form: true → fetch the whole window as INT2 (history); false → stop before the window
   // (num_blocks < leased, the caller recomputes the window). Default false (FORMAT.md §3).
+  // History blocks are always fetched as INT2 (the decode kernel's history segment reads INT2;
+  // history precision int2). A history block the pool keeps in BF16 only — one whose INT2
+  // encoding overflowed, values beyond fp16's range (FORMAT.md §2.3; Lookup shows it as
+  // has_int2 false) — therefore ends the fetch there, whatever this flag: NOT_FOUND in its
+  // block_status (the message says why), num_blocks the blocks before it. The decoder
+  // recomputes from that block on from the tokens, as for a miss; putting the sequence again
+  // does not help (the pool keeps such a block BF16-only).
   bool accept_int2_window = false;
   // Compare the form checksum (docs/BLOCK_FORMAT.md "Checksums") of every fetched form with
   // the lease's (DATA_LOSS per block on mismatch).
@@ -539,7 +548,13 @@ class Client {
   // Starts a put of the full blocks of `tokens` (the partial tail is not stored).
   // `call.deadline` bounds this call only; the session's later calls each get the call
   // timeout, and the session lives until the pool's put timeout (PutSession).
-  // Errors: INVALID_ARGUMENT ("tokens": fewer than page_size), RESOURCE_EXHAUSTED, UNAVAILABLE.
+  // Room: the pool reserves staging for the blocks to write (one BF16 form each) here, but the
+  // new forms only at Commit, while that staging is still held: a commit needs room for both at
+  // once (up to a BF16 plus an INT2 form per block on top of its staging; eviction frees only
+  // blocks no lease, open put or commit holds), so a put that passes BeginPut can still fail
+  // RESOURCE_EXHAUSTED at Commit, after all its layers moved (docs/OPERATIONS.md "Eviction").
+  // Errors: INVALID_ARGUMENT ("tokens": fewer than page_size), RESOURCE_EXHAUSTED (no room for
+  // the staging), UNAVAILABLE.
   virtual absl::StatusOr<std::unique_ptr<PutSession>> BeginPut(absl::Span<const uint32_t> tokens,
                                                                const CallOptions& call = {}) = 0;
 
@@ -571,7 +586,9 @@ class Client {
 
   // Reads the leased blocks into the plan's page pools (UCX RMA get), verifies each block's
   // checksum (DATA_LOSS in its block_status) and builds the page tables. num_blocks counts the
-  // leading blocks that all verified. Errors for the whole call: INVALID_ARGUMENT (plan:
+  // leading blocks that all verified; a block whose lease lacks the form its segment is read in
+  // (a history block held in BF16 only: FetchPlan::accept_int2_window) ends it there with
+  // NOT_FOUND in its block_status. Errors for the whole call: INVALID_ARGUMENT (plan:
   // missing pool, too few pages, page_stride too small or region too small, a page given to
   // two blocks or overlapping the other pool's, naming the field; checked before any byte
   // moves), NOT_FOUND naming lease_id (a lease this client released, or did not acquire:
