@@ -205,7 +205,8 @@ int main(int argc, char** argv) {
   app.add_option("--call-timeout-ms", call_timeout_ms,
                  "timeout of each pool call without a deadline of its own (lookup, lease, "
                  "each call of a put), counted from that call's start; prefill: also how long "
-                 "the later prompts wait for a pool found unreachable to come back")
+                 "the prompts wait, per outage, for a pool found unreachable to come back (a put "
+                 "open when it went away is then put again)")
       ->capture_default_str()
       ->check(kvpool::cli::Range(1, 3600000));
   CLI::Option* report_opt = app.add_option("--report", report, "write a JSON report to this file")
@@ -536,7 +537,7 @@ int main(int argc, char** argv) {
     std::vector<absl::StatusOr<kw::PrefillReport>> reports = node.RunAll(all_tokens);
     std::vector<const absl::StatusOr<kw::PrefillReport>*> by_prompt(prompts.size(), nullptr);
     for (size_t k = 0; k < run_index.size(); ++k) by_prompt[run_index[k]] = &reports[k];
-    int failed = 0, skipped = 0;
+    int failed = 0, skipped = 0, reput = 0;
     for (size_t i = 0; i < prompts.size(); ++i) {
       const Prompt& p = prompts[i];
       if (by_prompt[i] == nullptr) {
@@ -570,7 +571,9 @@ int main(int argc, char** argv) {
                                 {"blocks_written", r->blocks_written},
                                 {"bytes_written", r->bytes_written},
                                 {"compute_seconds", r->compute_seconds},
-                                {"push_seconds", r->push_seconds}});
+                                {"push_seconds", r->push_seconds},
+                                {"reput", r->reput}});
+      reput += r->reput ? 1 : 0;
       bytes += r->bytes_written;
       tokens += uint64_t(r->blocks) * page_size;
       compute += r->compute_seconds;
@@ -583,6 +586,7 @@ int main(int argc, char** argv) {
                       {"push_seconds", push},
                       {"skipped_prompts", skipped},
                       {"failed_prompts", failed},
+                      {"reput_prompts", reput},
                       {"pool_reconnects", node.pool_reconnects()}};
     out["seconds"] =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
@@ -599,6 +603,9 @@ int main(int argc, char** argv) {
           {"kvpool_worker_pool_reconnects_total",
            "Times the pool answered again after it was found unreachable.",
            uint64_t(node.pool_reconnects())},
+          {"kvpool_worker_prefill_reput_prompts_total",
+           "Prompts whose put was lost with the pool and put again from the recorded K/V.",
+           uint64_t(reput)},
       });
       if (auto s = kvpool::cli::WriteOutputFile(metrics_file, text); !s.ok()) {
         return Fail(s, "--metrics-file");

@@ -114,42 +114,72 @@ absl::StatusOr<PrefillNode::Pending> PrefillNode::ComputeAndWrite(absl::Span<con
   Pending pending;
   PrefillReport& rep = pending.report;
   rep.prompt_tokens = static_cast<int>(prompt.size());
-  const std::vector<uint32_t> tokens = ToU32(prompt);
+  pending.tokens = ToU32(prompt);
   // Open the put first: staging space is reserved while the prompt is computed.
-  KVPOOL_ASSIGN_OR_RETURN(pending.put, BeginPut(tokens));
+  KVPOOL_ASSIGN_OR_RETURN(pending.put, BeginPut(pending.tokens));
   rep.blocks = pending.put->num_blocks();
 
   // A prefill node attends in BF16 (history precision bf16, the registered S/W).
   MixedCacheOptions o = options_.cache;
   o.history = HistoryPrecision::kBf16;
-  KVPOOL_ASSIGN_OR_RETURN(auto cache,
+  KVPOOL_ASSIGN_OR_RETURN(pending.cache,
                           MixedKvCache::Create(c.n_layers, c.attention(), rotations_, o));
-  StagingRecorder rec(cache.get(), cache->geometry());
+  pending.recorder =
+      std::make_unique<StagingRecorder>(pending.cache.get(), pending.cache->geometry());
   auto t0 = std::chrono::steady_clock::now();
-  KVPOOL_RETURN_IF_ERROR(engine_->Prefill(prompt, 0, rec).status());
+  KVPOOL_RETURN_IF_ERROR(engine_->Prefill(prompt, 0, *pending.recorder).status());
   rep.compute_seconds = Since(t0);
 
-  // Layer by layer: each WriteLayer copies the layer and returns while its transfer proceeds.
   pending.writes_started = std::chrono::steady_clock::now();
+  if (absl::Status s = WriteLayers(pending); !s.ok() && !absl::IsUnavailable(s)) {
+    return s;  // UNAVAILABLE: the put is lost with the pool; Commit fails and puts it again
+  }
+  return pending;
+}
+
+absl::Status PrefillNode::WriteLayers(Pending& pending) {
+  const int layers = engine_->config().n_layers;
+  // Layer by layer: each WriteLayer copies the layer and returns while its transfer proceeds.
   std::vector<uint16_t> k, v;
-  for (int l = 0; l < c.n_layers; ++l) {
-    LayerRows(rec, static_cast<uint32_t>(l), rep.blocks, &k, &v);
+  for (int l = 0; l < layers; ++l) {
+    LayerRows(*pending.recorder, static_cast<uint32_t>(l), pending.report.blocks, &k, &v);
     KVPOOL_RETURN_IF_ERROR(pending.put->WriteLayer(static_cast<uint32_t>(l), k, v));
-    if (options_.fault == Fault::kPrefillExitMidPush && l == c.n_layers / 2) {
+    if (options_.fault == Fault::kPrefillExitMidPush && l == layers / 2) {
       (void)pending.put->Flush();
       KVPOOL_LOG_WARN("fault prefill-exit-mid-push: killing this prefill node after layer {}", l);
       ::kill(::getpid(), SIGKILL);
     }
   }
-  return pending;
+  return absl::OkStatus();
 }
 
 absl::StatusOr<PrefillReport> PrefillNode::Commit(Pending pending) {
-  KVPOOL_ASSIGN_OR_RETURN(client::PutResult r, pending.put->Commit());
+  absl::StatusOr<client::PutResult> r = pending.put->Commit();
+  if (absl::IsUnavailable(r.status())) {
+    // The pool went away while the put was open (killed, restarted: a restarted pool has
+    // forgotten it; the failed Commit aborted what was left). The recorded K/V are still here:
+    // put them again, once, through the same outage wait as a new prompt's BeginPut. Nothing of
+    // the lost put is visible (two-phase), and blocks a lost answer did commit are found present.
+    KVPOOL_LOG_WARN(
+        "prefill: the put of a {}-token prompt was lost with the pool ({}); putting its "
+        "recorded K/V again",
+        pending.report.prompt_tokens, StatusText(r.status()));
+    pending.put.reset();
+    pending.report.reput = true;
+    KVPOOL_ASSIGN_OR_RETURN(pending.put, BeginPut(pending.tokens));
+    if (pending.put->num_blocks() != pending.report.blocks) {
+      return absl::InternalError(absl::StrCat("prefill: the put again has ",
+                                              pending.put->num_blocks(), " blocks, the lost one ",
+                                              pending.report.blocks));
+    }
+    KVPOOL_RETURN_IF_ERROR(WriteLayers(pending));
+    r = pending.put->Commit();
+  }
+  KVPOOL_RETURN_IF_ERROR(r.status());
   PrefillReport rep = pending.report;
   rep.push_seconds = Since(pending.writes_started);
-  rep.blocks_written = r.blocks_written;
-  rep.bytes_written = r.bytes_written;
+  rep.blocks_written = r->blocks_written;
+  rep.bytes_written = r->bytes_written;
   return rep;
 }
 

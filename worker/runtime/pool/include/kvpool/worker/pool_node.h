@@ -6,9 +6,9 @@
 // un-rotated bf16 K/V (StagingRecorder), writes them layer by layer (PutSession::WriteLayer;
 // each layer's transfer proceeds while the next is packed) and commits. Nothing is visible
 // before the commit; a prefill killed mid-push leaves nothing behind. A pool found unreachable
-// (UNAVAILABLE) fails the prompts in flight, not the later ones: each later prompt's BeginPut
-// waits for the pool to come back (re-registering the model), up to NodeOptions::reconnect_wait
-// per outage (PrefillNode::RunAll).
+// (UNAVAILABLE) fails no prompt that it comes back for: each later prompt's BeginPut waits for
+// the pool to come back (re-registering the model), up to NodeOptions::reconnect_wait per outage,
+// and a put open when it went away is put again from the recorded K/V (PrefillNode::RunAll).
 //
 // Decode (DecodeNode::Run): leases the longest held prefix (at most the full blocks before the
 // last prompt token), keeps the longest part of it whose recent window has BF16 forms, fetches
@@ -37,6 +37,7 @@
 #include "kvpool/kernels/rotation.h"
 #include "kvpool/worker/eval.h"
 #include "kvpool/worker/mixed_kv_cache.h"
+#include "kvpool/worker/staging_recorder.h"
 
 namespace kvpool::worker {
 
@@ -92,6 +93,9 @@ struct PrefillReport {
   double compute_seconds = 0;
   double push_seconds = 0;  // from the first layer write to the commit's return (when
                             // pipelined, this overlaps the next prompt's computation)
+  // The put was open on a pool that went away (UNAVAILABLE: killed, restarted) and was put
+  // again from the recorded K/V, without computing the prompt again.
+  bool reput = false;
 };
 
 class PrefillNode {
@@ -102,16 +106,19 @@ class PrefillNode {
   // Errors: the engine's, the client's (UNAVAILABLE, RESOURCE_EXHAUSTED, ...); INVALID_ARGUMENT
   // for a prompt shorter than one block. An UNAVAILABLE BeginPut is retried while
   // NodeOptions::reconnect_wait allows (see there); the prompt is computed only once its put is
-  // open.
+  // open. A put that fails UNAVAILABLE after that (in WriteLayer or Commit: the pool went away
+  // with it) is opened again, with the same wait, and its recorded layers written again, once;
+  // the prompt is not computed again.
   absl::StatusOr<PrefillReport> Run(absl::Span<const int> prompt);
 
   // Serves several prompts pipelined: while the layers of prompt i are in flight to the pool,
   // prompt i+1 is computed; prompt i commits after that (each put stays two-phase: nothing of
   // it is visible before its own commit). One outcome per prompt, in order: its report, or its
   // error as Run's (a failed prompt's put is aborted; the other prompts still run and commit).
-  // When the pool goes away mid-run, the prompts whose puts were open fail (a restarted pool has
-  // forgotten them) and each later prompt waits for it as Run does, so a pool restarted within
-  // reconnect_wait receives them.
+  // When the pool goes away mid-run, a prompt whose put was open (a restarted pool has forgotten
+  // it) is put again from its recorded K/V once the pool answers (PrefillReport::reput; at most
+  // once per prompt), and each later prompt waits for it as Run does, so a pool restarted within
+  // reconnect_wait receives all of them.
   std::vector<absl::StatusOr<PrefillReport>> RunAll(absl::Span<const std::vector<int>> prompts);
 
   // Outages after which a BeginPut reached the pool again (the client re-registered the model).
@@ -119,12 +126,21 @@ class PrefillNode {
 
  private:
   // A put whose layers are written (transfers possibly still in flight), not yet committed.
+  // It keeps the prompt's recorded K/V until the commit, so a put lost with the pool can be
+  // written again.
   struct Pending {
     std::unique_ptr<client::PutSession> put;
     PrefillReport report;
     std::chrono::steady_clock::time_point writes_started;
+    std::vector<uint32_t> tokens;
+    std::unique_ptr<MixedKvCache> cache;        // the BF16 attention the prompt was computed with
+    std::unique_ptr<StagingRecorder> recorder;  // the un-rotated bf16 K/V (over `cache`)
   };
   absl::StatusOr<Pending> ComputeAndWrite(absl::Span<const int> prompt);
+  // Writes every layer of pending.recorder into pending.put (in order).
+  absl::Status WriteLayers(Pending& pending);
+  // Commits; a Commit that fails UNAVAILABLE puts the recorded K/V again once (BeginPut with the
+  // outage wait, WriteLayers, Commit).
   absl::StatusOr<PrefillReport> Commit(Pending pending);
   // client_->BeginPut, retried on UNAVAILABLE within the outage's reconnect_wait (50 ms backoff
   // doubling to 1 s); the last status when the wait is over.
