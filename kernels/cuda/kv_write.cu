@@ -130,6 +130,20 @@ struct WriteArgs {
   uint8_t* row_flags;
   uint32_t* bad_rows;
   int32_t use_tma;  // tile loads by TMA through maps.k / maps.v (demotion: maps.k), else cp.async
+  // Split of the N work items into one contiguous range per worker (warps; kWs: consumer
+  // warpgroups), worked out by the launcher so that the kernel's prologue has no 64-bit
+  // division (session 8): worker i takes items [B(i), B(i + 1)) with B(i) = i·split_q +
+  // ⌊i·split_r / split_w⌋ = ⌊i·N / W⌋ (split_q = ⌊N / W⌋, split_r = N mod W, split_w = W <
+  // 2^16, so i·split_r < 2^32). An item pair index (item / 2) splits into (quotient, remainder)
+  // by split_den (kMix: see the item numbering in the kernel; kWs: the groups per head), in 32
+  // bits when div32 (every pair index < 2^32).
+  int64_t split_q;
+  uint32_t split_r, split_w, split_den;
+  int32_t div32;
+  // Quantize-only / demotion with TMA: each warp waits for its first tile before it issues the
+  // second one, so that the first tiles of all warps are not queued behind second tiles at the
+  // start (session 8; KVPOOL_WRITE_FIRST_WAIT=0 turns it off, for A/B measurements).
+  int32_t first_wait;
 };
 
 // TMA descriptors of the sources, boxes of one whole tile (16 rows of one head, K or V) in the
@@ -1052,27 +1066,36 @@ __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate, kWs>(), MinBlocks
   const int ngroups = (ntiles + 3) / 4;
   const bool per_head_rot = a.rot_head_stride != 0;
   const int ws_h0 = per_head_rot ? int(blockIdx.y) : 0;
-  const int ws_nh = per_head_rot ? 1 : a.num_kv_heads;
-  const int64_t ws_items = 2 * int64_t(ws_nh) * ngroups;
-  const int64_t ws_wgs = int64_t(gridDim.x) * kWsGroups;
+  // First item of worker i (see WriteArgs::split_q): ⌊i·N / W⌋ without a 64-bit division.
+  auto split_begin = [&](uint32_t i) -> int64_t {
+    return int64_t(i) * a.split_q + int64_t((i * a.split_r) / a.split_w);
+  };
+  // Item pair index gt -> (gt / split_den, gt % split_den).
+  auto split_pair = [&](int64_t gt, int& quo, int& rem) {
+    if (a.div32) {
+      const uint32_t g32 = uint32_t(gt), q32 = g32 / a.split_den;
+      quo = int(q32);
+      rem = int(g32 - q32 * a.split_den);
+    } else {
+      quo = int(gt / a.split_den);
+      rem = int(gt - int64_t(quo) * a.split_den);
+    }
+  };
   if constexpr (kWs) {
     const int sub = warp & 3;
-    const int64_t wg = int64_t(blockIdx.x) * kWsGroups + (warp >> 2);
-    const int64_t begin = wg * ws_items / ws_wgs, end = (wg + 1) * ws_items / ws_wgs;
+    const uint32_t wg = blockIdx.x * kWsGroups + (warp >> 2);
+    const int64_t begin = split_begin(wg), end = split_begin(wg + 1);
     left = ring_warp ? end - begin : 0;
-    const int64_t gt = begin >> 1;
-    cur.h = ws_h0 + int(gt / ngroups);
-    cur.tile = 4 * int(gt - int64_t(cur.h - ws_h0) * ngroups) + sub;
+    int hq, grp;
+    split_pair(begin >> 1, hq, grp);
+    cur.h = ws_h0 + hq;
+    cur.tile = 4 * grp + sub;
     cur.kv = int(begin & 1);
   } else if constexpr (kMix) {
-    const int64_t n_items = 2 * int64_t(a.num_kv_heads) * ntiles;
-    const int64_t w = int64_t(blockIdx.x) * kWarps + warp;
-    const int64_t n_warps = int64_t(gridDim.x) * kWarps;
-    const int64_t begin = w * n_items / n_warps, end = (w + 1) * n_items / n_warps;
+    const uint32_t w = blockIdx.x * kWarps + warp;
+    const int64_t begin = split_begin(w), end = split_begin(w + 1);
     left = end - begin;
-    const int64_t gt = begin >> 1;
-    cur.h = int(gt / ntiles);
-    cur.tile = int(gt - int64_t(cur.h) * ntiles);
+    split_pair(begin >> 1, cur.h, cur.tile);  // split_den = ntiles
     cur.kv = int(begin & 1);
   } else {
     const int first = blockIdx.x * kWarps + warp;
@@ -1232,6 +1255,11 @@ __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate, kWs>(), MinBlocks
   };
   if constexpr (!kOutBf16) make_rb(cur.h, pg, sl);
   int stage = 0;
+  if constexpr (!kWs) {
+    // WriteArgs::first_wait: the first tile before the second is issued (waiting on the same
+    // phase again at the top of the loop returns at once).
+    if (tma && a.first_wait && left > 0) MbarWaitParity(bar_sa, 0u);
+  }
 
   if constexpr (kWs) {
     // ---- Rᵀ of K and V for wgmma (after the consumers' first tile loads are in flight) ----
@@ -1287,13 +1315,14 @@ __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate, kWs>(), MinBlocks
       const int pg_idx = (warp - kWsConsumerWarps) >> 2;  // this producer warpgroup
       int left_c[kWsGroups], kv0_c[kWsGroups];
       int max_left = 0;
+      int64_t b_c = split_begin(blockIdx.x * kWsGroups);
 #pragma unroll
       for (int c = 0; c < kWsGroups; ++c) {
-        const int64_t wg = int64_t(blockIdx.x) * kWsGroups + c;
-        const int64_t begin = wg * ws_items / ws_wgs, end = (wg + 1) * ws_items / ws_wgs;
-        left_c[c] = int(end - begin);
-        kv0_c[c] = int(begin & 1);
+        const int64_t end = split_begin(blockIdx.x * kWsGroups + c + 1);
+        left_c[c] = int(end - b_c);
+        kv0_c[c] = int(b_c & 1);
         max_left = max(max_left, left_c[c]);
+        b_c = end;
       }
       const uint32_t rt_sa = SmemAddr(rt);
       const uint32_t ring0_sa = SmemAddr(smem + kRotBytes);
@@ -1886,6 +1915,23 @@ bool WsEnabled() {
   return e == nullptr || std::string(e) != "0";
 }
 
+// WriteArgs::first_wait unless KVPOOL_WRITE_FIRST_WAIT=0 (for A/B measurements), read at each
+// launch.
+bool FirstWaitEnabled() {
+  const char* e = std::getenv("KVPOOL_WRITE_FIRST_WAIT");
+  return e == nullptr || std::string(e) != "0";
+}
+
+// WriteArgs::split_*: `items` work items over `workers` (1 <= workers < 2^16) contiguous ranges,
+// item pairs split by `den`.
+void SetSplit(int64_t items, int64_t workers, uint32_t den, WriteArgs* a) {
+  a->split_q = items / workers;
+  a->split_r = uint32_t(items % workers);
+  a->split_w = uint32_t(workers);
+  a->split_den = den;
+  a->div32 = (items >> 1) <= int64_t(UINT32_MAX) ? 1 : 0;
+}
+
 // kWs launch (d 128, rotation set, TMA maps encoded): one CTA per SM (its shared memory), grid y
 // = the heads when the rotation is per head (each CTA holds one head's Rᵀ), else 1; at most as
 // many CTAs as give every consumer warpgroup an item.
@@ -1907,6 +1953,7 @@ KernelStatus LaunchWriteWs(const WriteArgs& a, const TmaMaps& maps, int sms, cud
   const dim3 grid(unsigned(x), per_head ? unsigned(a.num_kv_heads) : 1u, 1);
   WriteArgs args = a;
   args.use_tma = 1;
+  SetSplit(items, x * kWsGroups, uint32_t(ngroups), &args);
   kernel<<<grid, threads, smem, stream>>>(args, maps);
   return WLaunchError("KvWriteKernel ws");
 }
@@ -1956,11 +2003,17 @@ KernelStatus LaunchWrite(const WriteArgs& a, cudaStream_t stream) {
     // One wave of CTAs over all items (2 per tile and head), split evenly by warp.
     const int64_t items = 2 * int64_t(a.num_kv_heads) * ntiles;
     const int64_t ctas_for_items = (items + threads / 32 - 1) / (threads / 32);
-    grid = dim3(unsigned(std::min<int64_t>(ctas_for_items, int64_t(per_sm) * sms)), 1, 1);
+    // at most 2^14 CTAs, so that the warp count stays below 2^16 (WriteArgs::split_w)
+    grid = dim3(unsigned(std::min<int64_t>({ctas_for_items, int64_t(per_sm) * sms, 16383})), 1, 1);
   }
   TmaMaps maps{};
   WriteArgs args = a;
   args.use_tma = 0;
+  args.first_wait = FirstWaitEnabled() ? 1 : 0;
+  if constexpr (!kRotate) {
+    const int64_t items = 2 * int64_t(a.num_kv_heads) * ntiles;
+    SetSplit(items, int64_t(grid.x) * (threads / 32), uint32_t(ntiles), &args);
+  }
   if constexpr (UseTmaLayout<kRotate, kOutBf16>()) {
     // A map the driver refuses leaves the cp.async loads (same bytes, slower).
     if (TmaEnabled() && EncodeSourceMaps(D, a, &maps)) args.use_tma = 1;
