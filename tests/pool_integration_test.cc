@@ -618,6 +618,79 @@ TEST_P(PoolIntegrationTest, AnAbortAgainstAStoppedPoolReturnsWithinItsTwoSeconds
   }
 }
 
+// A hung pool (SIGSTOP: it accepts connections and never answers) cost every call its full call
+// timeout: a prefill node lost --call-timeout-ms per prompt. With
+// ClientOptions::hung_pool_probe_timeout the first call still waits for its deadline; each later
+// one is preceded by a health check with the short deadline and returns UNAVAILABLE ("not sent")
+// without waiting for its own. Without it (zero) every call waits for its deadline, as before.
+// Once the pool runs again calls go through and what it stored is intact. The bounds are slack
+// over the configured 2 s / 200 ms, not a speed measurement.
+TEST_P(PoolIntegrationTest, AHungPoolCostsOneCallTimeoutThenShortHealthChecks) {
+  StartServer({"--capacity", "16MiB"});
+  const auto spec = Spec("int2");
+  const Sequence s = MakeSequence(4 * kPage, 97);
+  for (const bool fail_fast : {true, false}) {
+    SCOPED_TRACE(fail_fast ? "hung_pool_probe_timeout 200 ms" : "hung_pool_probe_timeout off");
+    client::ClientOptions o;
+    o.server = server_->address();
+    o.ucx_tls = GetParam();
+    o.default_timeout = absl::Seconds(2);
+    o.hung_pool_probe_timeout = fail_fast ? absl::Milliseconds(200) : absl::ZeroDuration();
+    auto created = Client::Create(o);
+    ASSERT_TRUE(created.ok()) << created.status();
+    std::unique_ptr<Client> c = *std::move(created);
+    ASSERT_TRUE(c->RegisterModel(spec).ok());
+    ASSERT_TRUE(c->Put(s.tokens, s.ks(), s.vs()).ok());
+    ASSERT_TRUE(StopProcess(server_->pid()));
+    absl::Time start = absl::Now();
+    auto first = c->Lookup(s.tokens);
+    const absl::Duration first_took = absl::Now() - start;
+    std::vector<absl::Status> later;
+    std::vector<absl::Duration> later_took;
+    for (int i = 0; i < (fail_fast ? 4 : 2); ++i) {
+      start = absl::Now();
+      later.push_back(i % 2 == 0 ? c->Lookup(s.tokens).status()
+                                 : c->BeginPut(MakeSequence(2 * kPage, 98).tokens).status());
+      later_took.push_back(absl::Now() - start);
+    }
+    ASSERT_EQ(kill(server_->pid(), SIGCONT), 0);
+    EXPECT_EQ(first.status().code(), absl::StatusCode::kDeadlineExceeded) << first.status();
+    EXPECT_GE(first_took, absl::Milliseconds(1900));
+    for (size_t i = 0; i < later.size(); ++i) {
+      SCOPED_TRACE(absl::StrCat("call ", i + 2, " took ", absl::FormatDuration(later_took[i])));
+      if (fail_fast) {
+        EXPECT_EQ(later[i].code(), absl::StatusCode::kUnavailable) << later[i];
+        EXPECT_THAT(later[i].message(), HasSubstr("not sent"));
+        EXPECT_THAT(later[i].message(), HasSubstr("did not answer a health check"));
+        EXPECT_THAT(later[i].message(), HasSubstr("Lookup got no answer within its deadline"));
+        EXPECT_LT(later_took[i], absl::Milliseconds(1000)) << "waited like a full call timeout";
+      } else {
+        EXPECT_EQ(later[i].code(), absl::StatusCode::kDeadlineExceeded) << later[i];
+        EXPECT_GE(later_took[i], absl::Milliseconds(1900));
+      }
+    }
+    // Running again: the calls go through (the first ones may still fall in the 200 ms after a
+    // failed check) and the stored sequence is intact.
+    absl::StatusOr<client::LookupResult> look;
+    for (int i = 0; i < 50; ++i) {
+      look = c->Lookup(s.tokens);
+      if (look.ok()) break;
+      absl::SleepFor(absl::Milliseconds(100));
+    }
+    ASSERT_TRUE(look.ok()) << look.status();
+    EXPECT_EQ(look->num_blocks, 4u);
+    auto lease = c->Acquire(s.tokens);
+    ASSERT_TRUE(lease.ok()) << lease.status();
+    auto pools = MakePools(*c, 4);
+    ASSERT_NE(pools, nullptr);
+    auto f = c->Fetch(*lease, pools->plan);
+    ASSERT_TRUE(f.ok()) << f.status();
+    EXPECT_EQ(f->num_blocks, 4u);
+    EXPECT_EQ(VerifyFetch(s, spec, *f, *pools), 0);
+    EXPECT_TRUE(c->Release(*lease).ok());
+  }
+}
+
 TEST_P(PoolIntegrationTest, BadInputsGetClearStatusesAndDamageNothing) {
   StartServer({"--capacity", "1MiB", "--max-put-blocks", "128"});
   const auto spec = Spec("int2");

@@ -14,6 +14,7 @@
 #include <unordered_map>
 #include <utility>
 
+#include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 
 #include "absl/functional/function_ref.h"
@@ -635,6 +636,7 @@ class ClientImpl final : public Client {
       return absl::CancelledError(absl::StrCat(
           MethodName(req), ": cancelled by this client (CallOptions::cancel) before it began"));
     }
+    KVPOOL_RETURN_IF_ERROR(FailFast(MethodName(req), deadline));
     grpc::ClientContext ctx;
     ctx.set_deadline(absl::ToChronoTime(deadline));
     const absl::Duration timeout = deadline - absl::Now();
@@ -663,7 +665,119 @@ class ClientImpl final : public Client {
       pool_answered_.store(true, std::memory_order_relaxed);
     }
     if (absl::IsUnavailable(out)) MarkStale("gRPC UNAVAILABLE");
+    // gRPC's own deadline (not a DEADLINE_EXCEEDED the pool sent, e.g. for an expired put): the
+    // pool did not answer at all.
+    if (gs.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED &&
+        gs.error_message() == "Deadline Exceeded") {
+      NoteNoAnswer(method, timeout);
+    }
     return out;
+  }
+
+  // ---- fail-fast against a pool that stopped answering (ClientOptions::hung_pool_probe_timeout)
+
+  // A call got no answer within its deadline: from now on each call first checks the pool's
+  // health (FailFast) until one check is answered. Not when the call's own deadline was shorter
+  // than the check's (a caller's tight deadline says nothing about the pool).
+  void NoteNoAnswer(absl::string_view method, absl::Duration timeout) {
+    if (options_.hung_pool_probe_timeout <= absl::ZeroDuration() ||
+        timeout < options_.hung_pool_probe_timeout) {
+      return;
+    }
+    std::lock_guard<std::mutex> lock(hung_mu_);
+    if (hung_suspect_) return;
+    hung_suspect_ = true;
+    hung_next_probe_ = absl::InfinitePast();
+    hung_why_ =
+        absl::StrCat(method, " got no answer within its deadline (",
+                     absl::ToInt64Milliseconds(absl::Ceil(timeout, absl::Milliseconds(1))), " ms)");
+    KVPOOL_LOG_WARN(
+        "client: the pool at {} did not answer ({}); each call first checks the pool's health "
+        "with a {} ms deadline until the pool answers one (ClientOptions::hung_pool_probe_timeout)",
+        options_.server, hung_why_, absl::ToInt64Milliseconds(options_.hung_pool_probe_timeout));
+  }
+
+  // OK when no call has gone unanswered since the pool last answered, or when the pool answers a
+  // health check (grpc.health.v1.Health/Check) within hung_pool_probe_timeout (capped by
+  // `deadline`): the call is sent. Otherwise UNAVAILABLE naming `method`, without sending it. One
+  // check at a time: a call that arrives while one runs waits for its outcome (at most until
+  // `deadline`); after a check that got no answer, the calls of the next hung_pool_probe_timeout
+  // fail without checking again.
+  absl::Status FailFast(absl::string_view method, absl::Time deadline) {
+    const absl::Duration probe = options_.hung_pool_probe_timeout;
+    if (probe <= absl::ZeroDuration()) return absl::OkStatus();
+    std::unique_lock<std::mutex> lock(hung_mu_);
+    if (!hung_suspect_) return absl::OkStatus();
+    // The call's own deadline passed while it waited for (or ran) a check.
+    auto late = [&] {
+      return absl::DeadlineExceededError(
+          absl::StrCat(method,
+                       ": not sent: its deadline passed during the health check that precedes each "
+                       "call while the pool at ",
+                       options_.server, " does not answer (after an earlier ", hung_why_,
+                       "; ClientOptions::hung_pool_probe_timeout)"));
+    };
+    while (hung_probing_ && hung_suspect_) {
+      if (hung_cv_.wait_until(lock, absl::ToChronoTime(deadline)) == std::cv_status::timeout) {
+        if (hung_probing_ && hung_suspect_) return late();
+        break;
+      }
+    }
+    if (!hung_suspect_) return absl::OkStatus();
+    auto not_sent = [&](absl::string_view outcome) {
+      return absl::UnavailableError(absl::StrCat(
+          method, ": not sent: the pool at ", options_.server, " ", outcome, " after an earlier ",
+          hung_why_,
+          "; the client checks the pool's health before each call until it answers (at most "
+          "every ",
+          absl::ToInt64Milliseconds(probe),
+          " ms, ClientOptions::hung_pool_probe_timeout); retry later, or check that the pool is "
+          "running and not stopped"));
+    };
+    if (hung_probing_ || absl::Now() < hung_next_probe_) {
+      return not_sent(absl::StrCat("did not answer a health check within ",
+                                   absl::ToInt64Milliseconds(probe), " ms"));
+    }
+    hung_probing_ = true;
+    lock.unlock();
+    const absl::Time start = absl::Now();
+    const bool capped = deadline < start + probe;  // the call's deadline ends the check
+    const grpc::Status gs = ProbeHealth(capped ? deadline : start + probe);
+    lock.lock();
+    hung_probing_ = false;
+    hung_cv_.notify_all();
+    // Any answer (SERVING, NOT_SERVING while it drains, no health service) means the pool runs;
+    // UNAVAILABLE means the connection is gone (the call itself reports that and reconnects).
+    if (gs.error_code() != grpc::StatusCode::DEADLINE_EXCEEDED &&
+        gs.error_code() != grpc::StatusCode::CANCELLED) {
+      if (hung_suspect_) {
+        KVPOOL_LOG_INFO("client: the pool at {} answers again ({} after {})", options_.server,
+                        gs.ok() ? std::string("health check answered")
+                                : absl::StrCat("health check: ", gs.error_message()),
+                        hung_why_);
+      }
+      hung_suspect_ = false;
+      return absl::OkStatus();
+    }
+    if (capped) return late();  // a shorter check than configured proves nothing
+    hung_next_probe_ = absl::Now() + probe;
+    return not_sent(absl::StrCat("did not answer a health check within ",
+                                 absl::ToInt64Milliseconds(absl::Now() - start), " ms"));
+  }
+
+  // grpc.health.v1.Health/Check of the whole server (service ""; the empty request encodes it),
+  // waited for until `deadline`. The answer itself is not decoded: FailFast only asks whether
+  // the pool answers.
+  grpc::Status ProbeHealth(absl::Time deadline) {
+    grpc::GenericStub stub(channel_);
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(deadline));
+    grpc::Slice empty(std::string{});  // a ByteBuffer with no slice is not a message
+    grpc::ByteBuffer request(&empty, 1), response;
+    std::promise<grpc::Status> done;
+    stub.UnaryCall(&ctx, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &request, &response,
+                   [&done](grpc::Status st) { done.set_value(std::move(st)); });
+    return done.get_future().get();
   }
 
   void MarkStale(const char* why) {
@@ -1671,6 +1785,14 @@ class ClientImpl final : public Client {
   // worded "could not reach the pool", after it "lost the connection".
   std::atomic<bool> pool_answered_{false};
   std::thread channel_watch_;
+
+  // Fail-fast state (NoteNoAnswer, FailFast).
+  std::mutex hung_mu_;
+  std::condition_variable hung_cv_;
+  bool hung_suspect_ = false;  // a call went unanswered and no health check was answered since
+  bool hung_probing_ = false;  // a health check is in flight
+  absl::Time hung_next_probe_ = absl::InfinitePast();  // no check before (after a failed one)
+  std::string hung_why_;                               // "Lookup got no answer within ... (N ms)"
 
   // The leases this client acquired and has not released: lease id -> (pool epoch, local
   // expiry, updated by Renew). Fetch reads only under a lease found here, so a released,

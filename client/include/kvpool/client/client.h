@@ -22,10 +22,11 @@
 //
 // Statuses (canonical, STYLE.md): NOT_FOUND absent key/put/lease; RESOURCE_EXHAUSTED pool
 // full; UNAVAILABLE server down or restarted (retry: the client reconnects and re-registers on
-// the next call); DEADLINE_EXCEEDED; CANCELLED (CallOptions::cancel); FAILED_PRECONDITION
-// incompatible registration; DATA_LOSS checksum mismatch (a fetched form that fails it is also
-// reported to the pool, which drops it when its stored bytes are corrupt: Client::Fetch);
-// INVALID_ARGUMENT names the field.
+// the next call), or not answering after an earlier call timed out (the call was not sent:
+// ClientOptions::hung_pool_probe_timeout); DEADLINE_EXCEEDED; CANCELLED (CallOptions::cancel);
+// FAILED_PRECONDITION incompatible registration; DATA_LOSS checksum mismatch (a fetched form that
+// fails it is also reported to the pool, which drops it when its stored bytes are corrupt:
+// Client::Fetch); INVALID_ARGUMENT names the field.
 //
 // Threading: a Client is thread-safe; calls from many threads proceed in parallel (no lock is
 // held across a gRPC or UCX call). A PutSession belongs to one thread at a time. The client
@@ -167,6 +168,24 @@ struct ClientOptions {
   // answers UNIMPLEMENTED, logged at each report; or tests that corrupt and restore pool memory
   // themselves). Default true.
   bool report_corrupt_forms = true;
+  // Fail-fast against a pool that stopped answering (hung: SIGSTOPped, wedged; it still accepts
+  // connections, so nothing fails at once). After a call to the pool gets no answer within its
+  // deadline (gRPC's DEADLINE_EXCEEDED, not one the pool sent; only a deadline at least this
+  // long counts), each later call first sends the standard gRPC health check
+  // (grpc.health.v1.Health/Check) with this deadline (a call whose own deadline ends first
+  // returns DEADLINE_EXCEEDED "not sent" when it passes, and proves nothing about the pool).
+  // Any answer clears that state and the call is sent; no answer makes the call
+  // return UNAVAILABLE ("<method>: not sent: the pool at HOST:PORT did not answer a health check
+  // within N ms after an earlier <method> got no answer within its deadline (M ms) …") without
+  // sending it, and the calls of the next hung_pool_probe_timeout after such a check return
+  // the same at once (one check at a time; a call arriving during a check waits for it). So a
+  // hung pool costs one call timeout, then at most this per call, instead of a full call
+  // timeout per call; once it answers a check, calls go through again. A pool whose health
+  // service answers while its KvPool calls hang still costs each call its timeout. Zero or
+  // negative = off (every call waits for its own deadline). Default 1 s. Calls sent in the
+  // background (WritePut pulls, the AbortPut after a failed Commit, corruption reports) are not
+  // held back, but their unanswered deadlines count.
+  absl::Duration hung_pool_probe_timeout = absl::Seconds(1);
   // Creates the data plane. Default (null): transport::CreateUcxTransport({.tls = ucx_tls}).
   // Tests pass a FakeFabric transport.
   std::function<absl::StatusOr<std::unique_ptr<transport::Transport>>()> transport_factory;
