@@ -691,6 +691,57 @@ TEST_P(PoolIntegrationTest, AHungPoolCostsOneCallTimeoutThenShortHealthChecks) {
   }
 }
 
+// Newcomer report s7 F11: in a 1 MiB pool holding two leased sequences a third put whose
+// staging fitted passed BeginPut, moved every layer and failed RESOURCE_EXHAUSTED at commit (its
+// staging and its new forms must fit at once). Now BeginPut refuses it, naming num_blocks and
+// the numbers, before any layer moves; the leased sequences stay byte-exact, and once they are
+// released the same put commits. Here (16 KiB BF16 forms, ~2.5 KiB INT2) each 40-block sequence
+// stores ~146 KiB, so the two leased ones leave ~733 KiB: enough for the third put's 640 KiB of
+// staging, not for that plus its ~146 KiB of new forms.
+TEST_P(PoolIntegrationTest, APutWhoseCommitCannotFitIsRefusedAtBeginPut) {
+  StartServer({"--capacity", "1MiB"});
+  const auto spec = Spec("int2");
+  auto c = NewClient();
+  ASSERT_NE(c, nullptr);
+  ASSERT_TRUE(c->RegisterModel(spec).ok());
+  constexpr uint32_t kBlocks = 40;
+  const Sequence a = MakeSequence(kBlocks * kPage, 61), b = MakeSequence(kBlocks * kPage, 62);
+  const Sequence third = MakeSequence(kBlocks * kPage, 63);
+  ASSERT_TRUE(c->Put(a.tokens, a.ks(), a.vs()).ok());
+  auto la = c->Acquire(a.tokens);
+  ASSERT_TRUE(la.ok()) << la.status();
+  ASSERT_TRUE(c->Put(b.tokens, b.ks(), b.vs()).ok());
+  auto lb = c->Acquire(b.tokens);
+  ASSERT_TRUE(lb.ok()) << lb.status();
+  auto refused = c->BeginPut(third.tokens);
+  ASSERT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
+  EXPECT_THAT(refused.status().message(),
+              HasSubstr("num_blocks: the pool cannot hold this put's commit"));
+  EXPECT_THAT(
+      refused.status().message(),
+      HasSubstr(absl::StrCat(kBlocks * 16384, " bytes of staging for the 40 of 40 blocks")));
+  EXPECT_THAT(refused.status().message(), HasSubstr("bytes are forms of leased or pinned blocks"));
+  auto st = c->Stats();
+  ASSERT_TRUE(st.ok()) << st.status();
+  EXPECT_EQ(st->open_puts, 0u);
+  EXPECT_EQ(st->staging_bytes, 0u);
+  // The staging alone would have fitted: the old BeginPut accepted this put.
+  EXPECT_GE(st->capacity_bytes - st->used_bytes, uint64_t{kBlocks} * 16384) << st->used_bytes;
+  for (const auto* pair : {&a, &b}) {
+    const auto& lease = pair == &a ? *la : *lb;
+    auto pools = MakePools(*c, kBlocks);
+    ASSERT_NE(pools, nullptr);
+    auto f = c->Fetch(lease, pools->plan);
+    ASSERT_TRUE(f.ok()) << f.status();
+    EXPECT_EQ(f->num_blocks, kBlocks);
+    EXPECT_EQ(VerifyFetch(*pair, spec, *f, *pools), 0);
+    EXPECT_TRUE(c->Release(lease).ok());
+  }
+  auto put = c->Put(third.tokens, third.ks(), third.vs());  // eviction makes room now
+  ASSERT_TRUE(put.ok()) << put.status();
+  EXPECT_EQ(put->blocks_written, kBlocks);
+}
+
 TEST_P(PoolIntegrationTest, BadInputsGetClearStatusesAndDamageNothing) {
   StartServer({"--capacity", "1MiB", "--max-put-blocks", "128"});
   const auto spec = Spec("int2");

@@ -512,7 +512,21 @@ void BlockStore::FreeSlotLocked(Block& b, FormKind f, const char* reason) {
   arena_.Free(s.offset, s.size);
   form_count_[int(f)]--;
   form_bytes_[int(f)] -= s.size;
+  if (b.pins > 0) pinned_bytes_ -= arena_.RoundUp(s.size);
   s = Slot{};
+}
+
+uint64_t BlockStore::HeldBytes(const Block& b) const {
+  uint64_t bytes = 0;
+  for (const Slot& s : b.forms) {
+    if (s.present) bytes += arena_.RoundUp(s.size);
+  }
+  for (const Slot& s : b.dropped) bytes += arena_.RoundUp(s.size);
+  return bytes;
+}
+
+void BlockStore::PinLocked(Block& b) {
+  if (b.pins++ == 0) pinned_bytes_ += HeldBytes(b);
 }
 
 void BlockStore::RemoveBlockLocked(const Digest& key, const char* reason) {
@@ -527,7 +541,10 @@ void BlockStore::RemoveBlockLocked(const Digest& key, const char* reason) {
   for (int f = 0; f < kNumForms; ++f) {
     FreeSlotLocked(b, static_cast<FormKind>(f), reason);
   }
-  for (const Slot& s : b.dropped) arena_.Free(s.offset, s.size);  // only pinned blocks keep any
+  for (const Slot& s : b.dropped) {  // only pinned blocks keep any
+    arena_.Free(s.offset, s.size);
+    if (b.pins > 0) pinned_bytes_ -= arena_.RoundUp(s.size);
+  }
   if (b.parent.has_value()) {
     // The parent's children list is not read by Lookup: mu_ (held) guards it.
     if (Block* p = FindBlockLocked(*b.parent)) {
@@ -584,6 +601,7 @@ void BlockStore::UnpinLocked(const Digest& key) {
   if (b == nullptr || b->pins == 0 || --b->pins > 0) {
     return;
   }
+  pinned_bytes_ -= HeldBytes(*b);
   // The last reader of forms dropped as corrupt is gone: free their bytes now.
   for (const Slot& s : b->dropped) arena_.Free(s.offset, s.size);
   b->dropped.clear();
@@ -698,6 +716,7 @@ absl::StatusOr<PutPlan> BlockStore::BeginPut(const Digest& namespace_id,
     return absl::NotFoundError(absl::StrCat("namespace_id: ", ToHex(namespace_id),
                                             " is not registered (register the model first)"));
   }
+  KVPOOL_RETURN_IF_ERROR(CheckCommitFitsLocked(*m, keys));
   Put put;
   put.id = NewIdLocked();
   put.model = m;
@@ -721,7 +740,7 @@ absl::StatusOr<PutPlan> BlockStore::BeginPut(const Digest& namespace_id,
       for (int f = 0; f < kNumForms; ++f) {
         held[f] = existing->forms[f].present;
       }
-      existing->pins++;
+      PinLocked(*existing);
       st.pinned_existing = true;
     }
     for (int f = 0; f < kNumForms; ++f) {
@@ -753,6 +772,48 @@ absl::StatusOr<PutPlan> BlockStore::BeginPut(const Digest& namespace_id,
   metrics_->put_bytes.fetch_add(staged, std::memory_order_relaxed);
   metrics_->put_size.Observe(static_cast<double>(staged));
   return plan;
+}
+
+absl::Status BlockStore::CheckCommitFitsLocked(const Model& m, absl::Span<const Digest> keys) {
+  const uint32_t num_blocks = static_cast<uint32_t>(keys.size());
+  const uint64_t sizes[kNumForms] = {arena_.RoundUp(m.info.bf16_form_bytes),
+                                     arena_.RoundUp(m.info.int2_form_bytes)};
+  uint64_t staging = 0, forms = 0, newly_pinned = 0;
+  uint32_t writes = 0;
+  for (uint32_t i = 0; i < num_blocks; ++i) {
+    bool target[kNumForms];
+    TargetForms(m, i, num_blocks, target);
+    const Block* existing = FindBlockLocked(keys[i]);
+    bool adds = false;
+    for (int f = 0; f < kNumForms; ++f) {
+      if (target[f] && (existing == nullptr || !existing->forms[f].present)) {
+        forms += sizes[f];
+        adds = true;
+      }
+    }
+    if (adds) {
+      staging += sizes[int(FormKind::kBf16)];
+      ++writes;
+    }
+    if (existing != nullptr && existing->pins == 0) newly_pinned += HeldBytes(*existing);
+  }
+  // What no eviction can free while this put commits: the other puts' staging, the blocks leased
+  // or pinned (by open puts, commits, corruption checks) and those this put pins. A lower bound:
+  // the ancestors of pinned blocks (never evicted before them) and fragmentation are not counted,
+  // so a put refused here could never commit, while one accepted may still fail at its commit.
+  const uint64_t fixed = staging_bytes_ + pinned_bytes_ + newly_pinned;
+  const uint64_t capacity = arena_.capacity();
+  if (fixed + staging + forms <= capacity) return absl::OkStatus();
+  const uint64_t room = capacity > fixed ? capacity - fixed : 0;
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "num_blocks: the pool cannot hold this put's commit: it needs ", staging + forms,
+      " bytes at once (", staging, " bytes of staging for the ", writes, " of ", num_blocks,
+      " blocks to write, plus ", forms,
+      " bytes for their new forms, allocated while the staging is held), and eviction can make at "
+      "most ",
+      room, " of the pool's ", capacity, " bytes free (", staging_bytes_,
+      " bytes are staging of other open puts, ", pinned_bytes_ + newly_pinned,
+      " bytes are forms of leased or pinned blocks); release leases or put fewer blocks"));
 }
 
 absl::StatusOr<std::unordered_map<uint64_t, BlockStore::Put>::iterator>
@@ -924,7 +985,7 @@ absl::StatusOr<CommitResult> BlockStore::CommitPut(const Digest& namespace_id, u
       const uint32_t i = b.plan.index;
       Block* existing = FindBlockLocked(b.plan.key);
       if (existing != nullptr) {
-        existing->pins++;
+        PinLocked(*existing);
         commit_pins.push_back(b.plan.key);
       }
       for (int f = 0; f < kNumForms; ++f) {
@@ -1038,6 +1099,7 @@ absl::StatusOr<CommitResult> BlockStore::CommitPut(const Digest& namespace_id, u
         blk->forms[f] = s;
         form_count_[f]++;
         form_bytes_[f] += s.size;
+        if (blk->pins > 0) pinned_bytes_ += arena_.RoundUp(s.size);
       }
       if (was_formless && HoldsAForm(*blk) && formless_blocks_ > 0) --formless_blocks_;
       bool present[kNumForms];
@@ -1122,7 +1184,7 @@ absl::StatusOr<LeaseGrant> BlockStore::Acquire(const Digest& namespace_id, const
         break;  // absent, or every form dropped as corrupt (ReportCorrupt)
       }
       Block& b = *found;
-      b.pins++;
+      PinLocked(b);
       lru_.splice(lru_.end(), lru_, b.lru);
       l.keys.push_back(keys[i]);
       LeasedBlock lb{.index = i, .key = keys[i], .sink = b.sink};
@@ -1245,6 +1307,7 @@ StoreStats BlockStore::Stats() const {
   s.capacity_bytes = arena_.capacity();
   s.used_bytes = arena_.used_bytes();
   s.staging_bytes = staging_bytes_;
+  s.pinned_bytes = pinned_bytes_;
   for (const Shard& sh : shards_) {
     s.blocks += sh.blocks.size();
   }
@@ -1386,7 +1449,7 @@ absl::StatusOr<std::vector<CorruptionOutcome>> BlockStore::ReportCorrupt(
         }
       }
       if (duplicate) continue;
-      b->pins++;  // neither evicted, demoted, deleted nor freed while its bytes are hashed
+      PinLocked(*b);  // neither evicted, demoted, deleted nor freed while its bytes are hashed
       checks.push_back({.report = i, .slot = slot});
     }
   }

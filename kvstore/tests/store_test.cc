@@ -2,6 +2,7 @@
 // failure paths. Heap memory and a FakeClock; the "client" writes staging bytes directly.
 #include "kvpool/kvstore/store.h"
 
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -17,6 +18,7 @@ namespace kvpool::kvstore {
 namespace {
 
 using testing::BlockBytes;
+using ::testing::HasSubstr;
 using testing::RotationFileFor;
 using testing::TinySpec;
 using testing::Tokens;
@@ -739,6 +741,55 @@ TEST_F(EvictionTest, PoolFullOfLeasedBlocksRefusesPuts) {
   EXPECT_EQ(Forms(50, 8).size(), 8u);
 }
 
+// Newcomer report s7 F11: a put whose staging fit passed BeginPut, moved every layer and only
+// then failed RESOURCE_EXHAUSTED at its commit, which allocates the new forms while the staging
+// is still held. BeginPut now refuses a put that could never commit — staging plus new forms
+// beyond what eviction can free (capacity minus the other puts' staging and the forms of leased
+// blocks) — naming the numbers; nothing stored is touched. A put that just fits is accepted and
+// commits (evicting the unleased sequence), so the check does not refuse what could commit.
+TEST_F(EvictionTest, BeginPutRefusesACommitThatCouldNeverFit) {
+  InitWatermarks(0.9, 0.8);     // 10240 bytes; BF16 form 512, INT2 192 (256 allocated)
+  ASSERT_TRUE(Put(1, 4).ok());  // B, I, B+I, B+I: 2304 bytes each
+  ASSERT_TRUE(Put(2, 4).ok());
+  auto l1 = store_->Acquire(ns_, {.token_ids = Tokens(1, 16)}, 0, absl::Minutes(1));
+  auto l2 = store_->Acquire(ns_, {.token_ids = Tokens(2, 16)}, 0, absl::Minutes(1));
+  ASSERT_TRUE(l1.ok() && l2.ok());
+  const StoreStats before = store_->Stats();
+  EXPECT_EQ(before.pinned_bytes, 2u * 2304);
+  // 8 blocks: staging 8 x 512 = 4096, new forms 512 + 5 x 256 + 2 x 768 = 3328; 7424 at once,
+  // and 10240 - 4608 leased = 5632 can be freed. Its staging alone (4096) would have fitted.
+  auto p = store_->BeginPut(ns_, Tokens(50, 32), 8, {});
+  ASSERT_EQ(p.status().code(), absl::StatusCode::kResourceExhausted) << p.status();
+  EXPECT_THAT(p.status().message(),
+              HasSubstr("num_blocks: the pool cannot hold this put's commit"));
+  EXPECT_THAT(p.status().message(), HasSubstr("needs 7424 bytes at once (4096 bytes of staging"));
+  EXPECT_THAT(p.status().message(), HasSubstr("the 8 of 8 blocks to write, plus 3328 bytes"));
+  EXPECT_THAT(p.status().message(), HasSubstr("at most 5632 of the pool's 10240 bytes free"));
+  EXPECT_THAT(p.status().message(),
+              HasSubstr("0 bytes are staging of other open puts, 4608 bytes"));
+  const StoreStats after = store_->Stats();
+  EXPECT_EQ(after.used_bytes, before.used_bytes);  // nothing allocated, leaked or evicted
+  EXPECT_EQ(after.staging_bytes, 0u);
+  EXPECT_EQ(after.open_puts, 0u);
+  EXPECT_EQ(after.blocks, 8u);
+  EXPECT_EQ(after.pinned_bytes, before.pinned_bytes);
+  EXPECT_EQ(store_->metrics().evictions_demote.load() + store_->metrics().evictions_block.load(),
+            0u);
+  EXPECT_EQ(Forms(1, 4).size(), 4u);
+  EXPECT_EQ(Forms(2, 4).size(), 4u);
+  // One lease fewer: 2304 + 7424 = 9728 <= 10240. Accepted, and the commit evicts sequence 2.
+  ASSERT_TRUE(store_->Release(l2->lease_id).ok());
+  EXPECT_EQ(store_->Stats().pinned_bytes, 2304u);
+  auto c = Put(50, 8);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(Forms(50, 8).size(), 8u);
+  EXPECT_EQ(Forms(1, 4).size(), 4u);  // the leased sequence is intact
+  EXPECT_GT(store_->metrics().evictions_demote.load() + store_->metrics().evictions_block.load(),
+            0u);
+  ASSERT_TRUE(store_->Release(l1->lease_id).ok());
+  EXPECT_EQ(store_->Stats().pinned_bytes, 0u);
+}
+
 TEST_F(StoreTest, DeleteRemovesDescendantsAndRespectsLeases) {
   ASSERT_TRUE(Put(1, 4).ok());
   ASSERT_TRUE(Put(2, 4, 8).ok());  // shares blocks 0, 1 with sequence... only with itself
@@ -815,9 +866,11 @@ TEST_F(StoreTest, ACorruptStoredFormReportedByAReaderIsDroppedAndARePutRestoresI
   EXPECT_EQ(ranges->size(), 5u);  // B, B+I, B+I
   ASSERT_EQ(dropped.size(), 1u);
   EXPECT_EQ(dropped[0], std::make_pair(int2->offset, int2->size));
-  EXPECT_EQ(store_->Stats().used_bytes, used);  // not freed under the lease
+  EXPECT_EQ(store_->Stats().used_bytes, used);    // not freed under the lease
+  EXPECT_EQ(store_->Stats().pinned_bytes, used);  // the dropped form stays pinned with it
   ASSERT_TRUE(store_->Release(lease->lease_id).ok());
   EXPECT_EQ(store_->Stats().used_bytes, used - 256);  // 192 bytes, allocated as 256
+  EXPECT_EQ(store_->Stats().pinned_bytes, 0u);
 
   // A re-put of the sequence writes block 1 only and restores it.
   auto plan = store_->BeginPut(ns_, Tokens(1, 16), 4, {});
@@ -837,7 +890,9 @@ TEST_F(StoreTest, ACorruptStoredFormReportedByAReaderIsDroppedAndARePutRestoresI
   EXPECT_EQ(0, std::memcmp(mem_->data() + fresh->offset, good.data(), good.size()));
   EXPECT_EQ(store_->Stats().blocks, 4u);
   EXPECT_EQ(store_->Stats().used_bytes, used);
+  EXPECT_EQ(store_->Stats().pinned_bytes, used);
   ASSERT_TRUE(store_->Release(restored->lease_id).ok());
+  EXPECT_EQ(store_->Stats().pinned_bytes, 0u);
 }
 
 // A report whose stored form verifies keeps it (the damage was in transit or in the reader).
@@ -1038,6 +1093,7 @@ TEST_F(StoreTest, ConcurrentClientsKeepTheStoreConsistent) {
   EXPECT_EQ(s.leases, 0u);
   EXPECT_EQ(s.open_puts, 0u);
   EXPECT_EQ(s.staging_bytes, 0u);
+  EXPECT_EQ(s.pinned_bytes, 0u);  // every pin (puts, commits, leases) was given back
   EXPECT_EQ(s.used_bytes, 10u * (512 + 3 * 256 + 2 * (512 + 256)));
 }
 

@@ -570,10 +570,12 @@ class Client {
   // Room: the pool reserves staging for the blocks to write (one BF16 form each) here, but the
   // new forms only at Commit, while that staging is still held: a commit needs room for both at
   // once (up to a BF16 plus an INT2 form per block on top of its staging; eviction frees only
-  // blocks no lease, open put or commit holds), so a put that passes BeginPut can still fail
-  // RESOURCE_EXHAUSTED at Commit, after all its layers moved (docs/OPERATIONS.md "Eviction").
+  // blocks no lease, open put or commit holds). The pool refuses here a put that cannot commit
+  // with what it holds now (RESOURCE_EXHAUSTED naming num_blocks, with the numbers); the check is
+  // a lower bound, so Commit can still fail RESOURCE_EXHAUSTED when leases or puts arrive
+  // meanwhile (docs/CLIENT.md "Room for a commit").
   // Errors: INVALID_ARGUMENT ("tokens": fewer than page_size), RESOURCE_EXHAUSTED (no room for
-  // the staging), UNAVAILABLE.
+  // the staging, or for the commit), UNAVAILABLE.
   virtual absl::StatusOr<std::unique_ptr<PutSession>> BeginPut(absl::Span<const uint32_t> tokens,
                                                                const CallOptions& call = {}) = 0;
 

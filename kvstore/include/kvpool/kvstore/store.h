@@ -243,6 +243,7 @@ struct StoreStats {
   uint64_t leases = 0;
   uint32_t models = 0;
   uint64_t registration_bytes = 0;  // charged against StoreOptions::max_registration_bytes
+  uint64_t pinned_bytes = 0;        // forms of leased or pinned blocks (eviction cannot free)
   std::string commit_device;        // "cpu" or "gpu": where commits encode (BlockEncoder)
 };
 
@@ -308,7 +309,10 @@ class BlockStore {
   // Phase 1 of a put. tokens: the sequence from token 0; num_blocks full blocks are stored
   // (1 <= num_blocks <= tokens/page_size). timeout 0 = default.
   // Errors: NOT_FOUND (namespace not registered), INVALID_ARGUMENT (num_blocks, token_ids,
-  // timeout_ms), RESOURCE_EXHAUSTED (staging space even after eviction).
+  // timeout_ms), RESOURCE_EXHAUSTED (staging space even after eviction; or a commit that could
+  // never fit: its staging plus the new forms it allocates while holding that staging exceed
+  // what eviction can free — capacity minus other puts' staging and the forms of leased or
+  // pinned blocks — the message gives each number).
   absl::StatusOr<PutPlan> BeginPut(const Digest& namespace_id, absl::Span<const uint32_t> tokens,
                                    uint32_t num_blocks, absl::Duration timeout);
 
@@ -483,6 +487,15 @@ class BlockStore {
   void DropCorruptFormLocked(Block& b, FormKind f);
   static bool HoldsAForm(const Block& b) { return b.forms[0].present || b.forms[1].present; }
   void ExpireLocked(absl::Time now);
+  // Bytes of `b`'s present and dropped forms (arena-rounded).
+  uint64_t HeldBytes(const Block& b) const;
+  // Takes one pin on `b` (the first adds its bytes to pinned_bytes_). Requires mu_ exclusive.
+  void PinLocked(Block& b);
+  // RESOURCE_EXHAUSTED (naming what is short, with the numbers) when a put of the blocks `keys`
+  // could never commit: its staging plus the new forms its commit allocates while that staging
+  // is held exceed what eviction can free (capacity minus other puts' staging and the forms of
+  // pinned blocks, counting those the put itself pins). Requires mu_ exclusive.
+  absl::Status CheckCommitFitsLocked(const Model& m, absl::Span<const Digest> keys);
   uint64_t NextGeneration() { return ++generation_; }
 
   const StoreOptions options_;
@@ -517,8 +530,12 @@ class BlockStore {
   std::unordered_map<uint64_t, Put> puts_;      // guarded by mu_
   std::unordered_map<uint64_t, Lease> leases_;  // guarded by mu_
   uint64_t staging_bytes_ = 0;                  // guarded by mu_
-  uint64_t form_count_[kNumForms] = {0, 0};     // guarded by mu_
-  uint64_t form_bytes_[kNumForms] = {0, 0};     // guarded by mu_
+  // Arena bytes of the forms (present and dropped) of blocks with pins > 0: eviction cannot
+  // free them. Kept by PinLocked, UnpinLocked, FreeSlotLocked, RemoveBlockLocked and the
+  // commit's linking; guarded by mu_.
+  uint64_t pinned_bytes_ = 0;
+  uint64_t form_count_[kNumForms] = {0, 0};  // guarded by mu_
+  uint64_t form_bytes_[kNumForms] = {0, 0};  // guarded by mu_
   uint64_t formless_blocks_ = 0;  // indexed blocks whose every form was dropped; guarded by mu_
   // A fresh put or lease id: 64 random bits from OpenSSL's CSPRNG, nonzero and not in use by an
   // open put or a live lease, so that no client can guess another's id (Release, Renew,
