@@ -180,6 +180,17 @@ int main(int argc, char** argv) {
                  "no rotation file for a client: rotation_path is refused and clients send the "
                  "file's bytes (rotation_file)")
       ->check(CLI::ExistingDirectory);
+  app.add_option("--corruption-report-rate", o.store.corruption_reports_per_second,
+                 "ReportCorrupt: re-verified reports per second each client host may send "
+                 "(token bucket; more are refused with RESOURCE_EXHAUSTED and counted in "
+                 "kvpool_corruption_reports_dropped_total{reason=\"rate\"}); 0 = no limit")
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, 1e9));
+  app.add_option("--corruption-report-burst", o.store.corruption_report_burst,
+                 "ReportCorrupt: most re-verified reports a client host may send at once (the "
+                 "bucket's size; default one full call)")
+      ->capture_default_str()
+      ->check(kvpool::cli::Range(uint32_t{1}, uint32_t{1} << 20));
   std::string commit_device = "auto";
   app.add_option("--commit-device", commit_device,
                  "Where commits rotate and quantize: auto (the GPU when this build has CUDA and "

@@ -123,6 +123,15 @@ std::string RenderPrometheus(const Metrics& m, const std::vector<GaugeSample>& g
           "ReportCorrupt reports that changed nothing (unknown key, other namespace, form not "
           "held, stale generation, duplicate).",
           m.corruption_reports_refused);
+  Header(&out, "kvpool_corruption_reports_dropped_total",
+         "ReportCorrupt reports not re-verified: duplicate (the form, with that generation, was "
+         "verified intact within the dedupe window; answered INTACT without hashing), rate (over "
+         "the client's rate limit; refused with RESOURCE_EXHAUSTED).",
+         "counter");
+  absl::StrAppend(&out, "kvpool_corruption_reports_dropped_total{reason=\"duplicate\"} ",
+                  m.corruption_reports_dropped_duplicate.load(), "\n");
+  absl::StrAppend(&out, "kvpool_corruption_reports_dropped_total{reason=\"rate\"} ",
+                  m.corruption_reports_dropped_rate.load(), "\n");
   Counter(&out, "kvpool_nonfinite_refusals_total", "Commits refused for NaN/Inf K/V.",
           m.nonfinite_refusals);
   Counter(&out, "kvpool_int2_overflow_blocks_total",

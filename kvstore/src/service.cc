@@ -13,6 +13,7 @@
 #include <map>
 #include <mutex>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "kvpool/common/bounded_file.h"
 #include "kvpool/common/checksum.h"
@@ -294,9 +295,9 @@ class KvPoolService final : public pb::KvPool::Service {
     return grpc::Status::OK;
   }
 
-  grpc::Status ReportCorrupt(grpc::ServerContext*, const pb::ReportCorruptRequest* req,
+  grpc::Status ReportCorrupt(grpc::ServerContext* ctx, const pb::ReportCorruptRequest* req,
                              pb::ReportCorruptResponse* resp) override {
-    return Finish(ReportCorruptImpl(*req, resp));
+    return Finish(ReportCorruptImpl(*req, ReportClientIdentity(ctx->peer()), resp));
   }
 
   grpc::Status Stats(grpc::ServerContext*, const pb::StatsRequest*,
@@ -569,7 +570,7 @@ class KvPoolService final : public pb::KvPool::Service {
     return absl::OkStatus();
   }
 
-  absl::Status ReportCorruptImpl(const pb::ReportCorruptRequest& req,
+  absl::Status ReportCorruptImpl(const pb::ReportCorruptRequest& req, const std::string& client,
                                  pb::ReportCorruptResponse* resp) {
     KVPOOL_ASSIGN_OR_RETURN(Digest ns, ParseNamespace(req.namespace_id()));
     if (req.reports_size() > static_cast<int>(kMaxCorruptionReports)) {
@@ -594,7 +595,7 @@ class KvPoolService final : public pb::KvPool::Service {
                          .observed_xxh3 = r.observed_xxh3()});
     }
     KVPOOL_ASSIGN_OR_RETURN(std::vector<CorruptionOutcome> outcomes,
-                            store_.ReportCorrupt(ns, reports));
+                            store_.ReportCorrupt(ns, reports, client));
     for (const CorruptionOutcome& o : outcomes) {
       pb::CorruptFormResult* out = resp->add_results();
       out->mutable_status()->set_code(static_cast<int32_t>(o.status.code()));
@@ -866,6 +867,17 @@ class KvPoolService final : public pb::KvPool::Service {
 };
 
 }  // namespace
+
+std::string ReportClientIdentity(const std::string& peer) {
+  for (absl::string_view scheme : {"ipv4:", "ipv6:"}) {
+    if (!absl::StartsWith(peer, scheme)) continue;
+    const absl::string_view address = absl::string_view(peer).substr(scheme.size());
+    const size_t colon = address.rfind(':');
+    if (colon == absl::string_view::npos || colon == 0) return peer;
+    return std::string(address.substr(0, colon));
+  }
+  return peer;
+}
 
 std::unique_ptr<grpc::Service> MakeKvPoolService(const ServiceContext& ctx) {
   return std::make_unique<KvPoolService>(ctx);

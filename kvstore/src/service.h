@@ -39,4 +39,10 @@ struct ServiceContext {
 
 std::unique_ptr<grpc::Service> MakeKvPoolService(const ServiceContext& ctx);
 
+// The client identity ReportCorrupt's rate limit is kept by, from a gRPC peer string
+// (grpc::ServerContext::peer()): its host without the port — "ipv4:10.0.0.5:41234" →
+// "10.0.0.5", "ipv6:[::1]:41234" → "[::1]" — so a client cannot get a fresh budget by
+// reconnecting (every client of one host shares it); any other form ("unix:/path", "") as given.
+std::string ReportClientIdentity(const std::string& peer);
+
 }  // namespace kvpool::kvstore

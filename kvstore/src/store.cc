@@ -195,6 +195,16 @@ absl::StatusOr<std::unique_ptr<BlockStore>> BlockStore::Create(const StoreOption
       options.default_put_timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("lease-ms/put-timeout-ms: must be > 0");
   }
+  if (!(options.corruption_reports_per_second >= 0)) {
+    return absl::InvalidArgumentError(absl::StrCat("corruption-report-rate: must be >= 0, got ",
+                                                   options.corruption_reports_per_second));
+  }
+  if (options.corruption_report_burst == 0) {
+    return absl::InvalidArgumentError("corruption-report-burst: must be >= 1");
+  }
+  if (options.corruption_report_dedupe_window < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("corruption_report_dedupe_window: must be >= 0");
+  }
   if (!metrics) {
     metrics = std::make_shared<Metrics>();
   }
@@ -1382,8 +1392,68 @@ absl::StatusOr<std::vector<std::pair<uint64_t, uint64_t>>> BlockStore::LeasedRan
 
 // ---- corruption reports ------------------------------------------------------------------------
 
+namespace {
+
+// The dedupe key of a reported form: its block key, form and generation.
+std::string VerifiedFormId(const Digest& key, FormKind form, uint64_t generation) {
+  std::string id(reinterpret_cast<const char*>(key.data()), key.size());
+  id.push_back(static_cast<char>(form));
+  id.append(reinterpret_cast<const char*>(&generation), sizeof(generation));
+  return id;
+}
+
+}  // namespace
+
+bool BlockStore::TakeReportTokenLocked(const std::string& client, absl::Time now) {
+  const double rate = options_.corruption_reports_per_second;
+  if (rate <= 0) return true;
+  const double burst = options_.corruption_report_burst;
+  auto it = report_buckets_.find(client);
+  if (it == report_buckets_.end()) {
+    if (report_buckets_.size() >= kMaxReportClients) {
+      // Drop the buckets that have refilled (their clients are quiet); else the stalest one.
+      auto stalest = report_buckets_.end();
+      for (auto b = report_buckets_.begin(); b != report_buckets_.end();) {
+        if (b->second.tokens + rate * absl::ToDoubleSeconds(now - b->second.last) >= burst) {
+          b = report_buckets_.erase(b);
+          continue;
+        }
+        if (stalest == report_buckets_.end() || b->second.last < stalest->second.last) stalest = b;
+        ++b;
+      }
+      if (report_buckets_.size() >= kMaxReportClients) report_buckets_.erase(stalest);
+    }
+    it = report_buckets_.emplace(client, ReportBucket{.tokens = burst, .last = now}).first;
+  }
+  ReportBucket& b = it->second;
+  b.tokens = std::min(burst, b.tokens + rate * std::max(0.0, absl::ToDoubleSeconds(now - b.last)));
+  b.last = now;
+  if (b.tokens < 1) return false;
+  b.tokens -= 1;
+  return true;
+}
+
+void BlockStore::NoteVerifiedIntactLocked(const std::string& id, absl::Time now) {
+  const absl::Duration window = options_.corruption_report_dedupe_window;
+  if (window <= absl::ZeroDuration()) return;
+  if (verified_intact_.size() >= kMaxVerifiedForms && !verified_intact_.contains(id)) {
+    auto oldest = verified_intact_.end();
+    for (auto v = verified_intact_.begin(); v != verified_intact_.end();) {
+      if (now - v->second >= window) {
+        v = verified_intact_.erase(v);
+        continue;
+      }
+      if (oldest == verified_intact_.end() || v->second < oldest->second) oldest = v;
+      ++v;
+    }
+    if (verified_intact_.size() >= kMaxVerifiedForms) verified_intact_.erase(oldest);
+  }
+  verified_intact_[id] = now;
+}
+
 absl::StatusOr<std::vector<CorruptionOutcome>> BlockStore::ReportCorrupt(
-    const Digest& namespace_id, absl::Span<const CorruptionReport> reports) {
+    const Digest& namespace_id, absl::Span<const CorruptionReport> reports,
+    const std::string& client) {
   std::shared_ptr<const Model> model_ref;  // keeps the model alive for this call
   {
     std::shared_lock lock(models_mu_);
@@ -1412,8 +1482,12 @@ absl::StatusOr<std::vector<CorruptionOutcome>> BlockStore::ReportCorrupt(
     metrics_->corruption_reports_refused.fetch_add(1, std::memory_order_relaxed);
   };
   // Phase 1 (lock): every report must name a form held now, with the generation it has now.
+  // Then a form verified intact within the dedupe window is answered from that verification,
+  // and every other one needs a token of the client's bucket before it is hashed.
+  std::vector<size_t> accepted;  // reports answered or to be hashed, for the duplicate check
   {
     std::unique_lock lock(mu_);
+    const absl::Time now = clock_->Now();
     for (size_t i = 0; i < reports.size(); ++i) {
       const CorruptionReport& r = reports[i];
       const std::string what = absl::StrCat("block ", ToHex(r.key).substr(0, 12));
@@ -1439,16 +1513,39 @@ absl::StatusOr<std::vector<CorruptionOutcome>> BlockStore::ReportCorrupt(
         continue;
       }
       bool duplicate = false;
-      for (const Check& c : checks) {
-        const CorruptionReport& other = reports[c.report];
+      for (size_t j : accepted) {
+        const CorruptionReport& other = reports[j];
         if (other.key == r.key && other.form == r.form) {
-          refuse(i, absl::InvalidArgumentError(absl::StrCat(
-                        "reports[", i, "]: names the same form as reports[", c.report, "]")));
+          refuse(i, absl::InvalidArgumentError(
+                        absl::StrCat("reports[", i, "]: names the same form as reports[", j, "]")));
           duplicate = true;
           break;
         }
       }
       if (duplicate) continue;
+      accepted.push_back(i);
+      const auto verified = verified_intact_.find(VerifiedFormId(r.key, r.form, r.generation));
+      if (verified != verified_intact_.end() &&
+          now - verified->second < options_.corruption_report_dedupe_window) {
+        out[i].verdict = CorruptionVerdict::kIntact;  // status OK: verified within the window
+        out[i].block_held = true;
+        metrics_->corruption_reports_dropped_duplicate.fetch_add(1, std::memory_order_relaxed);
+        KVPOOL_LOG_DEBUG(
+            "corruption report of {} {} form generation {}: verified intact {} ago, "
+            "not hashed again",
+            what, FormName(r.form), r.generation, absl::FormatDuration(now - verified->second));
+        continue;
+      }
+      if (!TakeReportTokenLocked(client, now)) {
+        out[i].status = absl::ResourceExhaustedError(absl::StrCat(
+            "reports[", i, "]: not re-verified: this client (", client.empty() ? "-" : client,
+            ") is over its rate of ", options_.corruption_reports_per_second,
+            " re-verified reports per second (burst ", options_.corruption_report_burst,
+            ", kvpool-server --corruption-report-rate/--corruption-report-burst); nothing "
+            "changed, report again later"));
+        metrics_->corruption_reports_dropped_rate.fetch_add(1, std::memory_order_relaxed);
+        continue;
+      }
       PinLocked(*b);  // neither evicted, demoted, deleted nor freed while its bytes are hashed
       checks.push_back({.report = i, .slot = slot});
     }
@@ -1470,6 +1567,7 @@ absl::StatusOr<std::vector<CorruptionOutcome>> BlockStore::ReportCorrupt(
                      ") ", FormName(r.form), " form, generation ", c.slot.generation);
     if (!c.corrupt) {
       o.verdict = CorruptionVerdict::kIntact;
+      NoteVerifiedIntactLocked(VerifiedFormId(r.key, r.form, c.slot.generation), clock_->Now());
       metrics_->checksum_failures_fetch_transit.fetch_add(1, std::memory_order_relaxed);
       KVPOOL_LOG_INFO(
           "a reader reported {} corrupt (it computed {:x}); the stored bytes verify ({:x}), so the "

@@ -97,6 +97,10 @@ TEST(MetricsTest, StoreMetricsPassPromtoolAndCountActivity) {
   EXPECT_NE(text.find("kvpool_checksum_failures_total{where=\"fetch_transit\"} 1\n"),
             std::string::npos);
   EXPECT_NE(text.find("kvpool_corruption_reports_refused_total 0\n"), std::string::npos);
+  EXPECT_NE(text.find("kvpool_corruption_reports_dropped_total{reason=\"duplicate\"} 0\n"),
+            std::string::npos);
+  EXPECT_NE(text.find("kvpool_corruption_reports_dropped_total{reason=\"rate\"} 0\n"),
+            std::string::npos);
   EXPECT_NE(text.find("kvpool_lookup_hit_blocks_total 6\n"), std::string::npos);  // + Acquire
   EXPECT_NE(text.find("kvpool_lookup_misses_total 1\n"), std::string::npos);
   EXPECT_NE(text.find("kvpool_commit_bytes_total 1536\n"), std::string::npos);

@@ -32,6 +32,7 @@
 #include "kvpool/transport/fake_transport.h"
 #include "kvpool/transport/ucx_transport.h"
 #include "kvpool/v1/pool.grpc.pb.h"
+#include "service.h"
 #include "test_util.h"
 
 namespace kvpool::kvstore {
@@ -385,6 +386,17 @@ TEST_F(ServiceTest, ReportCorruptNamesTheFieldOfEveryRefusal) {
   st = call(unregistered, &resp);
   EXPECT_EQ(st.error_code(), grpc::StatusCode::NOT_FOUND);
   EXPECT_NE(st.error_message().find("namespace_id"), std::string::npos) << st.error_message();
+}
+
+// ReportCorrupt's rate limit is kept per client host: the port (a new one per connection) is
+// not part of the identity, so reconnecting gives no fresh budget.
+TEST(ReportClientIdentityTest, IsThePeersHostWithoutThePort) {
+  EXPECT_EQ(ReportClientIdentity("ipv4:10.0.0.5:41234"), "10.0.0.5");
+  EXPECT_EQ(ReportClientIdentity("ipv4:127.0.0.1:1"), "127.0.0.1");
+  EXPECT_EQ(ReportClientIdentity("ipv6:[::1]:41234"), "[::1]");
+  EXPECT_EQ(ReportClientIdentity("ipv6:[fe80::1%eth0]:7"), "[fe80::1%eth0]");
+  EXPECT_EQ(ReportClientIdentity("unix:/tmp/kvpool.sock"), "unix:/tmp/kvpool.sock");
+  EXPECT_EQ(ReportClientIdentity(""), "");
 }
 
 // The newcomer's RegisterModel findings. rotation_path: /dev/zero grew the server without bound,

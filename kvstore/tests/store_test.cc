@@ -1041,6 +1041,134 @@ TEST_F(StoreTest, AnUnpinnedLeafLosesItsCorruptFormsAtOnce) {
   EXPECT_EQ(store_->Stats().used_bytes, used);
 }
 
+// A client that repeats a report (a bug, or on purpose) made the pool hash the same stored form
+// every time. A form verified intact within corruption_report_dedupe_window (60 s) is answered
+// INTACT from that verification; the bytes are not hashed again (here: damaged after the first
+// verification, still INTACT within the window), and after the window a report hashes again and
+// finds the damage. Counted in corruption_reports_dropped_duplicate; nothing else changes.
+TEST_F(StoreTest, ARepeatedReportOfAFormVerifiedIntactIsNotHashedAgainWithinTheWindow) {
+  ASSERT_TRUE(Put(1, 4).ok());
+  auto lease = store_->Acquire(ns_, {.token_ids = Tokens(1, 16)}, 0, absl::Minutes(5));
+  ASSERT_TRUE(lease.ok());
+  const FormLocation* int2 = LeasedForm(lease->blocks[1], kI);
+  ASSERT_NE(int2, nullptr);
+  const CorruptionReport report{
+      .key = lease->blocks[1].key, .form = kI, .generation = int2->generation};
+  auto first = store_->ReportCorrupt(ns_, {report}, "10.0.0.1");
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_TRUE((*first)[0].status.ok()) << (*first)[0].status;
+  EXPECT_EQ((*first)[0].verdict, CorruptionVerdict::kIntact);
+  EXPECT_EQ(store_->metrics().checksum_failures_fetch_transit.load(), 1u);
+
+  mem_->data()[int2->offset + 3] ^= 0x01;  // damaged after the verification
+  for (int i = 0; i < 5; ++i) {
+    clock_.Advance(absl::Seconds(10));  // 10..50 s after it: inside the window
+    auto again = store_->ReportCorrupt(ns_, {report}, i % 2 ? "10.0.0.1" : "10.0.0.2");
+    ASSERT_TRUE(again.ok()) << again.status();
+    EXPECT_TRUE((*again)[0].status.ok()) << (*again)[0].status;
+    EXPECT_EQ((*again)[0].verdict, CorruptionVerdict::kIntact);
+    EXPECT_TRUE((*again)[0].block_held);
+  }
+  EXPECT_EQ(store_->metrics().corruption_reports_dropped_duplicate.load(), 5u);
+  EXPECT_EQ(store_->metrics().checksum_failures_fetch_transit.load(), 1u);  // not hashed again
+  EXPECT_EQ(store_->metrics().corruption_reports_refused.load(), 0u);
+  EXPECT_EQ(Forms(1, 4).size(), 4u);
+
+  clock_.Advance(absl::Seconds(11));  // 61 s after the verification
+  auto late = store_->ReportCorrupt(ns_, {report}, "10.0.0.1");
+  ASSERT_TRUE(late.ok()) << late.status();
+  EXPECT_EQ((*late)[0].verdict, CorruptionVerdict::kDropped);  // hashed: the damage is found
+  EXPECT_EQ(store_->metrics().checksum_failures_fetch_stored.load(), 1u);
+  EXPECT_EQ(store_->metrics().corruption_reports_dropped_duplicate.load(), 5u);
+  // The dropped form is gone: a further repeat names the form, as before.
+  auto gone = store_->ReportCorrupt(ns_, {report}, "10.0.0.1");
+  ASSERT_TRUE(gone.ok());
+  EXPECT_EQ((*gone)[0].status.code(), absl::StatusCode::kNotFound) << (*gone)[0].status;
+  ASSERT_TRUE(store_->Release(lease->lease_id).ok());
+}
+
+// A client flooding reports made the pool hash one stored form per report without bound. Each
+// client (the server passes the gRPC peer's host) has a token bucket: here 2 re-verified reports
+// per second, at most 3 at once; a report beyond it is refused RESOURCE_EXHAUSTED naming
+// reports[i] and the limit, changes nothing and is counted (corruption_reports_dropped_rate).
+// Another client has its own bucket; the bucket refills with time. Reports refused for their
+// content (unknown key) take no token. Dedupe is off here, so repeats also need tokens.
+TEST_F(StoreTest, ReportsBeyondAClientsRateAreRefusedAndCounted) {
+  StoreOptions o;
+  o.corruption_reports_per_second = 2;
+  o.corruption_report_burst = 3;
+  o.corruption_report_dedupe_window = absl::ZeroDuration();
+  Init(1 << 20, HistoryPrecision::kInt2, o);
+  ASSERT_TRUE(Put(1, 4).ok());  // forms B, I, B+I, B+I
+  auto lease = store_->Acquire(ns_, {.token_ids = Tokens(1, 16)}, 0, absl::Minutes(5));
+  ASSERT_TRUE(lease.ok());
+  std::vector<CorruptionReport> all;
+  for (const LeasedBlock& b : lease->blocks) {
+    for (const FormLocation& f : b.forms) {
+      all.push_back({.key = b.key, .form = f.form, .generation = f.generation});
+    }
+  }
+  ASSERT_EQ(all.size(), 6u);
+  const uint64_t used = store_->Stats().used_bytes;
+  // An unknown key first: refused for its content, no token taken.
+  std::vector<CorruptionReport> five = {
+      {.key = Digest{}, .form = kI, .generation = 1}, all[0], all[1], all[2], all[3], all[4]};
+  auto a = store_->ReportCorrupt(ns_, five, "10.0.0.1");
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_EQ((*a)[0].status.code(), absl::StatusCode::kNotFound);
+  for (int i = 1; i <= 3; ++i) {
+    EXPECT_TRUE((*a)[i].status.ok()) << i << ": " << (*a)[i].status;
+    EXPECT_EQ((*a)[i].verdict, CorruptionVerdict::kIntact);
+  }
+  for (int i = 4; i <= 5; ++i) {
+    EXPECT_EQ((*a)[i].status.code(), absl::StatusCode::kResourceExhausted) << (*a)[i].status;
+    EXPECT_THAT((*a)[i].status.message(), HasSubstr(absl::StrCat("reports[", i, "]")));
+    EXPECT_THAT((*a)[i].status.message(),
+                HasSubstr("this client (10.0.0.1) is over its rate of 2 re-verified reports per "
+                          "second (burst 3"));
+  }
+  EXPECT_EQ(store_->metrics().corruption_reports_dropped_rate.load(), 2u);
+  EXPECT_EQ(store_->metrics().checksum_failures_fetch_transit.load(), 3u);  // 3 hashed
+  // Another client is not held back by the first one's reports.
+  auto b = store_->ReportCorrupt(ns_, {all[5]}, "10.0.0.2");
+  ASSERT_TRUE(b.ok());
+  EXPECT_TRUE((*b)[0].status.ok()) << (*b)[0].status;
+  // Half a second refills one token for the first client: one of two passes.
+  clock_.Advance(absl::Milliseconds(500));
+  auto c = store_->ReportCorrupt(ns_, {all[4], all[5]}, "10.0.0.1");
+  ASSERT_TRUE(c.ok());
+  EXPECT_TRUE((*c)[0].status.ok()) << (*c)[0].status;
+  EXPECT_EQ((*c)[1].status.code(), absl::StatusCode::kResourceExhausted) << (*c)[1].status;
+  EXPECT_EQ(store_->metrics().corruption_reports_dropped_rate.load(), 3u);
+  // After a long pause the bucket holds its burst again, not more.
+  clock_.Advance(absl::Minutes(1));
+  auto d = store_->ReportCorrupt(ns_, {all[0], all[1], all[2], all[3]}, "10.0.0.1");
+  ASSERT_TRUE(d.ok());
+  for (int i = 0; i < 3; ++i) EXPECT_TRUE((*d)[i].status.ok()) << (*d)[i].status;
+  EXPECT_EQ((*d)[3].status.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(store_->metrics().corruption_reports_dropped_rate.load(), 4u);
+  // Nothing stored changed.
+  EXPECT_EQ(store_->Stats().used_bytes, used);
+  EXPECT_EQ(Forms(1, 4).size(), 4u);
+  EXPECT_EQ(store_->metrics().checksum_failures_fetch_stored.load(), 0u);
+  ASSERT_TRUE(store_->Release(lease->lease_id).ok());
+}
+
+TEST(StoreOptionsTest, CorruptionReportLimitsAreChecked) {
+  auto mem = *HeapPoolMemory::Create(1 << 20);
+  FakeClock clock;
+  StoreOptions o;
+  o.corruption_report_burst = 0;
+  auto s = BlockStore::Create(o, mem.get(), &clock);
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.status().message(), HasSubstr("corruption-report-burst"));
+  o = {};
+  o.corruption_reports_per_second = -1;
+  s = BlockStore::Create(o, mem.get(), &clock);
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.status().message(), HasSubstr("corruption-report-rate"));
+}
+
 TEST_F(StoreTest, ConcurrentClientsKeepTheStoreConsistent) {
   Init(4 << 20);
   std::atomic<int> failures{0};

@@ -509,7 +509,10 @@ struct CorruptionOutcome {
   // naming reports[i].key (no such block in this model's namespace) or reports[i].form (the
   // block does not hold that form: dropped already, demoted), FAILED_PRECONDITION naming
   // reports[i].generation (the form was stored again since: a stale report), INVALID_ARGUMENT
-  // naming reports[i] (the same form twice).
+  // naming reports[i] (the same form twice), RESOURCE_EXHAUSTED naming reports[i] (this client
+  // host is over the pool's rate of re-verified reports, kvpool-server
+  // --corruption-report-rate: report again later). A form the pool verified intact within the
+  // last 60 s is answered kIntact again without being re-hashed.
   absl::Status status;
   CorruptionVerdict verdict = CorruptionVerdict::kIntact;
   // Whether the block still holds a form (false: lookups stop before it until it is put again).

@@ -60,6 +60,11 @@ struct Metrics {
   // ReportCorrupt reports that changed nothing: unknown key, other namespace, a form not held,
   // another generation, a duplicate.
   std::atomic<uint64_t> corruption_reports_refused{0};
+  // ReportCorrupt reports not re-verified (kvpool_corruption_reports_dropped_total{reason=...}):
+  // "duplicate" — the form, with that generation, was verified intact within the dedupe window
+  // (answered INTACT without hashing); "rate" — over the client's rate (RESOURCE_EXHAUSTED).
+  std::atomic<uint64_t> corruption_reports_dropped_duplicate{0};
+  std::atomic<uint64_t> corruption_reports_dropped_rate{0};
   std::atomic<uint64_t> nonfinite_refusals{0};
   std::atomic<uint64_t> int2_overflow_blocks{0};  // kept BF16 because a group exceeded fp16
   std::atomic<uint64_t> put_bytes{0};             // staging bytes reserved by BeginPut

@@ -158,6 +158,18 @@ struct StoreOptions {
   // has CUDA and a usable device, else the CPU; gpu makes Create fail (FAILED_PRECONDITION)
   // without one. Default auto.
   CommitDevice commit_device = CommitDevice::kAuto;
+  // Corruption reports (ReportCorrupt), each of which costs one hash of a stored form:
+  // A report of a form (block, form, generation) this pool verified intact within this window is
+  // answered INTACT again without hashing it again (counted as corruption_reports_dropped
+  // {reason="duplicate"}). Zero = off (every report is re-verified). Default 60 s.
+  absl::Duration corruption_report_dedupe_window = absl::Seconds(60);
+  // Per client (ReportCorrupt's `client`; the server passes the gRPC peer's host): the reports
+  // that are re-verified pass a token bucket refilled at this many per second and holding at most
+  // corruption_report_burst; a report finding it empty is refused with RESOURCE_EXHAUSTED and
+  // nothing changes (corruption_reports_dropped{reason="rate"}). Zero = no limit. Default 16 per
+  // second, burst 256 (one full call, kMaxCorruptionReports). rate >= 0; burst >= 1.
+  double corruption_reports_per_second = 16;
+  uint32_t corruption_report_burst = 256;
 };
 
 enum class PutAction : uint8_t { kSkip, kWrite };
@@ -271,7 +283,10 @@ struct CorruptionOutcome {
   // was done: NOT_FOUND naming reports[i].key (no such block in this namespace) or
   // reports[i].form (the block holds no such form), FAILED_PRECONDITION naming
   // reports[i].generation (the form was stored again since: the report is stale),
-  // INVALID_ARGUMENT naming reports[i] (the same form twice in one call).
+  // INVALID_ARGUMENT naming reports[i] (the same form twice in one call), RESOURCE_EXHAUSTED
+  // naming reports[i] (over the client's rate of re-verified reports: report again later).
+  // OK with verdict kIntact also for a repeat of a form verified intact within the dedupe
+  // window (not hashed again).
   absl::Status status;
   CorruptionVerdict verdict = CorruptionVerdict::kIntact;
   // After the report: the block still holds a form (Lookup counts it). False when the dropped
@@ -372,8 +387,14 @@ class BlockStore {
   // (leaf-first: nothing is removed out of order) but are unreachable by prefix until the
   // block is stored again. Errors for the call: NOT_FOUND (namespace), INVALID_ARGUMENT
   // ("reports": empty or more than kMaxCorruptionReports). Thread-safe.
+  // Repeats and floods (StoreOptions::corruption_report_*): a form verified intact within the
+  // dedupe window is answered INTACT without hashing it again; a report that would be hashed
+  // takes a token of `client`'s bucket (clients are told apart by this string; "" is one
+  // client), and one that finds none is refused with RESOURCE_EXHAUSTED naming reports[i] and the
+  // limit. Neither changes anything stored; both are counted (corruption_reports_dropped).
   absl::StatusOr<std::vector<CorruptionOutcome>> ReportCorrupt(
-      const Digest& namespace_id, absl::Span<const CorruptionReport> reports);
+      const Digest& namespace_id, absl::Span<const CorruptionReport> reports,
+      const std::string& client = "");
 
   // Deletes each key and its resident descendants. Per key: OK, NOT_FOUND (absent),
   // FAILED_PRECONDITION (it or a descendant is leased or pinned by an open put).
@@ -542,6 +563,21 @@ class BlockStore {
   // AbortPut and CommitPut take nothing else). Requires mu_ exclusive.
   uint64_t NewIdLocked();
   uint64_t generation_ = 0;  // guarded by mu_
+  // ReportCorrupt's memory (guarded by mu_): when each (key, form, generation) was last verified
+  // intact (at most kMaxVerifiedForms entries, expired ones swept, else the oldest dropped), and
+  // each client's token bucket (at most kMaxReportClients; full buckets are dropped first).
+  static constexpr size_t kMaxVerifiedForms = 65536;
+  static constexpr size_t kMaxReportClients = 4096;
+  std::unordered_map<std::string, absl::Time> verified_intact_;
+  struct ReportBucket {
+    double tokens = 0;
+    absl::Time last;
+  };
+  std::unordered_map<std::string, ReportBucket> report_buckets_;
+  // Takes one token of `client`'s bucket at `now`; false when it is empty. Requires mu_.
+  bool TakeReportTokenLocked(const std::string& client, absl::Time now);
+  // Remembers that `key`'s form `f` at `generation` verified intact at `now`. Requires mu_.
+  void NoteVerifiedIntactLocked(const std::string& id, absl::Time now);
 };
 
 }  // namespace kvpool::kvstore
