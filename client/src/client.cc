@@ -245,6 +245,24 @@ CopyBf16CheckFinite(uint16_t* __restrict dst, const uint16_t* __restrict src, si
   return bad;
 }
 
+// The NaN/Inf scan of CopyBf16CheckFinite without the copy: true when all n values are finite.
+// Reads only (WriteLayerAsync's check of a layer the copy threads may still be packing).
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target_clones("avx2", "default")))
+#endif
+bool
+Bf16AllFinite(const uint16_t* __restrict src, size_t n) {
+  uint16_t bad = 0;
+  size_t i = 0;
+  for (; i + 64 <= n; i += 64) {
+    uint16_t b = 0;
+    for (size_t j = 0; j < 64; ++j) b |= static_cast<uint16_t>((src[i + j] & 0x7F80u) + 0x0080u);
+    bad |= b;
+  }
+  for (; i < n; ++i) bad |= static_cast<uint16_t>((src[i] & 0x7F80u) + 0x0080u);
+  return (bad & 0x8000u) == 0;
+}
+
 // PackLayerSlice for rows [r0, r1) of block `block`'s layer slice (out = the slice), fused with
 // the NaN/Inf scan of exactly the values copied. Row r of the slice (2·d bytes) is head
 // h = r / (2P), K for (r mod 2P) < P else V, token t = r mod P (docs/BLOCK_FORMAT.md "BF16 form").
@@ -516,6 +534,10 @@ class PutSessionImpl final : public PutSession {
   // INVALID_ARGUMENT naming the first non-finite token of finished asynchronous layer l (OK when
   // every value is finite or ClientOptions::check_finite is off).
   absl::Status AsyncFiniteError(uint32_t l) const;
+  // The same status for asynchronous layer l from its source values, scanned on the calling
+  // thread (read only; the layer's tasks may still be running): the first WRITE block, in
+  // order, holding a NaN/Inf, named by NonFiniteError.
+  absl::Status ScanFiniteError(uint32_t l) const;
   // Packs layer `layer` of every WRITE block i from k/v into dst(i) (that block's layer slice,
   // Bf16LayerBytes), scanning the copied values for NaN/Inf in the same pass (when
   // ClientOptions::check_finite) and feeding the packed bytes to each block's checksum. Shared
@@ -2327,6 +2349,21 @@ absl::Status PutSessionImpl::AsyncFiniteError(uint32_t l) const {
   return absl::OkStatus();
 }
 
+absl::Status PutSessionImpl::ScanFiniteError(uint32_t l) const {
+  if (!client_->options().check_finite) return absl::OkStatus();
+  const BlockGeometry& g = conn_.geometry;
+  const size_t block_elems = size_t(g.page_size) * g.num_kv_heads * g.head_dim;
+  for (const Block& b : writes_) {
+    const size_t at = size_t(b.index) * block_elems;
+    if (Bf16AllFinite(async_k_[l] + at, block_elems) &&
+        Bf16AllFinite(async_v_[l] + at, block_elems)) {
+      continue;
+    }
+    return NonFiniteError(g, l, b.index, async_k_[l], async_v_[l]);
+  }
+  return absl::OkStatus();
+}
+
 absl::Status PutSessionImpl::JoinAsync() {
   if (!async_pending_) return error_;
   client_->copy_pool().Drain(*async_);
@@ -2403,15 +2440,30 @@ absl::Status PutSessionImpl::WriteLayerAsync(uint32_t layer, absl::Span<const ui
   async_pending_ = true;
   bytes_written_ += conn_.geometry.Bf16LayerBytes() * writes_.size();
   pool.Submit(*async_, async_first_[layer + 1]);
-  // Then the previous layer is waited for (helping with it when it is not done; it had the
-  // caller's compute time, and this layer's tasks are already queued behind it, so the copy
-  // threads never run dry): on every path this call knows whether every earlier layer was finite
-  // and reports the first NaN/Inf among them, and never this layer's own (newcomer report s7 F1:
-  // which call reported what depended on the path and on timing). RMA and pool-initiated mode
-  // then send every earlier layer, so at most this one waits for the next call or Flush.
+  // Then this call learns whether the previous layer is finite: by waiting for it (helping with
+  // it when it is not done; it had the caller's compute time, and this layer's tasks are already
+  // queued behind it, so the copy threads never run dry), or, for a small layer in direct mode,
+  // by scanning it (below). So on every path this call knows whether every earlier layer was
+  // finite and reports the first NaN/Inf among them, and never this layer's own (newcomer report
+  // s7 F1: which call reported what depended on the path and on timing). RMA and pool-initiated
+  // mode then send every earlier layer, so at most this one waits for the next call or Flush.
   if (layer > 0 && async_k_[layer - 1] != nullptr) {
-    pool.WaitFor(*async_, [&] { return AsyncLayerDone(layer - 1); });
-    (void)Fail(AsyncFiniteError(layer - 1));
+    const uint32_t prev = layer - 1;
+    if (direct_ && async_first_[layer] - async_first_[prev] < size_t(pool.threads())) {
+      // Direct mode sends nothing, so only the previous layer's finiteness is needed, not its
+      // bytes; and a layer of fewer tasks than copy threads would leave threads idle while this
+      // call waits (at most two layers in the background: four 16 KiB tasks of a 256 KiB put on
+      // eight threads; docs/TRANSPORT.md "Session 8"). So help while its tasks are unclaimed,
+      // and once every one of them has started somewhere, scan its values here if it is still
+      // not done (a read-only pass over one small layer). The same status either way.
+      pool.WaitFor(*async_, [&] {
+        return AsyncLayerDone(prev) || async_->claimed() >= async_first_[layer];
+      });
+      (void)Fail(AsyncLayerDone(prev) ? AsyncFiniteError(prev) : ScanFiniteError(prev));
+    } else {
+      pool.WaitFor(*async_, [&] { return AsyncLayerDone(prev); });
+      (void)Fail(AsyncFiniteError(prev));
+    }
   }
   return SendPacked(layer);
 }
