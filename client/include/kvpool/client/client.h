@@ -157,11 +157,16 @@ struct ClientOptions {
   // for as long as the RPC takes: about (copy_threads - 1) x the RPC's duration of process CPU
   // per held call (on the H200 host, whose BeginPut/Acquire take ~0.3-0.4 ms, a benchmark
   // iteration of two puts and one fetch of 256 KiB cost 10.6 ms of CPU held against 2.1 not
-  // held). Zero or negative = off. Default 2 ms (on): there it doubled the 256 KiB async put
+  // held). Zero or negative = off. On by default: there it doubled the 256 KiB async put
   // (9.8 against 5.0 GB/s) and first fetch (8.8 against 4.2), and the 1 MiB ones 16.6 / 16.1
-  // against 11.4 / 10.3 (docs/TRANSPORT.md "Session 7", call s7a). An engine that is short of
-  // CPU rather than latency turns it off.
-  absl::Duration copy_threads_prewake = absl::Milliseconds(2);
+  // against 11.4 / 10.3 (docs/TRANSPORT.md "Session 7", call s7a). Default 10 ms (2 ms in
+  // session 7): there an Acquire right after a commit took 2.0-2.6 ms in some benchmark
+  // processes, the 2 ms hold ran out, the workers were asleep again when the fetch came and it
+  // ran on the calling thread (first fetch p50 56-85 us against 27-36 spread); with 10 ms every
+  // repeat spread: 256 KiB first fetch 5.86 against 4.28 GB/s, async put 5.30 against 4.68, at
+  // 31.3 against 21.3 ms of process CPU per iteration (docs/TRANSPORT.md "Session 8", call
+  // s8b). An engine that is short of CPU rather than latency lowers it or turns it off.
+  absl::Duration copy_threads_prewake = absl::Milliseconds(10);
   // Report fetched forms that fail their checksum to the pool (Client::Fetch, in the background;
   // protocol v1.5), which drops them when its stored bytes are corrupt. false: Fetch only
   // returns DATA_LOSS and the pool keeps serving the form (for a pool from before v1.5, which
@@ -333,8 +338,11 @@ class PutSession {
   // layer holding one is never RMA-put or pulled, and later layers are counted but not written.
   // To know this, each WriteLayerAsync(l) queues layer l and then waits until layer l-1 is packed
   // (helping with it; it had the caller's compute time, so normally it is done), so at most two
-  // layers are packed in the background at once. A data-plane error (RMA, pool pulls) is returned
-  // by the call that finds it and then, sticky, by every later one.
+  // layers are packed in the background at once — except in direct mode for a layer of fewer
+  // tasks than copy threads (e.g. a 256 KiB block's 32 KiB layers on 8 threads): there the call
+  // helps only while l-1 has unstarted tasks and then, if l-1 is still running, scans l-1's values
+  // itself (read only), so more layers run at once. A data-plane error (RMA, pool pulls) is
+  // returned by the call that finds it and then, sticky, by every later one.
   //
   // How it travels: direct mode — the copy threads pack straight into the mapped staging;
   // client-initiated RMA and pool-initiated mode — they pack into a registered buffer of the
