@@ -255,6 +255,35 @@ for i, p in enumerate(d["prompts"][:2]):
 print(f"hung pool: {first['name']} waited for its deadline ({first['fallback_reason'][:45]}...), "
       f"the other {len(rest)} skipped the pool; answers identical to the single-process run")
 PY
+five=()
+for f in "${demo}"/prompts/0[1-5]_*.txt; do five+=(--prompt-file "$f"); done
+echo "== hung pool under a prefill node: one call timeout, then the later prompts fail fast"
+# The pool is SIGSTOPped right after the registration (it accepts connections, never answers).
+# The first prompt's BeginPut waits for its deadline (--call-timeout-ms 2000: DEADLINE_EXCEEDED);
+# after it the client checks the pool's health before each call (ClientOptions::
+# hung_pool_probe_timeout, 1 s) and the later BeginPuts come back UNAVAILABLE "not sent" (the
+# second after the outage wait of --call-timeout-ms) instead of each waiting its own 2 s. The
+# pool is the one of the decode case above (resumed); the restart case below uses it too.
+rc=0
+"${worker_bin}" --role prefill --pool "${pool}" --revision hung-test "${common[@]}" "${five[@]}" \
+  --fault stop-pool-after-register --fault-pool-pid "${server_pid}" --call-timeout-ms 2000 \
+  --report "${work}/prefill_hung.json" >/dev/null 2>"${work}/prefill_hung.log" || rc=$?
+kill -CONT "${server_pid}" 2>/dev/null || true
+[[ ${rc} -eq 2 ]] || { cat "${work}/prefill_hung.log" >&2; fail "prefill with a hung pool: exit ${rc}, want 2"; }
+grep -q "fault stop-pool-after-register" "${work}/prefill_hung.log" || fail "fault hook did not fire (prefill)"
+python3 - "${work}" <<'PY' || { cat "${work}/prefill_hung.log" >&2; fail "prefill against a hung pool"; }
+import json, sys
+pre = json.load(open(f"{sys.argv[1]}/prefill_hung.json"))
+p = pre["prompts"]
+assert len(p) == 5, p
+assert p[0]["error"].startswith("DEADLINE_EXCEEDED: BeginPut"), p[0]
+for x in p[1:]:  # not sent: each did not wait for its own deadline
+    assert x["error"].startswith("UNAVAILABLE: BeginPut: not sent"), x
+    assert "did not answer a health check" in x["error"], x
+print(f"hung pool under prefill: {p[0]['name']} waited its deadline, the other {len(p) - 1} "
+      f"failed fast (not sent); run {pre['seconds']:.1f} s with a 2 s call timeout")
+PY
+
 echo "== pool killed mid-prefill and restarted 1 s later: every prompt reaches the new pool"
 # The worker SIGKILLs the pool right after the first prompt committed, while the second
 # prompt's put is open; the test restarts the pool on the same port a second later. The open
@@ -262,8 +291,6 @@ echo "== pool killed mid-prefill and restarted 1 s later: every prompt reaches t
 # later prompt waits for the pool (up to --call-timeout-ms), and the client registers the model
 # again (newcomer s7 F2: the later prompts all failed in the same millisecond, the restarted
 # pool never saw a registration; session 7 still lost the prompt whose put was open).
-five=()
-for f in "${demo}"/prompts/0[1-5]_*.txt; do five+=(--prompt-file "$f"); done
 "${worker_bin}" --role prefill --pool "${pool}" --revision restart-test "${common[@]}" "${five[@]}" \
   --fault kill-pool-after-first-commit --fault-pool-pid "${server_pid}" --call-timeout-ms 30000 \
   --report "${work}/prefill_restart.json" --metrics-file "${work}/prefill_restart.prom" \
