@@ -10,10 +10,11 @@
 #   3. a prefill node killed mid-push leaves nothing visible (the decode's lease finds 0 blocks);
 #   4. a pool killed mid-fetch still yields the same output as a run without the pool, and the
 #      decode reports the fallback;
-#   5. a hung pool (SIGSTOP) costs one call's deadline, not one per prompt: the later prompts
-#      report that the pool was skipped after the first one's failure;
-#   6. a pool killed mid-prefill and restarted a second later receives the later prompts (only
-#      the put that was open fails), and the prefill node's counters pass promtool.
+#   5. a hung pool (SIGSTOP) costs one call's deadline, not one per prompt: the later decode
+#      prompts report that the pool was skipped after the first one's failure; the later prefill
+#      prompts fail fast ("not sent"), or are stored once the pool resumes (SIGCONT);
+#   6. a pool killed mid-prefill and restarted a second later receives every prompt (the put
+#      that was open is put again), and the prefill node's counters pass promtool.
 # Usage: e2e_pool_test.sh SERVER WORKER KVPOOL_TOOL MODEL DEMO_DIR [PROMTOOL]
 set -euo pipefail
 server_bin="$1"; worker_bin="$2"; tool_bin="$3"; model="$4"; demo="$5"; promtool="${6:-}"
@@ -283,6 +284,36 @@ for x in p[1:]:  # not sent: each did not wait for its own deadline
 print(f"hung pool under prefill: {p[0]['name']} waited its deadline, the other {len(p) - 1} "
       f"failed fast (not sent); run {pre['seconds']:.1f} s with a 2 s call timeout")
 PY
+# The same, but the pool resumes a second after the first prompt's deadline, within the outage
+# wait (--call-timeout-ms 3000 from the first UNAVAILABLE): the later prompts are stored.
+"${worker_bin}" --role prefill --pool "${pool}" --revision hung-resume-test "${common[@]}" \
+  "${five[@]}" --fault stop-pool-after-register --fault-pool-pid "${server_pid}" \
+  --call-timeout-ms 3000 --report "${work}/prefill_resumed.json" >/dev/null \
+  2>"${work}/prefill_resumed.log" &
+worker_pid=$!
+for _ in $(seq 1 400); do  # until the first BeginPut has timed out (or the worker stopped)
+  grep -q "did not answer (" "${work}/prefill_resumed.log" 2>/dev/null && break
+  kill -0 "${worker_pid}" 2>/dev/null || break
+  sleep 0.05
+done
+sleep 1
+kill -CONT "${server_pid}" 2>/dev/null || true
+rc=0
+wait "${worker_pid}" || rc=$?
+[[ ${rc} -eq 2 ]] || { cat "${work}/prefill_resumed.log" >&2; fail "prefill with a resumed pool: exit ${rc}, want 2"; }
+grep -q "prefill: the pool answers again after .* (the same pool, which had stopped answering)" \
+  "${work}/prefill_resumed.log" || { cat "${work}/prefill_resumed.log" >&2; fail "the resume is not logged"; }
+python3 - "${work}" <<'PY' || { cat "${work}/prefill_resumed.log" >&2; fail "prefill across a hang"; }
+import json, sys
+pre = json.load(open(f"{sys.argv[1]}/prefill_resumed.json"))
+p = pre["prompts"]
+assert p[0]["error"].startswith("DEADLINE_EXCEEDED: BeginPut"), p[0]
+for x in p[1:]:
+    assert "error" not in x and x["blocks_written"] == x["blocks"] > 0, x
+assert pre["overall"]["pool_reconnects"] == 1 and pre["overall"]["failed_prompts"] == 1, pre["overall"]
+print(f"pool resumed under prefill: {p[0]['name']} lost at its deadline, the other {len(p) - 1} "
+      f"stored; run {pre['seconds']:.1f} s")
+PY
 
 echo "== pool killed mid-prefill and restarted 1 s later: every prompt reaches the new pool"
 # The worker SIGKILLs the pool right after the first prompt committed, while the second
@@ -312,7 +343,8 @@ wait "${worker_pid}" || rc=$?
 [[ ${rc} -eq 0 ]] || { cat "${work}/prefill_restart.log" >&2; fail "prefill across a restart: exit ${rc}, want 0 (every prompt stored)"; }
 grep -q "prefill: the put of a .*-token prompt was lost with the pool" "${work}/prefill_restart.log" \
   || { cat "${work}/prefill_restart.log" >&2; fail "the lost put is not logged"; }
-grep -q "prefill: the pool answers again after" "${work}/prefill_restart.log" \
+grep -q "prefill: the pool answers again after .* (a restarted pool: model registered again)" \
+  "${work}/prefill_restart.log" \
   || { cat "${work}/prefill_restart.log" >&2; fail "the reconnect is not logged"; }
 "${worker_bin}" --role decode --pool "${pool}" --revision restart-test "${common[@]}" "${five[@]}" \
   --teacher-force false --report "${work}/decode_restart.json" >/dev/null \

@@ -186,6 +186,8 @@ absl::StatusOr<PrefillReport> PrefillNode::Commit(Pending pending) {
 void PrefillNode::NoteOutage(const absl::Status& s) {
   if (outage_start_.has_value()) return;
   outage_start_ = std::chrono::steady_clock::now();
+  absl::StatusOr<client::ModelInfo> info = client_->model();
+  outage_epoch_ = info.ok() ? info->pool_epoch : 0;
   KVPOOL_LOG_WARN(
       "prefill: the pool is unreachable ({}); the later prompts wait up to {} ms from now for "
       "it to come back (--call-timeout-ms), then each tries once",
@@ -209,8 +211,11 @@ absl::StatusOr<std::unique_ptr<client::PutSession>> PrefillNode::BeginPut(
   }
   if (put.ok() && outage_start_.has_value()) {
     ++pool_reconnects_;
-    KVPOOL_LOG_INFO("prefill: the pool answers again after {:.2f} s (model registered again)",
-                    Since(*outage_start_));
+    absl::StatusOr<client::ModelInfo> info = client_->model();
+    const bool restarted = !info.ok() || info->pool_epoch != outage_epoch_;
+    KVPOOL_LOG_INFO("prefill: the pool answers again after {:.2f} s ({})", Since(*outage_start_),
+                    restarted ? "a restarted pool: model registered again"
+                              : "the same pool, which had stopped answering");
     outage_start_.reset();
   }
   return put;

@@ -156,6 +156,7 @@ class PrefillNode {
   // When the current outage began (the first UNAVAILABLE BeginPut since one last reached the
   // pool); unset while the pool answers.
   std::optional<std::chrono::steady_clock::time_point> outage_start_;
+  uint64_t outage_epoch_ = 0;  // the pool's epoch when the outage began (restart or hang?)
   int pool_reconnects_ = 0;
 };
 
