@@ -1497,6 +1497,9 @@ TEST_P(ClientTest, ReportCorruptKeepsAnIntactFormAndRefusesStaleReports) {
   EXPECT_THAT((*r)[1].status.message(), HasSubstr("reports[1].generation"));
   EXPECT_EQ((*r)[2].status.code(), absl::StatusCode::kNotFound) << (*r)[2].status;
   EXPECT_THAT((*r)[2].status.message(), HasSubstr("reports[2].form"));
+  // The refused reports changed nothing and say so over the wire: blocks 1 and 2 hold forms.
+  EXPECT_TRUE((*r)[1].block_held);
+  EXPECT_TRUE((*r)[2].block_held);
   EXPECT_EQ(c->ReportCorrupt({}).status().code(), absl::StatusCode::kInvalidArgument);
   const kvstore::Metrics& m = server_->store().metrics();
   EXPECT_EQ(m.checksum_failures_fetch_transit.load(), 1u);

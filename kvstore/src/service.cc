@@ -600,10 +600,10 @@ class KvPoolService final : public pb::KvPool::Service {
       pb::CorruptFormResult* out = resp->add_results();
       out->mutable_status()->set_code(static_cast<int32_t>(o.status.code()));
       out->mutable_status()->set_message(std::string(o.status.message()));
+      out->set_block_held(o.block_held);  // for a refused report too: it changed nothing
       if (!o.status.ok()) continue;
       out->set_verdict(o.verdict == CorruptionVerdict::kDropped ? pb::CORRUPTION_VERDICT_DROPPED
                                                                 : pb::CORRUPTION_VERDICT_INTACT);
-      out->set_block_held(o.block_held);
       out->set_bytes_freed(o.bytes_freed);
     }
     return absl::OkStatus();

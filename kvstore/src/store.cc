@@ -1477,8 +1477,11 @@ absl::StatusOr<std::vector<CorruptionOutcome>> BlockStore::ReportCorrupt(
     uint64_t hashed = 0;
   };
   std::vector<Check> checks;
-  auto refuse = [&](size_t i, absl::Status s) {
+  // A refused report changes nothing; its outcome still says whether the named block holds a
+  // form (`b`: the block in this namespace, or null when the key names none).
+  auto refuse = [&](size_t i, absl::Status s, const Block* b) {
     out[i].status = std::move(s);
+    out[i].block_held = b != nullptr && HoldsAForm(*b);
     metrics_->corruption_reports_refused.fetch_add(1, std::memory_order_relaxed);
   };
   // Phase 1 (lock): every report must name a form held now, with the generation it has now.
@@ -1493,31 +1496,39 @@ absl::StatusOr<std::vector<CorruptionOutcome>> BlockStore::ReportCorrupt(
       const std::string what = absl::StrCat("block ", ToHex(r.key).substr(0, 12));
       Block* b = FindBlockLocked(r.key);
       if (b == nullptr || b->model != m) {
-        refuse(i, absl::NotFoundError(absl::StrCat("reports[", i, "].key: ", what,
-                                                   " is not held in this namespace")));
+        refuse(i,
+               absl::NotFoundError(
+                   absl::StrCat("reports[", i, "].key: ", what, " is not held in this namespace")),
+               nullptr);
         continue;
       }
       const Slot& slot = b->forms[int(r.form)];
       if (!slot.present) {
-        refuse(i, absl::NotFoundError(absl::StrCat(
-                      "reports[", i, "].form: ", what, " holds no ", FormName(r.form),
-                      " form (dropped already, demoted, or never stored); nothing changed")));
+        refuse(i,
+               absl::NotFoundError(absl::StrCat(
+                   "reports[", i, "].form: ", what, " holds no ", FormName(r.form),
+                   " form (dropped already, demoted, or never stored); nothing changed")),
+               b);
         continue;
       }
       if (slot.generation != r.generation) {
-        refuse(i, absl::FailedPreconditionError(absl::StrCat(
-                      "reports[", i, "].generation: ", r.generation, " is not the generation of ",
-                      what, "'s stored ", FormName(r.form),
-                      " form (stored again since the reader's lease: a stale report); nothing "
-                      "changed")));
+        refuse(i,
+               absl::FailedPreconditionError(absl::StrCat(
+                   "reports[", i, "].generation: ", r.generation, " is not the generation of ",
+                   what, "'s stored ", FormName(r.form),
+                   " form (stored again since the reader's lease: a stale report); nothing "
+                   "changed")),
+               b);
         continue;
       }
       bool duplicate = false;
       for (size_t j : accepted) {
         const CorruptionReport& other = reports[j];
         if (other.key == r.key && other.form == r.form) {
-          refuse(i, absl::InvalidArgumentError(
-                        absl::StrCat("reports[", i, "]: names the same form as reports[", j, "]")));
+          refuse(i,
+                 absl::InvalidArgumentError(
+                     absl::StrCat("reports[", i, "]: names the same form as reports[", j, "]")),
+                 b);
           duplicate = true;
           break;
         }
@@ -1543,6 +1554,7 @@ absl::StatusOr<std::vector<CorruptionOutcome>> BlockStore::ReportCorrupt(
             " re-verified reports per second (burst ", options_.corruption_report_burst,
             ", kvpool-server --corruption-report-rate/--corruption-report-burst); nothing "
             "changed, report again later"));
+        out[i].block_held = HoldsAForm(*b);
         metrics_->corruption_reports_dropped_rate.fetch_add(1, std::memory_order_relaxed);
         continue;
       }

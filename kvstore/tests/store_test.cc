@@ -964,6 +964,13 @@ TEST_F(StoreTest, ForgedOrStaleReportsDropNothingAndNameTheField) {
   EXPECT_EQ((*r)[3].verdict, CorruptionVerdict::kIntact);
   EXPECT_EQ((*r)[4].status.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE((*r)[4].status.message().find("reports[4]"), std::string_view::npos) << (*r)[4].status;
+  // A refused report still says whether the block holds a form (newcomer s8 N13): b1 and b2 do,
+  // the unknown key names none.
+  EXPECT_TRUE((*r)[0].block_held);
+  EXPECT_FALSE((*r)[1].block_held);
+  EXPECT_TRUE((*r)[2].block_held);
+  EXPECT_TRUE((*r)[3].block_held);
+  EXPECT_TRUE((*r)[4].block_held);
   // Another namespace cannot name this one's blocks (its own key of the same tokens is another).
   auto foreign = store_->ReportCorrupt(info2->namespace_id,
                                        {{.key = b1.key, .form = kI, .generation = i1->generation}});
@@ -1120,8 +1127,10 @@ TEST_F(StoreTest, ReportsBeyondAClientsRateAreRefusedAndCounted) {
     EXPECT_TRUE((*a)[i].status.ok()) << i << ": " << (*a)[i].status;
     EXPECT_EQ((*a)[i].verdict, CorruptionVerdict::kIntact);
   }
+  EXPECT_FALSE((*a)[0].block_held);
   for (int i = 4; i <= 5; ++i) {
     EXPECT_EQ((*a)[i].status.code(), absl::StatusCode::kResourceExhausted) << (*a)[i].status;
+    EXPECT_TRUE((*a)[i].block_held) << i;
     EXPECT_THAT((*a)[i].status.message(), HasSubstr(absl::StrCat("reports[", i, "]")));
     EXPECT_THAT((*a)[i].status.message(),
                 HasSubstr("this client (10.0.0.1) is over its rate of 2 re-verified reports per "

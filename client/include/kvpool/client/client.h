@@ -523,7 +523,9 @@ struct CorruptionOutcome {
   // last 60 s is answered kIntact again without being re-hashed.
   absl::Status status;
   CorruptionVerdict verdict = CorruptionVerdict::kIntact;
-  // Whether the block still holds a form (false: lookups stop before it until it is put again).
+  // Whether the block still holds a form, for every status (false: the key is not held, or the
+  // dropped form was its last; lookups stop before it until it is put again). `verdict` is
+  // meaningful only when `status` is OK.
   bool block_held = true;
 };
 

@@ -289,10 +289,12 @@ struct CorruptionOutcome {
   // window (not hashed again).
   absl::Status status;
   CorruptionVerdict verdict = CorruptionVerdict::kIntact;
-  // After the report: the block still holds a form (Lookup counts it). False when the dropped
-  // form was its last: the block stays in the index without forms (so its resident
-  // descendants keep their place and a re-put of the prefix writes only this block), Lookup
-  // and Acquire stop before it, and it is removed once nothing pins it and it has no children.
+  // After the report (set for a refused report too, which changed nothing): the block still
+  // holds a form (Lookup counts it); false for a key this namespace does not hold. False after
+  // a drop when the dropped form was its last: the block stays in the index without forms (so its
+  // resident descendants keep their place and a re-put of the prefix writes only this block),
+  // Lookup and Acquire stop before it, and it is removed once nothing pins it and it has no
+  // children.
   bool block_held = true;
   // The dropped form's bytes were freed by this call. False while a lease or an open put pins
   // the block (a reader may still be copying them): they are freed when the last pin ends.
