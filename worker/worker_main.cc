@@ -522,12 +522,13 @@ int main(int argc, char** argv) {
     kw::PrefillNode node(&engine, client.get(), rotations, nopts);
     uint64_t bytes = 0, tokens = 0;
     double compute = 0, push = 0;
-    // A prompt shorter than one block has no full block to push: it is skipped with a warning
-    // (the decode worker computes such a prompt locally too), the others still run.
+    // A prompt with no full block before its last token (n <= P) has nothing to push: the
+    // decode worker takes PoolPrefixTokens(n) = 0 tokens of it from the pool and computes it
+    // locally. It is skipped with a warning, the others still run.
     std::vector<std::vector<int>> all_tokens;
     std::vector<size_t> run_index;  // prompts[] index of all_tokens[i]
     for (size_t i = 0; i < prompts.size(); ++i) {
-      if (static_cast<int>(prompts[i].tokens.size()) < page_size) {
+      if (kw::PoolPrefixTokens(static_cast<int>(prompts[i].tokens.size()), page_size) < page_size) {
         continue;
       }
       all_tokens.push_back(prompts[i].tokens);
@@ -541,8 +542,9 @@ int main(int argc, char** argv) {
     for (size_t i = 0; i < prompts.size(); ++i) {
       const Prompt& p = prompts[i];
       if (by_prompt[i] == nullptr) {
-        const std::string why = absl::StrCat(p.tokens.size(), " tokens is shorter than one block (",
-                                             page_size, "): nothing to push");
+        const std::string why =
+            absl::StrCat(p.tokens.size(), " tokens hold no full block of ", page_size,
+                         " before the last token (the decoder computes it): nothing to push");
         KVPOOL_LOG_WARN("prefill --prompt-file {}: skipped, {}", p.path, why);
         out["prompts"].push_back({{"name", p.name},
                                   {"prompt_tokens", p.tokens.size()},
@@ -597,7 +599,8 @@ int main(int argc, char** argv) {
           {"kvpool_worker_prefill_failed_prompts_total",
            "Prompts whose put failed (aborted; nothing of them stored).", uint64_t(failed)},
           {"kvpool_worker_prefill_skipped_prompts_total",
-           "Prompts shorter than one block (nothing to push).", uint64_t(skipped)},
+           "Prompts with no full block before their last token (nothing to push).",
+           uint64_t(skipped)},
           {"kvpool_worker_pushed_bytes_total",
            "Staging bytes written to the pool by committed puts.", bytes},
           {"kvpool_worker_pool_reconnects_total",

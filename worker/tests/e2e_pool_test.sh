@@ -13,7 +13,8 @@
 #   5. a hung pool (SIGSTOP) costs one call's deadline, not one per prompt: the later decode
 #      prompts report that the pool was skipped after the first one's failure; the later prefill
 #      prompts fail fast ("not sent"), or are stored once the pool resumes (SIGCONT);
-#   6. a pool killed mid-prefill and restarted a second later receives every prompt (the put
+#   6. a prompt of n = 0 (mod P) tokens is a full hit too (the prefill puts the decoder's blocks);
+#   7. a pool killed mid-prefill and restarted a second later receives every prompt (the put
 #      that was open is put again), and the prefill node's counters pass promtool.
 # Usage: e2e_pool_test.sh SERVER WORKER KVPOOL_TOOL MODEL DEMO_DIR [PROMTOOL]
 set -euo pipefail
@@ -111,6 +112,43 @@ print(f"partial hit: {p['hit_blocks']} blocks held, {p['loaded_blocks']} loaded,
       f"{p['recomputed_tokens']} tokens recomputed, agreement {p['teacher_forced']['agreement']:.3f}")
 PY
 
+echo "== a prompt of n = 0 (mod P) tokens, prefilled then decoded with the same recipe: a full hit"
+# 01_kite + " a a" is 448 tokens (BOS included) = 28 blocks of 16 (asserted below). The decoder takes the
+# ⌊(n−1)/P⌋ = 27 blocks before the last token and wants BF16 for its window (blocks 11..26); the
+# prefill node puts those 27 blocks, so the pool's BF16 tail is that window (newcomer report s8 N8:
+# a put of all 28 blocks kept BF16 for 12..27, block 11 was INT2-only, and the decode loaded only
+# the 4 sink blocks). Its own namespace (--revision), so no earlier put of 01_kite's blocks helps.
+# 03_boat (not a multiple of 16, no block shared with 01_kite) in the same runs stays a full hit.
+printf '%s%s' "$(cat "${demo}/prompts/01_kite.txt")" " a a" >"${work}/kite448.txt"
+n0=(--revision n0-test "${common[@]}" --prompt-file "${work}/kite448.txt"
+    --prompt-file "${demo}/prompts/03_boat.txt")
+"${worker_bin}" --role eval "${n0[@]}" --eval-windows 64:256 --report "${work}/eval_n0.json" \
+  >/dev/null 2>"${work}/eval_n0.log" || { cat "${work}/eval_n0.log" >&2; fail "eval n=0 mod P"; }
+"${worker_bin}" --role prefill --pool "${pool}" "${n0[@]}" --report "${work}/prefill_n0.json" \
+  >/dev/null 2>"${work}/prefill_n0.log" || { cat "${work}/prefill_n0.log" >&2; fail "prefill n=0 mod P"; }
+"${worker_bin}" --role decode --pool "${pool}" "${n0[@]}" --report "${work}/decode_n0.json" \
+  >/dev/null 2>"${work}/decode_n0.log" || { cat "${work}/decode_n0.log" >&2; fail "decode n=0 mod P"; }
+python3 - "${work}" <<'PY' || fail "n = 0 (mod P): not a full hit"
+import json, sys
+w = sys.argv[1]
+ev = json.load(open(f"{w}/eval_n0.json"))["prompts"]
+pre = json.load(open(f"{w}/prefill_n0.json"))["prompts"]
+dec = json.load(open(f"{w}/decode_n0.json"))["prompts"]
+ns = [p["prompt_tokens"] for p in dec]
+assert ns[0] % 16 == 0 and ns[1] % 16 != 0, ns
+for i, (pf, p) in enumerate(zip(pre, dec)):
+    n = p["prompt_tokens"]
+    assert not p["fallback"], p
+    assert p["hit_blocks"] == p["wanted_blocks"], p
+    assert p["loaded_blocks"] == p["wanted_blocks"], p       # a full hit, window included
+    assert pf["blocks"] == (n - 1) // 16 == p["wanted_blocks"], (pf, p)
+    assert p["recomputed_tokens"] == n - 16 * p["wanted_blocks"], p
+    single = ev[i]["configs"]["int2_S64_W256"]["greedy_tokens"]
+    assert p["tokens"] == single, f"{p['name']}: pool {p['tokens']} != single {single}"
+    print(f"{p['name']} (n = {n}): {pf['blocks']} blocks put, {p['loaded_blocks']}/"
+          f"{p['wanted_blocks']} loaded, {p['recomputed_tokens']} recomputed, tokens identical")
+PY
+
 echo "== prefill node killed mid-push: nothing becomes visible"
 set +e
 "${worker_bin}" --role prefill --pool "${pool}" "${common[@]}" \
@@ -148,7 +186,7 @@ import json, sys
 d = json.load(open(sys.argv[1]))
 p = d["prompts"]
 assert [x["name"] for x in p] == ["01_kite", "short", "03_boat"], p
-assert p[1]["skipped"] and "shorter than one block" in p[1]["skip_reason"], p[1]
+assert p[1]["skipped"] and "hold no full block of 16 before the last token" in p[1]["skip_reason"], p[1]
 assert p[0]["blocks_written"] > 0 and p[2]["blocks_written"] > 0, p
 assert d["overall"]["skipped_prompts"] == 1 and d["overall"]["failed_prompts"] == 0, d["overall"]
 print(f"short prompt skipped; {p[0]['blocks_written']} + {p[2]['blocks_written']} blocks pushed")

@@ -107,14 +107,20 @@ PrefillNode::PrefillNode(engine::Engine* engine, client::Client* client,
 absl::StatusOr<PrefillNode::Pending> PrefillNode::ComputeAndWrite(absl::Span<const int> prompt) {
   const engine::ModelConfig& c = engine_->config();
   const int P = options_.cache.page_size;
-  if (static_cast<int>(prompt.size()) < P) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("prompt: ", prompt.size(), " tokens is shorter than one block (", P, ")"));
+  // The put holds the blocks a decode worker of the same recipe takes: the full blocks before
+  // the last prompt token (PoolPrefixTokens; the decoder computes that token itself). The pool
+  // keeps BF16 for a put's last ⌈W/P⌉ blocks, so putting every full block of a prompt of n ≡ 0
+  // (mod P) tokens would place that window one block past the decoder's, leaving its first
+  // window block INT2-only and the decode a partial hit (newcomer report s8 N8).
+  const int prefix = PoolPrefixTokens(static_cast<int>(prompt.size()), P);
+  if (prefix < P) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "prompt: ", prompt.size(), " tokens hold no full block before the last token (", P, ")"));
   }
   Pending pending;
   PrefillReport& rep = pending.report;
   rep.prompt_tokens = static_cast<int>(prompt.size());
-  pending.tokens = ToU32(prompt);
+  pending.tokens = ToU32(prompt.first(static_cast<size_t>(prefix)));
   // Open the put first: staging space is reserved while the prompt is computed.
   KVPOOL_ASSIGN_OR_RETURN(pending.put, BeginPut(pending.tokens));
   rep.blocks = pending.put->num_blocks();

@@ -1,7 +1,9 @@
 // kvpool/worker/pool_node.h — the prefill and decode roles of kvpool-worker on top of the pool
 // client (kvpool/client/client.h) and the mixed-precision cache (mixed_kv_cache.h).
 //
-// Prefill (PrefillNode::Run): opens a two-phase put for the prompt's full blocks, computes the
+// Prefill (PrefillNode::Run): opens a two-phase put for the full blocks before the prompt's last
+// token (PoolPrefixTokens: the blocks a decoder of the same recipe takes, so the BF16 tail the
+// pool keeps is that decoder's recent window, also when n is a multiple of P), computes the
 // prompt with BF16 attention (MixedKvCache, history bf16, the registered S/W), records the
 // un-rotated bf16 K/V (StagingRecorder), writes them layer by layer (PutSession::WriteLayer;
 // each layer's transfer proceeds while the next is packed) and commits. Nothing is visible
@@ -104,11 +106,11 @@ class PrefillNode {
   PrefillNode(engine::Engine* engine, client::Client* client,
               std::shared_ptr<const RotationSet> rotations, NodeOptions options);
   // Errors: the engine's, the client's (UNAVAILABLE, RESOURCE_EXHAUSTED, ...); INVALID_ARGUMENT
-  // for a prompt shorter than one block. An UNAVAILABLE BeginPut is retried while
-  // NodeOptions::reconnect_wait allows (see there); the prompt is computed only once its put is
-  // open. A put that fails UNAVAILABLE after that (in WriteLayer or Commit: the pool went away
-  // with it) is opened again, with the same wait, and its recorded layers written again, once;
-  // the prompt is not computed again.
+  // for a prompt with no full block before its last token (n <= P). An UNAVAILABLE BeginPut is
+  // retried while NodeOptions::reconnect_wait allows (see there); the prompt is computed only once
+  // its put is open. A put that fails UNAVAILABLE after that (in WriteLayer or Commit: the pool
+  // went away with it) is opened again, with the same wait, and its recorded layers written again,
+  // once; the prompt is not computed again.
   absl::StatusOr<PrefillReport> Run(absl::Span<const int> prompt);
 
   // Serves several prompts pipelined: while the layers of prompt i are in flight to the pool,
