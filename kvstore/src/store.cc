@@ -181,9 +181,10 @@ absl::StatusOr<std::unique_ptr<BlockStore>> BlockStore::Create(const StoreOption
   if (!(options.low_watermark > 0 && options.low_watermark <= options.high_watermark &&
         options.high_watermark <= 1.0)) {
     return absl::InvalidArgumentError(
-        absl::StrCat("low-watermark/high-watermark: need 0 < low-watermark <= high-watermark "
-                     "<= 1, got low-watermark ",
-                     options.low_watermark, " and high-watermark ", options.high_watermark));
+        absl::StrCat("low_watermark/high_watermark: need 0 < low_watermark <= high_watermark "
+                     "<= 1 (StoreOptions; kvpool-server's flags take [0.5, 1] and refuse the "
+                     "pair before allocating), got low_watermark ",
+                     options.low_watermark, " and high_watermark ", options.high_watermark));
   }
   if (options.max_registration_bytes == 0) {
     return absl::InvalidArgumentError("max-registration-bytes: must be > 0");

@@ -1142,6 +1142,51 @@ TEST(ServerBinaryTest, FlagsHelpAndUsageErrors) {
   }
 }
 
+// --low-watermark above --high-watermark was refused only by the store, after the pool memory was
+// allocated (1.2-2.8 s for the default 1 GiB), as "cannot start: ... need 0 < low-watermark"
+// although the flags take [0.5, 1] (newcomer s8 N1). It is a usage error of the flags now, from
+// the command line or a --config file, naming both flags; "cannot start" (the store's words,
+// printed only after the allocation) must not appear.
+TEST(ServerBinaryTest, LowWatermarkAboveHighIsRefusedWithTheFlags) {
+  const std::string yaml = ::testing::TempDir() + "/kvpool_watermarks.yaml";
+  std::ofstream(yaml) << "high-watermark: 0.9\nlow-watermark: 0.95\n";
+  for (const std::vector<std::string>& args :
+       {std::vector<std::string>{"--low-watermark", "0.95"},
+        std::vector<std::string>{"--high-watermark", "0.6", "--low-watermark", "0.7"},
+        std::vector<std::string>{"--config", yaml}}) {
+    std::vector<std::string> full = {"--listen", "127.0.0.1:0",  "--metrics-port",
+                                     "-1",       "--data-plane", "none"};
+    full.insert(full.end(), args.begin(), args.end());
+    auto [rc, out] = RunToExit(full);
+    EXPECT_EQ(rc, 1) << out;
+    // From the file, the file and its key are named too (cli::Parse).
+    EXPECT_NE(out.find(args[0] == "--config" ? "kvpool-server: --config '" + yaml +
+                                                   "' key \"low-watermark\": --low-watermark: "
+                                             : std::string("kvpool-server: --low-watermark: ")),
+              std::string::npos)
+        << out;
+    EXPECT_NE(out.find(" is above --high-watermark "), std::string::npos) << out;
+    EXPECT_NE(out.find("(each in [0.5, 1]; lower --low-watermark or raise --high-watermark)"),
+              std::string::npos)
+        << out;
+    EXPECT_EQ(out.find("cannot start"), std::string::npos) << out;
+    EXPECT_EQ(out.find("0 < low"), std::string::npos) << out;
+    EXPECT_EQ(out.find("grpc_port="), std::string::npos) << out;
+  }
+  EXPECT_NE(
+      RunToExit({"--low-watermark", "0.95"}).second.find("0.95 is above --high-watermark 0.9"),
+      std::string::npos);
+  unlink(yaml.c_str());
+  // Equal watermarks are allowed.
+  Child c = Spawn({"--listen", "127.0.0.1:0", "--metrics-port", "-1", "--data-plane", "none",
+                   "--capacity", "4MiB", "--high-watermark", "0.7", "--low-watermark", "0.7"});
+  int grpc_port = 0, metrics_port = 0;
+  ASSERT_TRUE(c.ReadPorts(&grpc_port, &metrics_port));
+  ASSERT_EQ(kill(c.pid, SIGTERM), 0);
+  EXPECT_EQ(WaitExit(c.pid), 0);
+  fclose(c.out);
+}
+
 TEST(ServerBinaryTest, RotationDirMustBeAnExistingDirectory) {
   const std::vector<std::string> base = {"--listen",     "127.0.0.1:0", "--metrics-port", "-1",
                                          "--data-plane", "none",        "--capacity",     "4MiB"};
@@ -1156,14 +1201,26 @@ TEST(ServerBinaryTest, RotationDirMustBeAnExistingDirectory) {
     EXPECT_EQ(text.find("grpc_port="), std::string::npos) << text;
   }
   unlink(file.c_str());
-  std::vector<std::string> args = base;
-  args.insert(args.end(), {"--rotation-dir", ::testing::TempDir()});
-  Child c = Spawn(args);
-  int grpc_port = 0, metrics_port = 0;
-  ASSERT_TRUE(c.ReadPorts(&grpc_port, &metrics_port));
-  ASSERT_EQ(kill(c.pid, SIGTERM), 0);
-  EXPECT_EQ(WaitExit(c.pid), 0);
-  fclose(c.out);
+  // A directory, and the documented empty value ("Empty = the pool reads no rotation file for a
+  // client"), on the command line or in a --config file: the empty one was refused as
+  // "Directory does not exist: " (newcomer s8 N2).
+  const std::string yaml = ::testing::TempDir() + "/kvpool_rotation_dir_empty.yaml";
+  std::ofstream(yaml) << "rotation-dir: \"\"\n";
+  for (const std::vector<std::string>& extra :
+       {std::vector<std::string>{"--rotation-dir", ::testing::TempDir()},
+        std::vector<std::string>{"--rotation-dir", ""},
+        std::vector<std::string>{"--config", yaml}}) {
+    std::vector<std::string> args = base;
+    args.insert(args.end(), extra.begin(), extra.end());
+    SCOPED_TRACE(extra.back());
+    Child c = Spawn(args);
+    int grpc_port = 0, metrics_port = 0;
+    ASSERT_TRUE(c.ReadPorts(&grpc_port, &metrics_port));
+    ASSERT_EQ(kill(c.pid, SIGTERM), 0);
+    EXPECT_EQ(WaitExit(c.pid), 0);
+    fclose(c.out);
+  }
+  unlink(yaml.c_str());
 }
 
 TEST(ServerBinaryTest, ServesMetricsAndDrainsOnSigterm) {
