@@ -17,6 +17,11 @@ absl::StatusOr<HostPort> ParseHostPort(absl::string_view field, absl::string_vie
   auto bad = [&](absl::string_view why) {
     return absl::InvalidArgumentError(absl::StrCat(field, ": '", address, "' ", why));
   };
+  // "[::1]": the last ':' lies inside the brackets, so the split below would call them
+  // unbalanced (newcomer s8 N5); what is missing is the port.
+  if (address.size() > 2 && address.front() == '[' && address.find(']') == address.size() - 1) {
+    return bad(absl::StrCat("has no port (want ", address, ":PORT)"));
+  }
   const size_t colon = address.rfind(':');
   if (colon == absl::string_view::npos) {
     return bad("has no port (want HOST:PORT)");

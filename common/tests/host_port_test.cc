@@ -71,5 +71,28 @@ TEST(ParseHostPort, ExtraColonsInANonIpv6HostAskForOneColon) {
   EXPECT_NE(r.status().message().find("write [fe80::1:2]:7070"), std::string::npos) << r.status();
 }
 
+// "[::1]" was told its brackets were unbalanced or empty (newcomer s8 N5): it lacks the port,
+// like "127.0.0.1". Both the worker's --pool and the server's --listen use this parser.
+TEST(ParseHostPort, BracketedIpv6WithoutAPortSaysThePortIsMissing) {
+  for (const char* bad : {"[::1]", "[fe80::1]"}) {
+    auto r = ParseHostPort("--pool", bad, 1);
+    ASSERT_FALSE(r.ok()) << bad;
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(r.status().message(),
+              absl::StrCat("--pool: '", bad, "' has no port (want ", bad, ":PORT)"));
+  }
+  auto v4 = ParseHostPort("--pool", "127.0.0.1", 1);
+  ASSERT_FALSE(v4.ok());
+  EXPECT_EQ(v4.status().message(), "--pool: '127.0.0.1' has no port (want HOST:PORT)");
+  // Still brackets: an unclosed one, a ']' before the end that is not followed by ':'.
+  for (const char* bad : {"[::1", "[::1]x", "[]"}) {
+    auto r = ParseHostPort("--pool", bad, 1);
+    ASSERT_FALSE(r.ok()) << bad;
+    EXPECT_EQ(std::string(r.status().message()).find("' has no port (want " + std::string(bad)),
+              std::string::npos)
+        << r.status();
+  }
+}
+
 }  // namespace
 }  // namespace kvpool
