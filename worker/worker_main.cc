@@ -190,7 +190,15 @@ int main(int argc, char** argv) {
   // stem is what `kvpool calibrate` records as the rotation file's model_name.
   app.add_option("--model-id", model_id,
                  "model id registered with the pool (default: the --model file's name without "
-                 "its extension, e.g. stories260K-f32)");
+                 "its extension, e.g. stories260K-f32); not empty")
+      // An explicit "" (command line or --config) fell back to the default silently (newcomer
+      // s8 N3); it is refused like --revision "".
+      ->check(CLI::Validator(
+          [](std::string& v) -> std::string {
+            return v.empty() ? "must not be empty (omit --model-id for the --model file's name)"
+                             : std::string();
+          },
+          "TEXT"));
   app.add_option("--revision", revision,
                  "registered revision; 'auto' = model hash + recipe (P, S, W, precision, clip "
                  "ratios) + rotation id. An explicit revision asserts the weights: the pool "

@@ -46,7 +46,17 @@ class YamlConfig : public CLI::Config {
     return out.c_str();
   }
 
+  // A key of the file that set an option's value, for naming the file in errors about that
+  // value (Parse): "calibrate.per-head" and the option it names.
+  struct Origin {
+    std::string key;
+    const CLI::Option* option = nullptr;
+  };
+  // The keys of the last file read (from_config) that name an option and carry a value.
+  const std::vector<Origin>& origins() const { return origins_; }
+
   std::vector<CLI::ConfigItem> from_config(std::istream& input) const override {
+    origins_.clear();
     std::vector<CLI::ConfigItem> items;
     YAML::Node root;
     try {
@@ -186,6 +196,7 @@ class YamlConfig : public CLI::Config {
         std::string path;
         for (const auto& p : parents) path += p + ".";
         CheckValue(v, path + key, op);
+        origins_.push_back({path + key, op});
       }
       if (v.IsMap()) {
         auto p = parents;
@@ -206,6 +217,7 @@ class YamlConfig : public CLI::Config {
   }
 
   const CLI::App* root_;
+  mutable std::vector<Origin> origins_;  // written by from_config (const in CLI::Config)
 };
 
 }  // namespace
@@ -459,6 +471,92 @@ std::string ConfigNamed(const CLI::App& app) {
 
 }  // namespace
 
+namespace {
+
+// Whether argv names `op` ("--name", "--name=V", "-n", "-nV"): CLI11 reads a config file's value
+// only for an option the command line left empty, so an error about the value of an option the
+// command line does not name is about the file's value.
+bool NamedOnCommandLine(const CLI::Option& op, int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    const std::string_view a = argv[i];
+    if (a == "--") break;
+    for (const std::string& l : op.get_lnames()) {
+      const std::string flag = "--" + l;
+      if (a == flag || (a.size() > flag.size() && a.substr(0, flag.size() + 1) == flag + "=")) {
+        return true;
+      }
+    }
+    if (a.size() >= 2 && a[0] == '-' && a[1] != '-') {
+      for (const std::string& sn : op.get_snames()) {
+        if (a.substr(1, sn.size()) == sn) return true;
+      }
+    }
+  }
+  return false;
+}
+
+// An option named `name` ("--per-head") in `app` or its subcommands, preferring one that holds a
+// value (the subcommand that ran); null when none.
+const CLI::Option* FindByName(const CLI::App& app, const std::string& name) {
+  const CLI::Option* found = nullptr;
+  for (const CLI::Option* op : app.get_options()) {
+    if (op->get_name() == name) {
+      if (!op->results().empty()) return op;
+      found = op;
+    }
+  }
+  for (const CLI::App* sub : app.get_subcommands([](const CLI::App*) { return true; })) {
+    if (const CLI::Option* op = FindByName(*sub, name); op != nullptr) {
+      if (!op->results().empty()) return op;
+      if (found == nullptr) found = op;
+    }
+  }
+  return found;
+}
+
+// Rewords an error about one option's value (CLI11's ValidationError "--x: why" or
+// ConversionError "Could not convert: --x = v"; newcomer s8 N9): a boolean that is none lists
+// what is accepted instead of "Could not convert", and a value that came from the --config file
+// names the file and the key ("--config 'k.yaml' key \"calibrate.per-head\": --per-head: ...").
+// Returns "" for any other message.
+std::string OptionValueError(const CLI::App& app, const YamlConfig* config, const std::string& what,
+                             int argc, char** argv) {
+  std::string name, why;
+  const std::string conv = "Could not convert: ";
+  if (what.rfind(conv, 0) == 0) {
+    const std::string::size_type eq = what.find(" = ", conv.size());
+    if (eq == std::string::npos) return {};
+    name = what.substr(conv.size(), eq - conv.size());
+    const std::string value = what.substr(eq + 3);
+    const CLI::Option* op = FindByName(app, name);
+    if (op == nullptr) return {};
+    if (op->get_expected_min() == 0 || op->get_type_name() == "BOOLEAN") {
+      why = "'" + value +
+            "' is not a boolean (want true or false; also accepted: yes/no, on/off, 1/0, "
+            "enable/disable, t/f, y/n, any case)";
+    } else {
+      why = "'" + value + "' cannot be read as " + op->get_type_name();
+    }
+  } else if (what.rfind("--", 0) == 0) {
+    const std::string::size_type colon = what.find(": ");
+    if (colon == std::string::npos) return {};
+    name = what.substr(0, colon);
+    why = what.substr(colon + 2);
+  } else {
+    return {};
+  }
+  if (config != nullptr) {
+    for (const auto& origin : config->origins()) {
+      if (origin.option->get_name() != name || origin.option->results().empty()) continue;
+      if (NamedOnCommandLine(*origin.option, argc, argv)) break;
+      return ConfigNamed(app) + " key \"" + origin.key + "\": " + name + ": " + why;
+    }
+  }
+  return name + ": " + why;
+}
+
+}  // namespace
+
 int Parse(CLI::App& app, int argc, char** argv) {
   try {
     app.parse(argc, argv);
@@ -489,6 +587,26 @@ int Parse(CLI::App& app, int argc, char** argv) {
              what.substr(at + std::string(": At Most 1 required but received ").size()) +
              " times; give it once";
     }
+    std::cerr << app.get_name() << ": " << what << "\n";
+    std::cerr << "Run with --help for more information.\n";
+    return kExitUsage;
+  } catch (const CLI::ConversionError& e) {
+    const auto* config = dynamic_cast<const YamlConfig*>(app.get_config_formatter().get());
+    std::string what = OptionValueError(app, config, e.what(), argc, argv);
+    if (what.empty()) {
+      what = e.what();
+      const std::string config_prefix = "config file ";
+      if (what.rfind(config_prefix, 0) == 0) {
+        what = ConfigNamed(app) + " " + what.substr(config_prefix.size());
+      }
+    }
+    std::cerr << app.get_name() << ": " << what << "\n";
+    std::cerr << "Run with --help for more information.\n";
+    return kExitUsage;
+  } catch (const CLI::ValidationError& e) {
+    const auto* config = dynamic_cast<const YamlConfig*>(app.get_config_formatter().get());
+    std::string what = OptionValueError(app, config, e.what(), argc, argv);
+    if (what.empty()) what = e.what();
     std::cerr << app.get_name() << ": " << what << "\n";
     std::cerr << "Run with --help for more information.\n";
     return kExitUsage;

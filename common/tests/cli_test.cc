@@ -122,6 +122,88 @@ TEST(CliConfigTest, ContentErrorsNameTheFile) {
   }
 }
 
+// Errors about a value the config file gave name the file and the key; they read as if the
+// command line had given the value (newcomer s8 N9: "metrics-port: abc" in a YAML file said
+// "--metrics-port: 'abc' is not an integer"). A boolean that is none lists the accepted values
+// instead of CLI11's "Could not convert: --per-head = yes please", from either source.
+TEST(CliConfigTest, ValueErrorsFromTheFileNameTheFileAndTheKey) {
+  struct App {
+    CLI::App app{"test"};
+    int port = 1;
+    bool teacher = true;
+    bool per_head = false;
+    App() {
+      kvpool::cli::Setup(app, "prog");
+      app.add_option("--metrics-port", port, "port")->check(Range(-1, 65535));
+      app.add_option("--teacher-force", teacher, "bool option");
+      CLI::App* calib = app.add_subcommand("calibrate", "calibrate");
+      calib->add_flag("--per-head", per_head, "bool flag");
+    }
+  };
+  const std::string want_bool =
+      "is not a boolean (want true or false; also accepted: yes/no, on/off, 1/0, enable/disable, "
+      "t/f, y/n, any case)";
+  {
+    App a;
+    const std::string path = WriteYaml("value-int", "metrics-port: abc\n");
+    auto [rc, err] = RunParse(a.app, {"--config", path});
+    EXPECT_EQ(rc, kExitUsage);
+    EXPECT_NE(err.find("prog: --config '" + path +
+                       "' key \"metrics-port\": --metrics-port: 'abc' is not an integer (want "
+                       "-1..65535)"),
+              std::string::npos)
+        << err;
+  }
+  {
+    App a;  // the command line wins: its value is the one refused, and the file is not named
+    const std::string path = WriteYaml("value-int-cl", "metrics-port: abc\n");
+    auto [rc, err] = RunParse(a.app, {"--config", path, "--metrics-port=xyz"});
+    EXPECT_EQ(rc, kExitUsage);
+    EXPECT_NE(err.find("prog: --metrics-port: 'xyz' is not an integer"), std::string::npos) << err;
+    EXPECT_EQ(err.find("--config"), std::string::npos) << err;
+  }
+  {
+    App a;
+    const std::string path = WriteYaml("value-bool", "teacher-force: maybe\n");
+    auto [rc, err] = RunParse(a.app, {"--config", path});
+    EXPECT_EQ(rc, kExitUsage);
+    EXPECT_NE(err.find("prog: --config '" + path +
+                       "' key \"teacher-force\": --teacher-force: "
+                       "'maybe' " +
+                       want_bool),
+              std::string::npos)
+        << err;
+  }
+  {
+    App a;
+    auto [rc, err] = RunParse(a.app, {"--teacher-force", "maybe"});
+    EXPECT_EQ(rc, kExitUsage);
+    EXPECT_NE(err.find("prog: --teacher-force: 'maybe' " + want_bool), std::string::npos) << err;
+    EXPECT_EQ(err.find("Could not convert"), std::string::npos) << err;
+  }
+  {
+    App a;
+    const std::string path = WriteYaml("value-flag", "calibrate:\n  per-head: yes please\n");
+    auto [rc, err] = RunParse(a.app, {"--config", path, "calibrate"});
+    EXPECT_EQ(rc, kExitUsage);
+    EXPECT_NE(err.find("prog: --config '" + path +
+                       "' key \"calibrate.per-head\": --per-head: "
+                       "'yes please' " +
+                       want_bool),
+              std::string::npos)
+        << err;
+  }
+  {
+    App a;  // accepted spellings still work
+    const std::string path =
+        WriteYaml("value-ok", "teacher-force: no\ncalibrate:\n  per-head: on\n");
+    auto [rc, err] = RunParse(a.app, {"--config", path, "calibrate"});
+    EXPECT_EQ(rc, -1) << err;
+    EXPECT_FALSE(a.teacher);
+    EXPECT_TRUE(a.per_head);
+  }
+}
+
 // A second YAML document was silently ignored (newcomer report s6 #8): refused, naming the file.
 TEST(CliConfigTest, MultiDocumentYamlIsRefusedNamingTheFile) {
   FlatApp f;

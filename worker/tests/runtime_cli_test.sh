@@ -156,6 +156,21 @@ expect 2 "prefill without a pool, --log-level off" -- "${worker}" --log-level of
 expect_err "kvpool-worker: pool 127.0.0.1:1: UNAVAILABLE: " "the pool failure is printed with --log-level off"
 expect 1 "empty --revision" -- "${worker}" --role decode --revision "" "${base[@]}" "${prompt[@]}"
 expect_err "kvpool-worker: --revision: must not be empty" "the message names --revision"
+# An explicit empty --model-id fell back to the file-stem default silently (newcomer s8 N3).
+expect 1 "empty --model-id" -- "${worker}" --role prefill --pool 127.0.0.1:1 --model-id "" "${base[@]}" "${prompt[@]}"
+expect_err "kvpool-worker: --model-id: must not be empty" "the message names --model-id"
+printf 'model-id: ""\n' > "${work}/empty-id.yaml"
+expect 1 "empty model-id in --config" -- "${worker}" --config "${work}/empty-id.yaml" --role prefill --pool 127.0.0.1:1 "${base[@]}" "${prompt[@]}"
+expect_err "kvpool-worker: --config '${work}/empty-id.yaml' key \"model-id\": --model-id: must not be empty" "the message names the file, the key and the flag"
+# A bracketed IPv6 host without a port said "unbalanced or empty IPv6 brackets" (newcomer s8 N5).
+expect 1 "--pool [::1] (no port)" -- "${worker}" --role decode --pool "[::1]" "${base[@]}" "${prompt[@]}"
+expect_err "kvpool-worker: --pool: '\[::1\]' has no port (want \[::1\]:PORT)" "the message says the port is missing"
+# A boolean that is none lists what is accepted (newcomer s8 N9; was CLI11's "Could not convert").
+expect 1 "--teacher-force maybe" -- "${worker}" --role decode --pool 127.0.0.1:1 --teacher-force maybe "${base[@]}" "${prompt[@]}"
+expect_err "kvpool-worker: --teacher-force: 'maybe' is not a boolean (want true or false" "the message lists the accepted values"
+printf 'teacher-force: maybe\n' > "${work}/tf.yaml"
+expect 1 "teacher-force: maybe in --config" -- "${worker}" --config "${work}/tf.yaml" --role decode --pool 127.0.0.1:1 "${base[@]}" "${prompt[@]}"
+expect_err "kvpool-worker: --config '${work}/tf.yaml' key \"teacher-force\": --teacher-force: 'maybe' is not a boolean" "the message names the file and the key"
 # An explicit revision asserts the weights (the pool does not compare them): warned once, and
 # the report carries the model file's SHA-256.
 # (The report goes through a symlink: the link stays, its target gets the JSON.)

@@ -50,7 +50,12 @@ std::string VersionString();
 // "--config 'c.yaml' is not valid YAML: ..."), also a key with no value ("capacity:"), a list
 // for a flag that takes one value ("capacity: [1, 2]"), a map for a flag, or a list item that is
 // not a value ("--config 'c.yaml' key \"capacity\" is a list (2 items); --capacity takes one
-// value: write \"capacity: VALUE\""). Not thread-safe (touches `app` only).
+// value: write \"capacity: VALUE\""). An error about a value the file gave (a check or a
+// conversion that refused it) names the file and the key too: "--config 'c.yaml' key
+// \"metrics-port\": --metrics-port: 'abc' is not an integer (want -1..65535)"; a boolean that
+// is none, from the file or the command line, lists the accepted values ("--per-head: 'yes
+// please' is not a boolean (want true or false; also accepted: yes/no, ...)").
+// Not thread-safe (touches `app` only).
 void Setup(CLI::App& app, const std::string& program_name);
 
 // CLI11 check for an output file written after a long run, so the run does not fail at its
