@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "kvpool/common/cli.h"
 #include "kvpool/common/log.h"
 #include "kvpool/common/status.h"
@@ -90,6 +91,13 @@ int RunQuantize(const QuantizeArgs& a) {
   if (auto s = ValidateHeadDim(d, "last dimension of --in (head_dim)"); !s.ok()) return Fail(s);
   const uint64_t tokens = x->shape[0];
   const uint32_t heads = x->shape.size() == 3 ? static_cast<uint32_t>(x->shape[1]) : 1;
+  // An array without rows printed errors of 0 and 6 bits per element over nothing (newcomer s8
+  // N7).
+  if (tokens == 0 || heads == 0) {
+    return Fail(absl::InvalidArgumentError(
+        absl::StrCat("--in '", a.in, "' has 0 ", tokens == 0 ? "tokens" : "heads", " (shape [",
+                     absl::StrJoin(x->shape, ", "), "]): nothing to quantize")));
+  }
   // Name the first non-finite input element by its index in --in (the rotation would smear it
   // over the whole row and lose its position and sign).
   for (uint64_t i = 0; i < x->data.size(); ++i) {
@@ -262,6 +270,32 @@ int RunInspect(const std::string& path) {
   return cli::kExitOk;
 }
 
+// The --tokens bounds of calibrate and evaluate, applied to the text tokens a run used (the
+// text's, capped by --tokens): fewer than kMinCalibrationTokens refuses (exit 2, `what` says
+// what is not done), fewer than kFewCalibrationTokens warns. Returns the exit code, or -1 to go
+// on. Newcomer report s6 #4: a 3-token text under the default --tokens 0 wrote a rotation with
+// no word; s8 N7: evaluate printed per-layer errors over a 2-token text.
+int CheckTokensUsed(const char* subcommand, const std::string& text_path, int64_t max_tokens,
+                    int64_t used, const char* why_min, const char* what) {
+  const std::string source =
+      absl::StrCat("--text '", text_path, "'",
+                   max_tokens > 0 ? absl::StrCat(" (--tokens ", max_tokens, ")") : "");
+  if (used < kMinCalibrationTokens) {
+    std::cerr << "kvpool: " << source << " gives " << used << " tokens, fewer than "
+              << kMinCalibrationTokens << ": " << why_min << "; " << what << "\n";
+    return cli::kExitRuntime;
+  }
+  if (used < kFewCalibrationTokens) {
+    KVPOOL_LOG_WARN("{}: {} gives {} tokens, which is few; {} (use {} or more)", subcommand, source,
+                    used,
+                    std::string(subcommand) == "calibrate"
+                        ? "rotations fitted on fewer tokens than a few times head_dim are noisy"
+                        : "errors measured on so few tokens are noisy",
+                    kFewCalibrationTokens);
+  }
+  return -1;
+}
+
 int RunCalibrate(const CalibrateOptions& o, const std::string& out) {
   CalibrateOptions opt = o;
   int64_t used = 0;  // text tokens the fit saw: the text's, capped by --tokens
@@ -271,23 +305,11 @@ int RunCalibrate(const CalibrateOptions& o, const std::string& out) {
   };
   auto rot = CalibrateModel(opt);
   if (!rot.ok()) return Fail(rot.status());
-  // The --tokens bounds, applied to the tokens actually used (newcomer report s6 #4: a 3-token
-  // text under the default --tokens 0 wrote a rotation with no word).
-  const std::string source =
-      absl::StrCat("--text '", o.text_path, "'",
-                   o.max_tokens > 0 ? absl::StrCat(" (--tokens ", o.max_tokens, ")") : "");
-  if (used < kMinCalibrationTokens) {
-    std::cerr << "kvpool: " << source << " gives " << used << " tokens, fewer than "
-              << kMinCalibrationTokens
-              << ": a rotation fitted on fewer tokens than head_dim is arbitrary; nothing "
-                 "written\n";
-    return cli::kExitRuntime;
-  }
-  if (used < kFewCalibrationTokens) {
-    KVPOOL_LOG_WARN(
-        "calibrate: {} gives {} tokens, which is few; rotations fitted on fewer tokens than a "
-        "few times head_dim are noisy (use {} or more)",
-        source, used, kFewCalibrationTokens);
+  if (int rc = CheckTokensUsed("calibrate", o.text_path, o.max_tokens, used,
+                               "a rotation fitted on fewer tokens than head_dim is arbitrary",
+                               "nothing written");
+      rc >= 0) {
+    return rc;
   }
   // Atomic, and through a symbolic link (cli.h); the id is the SHA-256 of the file's bytes, as
   // WriteRotationFile records it.
@@ -312,8 +334,18 @@ int RunEvaluate(const EvaluateOptions& o, const std::string& rotations_path) {
   EvaluateOptions eo = o;
   eo.clip_ratio_k = oscar->metadata().clip_ratio_k;
   eo.clip_ratio_v = oscar->metadata().clip_ratio_v;
+  int64_t used = 0;  // text tokens evaluated: the text's, capped by --tokens
+  eo.progress = [&used](int64_t, int64_t total) { used = total; };
   auto res = EvaluateModel(eo, {{"none", &*none}, {"hadamard", &*had}, {"oscar", &*oscar}});
   if (!res.ok()) return Fail(res.status());
+  // calibrate's bounds (TOOLS.md): errors over a handful of rows compare the rotations on next
+  // to nothing.
+  if (int rc = CheckTokensUsed("evaluate", o.text_path, o.max_tokens, used,
+                               "errors over so few tokens say nothing about a rotation",
+                               "nothing printed");
+      rc >= 0) {
+    return rc;
+  }
   std::printf("model %s, text %s, all K/V INT2 (clip k %g, v %g); relative errors\n",
               o.model_path.c_str(), o.text_path.c_str(), eo.clip_ratio_k, eo.clip_ratio_v);
   std::printf("%-6s", "layer");
@@ -435,7 +467,10 @@ int main(int argc, char** argv) {
                    "calibration)")
       ->required()
       ->check(kvpool::cli::InputFile(kvpool::cli::kMaxTextFileBytes));
-  eval->add_option("--tokens", etokens, "use at most N text tokens (0 = all)")
+  eval->add_option(
+          "--tokens", etokens,
+          absl::StrCat("use at most N text tokens (0 = all; at least ", kMinCalibrationTokens,
+                       ", a warning below ", kFewCalibrationTokens, ", as for calibrate)"))
       ->check(kvpool::cli::Range(int64_t{0}, kMaxTextTokens))
       ->capture_default_str();
 
@@ -468,6 +503,11 @@ int main(int argc, char** argv) {
     return RunCalibrate(c, out);
   }
   if (*eval) {
+    if (etokens > 0 && etokens < kMinCalibrationTokens) {
+      std::cerr << "kvpool: --tokens must be 0 (all) or >= " << kMinCalibrationTokens << ", got "
+                << etokens << ": errors over so few tokens say nothing about a rotation\n";
+      return kvpool::cli::kExitUsage;
+    }
     e.max_tokens = etokens;
     return RunEvaluate(e, eval_rot);
   }

@@ -130,7 +130,7 @@ absl::StatusOr<RotationSet> CalibrateModel(const CalibrateOptions& o) {
 
 absl::StatusOr<std::vector<EvalResult>> EvaluateModel(
     const EvaluateOptions& o, const std::vector<std::pair<std::string, const RotationSet*>>& rots) {
-  KVPOOL_ASSIGN_OR_RETURN(Recorded r, RunText(o.model_path, o.text_path, o.max_tokens, {}));
+  KVPOOL_ASSIGN_OR_RETURN(Recorded r, RunText(o.model_path, o.text_path, o.max_tokens, o.progress));
   const auto& c = r.config;
   const uint32_t d = c.head_dim, hq = c.n_heads, hkv = c.n_kv_heads, g = hq / hkv;
   ExpectedRotationModel expect{

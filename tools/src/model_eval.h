@@ -63,6 +63,8 @@ struct EvaluateOptions {
   int64_t max_tokens = 0;
   float clip_ratio_k = 0.96f;
   float clip_ratio_v = 0.92f;
+  // Progress callback (tokens done, tokens total), as for CalibrateOptions; may be empty.
+  std::function<void(int64_t, int64_t)> progress;
 };
 
 // Evaluates each of `rotations` (name, set) on the text. FAILED_PRECONDITION when a set does

@@ -48,7 +48,13 @@ save(sys.argv[1] + "/d6.npy", (4, 6), [1.0] * 24)          # head_dim not a powe
 save(sys.argv[1] + "/rank1.npy", (8,), [1.0] * 8)          # too few dimensions
 save(sys.argv[1] + "/rank4.npy", (2, 2, 2, 8), [1.0] * 64)  # too many dimensions
 save(sys.argv[1] + "/d16.npy", (4, 16), [1.0] * 64)        # head_dim differs from the model's 8
+save(sys.argv[1] + "/empty.npy", (0, 8), [])               # no tokens (newcomer s8 N7)
+save(sys.argv[1] + "/noheads.npy", (4, 0, 8), [])          # no heads
 PY
+check quantize-no-tokens 2 "INVALID_ARGUMENT: --in '$tmp/empty.npy' has 0 tokens (shape \[0, 8\]): nothing to quantize" -- "$bin" quantize --in "$tmp/empty.npy"
+out="$("$bin" quantize --in "$tmp/empty.npy" 2>&1)"
+! grep -q "relative L2 err" <<<"$out" && echo "ok   quantize-no-tokens-prints-no-statistics" || { echo "FAIL quantize-no-tokens-prints-no-statistics: $out"; fail=1; }
+check quantize-no-heads 2 "has 0 heads (shape \[4, 0, 8\])" -- "$bin" quantize --in "$tmp/noheads.npy"
 check quantize-d-not-pow2 2 "head_dim) must be a power of two in \[8, 1024\], got 6" -- "$bin" quantize --in "$tmp/d6.npy"
 check quantize-rank1 2 "got 1 dimensions" -- "$bin" quantize --in "$tmp/rank1.npy"
 check quantize-rank4 2 "got 4 dimensions" -- "$bin" quantize --in "$tmp/rank4.npy"
@@ -156,6 +162,17 @@ check quantize-head-out-of-range 2 "--head 7 out of range (file has 4 KV heads)"
 check quantize-head-in-range 0 "relative L2 err" -- "$bin" quantize --in "$tmp/x.npy" --rotation "$tmp/roth.safetensors" --head 3
 check quantize-file-layer 2 "--layer 9 out of range" -- "$bin" quantize --in "$tmp/x.npy" --rotation "$tmp/rot.safetensors" --layer 9
 check evaluate 0 "all" -- "$bin" evaluate --model "$model" --rotations "$tmp/rot.safetensors" --text "$data/evaluation.txt" --tokens 200
+# evaluate takes calibrate's bounds on the tokens (newcomer s8 N7: a 2-token text printed
+# per-layer errors with rc 0): --tokens 1..15 exit 1, fewer than 16 used exit 2 with nothing
+# printed, fewer than 256 a warning.
+check evaluate-tokens-1 1 "--tokens must be 0 (all) or >= 16, got 1" -- "$bin" evaluate --model "$model" --rotations "$tmp/rot.safetensors" --text "$data/evaluation.txt" --tokens 1
+printf 'a' > "$tmp/one.txt"
+check evaluate-short-text 2 "--text '$tmp/one.txt' gives [0-9]* tokens, fewer than 16: errors over so few tokens say nothing about a rotation; nothing printed" -- "$bin" evaluate --model "$model" --rotations "$tmp/rot.safetensors" --text "$tmp/one.txt"
+out="$("$bin" evaluate --model "$model" --rotations "$tmp/rot.safetensors" --text "$tmp/one.txt" 2>&1)"
+! grep -q "^all" <<<"$out" && echo "ok   evaluate-short-text-prints-no-errors" || { echo "FAIL evaluate-short-text-prints-no-errors: $out"; fail=1; }
+check evaluate-few-tokens-warns 0 "evaluate: --text '$data/evaluation.txt' (--tokens 200) gives 200 tokens, which is few" -- "$bin" evaluate --model "$model" --rotations "$tmp/rot.safetensors" --text "$data/evaluation.txt" --tokens 200
+out="$("$bin" evaluate --model "$model" --rotations "$tmp/rot.safetensors" --text "$data/evaluation.txt" --tokens 400 2>&1)"
+! grep -q "is few" <<<"$out" && echo "ok   evaluate-enough-tokens-no-warning" || { echo "FAIL evaluate-enough-tokens-no-warning: $out"; fail=1; }
 head -c 100 "$tmp/rot.safetensors" > "$tmp/trunc.safetensors"
 check inspect-corrupt 2 "DATA_LOSS: .*header length [0-9]* runs past the end of the file (100 bytes)" -- "$bin" rotations inspect "$tmp/trunc.safetensors"
 # A non-orthogonal matrix (one element set to 7.0) is refused by the shared reader.
