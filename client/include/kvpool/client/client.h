@@ -159,14 +159,14 @@ struct ClientOptions {
   // iteration of two puts and one fetch of 256 KiB cost 10.6 ms of CPU held against 2.1 not
   // held). Zero or negative = off. On by default: there it doubled the 256 KiB async put
   // (9.8 against 5.0 GB/s) and first fetch (8.8 against 4.2), and the 1 MiB ones 16.6 / 16.1
-  // against 11.4 / 10.3 (docs/TRANSPORT.md "Session 7", call s7a). Default 10 ms (2 ms in
-  // session 7): there an Acquire right after a commit took 2.0-2.6 ms in some benchmark
-  // processes, the 2 ms hold ran out, the workers were asleep again when the fetch came and it
-  // ran on the calling thread (first fetch p50 56-85 us against 27-36 spread); with 10 ms every
-  // repeat spread: 256 KiB first fetch 5.86 against 4.28 GB/s, async put 5.30 against 4.68, at
-  // 31.3 against 21.3 ms of process CPU per iteration (docs/TRANSPORT.md "Session 8", call
-  // s8b). An engine that is short of CPU rather than latency lowers it or turns it off.
-  absl::Duration copy_threads_prewake = absl::Milliseconds(10);
+  // against 11.4 / 10.3 (docs/TRANSPORT.md "Session 7", call s7a). Default 2 ms. A 10 ms cap
+  // (session 8, f3d3c2d) was reverted: in call s8b its gain (256 KiB first fetch 5.86 against
+  // 4.28 GB/s, where an Acquire after a commit outlived the 2 ms hold) was within that call's
+  // spread between two runs of the same build (first fetch 3.81 against 4.45, put 3.45 against
+  // 4.61), it cost 31.3 against 21.3 ms of process CPU per iteration, and it spins
+  // copy_threads - 1 cores through every slow RPC on an engine's node (docs/TRANSPORT.md
+  // "Session 8"). An engine that is short of CPU rather than latency turns it off.
+  absl::Duration copy_threads_prewake = absl::Milliseconds(2);
   // Report fetched forms that fail their checksum to the pool (Client::Fetch, in the background;
   // protocol v1.5), which drops them when its stored bytes are corrupt. false: Fetch only
   // returns DATA_LOSS and the pool keeps serving the form (for a pool from before v1.5, which
