@@ -742,6 +742,69 @@ TEST_P(PoolIntegrationTest, APutWhoseCommitCannotFitIsRefusedAtBeginPut) {
   EXPECT_EQ(put->blocks_written, kBlocks);
 }
 
+// A NaN/Inf in a layer written with WriteLayerAsync, against the pool process (tcp: the pool
+// pulls; posix,cma: the client stores into the mapped staging), with the default copy threads
+// and with four and no floor (every layer packed in the background): every WriteLayerAsync
+// returns OK, Flush and Commit return INVALID_ARGUMENT naming the layer and token, Commit
+// aborts (nothing visible, the staging reclaimed), and a clean put of the same tokens is then
+// stored byte-exact.
+TEST_P(PoolIntegrationTest, AnAsyncLayersNaNIsReportedByFlushAndCommitOnly) {
+  StartServer({"--capacity", "16MiB"});
+  const auto spec = Spec("int2");
+  const size_t row = size_t(kHeads) * kDim;
+  uint32_t seed = 60;
+  for (const int threads : {0, 4}) {
+    absl::Status error;
+    auto c = testing::NewClient(server_->address(), GetParam(), /*check_finite=*/true, &error,
+                                /*map_shared_memory=*/true, threads,
+                                /*parallel_min_bytes=*/threads > 0 ? 0 : 64 << 10);
+    ASSERT_NE(c, nullptr) << error;
+    ASSERT_TRUE(c->RegisterModel(spec).ok());
+    for (const uint32_t bad_layer : {0u, 1u}) {
+      SCOPED_TRACE(absl::StrCat(threads, " copy threads (0: default), NaN at layer ", bad_layer));
+      const Sequence clean = MakeSequence(8 * kPage, ++seed);
+      Sequence s = clean;
+      s.k[bad_layer][(5 * kPage + 4) * row + 9] = 0x7FC1;  // token 84, block 5
+      const std::string want = absl::StrCat("k: NaN or Inf at layer ", bad_layer, ", token 84");
+      auto put = c->BeginPut(s.tokens);
+      ASSERT_TRUE(put.ok()) << put.status();
+      for (uint32_t l = 0; l < kLayers; ++l) {
+        const absl::Status w = (*put)->WriteLayerAsync(l, s.ks()[l], s.vs()[l]);
+        EXPECT_TRUE(w.ok()) << "layer " << l << ": " << w;
+      }
+      const absl::Status flushed = (*put)->Flush();
+      EXPECT_EQ(flushed.code(), absl::StatusCode::kInvalidArgument) << flushed;
+      EXPECT_THAT(flushed.message(), HasSubstr(want));
+      const absl::Status committed = (*put)->Commit().status();
+      EXPECT_EQ(committed, flushed);
+      auto look = c->Lookup(s.tokens);
+      ASSERT_TRUE(look.ok()) << look.status();
+      EXPECT_EQ(look->num_blocks, 0u);
+      auto st = c->Stats();
+      ASSERT_TRUE(st.ok()) << st.status();
+      EXPECT_EQ(st->open_puts, 0u);
+      EXPECT_EQ(st->staging_bytes, 0u);
+      auto again = c->BeginPut(clean.tokens);
+      ASSERT_TRUE(again.ok()) << again.status();
+      for (uint32_t l = 0; l < kLayers; ++l) {
+        ASSERT_TRUE((*again)->WriteLayerAsync(l, clean.ks()[l], clean.vs()[l]).ok());
+      }
+      auto r = (*again)->Commit();
+      ASSERT_TRUE(r.ok()) << r.status();
+      EXPECT_EQ(r->blocks_written, 8u);
+      auto lease = c->Acquire(clean.tokens);
+      ASSERT_TRUE(lease.ok()) << lease.status();
+      auto pools = MakePools(*c, 8);
+      ASSERT_NE(pools, nullptr);
+      auto f = c->Fetch(*lease, pools->plan);
+      ASSERT_TRUE(f.ok()) << f.status();
+      EXPECT_EQ(f->num_blocks, 8u);
+      EXPECT_EQ(VerifyFetch(clean, spec, *f, *pools), 0);
+      EXPECT_TRUE(c->Release(*lease).ok());
+    }
+  }
+}
+
 TEST_P(PoolIntegrationTest, BadInputsGetClearStatusesAndDamageNothing) {
   StartServer({"--capacity", "1MiB", "--max-put-blocks", "128"});
   const auto spec = Spec("int2");

@@ -482,10 +482,20 @@ class PutSessionImpl final : public PutSession {
     if (!s.ok() && error_.ok()) error_ = std::move(s);
     return error_;
   }
+  // Records a NaN/Inf status (NonFiniteError) unless one is recorded already. Layers are
+  // checked in order, so the first recorded is the lowest bad layer's.
+  void Poison(absl::Status s) {
+    if (!s.ok() && nonfinite_.ok()) nonfinite_ = std::move(s);
+  }
+  // What Flush and Commit return: the NaN/Inf of the lowest bad layer first (it depends only on
+  // the caller's data, while whether a data-plane error also happened can depend on timing:
+  // nothing is sent after a bad layer is found), else the put's sticky error.
+  const absl::Status& PutStatus() const { return !nonfinite_.ok() ? nonfinite_ : error_; }
   // WriteLayer after CheckLayerArgs accepted the layer (counted from here on, whatever this
-  // returns). `report_own_nonfinite` false (WriteLayerAsync packing on the calling thread): a
-  // NaN/Inf in this layer poisons the put but is not returned by this call — the next call of
-  // the session reports it, as for a layer packed by the copy threads.
+  // returns). `report_own_nonfinite` true (WriteLayer): a NaN/Inf in this layer is returned at
+  // once; false (WriteLayerAsync packing on the calling thread): it poisons the put and only
+  // Flush and Commit report it, as for a layer packed by the copy threads. Never returns a
+  // NaN/Inf of an earlier layer.
   absl::Status WriteAcceptedLayer(uint32_t layer, absl::Span<const uint16_t> k,
                                   absl::Span<const uint16_t> v, bool report_own_nonfinite);
   // Where block i's slice of `layer` is packed (its layer offset in the destination): the
@@ -527,17 +537,19 @@ class PutSessionImpl final : public PutSession {
   bool AsyncLayerDone(uint32_t l) const {
     return async_left_[l].load(std::memory_order_acquire) == 0;
   }
-  // RMA and pool-initiated mode: sends the layers [packed_layers_, upto) not sent yet, which
-  // must all be packed (joined, or waited for by WriteLayerAsync); a layer holding NaN/Inf is
-  // not sent and poisons the put. Returns error_.
-  absl::Status SendPacked(uint32_t upto);
+  // RMA and pool-initiated mode: sends the leading layers of [packed_layers_, next_layer_)
+  // whose tasks have all finished, in order, without waiting for any (after JoinAsync: all of
+  // them); a layer holding NaN/Inf is not sent, poisons the put and nothing after it is sent.
+  // Returns error_ (never the NaN/Inf status).
+  absl::Status SendPacked();
   // INVALID_ARGUMENT naming the first non-finite token of finished asynchronous layer l (OK when
   // every value is finite or ClientOptions::check_finite is off).
   absl::Status AsyncFiniteError(uint32_t l) const;
-  // The same status for asynchronous layer l from its source values, scanned on the calling
-  // thread (read only; the layer's tasks may still be running): the first WRITE block, in
-  // order, holding a NaN/Inf, named by NonFiniteError.
-  absl::Status ScanFiniteError(uint32_t l) const;
+  // The same status for layer l from its source values k/v, scanned on the calling thread
+  // without packing (WriteLayer on a put poisoned by an earlier layer, so that it still reports
+  // its own layer's NaN/Inf): the first WRITE block, in order, holding a NaN/Inf, named by
+  // NonFiniteError.
+  absl::Status ScanFiniteError(uint32_t l, const uint16_t* k, const uint16_t* v) const;
   // Packs layer `layer` of every WRITE block i from k/v into dst(i) (that block's layer slice,
   // Bf16LayerBytes), scanning the copied values for NaN/Inf in the same pass (when
   // ClientOptions::check_finite) and feeding the packed bytes to each block's checksum. Shared
@@ -546,7 +558,7 @@ class PutSessionImpl final : public PutSession {
   // hashed by the same thread; the calling thread streams only the parts of chunks that
   // straddle layers). A non-finite value
   // returns INVALID_ARGUMENT naming the layer and the first bad token and poisons the put
-  // (some blocks' checksums already took the layer; Commit fails with the same status).
+  // (Poison; some blocks' checksums already took the layer; Flush and Commit return it).
   absl::Status PackLayer(uint32_t layer, const uint16_t* k, const uint16_t* v,
                          absl::FunctionRef<uint8_t*(size_t)> dst);
   // Pool-initiated mode. StartPull asks the pool (in the background: one asynchronous
@@ -599,9 +611,14 @@ class PutSessionImpl final : public PutSession {
   uint32_t packed_layers_ = 0;
   uint64_t bytes_written_ = 0;
   bool finished_ = false;
-  // The first error of this put after its layers' arguments were accepted: data plane, NaN/Inf,
-  // cancellation, a dead pool. Sticky: every later WriteLayer(Async), Flush and Commit returns it.
+  // The first error of this put after its layers' arguments were accepted, other than NaN/Inf:
+  // data plane, cancellation, a dead pool. Sticky: every later WriteLayer(Async), Flush and
+  // Commit returns it.
   absl::Status error_;
+  // The first NaN/Inf found (the lowest bad layer; ClientOptions::check_finite). It poisons the
+  // put: nothing more is packed or sent, and Flush and Commit (which aborts) return it. Never
+  // returned by WriteLayerAsync; WriteLayer returns only its own layer's (client.h).
+  absl::Status nonfinite_;
   std::shared_ptr<SessionLink> link_;  // to the client (F12); SetLink, right after construction
   bool detached_ = false;              // DetachFromClient ran: client_ must not be used
 
@@ -1981,6 +1998,7 @@ absl::Status PutSessionImpl::CheckAttached() const {
 
 absl::Status PutSessionImpl::StartPull() {
   if (!error_.ok()) return error_;
+  if (!nonfinite_.ok()) return error_;  // poisoned: Commit aborts, nothing more is pulled
   if (writes_.empty() || requested_layers_ >= packed_layers_) return error_;
   const BlockGeometry& g = conn_.geometry;
   const uint64_t slice = g.Bf16LayerBytes(), form = g.Bf16FormBytes();
@@ -2114,7 +2132,7 @@ absl::Status PutSessionImpl::PackLayer(uint32_t layer, const uint16_t* k, const 
   if (bad == tasks) return absl::OkStatus();
   // Name the first non-finite token of the first bad block (element by element, rare path).
   absl::Status s = NonFiniteError(g, layer, writes_[bad / per_block].index, k, v);
-  if (error_.ok()) error_ = s;  // sticky: this layer's bytes already reached some checksums
+  Poison(s);  // this layer's bytes already reached some checksums: the put cannot commit
   return s;
 }
 
@@ -2198,18 +2216,25 @@ absl::Status PutSessionImpl::WriteAcceptedLayer(uint32_t layer, absl::Span<const
                                                 absl::Span<const uint16_t> v,
                                                 bool report_own_nonfinite) {
   // Asynchronous layers before this one are joined first: their straddling checksum pieces
-  // stream before this layer's, and in RMA / pool-initiated mode they are sent before it; a
-  // NaN/Inf in one of them is this call's status.
+  // stream before this layer's, and in RMA / pool-initiated mode they are sent before it. A
+  // NaN/Inf in one of them poisons the put (Flush and Commit report it), not this call.
   if (async_pending_) (void)JoinAsync();
   (void)CheckPutAlive();
   ++next_layer_;                    // accepted: the layer counts, whatever this call returns
-  if (!error_.ok()) return error_;  // failed or poisoned: nothing more is written
+  if (!error_.ok()) return error_;  // failed: nothing more is written
   if (writes_.empty()) {
     packed_layers_ = next_layer_;
     return absl::OkStatus();
   }
-  // This layer's own NaN/Inf (PackLayer made it the put's error): returned by WriteLayer; for
-  // WriteLayerAsync left to the session's next call, as when the copy threads find it.
+  if (!nonfinite_.ok()) {
+    // Poisoned by an earlier layer (every earlier layer is checked by now: joined above):
+    // nothing more is packed or sent. WriteLayer still reports its own layer's NaN/Inf, from a
+    // read-only scan, so that its status depends only on its own layer.
+    if (!report_own_nonfinite) return absl::OkStatus();
+    return ScanFiniteError(layer, k.data(), v.data());
+  }
+  // This layer's own NaN/Inf (PackLayer poisoned the put with it): returned by WriteLayer; for
+  // WriteLayerAsync left to Flush and Commit, as when the copy threads find it.
   auto own_nonfinite = [&](absl::Status s) { return report_own_nonfinite ? s : absl::OkStatus(); };
 
   const uint64_t slice = conn_.geometry.Bf16LayerBytes();
@@ -2349,17 +2374,15 @@ absl::Status PutSessionImpl::AsyncFiniteError(uint32_t l) const {
   return absl::OkStatus();
 }
 
-absl::Status PutSessionImpl::ScanFiniteError(uint32_t l) const {
+absl::Status PutSessionImpl::ScanFiniteError(uint32_t l, const uint16_t* k,
+                                             const uint16_t* v) const {
   if (!client_->options().check_finite) return absl::OkStatus();
   const BlockGeometry& g = conn_.geometry;
   const size_t block_elems = size_t(g.page_size) * g.num_kv_heads * g.head_dim;
   for (const Block& b : writes_) {
     const size_t at = size_t(b.index) * block_elems;
-    if (Bf16AllFinite(async_k_[l] + at, block_elems) &&
-        Bf16AllFinite(async_v_[l] + at, block_elems)) {
-      continue;
-    }
-    return NonFiniteError(g, l, b.index, async_k_[l], async_v_[l]);
+    if (Bf16AllFinite(k + at, block_elems) && Bf16AllFinite(v + at, block_elems)) continue;
+    return NonFiniteError(g, l, b.index, k, v);
   }
   return absl::OkStatus();
 }
@@ -2382,19 +2405,21 @@ absl::Status PutSessionImpl::JoinAsync() {
     if (bad.ok()) bad = AsyncFiniteError(l);
   }
   async_joined_ = next_layer_;
-  (void)Fail(bad);  // poisons the put (Commit fails with it)
-  return SendPacked(next_layer_);
+  Poison(bad);  // Flush and Commit return it
+  return SendPacked();
 }
 
-absl::Status PutSessionImpl::SendPacked(uint32_t upto) {
+absl::Status PutSessionImpl::SendPacked() {
   if (direct_) return error_;
   const BlockGeometry& g = conn_.geometry;
   const uint64_t slice = g.Bf16LayerBytes(), form = g.Bf16FormBytes();
-  while (error_.ok() && packed_layers_ < upto) {
+  while (error_.ok() && nonfinite_.ok() && packed_layers_ < next_layer_) {
     const uint32_t l = packed_layers_;
+    // Not packed yet: a later call, Flush or Commit sends it (nothing here waits for a layer).
+    if (async_k_[l] != nullptr && !AsyncLayerDone(l)) break;
     // A layer holding NaN/Inf is never sent (check_finite): the put is poisoned.
     if (absl::Status s = AsyncFiniteError(l); !s.ok()) {
-      error_ = s;
+      Poison(std::move(s));
       break;
     }
     if (!pool_initiates()) {
@@ -2422,79 +2447,63 @@ absl::Status PutSessionImpl::WriteLayerAsync(uint32_t layer, absl::Span<const ui
   KVPOOL_RETURN_IF_ERROR(CheckLayerArgs(layer, k, v));
   CopyPool& pool = client_->copy_pool();
   // One thread, or a put below the floor: the synchronous path (the same work, done before
-  // return; waking the workers for it would cost more than it saves), reporting this layer's
-  // own NaN/Inf at the next call, as below.
+  // return; waking the workers for it would cost more than it saves), leaving this layer's
+  // own NaN/Inf to Flush and Commit, as below.
   if (writes_.empty() || pool.threads() <= 1 ||
       writes_.size() * conn_.geometry.Bf16FormBytes() < client_->parallel_async_put_min_bytes()) {
     return WriteAcceptedLayer(layer, k, v, /*report_own_nonfinite=*/false);
   }
   // Accepted: the layer counts from here on, whatever this call returns (client.h).
   if (CheckPutAlive().ok() && async_ == nullptr) (void)Fail(InitAsync());
-  if (!error_.ok()) {
-    ++next_layer_;
-    return error_;  // failed or poisoned: nothing more is packed or sent
-  }
+  ++next_layer_;
+  if (!error_.ok()) return error_;  // failed: nothing more is packed or sent
+  // Poisoned by a NaN/Inf found in an earlier layer: nothing more is packed (Flush and Commit
+  // report it). Whether it was found by now depends on timing; this call's status does not.
+  if (!nonfinite_.ok()) return absl::OkStatus();
   async_k_[layer] = k.data();
   async_v_[layer] = v.data();
-  ++next_layer_;
   async_pending_ = true;
   bytes_written_ += conn_.geometry.Bf16LayerBytes() * writes_.size();
   pool.Submit(*async_, async_first_[layer + 1]);
-  // Then this call learns whether the previous layer is finite: by waiting for it (helping with
-  // it when it is not done; it had the caller's compute time, and this layer's tasks are already
-  // queued behind it, so the copy threads never run dry), or, for a small layer in direct mode,
-  // by scanning it (below). So on every path this call knows whether every earlier layer was
-  // finite and reports the first NaN/Inf among them, and never this layer's own (newcomer report
-  // s7 F1: which call reported what depended on the path and on timing). RMA and pool-initiated
-  // mode then send every earlier layer, so at most this one waits for the next call or Flush.
-  if (layer > 0 && async_k_[layer - 1] != nullptr) {
-    const uint32_t prev = layer - 1;
-    if (direct_ && async_first_[layer] - async_first_[prev] < size_t(pool.threads())) {
-      // Direct mode sends nothing, so only the previous layer's finiteness is needed, not its
-      // bytes; and a layer of fewer tasks than copy threads would leave threads idle while this
-      // call waits (at most two layers in the background: four 16 KiB tasks of a 256 KiB put on
-      // eight threads; docs/TRANSPORT.md "Session 8"). So help while its tasks are unclaimed,
-      // and once every one of them has started somewhere, scan its values here if it is still
-      // not done (a read-only pass over one small layer). The same status either way.
-      pool.WaitFor(*async_, [&] {
-        return AsyncLayerDone(prev) || async_->claimed() >= async_first_[layer];
-      });
-      (void)Fail(AsyncLayerDone(prev) ? AsyncFiniteError(prev) : ScanFiniteError(prev));
-    } else {
-      pool.WaitFor(*async_, [&] { return AsyncLayerDone(prev); });
-      (void)Fail(AsyncFiniteError(prev));
-    }
-  }
-  return SendPacked(layer);
+  // No wait for an earlier layer (session 8: waiting for layer l-1, so that this call could
+  // report its NaN/Inf, cost the 256 KiB async put 9.66 -> 5.65 GB/s on the H200 host): a
+  // NaN/Inf in any asynchronous layer is reported by Flush and Commit only, on every path, so
+  // that which call reports it never depends on timing (newcomer report s7 F1). RMA and
+  // pool-initiated mode send the earlier layers that are already packed; the rest go at a later
+  // call, Flush or Commit.
+  return SendPacked();
 }
 
 absl::Status PutSessionImpl::Flush() {
   KVPOOL_RETURN_IF_ERROR(CheckAttached());
-  (void)JoinAsync();           // every asynchronous layer packed, checked and (RMA, pool) sent
-  if (direct_) return error_;  // stores into the mapped staging are visible once made
-  if (pool_initiates()) return PullPending();
-  absl::Status s0 = WaitSlot(0);
-  absl::Status s1 = WaitSlot(1);
-  if (!s0.ok() || !s1.ok()) return !s0.ok() ? s0 : s1;
+  // Every asynchronous layer packed, checked and (RMA, pool) sent up to the first bad one.
+  (void)JoinAsync();
+  if (direct_) return PutStatus();  // stores into the mapped staging are visible once made
+  if (pool_initiates()) {
+    (void)PullPending();
+    return PutStatus();
+  }
+  (void)WaitSlot(0);
+  (void)WaitSlot(1);
+  if (!PutStatus().ok()) return PutStatus();
   if (next_layer_ == 0 || next_layer_ == conn_.geometry.num_layers || writes_.empty()) {
     return absl::OkStatus();  // nothing sent, or the last layer's transfer flushed already
   }
   // Layers sent so far completed locally; make them visible at the pool.
-  KVPOOL_ASSIGN_OR_RETURN(auto flush, client_->transport().PostFlush(conn_.endpoint));
-  absl::Status s = flush->Wait(CallDeadline());
-  if (!s.ok() && error_.ok()) error_ = s;
-  return s;
+  auto flush = client_->transport().PostFlush(conn_.endpoint);
+  if (!flush.ok()) return flush.status();
+  return Fail((*flush)->Wait(CallDeadline()));
 }
 
 absl::StatusOr<PutResult> PutSessionImpl::Commit() {
   KVPOOL_RETURN_IF_ERROR(CheckAttached());
   if (finished_) return absl::FailedPreconditionError("put: already committed or aborted");
   (void)JoinAsync();
-  if (!error_.ok()) {
-    // The put failed or was poisoned (a NaN/Inf): its own status, however many layers were
+  if (!PutStatus().ok()) {
+    // The put was poisoned (a NaN/Inf) or failed: its own status, however many layers were
     // written (newcomer report s7 F1: a FAILED_PRECONDITION "only 3 of 5 layers written" hid the
     // INVALID_ARGUMENT when a refused layer had not been counted).
-    const absl::Status cause = error_;
+    const absl::Status cause = PutStatus();
     (void)Abort();
     return cause;
   }

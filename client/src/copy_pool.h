@@ -93,9 +93,6 @@ class CopyPool {
     // A stream must be drained (or never have been submitted) when it is destroyed.
     virtual ~Stream() = default;
     size_t published() const { return published_.load(std::memory_order_relaxed); }
-    // Tasks claimed so far (by a worker or the owner; each is running or done). A hint for the
-    // owner: every task below it has started somewhere.
-    size_t claimed() const { return claimed_.load(std::memory_order_relaxed); }
 
    protected:
     virtual void RunTask(size_t i) = 0;

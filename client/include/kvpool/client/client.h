@@ -255,10 +255,17 @@ struct PutResult {
 // Errors and layer counting. A WriteLayer(Async) refused for its own arguments or order
 // (INVALID_ARGUMENT "layer"/"k"/"v", FAILED_PRECONDITION out of order or finished) writes
 // nothing and does not count its layer: the caller may call again with the right arguments.
-// Every other error fails the put for good (a NaN/Inf, a data-plane or pool error, CANCELLED, a
-// pool found dead): it is sticky — that call (or, for a NaN/Inf of WriteLayerAsync, the next
-// one) and every later WriteLayer(Async), Flush and Commit of the session return the same
-// status, Commit after aborting the put. A call that returns the put's error still counts its
+// Every other error fails the put for good. A data-plane or pool error, CANCELLED or a pool
+// found dead is sticky: the call that finds it and every later WriteLayer(Async), Flush and
+// Commit of the session return the same status, Commit after aborting the put. A NaN/Inf
+// (ClientOptions::check_finite) poisons the put instead, with a status that never depends on
+// timing or on the data path: WriteLayerAsync never returns it (its own layer's or an earlier
+// one's); WriteLayer returns INVALID_ARGUMENT exactly when its own layer holds one, naming that
+// layer and its first bad token, whatever the earlier layers held (so a later clean WriteLayer
+// returns OK); Flush (every time) and Commit (which aborts) return INVALID_ARGUMENT naming the
+// lowest bad layer written and its first bad token — ahead of any other error of the put,
+// since whether one also happened can depend on timing (nothing is sent after a bad layer is
+// found). A call that returns an error, or writes a layer of a poisoned put, still counts its
 // layer (nothing more is written), so a caller that goes on writing layers 0..L-1 after an
 // error, or one that stops at the first error, gets that error from Commit, never a
 // FAILED_PRECONDITION about missing layers. Commit returns FAILED_PRECONDITION "only N of L
@@ -305,9 +312,10 @@ class PutSession {
   // the layer and which fail the put): INVALID_ARGUMENT "layer" (>= num_layers), "k" (fewer
   // elements than num_blocks * page_size tokens, or not a whole number of tokens of
   // num_kv_heads * head_dim elements) or "v" (not as long as k), each naming the sizes;
-  // INVALID_ARGUMENT for a non-finite value in this layer or an earlier asynchronous one, naming
-  // the layer and its first bad token (the put is poisoned: every later call and Commit return
-  // it); FAILED_PRECONDITION (layer out of order, session finished, Client destroyed);
+  // INVALID_ARGUMENT for a non-finite value in this layer, naming the layer and its first bad
+  // token (the put is poisoned: Flush and Commit return the lowest bad layer's; a NaN/Inf in an
+  // earlier layer, asynchronous or not, is not this call's status: the class comment);
+  // FAILED_PRECONDITION (layer out of order, session finished, Client destroyed);
   // CANCELLED; UNAVAILABLE (data plane; in direct mode also a pool found dead before the layer
   // is written: the mapped staging is written with no call to the pool, so the client first
   // checks that its gRPC connection is up, else asks Stats — as Fetch does; a pool that dies
@@ -330,46 +338,49 @@ class PutSession {
   // pool is found dead before the layer is queued), and the put's earlier error.
   //
   // A non-finite value (ClientOptions::check_finite) gives the same result on every path (direct,
-  // client-initiated RMA, pool-initiated; packed by the copy threads or on the calling thread):
-  // the call that queues a layer never reports that layer's own NaN/Inf; the next
-  // WriteLayer(Async), and every call after it, Flush and Commit (which aborts the put) return the
-  // same INVALID_ARGUMENT naming the lowest bad layer and its first bad token. So a NaN/Inf in the
-  // last layer is first reported by Flush or Commit. The put is poisoned as in WriteLayer: a
-  // layer holding one is never RMA-put or pulled, and later layers are counted but not written.
-  // To know this, each WriteLayerAsync(l) queues layer l and then waits until layer l-1 is packed
-  // (helping with it; it had the caller's compute time, so normally it is done), so at most two
-  // layers are packed in the background at once — except in direct mode for a layer of fewer
-  // tasks than copy threads (e.g. a 256 KiB block's 32 KiB layers on 8 threads): there the call
-  // helps only while l-1 has unstarted tasks and then, if l-1 is still running, scans l-1's values
-  // itself (read only), so more layers run at once. A data-plane error (RMA, pool pulls) is
-  // returned by the call that finds it and then, sticky, by every later one.
+  // client-initiated RMA, pool-initiated; packed by the copy threads or on the calling thread)
+  // and with any timing: no WriteLayerAsync reports a NaN/Inf, its own layer's or an earlier
+  // one's; Flush and Commit (which aborts the put: nothing becomes visible) return
+  // INVALID_ARGUMENT naming the lowest bad layer and its first bad token. The put is poisoned: a
+  // layer holding one is never RMA-put or pulled, and the layers queued after it is found are
+  // counted but not packed. No call waits for an earlier layer to learn this (session 8: such a
+  // wait, so that the next call could report it, cost the 256 KiB async put 9.66 -> 5.65 GB/s
+  // on the H200 host: docs/TRANSPORT.md "Session 8"), so any number of layers are packed in the
+  // background at once (they need no memory beyond the caller's k/v and the put's staging or
+  // registered buffer). A data-plane error (RMA, pool pulls) is returned by the call that finds
+  // it and then, sticky, by every later one.
   //
   // How it travels: direct mode — the copy threads pack straight into the mapped staging;
   // client-initiated RMA and pool-initiated mode — they pack into a registered buffer of the
-  // whole put, and each WriteLayerAsync(l) sends every layer before l once l-1 is packed, so
-  // at most the newest layer waits for the next call or Flush.
+  // whole put, and each WriteLayerAsync sends (RMA put, or one WritePut call for the pool to pull)
+  // the earlier layers, in order, that are packed by then, without waiting for any; Flush and
+  // Commit send the rest. An engine computes between two layers, so layer l-1 is normally
+  // packed and sent by the call for layer l.
   // Puts whose written blocks hold fewer than ClientOptions::parallel_async_put_min_bytes, and
   // clients with one copy thread, pack on the calling thread before return (as WriteLayer, but
-  // leaving this layer's own NaN/Inf to the next call, as above).
+  // leaving this layer's own NaN/Inf to Flush and Commit, as above).
   // Mixing WriteLayer and WriteLayerAsync in one put is allowed (WriteLayer joins the
-  // asynchronous layers before it). One copy-pool stream per put; with more than four
-  // asynchronous puts in flight at once in one client, the extra ones pack on their calling
-  // threads.
+  // asynchronous layers before it, but returns only its own layer's NaN/Inf: the class comment).
+  // One copy-pool stream per put; with more than four asynchronous puts in flight at once in one
+  // client, the extra ones pack on their calling threads.
   virtual absl::Status WriteLayerAsync(uint32_t layer, absl::Span<const uint16_t> k,
                                        absl::Span<const uint16_t> v) = 0;
   // Waits until every layer written so far is visible in the pool's staging memory (the
   // data-plane half of a put; an engine's wait_for_save), joining asynchronous layers first;
-  // afterwards the caller may reuse their k/v. Errors: UNAVAILABLE, DEADLINE_EXCEEDED,
-  // FAILED_PRECONDITION (Client destroyed), and the put's error, e.g. INVALID_ARGUMENT for a
-  // non-finite value in an asynchronous layer (the put is poisoned; see WriteLayerAsync).
+  // afterwards the caller may reuse their k/v. Errors: INVALID_ARGUMENT naming the lowest layer
+  // written that holds a non-finite value and its first bad token (from any layer, asynchronous
+  // or not; returned by every Flush of a poisoned put, ahead of other errors: the class
+  // comment), UNAVAILABLE, DEADLINE_EXCEEDED, FAILED_PRECONDITION (Client destroyed), and the
+  // put's sticky error.
   virtual absl::Status Flush() = 0;
   // Waits for every layer's transfer, sends checksums, commits. On failure the put is aborted
   // (Abort: at most 2 s more), except when CommitPut got no answer within the call timeout:
   // then Commit returns DEADLINE_EXCEEDED at that timeout and the AbortPut is sent without
   // waiting for it (a pool that does not answer the commit would hold the caller another 2 s
   // for the abort; one that was only slow may still have committed the put).
-  // Errors: the put's error when it has one (the class comment: e.g. INVALID_ARGUMENT for a
-  // NaN/Inf, however many layers were written), else FAILED_PRECONDITION (a layer missing, or
+  // Errors: the put's error when it has one (the class comment: INVALID_ARGUMENT naming the
+  // lowest layer holding a NaN/Inf and its first bad token, the same status as Flush, however
+  // many layers were written; else the sticky error), else FAILED_PRECONDITION (a layer missing, or
   // the Client destroyed), DATA_LOSS, UNAVAILABLE, DEADLINE_EXCEEDED, plus the pool's refusals
   // (e.g. INVALID_ARGUMENT for NaN/Inf found at commit; RESOURCE_EXHAUSTED when the pool has no
   // room for the new forms: the commit needs them and the put's staging at once, see
