@@ -31,7 +31,6 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "kvpool/common/cli.h"
-#include "kvpool/common/host_port.h"
 #include "kvpool/common/keys.h"
 #include "kvpool/common/log.h"
 #include "kvpool/engine/engine.h"
@@ -163,7 +162,9 @@ int main(int argc, char** argv) {
   app.add_option("--role", role, "prefill | decode | eval")
       ->required()
       ->check(CLI::IsMember({"prefill", "decode", "eval"}));
-  app.add_option("--pool", pool, "gRPC address of the pool (HOST:PORT)")->capture_default_str();
+  app.add_option("--pool", pool, "gRPC address of the pool (HOST:PORT)")
+      ->capture_default_str()
+      ->check(kvpool::cli::HostPortAddress(1));
   // Input files: a directory, a device, a FIFO or a file above the size limit is a usage error
   // naming the flag (kvpool::cli::InputFile; docs/TOOLS.md "Input files").
   CLI::Option* model_opt = app.add_option("--model", model, "GGUF model file")
@@ -246,11 +247,6 @@ int main(int argc, char** argv) {
   if (!fault_or.ok()) {
     std::fprintf(stderr, "kvpool-worker: --fault: %s\n",
                  std::string(fault_or.status().message()).c_str());
-    return kvpool::cli::kExitUsage;
-  }
-  if (auto pool_address = kvpool::ParseHostPort("--pool", pool, 1); !pool_address.ok()) {
-    std::fprintf(stderr, "kvpool-worker: %s\n",
-                 std::string(pool_address.status().message()).c_str());
     return kvpool::cli::kExitUsage;
   }
   if ((*fault_or == kw::Fault::kKillPoolMidFetch ||

@@ -17,6 +17,7 @@
 #include <yaml-cpp/yaml.h>
 
 #include "kvpool/common/atomic_file.h"
+#include "kvpool/common/host_port.h"
 #include "kvpool/common/log.h"
 #include "kvpool/common/version.h"
 
@@ -417,6 +418,18 @@ void RefuseSameFiles(CLI::App* app, std::vector<FileFlag> outputs, std::vector<F
       }
     }
   });
+}
+
+CLI::Validator HostPortAddress(int min_port) {
+  return CLI::Validator(
+      [min_port](std::string& v) -> std::string {
+        constexpr absl::string_view kField = "address";
+        auto hp = ParseHostPort(kField, v, min_port);
+        if (hp.ok()) return {};
+        const absl::string_view msg = hp.status().message();
+        return std::string(msg.substr(std::min(msg.size(), kField.size() + 2)));  // "address: "
+      },
+      "HOST:PORT");
 }
 
 std::string VersionString() { return std::string(kVersion) + " (git " + kGitSha + ")"; }

@@ -78,6 +78,33 @@ CLI::Validator WatermarkFraction() {
       "in [0.5, 1]");
 }
 
+// CLI11 checks for --capacity and --max-registration-bytes: a positive byte count ParseBytes
+// reads, and for --capacity 1 MiB .. this machine's physical memory (the pool's memory is
+// allocated and pinned up front: more can only end in swapping or the OOM killer, less cannot
+// hold a block of any real model). At parse time, so a value from a --config file is named with
+// the file and its key (cli::Parse; newcomer s8 N9).
+CLI::Validator ByteCount(const char* examples, bool capacity_bounds) {
+  return CLI::Validator(
+      [examples, capacity_bounds](std::string& v) -> std::string {
+        uint64_t bytes = 0;
+        if (!ParseBytes(v, &bytes) || bytes == 0) {
+          return absl::StrCat(
+              "cannot parse \"", v,
+              "\" as a positive byte count (bytes, or digits and a unit: ", examples, ")");
+        }
+        constexpr uint64_t kMinCapacity = 1ull << 20;
+        const uint64_t physical = static_cast<uint64_t>(sysconf(_SC_PHYS_PAGES)) *
+                                  static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+        if (capacity_bounds && (bytes < kMinCapacity || (physical > 0 && bytes > physical))) {
+          return absl::StrCat(v, " (", bytes,
+                              " bytes) is outside 1 MiB .. this machine's physical memory (",
+                              physical, " bytes)");
+        }
+        return {};
+      },
+      "BYTES");
+}
+
 // CLI11 check for --rotation-dir: empty (the documented "no rotation file for a client", also
 // `rotation-dir: ""` in a --config file) or an existing directory. CLI::ExistingDirectory alone
 // refused the empty value as "Directory does not exist: " (newcomer s8 N2).
@@ -134,20 +161,23 @@ int main(int argc, char** argv) {
   std::string capacity = "1GiB";
   int64_t put_timeout_ms = 30000, lease_ms = 10000, max_lease_ms = 300000;
   int64_t tick_ms = 100, drain_ms = 10000, readiness_delay_ms = 0;
-  app.add_option("--listen", o.listen, "gRPC address HOST:PORT (port 0 = any free port)");
+  app.add_option("--listen", o.listen, "gRPC address HOST:PORT (port 0 = any free port)")
+      ->check(kvpool::cli::HostPortAddress(0));
   app.add_option("--metrics-port", o.metrics_port,
                  "HTTP port of /metrics (Prometheus text); 0 = any free port, -1 = off")
       ->check(kvpool::cli::Range(-1, 65535));
   app.add_option("--capacity", capacity,
                  "Pool memory for blocks and staging: bytes or with a unit (KiB, MiB, GiB, TiB, "
-                 "KB, MB, GB, TB)");
+                 "KB, MB, GB, TB), 1 MiB .. this machine's physical memory")
+      ->check(ByteCount("64GiB, 512MiB, 1000000", /*capacity_bounds=*/true));
   std::string max_registration = "1GiB";
   app.add_option("--max-registration-bytes", max_registration,
                  "Most memory model registrations (parsed rotation files) may hold outside "
                  "--capacity; past it, registrations without stored blocks or open puts are "
                  "freed least recently used first, else RegisterModel is refused "
                  "(RESOURCE_EXHAUSTED). Same units as --capacity")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(ByteCount("1GiB, 512MiB", /*capacity_bounds=*/false));
   app.add_option("--data-plane", o.data_plane,
                  "ucx (pinned host memory registered with UCX) or none (heap; control plane only)");
   app.add_option("--ucx-tls", o.ucx_tls,
@@ -227,37 +257,9 @@ int main(int argc, char** argv) {
   KVPOOL_CLI_PARSE(app, argc, argv);
   o.store.commit_device = *kvpool::kvstore::ParseCommitDevice(commit_device);
 
-  if (!ParseBytes(capacity, &o.capacity_bytes) || o.capacity_bytes == 0) {
-    std::fprintf(stderr,
-                 "kvpool-server: --capacity: cannot parse \"%s\" as a positive byte count "
-                 "(bytes, or digits and a unit: 64GiB, 512MiB, 1000000)\nRun with --help for more "
-                 "information.\n",
-                 capacity.c_str());
-    return kvpool::cli::kExitUsage;
-  }
-  if (!ParseBytes(max_registration, &o.store.max_registration_bytes) ||
-      o.store.max_registration_bytes == 0) {
-    std::fprintf(stderr,
-                 "kvpool-server: --max-registration-bytes: cannot parse \"%s\" as a positive "
-                 "byte count (bytes, or digits and a unit: 1GiB, 512MiB)\nRun with --help for "
-                 "more information.\n",
-                 max_registration.c_str());
-    return kvpool::cli::kExitUsage;
-  }
-  // The pool's memory is allocated (and pinned) up front: a capacity beyond this machine's
-  // physical memory can only end in swapping or the OOM killer, and one below 1 MiB cannot hold a
-  // block of any real model.
-  constexpr uint64_t kMinCapacity = 1ull << 20;
-  const uint64_t physical =
-      static_cast<uint64_t>(sysconf(_SC_PHYS_PAGES)) * static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
-  if (o.capacity_bytes < kMinCapacity || (physical > 0 && o.capacity_bytes > physical)) {
-    std::fprintf(stderr,
-                 "kvpool-server: --capacity: %s (%llu bytes) is outside 1 MiB .. this machine's "
-                 "physical memory (%llu bytes)\nRun with --help for more information.\n",
-                 capacity.c_str(), static_cast<unsigned long long>(o.capacity_bytes),
-                 static_cast<unsigned long long>(physical));
-    return kvpool::cli::kExitUsage;
-  }
+  // Checked by ByteCount at parse time.
+  ParseBytes(capacity, &o.capacity_bytes);
+  ParseBytes(max_registration, &o.store.max_registration_bytes);
   // A default lease longer than the longest one a client may request contradicts itself; the
   // pool used to raise the maximum silently.
   if (lease_ms > max_lease_ms) {

@@ -1417,6 +1417,43 @@ TEST(ServerBinaryTest, ContradictoryOrMalformedFlagsNameTheFlag) {
   }
 }
 
+// Values a --config file gives are checked with the flags, so their errors name the file and the
+// key (newcomer s8 N9): --capacity, --max-registration-bytes and --listen were checked after
+// parsing ("--capacity: cannot parse ..." / the store's "listen: ..."), as if from the command
+// line; a range check ("metrics-port: abc") said nothing of the file either.
+TEST(ServerBinaryTest, ConfigFileValueErrorsNameTheFileAndTheKey) {
+  const std::string path = ::testing::TempDir() + "/kvpool_server_bad_value.yaml";
+  struct Case {
+    const char* line;
+    const char* want;
+  };
+  for (const Case& c : {
+           Case{"capacity: lots",
+                "key \"capacity\": --capacity: cannot parse \"lots\" as a positive byte count"},
+           Case{"capacity: 1", "key \"capacity\": --capacity: 1 (1 bytes) is outside 1 MiB .. "},
+           Case{"max-registration-bytes: 0",
+                "key \"max-registration-bytes\": --max-registration-bytes: cannot parse \"0\""},
+           Case{"listen: \"[::1]\"",
+                "key \"listen\": --listen: '[::1]' has no port (want [::1]:PORT)"},
+           Case{"metrics-port: abc",
+                "key \"metrics-port\": --metrics-port: 'abc' is not an integer (want "
+                "-1..65535)"},
+       }) {
+    std::ofstream(path) << "data-plane: none\n" << c.line << "\n";
+    auto [rc, text] = RunToExit({"--config", path});
+    EXPECT_EQ(rc, 1) << c.line << ": " << text;
+    EXPECT_NE(text.find("kvpool-server: --config '" + path + "' " + c.want), std::string::npos)
+        << c.line << ": " << text;
+    EXPECT_EQ(text.find("grpc_port="), std::string::npos) << text;
+  }
+  unlink(path.c_str());
+  // The same values on the command line name the flag only.
+  auto [rc, text] = RunToExit({"--data-plane", "none", "--capacity", "lots"});
+  EXPECT_EQ(rc, 1) << text;
+  EXPECT_NE(text.find("kvpool-server: --capacity: cannot parse \"lots\""), std::string::npos)
+      << text;
+}
+
 TEST(ServerBinaryTest, ConfigFileWithAnUnknownKeyIsAUsageError) {
   for (const char* key : {"metrics_port: -1", "bogus_key: 3"}) {
     const std::string path = ::testing::TempDir() + "/kvpool_server_bad_key.yaml";

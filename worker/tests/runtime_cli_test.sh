@@ -165,6 +165,9 @@ expect_err "kvpool-worker: --config '${work}/empty-id.yaml' key \"model-id\": --
 # A bracketed IPv6 host without a port said "unbalanced or empty IPv6 brackets" (newcomer s8 N5).
 expect 1 "--pool [::1] (no port)" -- "${worker}" --role decode --pool "[::1]" "${base[@]}" "${prompt[@]}"
 expect_err "kvpool-worker: --pool: '\[::1\]' has no port (want \[::1\]:PORT)" "the message says the port is missing"
+printf 'pool: "[::1]"\n' > "${work}/pool.yaml"
+expect 1 "pool: [::1] in --config" -- "${worker}" --config "${work}/pool.yaml" --role decode "${base[@]}" "${prompt[@]}"
+expect_err "kvpool-worker: --config '${work}/pool.yaml' key \"pool\": --pool: '\[::1\]' has no port" "the message names the file and the key"
 # A boolean that is none lists what is accepted (newcomer s8 N9; was CLI11's "Could not convert").
 expect 1 "--teacher-force maybe" -- "${worker}" --role decode --pool 127.0.0.1:1 --teacher-force maybe "${base[@]}" "${prompt[@]}"
 expect_err "kvpool-worker: --teacher-force: 'maybe' is not a boolean (want true or false" "the message lists the accepted values"

@@ -186,6 +186,13 @@ CLI::Validator Range(T min, T max) {
       "in " + want);
 }
 
+// CLI11 check that a value is HOST:PORT as kvpool::ParseHostPort (kvpool/common/host_port.h)
+// reads it, port in min_port..65535; the message is ParseHostPort's without its field, which
+// CLI11 puts in front: "--pool: '[::1]' has no port (want [::1]:PORT)". At parse time, so a
+// value from a --config file is named with the file and its key.
+// Usage: app.add_option("--pool", pool)->check(HostPortAddress(1)).
+CLI::Validator HostPortAddress(int min_port);
+
 // Parses; on --help/--version prints and returns kExitOk, on a usage error prints a one-line
 // message and returns kExitUsage; returns -1 when the program should continue.
 int Parse(CLI::App& app, int argc, char** argv);
