@@ -607,6 +607,73 @@ TEST_F(StoreTest, UncommittedPutExpiresAndIsReclaimed) {
   EXPECT_TRUE(Forms(8, 4).empty());
 }
 
+// Newcomer report s8 N11: the put timeout was enforced only by Tick, so a commit 1 s past
+// --put-timeout-ms (tick 60 s) committed. Fail closed like a lease: past its deadline a put is
+// expired at its next call, before any Tick — NOT_FOUND naming the put timeout (the client turns
+// it into DEADLINE_EXCEEDED "not committed within the pool's put timeout"), staging reclaimed,
+// nothing visible, counted once in put_expiries.
+TEST_F(StoreTest, APutPastItsDeadlineFailsClosedBeforeTheTick) {
+  // In time (4 s of 5): commits.
+  auto ok_plan = store_->BeginPut(ns_, Tokens(7, 16), 4, absl::Seconds(5));
+  ASSERT_TRUE(ok_plan.ok());
+  auto ok_sums = Write(*ok_plan, 7);
+  clock_.Advance(absl::Seconds(4));
+  ASSERT_TRUE(store_->CommitPut(ns_, ok_plan->put_id, ok_sums).ok());
+  const uint64_t used = store_->Stats().used_bytes;
+
+  // CommitPut 1 s past the deadline, no Tick in between.
+  auto plan = store_->BeginPut(ns_, Tokens(8, 16), 4, absl::Seconds(5));
+  ASSERT_TRUE(plan.ok());
+  auto sums = Write(*plan, 8);
+  EXPECT_GT(store_->Stats().staging_bytes, 0u);
+  clock_.Advance(absl::Seconds(6));
+  auto late = store_->CommitPut(ns_, plan->put_id, sums);
+  ASSERT_EQ(late.status().code(), absl::StatusCode::kNotFound) << late.status();
+  EXPECT_THAT(late.status().message(),
+              HasSubstr("expired: not committed within the pool's put timeout of 5000 ms (its "
+                        "deadline passed 1000 ms ago); staging reclaimed"));
+  StoreStats st = store_->Stats();
+  EXPECT_EQ(st.open_puts, 0u);
+  EXPECT_EQ(st.staging_bytes, 0u);
+  EXPECT_EQ(st.used_bytes, used);
+  EXPECT_TRUE(Forms(8, 4).empty());
+  EXPECT_EQ(store_->metrics().put_expiries.load(), 1u);
+  store_->Tick();  // nothing left for it: counted once
+  EXPECT_EQ(store_->metrics().put_expiries.load(), 1u);
+  EXPECT_EQ(store_->CommitPut(ns_, plan->put_id, sums).status().code(),
+            absl::StatusCode::kNotFound);
+
+  // A WritePut (BeginPutWrite) and an AbortPut past the deadline: the same.
+  auto w = store_->BeginPut(ns_, Tokens(9, 16), 4, absl::Seconds(1));
+  auto a = store_->BeginPut(ns_, Tokens(10, 16), 4, absl::Seconds(1));
+  ASSERT_TRUE(w.ok() && a.ok());
+  clock_.Advance(absl::Seconds(2));
+  EXPECT_EQ(store_->BeginPutWrite(ns_, w->put_id).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(store_->AbortPut(ns_, a->put_id).message(),
+              HasSubstr("not committed within the pool's put timeout of 1000 ms"));
+  EXPECT_EQ(store_->Stats().open_puts, 0u);
+  EXPECT_EQ(store_->Stats().staging_bytes, 0u);
+  EXPECT_EQ(store_->metrics().put_expiries.load(), 3u);
+  EXPECT_EQ(store_->metrics().put_aborts.load(), 0u);
+
+  // A pull still writing the staging when the deadline passes: the commit is refused, the
+  // staging stays until the pull ends, then Tick reclaims it.
+  auto p = store_->BeginPut(ns_, Tokens(11, 16), 4, absl::Seconds(1));
+  ASSERT_TRUE(p.ok());
+  auto psums = Write(*p, 11);
+  ASSERT_TRUE(store_->BeginPutWrite(ns_, p->put_id).ok());
+  clock_.Advance(absl::Seconds(2));
+  EXPECT_EQ(store_->CommitPut(ns_, p->put_id, psums).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(store_->Stats().open_puts, 1u);
+  store_->EndPutWrite(p->put_id);
+  store_->Tick();
+  EXPECT_EQ(store_->Stats().open_puts, 0u);
+  EXPECT_EQ(store_->Stats().staging_bytes, 0u);
+  EXPECT_EQ(store_->metrics().put_expiries.load(), 4u);
+  EXPECT_TRUE(Forms(11, 4).empty());
+  EXPECT_EQ(Forms(7, 4).size(), 4u);  // the put committed in time is intact
+}
+
 TEST_F(StoreTest, LeasesRenewReleaseAndExpire) {
   ASSERT_TRUE(Put(9, 3).ok());
   auto l = store_->Acquire(ns_, {.token_ids = Tokens(9, 16)}, 0, absl::Seconds(2));

@@ -338,6 +338,11 @@ class BlockStore {
   // links every block atomically. Any error aborts the put (staging freed, nothing visible).
   // Errors also: NOT_FOUND (unknown/expired put), FAILED_PRECONDITION (put of another
   // namespace, or already committing), RESOURCE_EXHAUSTED (no space for the forms).
+  // Fail closed: a put past its deadline (BeginPut's time + its timeout) is expired even before
+  // Tick runs. CommitPut, AbortPut and BeginPutWrite then answer NOT_FOUND ("expired: not
+  // committed within the pool's put timeout of N ms ...") and reclaim its staging (counted in
+  // put_expiries), unless a WritePut still holds a claim (then Tick reclaims it after
+  // EndPutWrite). A commit that started before the deadline completes.
   absl::StatusOr<CommitResult> CommitPut(const Digest& namespace_id, uint64_t put_id,
                                          absl::Span<const BlockChecksum> checksums);
 
@@ -464,6 +469,7 @@ class BlockStore {
     uint64_t id = 0;
     const Model* model = nullptr;
     absl::Time deadline;
+    absl::Duration timeout;  // the effective put timeout (deadline - BeginPut's time)
     bool committing = false;
     uint32_t writers = 0;  // BeginPutWrite claims in progress
     std::vector<PutBlockState> blocks;
@@ -499,7 +505,8 @@ class BlockStore {
   void ReleasePutLocked(Put& put, bool free_staging);
   // The open put `put_id` of `namespace_id` that is not committing. Caller holds mu_
   // exclusively. Errors: NOT_FOUND (unknown, expired, aborted, committed or another
-  // namespace's put), FAILED_PRECONDITION (already committing), both naming put_id.
+  // namespace's put), FAILED_PRECONDITION (already committing), both naming put_id. A put past
+  // its deadline is NOT_FOUND and, with no WritePut claim, reclaimed here (fail closed).
   absl::StatusOr<std::unordered_map<uint64_t, Put>::iterator> FindOpenPutLocked(
       const Digest& namespace_id, uint64_t put_id);
   // Drops one pin; at the last one frees the block's dropped forms, and removes the block when
