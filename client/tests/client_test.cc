@@ -724,6 +724,34 @@ TEST_P(ClientTest, AHistoryBlockHeldInBf16OnlyEndsTheFetchSayingWhy) {
   }
 }
 
+// Newcomer report s8 N10: Lookup/Acquire with 0 tokens answered the wire-level
+// "INVALID_ARGUMENT: token_ids/keys: give exactly one of them" (the C++ calls have no keys
+// argument). No tokens hold no full block: the same answer as 5 tokens, 0 blocks / no lease.
+TEST_P(ClientTest, LookupAndAcquireOfFewerTokensThanOneBlockFindNothing) {
+  auto c = NewClient();
+  ASSERT_NE(c, nullptr);
+  ASSERT_TRUE(c->RegisterModel(Spec("int2")).ok());
+  Sequence s = MakeSequence(2 * kPage, 81);
+  ASSERT_TRUE(c->Put(s.tokens, s.ks(), s.vs()).ok());
+  const std::vector<uint32_t> none;
+  const std::vector<uint32_t> five(s.tokens.begin(), s.tokens.begin() + 5);
+  for (const std::vector<uint32_t>* t : {&none, &five}) {
+    SCOPED_TRACE(absl::StrCat(t->size(), " tokens"));
+    auto look = c->Lookup(*t);
+    ASSERT_TRUE(look.ok()) << look.status();
+    EXPECT_EQ(look->num_blocks, 0u);
+    EXPECT_TRUE(look->blocks.empty());
+    auto lease = c->Acquire(*t);
+    ASSERT_TRUE(lease.ok()) << lease.status();
+    EXPECT_EQ(lease->id, 0u);
+    EXPECT_TRUE(lease->blocks.empty());
+  }
+  EXPECT_EQ(c->Stats()->leases, 0u);
+  auto full = c->Lookup(s.tokens);  // the stored blocks are found as before
+  ASSERT_TRUE(full.ok()) << full.status();
+  EXPECT_EQ(full->num_blocks, 2u);
+}
+
 // Newcomer report s7 F13: a k span that is not a whole number of tokens, and a v span of
 // another length than k, were accepted (the extra elements ignored). Both WriteLayer and
 // WriteLayerAsync refuse them naming the span and the sizes; a refused call writes nothing and

@@ -612,12 +612,16 @@ class Client {
                                         absl::Span<const absl::Span<const uint16_t>> v,
                                         const CallOptions& call = {}) = 0;
 
-  // Longest held prefix of `tokens` and its forms. Side-effect free.
+  // Longest held prefix of `tokens` and its forms. Side-effect free. Fewer tokens than one
+  // block (0 included) hold no full block: 0 blocks (0 tokens are answered without a call to
+  // the pool, after the registration check). Errors: FAILED_PRECONDITION (no model
+  // registered), UNAVAILABLE, DEADLINE_EXCEEDED.
   virtual absl::StatusOr<LookupResult> Lookup(absl::Span<const uint32_t> tokens,
                                               const CallOptions& call = {}) = 0;
 
   // Leases the longest held prefix (at most max_blocks when > 0) for `lease_ms` (0 = the
-  // pool's default). A lease with id 0 means nothing is held.
+  // pool's default). A lease with id 0 means nothing is held — also the answer for fewer
+  // tokens than one block (0 included, answered without a call to the pool).
   virtual absl::StatusOr<Lease> Acquire(absl::Span<const uint32_t> tokens, uint32_t max_blocks = 0,
                                         uint32_t lease_ms = 0, const CallOptions& call = {}) = 0;
   virtual absl::Status Renew(Lease& lease, uint32_t lease_ms = 0, const CallOptions& call = {}) = 0;
