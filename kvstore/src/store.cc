@@ -507,10 +507,16 @@ absl::StatusOr<uint64_t> BlockStore::AllocateLocked(uint64_t size) {
       target = arena_.used_bytes() > need ? arena_.used_bytes() - need : 0;
     }
     if (ReclaimLocked(target, "allocation") == 0) {
-      return absl::ResourceExhaustedError(
-          absl::StrCat("pool full: cannot allocate ", size, " bytes (", arena_.used_bytes(), " of ",
-                       arena_.capacity(), " bytes used; staging ", staging_bytes_,
-                       " bytes; the rest is leased, pinned by open puts or fragmented)"));
+      // What holds the pool, in numbers (the parts eviction cannot touch, then the rest).
+      const uint64_t used = arena_.used_bytes(), capacity = arena_.capacity();
+      const uint64_t held = std::min(used, staging_bytes_ + pinned_bytes_);
+      const uint64_t free_bytes = capacity - used;
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "pool full: cannot allocate ", size, " bytes (", used, " of ", capacity,
+          " bytes used: ", staging_bytes_, " bytes staging of open puts, ", pinned_bytes_,
+          " bytes forms of leased or pinned blocks, ", used - held,
+          " bytes other forms eviction cannot free now (ancestors of pinned blocks); ", free_bytes,
+          " bytes free", free_bytes >= need ? " but fragmented" : "", ")"));
     }
   }
 }
@@ -1014,6 +1020,12 @@ absl::StatusOr<CommitResult> BlockStore::CommitPut(const Digest& namespace_id, u
   std::vector<Digest> commit_pins;
   {
     std::unique_lock lock(mu_);
+    // First pin what the commit builds on and add up the new forms; refuse before evicting
+    // anything when they cannot fit beside what no eviction frees (BeginPut checked this, but
+    // leases or puts may have arrived since: newcomer report s8 N6, a doomed commit evicted
+    // every unrelated block and then failed).
+    uint64_t need = 0;
+    uint32_t new_forms = 0;
     for (const PutBlockState& b : blocks) {
       const uint32_t i = b.plan.index;
       Block* existing = FindBlockLocked(b.plan.key);
@@ -1022,11 +1034,37 @@ absl::StatusOr<CommitResult> BlockStore::CommitPut(const Digest& namespace_id, u
         commit_pins.push_back(b.plan.key);
       }
       for (int f = 0; f < kNumForms; ++f) {
-        if (!enc[i].wanted[f]) {
-          continue;
-        }
+        if (!enc[i].wanted[f]) continue;
         if (existing != nullptr && existing->forms[f].present) {
           enc[i].wanted[f] = false;  // added meanwhile by another put (same bytes)
+          continue;
+        }
+        need += arena_.RoundUp(sizes[f]);
+        ++new_forms;
+      }
+    }
+    const uint64_t capacity = arena_.capacity();
+    const uint64_t fixed = staging_bytes_ + pinned_bytes_;
+    const uint64_t room = capacity > fixed ? capacity - fixed : 0;
+    if (need > room) {
+      for (const Digest& k : commit_pins) UnpinLocked(k);
+      const std::string why =
+          absl::StrCat("num_blocks: the pool can no longer hold this put's commit: its ", new_forms,
+                       " new forms need ", need,
+                       " bytes while its staging is held, and eviction can make at "
+                       "most ",
+                       room, " of the pool's ", capacity, " bytes free (", staging_bytes_,
+                       " bytes are staging of open puts, this one's included, ", pinned_bytes_,
+                       " bytes are forms of leased or pinned blocks: leases, puts or commits taken "
+                       "since BeginPut); "
+                       "nothing was evicted; release leases or put fewer blocks");
+      lock.unlock();
+      return fail(absl::ResourceExhaustedError(why));
+    }
+    for (const PutBlockState& b : blocks) {
+      const uint32_t i = b.plan.index;
+      for (int f = 0; f < kNumForms; ++f) {
+        if (!enc[i].wanted[f]) {
           continue;
         }
         absl::StatusOr<uint64_t> off = AllocateLocked(sizes[f]);

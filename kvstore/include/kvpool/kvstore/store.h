@@ -337,9 +337,10 @@ class BlockStore {
   // refuses NaN/Inf (INVALID_ARGUMENT naming block, layer, head, K/V and token), encodes, and
   // links every block atomically. Any error aborts the put (staging freed, nothing visible).
   // Errors also: NOT_FOUND (unknown/expired put), FAILED_PRECONDITION (put of another
-  // namespace, or already committing), RESOURCE_EXHAUSTED (no space for the forms).
-  // Fail closed: a put past its deadline (BeginPut's time + its timeout) is expired even before
-  // Tick runs. CommitPut, AbortPut and BeginPutWrite then answer NOT_FOUND ("expired: not
+  // namespace, or already committing), RESOURCE_EXHAUSTED (no space for the forms: checked before
+  // anything is evicted against capacity minus staging and pinned forms, naming num_blocks and the
+  // numbers). Fail closed: a put past its deadline (BeginPut's time + its timeout) is expired even
+  // before Tick runs. CommitPut, AbortPut and BeginPutWrite then answer NOT_FOUND ("expired: not
   // committed within the pool's put timeout of N ms ...") and reclaim its staging (counted in
   // put_expiries), unless a WritePut still holds a claim (then Tick reclaims it after
   // EndPutWrite). A commit that started before the deadline completes.
