@@ -53,7 +53,9 @@ absl::StatusOr<Recorded> RunText(const std::string& model_path, const std::strin
     std::vector<int> seq;
     seq.push_back(eng->tokenizer().bos_id());
     seq.insert(seq.end(), toks.begin() + start, toks.begin() + start + n);
-    KVPOOL_ASSIGN_OR_RETURN(auto cache, eng->NewCache());
+    // Sized by the sequence, not the model's context (a GGUF context_length of 2^24 allocated
+    // 21 GB; newcomer s8 N12).
+    KVPOOL_ASSIGN_OR_RETURN(auto cache, eng->NewCache(static_cast<int>(seq.size())));
     auto logits = eng->Prefill(seq, 0, *cache);
     if (!logits.ok()) return logits.status();
     r.tokens += static_cast<int64_t>(seq.size());

@@ -168,6 +168,24 @@ expect_err "kvpool-worker: --pool: '\[::1\]' has no port (want \[::1\]:PORT)" "t
 printf 'pool: "[::1]"\n' > "${work}/pool.yaml"
 expect 1 "pool: [::1] in --config" -- "${worker}" --config "${work}/pool.yaml" --role decode "${base[@]}" "${prompt[@]}"
 expect_err "kvpool-worker: --config '${work}/pool.yaml' key \"pool\": --pool: '\[::1\]' has no port" "the message names the file and the key"
+# A GGUF context_length of 2^24 (the reader's bound) was refused as "capacity 16777216 must be
+# in [1, 2^20]" and the fp32 reference allocated the whole context (newcomer s8 N12): it runs now,
+# under a 3 GB address-space limit (skipped under AddressSanitizer).
+python3 - "${model}" "${work}/ctx24.gguf" <<'PY'
+import struct, sys
+b = bytearray(open(sys.argv[1], "rb").read())
+key = b"llama.context_length"
+i = b.index(key) + len(key)
+assert struct.unpack_from("<I", b, i)[0] == 4, "llama.context_length is not a u32"
+struct.pack_into("<I", b, i + 4, 1 << 24)
+open(sys.argv[2], "wb").write(b)
+PY
+if ldd "${worker}" 2>/dev/null | grep -q libasan; then
+  echo "skip: context 2^24 (AddressSanitizer build)"
+else
+  expect 0 "eval with a context_length of 2^24 under a 3 GB address-space limit" -- bash -c 'ulimit -v 3000000; exec "$@"' _ "${worker}" --role eval --model "${work}/ctx24.gguf" --rotations "${work}/rot.safetensors" "${prompt[@]}" --max-new-tokens 2 --eval-windows 64:256
+  expect_err "int2_S64_W256" "the eval ran"
+fi
 # A boolean that is none lists what is accepted (newcomer s8 N9; was CLI11's "Could not convert").
 expect 1 "--teacher-force maybe" -- "${worker}" --role decode --pool 127.0.0.1:1 --teacher-force maybe "${base[@]}" "${prompt[@]}"
 expect_err "kvpool-worker: --teacher-force: 'maybe' is not a boolean (want true or false" "the message lists the accepted values"

@@ -1,6 +1,7 @@
 // In-process evaluation harness (see kvpool/worker/eval.h).
 #include "kvpool/worker/eval.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <utility>
@@ -78,11 +79,15 @@ absl::StatusOr<ReferenceRun> RunReference(engine::Engine& engine, absl::Span<con
     return absl::InvalidArgumentError(absl::StrCat("max_new ", max_new, " < 0"));
   }
   const auto t0 = std::chrono::steady_clock::now();
-  KVPOOL_ASSIGN_OR_RETURN(auto cache, engine.NewCache());
+  const int ctx = engine.config().context_length;
+  // Sized by the run (prompt + max_new positions at most), not the model's context: a GGUF
+  // context_length of 2^24 allocated 21 GB up front (newcomer s8 N12).
+  KVPOOL_ASSIGN_OR_RETURN(auto cache,
+                          engine.NewCache(static_cast<int>(std::min<int64_t>(
+                              ctx, static_cast<int64_t>(prompt.size()) + std::max(max_new, 1)))));
   KVPOOL_ASSIGN_OR_RETURN(absl::Span<const float> logits, engine.Prefill(prompt, 0, *cache));
   ReferenceRun run;
   int pos = static_cast<int>(prompt.size());
-  const int ctx = engine.config().context_length;
   for (int i = 0; i < max_new && pos < ctx; ++i) {
     const int tok = Argmax(logits);
     if (IsStop(engine, tok)) {

@@ -91,9 +91,12 @@ absl::StatusOr<std::unique_ptr<MixedKvCache>> MixedKvCache::Create(
     return absl::InvalidArgumentError(
         absl::StrCat("recent_tokens ", options.recent_tokens, " must be >= 0"));
   }
-  if (options.capacity < 1 || options.capacity > (1 << 20)) {
+  // Blocks are allocated as positions are written, so the bound is the GGUF reader's on
+  // llama.context_length (2^24), which kvpool-worker passes: the old 2^20 refused models the
+  // reader and kvpool-engine accept (newcomer s8 N12).
+  if (options.capacity < 1 || options.capacity > (1 << 24)) {
     return absl::InvalidArgumentError(
-        absl::StrCat("capacity ", options.capacity, " must be in [1, 2^20]"));
+        absl::StrCat("capacity ", options.capacity, " must be in [1, 2^24]"));
   }
   KVPOOL_RETURN_IF_ERROR(ValidateClipRatio(options.clip_ratio_k, "clip_ratio_k"));
   KVPOOL_RETURN_IF_ERROR(ValidateClipRatio(options.clip_ratio_v, "clip_ratio_v"));

@@ -115,7 +115,9 @@ class Engine {
   const ModelConfig& config() const { return config_; }
   const Tokenizer& tokenizer() const { return *tokenizer_; }
 
-  // A float32 KV cache sized for this model and `capacity` positions (default: the context).
+  // A float32 KV cache sized for this model and `capacity` positions (default: the context),
+  // allocated up front (kv_cache.h). Callers size it by what they write (prompt + tokens to
+  // generate): a context_length near the reader's 2^24 bound is tens of GB for any model.
   absl::StatusOr<std::unique_ptr<Fp32KvCache>> NewCache(int capacity = 0) const;
 
   // Observer for post-RoPE Q/K/V (not owned; nullptr disables). Must outlive its use.

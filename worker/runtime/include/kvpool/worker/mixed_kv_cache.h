@@ -67,7 +67,8 @@ struct MixedCacheOptions {
   // Clip ratios of the INT2 quantizer (FORMAT.md §2.2); 0 disables clipping.
   float clip_ratio_k = 0.96f;
   float clip_ratio_v = 0.92f;
-  // Positions the cache can hold (> 0), e.g. the model's context length.
+  // Positions the cache can hold, 1..2^24 (the GGUF reader's bound on llama.context_length),
+  // e.g. the model's context length; blocks are allocated as positions are written.
   int capacity = 512;
 };
 
