@@ -23,9 +23,10 @@ struct HostPort {
 // address ("[::1]:7070") and PORT a decimal integer in min_port..65535 (min_port 0 lets a server
 // ask for any free port; clients pass 1). Does not resolve the name.
 // Errors: INVALID_ARGUMENT whose message starts with `field` ("--pool: ...") and quotes the
-// address — no port ("'[::1]' has no port (want [::1]:PORT)" for a bracketed host), empty host, a port that is not a decimal integer in range, an IPv6 address
-// without brackets ("::1:7070": the message says "write [::1]:7070"), another host with a ':'
-// ("127.0.0.1:0:0": "want HOST:PORT with one ':'"), unbalanced brackets.
+// address — no port ("'[::1]' has no port (want [::1]:PORT)" for a bracketed host), empty
+// host, a port that is not a decimal integer in range, an IPv6 address without brackets
+// ("::1:7070": the message says "write [::1]:7070"), another host with a ':' ("127.0.0.1:0:0":
+// "want HOST:PORT with one ':'"), unbalanced brackets.
 absl::StatusOr<HostPort> ParseHostPort(absl::string_view field, absl::string_view address,
                                        int min_port);
 
