@@ -595,6 +595,9 @@ class PutSessionImpl final : public PutSession {
   // Double-buffered layer staging: slot s holds writes_.size() layer slices.
   std::shared_ptr<transport::MemoryRegion> slots_[2];
   std::vector<std::shared_ptr<Transfer>> inflight_[2];
+  // Client-initiated RMA: a put transfer was posted and no endpoint flush was waited for since
+  // (a transfer's own completion is local): Abort flushes before the AbortPut frees the staging.
+  bool unflushed_puts_ = false;
   // Pool-initiated mode: every WRITE block's staging bytes, block after block (block i at
   // i * bf16_form_bytes, layer l of it at + l * layer slice), pulled by the pool.
   std::shared_ptr<transport::MemoryRegion> whole_;
@@ -2209,6 +2212,7 @@ absl::Status PutSessionImpl::PostLayer(uint32_t layer,
                         RemoteKeyId{key},   region,
                         std::move(ops),     /*flush=*/layer + 1 == g.num_layers};
     KVPOOL_ASSIGN_OR_RETURN(auto t, client_->transport().Prepare(std::move(req)));
+    unflushed_puts_ = true;  // from here on a put of this session may be on the wire
     KVPOOL_RETURN_IF_ERROR(client_->transport().Post(t));
     inflight_[slot].push_back(std::move(t));
   }
@@ -2501,7 +2505,9 @@ absl::Status PutSessionImpl::Flush() {
   // Layers sent so far completed locally; make them visible at the pool.
   auto flush = client_->transport().PostFlush(conn_.endpoint);
   if (!flush.ok()) return flush.status();
-  return Fail((*flush)->Wait(CallDeadline()));
+  absl::Status s = (*flush)->Wait(CallDeadline());
+  if (s.ok()) unflushed_puts_ = false;
+  return Fail(s);
 }
 
 absl::StatusOr<PutResult> PutSessionImpl::Commit() {
@@ -2587,11 +2593,18 @@ absl::Status PutSessionImpl::Abort() {
   // abort's time, the rest are cancelled (the pool drops a cancelled pull within ~100 ms), and
   // the AbortPut gets the remainder, asked again while the pool still holds a pull.
   const int cancelled = CancelPulls(start + (deadline - start) / 2);
-  // Client-initiated RMA: never let the pool reuse staging that a transfer of ours may still
-  // write: wait for them (bounded by 5 s; RMA in flight cannot be recalled), then give the
-  // AbortPut at least half the bound.
+  // Client-initiated RMA: never let the pool reuse staging that a put of ours may still write.
+  // A transfer's completion is local only (UCX: the source buffer may be reused), and only the
+  // last layer's transfer carries an endpoint flush, which a Cancel before it reached UCX skips:
+  // the puts of earlier layers could still be on the wire (tcp: in the sockets, or queued at
+  // the pool's worker) when the AbortPut freed the staging, and landed in it afterwards
+  // (client_test AbortOrDestroyWithAsyncLayersInFlightLeavesNothing/tcp_client: 30 of 400 runs
+  // on a loaded 2-core host). So: wait for the transfers (local), then flush the endpoint (remote
+  // completion of every put posted on it), both within 5 s (RMA in flight cannot be recalled); a
+  // flush that does not finish by then force-closes the connection (Transport::Abort), so that UCX
+  // sends nothing more of it. Then give the AbortPut at least half the bound.
   absl::Time abort_deadline = deadline;
-  if (!inflight_[0].empty() || !inflight_[1].empty()) {
+  if (!inflight_[0].empty() || !inflight_[1].empty() || unflushed_puts_) {
     const absl::Time rma_deadline = absl::Now() + absl::Seconds(5);
     for (int s = 0; s < 2; ++s) {
       for (auto& t : inflight_[s]) {
@@ -2599,6 +2612,15 @@ absl::Status PutSessionImpl::Abort() {
         (void)t->Wait(rma_deadline);
       }
       inflight_[s].clear();
+    }
+    if (unflushed_puts_) {
+      auto flush = client_->transport().PostFlush(conn_.endpoint);
+      // Not posted: the endpoint is failed or gone (UCX closed it: nothing more is sent).
+      if (flush.ok() && absl::IsDeadlineExceeded((*flush)->Wait(rma_deadline))) {
+        client_->transport().Abort(*flush);
+        (void)(*flush)->Wait(absl::Now() + absl::Seconds(1));
+      }
+      unflushed_puts_ = false;
     }
     abort_deadline = std::max(deadline, std::min(absl::Now() + bound / 2, cap_));
   }

@@ -395,8 +395,10 @@ class PutSession {
   // (asked again while the pool still holds a pull of the put); the registered buffer such a
   // cancelled pull reads is never reused while the pool may still read it (kept until the put's
   // timeout plus 10 s). With client-initiated RMA the put's transfers in flight are waited for
-  // first, up to 5 s (RMA in flight cannot be recalled, and the pool must not reuse staging it
-  // may still write), and the AbortPut then gets at least half the bound. Errors:
+  // first and then the endpoint is flushed (remote completion of every put of the session),
+  // together up to 5 s (RMA in flight cannot be recalled, and the pool must not reuse staging
+  // it may still write; a flush unfinished by then force-closes the connection, up to 1 s
+  // more), and the AbortPut then gets at least half the bound. Errors:
   // DEADLINE_EXCEEDED when the AbortPut got no answer in time (the message says so; the pool
   // reclaims the put's staging at its put timeout, expires()), UNAVAILABLE.
   virtual absl::Status Abort() = 0;
