@@ -639,8 +639,10 @@ TEST_P(PoolIntegrationTest, AHungPoolCostsOneCallTimeoutThenShortHealthChecks) {
     auto created = Client::Create(o);
     ASSERT_TRUE(created.ok()) << created.status();
     std::unique_ptr<Client> c = *std::move(created);
-    ASSERT_TRUE(c->RegisterModel(spec).ok());
-    ASSERT_TRUE(c->Put(s.tokens, s.ks(), s.vs()).ok());
+    const auto registered = c->RegisterModel(spec);
+    ASSERT_TRUE(registered.ok()) << registered.status();
+    const absl::Status put = c->Put(s.tokens, s.ks(), s.vs()).status();
+    ASSERT_TRUE(put.ok()) << put;
     ASSERT_TRUE(StopProcess(server_->pid()));
     absl::Time start = absl::Now();
     auto first = c->Lookup(s.tokens);
