@@ -130,6 +130,21 @@ class PoolIntegrationTest : public ::testing::TestWithParam<std::string> {
     return bad;
   }
 
+  // Acquires `s`'s blocks, fetches them into fresh pools and expects `blocks` of them, each byte
+  // for byte the encoder's form; releases the lease. (Use with ASSERT_NO_FATAL_FAILURE.)
+  static void ExpectFetchedByteExact(Client& c, const Sequence& s, const client::ModelSpec& spec,
+                                     uint32_t blocks) {
+    auto lease = c.Acquire(s.tokens);
+    ASSERT_TRUE(lease.ok()) << lease.status();
+    auto pools = MakePools(c, blocks);
+    ASSERT_NE(pools, nullptr);
+    auto f = c.Fetch(*lease, pools->plan);
+    ASSERT_TRUE(f.ok()) << f.status();
+    EXPECT_EQ(f->num_blocks, blocks);
+    EXPECT_EQ(VerifyFetch(s, spec, *f, *pools), 0);
+    EXPECT_TRUE(c.Release(*lease).ok());
+  }
+
   std::unique_ptr<ServerProcess> server_;
 };
 
@@ -606,15 +621,7 @@ TEST_P(PoolIntegrationTest, AnAbortAgainstAStoppedPoolReturnsWithinItsTwoSeconds
     auto again = c->Put(s.tokens, s.ks(), s.vs());
     ASSERT_TRUE(again.ok()) << again.status();
     EXPECT_EQ(again->blocks_written, 8u);
-    auto lease = c->Acquire(s.tokens);
-    ASSERT_TRUE(lease.ok()) << lease.status();
-    auto pools = MakePools(*c, 8);
-    ASSERT_NE(pools, nullptr);
-    auto f = c->Fetch(*lease, pools->plan);
-    ASSERT_TRUE(f.ok()) << f.status();
-    EXPECT_EQ(f->num_blocks, 8u);
-    EXPECT_EQ(VerifyFetch(s, spec, *f, *pools), 0);
-    EXPECT_TRUE(c->Release(*lease).ok());
+    ASSERT_NO_FATAL_FAILURE(ExpectFetchedByteExact(*c, s, spec, 8));
   }
 }
 
@@ -681,15 +688,7 @@ TEST_P(PoolIntegrationTest, AHungPoolCostsOneCallTimeoutThenShortHealthChecks) {
     }
     ASSERT_TRUE(look.ok()) << look.status();
     EXPECT_EQ(look->num_blocks, 4u);
-    auto lease = c->Acquire(s.tokens);
-    ASSERT_TRUE(lease.ok()) << lease.status();
-    auto pools = MakePools(*c, 4);
-    ASSERT_NE(pools, nullptr);
-    auto f = c->Fetch(*lease, pools->plan);
-    ASSERT_TRUE(f.ok()) << f.status();
-    EXPECT_EQ(f->num_blocks, 4u);
-    EXPECT_EQ(VerifyFetch(s, spec, *f, *pools), 0);
-    EXPECT_TRUE(c->Release(*lease).ok());
+    ASSERT_NO_FATAL_FAILURE(ExpectFetchedByteExact(*c, s, spec, 4));
   }
 }
 
@@ -794,15 +793,7 @@ TEST_P(PoolIntegrationTest, AnAsyncLayersNaNIsReportedByFlushAndCommitOnly) {
       auto r = (*again)->Commit();
       ASSERT_TRUE(r.ok()) << r.status();
       EXPECT_EQ(r->blocks_written, 8u);
-      auto lease = c->Acquire(clean.tokens);
-      ASSERT_TRUE(lease.ok()) << lease.status();
-      auto pools = MakePools(*c, 8);
-      ASSERT_NE(pools, nullptr);
-      auto f = c->Fetch(*lease, pools->plan);
-      ASSERT_TRUE(f.ok()) << f.status();
-      EXPECT_EQ(f->num_blocks, 8u);
-      EXPECT_EQ(VerifyFetch(clean, spec, *f, *pools), 0);
-      EXPECT_TRUE(c->Release(*lease).ok());
+      ASSERT_NO_FATAL_FAILURE(ExpectFetchedByteExact(*c, clean, spec, 8));
     }
   }
 }
@@ -815,16 +806,7 @@ TEST_P(PoolIntegrationTest, BadInputsGetClearStatusesAndDamageNothing) {
   ASSERT_TRUE(c->RegisterModel(spec).ok());
   Sequence good = MakeSequence(6 * kPage, 51);
   ASSERT_TRUE(c->Put(good.tokens, good.ks(), good.vs()).ok());
-  auto verify_good = [&] {
-    auto lease = c->Acquire(good.tokens);
-    ASSERT_TRUE(lease.ok());
-    auto pools = MakePools(*c, 6);
-    auto f = c->Fetch(*lease, pools->plan);
-    ASSERT_TRUE(f.ok()) << f.status();
-    EXPECT_EQ(f->num_blocks, 6u);
-    EXPECT_EQ(VerifyFetch(good, spec, *f, *pools), 0);
-    EXPECT_TRUE(c->Release(*lease).ok());
-  };
+  auto verify_good = [&] { ExpectFetchedByteExact(*c, good, spec, 6); };
 
   // NaN / Inf: refused by the client, and by the pool when the client does not check.
   Sequence nan = MakeSequence(4 * kPage, 52);

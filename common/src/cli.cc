@@ -482,6 +482,14 @@ std::string ConfigNamed(const CLI::App& app) {
   return "--config '" + c->results().back() + "'";
 }
 
+// CLI11's and YamlConfig's "config file ..." errors, with the file named as given on the
+// command line; any other text unchanged.
+std::string WithConfigNamed(const CLI::App& app, std::string what) {
+  constexpr std::string_view kPrefix = "config file ";
+  if (what.rfind(kPrefix, 0) == 0) what = ConfigNamed(app) + " " + what.substr(kPrefix.size());
+  return what;
+}
+
 }  // namespace
 
 namespace {
@@ -606,13 +614,7 @@ int Parse(CLI::App& app, int argc, char** argv) {
   } catch (const CLI::ConversionError& e) {
     const auto* config = dynamic_cast<const YamlConfig*>(app.get_config_formatter().get());
     std::string what = OptionValueError(app, config, e.what(), argc, argv);
-    if (what.empty()) {
-      what = e.what();
-      const std::string config_prefix = "config file ";
-      if (what.rfind(config_prefix, 0) == 0) {
-        what = ConfigNamed(app) + " " + what.substr(config_prefix.size());
-      }
-    }
+    if (what.empty()) what = WithConfigNamed(app, e.what());
     std::cerr << app.get_name() << ": " << what << "\n";
     std::cerr << "Run with --help for more information.\n";
     return kExitUsage;
@@ -625,11 +627,7 @@ int Parse(CLI::App& app, int argc, char** argv) {
     return kExitUsage;
   } catch (const CLI::ParseError& e) {
     // YamlConfig's own errors ("config file is not valid YAML: ...") name the file here.
-    std::string what = e.what();
-    const std::string config_prefix = "config file ";
-    if (what.rfind(config_prefix, 0) == 0) {
-      what = ConfigNamed(app) + " " + what.substr(config_prefix.size());
-    }
+    const std::string what = WithConfigNamed(app, e.what());
     std::cerr << app.get_name() << ": " << what << "\n";
     std::cerr << "Run with --help for more information.\n";
     return kExitUsage;
