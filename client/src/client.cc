@@ -3019,9 +3019,13 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Create(const ClientOptions& opti
     KVPOOL_ASSIGN_OR_RETURN(t, transport::CreateUcxTransport({.tls = options.ucx_tls}));
   }
   grpc::ChannelArguments args;
-  // Reconnect quickly after a pool restart (gRPC's default backoff grows to minutes).
+  // Reconnect quickly after a pool restart (gRPC's default backoff grows to minutes): the first
+  // retry 100 ms after a failed attempt, at most 1 s apart. GRPC_ARG_MIN_RECONNECT_BACKOFF_MS is
+  // deliberately not set: gRPC takes it as the minimum connect timeout too, and at 100 ms every
+  // connection whose handshake took longer (a loaded host, a slow link) was abandoned and its
+  // call failed UNAVAILABLE (tcp handshaker shutdown / timed out before receiving SETTINGS);
+  // gRPC's default (20 s) leaves the call's own deadline in charge.
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
-  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
   args.SetMaxReceiveMessageSize(64 << 20);
   args.SetMaxSendMessageSize(256 << 20);  // rotation files travel once per model

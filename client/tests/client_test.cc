@@ -3,7 +3,14 @@
 // deadlines, cancellation, leases, corruption detection (DATA_LOSS) and a pool restart.
 #include "kvpool/client/client.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -11,6 +18,7 @@
 #include <random>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <vector>
 
 #include <gmock/gmock.h>
@@ -1772,6 +1780,95 @@ INSTANTIATE_TEST_SUITE_P(Ucx, ClientTest,
                            std::replace(n.begin(), n.end(), '/', '_');
                            return n;
                          });
+
+// A TCP proxy on 127.0.0.1 that forwards each connection to `upstream_port` only after `delay`:
+// to the client, a pool whose connection handshake (the pool's HTTP/2 SETTINGS) takes `delay`,
+// as on a loaded host or over a slow link. Serves connections one after another.
+class DelayProxy {
+ public:
+  DelayProxy(int upstream_port, absl::Duration delay) : upstream_(upstream_port), delay_(delay) {
+    listen_fd_ = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof(a);
+    if (bind(listen_fd_, reinterpret_cast<sockaddr*>(&a), len) != 0 || listen(listen_fd_, 8) != 0 ||
+        getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
+      return;
+    }
+    port_ = ntohs(a.sin_port);
+    thread_ = std::thread([this] { Serve(); });
+  }
+  ~DelayProxy() {
+    stop_ = true;
+    shutdown(listen_fd_, SHUT_RDWR);
+    if (thread_.joinable()) thread_.join();
+    close(listen_fd_);
+  }
+  int port() const { return port_; }
+
+ private:
+  void Serve() {
+    while (!stop_) {
+      const int in = accept(listen_fd_, nullptr, nullptr);
+      if (in < 0) return;
+      absl::SleepFor(delay_);
+      const int out = socket(AF_INET, SOCK_STREAM, 0);
+      sockaddr_in a{};
+      a.sin_family = AF_INET;
+      a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+      a.sin_port = htons(upstream_);
+      if (connect(out, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0) Pump(in, out);
+      close(out);
+      close(in);
+    }
+  }
+  // Copies bytes both ways until either side closes or the proxy stops.
+  void Pump(int a, int b) {
+    char buf[16384];
+    while (!stop_) {
+      pollfd fds[2] = {{a, POLLIN, 0}, {b, POLLIN, 0}};
+      if (poll(fds, 2, 20) < 0) return;
+      for (int i = 0; i < 2; ++i) {
+        if ((fds[i].revents & (POLLIN | POLLHUP | POLLERR)) == 0) continue;
+        const ssize_t n = read(fds[i].fd, buf, sizeof(buf));
+        if (n <= 0) return;
+        if (write(fds[1 - i].fd, buf, static_cast<size_t>(n)) != n) return;
+      }
+    }
+  }
+
+  int upstream_;
+  absl::Duration delay_;
+  int listen_fd_ = -1;
+  int port_ = 0;
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
+
+// A pool whose connection handshake takes 300 ms (a loaded host: the full make test saw a fresh
+// client's RegisterModel fail UNAVAILABLE after 333 ms, "tcp handshaker shutdown") answers the
+// client's first call. The client's channel used to set GRPC_ARG_MIN_RECONNECT_BACKOFF_MS to
+// 100 ms, which gRPC also takes as the minimum connect timeout: every connection attempt that
+// took longer than ~100 ms was abandoned and the call failed UNAVAILABLE without the pool ever
+// seeing it. The pool here has no data plane, so its answer is the client's refusal
+// (FAILED_PRECONDITION): any code but UNAVAILABLE/DEADLINE_EXCEEDED shows the pool answered.
+TEST(ClientConnect, APoolWhoseHandshakeTakes300MsAnswersTheFirstCall) {
+  kvstore::PoolServerOptions o;
+  o.listen = "127.0.0.1:0";
+  o.metrics_port = -1;
+  o.capacity_bytes = 16 << 20;
+  o.data_plane = "none";
+  auto server = kvstore::PoolServer::Create(o);
+  ASSERT_TRUE(server.ok()) << server.status();
+  DelayProxy proxy((*server)->grpc_port(), absl::Milliseconds(300));
+  ASSERT_NE(proxy.port(), 0);
+  auto c = testing::NewClient(absl::StrCat("127.0.0.1:", proxy.port()), "tcp");
+  ASSERT_NE(c, nullptr);
+  auto r = c->RegisterModel(Spec("int2"));
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
+  EXPECT_TRUE(RefusedByClient(r.status())) << r.status();
+}
 
 // Who refused, and why (newcomer report s5 #10): a pool without a UCX data plane accepts the
 // registration and the client refuses it (RefusedByClient, the message says so); a pool's own
