@@ -156,13 +156,6 @@ void CopyPool::Submit(Stream& s, size_t n) {
   }
 }
 
-void CopyPool::WaitFor(Stream& s, absl::FunctionRef<bool()> ready) {
-  Backoff b;
-  while (!ready()) {
-    if (!TryRunStreamTask(s)) b.Pause();
-  }
-}
-
 void CopyPool::Drain(Stream& s) {
   const size_t n = s.published_.load(std::memory_order_relaxed);
   Backoff b;

@@ -81,10 +81,10 @@ class CopyPool {
   // implements RunTask(i): called once for every published index, on a worker or on the owner
   // (inside Submit or Drain), concurrently for different indices; whatever the owner wrote
   // before the Submit that published i is visible to RunTask(i), and whatever RunTask(i) wrote
-  // is visible to the owner once Drain (or a WaitFor whose predicate saw the task's own release
-  // store) returns. One owner thread at a time per stream. At most kStreamSlots streams are run
-  // by the workers at once; a Submit that finds them all taken (or a pool without workers) runs
-  // the tasks it publishes on the owner before it returns (the same results).
+  // is visible to the owner once Drain returns. One owner thread at a time per stream. At most
+  // kStreamSlots streams are run by the workers at once; a Submit that finds them all taken (or a
+  // pool without workers) runs the tasks it publishes on the owner before it returns (the same
+  // results).
   class Stream {
    public:
     Stream() = default;
@@ -109,10 +109,6 @@ class CopyPool {
   // Attaches the stream to a free slot on its first Submit (or a later one, when the slots were
   // taken before). Owner only.
   void Submit(Stream& s, size_t n);
-  // The owner waits until `ready()` is true, running unclaimed tasks of `s` itself meanwhile
-  // (for a partial join, e.g. one layer of an asynchronous put). `ready` should become true
-  // once some published tasks are done; it is called repeatedly.
-  void WaitFor(Stream& s, absl::FunctionRef<bool()> ready);
   // Runs the unclaimed tasks of `s` on the owner, waits until every published task is done,
   // and detaches the stream (no worker touches it after this returns). Owner only. The stream
   // can be submitted to again afterwards.

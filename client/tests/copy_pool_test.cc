@@ -2,7 +2,7 @@
 // once, the ordered hook runs on the caller in index order after its work, concurrent callers
 // each get complete results (one of them inline when the workers are taken), workers really
 // share a job, and the one-thread pool interleaves work and hook on the caller; background
-// streams (Submit / WaitFor / Drain) run every task once, on the workers while the owner goes on,
+// streams (Submit / Drain) run every task once, on the workers while the owner goes on,
 // several at once and inline when every slot is taken; HoldAwake keeps the workers up until
 // ReleaseAwake (bounded by its cap).
 #include "copy_pool.h"
@@ -149,19 +149,6 @@ TEST(CopyPool, StreamTasksRunOnTheWorkersWhileTheOwnerGoesOn) {
   pool.Drain(s);
   for (auto& r : s.runs_) EXPECT_EQ(r.load(), 1);
   EXPECT_GT(s.threads_.size(), 1u);
-}
-
-TEST(CopyPool, WaitForReturnsOnceItsTasksAreDoneAndHelps) {
-  CopyPool pool(2);
-  struct Counting : CopyPool::Stream {
-    std::atomic<int> done{0};
-    void RunTask(size_t) override { done.fetch_add(1, std::memory_order_release); }
-  } s;
-  pool.Submit(s, 100);
-  pool.WaitFor(s, [&] { return s.done.load(std::memory_order_acquire) >= 10; });
-  EXPECT_GE(s.done.load(), 10);
-  pool.Drain(s);
-  EXPECT_EQ(s.done.load(), 100);
 }
 
 // More streams than slots: the extra ones run inline in Submit; all complete, with a sync Run
