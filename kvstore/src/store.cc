@@ -792,6 +792,12 @@ absl::StatusOr<PutPlan> BlockStore::BeginPut(const Digest& namespace_id,
   return plan;
 }
 
+uint64_t BlockStore::EvictableRoomLocked(uint64_t also_pinned) const {
+  const uint64_t fixed = staging_bytes_ + pinned_bytes_ + also_pinned;
+  const uint64_t capacity = arena_.capacity();
+  return capacity > fixed ? capacity - fixed : 0;
+}
+
 absl::Status BlockStore::CheckCommitFitsLocked(const Model& m, absl::Span<const Digest> keys) {
   const uint32_t num_blocks = static_cast<uint32_t>(keys.size());
   const uint64_t sizes[kNumForms] = {arena_.RoundUp(m.info.bf16_form_bytes),
@@ -819,10 +825,9 @@ absl::Status BlockStore::CheckCommitFitsLocked(const Model& m, absl::Span<const 
   // or pinned (by open puts, commits, corruption checks) and those this put pins. A lower bound:
   // the ancestors of pinned blocks (never evicted before them) and fragmentation are not counted,
   // so a put refused here could never commit, while one accepted may still fail at its commit.
-  const uint64_t fixed = staging_bytes_ + pinned_bytes_ + newly_pinned;
   const uint64_t capacity = arena_.capacity();
-  if (fixed + staging + forms <= capacity) return absl::OkStatus();
-  const uint64_t room = capacity > fixed ? capacity - fixed : 0;
+  const uint64_t room = EvictableRoomLocked(newly_pinned);
+  if (staging + forms <= room) return absl::OkStatus();
   return absl::ResourceExhaustedError(absl::StrCat(
       "num_blocks: the pool cannot hold this put's commit: it needs ", staging + forms,
       " bytes at once (", staging, " bytes of staging for the ", writes, " of ", num_blocks,
@@ -1044,8 +1049,7 @@ absl::StatusOr<CommitResult> BlockStore::CommitPut(const Digest& namespace_id, u
       }
     }
     const uint64_t capacity = arena_.capacity();
-    const uint64_t fixed = staging_bytes_ + pinned_bytes_;
-    const uint64_t room = capacity > fixed ? capacity - fixed : 0;
+    const uint64_t room = EvictableRoomLocked(0);
     if (need > room) {
       for (const Digest& k : commit_pins) UnpinLocked(k);
       const std::string why =

@@ -522,6 +522,10 @@ class BlockStore {
   uint64_t HeldBytes(const Block& b) const;
   // Takes one pin on `b` (the first adds its bytes to pinned_bytes_). Requires mu_ exclusive.
   void PinLocked(Block& b);
+  // The most bytes eviction can make free now: capacity minus the staging of open puts, the
+  // forms of pinned blocks and `also_pinned` more (what a caller is about to pin); 0 when those
+  // exceed it. A bound, not a promise (ancestors of pinned blocks, fragmentation). Requires mu_.
+  uint64_t EvictableRoomLocked(uint64_t also_pinned) const;
   // RESOURCE_EXHAUSTED (naming what is short, with the numbers) when a put of the blocks `keys`
   // could never commit: its staging plus the new forms its commit allocates while that staging
   // is held exceed what eviction can free (capacity minus other puts' staging and the forms of
