@@ -86,15 +86,7 @@ expect prompt 0 "tok/s" -- generate --model "$MODEL" --prompt "Once upon a time"
 # address-space limit; newcomer s8 N12): the cache now holds prompt + --max-tokens positions.
 # The limit makes the old behaviour fail fast instead of filling the machine's memory; skipped
 # under AddressSanitizer, which reserves more address space than that.
-python3 - "$MODEL" "$TMP/ctx24.gguf" <<'PY'
-import struct, sys
-b = bytearray(open(sys.argv[1], "rb").read())
-key = b"llama.context_length"
-i = b.index(key) + len(key)
-assert struct.unpack_from("<I", b, i)[0] == 4, "llama.context_length is not a u32"
-struct.pack_into("<I", b, i + 4, 1 << 24)
-open(sys.argv[2], "wb").write(b)
-PY
+python3 "$(dirname "$0")/gguf_with_context_length.py" "$MODEL" "$TMP/ctx24.gguf" $((1 << 24))
 if ldd "$BIN" 2>/dev/null | grep -q libasan; then
   echo "SKIP context-2^24 (AddressSanitizer build)"
 else

@@ -171,15 +171,7 @@ expect_err "kvpool-worker: --config '${work}/pool.yaml' key \"pool\": --pool: '\
 # A GGUF context_length of 2^24 (the reader's bound) was refused as "capacity 16777216 must be
 # in [1, 2^20]" and the fp32 reference allocated the whole context (newcomer s8 N12): it runs now,
 # under a 3 GB address-space limit (skipped under AddressSanitizer).
-python3 - "${model}" "${work}/ctx24.gguf" <<'PY'
-import struct, sys
-b = bytearray(open(sys.argv[1], "rb").read())
-key = b"llama.context_length"
-i = b.index(key) + len(key)
-assert struct.unpack_from("<I", b, i)[0] == 4, "llama.context_length is not a u32"
-struct.pack_into("<I", b, i + 4, 1 << 24)
-open(sys.argv[2], "wb").write(b)
-PY
+python3 "$(dirname "$0")/gguf_with_context_length.py" "${model}" "${work}/ctx24.gguf" $((1 << 24))
 if ldd "${worker}" 2>/dev/null | grep -q libasan; then
   echo "skip: context 2^24 (AddressSanitizer build)"
 else
