@@ -145,6 +145,27 @@ class PoolIntegrationTest : public ::testing::TestWithParam<std::string> {
     EXPECT_TRUE(c.Release(*lease).ok());
   }
 
+  // Kills the server (when it still runs), starts a fresh one with `flags` on the same port and
+  // waits (up to 10 s) until `c` has reconnected to it: a Lookup of `tokens` answers, finding
+  // nothing. Each Lookup before that must be UNAVAILABLE. (Use with ASSERT_NO_FATAL_FAILURE.)
+  void RestartServerAndReconnect(Client& c, const std::vector<std::string>& flags,
+                                 const std::vector<uint32_t>& tokens) {
+    const int port = server_->port();
+    server_->Kill();
+    server_ = std::make_unique<ServerProcess>(GetParam(), flags);
+    ASSERT_TRUE(server_->Start(port)) << server_->error();
+    absl::StatusOr<client::LookupResult> look = absl::UnavailableError("not tried");
+    for (int i = 0; i < 100 && !look.ok(); ++i) {
+      look = c.Lookup(tokens);
+      if (!look.ok()) {
+        ASSERT_EQ(look.status().code(), absl::StatusCode::kUnavailable) << look.status();
+        absl::SleepFor(absl::Milliseconds(100));
+      }
+    }
+    ASSERT_TRUE(look.ok()) << look.status();
+    EXPECT_EQ(look->num_blocks, 0u);  // the restarted pool holds nothing
+  }
+
   std::unique_ptr<ServerProcess> server_;
 };
 
@@ -435,7 +456,6 @@ TEST_P(PoolIntegrationTest, ClientsKilledWithTransfersInFlightNeverTakeThePoolDo
 
 TEST_P(PoolIntegrationTest, ServerKilledAndRestartedClientsRecover) {
   StartServer({"--capacity", "16MiB"});
-  const int port = server_->port();
   const auto spec = Spec("int2");
   auto c = NewClient();
   ASSERT_NE(c, nullptr);
@@ -451,21 +471,7 @@ TEST_P(PoolIntegrationTest, ServerKilledAndRestartedClientsRecover) {
   auto down_put = c->Put(s.tokens, s.ks(), s.vs());
   EXPECT_EQ(down_put.status().code(), absl::StatusCode::kUnavailable) << down_put.status();
 
-  server_ =
-      std::make_unique<ServerProcess>(GetParam(), std::vector<std::string>{"--capacity", "16MiB"});
-  ASSERT_TRUE(server_->Start(port)) << server_->error();
-  absl::StatusOr<client::LookupResult> look = absl::UnavailableError("not tried");
-  int unavailable = 0;
-  for (int i = 0; i < 100 && !look.ok(); ++i) {
-    look = c->Lookup(s.tokens);
-    if (!look.ok()) {
-      ASSERT_EQ(look.status().code(), absl::StatusCode::kUnavailable) << look.status();
-      ++unavailable;
-      absl::SleepFor(absl::Milliseconds(100));
-    }
-  }
-  ASSERT_TRUE(look.ok()) << look.status();
-  EXPECT_EQ(look->num_blocks, 0u);
+  ASSERT_NO_FATAL_FAILURE(RestartServerAndReconnect(*c, {"--capacity", "16MiB"}, s.tokens));
   auto pools = MakePools(*c, 5);
   // The lease (and its remote keys) belong to the dead incarnation: refused, never used.
   EXPECT_EQ(c->Fetch(*lease, pools->plan).status().code(), absl::StatusCode::kUnavailable);
@@ -478,6 +484,70 @@ TEST_P(PoolIntegrationTest, ServerKilledAndRestartedClientsRecover) {
   EXPECT_EQ(f->num_blocks, 5u);
   EXPECT_EQ(VerifyFetch(s, spec, *f, *pools), 0);
   EXPECT_TRUE(c->Release(*l2).ok());
+}
+
+// Newcomer s8b F3: a prefill node pipelines its puts, so a put begun just before the pool was
+// SIGKILLed was still open when the client had registered with the restarted pool; its Commit
+// then went on with the dead pool's put (a pull failure surfaced only then, as "WritePut: lost
+// the connection ... the pool stopped or restarted", after "the pool answers again"). Such a put
+// now sends nothing more, to either pool: its later layers, Flush and Commit return UNAVAILABLE
+// saying it was begun before the restart (a direct-mode layer used to be written into the dead
+// pool's mapping and reported OK), its Abort sends no AbortPut to the new pool, and the same
+// tokens put again are stored byte-exact.
+TEST_P(PoolIntegrationTest, APutBegunBeforeAPoolRestartSendsNothingAfterTheReconnect) {
+  for (const bool mapped : {true, false}) {
+    SCOPED_TRACE(mapped ? "mapped" : "rma");
+    const std::vector<std::string> flags = {"--capacity", "16MiB"};
+    StartServer(flags);
+    absl::Status error;
+    auto c = testing::NewClient(server_->address(), GetParam(), true, &error, mapped);
+    ASSERT_NE(c, nullptr) << error;
+    const auto spec = Spec("int2");
+    ASSERT_TRUE(c->RegisterModel(spec).ok());
+    Sequence b = MakeSequence(4 * kPage, 91);
+    auto begun = c->BeginPut(b.tokens);
+    ASSERT_TRUE(begun.ok()) << begun.status();
+    std::unique_ptr<client::PutSession> put = *std::move(begun);
+    ASSERT_TRUE(put->WriteLayer(0, b.ks()[0], b.vs()[0]).ok());
+    ASSERT_TRUE(put->Flush().ok());  // layer 0 is at the pool (pulled, or written) before the kill
+    auto before = c->model();
+    ASSERT_TRUE(before.ok()) << before.status();
+
+    ASSERT_NO_FATAL_FAILURE(RestartServerAndReconnect(*c, flags, b.tokens));
+    auto after = c->model();
+    ASSERT_TRUE(after.ok()) << after.status();
+    ASSERT_NE(after->pool_epoch, before->pool_epoch);
+    auto stats = c->Stats();
+    ASSERT_TRUE(stats.ok()) << stats.status();
+    EXPECT_EQ(stats->open_puts, 0u);
+
+    const auto begun_before = HasSubstr("not sent: it was begun with the pool at " +
+                                        server_->address() + " before that pool restarted");
+    absl::Status w = put->WriteLayer(1, b.ks()[1], b.vs()[1]);
+    EXPECT_EQ(w.code(), absl::StatusCode::kUnavailable) << w;
+    EXPECT_THAT(w.message(), begun_before);
+    absl::Status f = put->Flush();
+    EXPECT_EQ(f.code(), absl::StatusCode::kUnavailable) << f;
+    EXPECT_THAT(f.message(), begun_before);
+    auto committed = put->Commit();
+    EXPECT_EQ(committed.status().code(), absl::StatusCode::kUnavailable) << committed.status();
+    EXPECT_THAT(committed.status().message(), begun_before);
+    EXPECT_THAT(committed.status().message(),
+                HasSubstr(absl::StrCat("(epoch ", before->pool_epoch, "; ")));
+    EXPECT_THAT(committed.status().message(),
+                HasSubstr(absl::StrCat("restarted pool, epoch ", after->pool_epoch, ",")));
+    put.reset();
+    // The restarted pool saw nothing of it, and the same tokens go in as a new put.
+    stats = c->Stats();
+    ASSERT_TRUE(stats.ok()) << stats.status();
+    EXPECT_EQ(stats->open_puts, 0u);
+    EXPECT_EQ(stats->staging_bytes, 0u);
+    ASSERT_TRUE(c->Put(b.tokens, b.ks(), b.vs()).ok());
+    ASSERT_NO_FATAL_FAILURE(ExpectFetchedByteExact(*c, b, spec, 4));
+    EXPECT_TRUE(server_->Alive());
+    c.reset();
+    server_.reset();
+  }
 }
 
 // Re-tester s6 #1: with no call in flight, gRPC 1.51 notices a killed peer's closed socket only

@@ -477,6 +477,11 @@ class PutSessionImpl final : public PutSession {
   // Whether the put may go on before a layer is written (cancellation, and in direct mode the
   // pool's liveness); a failure becomes the put's sticky error. Returns error_.
   absl::Status CheckPutAlive();
+  // UNAVAILABLE (made the put's sticky error) once the client has registered with a restarted
+  // pool since this put began (ClientImpl::OtherIncarnation): the new pool never knew the put,
+  // and the endpoint, mapping and remote keys it was begun with belong to the dead one, so
+  // nothing more of it is sent anywhere (newcomer s8b F3). OK otherwise.
+  absl::Status CheckIncarnation();
   // Makes `s` the put's sticky error unless it already has one; returns error_.
   absl::Status Fail(absl::Status s) {
     if (!s.ok() && error_.ok()) error_ = std::move(s);
@@ -820,6 +825,26 @@ class ClientImpl final : public Client {
     stub.UnaryCall(&ctx, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &request, &response,
                    [&done](grpc::Status st) { done.set_value(std::move(st)); });
     return done.get_future().get();
+  }
+
+  // UNAVAILABLE when this client is registered with another incarnation of the pool than the
+  // one of `epoch` (a put or lease begun before the pool restarted and the client reconnected),
+  // naming put `put_id`; OK while it is the same one or the client is not connected. Thread-safe.
+  absl::Status OtherIncarnation(uint64_t epoch, uint64_t put_id) const {
+    uint64_t now = 0;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (info_) now = info_->pool_epoch;
+    }
+    if (now == 0 || now == epoch) return absl::OkStatus();
+    return absl::UnavailableError(
+        absl::StrCat("put ", put_id, ": not sent: it was begun with the pool at ", options_.server,
+                     " before that pool restarted (epoch ", epoch,
+                     "; this client has since registered with "
+                     "the restarted pool, epoch ",
+                     now,
+                     ", which never knew this put): nothing of it is stored; "
+                     "begin the put again (BeginPut or Put)"));
   }
 
   void MarkStale(const char* why) {
@@ -2008,10 +2033,15 @@ absl::Status PutSessionImpl::CheckAttached() const {
       "session must not outlive its Client); begin the put again with a live Client");
 }
 
+absl::Status PutSessionImpl::CheckIncarnation() {
+  return Fail(client_->OtherIncarnation(conn_.epoch, put_id_));
+}
+
 absl::Status PutSessionImpl::StartPull() {
   if (!error_.ok()) return error_;
   if (!nonfinite_.ok()) return error_;  // poisoned: Commit aborts, nothing more is pulled
   if (writes_.empty() || requested_layers_ >= packed_layers_) return error_;
+  if (!CheckIncarnation().ok()) return error_;
   const BlockGeometry& g = conn_.geometry;
   const uint64_t slice = g.Bf16LayerBytes(), form = g.Bf16FormBytes();
   const uint64_t from = uint64_t(requested_layers_) * slice;
@@ -2186,6 +2216,7 @@ absl::Status PutSessionImpl::CheckLayerArgs(uint32_t layer, absl::Span<const uin
 absl::Status PutSessionImpl::CheckPutAlive() {
   if (!error_.ok()) return error_;
   if (cancel_ && cancel_->cancelled()) return Fail(absl::CancelledError("put cancelled"));
+  if (!CheckIncarnation().ok()) return error_;
   // Direct mode writes the mapped staging with no call to the pool: a dead pool's staging still
   // takes the bytes (newcomer report s6 #3: layers 3-7 "written" after the pool was killed).
   if (direct_ && !writes_.empty()) {
@@ -2426,6 +2457,7 @@ absl::Status PutSessionImpl::SendPacked() {
   if (direct_) return error_;
   const BlockGeometry& g = conn_.geometry;
   const uint64_t slice = g.Bf16LayerBytes(), form = g.Bf16FormBytes();
+  if (!pool_initiates() && packed_layers_ < next_layer_) (void)CheckIncarnation();
   while (error_.ok() && nonfinite_.ok() && packed_layers_ < next_layer_) {
     const uint32_t l = packed_layers_;
     // Not packed yet: a later call, Flush or Commit sends it (nothing here waits for a layer).
@@ -2491,6 +2523,7 @@ absl::Status PutSessionImpl::Flush() {
   KVPOOL_RETURN_IF_ERROR(CheckAttached());
   // Every asynchronous layer packed, checked and (RMA, pool) sent up to the first bad one.
   (void)JoinAsync();
+  (void)CheckIncarnation();         // nothing flushed or pulled on behalf of a dead pool's put
   if (direct_) return PutStatus();  // stores into the mapped staging are visible once made
   if (pool_initiates()) {
     (void)PullPending();
@@ -2514,6 +2547,9 @@ absl::StatusOr<PutResult> PutSessionImpl::Commit() {
   KVPOOL_RETURN_IF_ERROR(CheckAttached());
   if (finished_) return absl::FailedPreconditionError("put: already committed or aborted");
   (void)JoinAsync();
+  // Begun before the pool restarted: no CommitPut (the restarted pool never knew the put), and
+  // the status says so, not only what the put's calls saw when the old pool died (F3).
+  (void)CheckIncarnation();
   if (!PutStatus().ok()) {
     // The put was poisoned (a NaN/Inf) or failed: its own status, however many layers were
     // written (newcomer report s7 F1: a FAILED_PRECONDITION "only 3 of 5 layers written" hid the
@@ -2624,6 +2660,10 @@ absl::Status PutSessionImpl::Abort() {
     }
     abort_deadline = std::max(deadline, std::min(absl::Now() + bound / 2, cap_));
   }
+  // Begun before the pool restarted: no AbortPut, the restarted pool never knew the put (the old
+  // put id there could only name another put). A pull the old process had not finished keeps
+  // whole_ away from reuse (pulls_unsettled_), as it would without an answer.
+  if (!client_->OtherIncarnation(conn_.epoch, put_id_).ok()) return absl::OkStatus();
   absl::Status s = AbortRpcUntil(abort_deadline);
   if (s.ok() || absl::IsNotFound(s)) {
     pulls_unsettled_ = false;  // the pool holds nothing of the put: no pull reads whole_

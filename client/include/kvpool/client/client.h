@@ -37,7 +37,10 @@
 // Server restarts: every remote address and key is tied to the pool's epoch (its incarnation
 // id). After a restart the client drops its UCX endpoint (and with it every unpacked remote
 // key), reconnects and re-registers; leases and puts of the old epoch fail with UNAVAILABLE and
-// are never used against the new process.
+// are never used against the new process: once the client has registered with the restarted
+// pool, a PutSession begun before sends nothing more (no layer, pull, flush, CommitPut or
+// AbortPut), and its WriteLayer, Flush and Commit say "put N: not sent: it was begun with the
+// pool at ADDR before that pool restarted (epoch A; ... epoch B ...)".
 #pragma once
 
 #include <atomic>
@@ -319,7 +322,9 @@ class PutSession {
   // CANCELLED; UNAVAILABLE (data plane; in direct mode also a pool found dead before the layer
   // is written: the mapped staging is written with no call to the pool, so the client first
   // checks that its gRPC connection is up, else asks Stats — as Fetch does; a pool that dies
-  // later is seen by Flush/Commit); the put's earlier error.
+  // later is seen by Flush/Commit; any mode: a put begun before the pool restarted, once the
+  // client has registered with the restarted pool, "not sent: it was begun ... before that pool
+  // restarted"); the put's earlier error.
   virtual absl::Status WriteLayer(uint32_t layer, absl::Span<const uint16_t> k,
                                   absl::Span<const uint16_t> v) = 0;
   // Sends layer `layer` like WriteLayer (same arguments, same bytes, same checksums, same
