@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -494,6 +495,64 @@ std::string WithConfigNamed(const CLI::App& app, std::string what) {
 
 namespace {
 
+// The refusal of a value that is not a boolean word (BooleanWords), for the command line and the
+// --config file alike.
+std::string NotABoolean(const std::string& value) {
+  return "'" + value +
+         "' is not a boolean (want true or false; also accepted: yes/no, on/off, 1/0, "
+         "enable/disable, t/f, y/n, any case)";
+}
+
+// CLI11 reads a boolean with to_flag_value, which also takes any integer (2 is true, -1 false)
+// and '+'/'-' (newcomer s8b F1: "--teacher-force 2" ran with it on): the check admits only the
+// words NotABoolean lists. No description, so --help and the type name stay "BOOLEAN".
+constexpr const char kBooleanWordsName[] = "kvpool-boolean-words";
+CLI::Validator BooleanWords() {
+  CLI::Validator v(
+      [](std::string& value) -> std::string {
+        std::string lower = value;
+        std::transform(lower.begin(), lower.end(), lower.begin(),
+                       [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+        for (const char* word : {"true", "false", "yes", "no", "on", "off", "1", "0", "enable",
+                                 "disable", "t", "f", "y", "n"}) {
+          if (lower == word) return {};
+        }
+        return NotABoolean(value);
+      },
+      "");
+  v.name(kBooleanWordsName);
+  return v;
+}
+
+// Whether `op` holds a boolean: an option of type bool ("BOOLEAN"), or a flag (no value) that is
+// not --help, --help-all, --version or a counting flag (add_flag of an integer or a vector, which
+// CLI11 gives MultiOptionPolicy::TakeAll). A flag's results are the words CLI11 makes of "--x",
+// "--x=V" or a config value.
+bool IsBoolean(const CLI::App& app, const CLI::Option& op) {
+  if (&op == app.get_help_ptr() || &op == app.get_help_all_ptr() || &op == app.get_version_ptr() ||
+      &op == app.get_config_ptr()) {
+    return false;
+  }
+  if (op.get_type_name().rfind("BOOLEAN", 0) == 0) return true;
+  return op.get_expected_min() == 0 && op.get_expected_max() == 0 &&
+         op.get_multi_option_policy() != CLI::MultiOptionPolicy::TakeAll;
+}
+
+// Adds BooleanWords to every boolean option of `app` and its subcommands (once).
+void CheckBooleanWords(CLI::App& app) {
+  for (CLI::Option* op : app.get_options([](const CLI::Option*) { return true; })) {
+    if (!IsBoolean(app, *op)) continue;
+    try {
+      (void)op->get_validator(kBooleanWordsName);
+    } catch (const CLI::OptionNotFound&) {
+      op->check(BooleanWords());
+    }
+  }
+  for (CLI::App* sub : app.get_subcommands([](CLI::App*) { return true; })) {
+    CheckBooleanWords(*sub);
+  }
+}
+
 // Whether argv names `op` ("--name", "--name=V", "-n", "-nV"): CLI11 reads a config file's value
 // only for an option the command line left empty, so an error about the value of an option the
 // command line does not name is about the file's value.
@@ -552,9 +611,7 @@ std::string OptionValueError(const CLI::App& app, const YamlConfig* config, cons
     const CLI::Option* op = FindByName(app, name);
     if (op == nullptr) return {};
     if (op->get_expected_min() == 0 || op->get_type_name() == "BOOLEAN") {
-      why = "'" + value +
-            "' is not a boolean (want true or false; also accepted: yes/no, on/off, 1/0, "
-            "enable/disable, t/f, y/n, any case)";
+      why = NotABoolean(value);
     } else {
       why = "'" + value + "' cannot be read as " + op->get_type_name();
     }
@@ -579,6 +636,7 @@ std::string OptionValueError(const CLI::App& app, const YamlConfig* config, cons
 }  // namespace
 
 int Parse(CLI::App& app, int argc, char** argv) {
+  CheckBooleanWords(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::Success& e) {

@@ -204,6 +204,101 @@ TEST(CliConfigTest, ValueErrorsFromTheFileNameTheFileAndTheKey) {
   }
 }
 
+// CLI11 reads booleans with to_flag_value, which takes any integer and "+"/"-": "--teacher-force
+// 2" ran with it on and "-1" with it off although the refusal of "maybe" lists the accepted words
+// (newcomer s8b F1). Only those words pass now, for an option of type bool and for a flag, on
+// the command line and from the config file, in a subcommand too, with the same message; a
+// counting flag still counts.
+TEST(CliConfigTest, IntegersAndSignsAreNotBooleans) {
+  struct App {
+    CLI::App app{"test"};
+    bool teacher = true;
+    bool per_head = false;
+    int verbose = 0;
+    App() {
+      kvpool::cli::Setup(app, "prog");
+      app.add_option("--teacher-force", teacher, "bool option")->capture_default_str();
+      app.add_flag("-v,--verbose", verbose, "counting flag");
+      CLI::App* calib = app.add_subcommand("calibrate", "calibrate");
+      calib->add_flag("--per-head", per_head, "bool flag");
+    }
+  };
+  const std::string want_bool =
+      "is not a boolean (want true or false; also accepted: yes/no, on/off, 1/0, enable/disable, "
+      "t/f, y/n, any case)";
+  for (const std::string value : {"2", "-1", "10", "+", "-", "", "01", "truee"}) {
+    SCOPED_TRACE(value);
+    {
+      App a;
+      auto [rc, err] = RunParse(a.app, {"--teacher-force", value});
+      EXPECT_EQ(rc, kExitUsage) << err;
+      EXPECT_NE(err.find("prog: --teacher-force: '" + value + "' " + want_bool), std::string::npos)
+          << err;
+    }
+    // "--per-head=" is the flag alone (CLI11), and "key: " in YAML has no value (another message).
+    if (value.empty()) continue;
+    {
+      App a;
+      auto [rc, err] = RunParse(a.app, {"calibrate", "--per-head=" + value});
+      EXPECT_EQ(rc, kExitUsage) << err;
+      EXPECT_NE(err.find("prog: --per-head: '" + value + "' " + want_bool), std::string::npos)
+          << err;
+    }
+    {
+      App a;
+      const std::string path =
+          WriteYaml("bool-int", "teacher-force: \"" + value + "\"\ncalibrate:\n  per-head: true\n");
+      auto [rc, err] = RunParse(a.app, {"--config", path, "calibrate"});
+      EXPECT_EQ(rc, kExitUsage) << err;
+      EXPECT_NE(err.find("prog: --config '" + path + "' key \"teacher-force\": --teacher-force: '" +
+                         value + "' " + want_bool),
+                std::string::npos)
+          << err;
+    }
+    {
+      App a;
+      const std::string path = WriteYaml("flag-int", "calibrate:\n  per-head: \"" + value + "\"\n");
+      auto [rc, err] = RunParse(a.app, {"--config", path, "calibrate"});
+      EXPECT_EQ(rc, kExitUsage) << err;
+      EXPECT_NE(err.find("prog: --config '" + path + "' key \"calibrate.per-head\": --per-head: '" +
+                         value + "' " + want_bool),
+                std::string::npos)
+          << err;
+    }
+  }
+  // Every listed word, in any case, still reads as its value; the flag alone is true; the
+  // counting flag counts and the default of an option not given stays.
+  for (const auto& [word, want] : std::vector<std::pair<std::string, bool>>{{"true", true},
+                                                                            {"FALSE", false},
+                                                                            {"Yes", true},
+                                                                            {"no", false},
+                                                                            {"ON", true},
+                                                                            {"off", false},
+                                                                            {"1", true},
+                                                                            {"0", false},
+                                                                            {"enable", true},
+                                                                            {"Disable", false},
+                                                                            {"T", true},
+                                                                            {"f", false},
+                                                                            {"y", true},
+                                                                            {"N", false}}) {
+    SCOPED_TRACE(word);
+    App a;
+    auto [rc, err] = RunParse(a.app, {"--teacher-force", word, "calibrate", "--per-head=" + word});
+    EXPECT_EQ(rc, -1) << err;
+    EXPECT_EQ(a.teacher, want);
+    EXPECT_EQ(a.per_head, want);
+  }
+  {
+    App a;
+    auto [rc, err] = RunParse(a.app, {"-vv", "--verbose", "calibrate", "--per-head"});
+    EXPECT_EQ(rc, -1) << err;
+    EXPECT_EQ(a.verbose, 3);
+    EXPECT_TRUE(a.per_head);
+    EXPECT_TRUE(a.teacher);
+  }
+}
+
 // A second YAML document was silently ignored (newcomer report s6 #8): refused, naming the file.
 TEST(CliConfigTest, MultiDocumentYamlIsRefusedNamingTheFile) {
   FlatApp f;

@@ -54,7 +54,9 @@ std::string VersionString();
 // conversion that refused it) names the file and the key too: "--config 'c.yaml' key
 // \"metrics-port\": --metrics-port: 'abc' is not an integer (want -1..65535)"; a boolean that
 // is none, from the file or the command line, lists the accepted values ("--per-head: 'yes
-// please' is not a boolean (want true or false; also accepted: yes/no, ...)").
+// please' is not a boolean (want true or false; also accepted: yes/no, ...)"); only those words
+// are booleans (Parse checks every bool option and flag of the app and its subcommands): CLI11
+// alone also reads any integer ("2" true, "-1" false) and "+"/"-".
 // Not thread-safe (touches `app` only).
 void Setup(CLI::App& app, const std::string& program_name);
 
@@ -194,7 +196,10 @@ CLI::Validator Range(T min, T max) {
 CLI::Validator HostPortAddress(int min_port);
 
 // Parses; on --help/--version prints and returns kExitOk, on a usage error prints a one-line
-// message and returns kExitUsage; returns -1 when the program should continue.
+// message and returns kExitUsage; returns -1 when the program should continue. First adds the
+// boolean-words check (Setup) to every option of type bool and every flag of `app` and its
+// subcommands, except --help, --help-all, --version and counting flags (an integer or vector
+// add_flag, MultiOptionPolicy::TakeAll).
 int Parse(CLI::App& app, int argc, char** argv);
 
 }  // namespace kvpool::cli
