@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <cctype>
+#include <cmath>
 #include <cstdio>
 #include <string>
 
@@ -56,22 +57,27 @@ bool ParseBytes(const std::string& s, uint64_t* out) {
 constexpr double kMinWatermark = 0.5;
 
 // CLI11 check for a watermark: a fraction in [0.5, 1]. cli::Range is inclusive at both ends, so
-// it showed 0..1 in --help while the store then refused 0 ("need 0 < low-watermark").
-CLI::Validator WatermarkFraction() {
+// it showed 0..1 in --help while the store then refused 0 ("need 0 < low-watermark"). `low`:
+// the check of --low-watermark, else --high-watermark; a value below one half is refused with
+// that flag's reason. NaN is not a number here: it used to get --low-watermark's reason from
+// either flag (newcomer 8b F2).
+CLI::Validator WatermarkFraction(bool low) {
   return CLI::Validator(
-      [](std::string& v) -> std::string {
+      [low](std::string& v) -> std::string {
         double x = 0;
         if (v.empty() || std::isspace(static_cast<unsigned char>(v.front())) ||
             std::isspace(static_cast<unsigned char>(v.back())) ||
-            !CLI::detail::lexical_cast(v, x)) {
+            !CLI::detail::lexical_cast(v, x) || std::isnan(x)) {
           return "'" + v + "' is not a number (want a fraction in [0.5, 1])";
         }
         if (x > 1.0) return v + " is outside [0.5, 1] (a fraction of --capacity)";
         if (!(x >= kMinWatermark)) {
-          return v +
-                 " is outside [0.5, 1] (eviction frees down to --low-watermark of --capacity "
-                 "each time it runs: below one half a pass would drop most of what the pool "
-                 "holds)";
+          return v + (low ? " is outside [0.5, 1] (eviction frees down to --low-watermark of "
+                            "--capacity each time it runs: below one half a pass would drop "
+                            "most of what the pool holds)"
+                          : " is outside [0.5, 1] (eviction starts above --high-watermark of "
+                            "--capacity and frees down to --low-watermark, which is at most "
+                            "--high-watermark and at least one half)");
         }
         return {};
       },
@@ -192,12 +198,12 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--high-watermark", o.store.high_watermark,
                  "Eviction starts above this fraction of capacity (>= --low-watermark)")
-      ->check(WatermarkFraction());
+      ->check(WatermarkFraction(/*low=*/false));
   app.add_option("--low-watermark", o.store.low_watermark,
                  "Eviction (at the high watermark or when an allocation fails) frees down to "
                  "this fraction of capacity (<= --high-watermark; a failed allocation further "
                  "only as far as its request needs)")
-      ->check(WatermarkFraction());
+      ->check(WatermarkFraction(/*low=*/true));
   app.add_option("--put-timeout-ms", put_timeout_ms,
                  "Default lifetime of an uncommitted put before its staging is reclaimed")
       ->check(kvpool::cli::Range(int64_t{1}, int64_t{3600000}));

@@ -1121,17 +1121,28 @@ TEST(ServerBinaryTest, FlagsHelpAndUsageErrors) {
   // The watermarks' range in --help is the one accepted: [0.5, 1]. 0 and values that are 0 in
   // effect (newcomer report s6 #7: 1e-300 started a pool) and, since the re-tester's s6 LOW list,
   // anything below one half (0.01 evicted 99 % of the pool at every pass) are refused at parse
-  // time, naming the flag and why.
+  // time, naming the flag and why: each flag its own reason (newcomer 8b F2: "--high-watermark
+  // nan" gave --low-watermark's). NaN is not a number.
   EXPECT_NE(text.find("in [0.5, 1]"), std::string::npos) << text;
   for (const char* flag : {"--low-watermark", "--high-watermark"}) {
+    const std::string low = flag == std::string("--low-watermark")
+                                ? " is outside [0.5, 1] (eviction frees down to --low-watermark"
+                                : " is outside [0.5, 1] (eviction starts above --high-watermark";
     for (const char* value : {"0", "1e-300", "0.009", "0.01", "0.49"}) {
       auto [rc, out] = RunToExit({flag, value});
       EXPECT_EQ(rc, 1) << flag << " " << value << ": " << out;
-      EXPECT_NE(out.find(std::string(flag) + ": " + value +
-                         " is outside [0.5, 1] (eviction frees down to --low-watermark"),
-                std::string::npos)
+      EXPECT_NE(out.find(std::string(flag) + ": " + value + low), std::string::npos)
           << flag << ": " << out;
       EXPECT_EQ(out.find("grpc_port="), std::string::npos) << out;
+    }
+    for (const char* value : {"nan", "NaN", "-nan"}) {
+      auto [rc, out] = RunToExit({flag, value});
+      EXPECT_EQ(rc, 1) << flag << " " << value << ": " << out;
+      EXPECT_NE(out.find(std::string(flag) + ": '" + value +
+                         "' is not a number (want a fraction in [0.5, 1])"),
+                std::string::npos)
+          << flag << ": " << out;
+      EXPECT_EQ(out.find("eviction"), std::string::npos) << out;
     }
     // Above 1 the reason is the range, not the eviction depth (re-tester s6).
     auto [rc, out] = RunToExit({flag, "1.5"});
