@@ -8,14 +8,13 @@
 
 #include <atomic>
 #include <cstring>
-#include <filesystem>
-#include <fstream>
 #include <random>
 #include <thread>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "kvpool/common/process.h"
 #include "pool_testing.h"
 
 namespace kvpool::testing {
@@ -92,26 +91,7 @@ class PoolIntegrationTest : public ::testing::TestWithParam<std::string> {
 
   // SIGSTOPs `pid` and waits (at most 2 s) until every thread of it is stopped: a signal stops
   // a process asynchronously, and a call sent right after kill() may still be answered.
-  static bool StopProcess(pid_t pid) {
-    if (kill(pid, SIGSTOP) != 0) return false;
-    const std::string tasks = absl::StrCat("/proc/", pid, "/task");
-    const absl::Time deadline = absl::Now() + absl::Seconds(2);
-    while (absl::Now() < deadline) {
-      bool all = true;
-      std::error_code ec;
-      for (const auto& t : std::filesystem::directory_iterator(tasks, ec)) {
-        std::ifstream stat(t.path() / "stat");
-        std::string line;
-        std::getline(stat, line);
-        const size_t paren = line.rfind(')');  // "tid (comm) S ..."; comm may hold ')'
-        all &= paren != std::string::npos && paren + 2 < line.size() &&
-               (line[paren + 2] == 'T' || line[paren + 2] == 't');
-      }
-      if (all && !ec) return true;
-      absl::SleepFor(absl::Milliseconds(1));
-    }
-    return false;
-  }
+  static bool StopProcess(pid_t pid) { return StopProcessAndWait(pid, std::chrono::seconds(2)); }
 
   // Compares fetched pages with the encoder's forms; returns the number of mismatching blocks.
   static int VerifyFetch(const Sequence& s, const client::ModelSpec& spec,

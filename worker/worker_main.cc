@@ -10,17 +10,14 @@
 //
 // Standard output: the continuations (decode, eval) as text; logs go to standard error.
 // Exit codes: 0 ok, 1 usage, 2 runtime error.
-#include <signal.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
-#include <fstream>
 #include <memory>
 #include <sstream>
 #include <string>
-#include <thread>
 #include <utility>
 #include <vector>
 
@@ -33,6 +30,7 @@
 #include "kvpool/common/cli.h"
 #include "kvpool/common/keys.h"
 #include "kvpool/common/log.h"
+#include "kvpool/common/process.h"
 #include "kvpool/engine/engine.h"
 #include "kvpool/kernels/rotation_file.h"
 #include "kvpool/worker/eval.h"
@@ -98,25 +96,6 @@ kvpool::client::CallOptions Deadline(int seconds) {
   kvpool::client::CallOptions c;
   c.deadline = absl::Now() + absl::Seconds(seconds);
   return c;
-}
-
-// True when every thread of process `pid` is in the stopped state ('T' in
-// /proc/PID/task/TID/stat); false when any is not or the process cannot be read.
-bool AllThreadsStopped(int pid) {
-  std::error_code ec;
-  const std::string dir = "/proc/" + std::to_string(pid) + "/task";
-  int threads = 0;
-  for (const auto& t : std::filesystem::directory_iterator(dir, ec)) {
-    std::ifstream in(t.path() / "stat");
-    std::string line;
-    std::getline(in, line);
-    const size_t paren = line.rfind(')');  // the state follows "(comm) "
-    if (paren == std::string::npos || paren + 2 >= line.size() || line[paren + 2] != 'T') {
-      return false;
-    }
-    ++threads;
-  }
-  return !ec && threads > 0;
 }
 
 // One counter of --metrics-file.
@@ -503,11 +482,11 @@ int main(int argc, char** argv) {
                       pool, info->pool_epoch);
       if (*fault_or == kw::Fault::kStopPoolAfterRegister) {
         KVPOOL_LOG_WARN("fault stop-pool-after-register: stopping pool pid {}", fault_pool_pid);
-        ::kill(fault_pool_pid, SIGSTOP);
         // A pool thread already running may still answer the next call: wait (up to 2 s)
         // until every thread of the pool shows as stopped.
-        for (int i = 0; i < 200 && !AllThreadsStopped(fault_pool_pid); ++i) {
-          std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        if (!kvpool::StopProcessAndWait(fault_pool_pid, std::chrono::seconds(2))) {
+          KVPOOL_LOG_WARN("fault stop-pool-after-register: pool pid {} not stopped after 2 s",
+                          fault_pool_pid);
         }
       }
     }

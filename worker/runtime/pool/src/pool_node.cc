@@ -6,7 +6,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <fstream>
 #include <optional>
 #include <string>
 #include <thread>
@@ -15,6 +14,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "kvpool/common/log.h"
+#include "kvpool/common/process.h"
 #include "kvpool/common/status.h"
 #include "kvpool/worker/staging_recorder.h"
 #include "kvpool/worker/status_text.h"
@@ -233,17 +233,8 @@ namespace {
 // or a zombie, so the next call cannot reach it.
 void KillPoolAndWait(int pid) {
   KVPOOL_LOG_WARN("fault kill-pool-after-first-commit: killing pool pid {}", pid);
-  ::kill(pid, SIGKILL);
-  for (int i = 0; i < 500; ++i) {
-    std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
-    std::string line;
-    if (!std::getline(in, line)) return;   // gone
-    const size_t paren = line.rfind(')');  // the state follows "(comm) "
-    if (paren != std::string::npos && paren + 2 < line.size() &&
-        (line[paren + 2] == 'Z' || line[paren + 2] == 'X')) {
-      return;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  if (!KillProcessAndWait(pid, std::chrono::seconds(5))) {
+    KVPOOL_LOG_WARN("fault kill-pool-after-first-commit: pool pid {} still runs after 5 s", pid);
   }
 }
 
