@@ -58,6 +58,23 @@ class LoopbackEnvironment : public ::testing::Environment {
 };
 const auto* const kLoopback = ::testing::AddGlobalTestEnvironment(new LoopbackEnvironment);
 
+// Options of an in-process pool of one test: a free loopback port, no metrics port, 16 MiB.
+kvstore::PoolServerOptions LoopbackPoolOptions() {
+  kvstore::PoolServerOptions o;
+  o.listen = "127.0.0.1:0";
+  o.metrics_port = -1;
+  o.capacity_bytes = 16 << 20;
+  return o;
+}
+
+// An in-process pool without a UCX data plane (kvpool-server --data-plane none): it accepts a
+// registration, which the client then refuses (FAILED_PRECONDITION, RefusedByClient).
+absl::StatusOr<std::unique_ptr<kvstore::PoolServer>> StartDataPlaneNonePool() {
+  kvstore::PoolServerOptions o = LoopbackPoolOptions();
+  o.data_plane = "none";
+  return kvstore::PoolServer::Create(o);
+}
+
 class ClientTest : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override { StartServer(0); }
@@ -1854,12 +1871,7 @@ class DelayProxy {
 // seeing it. The pool here has no data plane, so its answer is the client's refusal
 // (FAILED_PRECONDITION): any code but UNAVAILABLE/DEADLINE_EXCEEDED shows the pool answered.
 TEST(ClientConnect, APoolWhoseHandshakeTakes300MsAnswersTheFirstCall) {
-  kvstore::PoolServerOptions o;
-  o.listen = "127.0.0.1:0";
-  o.metrics_port = -1;
-  o.capacity_bytes = 16 << 20;
-  o.data_plane = "none";
-  auto server = kvstore::PoolServer::Create(o);
+  auto server = StartDataPlaneNonePool();
   ASSERT_TRUE(server.ok()) << server.status();
   DelayProxy proxy((*server)->grpc_port(), absl::Milliseconds(300));
   ASSERT_NE(proxy.port(), 0);
@@ -1875,12 +1887,7 @@ TEST(ClientConnect, APoolWhoseHandshakeTakes300MsAnswersTheFirstCall) {
 // refusal carries no such mark; a client whose UCX transports the pool's worker cannot reach
 // gets a hint naming --ucx-tls.
 TEST(ClientRefusal, DataPlaneNonePoolIsRefusedByTheClientAndSaysSo) {
-  kvstore::PoolServerOptions o;
-  o.listen = "127.0.0.1:0";
-  o.metrics_port = -1;
-  o.capacity_bytes = 16 << 20;
-  o.data_plane = "none";
-  auto server = kvstore::PoolServer::Create(o);
+  auto server = StartDataPlaneNonePool();
   ASSERT_TRUE(server.ok()) << server.status();
   auto c = testing::NewClient(absl::StrCat("127.0.0.1:", (*server)->grpc_port()), "tcp");
   ASSERT_NE(c, nullptr);
@@ -1891,7 +1898,7 @@ TEST(ClientRefusal, DataPlaneNonePoolIsRefusedByTheClientAndSaysSo) {
   EXPECT_THAT(r.status().message(), HasSubstr("--data-plane none"));
 
   // A refusal by the pool (a differing registration of the same model) is not the client's.
-  kvstore::PoolServerOptions u = o;
+  kvstore::PoolServerOptions u = LoopbackPoolOptions();
   u.data_plane = "ucx";
   u.ucx_tls = "tcp";
   auto pool = kvstore::PoolServer::Create(u);
@@ -1911,10 +1918,7 @@ TEST(ClientRefusal, DataPlaneNonePoolIsRefusedByTheClientAndSaysSo) {
 
 TEST(ClientRefusal, NoSharedUcxTransportNamesUcxTls) {
   // The pool's worker is reachable over shared memory only; this client speaks tcp only.
-  kvstore::PoolServerOptions o;
-  o.listen = "127.0.0.1:0";
-  o.metrics_port = -1;
-  o.capacity_bytes = 16 << 20;
+  kvstore::PoolServerOptions o = LoopbackPoolOptions();
   o.ucx_tls = "posix,cma";
   o.transfer_initiator = "client";
   auto server = kvstore::PoolServer::Create(o);

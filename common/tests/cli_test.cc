@@ -11,6 +11,7 @@
 #include <fstream>
 #include <iterator>
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace kvpool::cli {
@@ -47,6 +48,27 @@ struct FlatApp {
     app.add_option("--listen", listen, "address");
   }
 };
+
+// An app with a checked integer, a bool option, a counting flag and, in a subcommand, a bool
+// flag; and how Parse refuses a value that is not a boolean.
+struct ValueApp {
+  CLI::App app{"test"};
+  int port = 1;
+  bool teacher = true;
+  bool per_head = false;
+  int verbose = 0;
+  ValueApp() {
+    kvpool::cli::Setup(app, "prog");
+    app.add_option("--metrics-port", port, "port")->check(Range(-1, 65535));
+    app.add_option("--teacher-force", teacher, "bool option")->capture_default_str();
+    app.add_flag("-v,--verbose", verbose, "counting flag");
+    CLI::App* calib = app.add_subcommand("calibrate", "calibrate");
+    calib->add_flag("--per-head", per_head, "bool flag");
+  }
+};
+constexpr char kNotABoolean[] =
+    "is not a boolean (want true or false; also accepted: yes/no, on/off, 1/0, enable/disable, "
+    "t/f, y/n, any case)";
 
 // An engine/tool-like app: subcommands (one nested two deep) with their own flags.
 struct SubcommandApp {
@@ -127,24 +149,9 @@ TEST(CliConfigTest, ContentErrorsNameTheFile) {
 // "--metrics-port: 'abc' is not an integer"). A boolean that is none lists the accepted values
 // instead of CLI11's "Could not convert: --per-head = yes please", from either source.
 TEST(CliConfigTest, ValueErrorsFromTheFileNameTheFileAndTheKey) {
-  struct App {
-    CLI::App app{"test"};
-    int port = 1;
-    bool teacher = true;
-    bool per_head = false;
-    App() {
-      kvpool::cli::Setup(app, "prog");
-      app.add_option("--metrics-port", port, "port")->check(Range(-1, 65535));
-      app.add_option("--teacher-force", teacher, "bool option");
-      CLI::App* calib = app.add_subcommand("calibrate", "calibrate");
-      calib->add_flag("--per-head", per_head, "bool flag");
-    }
-  };
-  const std::string want_bool =
-      "is not a boolean (want true or false; also accepted: yes/no, on/off, 1/0, enable/disable, "
-      "t/f, y/n, any case)";
+  const std::string want_bool = kNotABoolean;
   {
-    App a;
+    ValueApp a;
     const std::string path = WriteYaml("value-int", "metrics-port: abc\n");
     auto [rc, err] = RunParse(a.app, {"--config", path});
     EXPECT_EQ(rc, kExitUsage);
@@ -155,7 +162,7 @@ TEST(CliConfigTest, ValueErrorsFromTheFileNameTheFileAndTheKey) {
         << err;
   }
   {
-    App a;  // the command line wins: its value is the one refused, and the file is not named
+    ValueApp a;  // the command line wins: its value is the one refused, and the file is not named
     const std::string path = WriteYaml("value-int-cl", "metrics-port: abc\n");
     auto [rc, err] = RunParse(a.app, {"--config", path, "--metrics-port=xyz"});
     EXPECT_EQ(rc, kExitUsage);
@@ -163,7 +170,7 @@ TEST(CliConfigTest, ValueErrorsFromTheFileNameTheFileAndTheKey) {
     EXPECT_EQ(err.find("--config"), std::string::npos) << err;
   }
   {
-    App a;
+    ValueApp a;
     const std::string path = WriteYaml("value-bool", "teacher-force: maybe\n");
     auto [rc, err] = RunParse(a.app, {"--config", path});
     EXPECT_EQ(rc, kExitUsage);
@@ -175,14 +182,14 @@ TEST(CliConfigTest, ValueErrorsFromTheFileNameTheFileAndTheKey) {
         << err;
   }
   {
-    App a;
+    ValueApp a;
     auto [rc, err] = RunParse(a.app, {"--teacher-force", "maybe"});
     EXPECT_EQ(rc, kExitUsage);
     EXPECT_NE(err.find("prog: --teacher-force: 'maybe' " + want_bool), std::string::npos) << err;
     EXPECT_EQ(err.find("Could not convert"), std::string::npos) << err;
   }
   {
-    App a;
+    ValueApp a;
     const std::string path = WriteYaml("value-flag", "calibrate:\n  per-head: yes please\n");
     auto [rc, err] = RunParse(a.app, {"--config", path, "calibrate"});
     EXPECT_EQ(rc, kExitUsage);
@@ -194,7 +201,7 @@ TEST(CliConfigTest, ValueErrorsFromTheFileNameTheFileAndTheKey) {
         << err;
   }
   {
-    App a;  // accepted spellings still work
+    ValueApp a;  // accepted spellings still work
     const std::string path =
         WriteYaml("value-ok", "teacher-force: no\ncalibrate:\n  per-head: on\n");
     auto [rc, err] = RunParse(a.app, {"--config", path, "calibrate"});
@@ -210,26 +217,11 @@ TEST(CliConfigTest, ValueErrorsFromTheFileNameTheFileAndTheKey) {
 // the command line and from the config file, in a subcommand too, with the same message; a
 // counting flag still counts.
 TEST(CliConfigTest, IntegersAndSignsAreNotBooleans) {
-  struct App {
-    CLI::App app{"test"};
-    bool teacher = true;
-    bool per_head = false;
-    int verbose = 0;
-    App() {
-      kvpool::cli::Setup(app, "prog");
-      app.add_option("--teacher-force", teacher, "bool option")->capture_default_str();
-      app.add_flag("-v,--verbose", verbose, "counting flag");
-      CLI::App* calib = app.add_subcommand("calibrate", "calibrate");
-      calib->add_flag("--per-head", per_head, "bool flag");
-    }
-  };
-  const std::string want_bool =
-      "is not a boolean (want true or false; also accepted: yes/no, on/off, 1/0, enable/disable, "
-      "t/f, y/n, any case)";
+  const std::string want_bool = kNotABoolean;
   for (const std::string value : {"2", "-1", "10", "+", "-", "", "01", "truee"}) {
     SCOPED_TRACE(value);
     {
-      App a;
+      ValueApp a;
       auto [rc, err] = RunParse(a.app, {"--teacher-force", value});
       EXPECT_EQ(rc, kExitUsage) << err;
       EXPECT_NE(err.find("prog: --teacher-force: '" + value + "' " + want_bool), std::string::npos)
@@ -238,29 +230,22 @@ TEST(CliConfigTest, IntegersAndSignsAreNotBooleans) {
     // "--per-head=" is the flag alone (CLI11), and "key: " in YAML has no value (another message).
     if (value.empty()) continue;
     {
-      App a;
+      ValueApp a;
       auto [rc, err] = RunParse(a.app, {"calibrate", "--per-head=" + value});
       EXPECT_EQ(rc, kExitUsage) << err;
       EXPECT_NE(err.find("prog: --per-head: '" + value + "' " + want_bool), std::string::npos)
           << err;
     }
-    {
-      App a;
-      const std::string path =
-          WriteYaml("bool-int", "teacher-force: \"" + value + "\"\ncalibrate:\n  per-head: true\n");
+    // From the file: the option, and the flag in its subcommand's section.
+    for (const auto& [key, yaml, flag] :
+         std::vector<std::tuple<std::string, std::string, std::string>>{
+             {"teacher-force", "teacher-force: \"" + value + "\"\n", "--teacher-force"},
+             {"calibrate.per-head", "calibrate:\n  per-head: \"" + value + "\"\n", "--per-head"}}) {
+      ValueApp a;
+      const std::string path = WriteYaml("bool-int", yaml);
       auto [rc, err] = RunParse(a.app, {"--config", path, "calibrate"});
       EXPECT_EQ(rc, kExitUsage) << err;
-      EXPECT_NE(err.find("prog: --config '" + path + "' key \"teacher-force\": --teacher-force: '" +
-                         value + "' " + want_bool),
-                std::string::npos)
-          << err;
-    }
-    {
-      App a;
-      const std::string path = WriteYaml("flag-int", "calibrate:\n  per-head: \"" + value + "\"\n");
-      auto [rc, err] = RunParse(a.app, {"--config", path, "calibrate"});
-      EXPECT_EQ(rc, kExitUsage) << err;
-      EXPECT_NE(err.find("prog: --config '" + path + "' key \"calibrate.per-head\": --per-head: '" +
+      EXPECT_NE(err.find("prog: --config '" + path + "' key \"" + key + "\": " + flag + ": '" +
                          value + "' " + want_bool),
                 std::string::npos)
           << err;
@@ -283,14 +268,14 @@ TEST(CliConfigTest, IntegersAndSignsAreNotBooleans) {
                                                                             {"y", true},
                                                                             {"N", false}}) {
     SCOPED_TRACE(word);
-    App a;
+    ValueApp a;
     auto [rc, err] = RunParse(a.app, {"--teacher-force", word, "calibrate", "--per-head=" + word});
     EXPECT_EQ(rc, -1) << err;
     EXPECT_EQ(a.teacher, want);
     EXPECT_EQ(a.per_head, want);
   }
   {
-    App a;
+    ValueApp a;
     auto [rc, err] = RunParse(a.app, {"-vv", "--verbose", "calibrate", "--per-head"});
     EXPECT_EQ(rc, -1) << err;
     EXPECT_EQ(a.verbose, 3);
