@@ -190,26 +190,24 @@ int main(int argc, char** argv) {
                  "half the hardware threads, 1..8)")
       ->check(CLI::Range(0, 64))
       ->capture_default_str();
-  app.add_option("--parallel-put-min-kib", cs.put_min_kib,
-                 "ClientOptions::parallel_put_min_bytes in KiB (smaller WriteLayer layers stay on "
-                 "the calling thread)")
-      ->check(CLI::Range(uint64_t{0}, uint64_t{1} << 30))
-      ->capture_default_str();
-  app.add_option("--parallel-async-put-min-kib", cs.async_put_min_kib,
-                 "ClientOptions::parallel_async_put_min_bytes in KiB (WriteLayerAsync puts of "
-                 "fewer written bytes pack on the calling thread)")
-      ->check(CLI::Range(uint64_t{0}, uint64_t{1} << 30))
-      ->capture_default_str();
-  app.add_option("--parallel-fetch-min-kib", cs.fetch_min_kib,
-                 "ClientOptions::parallel_fetch_min_bytes in KiB (smaller fetches stay on the "
-                 "calling thread unless the copy threads are awake)")
-      ->check(CLI::Range(uint64_t{0}, uint64_t{1} << 30))
-      ->capture_default_str();
-  app.add_option("--parallel-fetch-awake-min-kib", cs.fetch_awake_min_kib,
-                 "ClientOptions::parallel_fetch_awake_min_bytes in KiB (fetches of at least this "
-                 "are spread when no copy thread is asleep)")
-      ->check(CLI::Range(uint64_t{0}, uint64_t{1} << 30))
-      ->capture_default_str();
+  // A ClientOptions size threshold in KiB, 0 .. 2^30.
+  auto kib_option = [&app](const char* name, uint64_t& kib, const char* help) {
+    app.add_option(name, kib, help)
+        ->check(CLI::Range(uint64_t{0}, uint64_t{1} << 30))
+        ->capture_default_str();
+  };
+  kib_option("--parallel-put-min-kib", cs.put_min_kib,
+             "ClientOptions::parallel_put_min_bytes in KiB (smaller WriteLayer layers stay on "
+             "the calling thread)");
+  kib_option("--parallel-async-put-min-kib", cs.async_put_min_kib,
+             "ClientOptions::parallel_async_put_min_bytes in KiB (WriteLayerAsync puts of "
+             "fewer written bytes pack on the calling thread)");
+  kib_option("--parallel-fetch-min-kib", cs.fetch_min_kib,
+             "ClientOptions::parallel_fetch_min_bytes in KiB (smaller fetches stay on the "
+             "calling thread unless the copy threads are awake)");
+  kib_option("--parallel-fetch-awake-min-kib", cs.fetch_awake_min_kib,
+             "ClientOptions::parallel_fetch_awake_min_bytes in KiB (fetches of at least this "
+             "are spread when no copy thread is asleep)");
   app.add_option("--copy-threads-prewake-us", cs.prewake_us,
                  "ClientOptions::copy_threads_prewake in microseconds of the measuring client: "
                  "BeginPut/Acquire hold the copy threads awake through the RPC (at most this "
@@ -228,24 +226,16 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   // Ranges: a negative count reached std::vector's constructor (std::length_error, abort) and
   // zero timed iterations leave nothing to take percentiles of.
-  app.add_option("--iters", iters, "Timed puts/fetches per size")
-      ->check(kvpool::cli::Range(1, 1000000))
-      ->capture_default_str();
-  app.add_option("--warmup", warmup, "Untimed iterations per size")
-      ->check(kvpool::cli::Range(0, 1000000))
-      ->capture_default_str();
-  app.add_option("--lookup-clients", lookup_clients, "Concurrent clients for the lookup test")
-      ->check(kvpool::cli::Range(1, 1024))
-      ->capture_default_str();
-  app.add_option("--lookup-iters", lookup_iters, "Lookups per client")
-      ->check(kvpool::cli::Range(1, 10000000))
-      ->capture_default_str();
-  app.add_option("--commit-blocks", commit_blocks, "INT2 blocks per commit")
-      ->check(kvpool::cli::Range(1, 65536))
-      ->capture_default_str();
-  app.add_option("--commit-iters", commit_iters, "Timed commits")
-      ->check(kvpool::cli::Range(1, 1000000))
-      ->capture_default_str();
+  auto count_option = [&app](const char* name, int& count, int min, int max, const char* help) {
+    app.add_option(name, count, help)->check(kvpool::cli::Range(min, max))->capture_default_str();
+  };
+  count_option("--iters", iters, 1, 1000000, "Timed puts/fetches per size");
+  count_option("--warmup", warmup, 0, 1000000, "Untimed iterations per size");
+  count_option("--lookup-clients", lookup_clients, 1, 1024,
+               "Concurrent clients for the lookup test");
+  count_option("--lookup-iters", lookup_iters, 1, 10000000, "Lookups per client");
+  count_option("--commit-blocks", commit_blocks, 1, 65536, "INT2 blocks per commit");
+  count_option("--commit-iters", commit_iters, 1, 1000000, "Timed commits");
   app.add_option("--json", json_path, "Write results as JSON to this file");
   KVPOOL_CLI_PARSE(app, argc, argv);
 
