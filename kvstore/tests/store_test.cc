@@ -921,6 +921,68 @@ TEST_F(EvictionTest, ACommitThatNoLongerFitsFailsBeforeEvictingAnything) {
   EXPECT_EQ(store_->Stats().pinned_bytes, 0u);
 }
 
+// The allocation's own refusal (AllocateLocked, "pool full: ..."), which the room checks of
+// BeginPut and CommitPut cannot see coming: they add up bytes, and these free bytes are in
+// pieces (untested until session 9). A model with no sink or recent blocks stores one INT2 form
+// (192 bytes, 256 allocated) per block. 38 one-block puts leave their forms at 256-byte units
+// 2..39 (each put's 512 bytes of staging at units 0-1, freed by its commit); an open put then
+// holds units 0-1, every other sequence is deleted and the other 19 are leased. A one-block put
+// needs 512 + 256 bytes, and 10240 - 512 staging - 19 x 256 leased = 4864 pass the room check,
+// but every free range is 256 bytes: its staging cannot be allocated and nothing can be evicted.
+// RESOURCE_EXHAUSTED with every part named; nothing stored, leased or open is touched, and the
+// put goes in once the pieces are free again.
+TEST_F(EvictionTest, AFragmentedPoolRefusesAPutNamingWhatHoldsIt) {
+  InitWatermarks(0.9, 0.8);  // 10240 bytes
+  spec_.model_id = "tiny-int2-only";
+  spec_.sink_tokens = 0;
+  spec_.recent_tokens = 0;
+  auto info = store_->RegisterModel(spec_, {.file_bytes = RotationFileFor(spec_)});
+  ASSERT_TRUE(info.ok()) << info.status();
+  ns_ = info->namespace_id;
+  for (uint32_t seq = 1; seq <= 38; ++seq) {
+    ASSERT_TRUE(Put(seq, 1).ok()) << seq;
+  }
+  ASSERT_EQ(store_->Stats().used_bytes, 38u * 256);
+  auto open = store_->BeginPut(ns_, Tokens(100, 4), 1, {});  // staging at units 0-1
+  ASSERT_TRUE(open.ok()) << open.status();
+  std::vector<Digest> even;
+  for (uint32_t seq = 2; seq <= 38; seq += 2)
+    even.push_back((*ChainKeys(ns_, Tokens(seq, 4), 4))[0]);
+  uint32_t deleted = 0;
+  ASSERT_TRUE(store_->Delete(ns_, even, &deleted).ok());
+  ASSERT_EQ(deleted, 19u);
+  std::vector<uint64_t> leases;
+  for (uint32_t seq = 1; seq <= 37; seq += 2) {
+    auto l = store_->Acquire(ns_, {.token_ids = Tokens(seq, 4)}, 0, absl::Minutes(1));
+    ASSERT_TRUE(l.ok() && l->blocks.size() == 1u) << seq;
+    leases.push_back(l->lease_id);
+  }
+  const StoreStats before = store_->Stats();
+  EXPECT_EQ(before.used_bytes, 512u + 19 * 256);
+  EXPECT_EQ(before.pinned_bytes, 19u * 256);
+
+  auto p = store_->BeginPut(ns_, Tokens(101, 4), 1, {});
+  ASSERT_EQ(p.status().code(), absl::StatusCode::kResourceExhausted) << p.status();
+  EXPECT_EQ(p.status().message(),
+            "pool full: cannot allocate 512 bytes (5376 of 10240 bytes used: 512 bytes staging of "
+            "open puts, 4864 bytes forms of leased or pinned blocks, 0 bytes other forms eviction "
+            "cannot free now (ancestors of pinned blocks); 4864 bytes free but fragmented)");
+  const StoreStats after = store_->Stats();
+  EXPECT_EQ(after.used_bytes, before.used_bytes);  // nothing allocated, leaked or evicted
+  EXPECT_EQ(after.staging_bytes, 512u);
+  EXPECT_EQ(after.open_puts, 1u);
+  EXPECT_EQ(after.blocks, 19u);
+  EXPECT_EQ(store_->metrics().evictions_demote.load() + store_->metrics().evictions_block.load(),
+            0u);
+  for (uint32_t seq = 1; seq <= 37; seq += 2) EXPECT_EQ(Forms(seq, 1).size(), 1u) << seq;
+  // The open put still commits, and with the leases gone the refused put goes in.
+  ASSERT_TRUE(store_->CommitPut(ns_, open->put_id, Write(*open, 100)).ok());
+  for (uint64_t id : leases) ASSERT_TRUE(store_->Release(id).ok());
+  auto c = Put(101, 1);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(Forms(101, 1).size(), 1u);
+}
+
 TEST_F(StoreTest, DeleteRemovesDescendantsAndRespectsLeases) {
   ASSERT_TRUE(Put(1, 4).ok());
   ASSERT_TRUE(Put(2, 4, 8).ok());  // shares blocks 0, 1 with sequence... only with itself
