@@ -929,10 +929,13 @@ TEST_F(EvictionTest, ACommitThatNoLongerFitsFailsBeforeEvictingAnything) {
 // holds units 0-1, every other sequence is deleted and the other 19 are leased. A one-block put
 // needs 512 + 256 bytes, and 10240 - 512 staging - 19 x 256 leased = 4864 pass the room check,
 // but every free range is 256 bytes: its staging cannot be allocated and nothing can be evicted.
-// RESOURCE_EXHAUSTED with every part named; nothing stored, leased or open is touched, and the
-// put goes in once the pieces are free again.
+// RESOURCE_EXHAUSTED with every part named; nothing stored, leased or open is touched. The same
+// at CommitPut: with the open put aborted, a one-block put of the first model (its block is a
+// sink: one 512-byte BF16 form) gets units 0-1 for its staging, and its commit finds no 512
+// bytes in one piece for the form. Both puts go in once the leases are gone.
 TEST_F(EvictionTest, AFragmentedPoolRefusesAPutNamingWhatHoldsIt) {
   InitWatermarks(0.9, 0.8);  // 10240 bytes
+  const Digest sink_ns = ns_;
   spec_.model_id = "tiny-int2-only";
   spec_.sink_tokens = 0;
   spec_.recent_tokens = 0;
@@ -975,12 +978,30 @@ TEST_F(EvictionTest, AFragmentedPoolRefusesAPutNamingWhatHoldsIt) {
   EXPECT_EQ(store_->metrics().evictions_demote.load() + store_->metrics().evictions_block.load(),
             0u);
   for (uint32_t seq = 1; seq <= 37; seq += 2) EXPECT_EQ(Forms(seq, 1).size(), 1u) << seq;
-  // The open put still commits, and with the leases gone the refused put goes in.
-  ASSERT_TRUE(store_->CommitPut(ns_, open->put_id, Write(*open, 100)).ok());
+
+  ASSERT_TRUE(store_->AbortPut(ns_, open->put_id).ok());
+  auto sink = store_->BeginPut(sink_ns, Tokens(102, 4), 1, {});
+  ASSERT_TRUE(sink.ok()) << sink.status();
+  auto committed = store_->CommitPut(sink_ns, sink->put_id, Write(*sink, 102));
+  ASSERT_EQ(committed.status().code(), absl::StatusCode::kResourceExhausted) << committed.status();
+  EXPECT_EQ(committed.status().message(), p.status().message());  // the same numbers
+  const StoreStats failed = store_->Stats();
+  EXPECT_EQ(failed.used_bytes, 19u * 256);  // only the put's staging went
+  EXPECT_EQ(failed.staging_bytes, 0u);
+  EXPECT_EQ(failed.open_puts, 0u);
+  EXPECT_EQ(failed.blocks, 19u);
+  EXPECT_EQ(store_->metrics().evictions_demote.load() + store_->metrics().evictions_block.load(),
+            0u);
+  for (uint32_t seq = 1; seq <= 37; seq += 2) EXPECT_EQ(Forms(seq, 1).size(), 1u) << seq;
+
   for (uint64_t id : leases) ASSERT_TRUE(store_->Release(id).ok());
   auto c = Put(101, 1);
   ASSERT_TRUE(c.ok()) << c.status();
   EXPECT_EQ(Forms(101, 1).size(), 1u);
+  ns_ = sink_ns;
+  c = Put(102, 1);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(Forms(102, 1), (std::vector<std::vector<FormKind>>{{kB}}));
 }
 
 TEST_F(StoreTest, DeleteRemovesDescendantsAndRespectsLeases) {
