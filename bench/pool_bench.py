@@ -4,8 +4,10 @@
 For each UCX transport (default: tcp and posix,cma) it starts kvpool-server on a free loopback
 port, runs pool_bench against it (put / fetch of one block of 16 KiB … 4 MiB through the C++
 client, commit throughput, lookup p99 with 16 clients), then runs ucx_perftest (ucp_put_bw and
-ucp_get) with the same UCX_TLS and message sizes, and prints a table with the ratio
-kvpool / ucx_perftest: data-phase numbers (what ucx_perftest's numbers compare with: it times
+ucp_get) with the same UCX_TLS and message sizes, and ucp_rotating_bench (a UCX put/get of one
+buffer at a time over buffers no earlier operation touched within a 1 GiB ring, i.e. not in any
+cache; bench/ucp_rotating_bench.cc), and prints a table with the ratio
+kvpool / ucx_perftest, then a second with the ratio kvpool / ucp_rotating_bench ("fresh"): data-phase numbers (what ucx_perftest's numbers compare with: it times
 only transfers) and end-to-end numbers (with the control RPCs) side by side. Results go to
 bench/results/pool_bench_<tls>[_<tag>].json. The last columns are the measuring thread's minor page
 faults per put data phase / first fetch (pool_bench counts them with getrusage) and the bench
@@ -15,8 +17,8 @@ PutSession::WriteLayerAsync (pool_bench --async-put, on by default; absent for b
     bench/pool_bench.py --build build [--tls tcp --tls posix,cma] [--iters 50] [--repeat 3]
                         [--sizes-kib 64,256,1024,4096] [--tag NAME] [--bench-flag=--map-shared-memory=false]
 
-Each transport is measured --repeat times (a fresh server each time, ucx_perftest after each
-pool_bench run) and the medians are reported: on a shared machine single runs are noisy.
+Each transport is measured --repeat times (a fresh server each time, ucx_perftest and
+ucp_rotating_bench after each pool_bench run) and the medians are reported: on a shared machine single runs are noisy.
 
 Standard library only. Exit codes: 0 ok, 1 usage, 2 runtime error.
 """
@@ -77,6 +79,24 @@ def perftest(tls, test, size, iters, warmup):
     raise RuntimeError(f"ucx_perftest {test} {size}: no Final line:\n{out}")
 
 
+def rotating(binary, tls, sizes_kib, iters, warmup, ring_mib):
+    """Runs ucp_rotating_bench once for every size; returns {bytes: {...}} with the fresh-buffer
+    put/get GB/s and p50, and its one-buffer ("same", ucx_perftest's setting) numbers."""
+    import tempfile
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        subprocess.run([binary, "--ucx-tls", tls, "--sizes-kib", sizes_kib, "--iters", str(iters),
+                        "--warmup", str(warmup), "--ring-mib", str(ring_mib), "--json", f.name],
+                       check=True, capture_output=True, text=True, timeout=300)
+        res = json.load(open(f.name))
+    out = {}
+    for r in res["results"]:
+        d = out.setdefault(r["bytes"], {"ring_bytes_per_side": res["ring_bytes_per_side"]})
+        pre = "" if r["ring"] == "fresh" else "same_"
+        d[f"{pre}{r['test']}_gbps"] = r["gbps"]
+        d[f"{pre}{r['test']}_p50_us"] = r["p50_us"]
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--build", default="build", help="build directory (bin/ holds the binaries)")
@@ -93,6 +113,12 @@ def main():
     ap.add_argument("--bench-flag", action="append",
                     help="extra pool_bench flag (repeatable), e.g. "
                          "--bench-flag=--map-shared-memory=false")
+    ap.add_argument("--rotating-bench", default=None,
+                    help="ucp_rotating_bench binary (default: BUILD/bin/ucp_rotating_bench; "
+                         "'none' = no fresh-buffer baseline)")
+    ap.add_argument("--ring-mib", type=int, default=1024,
+                    help="ucp_rotating_bench --ring-mib (buffers per side; keep it well above "
+                         "the last-level cache)")
     ap.add_argument("--server-flag", action="append",
                     help="extra kvpool-server flag (repeatable), e.g. --server-flag=--transfer-"
                          "initiator=client")
@@ -105,6 +131,11 @@ def main():
         if not os.path.exists(b):
             print(f"--build: {b} does not exist", file=sys.stderr)
             return 1
+    rot_bin = args.rotating_bench or os.path.join(args.build, "bin", "ucp_rotating_bench")
+    if rot_bin != "none" and not os.path.exists(rot_bin):
+        print(f"--rotating-bench: {rot_bin} does not exist ('none' to run without it)",
+              file=sys.stderr)
+        return 1
     os.makedirs(args.results, exist_ok=True)
     for tls in tls_list:
         suffix = f"_{args.tag}" if args.tag else ""
@@ -134,6 +165,11 @@ def main():
                 get_bw, get_lat = perftest(tls, "ucp_get", size, args.perftest_iters, 10)
                 t["perftest"] = {"ucp_put_bw_gbps": put_bw / 1e9, "ucp_put_bw_p50_us": put_lat,
                                  "ucp_get_gbps": get_bw / 1e9, "ucp_get_p50_us": get_lat}
+            if rot_bin != "none":
+                rot = rotating(rot_bin, tls, args.sizes_kib, args.perftest_iters, 10,
+                               args.ring_mib)
+                for t in res["transfers"]:
+                    t["fresh"] = rot[t["bytes"]]
             runs.append(res)
         # Medians over the repeats, metric by metric (kvpool and ucx_perftest alike); each
         # repeat is kept under "repeats".
@@ -145,10 +181,17 @@ def main():
             for k in t["perftest"]:
                 t["perftest"][k] = median([r["transfers"][i]["perftest"][k] for r in runs])
             p = t["perftest"]
+            if "fresh" in t:
+                for k in t["fresh"]:
+                    t["fresh"][k] = median([r["transfers"][i]["fresh"][k] for r in runs])
+            fr = t.get("fresh")
             for k in list(t):
                 if k.endswith("_gbps") and not k.startswith("perftest"):
                     base = p["ucp_put_bw_gbps"] if k.startswith("put") else p["ucp_get_gbps"]
                     t[k.replace("_gbps", "_ratio")] = t[k] / base if base > 0 else None
+                    if fr is not None:
+                        fb = fr["put_gbps"] if k.startswith("put") else fr["get_gbps"]
+                        t[k.replace("_gbps", "_ratio_fresh")] = t[k] / fb if fb > 0 else None
         for sect in ("commit", "lookup"):
             for k, v in res[sect].items():
                 if isinstance(v, float):
@@ -157,6 +200,9 @@ def main():
         res["repeat_count"] = args.repeat
         res["statistic"] = "median over repeats (each repeat: mean bandwidth, p50/p99 latency)"
         res["perftest_iters"] = args.perftest_iters
+        res["fresh_baseline"] = (None if rot_bin == "none" else
+                                 {"binary": "ucp_rotating_bench", "ring_mib": args.ring_mib,
+                                  "iters": args.perftest_iters, "in_flight": 1})
         res["python"] = platform.python_version()
         res["load_average_1m_at_end"] = os.getloadavg()[0]
         with open(json_path, "w") as f:
@@ -193,6 +239,26 @@ def main():
                   f"{t.get('put_minor_faults_per_iter', float('nan')):.1f}/"
                   f"{t.get('fetch_minor_faults_per_iter', float('nan')):.1f} | "
                   f"{t.get('cpu_us_per_iter', float('nan')) / 1e3:.3f}")
+        if "fresh" in res["transfers"][0]:
+            print("GB/s (ratio to ucp_rotating_bench of the same run, one operation in flight over "
+                  "buffers not in any cache: puts / its put, fetches / its get); 'same' = the "
+                  "same binary reusing one buffer (ucx_perftest's setting)")
+            fcols = [("put data", "put_gbps"), ("put async", "put_async_gbps"),
+                     ("fetch", "fetch_gbps"), ("fetch warm", "fetch_warm_gbps")]
+            print(f"{'size':>9} | " + " | ".join(f"{c:>14}" for c, _ in fcols) +
+                  f" | {'fresh put':>9} {'fresh get':>9} | {'same put':>8} {'same get':>8} | "
+                  f"{'fresh put/get p50 us':>20}")
+            for t in res["transfers"]:
+                fr = t["fresh"]
+                cells = []
+                for _, k in fcols:
+                    r = t.get(k.replace("_gbps", "_ratio_fresh"))
+                    cells.append(f"{t[k]:7.3f} ({r:4.2f})" if k in t and r is not None
+                                 else f"{'-':>14}")
+                print(f"{t['bytes'] // 1024:>5} KiB | " + " | ".join(cells) +
+                      f" | {fr['put_gbps']:9.3f} {fr['get_gbps']:9.3f} | "
+                      f"{fr['same_put_gbps']:8.3f} {fr['same_get_gbps']:8.3f} | "
+                      f"{fr['put_p50_us']:9.1f}/{fr['get_p50_us']:<9.1f}")
         c = res["commit"]
         print(f"commit (rotate + INT2 quantize on the pool, {c['blocks']} blocks): "
               f"{c['gbps']:.3f} GB/s of BF16 input, p50 {c['p50_ms']:.1f} ms")
