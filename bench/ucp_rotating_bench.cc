@@ -39,8 +39,8 @@
 #include <string>
 #include <vector>
 
-#include <nlohmann/json.hpp>
 #include <ucp/api/ucp.h>
+#include <nlohmann/json.hpp>
 
 #include "kvpool/common/cli.h"
 #include "kvpool/common/version.h"
@@ -193,7 +193,9 @@ struct Stats {
 Stats Summarize(std::vector<double> us) {
   Stats s;
   std::sort(us.begin(), us.end());
-  auto pct = [&](double p) { return us[std::min(us.size() - 1, size_t(p * (us.size() - 1) + 0.5))]; };
+  auto pct = [&](double p) {
+    return us[std::min(us.size() - 1, size_t(p * (us.size() - 1) + 0.5))];
+  };
   double sum = 0;
   for (double x : us) sum += x;
   s.mean_us = sum / us.size();
@@ -290,9 +292,10 @@ int main(int argc, char** argv) {
     }
     uint64_t op_index = 0;  // over every rotating operation of the run: no buffer is met twice
                             // within a ring
-    std::printf("%-8s %-6s %-4s %10s %9s %9s  (GB/s = bytes / mean latency; one operation in "
-                "flight)\n",
-                "size", "ring", "test", "GB/s", "p50 us", "p99 us");
+    std::printf(
+        "%-8s %-6s %-4s %10s %9s %9s  (GB/s = bytes / mean latency; one operation in "
+        "flight)\n",
+        "size", "ring", "test", "GB/s", "p50 us", "p99 us");
     for (uint64_t kib : sizes_kib) {
       const uint64_t size = kib << 10;
       const uint64_t nbuf = ring_bytes / size;
@@ -313,7 +316,8 @@ int main(int argc, char** argv) {
               Wait(u.worker, ucp_get_nbx(ep, lbuf, size, raddr, rkey, &rp), "ucp_get_nbx");
             }
             const auto t1 = std::chrono::steady_clock::now();
-            if (it >= warmup) us.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
+            if (it >= warmup)
+              us.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
           }
           const Stats s = Summarize(us);
           const double gbps = size / (s.mean_us * 1e3);
