@@ -399,6 +399,9 @@ struct ConnSnapshot {
   ModelInfo info;
   bool bf16_history = false;
   std::string worker_address;  // this client's (sealed), for pool-initiated transfers
+  // LayerPieces(geometry, l) for every layer, computed once per registration (an asynchronous
+  // put's task layout; building it on a put's first WriteLayerAsync cost that call microseconds).
+  std::shared_ptr<const std::vector<std::vector<LayerPiece>>> layer_pieces;
   // The pool's memory mapped into this process (shared-memory transports; null otherwise or
   // when ClientOptions::map_shared_memory is false). Puts store into staging and fetches copy
   // leased forms through it: no transfer, no owner-thread hand-off.
@@ -632,9 +635,11 @@ class PutSessionImpl final : public PutSession {
 
   // Asynchronous layers. Everything the tasks read is written before the Submit that publishes
   // them (release) and not changed while they may run.
-  std::unique_ptr<AsyncLayers> async_;                   // null until the first WriteLayerAsync
-  bool async_per_block_ = false;                         // a task = one block's layer slice
-  std::vector<std::vector<LayerPiece>> pieces_;          // per layer
+  std::unique_ptr<AsyncLayers> async_;  // null until the first WriteLayerAsync
+  bool async_per_block_ = false;        // a task = one block's layer slice
+  // per layer: LayerPieces (ConnSnapshot::layer_pieces, or built by InitAsync)
+  std::shared_ptr<const std::vector<std::vector<LayerPiece>>> pieces_owner_;
+  const std::vector<LayerPiece>* pieces_ = nullptr;
   std::vector<size_t> async_first_;                      // per layer + 1: first task index
   std::vector<const uint16_t*> async_k_, async_v_;       // per layer (null: written synchronously)
   std::unique_ptr<std::atomic<uint32_t>[]> async_left_;  // per layer: tasks not finished
@@ -963,6 +968,7 @@ class ClientImpl final : public Client {
     c.namespace_id = info_->namespace_id;
     c.geometry = info_->geometry;
     c.info = *info_;
+    c.layer_pieces = layer_pieces_;
     c.bf16_history = spec_->history_precision == "bf16";
     if (arena_epoch_ == c.epoch) c.arena = arena_;
     return c;
@@ -1091,6 +1097,13 @@ class ClientImpl final : public Client {
         worker_address_ = resp.ucx_worker_address();
       }
       spec_ = spec;
+      {
+        auto pieces = std::make_shared<std::vector<std::vector<LayerPiece>>>();
+        for (uint32_t l = 0; l < info.geometry.num_layers; ++l) {
+          pieces->push_back(LayerPieces(info.geometry, l));
+        }
+        layer_pieces_ = std::move(pieces);
+      }
       info_ = info;
       stale_ = false;
     }
@@ -1896,6 +1909,7 @@ class ClientImpl final : public Client {
   mutable std::mutex mu_;  // guards everything below; never held across gRPC or UCX calls
   std::optional<ModelSpec> spec_;
   std::optional<ModelInfo> info_;
+  std::shared_ptr<const std::vector<std::vector<LayerPiece>>> layer_pieces_;  // of info_'s geometry
   EndpointId endpoint_;
   std::string worker_address_;
   std::map<std::string, RemoteKeyId> rkeys_;  // packed key → unpacked on endpoint_
@@ -2352,10 +2366,15 @@ absl::Status PutSessionImpl::InitAsync() {
     KVPOOL_ASSIGN_OR_RETURN(whole_, client_->TakeBuffer(g.Bf16FormBytes() * blocks));
   }
   async_per_block_ = blocks >= size_t(2 * client_->copy_pool().threads());
-  pieces_.resize(L);
+  pieces_owner_ = conn_.layer_pieces;
+  if (pieces_owner_ == nullptr || pieces_owner_->size() != L) {
+    auto built = std::make_shared<std::vector<std::vector<LayerPiece>>>();
+    for (uint32_t l = 0; l < L; ++l) built->push_back(LayerPieces(g, l));
+    pieces_owner_ = std::move(built);
+  }
+  pieces_ = pieces_owner_->data();
   async_first_.assign(L + 1, 0);
   for (uint32_t l = 0; l < L; ++l) {
-    pieces_[l] = LayerPieces(g, l);
     async_first_[l + 1] =
         async_first_[l] + (async_per_block_ ? blocks : blocks * pieces_[l].size());
   }
