@@ -16,7 +16,8 @@
 //     false), in alternating order across iterations.
 //   * fetch end to end: Acquire + the first Fetch + Release.
 //   * raw get: the same bytes with one bare RMA get through the transport (when the client may
-//     initiate transfers): the data plane without the client.
+//     initiate transfers): the data plane without the client; into the fetch page, or into a
+//     buffer of its own (--raw-get-into own).
 //   * commit: CommitPut of many INT2 blocks (rotate + quantize on the pool), reported apart;
 //   * lookup: p50/p99 of Lookup with N concurrent clients.
 // Block sizes are set by the model geometry (d = 128, P = 16: 8 KiB per layer·head), with
@@ -179,6 +180,7 @@ int main(int argc, char** argv) {
   std::string json_path;
   bool map_shared_memory = true;
   bool async_put = true;
+  std::string raw_get_into = "page";
   CopySettings cs;
   app.add_option("--async-put", async_put,
                  "Also put a second sequence per iteration with PutSession::WriteLayerAsync "
@@ -213,6 +215,13 @@ int main(int argc, char** argv) {
                  "BeginPut/Acquire hold the copy threads awake through the RPC (at most this "
                  "long) when the put layers / fetch that follow will be spread; 0 = off")
       ->check(CLI::Range(int64_t{0}, int64_t{10'000'000}))
+      ->capture_default_str();
+  app.add_option("--raw-get-into", raw_get_into,
+                 "Where the raw get lands: 'page' = the fetch page itself (so the next "
+                 "iteration's first fetch writes lines the transport's owner thread wrote last, "
+                 "on another core); 'own' = a registered buffer of its own, so the fetch pages are "
+                 "written only by fetches (session 9 measured no difference: docs/TRANSPORT.md)")
+      ->check(CLI::IsMember({"own", "page"}))
       ->capture_default_str();
   app.add_option("--server", server, "gRPC address of the pool")->capture_default_str();
   app.add_option("--map-shared-memory", map_shared_memory,
@@ -258,6 +267,7 @@ int main(int argc, char** argv) {
   auto client = NewClient(server, tls, map_shared_memory, cs);
   out["map_shared_memory"] = map_shared_memory;
   out["async_put"] = async_put;
+  out["raw_get_into"] = raw_get_into;
   out["copy_threads"] = cs.copy_threads;  // 0: the client's default
   out["parallel_put_min_kib"] = cs.put_min_kib;
   out["parallel_async_put_min_kib"] = cs.async_put_min_kib;
@@ -298,6 +308,14 @@ int main(int argc, char** argv) {
     auto region = client->RegisterBuffer(page.data(), page.size());
     BENCH_CHECK(region.status());
     kvpool::client::PagePool pool{*region, bytes};
+    // The raw get's destination (--raw-get-into).
+    std::vector<uint8_t> raw_page(raw_get_into == "own" ? bytes : 0);
+    std::shared_ptr<kvpool::transport::MemoryRegion> raw_region = *region;
+    if (raw_get_into == "own") {
+      auto r = client->RegisterBuffer(raw_page.data(), raw_page.size());
+      BENCH_CHECK(r.status());
+      raw_region = *r;
+    }
 
     std::vector<double> put_us, put_e2e_us, put_commit_us, put_async_us, put_async_e2e_us, fetch_us,
         fetch_warm_us, fetch_nv_us, fetch_e2e_us, raw_us;
@@ -393,7 +411,7 @@ int main(int argc, char** argv) {
         BENCH_CHECK(client->transport().Execute({kvpool::transport::TransferKind::kGet,
                                                  target->first,
                                                  target->second,
-                                                 *region,
+                                                 raw_region,
                                                  {{0, loc.remote_addr, loc.size}}},
                                                 absl::Now() + absl::Seconds(30)));
         t5 = absl::Now();
