@@ -7,8 +7,12 @@ $KVPOOL_DECODE_TIMELINE: per launch a '# tag' line, then one line per CTA: kerne
 entry; -1 = not stamped). With two items per INT2 CTA the 'wait' stamp is the last item's.
 Prints per kernel start/wait/end quantiles, INT2 CTAs per SM, end histograms, CTAs active over
 time, and for two-item grids (--rows2 R2 --splits S) the second items' per-row end spread, the
-mean CTA times by arrival rank on the SM and the SMs holding fewer than --full INT2 CTAs.
-Usage: decode_timeline_summary.py TIMELINE [--rows2 R2 --splits S [--rows2-tag TAG]] [--full 5]
+mean CTA times by arrival rank on the SM and the SMs holding fewer than --full INT2 CTAs; for
+one-item split-major grids (--rows1 R: CTA c is row c % R) the rows' end spread and its
+correlation with the sum of the arrival ranks of the row's CTAs; with helper items (s9 builds:
+fields 6-7 = end of the regular items, helper items run) how many ran and when.
+Usage: decode_timeline_summary.py TIMELINE [--rows2 R2 --splits S [--rows2-tag TAG]]
+       [--rows1 R [--rows1-tag TAG]] [--full 5]
 """
 import argparse
 import collections
@@ -92,6 +96,32 @@ def launch(tag, rows, a):
             cov = sum((x - mx) * (y - my) for x, y in zip(starts, ends)) / len(ends)
             print(f"  corr(mean second-item start of the row's CTAs, row end) = "
                   f"{cov / statistics.pstdev(starts) / statistics.pstdev(ends):.3f}")
+    if a.rows1 and a.rows1_tag in tag and len(i2) % a.rows1 == 0:
+        rank = {}
+        for v in bysm.values():
+            for i, r in enumerate(sorted(v, key=lambda r: r[3])):
+                rank[r[1]] = i
+        rowend, rowrank = collections.defaultdict(float), collections.defaultdict(int)
+        for r in i2:  # the end of the CTA's own (regular) item when helper items followed it
+            rowend[r[1] % a.rows1] = max(rowend[r[1] % a.rows1], r[8] if r[8] >= 0 else r[5])
+            rowrank[r[1] % a.rows1] += rank[r[1]]
+        ks = sorted(rowend)
+        ends, rs = [rowend[k] for k in ks], [rowrank[k] for k in ks]
+        print("one-item rows: row end [min/p10/p50/p90/max]", fmt(q(ends, [0, .1, .5, .9, 1])),
+              f" rank sum of a row's CTAs [min/max] {min(rs)}/{max(rs)}")
+        if statistics.pstdev(rs) > 0 and statistics.pstdev(ends) > 0:
+            mx, my = statistics.mean(rs), statistics.mean(ends)
+            cov = sum((x - mx) * (y - my) for x, y in zip(rs, ends)) / len(ends)
+            print(f"  corr(rank sum, row end) = {cov / statistics.pstdev(rs) / statistics.pstdev(ends):.3f}")
+    hl = [r for r in i2 if r[8] >= 0]
+    if hl:
+        hv = [r for r in hl if r[9] > 0]
+        print(f"helper items: {sum(r[9] for r in hl)} on {len(hv)} of {len(hl)} CTAs;"
+              " regular-items end [min/p10/p50/p90/max]", fmt(q([r[8] for r in hl], [0, .1, .5, .9, 1])))
+        if hv:
+            print("  CTAs with helper items: regular end [min/max] "
+                  f"{min(r[8] for r in hv):.2f}/{max(r[8] for r in hv):.2f}, end [min/max] "
+                  f"{min(r[5] for r in hv):.2f}/{max(r[5] for r in hv):.2f}")
     if any(r[6] >= 0 for r in mg):
         lse = [r[6] - r[4] for r in mg if r[6] >= 0]
         rv = [r[5] - r[6] for r in mg if r[6] >= 0]
@@ -115,6 +145,8 @@ def main():
     ap.add_argument("--rows2", type=int, default=0, help="items_rows of a two-item grid (B=32x32K: 128)")
     ap.add_argument("--splits", type=int, default=0, help="history splits of that grid (B=32x32K: 5)")
     ap.add_argument("--rows2-tag", default="B=32 ctx=32768 32/8", help="launches the --rows2 analysis applies to")
+    ap.add_argument("--rows1", type=int, default=0, help="rows of a one-item split-major grid (B=8x128K: 64)")
+    ap.add_argument("--rows1-tag", default="B=8 ctx=131072 32/8", help="launches the --rows1 analysis applies to")
     ap.add_argument("--full", type=int, default=5, help="INT2 CTAs per SM of a full SM")
     a = ap.parse_args()
     tag, rows = None, []
@@ -127,8 +159,10 @@ def main():
         f = line.split()
         x4 = float(f[6]) / 1e3 if len(f) > 6 else -1.0  # s7 builds: one more stamp and a value
         x5 = int(f[7]) if len(f) > 7 else -1
+        x6 = float(f[8]) / 1e3 if len(f) > 8 else -1.0  # s9 builds: end of the regular items, helper items
+        x7 = int(f[9]) if len(f) > 9 else 0
         rows.append((int(f[0]), int(f[1]), int(f[2]), float(f[3]) / 1e3, float(f[4]) / 1e3, float(f[5]) / 1e3,
-                     x4, x5))
+                     x4, x5, x6, x7))
     if tag is not None:
         launch(tag, rows, a)
 
