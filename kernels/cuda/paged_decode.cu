@@ -1651,13 +1651,25 @@ int NumSms() {
 // launch's timeline at B = 32 × 32K: no INT2 CTA started before the rotation grid had drained,
 // 4.1 µs). Smaller grids leave SMs free for the INT2 CTAs anyway (B = 8 × 128K: the first INT2
 // CTA started 0.06 µs after the rotation), and B = 1 measured ~1 µs slower with the carveout.
-// KVPOOL_DECODE_QROT_CARVEOUT=0 leaves the driver's choice (A/B). Read once per process.
-bool QRotCarveout() {
-  static const bool on = [] {
+// v24 (s9): also when the INT2 grid is one wave with claimed stages and the rotation grid holds
+// more than 3/4 of the SM count (B = 16 × 128K at 8 KV heads: 128 rotation CTAs). Under the
+// driver's carveout the rotation CTAs kept their SMs free of INT2 CTAs until they exited, so
+// 620 of 640 INT2 CTAs started after the rotation in an order that changes from launch to
+// launch, and a row's speed followed the arrival ranks of its CTAs on their SMs (rows ended
+// 247-309 µs, rank sums of a row's 5 CTAs 1-17, correlation with the row's end 0.88; with the
+// maximum carveout 264-294 µs, 5-13; s9 timelines): 0.3027 vs 0.3135 ms in one call, 0.3094 vs
+// 0.3183 in another (B = 14 × 128K, 112 rotation CTAs: level). At
+// B = 8 × 128K (64 rotation CTAs, 340 INT2 CTAs dispatched in index order before the rotation
+// ends) the maximum was slower, 0.1696 vs 0.1642 ms (the rotation ended at 6.1 instead of
+// 3.1 µs, p50), so the rule needs a rotation grid that covers most SMs.
+// KVPOOL_DECODE_QROT_CARVEOUT=0 leaves the driver's choice, =1 keeps the v17 rule (grid > SMs),
+// =2 asks for the maximum for every grid (A/B switches). Read once per process.
+int QRotCarveoutMode() {
+  static const int v = [] {
     const char* e = std::getenv("KVPOOL_DECODE_QROT_CARVEOUT");
-    return e == nullptr || std::string(e) != "0";
+    return e == nullptr ? -1 : std::min(std::max(std::atoi(e), 0), 2);
   }();
-  return on;
+  return v;
 }
 
 // History splits forced by KVPOOL_DECODE_HIST_SPLITS (> 0; A/B measurements of the split planner
@@ -2017,9 +2029,16 @@ KernelStatus LaunchPagedDecode(const PagedDecodeParams& p, Stream stream_handle)
   const float qscale = p.sm_scale * kLog2e;
   {
     // The rotation grid gets the maximum shared-memory carveout when it holds more CTAs than
-    // there are SMs (QRotCarveout); the attribute is host-side state, set only when it changes.
+    // there are SMs, or more than 3/4 of them while the INT2 grid is one wave that claims stages
+    // (QRotCarveoutMode); the attribute is host-side state, set only when it changes.
     static std::atomic<int> state[3] = {};  // 0 unset, 1 maximum, 2 driver default
-    const int want = QRotCarveout() && int64_t(p.num_kv_heads) * p.batch > NumSms() ? 1 : 2;
+    const int64_t rot_ctas = int64_t(p.num_kv_heads) * p.batch;
+    const bool big = rot_ctas > NumSms();
+    const bool wide_claims =
+        plan.dyn_pct > 0 && plan.items_rows == 0 && 4 * rot_ctas > 3 * NumSms();
+    const int mode = QRotCarveoutMode();
+    const bool max_co = mode == 2 || (mode == 1 && big) || (mode < 0 && (big || wide_claims));
+    const int want = max_co ? 1 : 2;
     std::atomic<int>& cur = state[d == 64 ? 0 : (d == 128 ? 1 : 2)];
     if (cur.load(std::memory_order_relaxed) != want) {
       const int v = want == 1 ? int(cudaSharedmemCarveoutMaxShared) : -1;  // -1: no preference
