@@ -10,7 +10,9 @@
 # machine, no GPU used): $DEVLIBS/pool/ with ucx/ (UCX's
 # transport modules), bin/ucx_perftest and one folder per build (BUILD/bin/{kvpool-server,
 # pool_bench}, BUILD/SHA); POOL_BUILDS="a b" lists them, POOL_ROUNDS (default 2) alternating
-# rounds of bench/pool_bench.py --repeat 3 over posix,cma with ucx_perftest in every run.
+# rounds of bench/pool_bench.py --repeat 3 over posix,cma with ucx_perftest in every run, and
+# the fresh-buffer baseline too when bin/ucp_rotating_bench is there (or BUILD/bin has one);
+# POOL_TCP_BUILD=b adds one pool_bench.py --repeat 3 run of build b over UCX_TLS=tcp at the end.
 # Prints a one-line verdict per test binary; the bench JSON files and logs are packed into
 # $OUT/session_check.tgz, the summary log stays beside it.
 set -u
@@ -59,6 +61,8 @@ nvidia-smi --query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw --format=
 
 if [ -n "${POOL_BUILDS:-}" ]; then
   P="$PWD/$DEVLIBS/pool"
+  rot=()
+  [ -x "$P/bin/ucp_rotating_bench" ] && rot=(--rotating-bench "$P/bin/ucp_rotating_bench")
   stamp "== pool bench, posix,cma, builds: $(for b in $POOL_BUILDS; do echo -n "$b=$(cat "$P/$b/SHA") "; done)"
   for r in $(seq "${POOL_ROUNDS:-2}"); do
     for b in $POOL_BUILDS; do
@@ -66,9 +70,17 @@ if [ -n "${POOL_BUILDS:-}" ]; then
       (export LD_LIBRARY_PATH="$PWD/$DEVLIBS/lib" UCX_MODULE_DIR="$P/ucx" PATH="$P/bin:$PATH" UCX_NET_DEVICES=lo PYTHONUNBUFFERED=1
         timeout 120 python3 bench/pool_bench.py --build "$P/$b" --tls posix,cma --repeat 3 \
           --results "$OUT/r" --sizes-kib "${POOL_SIZES_KIB:-256,1024,4096}" --tag "s_${b}_r$r" \
-          --bench-flag=--commit-blocks=4 --bench-flag=--lookup-clients=2) 2>&1 | tee -a "$LOG" | tail -8
+          ${rot[@]+"${rot[@]}"} --bench-flag=--commit-blocks=4 --bench-flag=--lookup-clients=2) 2>&1 | tee -a "$LOG" | tail -14
     done
   done
+  if [ -n "${POOL_TCP_BUILD:-}" ]; then
+    b=$POOL_TCP_BUILD
+    stamp "-- tcp $b"
+    (export LD_LIBRARY_PATH="$PWD/$DEVLIBS/lib" UCX_MODULE_DIR="$P/ucx" PATH="$P/bin:$PATH" UCX_NET_DEVICES=lo PYTHONUNBUFFERED=1
+      timeout 180 python3 bench/pool_bench.py --build "$P/$b" --tls tcp --repeat 3 \
+        --results "$OUT/r" --sizes-kib "${POOL_SIZES_KIB:-256,1024,4096}" --tag "s_${b}_tcp" \
+        ${rot[@]+"${rot[@]}"} --bench-flag=--commit-blocks=4 --bench-flag=--lookup-clients=2) 2>&1 | tee -a "$LOG" | tail -14
+  fi
 fi
 stamp "== done"
 (cd "$OUT" && tar czf session_check.tgz r && rm -rf r)
