@@ -69,6 +69,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <string>
+#include <type_traits>
 
 #include "device_utils.cuh"
 #include "kvpool/kernels/block_format.h"
@@ -373,11 +374,18 @@ struct Nets {
 // FMA pipe): 4 of 4 61.4 µs, 2 of 4 61.0 µs, 0 of 4 61.5 µs (v5, codes on the ALU pipe: 4 of
 // 4 was best); session 6 (same-row layout and odd-even merges, fewer ALU instructions): 1 of 4
 // 60.4 vs 2 of 4 59.5 µs, 3 of 4 58.9 / 58.3 vs 2 of 4 59.2 / 59.2, 4 of 4 61.1 / 60.8 vs 3 of 4
-// 58.5 / 58.6 (same-call rounds). A compile-time switch for such A/B builds.
+// 58.5 / 58.6 (same-call rounds). Session 9 (v13, same call, 3 rounds, 256K): quantize-only 3 of
+// 4 57.6, 2 of 4 57.9, 4 of 4 58.9 µs; the kWs rotate+quantize kernel (its consumer warps run the
+// same selection) 2 of 4 98.5, 3 of 4 100.9, 4 of 4 100.8 µs, so the kWs kernels take
+// KVPOOL_WRITE_IMAD_MIN_RUNS_WS. Compile-time switches for such A/B builds.
 #ifndef KVPOOL_WRITE_IMAD_MIN_RUNS
 #define KVPOOL_WRITE_IMAD_MIN_RUNS 3
 #endif
+#ifndef KVPOOL_WRITE_IMAD_MIN_RUNS_WS
+#define KVPOOL_WRITE_IMAD_MIN_RUNS_WS 2
+#endif
 constexpr int kImadMinRuns = KVPOOL_WRITE_IMAD_MIN_RUNS;
+constexpr int kImadMinRunsWs = KVPOOL_WRITE_IMAD_MIN_RUNS_WS;
 // K (need <= 6) from per-lane top-5 lists with an exactness check (see SelectTopK's kL1) instead
 // of top-6 lists; a compile-time switch for A/B builds. Off: measured slower on the H200
 // (session 6, 256K token-heads: quantize-only 59.4 / 59.7 vs 58.5 / 58.6 µs, rotate+quantize
@@ -480,7 +488,8 @@ __device__ __forceinline__ void TopKBitonicCross(uint32_t (&c)[K], const uint32_
 // kL1 > L (with `exact`): the lanes keep only their L largest, quad round 1 keeps the top kL1
 // of the pair's lists, and τ' (position need-1 <= kL1-1) is exact when every lane's L-th value
 // ℓ is <= τ' (as in SelectTop8Merge16); *exact says whether that held on the quad's four lanes.
-template <int K, int L, int N, bool kNat = false, int kL1 = L>
+// kImad: the quarters of the sorting runs with the IMAD comparator min (see kImadMinRuns).
+template <int K, int L, int N, bool kNat = false, int kL1 = L, int kImad = kImadMinRuns>
 __device__ __forceinline__ uint32_t SelectTopK(uint32_t (&m)[N], int need, bool* exact = nullptr) {
   static_assert(N % K == 0 && (K == 8 || K == 16) && 2 * L >= K && L <= K, "runs of K");
   static_assert(kL1 >= L && kL1 <= K && (kL1 == L || L < K), "round-1 list length");
@@ -488,7 +497,7 @@ __device__ __forceinline__ uint32_t SelectTopK(uint32_t (&m)[N], int need, bool*
   static_assert(!kNat || kRuns >= 2, "same-row layout: at least one run per row");
 #pragma unroll
   for (int r = 0; r < kRuns; ++r) {
-    if (r < kImadMinRuns * kRuns / 4)
+    if (r < kImad * kRuns / 4)
       RunNet<K, N, false, L>(m, r * K);
     else
       RunNet<K, N, false, L, false>(m, r * K);
@@ -597,14 +606,14 @@ __device__ __forceinline__ uint32_t SelectTopK(uint32_t (&m)[N], int need, bool*
 // (V at 0.92, d 128: need 11) the round-1 merge is pruned to 12 outputs and round 2 reads 12
 // of the partner's entries (24 fewer instructions per tile than with L16 = 16).
 // kNat: m in the same-row layout, as for SelectTopK.
-template <int N, int L16, bool kNat = false>
+template <int N, int L16, bool kNat = false, int kImad = kImadMinRuns>
 __device__ __forceinline__ uint32_t SelectTop8Merge16(uint32_t (&m)[N], int need, bool* exact) {
   static_assert(L16 == 12 || L16 == 16, "top 12 or 16");
   static_assert(N % 8 == 0 && (!kNat || N >= 16), "runs of 8");
   constexpr int K = 8, kRuns = N / K;
 #pragma unroll
   for (int r = 0; r < kRuns; ++r) {
-    if (r < kImadMinRuns * kRuns / 4)
+    if (r < kImad * kRuns / 4)
       RunNet<K, N, false>(m, r * K);
     else
       RunNet<K, N, false, K, false>(m, r * K);
@@ -947,7 +956,10 @@ constexpr int MinBlocks() {
   return kWs || D >= 256 ? 1 : kRotate ? 2 : 6;
 }
 
-template <int D, bool kRotate, bool kOutBf16, bool kWs = false>
+// kDemote (quantize-only kernels only): the source is BF16 pages (WriteArgs::src_pages) instead
+// of token rows; a template parameter since session 9, so that the token writes carry none of
+// demotion's source-page fetches and branches (and demotion none of the token path's).
+template <int D, bool kRotate, bool kOutBf16, bool kWs = false, bool kDemote = false>
 __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate, kWs>(), MinBlocks<D, kRotate, kWs>())
     KvWriteKernel(const WriteArgs a, const __grid_constant__ TmaMaps maps) {
   constexpr int kRegs = D / 4;   // packed registers per lane
@@ -960,6 +972,7 @@ __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate, kWs>(), MinBlocks
   constexpr int kThreads = 32 * kWarps;
   static_assert(32 * kRegs * 4 == kStageBytes, "a stage holds the warp's packed registers");
   static_assert(!kWs || (D == 128 && kRotate), "the warp-specialized kernels are d 128 rotations");
+  static_assert(!kDemote || (!kRotate && !kOutBf16), "demotion is a quantize-only kernel");
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   constexpr bool kTmaLayout = UseTmaLayout<kRotate, kOutBf16, kWs>();
   // The rotation by mma.sync inside every warp (d 64 / 256, and the fallback at d 128); kWs
@@ -971,6 +984,8 @@ __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate, kWs>(), MinBlocks
   // Same-row register layout (quantize-only, demotion; see step 2): each packed register holds
   // two adjacent columns of one row, x[0 .. kRegs/2) row gr and x[kRegs/2 ..) row gr+8.
   constexpr bool kNat = kTmaLayout;
+  // IMAD comparator-min quarters of the selection's sorting runs (see kImadMinRuns).
+  constexpr int kImad = kWs ? kImadMinRunsWs : kImadMinRuns;
   // kTmaLayout: stages 1024-byte aligned (the 128-byte swizzle repeats every 1024 bytes);
   // WriteSmemBytes reserves the slack.
   uint8_t* smem = smem_raw;
@@ -996,7 +1011,7 @@ __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate, kWs>(), MinBlocks
   if (tma && ring_warp) {
     if (lane == 0) {
       TmaPrefetchDescriptor(&maps.k);
-      if (a.src_pages == nullptr) TmaPrefetchDescriptor(&maps.v);
+      if (kRotate || kOutBf16 ? a.src_pages == nullptr : !kDemote) TmaPrefetchDescriptor(&maps.v);
 #pragma unroll
       for (int st = 0; st < kStages; ++st) {
         MbarInit(bar_sa + 8 * st, 1);
@@ -1022,7 +1037,9 @@ __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate, kWs>(), MinBlocks
     __syncthreads();
   }
 
-  const bool demote = a.src_pages != nullptr;
+  // (The rotating and BF16-output kernels never see src_pages; they keep the run-time test,
+  // with which ptxas spilled less in them: 40 instead of 72 bytes in rotate-bf16 kWs.)
+  const bool demote = kRotate || kOutBf16 ? a.src_pages != nullptr : kDemote;
   // Elements at or above τ (τ = sorted_ascending[D - need]) for K and V; 0: no clipping.
   auto need_for = [](float clip) {
     if (!(clip > 0.f)) return 0;
@@ -1057,7 +1074,9 @@ __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate, kWs>(), MinBlocks
   //    K/V pair: at 256K token-heads 22 % of the warps had 12 items and the rest 10, so the SMs
   //    idled for the last two.)
   Item cur;
-  int64_t left;
+  // Items left (< 2^31: SetSplit). 64-bit in the rotate-bf16 kWs kernel, where ptxas spilled
+  // less with it (40 instead of 48 bytes; the other kernels spill less or not at all with 32).
+  std::conditional_t<kWs && kOutBf16, int64_t, int> left;
   int stride = 0;
   // kWs: items are (head, group of 4 tiles = 64 tokens, K|V), numbered (h·ngroups + grp)·2 + kv
   // over the CTA's heads (one head when the rotation is per head: grid y; else all), split into
@@ -1085,7 +1104,7 @@ __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate, kWs>(), MinBlocks
     const int sub = warp & 3;
     const uint32_t wg = blockIdx.x * kWsGroups + (warp >> 2);
     const int64_t begin = split_begin(wg), end = split_begin(wg + 1);
-    left = ring_warp ? end - begin : 0;
+    left = ring_warp ? int(end - begin) : 0;
     int hq, grp;
     split_pair(begin >> 1, hq, grp);
     cur.h = ws_h0 + hq;
@@ -1094,7 +1113,7 @@ __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate, kWs>(), MinBlocks
   } else if constexpr (kMix) {
     const uint32_t w = blockIdx.x * kWarps + warp;
     const int64_t begin = split_begin(w), end = split_begin(w + 1);
-    left = end - begin;
+    left = int(end - begin);
     split_pair(begin >> 1, cur.h, cur.tile);  // split_den = ntiles
     cur.kv = int(begin & 1);
   } else {
@@ -1241,19 +1260,31 @@ __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate, kWs>(), MinBlocks
   int src_pg_next = src_page_of(nxt, left > 1);
   int pg[2], sl[2];
   dest_of(cur, left > 0, pg, sl);
-  // INT2 destinations of tile rows g, g+8: this lane's K code bytes at rb[r] (V: + P·D/4),
-  // the row's K params at rb[r] + poff[r] (V: + 4·kNG·P); worked out once per K/V pair.
+  // The (row, group) combination this lane owns in step 4 (see there): lane tig owns c = tig %
+  // kCombos, i.e. row my_r (0: gr, 1: gr + 8) and group my_grp of it; it stores that
+  // combination's params, and (my_grp == 0) the row's flag.
+  constexpr int kCombos = 2 * kNG;
+  const int my_c = tig % kCombos;
+  const int my_r = my_c / kNG, my_grp = my_c % kNG;
+  const bool owns_params = tig < kCombos;
+  // INT2 destinations of tile rows g, g+8: this lane's K code bytes at rb[r] (V: + P·D/4); the
+  // K params of its own combination at pp (V: + 4·kNG·P); the K flag of its own row at
+  // row_flags[fl] (V: + 1). Worked out once per K/V pair.
   uint8_t* rb[2];
-  int poff[2];
-  auto make_rb = [&](int hh, const int(&p)[2], const int(&s)[2]) {
+  uint8_t* pp;
+  uint64_t fl;
+  auto make_rb = [&](int hh, int tl, const int(&p)[2], const int(&s)[2]) {
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
+    for (int r = 0; r < 2; ++r)
       rb[r] = a.dst_base + uint64_t(p[r]) * a.dst_stride + uint64_t(hh) * int2_chunk +
               uint32_t(s[r] * (D / 4) + tig * kSpan);
-      poff[r] = 2 * P * (D / 4) + s[r] * (4 * kNG - D / 4) - tig * kSpan;
-    }
+    const int pm = my_r ? p[1] : p[0], sm = my_r ? s[1] : s[0];
+    pp = a.dst_base + uint64_t(pm) * a.dst_stride + uint64_t(hh) * int2_chunk +
+         uint32_t(2 * P * (D / 4) + sm * (4 * kNG) + 4 * my_grp);
+    const int tm = tl * kTileRows + gr + 8 * my_r;
+    fl = (uint64_t(uint32_t(tm)) * uint32_t(a.num_kv_heads) + uint32_t(hh)) * 2;
   };
-  if constexpr (!kOutBf16) make_rb(cur.h, pg, sl);
+  if constexpr (!kOutBf16) make_rb(cur.h, cur.tile, pg, sl);
   int stage = 0;
   if constexpr (!kWs) {
     // WriteArgs::first_wait: the first tile before the second is issued (waiting on the same
@@ -1585,7 +1616,7 @@ __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate, kWs>(), MinBlocks
           // per-lane top-5 lists, the quad's top 6, checked; rarely (a lane holding 6 of the
           // row's 6 largest magnitudes) again from the parked values with top-6 lists
           bool exact;
-          tau = SelectTopK<8, 5, kRegs, kNat, 6>(m, need, &exact);
+          tau = SelectTopK<8, 5, kRegs, kNat, 6, kImad>(m, need, &exact);
           if (!__all_sync(0xffffffffu, exact)) {
 #pragma unroll
             for (int c = 0; c < kRegs / 4; ++c) {
@@ -1593,17 +1624,17 @@ __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate, kWs>(), MinBlocks
               m[4 * c] = v.x & 0x7fff7fffu, m[4 * c + 1] = v.y & 0x7fff7fffu;
               m[4 * c + 2] = v.z & 0x7fff7fffu, m[4 * c + 3] = v.w & 0x7fff7fffu;
             }
-            tau = SelectTopK<8, 6, kRegs, kNat>(m, need);
+            tau = SelectTopK<8, 6, kRegs, kNat, 6, kImad>(m, need);
           }
 #else
-          tau = SelectTopK<8, 6, kRegs, kNat>(m, need);
+          tau = SelectTopK<8, 6, kRegs, kNat, 6, kImad>(m, need);
 #endif
         } else if (need <= 8) {
-          tau = SelectTopK<8, 8, kRegs, kNat>(m, need);
+          tau = SelectTopK<8, 8, kRegs, kNat, 8, kImad>(m, need);
         } else if (need <= 16) {
           bool exact;
-          tau = need <= 12 ? SelectTop8Merge16<kRegs, 12, kNat>(m, need, &exact)
-                           : SelectTop8Merge16<kRegs, 16, kNat>(m, need, &exact);
+          tau = need <= 12 ? SelectTop8Merge16<kRegs, 12, kNat, kImad>(m, need, &exact)
+                           : SelectTop8Merge16<kRegs, 16, kNat, kImad>(m, need, &exact);
           if (!__all_sync(0xffffffffu, exact)) {  // rare: again from the parked values
 #pragma unroll
             for (int c = 0; c < kRegs / 4; ++c) {
@@ -1612,7 +1643,7 @@ __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate, kWs>(), MinBlocks
               m[4 * c + 2] = v.z & 0x7fff7fffu, m[4 * c + 3] = v.w & 0x7fff7fffu;
             }
             rows_layout();
-            tau = SelectTopK<16, 16>(m, need);
+            tau = SelectTopK<16, 16, kRegs, false, 16, kImad>(m, need);
           }
         } else {
           rows_layout();
@@ -1631,9 +1662,6 @@ __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate, kWs>(), MinBlocks
       // repeated on every lane of the quad: lane tig owns combination c = tig % kCombos of
       // (row c / kNG, group c % kNG) — at d <= 128 lanes 0, 2 own row g and lanes 1, 3 row g+8
       // and split its three thresholds; at d 256 each lane owns one (row, group). ----
-      constexpr int kCombos = 2 * kNG;
-      const int my_c = tig % kCombos;
-      const int my_r = my_c / kNG, my_grp = my_c % kNG;
       uint32_t my_lo_raw = 0, my_hi_raw = 0, my_lo = 0, my_hi = 0;
 #pragma unroll
       for (int grp = 0; grp < kNG; ++grp) {
@@ -1680,6 +1708,9 @@ __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate, kWs>(), MinBlocks
       // Non-finite input (FORMAT.md §2.5): NaN propagates into both raw extremes (the clamp
       // would drop it), ±inf reaches one of them.
       bool my_bad = !(isfinite(half_of(my_lo_raw)) && isfinite(half_of(my_hi_raw)));
+      // Rows past the last token are never stored; as not refused they stay out of the count
+      // below (in kWs, a tile past the end holds whatever its stage held).
+      const bool my_valid = tile * kTileRows + gr + 8 * my_r < a.num_tokens;
       const float l = half_of(my_lo) + 0.f;  // -0 -> +0
       const float u = half_of(my_hi) + 0.f;
       const __half mn16 = __float2half_rd(l);
@@ -1694,7 +1725,8 @@ __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate, kWs>(), MinBlocks
       const uint32_t my_par =
           uint32_t(__half_as_ushort(s16)) | (uint32_t(__half_as_ushort(mn16)) << 16);
       // Row flags of the quad's two rows: lanes 0..kCombos-1 hold every combination once.
-      const uint32_t badq = __ballot_sync(0xffffffffu, my_bad) >> (lane & ~3);
+      const uint32_t ball = __ballot_sync(0xffffffffu, my_bad && my_valid);
+      const uint32_t badq = ball >> (lane & ~3);
       bool bad[2];
       bad[0] = (badq & (kCombos == 2 ? 1u : 3u)) != 0;
       bad[1] = (badq & (kCombos == 2 ? 2u : 12u)) != 0;
@@ -1820,23 +1852,26 @@ __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate, kWs>(), MinBlocks
         } else {
           *reinterpret_cast<uint4*>(codes) = make_uint4(rw[0], rw[1], rw[2], rw[3]);
         }
-        // params of (row r, group grp): lane tig == r·kNG + grp of the quad, which owns it;
-        // the row flag: lane r·kNG
-        uint8_t* params = rb[r] + (poff[r] + (kv ? P * 4 * kNG : 0));
-        if (tig < kCombos && my_r == r)
-          reinterpret_cast<uint32_t*>(params)[my_grp] = bad[r] ? 0u : my_par;
-        if (tig == r * kNG) {
-          if (a.row_flags != nullptr)
-            a.row_flags[(size_t(t) * a.num_kv_heads + h) * 2 + kv] = bad[r] ? 1 : 0;
-          if (bad[r] && a.bad_rows != nullptr) atomicAdd(a.bad_rows, 1u);
-        }
+      }
+      // params of this lane's combination, the flag of its row (lanes with my_grp == 0), and
+      // the warp's refused rows counted with one atomic (rows: lanes tig < kCombos of each
+      // quad; a row is refused when any of its groups is).
+      if (owns_params && my_valid) {
+        const bool my_row_bad = my_r ? bad[1] : bad[0];
+        *reinterpret_cast<uint32_t*>(pp + (kv ? P * 4 * kNG : 0)) = my_row_bad ? 0u : my_par;
+        if (my_grp == 0 && a.row_flags != nullptr)
+          a.row_flags[fl + uint32_t(kv)] = my_row_bad ? 1 : 0;
+      }
+      if (ball != 0 && a.bad_rows != nullptr) {  // warp-uniform, rare
+        const uint32_t rows = kNG == 1 ? ball & 0x33333333u : (ball | (ball >> 1)) & 0x55555555u;
+        if (lane == 0) atomicAdd(a.bad_rows, uint32_t(__popc(rows)));
       }
     }
     __syncwarp();  // this stage (and its parked values) is refilled by the next prefetch
     if constexpr (kOutBf16) {
       pg[0] = npg[0], pg[1] = npg[1], sl[0] = nsl[0], sl[1] = nsl[1];
     } else if (!reuse) {
-      make_rb(nxt.h, npg, nsl);
+      make_rb(nxt.h, nxt.tile, npg, nsl);
     }
     stage ^= 1;
     cur = nxt;
@@ -1923,13 +1958,17 @@ bool FirstWaitEnabled() {
 }
 
 // WriteArgs::split_*: `items` work items over `workers` (1 <= workers < 2^16) contiguous ranges,
-// item pairs split by `den`.
-void SetSplit(int64_t items, int64_t workers, uint32_t den, WriteArgs* a) {
+// item pairs split by `den`. False when a worker's range would not fit the kernel's 32-bit
+// item count (2^31 items per worker: far more tokens x heads than a GPU's memory holds, but
+// checked rather than assumed).
+bool SetSplit(int64_t items, int64_t workers, uint32_t den, WriteArgs* a) {
+  if (items / workers >= int64_t(INT32_MAX)) return false;
   a->split_q = items / workers;
   a->split_r = uint32_t(items % workers);
   a->split_w = uint32_t(workers);
   a->split_den = den;
   a->div32 = (items >> 1) <= int64_t(UINT32_MAX) ? 1 : 0;
+  return true;
 }
 
 // kWs launch (d 128, rotation set, TMA maps encoded): one CTA per SM (its shared memory), grid y
@@ -1953,12 +1992,15 @@ KernelStatus LaunchWriteWs(const WriteArgs& a, const TmaMaps& maps, int sms, cud
   const dim3 grid(unsigned(x), per_head ? unsigned(a.num_kv_heads) : 1u, 1);
   WriteArgs args = a;
   args.use_tma = 1;
-  SetSplit(items, x * kWsGroups, uint32_t(ngroups), &args);
+  if (!SetSplit(items, x * kWsGroups, uint32_t(ngroups), &args))
+    return KernelStatus::Error(KernelError::kInvalidArgument,
+                               "num_tokens x num_kv_heads too large for one launch");
   kernel<<<grid, threads, smem, stream>>>(args, maps);
   return WLaunchError("KvWriteKernel ws");
 }
 
-template <int D, bool kRotate, bool kOutBf16>
+// kDemote: a demotion (a.src_pages set; quantize-only kernels).
+template <int D, bool kRotate, bool kOutBf16, bool kDemote = false>
 KernelStatus LaunchWrite(const WriteArgs& a, cudaStream_t stream) {
   if constexpr (kRotate && D == 128) {
     TmaMaps maps{};
@@ -1973,7 +2015,7 @@ KernelStatus LaunchWrite(const WriteArgs& a, cudaStream_t stream) {
   }
   constexpr int smem = WriteSmemBytes<D, kRotate, kOutBf16>();
   constexpr int threads = 32 * WarpsPerCta<D, kRotate>();
-  auto kernel = KvWriteKernel<D, kRotate, kOutBf16>;
+  auto kernel = KvWriteKernel<D, kRotate, kOutBf16, false, kDemote>;
   // Resident CTAs per SM, queried once per instantiation (function attributes and the SM
   // count do not change within a process for one device; a different device gets the same
   // kernel resources).
@@ -2012,7 +2054,9 @@ KernelStatus LaunchWrite(const WriteArgs& a, cudaStream_t stream) {
   args.first_wait = FirstWaitEnabled() ? 1 : 0;
   if constexpr (!kRotate) {
     const int64_t items = 2 * int64_t(a.num_kv_heads) * ntiles;
-    SetSplit(items, int64_t(grid.x) * (threads / 32), uint32_t(ntiles), &args);
+    if (!SetSplit(items, int64_t(grid.x) * (threads / 32), uint32_t(ntiles), &args))
+      return KernelStatus::Error(KernelError::kInvalidArgument,
+                                 "num_tokens x num_kv_heads too large for one launch");
   }
   if constexpr (UseTmaLayout<kRotate, kOutBf16>()) {
     // A map the driver refuses leaves the cp.async loads (same bytes, slower).
@@ -2024,6 +2068,13 @@ KernelStatus LaunchWrite(const WriteArgs& a, cudaStream_t stream) {
 
 template <bool kRotate, bool kOutBf16>
 KernelStatus DispatchWrite(int d, const WriteArgs& a, cudaStream_t stream) {
+  if constexpr (!kRotate && !kOutBf16) {
+    if (a.src_pages != nullptr) {
+      if (d == 64) return LaunchWrite<64, false, false, true>(a, stream);
+      if (d == 128) return LaunchWrite<128, false, false, true>(a, stream);
+      return LaunchWrite<256, false, false, true>(a, stream);
+    }
+  }
   if (d == 64) return LaunchWrite<64, kRotate, kOutBf16>(a, stream);
   if (d == 128) return LaunchWrite<128, kRotate, kOutBf16>(a, stream);
   return LaunchWrite<256, kRotate, kOutBf16>(a, stream);
