@@ -279,6 +279,22 @@ if [[ -n "${promtool}" && -x "${promtool}" ]]; then
 else
   echo "skip: promtool not found (Debian package prometheus); metrics format not checked"
 fi
+# The registration follows --call-timeout-ms (a fixed 5 s ignored it while its error said to
+# raise the flag: newcomer s9 A7). A listener that accepts and never answers is a hung pool.
+python3 -c '
+import socket, sys, time
+s = socket.socket(); s.bind(("127.0.0.1", 0)); s.listen(16)
+print(s.getsockname()[1], flush=True)
+conns = []
+while True:
+    conns.append(s.accept()[0])
+' >"${work}/silent.port" &
+silent_pid=$!
+for _ in $(seq 50); do [[ -s "${work}/silent.port" ]] && break; sleep 0.1; done
+silent="127.0.0.1:$(cat "${work}/silent.port")"
+expect 2 "prefill against a pool that never answers" -- "${worker}" --role prefill --pool "${silent}" "${base[@]}" "${prompt[@]}" --call-timeout-ms 700
+expect_err "DEADLINE_EXCEEDED: RegisterModel: no answer from the pool at ${silent} within the call's deadline (700 ms;" "the registration's deadline is --call-timeout-ms"
+kill "${silent_pid}" 2>/dev/null; wait "${silent_pid}" 2>/dev/null
 python3 - "${work}" <<'PY' || failures=$((failures + 1))
 import json, sys
 w = sys.argv[1]
