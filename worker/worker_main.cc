@@ -346,6 +346,19 @@ int main(int argc, char** argv) {
     if (!text.ok()) {
       return Fail(text.status(), "--prompt-file");
     }
+    // Each token covers at most max_piece_bytes of the text (Tokenizer::max_piece_bytes), so
+    // BOS + ceil(bytes / L) tokens is a sound lower bound: a file it puts at the context or
+    // beyond is refused before tokenizing it (a 30 MB prompt took 28 s and 1.2 GB to be
+    // refused: newcomer s9 A3).
+    const size_t piece_bytes = engine.tokenizer().max_piece_bytes();
+    const size_t min_tokens = 1 + (text->size() + piece_bytes - 1) / piece_bytes;
+    if (min_tokens >= static_cast<size_t>(cfg.context_length)) {
+      return Usage(absl::StrCat(
+          "--prompt-file: '", f, "' is ", text->size(), " bytes, so at least ", min_tokens,
+          " tokens long (BOS included; a token of this model's tokenizer holds at most ",
+          piece_bytes, " bytes); a prompt may hold at most ", cfg.context_length - 1,
+          " (the model's context of ", cfg.context_length, " less one position to generate into)"));
+    }
     Prompt p{f, BaseName(f), *text, engine.tokenizer().Encode(*text, true)};
     if (p.tokens.size() <= 1) {  // BOS only
       return Usage(absl::StrCat("--prompt-file: '", f, "' has no tokens (the file is empty)"));

@@ -149,6 +149,42 @@ TEST(TokenizerTest, MergesWordsAndFallsBackToBytes) {
   EXPECT_EQ(tok.Decode({1, 2, -5, 100000}), "");
 }
 
+// The byte-size bound kvpool-worker refuses a too-long prompt file with (newcomer s9 A3): every
+// encodable piece fits in max_piece_bytes, and no text has fewer tokens than
+// ceil(bytes / max_piece_bytes), the longest piece repeated included.
+TEST(TokenizerTest, MaxPieceBytesBoundsTheTokenCount) {
+  const Tokenizer& tok = SharedEngine().tokenizer();
+  const size_t l = tok.max_piece_bytes();
+  ASSERT_GE(l, 2u);  // stories260K merges words: some piece is longer than one byte
+  std::string longest;
+  for (int id = 0; id < tok.vocab_size(); ++id) {
+    const auto t = tok.type(id);
+    if (t == Tokenizer::TokenType::kNormal || t == Tokenizer::TokenType::kUserDefined) {
+      EXPECT_LE(tok.piece(id).size(), l) << id;
+      if (tok.piece(id).size() > longest.size()) longest = std::string(tok.piece(id));
+    }
+  }
+  EXPECT_EQ(longest.size(), l);
+  // The longest piece's text ("▁" read as a space) repeated: the densest text there is.
+  std::string dense;
+  for (size_t i = 0; i < longest.size();) {
+    if (longest.compare(i, 3, "\xe2\x96\x81") == 0) {
+      dense += ' ';
+      i += 3;
+    } else {
+      dense += longest[i++];
+    }
+  }
+  std::string rep;
+  for (int k = 0; k < 50; ++k) rep += dense;
+  for (const std::string& t :
+       {rep, std::string("Once upon a time, there was a little girl named Lily."),
+        std::string(1000, ' '), std::string("\xe2\x98\x83 \xff\xfe"), std::string("x")}) {
+    const size_t n = tok.Encode(t, /*add_bos=*/false).size();
+    EXPECT_GE(n, (t.size() + l - 1) / l) << t.size() << " bytes, " << n << " tokens";
+  }
+}
+
 TEST(TokenizerTest, MergeOrderFollowsScores) {
   // Pieces: a, b, c, "ab" (score 1), "bc" (score 2). "abc" must merge b+c first (higher score).
   auto tok =

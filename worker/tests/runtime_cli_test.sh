@@ -149,6 +149,12 @@ print("ok: default --model-id is the model file's stem")
 PY
 expect 1 "a 512-token prompt (context 512) is a usage error" -- "${worker}" --role eval "${base[@]}" --prompt-file "${work}/prompt512.txt"
 expect_err "kvpool-worker: --prompt-file: '${work}/prompt512.txt' is 512 tokens long; a prompt may hold at most 511" "the message gives the length and the limit"
+# A file whose byte size alone puts it beyond the limit is refused before it is tokenized (a
+# 30 MB prompt took 28 s and 1.2 GB to be refused: newcomer s9 A3).
+python3 -c "import sys; open(sys.argv[1], 'w').write(open(sys.argv[2]).read() * 4000)" "${work}/huge.txt" "${demo}/prompts/01_kite.txt"
+expect 1 "a prompt file too long by its byte size alone" -- "${worker}" --role eval "${base[@]}" --prompt-file "${work}/huge.txt"
+expect_err "kvpool-worker: --prompt-file: '${work}/huge.txt' is $(stat -c %s "${work}/huge.txt") bytes, so at least " "the message gives the bytes"
+expect_err "; a prompt may hold at most 511 (the model's context of 512" "the message gives the limit"
 # A fatal error reaches stderr whatever --log-level says.
 expect 2 "missing model with --log-level off" -- "${worker}" --log-level off --role eval --model /nope.gguf --rotations "${work}/rot.safetensors" "${prompt[@]}"
 expect_err "kvpool-worker: model: " "the fatal error is printed with --log-level off"

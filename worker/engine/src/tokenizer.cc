@@ -1,6 +1,7 @@
 // Sentencepiece-style BPE tokenizer over a GGUF vocabulary; see kvpool/engine/tokenizer.h.
 #include "kvpool/engine/tokenizer.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <queue>
 
@@ -167,6 +168,7 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::Create(std::vector<std::st
       }
     } else if ((t == TokenType::kNormal || t == TokenType::kUserDefined) && !pieces[i].empty()) {
       tok->piece_to_id_.emplace(pieces[i], i);  // the first id wins for duplicate pieces
+      tok->max_piece_bytes_ = std::max(tok->max_piece_bytes_, pieces[i].size());
     }
   }
   tok->pieces_ = std::move(pieces);

@@ -75,6 +75,13 @@ class Tokenizer {
   std::string DecodeNext(int prev, int token) const;
 
   int vocab_size() const { return static_cast<int>(pieces_.size()); }
+  // The longest piece Encode can emit, in bytes (>= 1: a byte-fallback token covers one byte).
+  // Every token Encode emits (BOS aside) covers at least one and at most this many bytes of the
+  // normalised text, which is at least as long as the input (the dummy prefix adds a "▁", each
+  // space becomes a 3-byte "▁"), so Encode(text, false).size() >= ceil(text.size() /
+  // max_piece_bytes()): a sound lower bound on a text's token count from its byte size alone
+  // (kvpool-worker refuses a too-long --prompt-file with it before tokenizing).
+  size_t max_piece_bytes() const { return max_piece_bytes_; }
   int bos_id() const { return bos_id_; }
   int eos_id() const { return eos_id_; }
   int unk_id() const { return unk_id_; }
@@ -95,6 +102,7 @@ class Tokenizer {
   std::unordered_map<std::string, int> piece_to_id_;  // encodable pieces only
   std::array<int, 256> byte_to_id_{};                 // -1 when the vocabulary lacks it
   int bos_id_ = 1, eos_id_ = 2, unk_id_ = 0;
+  size_t max_piece_bytes_ = 1;
 };
 
 }  // namespace kvpool::engine
