@@ -155,8 +155,12 @@ int main(int argc, char** argv) {
       ->capture_default_str()
       ->check(kvpool::cli::Range(0, 4096));
   app.add_option("--page-size", page_size, "tokens per block")->capture_default_str();
-  app.add_option("--sink-tokens", sink, "S: sink tokens kept in BF16")->capture_default_str();
-  app.add_option("--recent-tokens", recent, "W: recent tokens kept in BF16")->capture_default_str();
+  CLI::Option* sink_opt =
+      app.add_option("--sink-tokens", sink, "prefill/decode: S, sink tokens kept in BF16")
+          ->capture_default_str();
+  CLI::Option* recent_opt =
+      app.add_option("--recent-tokens", recent, "prefill/decode: W, recent tokens kept in BF16")
+          ->capture_default_str();
   app.add_option("--history-precision", history, "int2 | bf16")
       ->capture_default_str()
       ->check(CLI::IsMember({"int2", "bf16"}));
@@ -198,8 +202,11 @@ int main(int argc, char** argv) {
       app.add_option("--metrics-file", metrics_file,
                      "decode/prefill: write counters in Prometheus text format to this file")
           ->check(kvpool::cli::OutputFile());
-  app.add_option("--eval-windows", windows, "eval: S:W pairs, comma-separated")
-      ->capture_default_str();
+  CLI::Option* windows_opt =
+      app.add_option("--eval-windows", windows,
+                     "eval: the S:W pairs compared, comma-separated (instead of --sink-tokens "
+                     "and --recent-tokens)")
+          ->capture_default_str();
   app.add_option("--teacher-force", teacher_force,
                  "decode: also compute the fp32 reference and teacher-forced agreement")
       ->capture_default_str();
@@ -231,8 +238,23 @@ int main(int argc, char** argv) {
                  fault.c_str());
     return kvpool::cli::kExitUsage;
   }
+  // Each role is checked on the flags it uses only: eval compares --eval-windows and ignores
+  // --sink-tokens/--recent-tokens (their defaults refused --page-size 256: newcomer s9 A10);
+  // prefill and decode ignore --eval-windows. One given explicitly to a role that ignores it is
+  // named in a warning.
+  const bool eval = role == "eval";
+  for (const CLI::Option* o : eval ? std::vector<const CLI::Option*>{sink_opt, recent_opt}
+                                   : std::vector<const CLI::Option*>{windows_opt}) {
+    if (o->count() > 0) {
+      KVPOOL_LOG_WARN("{} is ignored by --role {} ({})", o->get_name(), role,
+                      eval ? "eval compares the S:W pairs of --eval-windows"
+                           : "--eval-windows is for --role eval");
+    }
+  }
   std::vector<std::pair<int, int>> wins;  // --eval-windows, checked before any work
-  for (absl::string_view w : absl::StrSplit(windows, ',')) {
+  const std::vector<std::string> window_list =
+      eval ? absl::StrSplit(windows, ',') : std::vector<std::string>{};
+  for (absl::string_view w : window_list) {
     std::vector<std::string> sw = absl::StrSplit(w, ':');
     int s = 0, r = 0;
     if (sw.size() != 2 || !absl::SimpleAtoi(sw[0], &s) || !absl::SimpleAtoi(sw[1], &r) || s < 0 ||
@@ -284,8 +306,9 @@ int main(int argc, char** argv) {
 
   kw::MixedCacheOptions copts;
   copts.page_size = page_size;
-  copts.sink_tokens = sink;
-  copts.recent_tokens = recent;
+  // eval sets S and W per --eval-windows pair (checked below); 0:0 checks the rest of the recipe.
+  copts.sink_tokens = eval ? 0 : sink;
+  copts.recent_tokens = eval ? 0 : recent;
   copts.history = kw::ParseHistoryPrecision(history).value();
   copts.clip_ratio_k = rotations->metadata().clip_ratio_k;
   copts.clip_ratio_v = rotations->metadata().clip_ratio_v;
@@ -313,7 +336,7 @@ int main(int argc, char** argv) {
   // S and W beyond the context would never apply (the cache holds context_length tokens).
   for (const auto& [flag, value] :
        {std::pair<const char*, int>{"--sink-tokens", sink}, {"--recent-tokens", recent}}) {
-    if (value > cfg.context_length) {
+    if (!eval && value > cfg.context_length) {
       std::fprintf(stderr, "kvpool-worker: %s: %d exceeds the model's context of %d tokens\n", flag,
                    value, cfg.context_length);
       return kvpool::cli::kExitUsage;

@@ -37,15 +37,25 @@ expect 0 "--version" -- "${worker}" --version
 expect 1 "missing --role" -- "${worker}" "${base[@]}" "${prompt[@]}"
 expect 1 "unknown role" -- "${worker}" --role train "${base[@]}" "${prompt[@]}"
 expect 1 "bad history precision" -- "${worker}" --role eval --history-precision int3 "${base[@]}" "${prompt[@]}"
-expect 1 "sink not a multiple of the page size" -- "${worker}" --role eval --sink-tokens 40 "${base[@]}" "${prompt[@]}"
+expect 1 "sink not a multiple of the page size" -- "${worker}" --role decode --pool 127.0.0.1:1 --sink-tokens 40 "${base[@]}" "${prompt[@]}"
 expect_err "sink_tokens" "the message names the field"
 expect_err "kvpool-worker: --sink-tokens: " "the message names the flag, with the program prefix"
 expect 1 "page size not a power of two" -- "${worker}" --role eval --page-size 12 "${base[@]}" "${prompt[@]}"
 expect_err "kvpool-worker: --page-size: page_size 12 must be a power of two" "the message names --page-size"
 expect 1 "page size beyond 1024" -- "${worker}" --role eval --page-size 1048576 "${base[@]}" "${prompt[@]}"
 expect_err "kvpool-worker: --page-size: page_size 1048576 must be a power of two in 1..1024" "a huge page size names --page-size, not --sink-tokens"
-expect 1 "negative recent window" -- "${worker}" --role eval --recent-tokens -1 "${base[@]}" "${prompt[@]}"
+expect 1 "negative recent window" -- "${worker}" --role prefill --recent-tokens -1 "${base[@]}" "${prompt[@]}"
 expect_err "kvpool-worker: --recent-tokens: " "the message names --recent-tokens"
+# Each role is checked on the flags it uses (newcomer s9 A10): eval ignores --sink-tokens and
+# --recent-tokens (the default S 64 refused --page-size 256), naming one given explicitly;
+# prefill and decode ignore --eval-windows.
+expect 0 "eval with --page-size 256 and its own windows" -- "${worker}" --role eval --page-size 256 --eval-windows 256:256 "${model_flags[@]}" --max-new-tokens 2 "${prompt[@]}"
+if grep -q "ignored" "${work}/err"; then echo "FAIL: a warning about a flag not given" >&2; failures=$((failures + 1)); fi
+expect 0 "eval with an explicit --sink-tokens that is no recipe" -- "${worker}" --role eval --sink-tokens 40 --eval-windows 0:0 "${model_flags[@]}" --max-new-tokens 2 "${prompt[@]}"
+expect_err "W --sink-tokens is ignored by --role eval (eval compares the S:W pairs of --eval-windows)" "the ignored flag is named"
+expect 1 "decode: a bad --eval-windows is not checked, but --sink-tokens is" -- "${worker}" --role decode --pool 127.0.0.1:1 --sink-tokens 40 --eval-windows 1:x "${base[@]}" "${prompt[@]}"
+expect_err "W --eval-windows is ignored by --role decode" "the ignored flag is named"
+expect_err "kvpool-worker: --sink-tokens: " "and the used one is checked"
 expect 1 "non-numeric eval window" -- "${worker}" --role eval --eval-windows 64:x "${base[@]}" "${prompt[@]}"
 expect_err "kvpool-worker: --eval-windows" "the message names --eval-windows"
 expect 1 "eval window out of int range" -- "${worker}" --role eval --eval-windows 99999999999:16 "${base[@]}" "${prompt[@]}"
@@ -58,7 +68,7 @@ for bad in 127.0.0.1:99999 127.0.0.1:0 127.0.0.1 :7070 127.0.0.1: 127.0.0.1:x7; 
 done
 expect 1 "sink window beyond the context" -- "${worker}" --role decode --sink-tokens 100000 --recent-tokens 100000 "${base[@]}" "${prompt[@]}"
 expect_err "kvpool-worker: --sink-tokens: 100000 exceeds the model's context of 512 tokens" "the message names --sink-tokens and the context"
-expect 1 "recent window beyond the context" -- "${worker}" --role eval --recent-tokens 100000 "${base[@]}" "${prompt[@]}"
+expect 1 "recent window beyond the context" -- "${worker}" --role decode --pool 127.0.0.1:1 --recent-tokens 100000 "${base[@]}" "${prompt[@]}"
 expect_err "kvpool-worker: --recent-tokens: 100000 exceeds" "the message names --recent-tokens"
 expect 1 "eval window not a recipe (sink 8 with P=16)" -- "${worker}" --role eval --eval-windows 8:8 "${base[@]}" "${prompt[@]}"
 expect_err "kvpool-worker: --eval-windows: 8:8: sink_tokens 8" "the message names --eval-windows and the window"
