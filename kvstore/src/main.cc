@@ -167,7 +167,11 @@ int main(int argc, char** argv) {
   std::string capacity = "1GiB";
   int64_t put_timeout_ms = 30000, lease_ms = 10000, max_lease_ms = 300000;
   int64_t tick_ms = 100, drain_ms = 10000, readiness_delay_ms = 0;
-  app.add_option("--listen", o.listen, "gRPC address HOST:PORT (port 0 = any free port)")
+  app.add_option("--listen", o.listen,
+                 "gRPC address HOST:PORT (port 0 = any free port); /metrics listens on the same "
+                 "host. 0.0.0.0 and [::] both mean every interface, IPv4 and IPv6 (gRPC cannot "
+                 "listen on 0.0.0.0 alone): give one interface's IPv4 address to listen on IPv4 "
+                 "only, or one IPv6 address (e.g. [::1]) for IPv6 only")
       ->check(kvpool::cli::HostPortAddress(0));
   app.add_option("--metrics-port", o.metrics_port,
                  "HTTP port of /metrics (Prometheus text); 0 = any free port, -1 = off")

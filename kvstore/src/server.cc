@@ -1,6 +1,7 @@
 // The pool process (server.h): store + gRPC (service, health, reflection) + /metrics + ticks.
 #include "kvpool/kvstore/server.h"
 
+#include <arpa/inet.h>
 #include <grpc/grpc.h>
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
@@ -9,6 +10,7 @@
 #include <grpcpp/support/server_interceptor.h>
 #include <httplib.h>
 #include <netdb.h>
+#include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -86,6 +88,27 @@ std::string BindFailureReason(const std::string& host, int port) {
   }
   freeaddrinfo(res);
   return reason;
+}
+
+// True for the "any address" hosts 0.0.0.0, :: and ::ffff:0.0.0.0. gRPC's POSIX TCP server
+// treats each of them as one family-agnostic wildcard: it listens on [::] with IPV6_V6ONLY off
+// (IPv4 and IPv6 on one socket) and only falls back to 0.0.0.0 when the host has no IPv6
+// (grpc/grpc src/core/lib/iomgr/tcp_server_posix.cc, add_wildcard_addrs_to_server).
+bool IsWildcardHost(const std::string& host) {
+  in_addr a4{};
+  if (inet_pton(AF_INET, host.c_str(), &a4) == 1) return a4.s_addr == htonl(INADDR_ANY);
+  in6_addr a6{};
+  if (inet_pton(AF_INET6, host.c_str(), &a6) != 1) return false;
+  if (IN6_IS_ADDR_UNSPECIFIED(&a6)) return true;
+  return IN6_IS_ADDR_V4MAPPED(&a6) && a6.s6_addr32[3] == 0;
+}
+
+// Whether this host can open an IPv6 socket (false where IPv6 is disabled or not built in).
+bool HostHasIpv6() {
+  const int fd = socket(AF_INET6, SOCK_STREAM, 0);
+  if (fd < 0) return false;
+  close(fd);
+  return true;
 }
 
 }  // namespace
@@ -327,7 +350,13 @@ absl::StatusOr<std::unique_ptr<PoolServer>> PoolServer::Create(const PoolServerO
     raw->http.Get("/metrics", [raw](const httplib::Request&, httplib::Response& res) {
       res.set_content(RenderStoreMetrics(*raw->store), "text/plain; version=0.0.4");
     });
-    const std::string mhost = listen.host == "localhost" ? "127.0.0.1" : listen.host;
+    // /metrics follows gRPC's rule for the listen host (IsWildcardHost): a wildcard host means
+    // every interface of both families, [::] dual-stack, or 0.0.0.0 on a host without IPv6, so
+    // that one firewall rule (or one specific --listen address) covers both ports.
+    const bool wildcard = IsWildcardHost(listen.host);
+    const std::string mhost = wildcard                     ? (HostHasIpv6() ? "::" : "0.0.0.0")
+                              : listen.host == "localhost" ? "127.0.0.1"
+                                                           : listen.host;
     // cpp-httplib's default socket options set SO_REUSEPORT, which lets a second pool bind the
     // same metrics port and split the scrapes between two processes; SO_REUSEADDR alone lets a
     // restarted pool rebind while old connections sit in TIME_WAIT, and nothing more.
@@ -340,9 +369,14 @@ absl::StatusOr<std::unique_ptr<PoolServer>> PoolServer::Create(const PoolServerO
     raw->http.set_read_timeout(kMetricsHttpTimeoutSec, 0);
     raw->http.set_write_timeout(kMetricsHttpTimeoutSec, 0);
     raw->http.set_keep_alive_timeout(kMetricsHttpTimeoutSec);
-    raw->http.set_socket_options([](int sock) {
+    raw->http.set_socket_options([wildcard](int sock) {
       int yes = 1;
       setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+      if (wildcard) {
+        // Dual-stack whatever net.ipv6.bindv6only says, as gRPC does (a no-op on AF_INET).
+        int no = 0;
+        setsockopt(sock, IPPROTO_IPV6, IPV6_V6ONLY, &no, sizeof(no));
+      }
     });
     if (o.metrics_port == 0) {
       raw->http_port = raw->http.bind_to_any_port(mhost);
@@ -355,17 +389,20 @@ absl::StatusOr<std::unique_ptr<PoolServer>> PoolServer::Create(const PoolServerO
       if (reason.empty()) reason = ", reason unknown (a probe bind of the port succeeded)";
       raw->grpc_server->Shutdown();
       return absl::UnavailableError(
-          absl::StrCat("metrics-port: cannot bind ", mhost, ":", o.metrics_port, reason));
+          absl::StrCat("metrics-port: cannot bind ",
+                       absl::StrContains(mhost, ':') ? absl::StrCat("[", mhost, "]") : mhost, ":",
+                       o.metrics_port, reason));
     }
     raw->http_thread = std::thread([raw] { raw->http.listen_after_bind(); });
   }
   Impl* raw = impl.get();
   raw->tick_thread = std::thread([raw] { raw->TickLoop(); });
   KVPOOL_LOG_INFO(
-      "kvpool-server ready: grpc {}:{} metrics {} capacity {} bytes data-plane {} transfers "
+      "kvpool-server ready: grpc {}:{}{} metrics {} capacity {} bytes data-plane {} transfers "
       "initiated by the {} rotation_path {}",
-      listen.host, raw->grpc_port, raw->http_port, o.capacity_bytes, o.data_plane,
-      ctx.pool_initiates_transfers ? "pool" : "client",
+      listen.host, raw->grpc_port,
+      IsWildcardHost(listen.host) ? " (every interface, IPv4 and IPv6)" : "", raw->http_port,
+      o.capacity_bytes, o.data_plane, ctx.pool_initiates_transfers ? "pool" : "client",
       rotation_dir.empty() ? std::string("refused (no --rotation-dir)")
                            : absl::StrCat("under ", rotation_dir));
   return std::unique_ptr<PoolServer>(new PoolServer(std::move(impl)));

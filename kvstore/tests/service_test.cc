@@ -936,6 +936,66 @@ TEST_F(ServiceTest, MetricsScrapeIsServedWhileSixteenSlowClientsHoldConnections)
   EXPECT_NE(res->body.find("kvpool_capacity_bytes"), std::string::npos);
 }
 
+// Whether a TCP connection to `host` (numeric IPv4 or IPv6) port `port` is accepted.
+bool Connects(const std::string& host, int port) {
+  sockaddr_storage ss{};
+  socklen_t len = 0;
+  auto* a4 = reinterpret_cast<sockaddr_in*>(&ss);
+  auto* a6 = reinterpret_cast<sockaddr_in6*>(&ss);
+  if (inet_pton(AF_INET, host.c_str(), &a4->sin_addr) == 1) {
+    a4->sin_family = AF_INET;
+    a4->sin_port = htons(static_cast<uint16_t>(port));
+    len = sizeof(*a4);
+  } else if (inet_pton(AF_INET6, host.c_str(), &a6->sin6_addr) == 1) {
+    a6->sin6_family = AF_INET6;
+    a6->sin6_port = htons(static_cast<uint16_t>(port));
+    len = sizeof(*a6);
+  } else {
+    return false;
+  }
+  const int fd = socket(ss.ss_family, SOCK_STREAM, 0);
+  if (fd < 0) return false;
+  const bool ok = connect(fd, reinterpret_cast<sockaddr*>(&ss), len) == 0;
+  close(fd);
+  return ok;
+}
+
+// gRPC listens on [::] dual-stack for the wildcard 0.0.0.0 (it treats 0.0.0.0 and :: alike);
+// /metrics used to bind 0.0.0.0 alone, so the gRPC port answered over IPv6 and the metrics port
+// did not. Both now follow gRPC's rule, and a specific address keeps both on that address.
+TEST(ListenAddressTest, MetricsFollowsGrpcOnWildcardAndSpecificHosts) {
+  const int probe = socket(AF_INET6, SOCK_STREAM, 0);
+  if (probe < 0) GTEST_SKIP() << "no IPv6 on this host";
+  sockaddr_in6 lo6{};
+  lo6.sin6_family = AF_INET6;
+  lo6.sin6_addr = in6addr_loopback;
+  const bool has_lo6 = bind(probe, reinterpret_cast<sockaddr*>(&lo6), sizeof(lo6)) == 0;
+  close(probe);
+  if (!has_lo6) GTEST_SKIP() << "no IPv6 loopback on this host";
+
+  struct Case {
+    std::string listen;
+    bool v4, v6;  // reachable over 127.0.0.1 / ::1
+  };
+  for (const Case& c : {Case{"0.0.0.0:0", true, true}, Case{"[::]:0", true, true},
+                        Case{"127.0.0.1:0", true, false}, Case{"[::1]:0", false, true}}) {
+    SCOPED_TRACE(c.listen);
+    PoolServerOptions o;
+    o.listen = c.listen;
+    o.metrics_port = 0;
+    o.capacity_bytes = 1 << 20;
+    o.data_plane = "none";
+    auto s = PoolServer::Create(o);
+    ASSERT_TRUE(s.ok()) << s.status();
+    const int g = (*s)->grpc_port(), m = (*s)->metrics_port();
+    EXPECT_EQ(Connects("127.0.0.1", g), c.v4) << "grpc over IPv4";
+    EXPECT_EQ(Connects("127.0.0.1", m), c.v4) << "metrics over IPv4";
+    EXPECT_EQ(Connects("::1", g), c.v6) << "grpc over IPv6";
+    EXPECT_EQ(Connects("::1", m), c.v6) << "metrics over IPv6";
+    (*s)->Shutdown(absl::Seconds(1));
+  }
+}
+
 TEST_F(ServiceTest, ReflectionListsTheServices) {
   const std::string listing = ReflectionListServices(channel_);
   EXPECT_NE(listing.find("kvpool.v1.KvPool"), std::string::npos) << listing;

@@ -27,7 +27,11 @@ class Transport;
 namespace kvpool::kvstore {
 
 struct PoolServerOptions {
-  // gRPC address "HOST:PORT"; port 0 picks a free port (see grpc_port()). Default 0.0.0.0:7070.
+  // gRPC address "HOST:PORT"; port 0 picks a free port (see grpc_port()). /metrics listens on
+  // the same host. The wildcards 0.0.0.0, [::] and [::ffff:0.0.0.0] all mean every interface of
+  // both families ([::] dual-stack; 0.0.0.0 only on a host without IPv6), because gRPC listens
+  // that way on any of them; a specific address listens on that address only. Default
+  // 0.0.0.0:7070.
   std::string listen = "0.0.0.0:7070";
   // HTTP port for /metrics; 0 picks a free port; -1 disables; other values outside 1..65535
   // make Create fail with INVALID_ARGUMENT. Default 9090.
