@@ -1275,9 +1275,10 @@ class ClientImpl final : public Client {
                                       const CallOptions& call) override {
     const absl::Time deadline = Deadline(call);
     KVPOOL_ASSIGN_OR_RETURN(ConnSnapshot c, Conn(call, deadline));
-    // No tokens hold no full block: 0 blocks, as for any prompt shorter than one block. Not sent
-    // (an empty token_ids on the wire is a query without token_ids or keys, INVALID_ARGUMENT).
-    if (tokens.empty()) return LookupResult{};
+    // Fewer tokens than one block (0 included) hold no full block: 0 blocks, answered here
+    // without a call (an empty token_ids on the wire is a query without token_ids or keys,
+    // INVALID_ARGUMENT; a short one would only cost a round trip).
+    if (tokens.size() < c.geometry.page_size) return LookupResult{};
     pb::LookupRequest req;
     req.set_namespace_id(DigestBytes(c.namespace_id));
     req.mutable_token_ids()->Add(tokens.begin(), tokens.end());
@@ -1303,7 +1304,7 @@ class ClientImpl final : public Client {
                                 uint32_t lease_ms, const CallOptions& call) override {
     const absl::Time deadline = Deadline(call);
     KVPOOL_ASSIGN_OR_RETURN(ConnSnapshot c, Conn(call, deadline));
-    if (tokens.empty()) {  // nothing held, no lease taken (as for fewer tokens than one block)
+    if (tokens.size() < c.geometry.page_size) {  // no full block: nothing held, no lease taken
       Lease none;
       none.pool_epoch = c.epoch;
       none.expires = absl::Now();

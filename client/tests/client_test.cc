@@ -752,12 +752,16 @@ TEST_P(ClientTest, AHistoryBlockHeldInBf16OnlyEndsTheFetchSayingWhy) {
 // Newcomer report s8 N10: Lookup/Acquire with 0 tokens answered the wire-level
 // "INVALID_ARGUMENT: token_ids/keys: give exactly one of them" (the C++ calls have no keys
 // argument). No tokens hold no full block: the same answer as 5 tokens, 0 blocks / no lease.
+// Newcomer report 9 A11: 5 tokens were sent to the pool (and counted there as a miss) although
+// client.h says fewer tokens than one block are answered without a call: none reaches the pool.
 TEST_P(ClientTest, LookupAndAcquireOfFewerTokensThanOneBlockFindNothing) {
   auto c = NewClient();
   ASSERT_NE(c, nullptr);
   ASSERT_TRUE(c->RegisterModel(Spec("int2")).ok());
   Sequence s = MakeSequence(2 * kPage, 81);
   ASSERT_TRUE(c->Put(s.tokens, s.ks(), s.vs()).ok());
+  const kvstore::Metrics& m = server_->store().metrics();
+  const uint64_t calls_before = m.lookup_calls.load();
   const std::vector<uint32_t> none;
   const std::vector<uint32_t> five(s.tokens.begin(), s.tokens.begin() + 5);
   for (const std::vector<uint32_t>* t : {&none, &five}) {
@@ -772,9 +776,15 @@ TEST_P(ClientTest, LookupAndAcquireOfFewerTokensThanOneBlockFindNothing) {
     EXPECT_TRUE(lease->blocks.empty());
   }
   EXPECT_EQ(c->Stats()->leases, 0u);
+  EXPECT_EQ(m.lookup_calls.load(), calls_before) << "a request without a full block was sent";
+  EXPECT_EQ(m.lookup_miss_calls.load(), 0u);
+  const std::vector<uint32_t> page_less_one(s.tokens.begin(), s.tokens.begin() + kPage - 1);
+  EXPECT_EQ(c->Lookup(page_less_one)->num_blocks, 0u);
+  EXPECT_EQ(m.lookup_calls.load(), calls_before);
   auto full = c->Lookup(s.tokens);  // the stored blocks are found as before
   ASSERT_TRUE(full.ok()) << full.status();
   EXPECT_EQ(full->num_blocks, 2u);
+  EXPECT_EQ(m.lookup_calls.load(), calls_before + 1);
 }
 
 // Newcomer report s7 F13: a k span that is not a whole number of tokens, and a v span of

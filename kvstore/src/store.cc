@@ -1228,7 +1228,9 @@ absl::StatusOr<std::vector<BlockFormsInfo>> BlockStore::Lookup(const Digest& nam
   }
   metrics_->lookup_calls.fetch_add(1, std::memory_order_relaxed);
   metrics_->lookup_hit_blocks.fetch_add(out.size(), std::memory_order_relaxed);
-  if (out.size() < keys.size() || keys.empty()) {
+  // A miss is a held prefix that ends before the request's last full block; a request with no
+  // full block (fewer tokens than one page) has nothing to miss.
+  if (out.size() < keys.size()) {
     metrics_->lookup_miss_calls.fetch_add(1, std::memory_order_relaxed);
   }
   return out;
@@ -1285,7 +1287,7 @@ absl::StatusOr<LeaseGrant> BlockStore::Acquire(const Digest& namespace_id, const
   }
   metrics_->lookup_calls.fetch_add(1, std::memory_order_relaxed);
   metrics_->lookup_hit_blocks.fetch_add(grant.blocks.size(), std::memory_order_relaxed);
-  if (grant.blocks.size() < keys.size() || keys.empty()) {
+  if (grant.blocks.size() < keys.size()) {  // as in Lookup: no full block, no miss
     metrics_->lookup_miss_calls.fetch_add(1, std::memory_order_relaxed);
   }
   metrics_->fetch_bytes.fetch_add(bytes, std::memory_order_relaxed);

@@ -81,6 +81,28 @@ class StoreTest : public ::testing::Test {
   Digest ns_{};
 };
 
+// A request of fewer tokens than one block (page_size 4 here) has no full block, so it cannot
+// miss: it is a Lookup/Acquire call with 0 blocks, not a miss (kvpool_lookup_misses_total is
+// "calls whose held prefix ended before the request's end"). It used to count as one.
+TEST_F(StoreTest, RequestWithNoFullBlockCountsAsACallNotAMiss) {
+  ASSERT_TRUE(Put(1, 2).ok());
+  const Metrics& m = store_->metrics();
+  auto short_lookup = store_->Lookup(ns_, {.token_ids = Tokens(1, 3)});
+  ASSERT_TRUE(short_lookup.ok()) << short_lookup.status();
+  EXPECT_TRUE(short_lookup->empty());
+  auto short_acquire = store_->Acquire(ns_, {.token_ids = Tokens(1, 3)}, 0, absl::Seconds(1));
+  ASSERT_TRUE(short_acquire.ok()) << short_acquire.status();
+  EXPECT_EQ(short_acquire->lease_id, 0u);
+  EXPECT_EQ(m.lookup_calls.load(), 2u);
+  EXPECT_EQ(m.lookup_miss_calls.load(), 0u);
+  // The held 8 tokens plus a partial tail: a full hit, no miss; one more full block: a miss.
+  EXPECT_EQ(store_->Lookup(ns_, {.token_ids = Tokens(1, 10)})->size(), 2u);
+  EXPECT_EQ(m.lookup_miss_calls.load(), 0u);
+  EXPECT_EQ(store_->Lookup(ns_, {.token_ids = Tokens(1, 12)})->size(), 2u);
+  EXPECT_EQ(m.lookup_miss_calls.load(), 1u);
+  EXPECT_EQ(m.lookup_calls.load(), 4u);
+}
+
 TEST_F(StoreTest, RegistrationIsIdempotentAndMismatchListsEveryField) {
   EXPECT_EQ(info_.bf16_form_bytes, 512u);
   EXPECT_EQ(info_.int2_form_bytes, 192u);

@@ -620,9 +620,9 @@ class Client {
                                         const CallOptions& call = {}) = 0;
 
   // Longest held prefix of `tokens` and its forms. Side-effect free. Fewer tokens than one
-  // block (0 included) hold no full block: 0 blocks (0 tokens are answered without a call to
-  // the pool, after the registration check). Errors: FAILED_PRECONDITION (no model
-  // registered), UNAVAILABLE, DEADLINE_EXCEEDED.
+  // block (0 included) hold no full block: 0 blocks, answered without a call to the pool (after
+  // the registration check), so it reaches none of the pool's lookup counters. Errors:
+  // FAILED_PRECONDITION (no model registered), UNAVAILABLE, DEADLINE_EXCEEDED.
   virtual absl::StatusOr<LookupResult> Lookup(absl::Span<const uint32_t> tokens,
                                               const CallOptions& call = {}) = 0;
 
