@@ -46,7 +46,10 @@ Rotations whose orthogonality error max|R·Rᵀ − I| exceeds 1e-4 are refused 
 refuses them too).
 
 Malformed input is refused with one ``rotation_zoo: ...`` line and exit 2, never a traceback:
-non-integer ``format_version`` / layer ids, a rotation or eigenvalues entry that is not a numeric
+key and value files given swapped (the ``--keys`` file's ``objective`` names a value target,
+``sst_*``/``vtv_*``, or the ``--values`` file's a key target, ``qqt_*``/``ktk_*``: the message
+names the field and the files), non-integer ``format_version`` / layer ids, a rotation or
+eigenvalues entry that is not a numeric
 tensor, and sizes beyond a rotation file's 256 MiB (checked from the pickled shapes BEFORE any
 array is built, per tensor and for the whole file, so a stride-0 view cannot ask for gigabytes).
 Inputs must be regular files up to 1 GiB; ``--out`` is checked before the work (a directory, a
@@ -280,6 +283,10 @@ _COMPOSITIONS = {
     "r_h": "U*H", "h_pbr": "H*P_br", "h_r_pbr": "H*U*P_br", "h_pbr_r": "H*P_br*U",
 }
 _TARGETS = ("qqt", "sst", "ktk", "vtv")
+# Which kind each target was fitted for: qqt (query-weighted) and ktk fit KEY rotations, sst
+# (attention-weighted) and vtv VALUE rotations; the others (oscar, hadamard, ...) fit either.
+_KEY_TARGETS = {"qqt": "query-weighted key target", "ktk": "key target K^T K"}
+_VALUE_TARGETS = {"sst": "attention-weighted value target", "vtv": "value target V^T V"}
 ORTHOGONALITY_LIMIT = 1e-4  # as the C++ reader (kernels/src/rotation_file.cc)
 
 
@@ -303,6 +310,25 @@ def _objective_and_composition(k_obj: str, v_obj: str) -> Tuple[str, str]:
     if kt == vt:
         return kt, kc
     return f"k:{k_obj},v:{v_obj}", kc
+
+
+def _check_kinds(k_obj: str, v_obj: str) -> None:
+    """ConversionError when the key file's objective names a value target or the value file's a
+    key target: the files were given swapped (the keys would be rotated with the value
+    rotations, and the other way round, without any other sign)."""
+    k_target, v_target = k_obj.partition("_")[0], v_obj.partition("_")[0]
+    wrong = []
+    if k_target in _VALUE_TARGETS:
+        wrong.append(f"the --keys file's objective {k_obj!r} is a value rotation "
+                     f"('{k_target}' = {_VALUE_TARGETS[k_target]})")
+    if v_target in _KEY_TARGETS:
+        wrong.append(f"the --values file's objective {v_obj!r} is a key rotation "
+                     f"('{v_target}' = {_KEY_TARGETS[v_target]})")
+    if wrong:
+        raise ConversionError(
+            "; ".join(wrong) + ": were --keys and --values swapped? Give the key file "
+            "(objective qqt_* or ktk_*, e.g. k_rotation_qqt_r_h_pbr.pt) as --keys and the value "
+            "file (sst_* or vtv_*, e.g. v_rotation_sst_r_h_pbr.pt) as --values")
 
 
 def _tensor(value: Any, what: str, dtype) -> np.ndarray:
@@ -350,6 +376,9 @@ def convert(keys_obj: Dict[str, Any], values_obj: Optional[Dict[str, Any]], *, m
         fv = _int_field(obj.get("format_version", 1), f"{name} file: format_version")
         if fv not in (1, 2):
             raise ConversionError(f"{name} file: format_version {fv} is not 1 or 2")
+    if values_obj is not None:  # one file per kind: its objective says which kind it holds
+        _check_kinds(str(keys_obj.get("objective", "oscar")),
+                     str(values_obj.get("objective", keys_obj.get("objective", "oscar"))))
     layers_k = _layer_map(keys_obj, "keys")
     layers_v = _layer_map(values_obj, "values") if values_obj is not None else None
     src_ids = sorted(layers_k)
@@ -539,8 +568,12 @@ def _write_atomically(path: str, data: bytes) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="rotation_zoo", description=__doc__.split("\n\n")[0])
-    p.add_argument("--keys", required=True, help="RotationZoo .pt (keys, or both kinds)")
-    p.add_argument("--values", help="RotationZoo .pt with the value rotations")
+    p.add_argument("--keys", required=True,
+                   help="RotationZoo .pt of the key rotations (objective qqt_* / ktk_*, e.g. "
+                        "k_rotation_qqt_r_h_pbr.pt), or one holding both kinds")
+    p.add_argument("--values",
+                   help="RotationZoo .pt of the value rotations (objective sst_* / vtv_*, e.g. "
+                        "v_rotation_sst_r_h_pbr.pt); files given swapped are refused")
     p.add_argument("--out", required=True, help="output .safetensors (written atomically)")
     p.add_argument("--model-name", required=True)
     p.add_argument("--num-kv-heads", type=_positive_int,

@@ -364,6 +364,41 @@ def test_oscar_zoo_pair_layout(tmp_path, writer):
                    model_name="m", num_kv_heads=1)
 
 
+def test_swapped_key_and_value_files_are_refused_naming_the_objective(tmp_path, writer):
+    """Newcomer report 9 A6: --keys v_*.pt --values k_*.pt converted silently (objective
+    recorded as k:sst_r_h_pbr,v:qqt_r_h_pbr, keys rotated with the value rotations)."""
+    rng = np.random.default_rng(12)
+    k, v = oscar_pair(rng, 2, 8)
+    with raises(rz.ConversionError, match=r"--keys file's objective 'sst_r_h_pbr' is a value "
+                                          r"rotation.*--values file's objective 'qqt_r_h_pbr' "
+                                          r"is a key rotation.*swapped"):
+        rz.convert(v, k, model_name="m", num_kv_heads=1)
+    # one side alone is enough (a key file twice, a value file twice)
+    with raises(rz.ConversionError, match=r"--values file's objective 'qqt_r_h_pbr'"):
+        rz.convert(k, k, model_name="m", num_kv_heads=1)
+    with raises(rz.ConversionError, match=r"--keys file's objective 'sst_r_h_pbr'"):
+        rz.convert(v, v, model_name="m", num_kv_heads=1)
+    kvtv = zoo(rng, 1, 8, objective="vtv_plain")
+    with raises(rz.ConversionError, match=r"'vtv' = value target"):
+        rz.convert(kvtv, zoo(rng, 1, 8, objective="ktk_plain"), model_name="m", num_kv_heads=1)
+    # the right order and kind-agnostic objectives still convert
+    assert rz.convert(k, v, model_name="m", num_kv_heads=1)
+    assert rz.convert(zoo(rng, 2, 8, objective="oscar"), v, model_name="m", num_kv_heads=1)
+    # the CLI: exit 2 with one "rotation_zoo: ..." line, nothing written
+    kp, vp = tmp_path / "k_rotation_qqt_r_h_pbr.pt", tmp_path / "v_rotation_sst_r_h_pbr.pt"
+    save_pt(k, kp, writer)
+    save_pt(v, vp, writer)
+    out = tmp_path / "zoo3.st"
+    r = subprocess.run([sys.executable, "-m", "kvpool_tools.rotation_zoo", "--keys", str(vp),
+                        "--values", str(kp), "--out", str(out), "--model-name", "m",
+                        "--num-kv-heads", "4"], capture_output=True, text=True,
+                       cwd=os.path.join(os.path.dirname(__file__), ".."), timeout=120)
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert r.stderr.startswith("rotation_zoo: ") and "Traceback" not in r.stderr, r.stderr
+    assert "objective 'sst_r_h_pbr'" in r.stderr and "swapped" in r.stderr, r.stderr
+    assert not out.exists()
+
+
 def test_sparse_global_layer_ids(tmp_path, writer):
     """Hybrid models key only their attention layers by global id (3, 7, 11, ...)."""
     rng = np.random.default_rng(12)
