@@ -388,17 +388,23 @@ int main(int argc, char** argv) {
   quant->add_option("--layer", q.layer, "layer of the rotation file (needs a rotation file)")
       ->check(kIndex)
       ->capture_default_str();
+  // The defaults of --head and --clip are "unset" (-1 inside, outside the checked ranges), so
+  // --help shows what they mean instead of the sentinel.
   quant
       ->add_option("--head", q.head,
-                   "KV head of a per-head rotation file (default: the input's head index)")
-      ->check(kIndex);
+                   "KV head of a per-head rotation file (default: the input's own head index, "
+                   "head 0 for a [tokens, d] input)")
+      ->check(kIndex)
+      ->default_str("input head");
   quant->add_option("--kind", q.kind, "k | v (rotation and default clip ratio)")
       ->check(CLI::IsMember({"k", "v"}))
       ->capture_default_str();
   quant
       ->add_option("--clip", q.clip,
-                   "clip ratio (0 disables; default: the file's ratio for --kind, else 0.96/0.92)")
-      ->check(kClipRatio);
+                   "clip ratio (0 disables; default: the rotation file's ratio for --kind, or "
+                   "0.96 for k / 0.92 for v with --rotation none|hadamard)")
+      ->check(kClipRatio)
+      ->default_str("file's ratio");
   CLI::Option* dequant_out = quant
                                  ->add_option("--dequant-out", q.dequant_out,
                                               "write the dequantized array (.npy, input space)")

@@ -10,6 +10,15 @@ check help 0 "quantize" -- "$bin" --help
 check version 0 "kvpool 0" -- "$bin" --version
 check no-subcommand 1 "" -- "$bin"
 check quantize-missing-in 1 "--in" -- "$bin" quantize
+# The unset defaults of --head / --clip (-1, outside their ranges) were shown as "=-1".
+qhelp="$("$bin" quantize --help 2>&1)"
+if grep -q -- "--head INT:INDEX >= 0=input head" <<<"$qhelp" &&
+   grep -q -- "--clip FLOAT:RATIO in \[0,1\]=file's ratio" <<<"$qhelp" &&
+   ! grep -q -- "=-1" <<<"$qhelp"; then
+  echo "ok   quantize-help-defaults"
+else
+  echo "FAIL quantize-help-defaults:"; grep -E -- "--head|--clip" <<<"$qhelp"; fail=1
+fi
 # a float32 [4, 8] array written by hand: header padded to 64 bytes
 python3 - "$tmp/x.npy" <<'PY' || { echo "FAIL python"; exit 1; }
 import struct, sys
