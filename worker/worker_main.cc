@@ -9,10 +9,14 @@
 //       --report eval.json        # no pool: fp32 vs bf16/int2 x windows
 //
 // Standard output: the continuations (decode, eval) as text; logs go to standard error.
-// Exit codes: 0 ok, 1 usage, 2 runtime error.
+// Exit codes: 0 ok, 1 usage, 2 runtime error, 128 + signal when SIGTERM (143) or SIGINT (130)
+// stopped the run (its report and metrics written: docs/WORKER.md "Stopping a worker").
+
+#include <signal.h>
 
 #include <algorithm>
 #include <chrono>
+#include <csignal>
 #include <cstdio>
 #include <filesystem>
 #include <memory>
@@ -90,6 +94,39 @@ int Fail(const absl::Status& s, const std::string& what) {
 int Usage(const std::string& message) {
   std::fprintf(stderr, "kvpool-worker: %s\n", message.c_str());
   return kvpool::cli::kExitUsage;
+}
+
+// SIGTERM/SIGINT: the handler records the signal; each role stops taking new prompts, aborts
+// its open puts, writes the report and metrics of what completed and exits 128 + the signal
+// (docs/WORKER.md "Stopping a worker"). SA_RESETHAND: a second signal ends the process at once.
+volatile std::sig_atomic_t g_stop_signal = 0;
+
+extern "C" void OnStopSignal(int sig) { g_stop_signal = sig; }
+
+void InstallStopHandlers() {
+  struct sigaction sa {};
+  sa.sa_handler = OnStopSignal;
+  sigemptyset(&sa.sa_mask);
+  sa.sa_flags = SA_RESETHAND | SA_RESTART;
+  sigaction(SIGTERM, &sa, nullptr);
+  sigaction(SIGINT, &sa, nullptr);
+}
+
+// The stop signal received so far; 0 when none.
+int StopSignal() { return g_stop_signal; }
+
+const char* SignalName(int sig) { return sig == SIGINT ? "SIGINT" : "SIGTERM"; }
+
+// Marks the report of a run that a stop signal ended (nothing when `sig` is 0).
+void NoteInterrupted(nlohmann::json& out, int sig) {
+  out["interrupted"] = sig != 0;
+  if (sig != 0) out["interrupt_signal"] = SignalName(sig);
+}
+
+// The end of a run a stop signal ended: one line whatever --log-level says, exit 128 + signal.
+int Interrupted(int sig, const std::string& what) {
+  std::fprintf(stderr, "kvpool-worker: stopped by %s: %s\n", SignalName(sig), what.c_str());
+  return 128 + sig;
 }
 
 // One counter of --metrics-file.
@@ -221,6 +258,7 @@ int main(int argc, char** argv) {
   kvpool::cli::RefuseSameFiles(&app, {{report_opt}, {metrics_opt}},
                                {{model_opt}, {rotations_opt}, {prompts_opt}});
   KVPOOL_CLI_PARSE(app, argc, argv);
+  InstallStopHandlers();
   if (model_id.empty()) model_id = std::filesystem::path(model).stem().string();
 
   auto fault_or = kw::ParseFault(fault);
@@ -406,7 +444,10 @@ int main(int argc, char** argv) {
   if (role == "eval") {
     std::map<std::string, kw::TeacherForcedResult> overall;
     double ref_s = 0, mixed_s = 0;
+    size_t done = 0;
+    out["prompts"] = json::array();
     for (auto& p : prompts) {
+      if (StopSignal() != 0) break;
       auto ref = kw::RunReference(engine, p.tokens, max_new);
       if (!ref.ok()) {
         return Fail(ref.status(), "reference");
@@ -445,8 +486,13 @@ int main(int argc, char** argv) {
         }
       }
       out["prompts"].push_back(pj);
+      ++done;
+      std::fflush(stdout);  // each prompt's lines as it completes, also into a file or pipe
     }
+    const int stop_signal = StopSignal();
     for (auto& [k, r] : overall) out["overall"][k] = TfJson(r);
+    out["prompts_not_run"] = prompts.size() - done;
+    NoteInterrupted(out, stop_signal);
     out["seconds"] = {{"reference", ref_s}, {"mixed", mixed_s}};
     std::printf("== overall (teacher-forced over the fp32 reference continuations)\n");
     for (auto& [k, r] : overall) {
@@ -456,6 +502,10 @@ int main(int argc, char** argv) {
     }
     if (auto s = WriteJson(report, out); !s.ok()) {
       return Fail(s, "--report");
+    }
+    if (stop_signal != 0) {
+      return Interrupted(stop_signal,
+                         absl::StrCat("eval: ", done, " of ", prompts.size(), " prompt(s) run"));
     }
     return kvpool::cli::kExitOk;
   }
@@ -549,14 +599,15 @@ int main(int argc, char** argv) {
       all_tokens.push_back(prompts[i].tokens);
       run_index.push_back(i);
     }
-    // prompt i+1 computes while i is in flight; one outcome per prompt.
-    std::vector<absl::StatusOr<kw::PrefillReport>> reports = node.RunAll(all_tokens);
-    std::vector<const absl::StatusOr<kw::PrefillReport>*> by_prompt(prompts.size(), nullptr);
-    for (size_t k = 0; k < run_index.size(); ++k) by_prompt[run_index[k]] = &reports[k];
-    int failed = 0, skipped = 0, reput = 0;
-    for (size_t i = 0; i < prompts.size(); ++i) {
-      const Prompt& p = prompts[i];
-      if (by_prompt[i] == nullptr) {
+    int failed = 0, skipped = 0, reput = 0, not_stored = 0;
+    std::string first_failure;
+    out["prompts"] = json::array();
+    // Each prompt is logged and recorded as its outcome is known (the log had every line only
+    // at the end of the run: newcomer s9 A4), skipped prompts in their place.
+    size_t recorded = 0;  // prompts[0, recorded) are in out["prompts"]
+    auto record_skipped_up_to = [&](size_t end) {
+      for (; recorded < end; ++recorded) {
+        const Prompt& p = prompts[recorded];
         const std::string why =
             absl::StrCat(p.tokens.size(), " tokens hold no full block of ", page_size,
                          " before the last token (the decoder computes it): nothing to push");
@@ -566,17 +617,33 @@ int main(int argc, char** argv) {
                                   {"skipped", true},
                                   {"skip_reason", why}});
         ++skipped;
-        continue;
       }
-      if (!by_prompt[i]->ok()) {
-        const std::string why = kw::StatusText(by_prompt[i]->status());
+    };
+    auto on_done = [&](size_t k, const absl::StatusOr<kw::PrefillReport>& outcome) {
+      record_skipped_up_to(run_index[k]);
+      const Prompt& p = prompts[recorded++];
+      if (!outcome.ok() && absl::IsCancelled(outcome.status()) && StopSignal() != 0) {
+        const std::string why = std::string(outcome.status().message());
+        // An aborted put is named; prompts never started are counted in the last line only.
+        if (!absl::StartsWith(why, "not run")) {
+          KVPOOL_LOG_WARN("prefill --prompt-file {}: {}", p.path, why);
+        }
+        out["prompts"].push_back({{"name", p.name},
+                                  {"prompt_tokens", p.tokens.size()},
+                                  {"interrupted", true},
+                                  {"interrupt_reason", why}});
+        ++not_stored;
+        return;
+      }
+      if (!outcome.ok()) {
+        const std::string why = kw::StatusText(outcome.status());
         KVPOOL_LOG_ERROR("prefill --prompt-file {}: {}", p.path, why);
         out["prompts"].push_back(
             {{"name", p.name}, {"prompt_tokens", p.tokens.size()}, {"error", why}});
-        ++failed;
-        continue;
+        if (failed++ == 0) first_failure = why;
+        return;
       }
-      const kw::PrefillReport* r = &**by_prompt[i];
+      const kw::PrefillReport* r = &*outcome;
       KVPOOL_LOG_INFO(
           "prefill {}: {} tokens, {} blocks ({} written, {} bytes), {:.3f}s compute, "
           "{:.3f}s push",
@@ -595,7 +662,11 @@ int main(int argc, char** argv) {
       tokens += uint64_t(r->blocks) * page_size;
       compute += r->compute_seconds;
       push += r->push_seconds;
-    }
+    };
+    // prompt i+1 computes while i is in flight; one outcome per prompt.
+    node.RunAll(all_tokens, {.on_done = on_done, .stop = [] { return StopSignal() != 0; }});
+    record_skipped_up_to(prompts.size());
+    const int stop_signal = StopSignal();
     out["overall"] = {{"bytes_written", bytes},
                       {"tokens_stored", tokens},
                       {"bytes_written_per_token", tokens ? double(bytes) / tokens : 0.0},
@@ -603,8 +674,10 @@ int main(int argc, char** argv) {
                       {"push_seconds", push},
                       {"skipped_prompts", skipped},
                       {"failed_prompts", failed},
+                      {"interrupted_prompts", not_stored},
                       {"reput_prompts", reput},
                       {"pool_reconnects", node.pool_reconnects()}};
+    NoteInterrupted(out, stop_signal);
     out["seconds"] =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
     if (!metrics_file.empty()) {
@@ -616,6 +689,10 @@ int main(int argc, char** argv) {
           {"kvpool_worker_prefill_skipped_prompts_total",
            "Prompts with no full block before their last token (nothing to push).",
            uint64_t(skipped)},
+          {"kvpool_worker_prefill_interrupted_prompts_total",
+           "Prompts not stored because the worker was stopped by SIGTERM or SIGINT (not run, "
+           "or their open put aborted).",
+           uint64_t(not_stored)},
           {"kvpool_worker_pushed_bytes_total",
            "Staging bytes written to the pool by committed puts.", bytes},
           {"kvpool_worker_pool_reconnects_total",
@@ -632,17 +709,16 @@ int main(int argc, char** argv) {
     if (auto s = WriteJson(report, out); !s.ok()) {
       return Fail(s, "--report");
     }
+    if (stop_signal != 0) {
+      return Interrupted(
+          stop_signal,
+          absl::StrCat("prefill: ", prompts.size() - skipped - failed - not_stored, " of ",
+                       prompts.size(), " prompt(s) stored, ", not_stored, " not"));
+    }
     if (failed > 0) {
       // The run's outcome: printed whatever --log-level says, with the first failure.
-      std::string first;
-      for (const auto* r : by_prompt) {
-        if (r != nullptr && !r->ok()) {
-          first = kw::StatusText(r->status());
-          break;
-        }
-      }
       std::fprintf(stderr, "kvpool-worker: prefill: %d of %zu prompt(s) failed (first: %s)\n",
-                   failed, prompts.size(), first.c_str());
+                   failed, prompts.size(), first_failure.c_str());
       return kvpool::cli::kExitRuntime;
     }
     return kvpool::cli::kExitOk;
@@ -672,7 +748,10 @@ int main(int argc, char** argv) {
   uint64_t moved = 0, bf16_equiv = 0, stored = 0, loaded_tokens = 0, hit_tokens = 0;
   int hits = 0, wanted = 0, fallbacks = 0;
   double fetch = 0, compute = 0;
+  size_t served = 0;
+  out["prompts"] = json::array();
   for (auto& p : prompts) {
+    if (StopSignal() != 0) break;  // the request under way finishes; no new one starts
     std::unique_ptr<kw::ReferenceRun> ref;
     if (teacher_force) {
       auto r = kw::RunReference(engine, p.tokens, max_new);
@@ -712,6 +791,10 @@ int main(int argc, char** argv) {
     std::printf("== %s (%d prompt tokens; %d/%d blocks from the pool%s)\n%s\n", p.name.c_str(),
                 r->prompt_tokens, r->loaded_blocks, r->wanted_blocks,
                 r->fallback ? ", FALLBACK: computed locally" : "", Text(engine, r->tokens).c_str());
+    // Each answer as it completes, also into a file or pipe (block-buffered stdout lost every
+    // answer of a SIGTERMed run: newcomer s9 A4).
+    std::fflush(stdout);
+    ++served;
     out["prompts"].push_back(pj);
     moved += r->bytes_moved;
     bf16_equiv += r->bf16_bytes_equivalent;
@@ -738,11 +821,17 @@ int main(int argc, char** argv) {
                     {"fetch_seconds", fetch},
                     {"compute_seconds", compute}};
   if (teacher_force) out["overall"]["teacher_forced"] = TfJson(tf_all);
+  out["prompts_not_run"] = prompts.size() - served;
+  const int stop_signal = StopSignal();
+  NoteInterrupted(out, stop_signal);
   out["seconds"] =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
   if (!metrics_file.empty()) {
     const std::string text = PrometheusCounters({
-        {"kvpool_worker_requests_total", "Requests served by this decode worker.", prompts.size()},
+        {"kvpool_worker_requests_total", "Requests served by this decode worker.", served},
+        {"kvpool_worker_requests_not_run_total",
+         "Requests not started because the worker was stopped by SIGTERM or SIGINT.",
+         prompts.size() - served},
         {"kvpool_worker_pool_fallbacks_total",
          "Requests whose prefix was computed locally because the pool path failed.",
          uint64_t(fallbacks)},
@@ -759,6 +848,10 @@ int main(int argc, char** argv) {
   }
   if (auto s = WriteJson(report, out); !s.ok()) {
     return Fail(s, "--report");
+  }
+  if (stop_signal != 0) {
+    return Interrupted(stop_signal, absl::StrCat("decode: ", served, " of ", prompts.size(),
+                                                 " request(s) served"));
   }
   return kvpool::cli::kExitOk;
 }

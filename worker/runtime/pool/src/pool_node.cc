@@ -246,9 +246,27 @@ absl::StatusOr<PrefillReport> PrefillNode::Run(absl::Span<const int> prompt) {
 }
 
 std::vector<absl::StatusOr<PrefillReport>> PrefillNode::RunAll(
-    absl::Span<const std::vector<int>> prompts) {
+    absl::Span<const std::vector<int>> prompts, const RunAllHooks& hooks) {
   std::vector<absl::StatusOr<PrefillReport>> out(prompts.size(),
                                                  absl::InternalError("prompt not run"));
+  size_t reported = 0;  // out[0, reported) went to hooks.on_done
+  auto report_up_to = [&](size_t end) {
+    for (; reported < end; ++reported) {
+      if (hooks.on_done) hooks.on_done(reported, out[reported]);
+    }
+  };
+  auto stop = [&] { return hooks.stop && hooks.stop(); };
+  // An open put of a stopped run: aborted now, so the pool frees its staging at once instead
+  // of at its put timeout.
+  auto abort = [&](Pending& p, size_t index) {
+    if (auto st = p.put->Abort(); !st.ok()) {
+      KVPOOL_LOG_WARN("prefill: abort of prompt {}'s put after the stop: {}", index,
+                      StatusText(st));
+    }
+    out[index] = absl::CancelledError(
+        "stopped before its commit (the worker was asked to stop): its put was aborted, "
+        "nothing of it stored");
+  };
   std::optional<Pending> in_flight;  // destroying an uncommitted session aborts it
   size_t in_flight_index = 0;
   auto commit = [&] {
@@ -260,17 +278,48 @@ std::vector<absl::StatusOr<PrefillReport>> PrefillNode::RunAll(
       KillPoolAndWait(options_.fault_pool_pid);
     }
   };
-  for (size_t i = 0; i < prompts.size(); ++i) {
+  size_t i = 0;
+  bool stopped = false;
+  for (; i < prompts.size(); ++i) {
+    if (stop()) {
+      stopped = true;
+      break;
+    }
     absl::StatusOr<Pending> next = ComputeAndWrite(prompts[i]);
-    if (in_flight.has_value()) commit();
+    if (stop()) {
+      stopped = true;
+      if (next.ok()) {
+        abort(*next, i);
+      } else {
+        out[i] = next.status();
+      }
+      ++i;  // prompt i has its outcome
+      break;
+    }
+    if (in_flight.has_value()) {
+      commit();
+      report_up_to(in_flight_index + 1);
+    }
     if (!next.ok()) {
       out[i] = next.status();
+      report_up_to(i + 1);
       continue;
     }
     in_flight.emplace(std::move(next).value());
     in_flight_index = i;
   }
-  if (in_flight.has_value()) commit();
+  if (in_flight.has_value()) {
+    if (stopped) {
+      abort(*in_flight, in_flight_index);
+      in_flight.reset();
+    } else {
+      commit();
+    }
+  }
+  for (size_t k = i; k < prompts.size(); ++k) {
+    out[k] = absl::CancelledError("not run (the worker was asked to stop)");
+  }
+  report_up_to(prompts.size());
   return out;
 }
 

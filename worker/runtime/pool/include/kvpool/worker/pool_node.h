@@ -27,6 +27,7 @@
 #pragma once
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -121,7 +122,22 @@ class PrefillNode {
   // it) is put again from its recorded K/V once the pool answers (PrefillReport::reput; at most
   // once per prompt), and each later prompt waits for it as Run does, so a pool restarted within
   // reconnect_wait receives all of them.
-  std::vector<absl::StatusOr<PrefillReport>> RunAll(absl::Span<const std::vector<int>> prompts);
+  //
+  // `hooks` (both optional): on_done(i, outcome) is called as soon as prompt i's outcome is
+  // known, in prompt order, on the calling thread (a prompt commits while the next one is
+  // computed, so prompt i is reported once prompt i+1 is written, the last one at the end).
+  // stop() is asked before each prompt is computed and after it is written; once it answers
+  // true no further prompt is computed, the puts still open (the prompt just written and the
+  // one in flight) are aborted (PutSession::Abort: the pool frees their staging at once) and
+  // their outcome is CANCELLED "stopped before its commit ...", and every prompt not started is
+  // CANCELLED "not run ...". stop() must be cheap and callable from this thread (e.g. reading a
+  // flag a signal handler sets).
+  struct RunAllHooks {
+    std::function<void(size_t, const absl::StatusOr<PrefillReport>&)> on_done;
+    std::function<bool()> stop;
+  };
+  std::vector<absl::StatusOr<PrefillReport>> RunAll(absl::Span<const std::vector<int>> prompts,
+                                                    const RunAllHooks& hooks = {});
 
   // Outages after which a BeginPut reached the pool again (the client re-registered the model).
   int pool_reconnects() const { return pool_reconnects_; }
