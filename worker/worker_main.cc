@@ -253,7 +253,7 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--fault-pool-pid", fault_pool_pid,
                  "pid of the pool for kill-pool-mid-fetch, stop-pool-after-register and "
-                 "kill-pool-after-first-commit");
+                 "kill-pool-after-first-commit (must be a kvpool-server process)");
   // An output that is one of the inputs (or the other output) would replace it (newcomer s7 F7).
   kvpool::cli::RefuseSameFiles(&app, {{report_opt}, {metrics_opt}},
                                {{model_opt}, {rotations_opt}, {prompts_opt}});
@@ -274,6 +274,21 @@ int main(int argc, char** argv) {
     std::fprintf(stderr,
                  "kvpool-worker: --fault-pool-pid: %s needs the pool's pid (a positive integer)\n",
                  fault.c_str());
+    return kvpool::cli::kExitUsage;
+  }
+  // The hooks SIGKILL/SIGSTOP that pid: only a kvpool-server's (a typo SIGKILLed an unrelated
+  // `sleep`: newcomer s9 A8).
+  if (fault_pool_pid > 0 && *fault_or != kw::Fault::kNone &&
+      *fault_or != kw::Fault::kPrefillExitMidPush &&
+      !kvpool::ProcessRuns(fault_pool_pid, "kvpool-server")) {
+    const std::optional<std::string> comm = kvpool::ProcessComm(fault_pool_pid);
+    const std::string is = comm.has_value()
+                               ? absl::StrCat("is '", *comm, "' (/proc/", fault_pool_pid, "/comm)")
+                               : std::string("is no process of this host");
+    std::fprintf(stderr,
+                 "kvpool-worker: --fault-pool-pid: %d %s, not kvpool-server: %s signals only a "
+                 "kvpool-server\n",
+                 fault_pool_pid, is.c_str(), fault.c_str());
     return kvpool::cli::kExitUsage;
   }
   // Each role is checked on the flags it uses only: eval compares --eval-windows and ignores

@@ -46,6 +46,24 @@ std::optional<char> ProcessState(int pid) {
   return ProcStatState(FirstLine("/proc/" + std::to_string(pid) + "/stat"));
 }
 
+std::optional<std::string> ProcessComm(int pid) {
+  if (pid <= 0) return std::nullopt;
+  std::ifstream in("/proc/" + std::to_string(pid) + "/comm");
+  std::string line;
+  if (!in || !std::getline(in, line)) return std::nullopt;
+  return line;
+}
+
+bool ProcessRuns(int pid, std::string_view name) {
+  const std::optional<std::string> comm = ProcessComm(pid);
+  if (!comm.has_value()) return false;
+  if (*comm == name) return true;
+  std::error_code ec;
+  const std::filesystem::path exe =
+      std::filesystem::read_symlink("/proc/" + std::to_string(pid) + "/exe", ec);
+  return !ec && exe.filename() == name;
+}
+
 bool AllThreadsStopped(int pid) {
   std::error_code ec;
   int threads = 0;

@@ -26,6 +26,26 @@ TEST(ProcStatStateTest, TheLetterAfterTheLastParenthesis) {
   EXPECT_EQ(ProcStatState("9 sh S 1"), std::nullopt);    // no parenthesis
 }
 
+TEST(ProcessCommTest, NamesThisProcessAndRefusesOthers) {
+  const std::optional<std::string> comm = ProcessComm(::getpid());
+  ASSERT_TRUE(comm.has_value());
+  EXPECT_FALSE(comm->empty());
+  EXPECT_EQ(comm->find('\n'), std::string::npos);
+  EXPECT_TRUE(ProcessRuns(::getpid(), *comm));
+  EXPECT_FALSE(ProcessRuns(::getpid(), "kvpool-server"));  // this is the test binary
+  EXPECT_EQ(ProcessComm(0), std::nullopt);
+  EXPECT_EQ(ProcessComm(-1), std::nullopt);
+  EXPECT_FALSE(ProcessRuns(0, *comm));
+  // A reaped child is no process.
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) ::_exit(0);
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  EXPECT_EQ(ProcessComm(child), std::nullopt);
+  EXPECT_FALSE(ProcessRuns(child, *comm));
+}
+
 TEST(ProcessStateTest, ThisProcessRunsAndAReapedOneIsGone) {
   EXPECT_EQ(ProcessState(::getpid()), 'R');  // reading its own stat, it is running
   EXPECT_FALSE(AllThreadsStopped(::getpid()));

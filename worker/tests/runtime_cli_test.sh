@@ -79,6 +79,16 @@ expect 1 "kill-pool-mid-fetch without --fault-pool-pid" -- "${worker}" --role de
 expect_err "kvpool-worker: --fault-pool-pid: " "the message names --fault-pool-pid"
 expect 1 "kill-pool-after-first-commit without --fault-pool-pid" -- "${worker}" --role prefill --fault kill-pool-after-first-commit "${base[@]}" "${prompt[@]}"
 expect_err "kvpool-worker: --fault-pool-pid: kill-pool-after-first-commit needs the pool's pid" "the message names --fault-pool-pid"
+# The pool faults signal only a kvpool-server (an unrelated sleep was SIGKILLed: newcomer s9 A8).
+sleep 300 &
+sleeper=$!
+expect 1 "--fault-pool-pid of a process that is not kvpool-server" -- "${worker}" --role decode --pool 127.0.0.1:1 --fault kill-pool-mid-fetch --fault-pool-pid "${sleeper}" "${base[@]}" "${prompt[@]}"
+expect_err "kvpool-worker: --fault-pool-pid: ${sleeper} is 'sleep' (/proc/${sleeper}/comm), not kvpool-server: kill-pool-mid-fetch signals only a kvpool-server" "the message names the flag and the process"
+expect 1 "stop-pool-after-register with a pid that is not kvpool-server" -- "${worker}" --role decode --pool 127.0.0.1:1 --fault stop-pool-after-register --fault-pool-pid "${sleeper}" "${base[@]}" "${prompt[@]}"
+[[ "$(cut -d' ' -f3 "/proc/${sleeper}/stat" 2>/dev/null)" == S ]] || { echo "FAIL: the sleep was signalled" >&2; failures=$((failures + 1)); }
+kill "${sleeper}"; wait "${sleeper}" 2>/dev/null
+expect 1 "--fault-pool-pid of no process" -- "${worker}" --role prefill --fault kill-pool-after-first-commit --fault-pool-pid "${sleeper}" "${base[@]}" "${prompt[@]}"
+expect_err "kvpool-worker: --fault-pool-pid: ${sleeper} is no process of this host, not kvpool-server" "the message says there is no such process"
 # A repeated pair wrote its key twice into one JSON object (newcomer s7 F8).
 expect 1 "a repeated --eval-windows pair" -- "${worker}" --role eval --eval-windows 64:256,16:16,64:256 "${base[@]}" "${prompt[@]}" --report "${work}/dupw.json"
 expect_err "kvpool-worker: --eval-windows: 64:256 is given twice ('64:256,16:16,64:256'); give each S:W pair once" "the message names the pair"

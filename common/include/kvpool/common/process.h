@@ -11,6 +11,7 @@
 
 #include <chrono>
 #include <optional>
+#include <string>
 #include <string_view>
 
 namespace kvpool {
@@ -28,6 +29,17 @@ std::optional<char> ProcessState(int pid);
 // Whether every thread of process `pid` is stopped ('T' or 't' in /proc/PID/task/TID/stat):
 // false when one is not, or the process is gone or cannot be read.
 bool AllThreadsStopped(int pid);
+
+// The command name of process `pid`: /proc/PID/comm without its newline (the executable's
+// file name, cut by the kernel to 15 bytes; a thread may rename itself) — else, when comm
+// cannot be read, nullopt (no such process, `pid` <= 0).
+std::optional<std::string> ProcessComm(int pid);
+
+// Whether process `pid` runs the program named `name` (<= 15 bytes, e.g. "kvpool-server"):
+// its /proc/PID/comm equals `name`, or the file name of its /proc/PID/exe link does (readable
+// for a process of the same user). False when it does not exist. The worker's fault hooks check
+// their --fault-pool-pid with it before signalling (a typo killed an unrelated process).
+bool ProcessRuns(int pid, std::string_view name);
 
 // Sends SIGSTOP to `pid` and waits, up to `timeout`, until AllThreadsStopped. True when they all
 // are by then; false when the signal cannot be sent (no such process, no permission; `pid` <= 0,
