@@ -633,6 +633,36 @@ std::string OptionValueError(const CLI::App& app, const YamlConfig* config, cons
   return name + ": " + why;
 }
 
+// For an ExtrasError: a flag of `app` itself given after its subcommand ("prog generate ...
+// --log-level off"), which CLI11 reports as "The following arguments were not expected: off
+// --log-level" (value first). Names the flag and where it goes; "" when no such flag is found.
+std::string MisplacedTopLevelFlag(const CLI::App& app, int argc, char** argv) {
+  const std::vector<CLI::App*> subs = app.get_subcommands();
+  if (subs.empty()) return {};
+  std::vector<const CLI::App*> chain{subs.front()};  // the parsed subcommands, outermost first
+  while (!chain.back()->get_subcommands().empty()) {
+    chain.push_back(chain.back()->get_subcommands().front());
+  }
+  int at = 1;
+  while (at < argc && chain.front()->get_name() != argv[at]) ++at;
+  for (int i = at + 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    const std::string flag = arg.substr(0, arg.find('='));
+    if (flag.rfind("--", 0) != 0 || flag.size() <= 2) continue;
+    const CLI::Option* top = app.get_option_no_throw(flag);
+    if (top == nullptr) continue;
+    bool in_sub = false;
+    for (const CLI::App* sub : chain) in_sub = in_sub || sub->get_option_no_throw(flag) != nullptr;
+    if (in_sub) continue;
+    std::string path;
+    for (const CLI::App* sub : chain) path += " " + sub->get_name();
+    return flag + " is a flag of " + app.get_name() + " itself, not of the subcommand '" +
+           chain.back()->get_name() + "': give it before the subcommand (" + app.get_name() + " " +
+           flag + (top->get_expected_min() > 0 ? " VALUE" : "") + path + " ...)";
+  }
+  return {};
+}
+
 }  // namespace
 
 int Parse(CLI::App& app, int argc, char** argv) {
@@ -680,6 +710,12 @@ int Parse(CLI::App& app, int argc, char** argv) {
     const auto* config = dynamic_cast<const YamlConfig*>(app.get_config_formatter().get());
     std::string what = OptionValueError(app, config, e.what(), argc, argv);
     if (what.empty()) what = e.what();
+    std::cerr << app.get_name() << ": " << what << "\n";
+    std::cerr << "Run with --help for more information.\n";
+    return kExitUsage;
+  } catch (const CLI::ExtrasError& e) {
+    std::string what = MisplacedTopLevelFlag(app, argc, argv);
+    if (what.empty()) what = WithConfigNamed(app, e.what());
     std::cerr << app.get_name() << ": " << what << "\n";
     std::cerr << "Run with --help for more information.\n";
     return kExitUsage;

@@ -90,6 +90,46 @@ struct SubcommandApp {
   }
 };
 
+// A top-level flag after the subcommand is named with where it goes (CLI11 said only "The
+// following arguments were not expected: off --log-level": newcomer s9 A1).
+TEST(CliParseTest, TopLevelFlagAfterTheSubcommandSaysWhereItGoes) {
+  for (const std::vector<std::string>& args :
+       {std::vector<std::string>{"generate", "--model", "m", "--log-level", "off"},
+        std::vector<std::string>{"generate", "--log-level=off", "--model", "m"}}) {
+    SubcommandApp s;
+    auto [rc, err] = RunParse(s.app, args);
+    EXPECT_EQ(rc, kExitUsage);
+    EXPECT_NE(err.find("prog: --log-level is a flag of prog itself, not of the subcommand "
+                       "'generate': give it before the subcommand (prog --log-level VALUE "
+                       "generate ...)"),
+              std::string::npos)
+        << err;
+  }
+  {
+    SubcommandApp s;  // two deep
+    auto [rc, err] = RunParse(s.app, {"rotations", "inspect", "--file", "f", "--log-level", "off"});
+    EXPECT_EQ(rc, kExitUsage);
+    EXPECT_NE(err.find("not of the subcommand 'inspect': give it before the subcommand (prog "
+                       "--log-level VALUE rotations inspect ...)"),
+              std::string::npos)
+        << err;
+  }
+  {
+    SubcommandApp s;  // before the subcommand it is read
+    auto [rc, err] = RunParse(s.app, {"--log-level", "off", "generate", "--model", "m"});
+    EXPECT_EQ(rc, -1) << err;
+    EXPECT_EQ(s.model, "m");
+    RunParse(s.app, {"--log-level", "info", "generate"});
+  }
+  {
+    SubcommandApp s;  // other extras keep CLI11's message
+    auto [rc, err] = RunParse(s.app, {"generate", "stray"});
+    EXPECT_EQ(rc, kExitUsage);
+    EXPECT_NE(err.find("stray"), std::string::npos) << err;
+    EXPECT_EQ(err.find("is a flag of"), std::string::npos) << err;
+  }
+}
+
 TEST(CliConfigTest, FlatKeysSetFlagsAndCommandLineWins) {
   FlatApp f;
   const std::string path = WriteYaml("flat", "metrics-port: -1\nlisten: 127.0.0.1:1234\n");

@@ -33,6 +33,8 @@ head -c 5000 "$MODEL" >"$TMP/truncated.gguf"
 long_prompt="$(printf 'elephant %.0s' $(seq 1 600))"
 
 expect missing-file 2 "/nonexistent/model.gguf" -- generate --model /nonexistent/model.gguf
+# A top-level flag after the subcommand says where it goes (newcomer s9 A1).
+expect log-level-after-subcommand 1 "kvpool-engine: --log-level is a flag of kvpool-engine itself, not of the subcommand 'generate': give it before the subcommand (kvpool-engine --log-level VALUE generate ...)" -- generate --model "$MODEL" --max-tokens 5 --log-level off
 # --model must be a regular file up to 64 GiB (docs/TOOLS.md "Input files"): a FIFO used to block
 # in open(), a directory or device is refused before reading.
 mkfifo "$TMP/fifo"
