@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <vector>
 
 namespace kvpool {
@@ -40,6 +41,14 @@ std::string HumanByteCount(uint64_t n) {
   return buf;
 }
 
+std::string RelativePathNote(const std::string& path) {
+  if (path.empty() || path.front() == '/') return {};
+  std::error_code ec;
+  const std::filesystem::path cwd = std::filesystem::current_path(ec);
+  if (ec) return {};
+  return " (relative to the current directory " + cwd.string() + ")";
+}
+
 absl::StatusOr<std::string> ReadBoundedRegularFile(const std::string& path, uint64_t max_bytes,
                                                    FileReadInfo* info, bool exact_size) {
   FileReadInfo local;
@@ -50,7 +59,8 @@ absl::StatusOr<std::string> ReadBoundedRegularFile(const std::string& path, uint
   if (fd < 0) {
     out.stage = FileReadInfo::Stage::kOpen;
     out.error = errno;
-    return absl::NotFoundError("cannot open " + quoted + ": " + std::strerror(out.error));
+    return absl::NotFoundError("cannot open " + quoted + ": " + std::strerror(out.error) +
+                               RelativePathNote(path));
   }
   struct FdCloser {
     int fd;

@@ -18,6 +18,7 @@
 #include <yaml-cpp/yaml.h>
 
 #include "kvpool/common/atomic_file.h"
+#include "kvpool/common/bounded_file.h"
 #include "kvpool/common/host_port.h"
 #include "kvpool/common/log.h"
 #include "kvpool/common/version.h"
@@ -622,6 +623,13 @@ std::string OptionValueError(const CLI::App& app, const YamlConfig* config, cons
     why = what.substr(colon + 2);
   } else {
     return {};
+  }
+  // CLI11's ExistingDirectory/ExistingFile ("Directory does not exist: rots"): say which
+  // directory a relative path was taken from (a config file's directory is not: newcomer s9 A12).
+  if (const CLI::Option* op = FindByName(app, name);
+      op != nullptr && !op->results().empty() &&
+      why.find("does not exist: " + op->results().back()) != std::string::npos) {
+    why += RelativePathNote(op->results().back());
   }
   if (config != nullptr) {
     for (const auto& origin : config->origins()) {

@@ -19,6 +19,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "kvpool/common/bounded_file.h"
 #include "kvpool/common/status.h"
 
 namespace kvpool {
@@ -367,7 +368,9 @@ absl::StatusOr<std::unique_ptr<GgufFile>> GgufFile::Open(const std::string& path
                                                          const GgufLimits& limits) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) {
-    return absl::NotFoundError(absl::StrCat(path, ": cannot open: ", std::strerror(errno)));
+    const int err = errno;
+    return absl::NotFoundError(
+        absl::StrCat(path, ": cannot open: ", std::strerror(err), RelativePathNote(path)));
   }
   struct stat st;
   if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {

@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kvpool/common/atomic_file.h"
+#include "kvpool/common/bounded_file.h"
 
 namespace kvpool {
 namespace {
@@ -170,7 +171,9 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Parse(std::str
 absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::ReadFile(
     const std::string& path) {
   std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat("cannot open '", path, "'"));
+  if (!in) {
+    return absl::NotFoundError(absl::StrCat("cannot open '", path, "'", RelativePathNote(path)));
+  }
   std::ostringstream ss;
   ss << in.rdbuf();
   if (in.bad()) return absl::DataLossError(absl::StrCat("error reading '", path, "'"));

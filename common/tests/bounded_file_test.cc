@@ -19,6 +19,26 @@ std::string WriteFile(const std::string& name, const std::string& bytes) {
   return path;
 }
 
+// A relative path that cannot be opened names the directory it was taken from (a --config
+// file's directory is not: newcomer s9 A12); an absolute one needs no note.
+TEST(BoundedFileTest, AMissingRelativePathNamesTheCurrentDirectory) {
+  char cwd[4096];
+  ASSERT_NE(::getcwd(cwd, sizeof(cwd)), nullptr);
+  const std::string note = std::string(" (relative to the current directory ") + cwd + ")";
+  EXPECT_EQ(RelativePathNote("no/such/file.txt"), note);
+  EXPECT_EQ(RelativePathNote("../x"), note);
+  EXPECT_EQ(RelativePathNote("/abs/x"), "");
+  EXPECT_EQ(RelativePathNote(""), "");
+  auto rel = ReadBoundedRegularFile("kvpool-no-such-dir/f.txt", 100);
+  ASSERT_FALSE(rel.ok());
+  EXPECT_EQ(rel.status().message(),
+            "cannot open 'kvpool-no-such-dir/f.txt': No such file or directory" + note);
+  auto abs = ReadBoundedRegularFile("/kvpool-no-such-dir/f.txt", 100);
+  ASSERT_FALSE(abs.ok());
+  EXPECT_EQ(abs.status().message(),
+            "cannot open '/kvpool-no-such-dir/f.txt': No such file or directory");
+}
+
 TEST(BoundedFileTest, ReadsRegularFilesWholeUpToTheLimit) {
   const std::string path = WriteFile("kvpool_bounded_ok.bin", std::string("ab\0cd", 5));
   FileReadInfo info;

@@ -130,6 +130,23 @@ TEST(CliParseTest, TopLevelFlagAfterTheSubcommandSaysWhereItGoes) {
   }
 }
 
+// A missing relative directory from a config file says it was taken from the current
+// directory, not the file's (newcomer s9 A12).
+TEST(CliConfigTest, AMissingRelativeDirectoryNamesTheCurrentDirectory) {
+  CLI::App app{"test"};
+  kvpool::cli::Setup(app, "prog");
+  std::string dir;
+  app.add_option("--rotation-dir", dir, "dir")->check(CLI::ExistingDirectory);
+  const std::string path = WriteYaml("reldir", "rotation-dir: kvpool-no-such-rots\n");
+  auto [rc, err] = RunParse(app, {"--config", path});
+  EXPECT_EQ(rc, kExitUsage);
+  EXPECT_NE(err.find("key \"rotation-dir\": --rotation-dir: Directory does not exist: "
+                     "kvpool-no-such-rots (relative to the current directory " +
+                     std::filesystem::current_path().string() + ")"),
+            std::string::npos)
+      << err;
+}
+
 TEST(CliConfigTest, FlatKeysSetFlagsAndCommandLineWins) {
   FlatApp f;
   const std::string path = WriteYaml("flat", "metrics-port: -1\nlisten: 127.0.0.1:1234\n");

@@ -113,6 +113,12 @@ expect_err "kvpool-worker: --report: '${work}/model-copy.gguf' is the same file 
 cmp -s "${model}" "${work}/model-copy.gguf" || { echo "FAIL: the --model copy was replaced" >&2; failures=$((failures + 1)); }
 expect 1 "--report and --metrics-file one file" -- "${worker}" --role decode --pool 127.0.0.1:1 "${base[@]}" "${prompt[@]}" --report "${work}/same.out" --metrics-file "${work}/./same.out"
 expect_err "kvpool-worker: --metrics-file: '${work}/./same.out' is the same file as --report '${work}/same.out'; one would overwrite the other" "two outputs on one file are refused"
+# Relative paths in a --config file are taken from the current directory, and a missing one
+# says so (newcomer s9 A12).
+mkdir -p "${work}/cfgdir"
+printf 'role: eval\nmodel: ../kvpool-no-such-model.gguf\nrotations: %s\nprompt-file: %s\n' "${work}/rot.safetensors" "${demo}/prompts/01_kite.txt" >"${work}/cfgdir/rel.yaml"
+expect 2 "a relative --model in a --config file that is not there" -- bash -c "cd '${work}' && '${worker}' --config cfgdir/rel.yaml"
+expect_err "kvpool-worker: model: NOT_FOUND: ../kvpool-no-such-model.gguf: cannot open: No such file or directory (relative to the current directory ${work})" "the message names the directory the path was taken from"
 printf 'max-new-tokens: 1\n' >"${work}/w.yaml"
 expect 1 "--report is the --config file" -- "${worker}" --config "${work}/w.yaml" --role eval "${model_flags[@]}" "${prompt[@]}" --report "${work}/w.yaml"
 expect_err "kvpool-worker: --report: '${work}/w.yaml' is the same file as --config '${work}/w.yaml'" "the config file is refused as an output"

@@ -58,13 +58,20 @@ struct FileReadInfo {
 // and one that shrank meanwhile fails (kShrank). `info` (optional) receives where it stopped;
 // `info->size` is fstat's size.
 // Errors (messages name the path in single quotes; callers that must not echo it use `info`):
-//   NOT_FOUND "cannot open 'P': <errno text>"; INTERNAL "cannot stat 'P': ..." or
-//   "cannot read 'P': ..."; INVALID_ARGUMENT "'P' is a FIFO, not a regular file",
+//   NOT_FOUND "cannot open 'P': <errno text>" (+ RelativePathNote(P)); INTERNAL "cannot stat 'P':
+//   ..." or "cannot read 'P': ..."; INVALID_ARGUMENT "'P' is a FIFO, not a regular file",
 //   "'P' is 70.0 GiB (N bytes), above the limit of 64 GiB", "'P' grew above the limit of 64 MiB
 //   while being read", "'P' changed size while being read". Thread-safe.
 absl::StatusOr<std::string> ReadBoundedRegularFile(const std::string& path, uint64_t max_bytes,
                                                    FileReadInfo* info = nullptr,
                                                    bool exact_size = false);
+
+// For a message about a file that cannot be opened: " (relative to the current directory
+// DIR)" when `path` is relative, "" when it is absolute. A relative path — on the command line
+// or in a --config file — is taken from the current directory, not from the config file's
+// (docs/TOOLS.md "Input files"); the note says which directory that was. Reads the current
+// directory (std::filesystem::current_path); "" when it cannot. Thread-safe.
+std::string RelativePathNote(const std::string& path);
 
 // "70.0 GiB", "64 MiB", "512 bytes": a byte count for messages. Thread-safe.
 std::string HumanByteCount(uint64_t bytes);
