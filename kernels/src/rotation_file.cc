@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "kvpool/common/atomic_file.h"
+#include "kvpool/common/bounded_file.h"
 #include "kvpool/common/keys.h"
 #include "kvpool/common/safetensors.h"
 #include "kvpool/common/status.h"
@@ -254,7 +255,10 @@ absl::StatusOr<RotationSet> ParseRotations(const std::string& bytes) {
 
 absl::StatusOr<RotationSet> ReadRotationFile(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat("cannot open rotation file '", path, "'"));
+  if (!in) {
+    return absl::NotFoundError(
+        absl::StrCat("cannot open rotation file '", path, "'", RelativePathNote(path)));
+  }
   std::ostringstream ss;
   ss << in.rdbuf();
   auto r = ParseRotations(ss.str());

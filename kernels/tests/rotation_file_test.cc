@@ -181,3 +181,23 @@ TEST(RotationFileWriteTest, WritesAtomicallyThroughALinkAndSetsTheIdOnlyOnSucces
 
 }  // namespace
 }  // namespace kvpool
+
+namespace kvpool {
+namespace {
+
+// A rotation file that cannot be opened: NOT_FOUND naming it, and for a relative path the
+// directory it was taken from (newcomer s9 A12); an absolute path gets no such note.
+TEST(RotationFileReadTest, MissingFileNamesItAndItsDirectory) {
+  const absl::Status rel = ReadRotationFile("no_such_dir_s9/rot.safetensors").status();
+  EXPECT_EQ(rel.code(), absl::StatusCode::kNotFound);
+  EXPECT_NE(rel.message().find("cannot open rotation file 'no_such_dir_s9/rot.safetensors' "
+                               "(relative to the current directory /"),
+            std::string::npos)
+      << rel;
+  const absl::Status abs = ReadRotationFile("/no_such_dir_s9/rot.safetensors").status();
+  EXPECT_EQ(abs.code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(abs.message().find("relative to"), std::string::npos) << abs;
+}
+
+}  // namespace
+}  // namespace kvpool

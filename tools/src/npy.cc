@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "kvpool/common/bounded_file.h"
 
 namespace kvpool::tools {
 namespace {
@@ -101,7 +102,8 @@ absl::StatusOr<NpyArray> ParseNpyF32(const std::string& b) {
 
 absl::StatusOr<NpyArray> ReadNpyF32(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat("cannot open '", path, "'"));
+  if (!in)
+    return absl::NotFoundError(absl::StrCat("cannot open '", path, "'", RelativePathNote(path)));
   std::ostringstream ss;
   ss << in.rdbuf();
   auto r = ParseNpyF32(ss.str());

@@ -30,6 +30,8 @@ struct NpyArray {
 
 // Parses .npy bytes.
 absl::StatusOr<NpyArray> ParseNpyF32(const std::string& bytes);
+// Reads `path` and parses it. NOT_FOUND "cannot open 'P'" when it cannot be opened, plus
+// RelativePathNote(P) (" (relative to the current directory DIR)") for a relative path.
 absl::StatusOr<NpyArray> ReadNpyF32(const std::string& path);
 
 // The .npy (version 1.0) bytes of a float32 C-order array. INVALID_ARGUMENT when

@@ -59,6 +59,14 @@ TEST(NpyTest, RejectsBadFiles) {
   v9[6] = 9;
   expect(v9, absl::StatusCode::kInvalidArgument, "version");
   EXPECT_EQ(ReadNpyF32("/nonexistent.npy").status().code(), absl::StatusCode::kNotFound);
+  // A relative path names the directory it was taken from (newcomer s9 A12); an absolute one not.
+  const absl::Status rel = ReadNpyF32("no_such_dir_s9/x.npy").status();
+  EXPECT_EQ(rel.code(), absl::StatusCode::kNotFound);
+  EXPECT_NE(rel.message().find("'no_such_dir_s9/x.npy' (relative to the current directory /"),
+            std::string::npos)
+      << rel;
+  EXPECT_EQ(ReadNpyF32("/nonexistent.npy").status().message().find("relative to"),
+            std::string::npos);
 }
 
 }  // namespace

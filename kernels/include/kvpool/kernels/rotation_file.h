@@ -54,7 +54,8 @@ inline constexpr double kRotationOrthogonalityTolerance = 1e-4;
 // 0.0001"); DATA_LOSS for truncated files.
 // The returned set carries rotation_id_hex = SHA-256(bytes).
 absl::StatusOr<RotationSet> ParseRotations(const std::string& bytes);
-// Reads `path` (NOT_FOUND when missing) and parses it.
+// Reads `path` and parses it. NOT_FOUND "cannot open rotation file 'P'" when it cannot be opened,
+// plus RelativePathNote(P) (" (relative to the current directory DIR)") for a relative path.
 absl::StatusOr<RotationSet> ReadRotationFile(const std::string& path);
 
 // Lower-case hex SHA-256 of `bytes`.
