@@ -324,6 +324,14 @@ std::vector<LayerPiece> LayerPieces(const BlockGeometry& g, uint32_t layer) {
   return pieces;
 }
 
+// LayerPieces of every layer of `g`, index = layer (shared, immutable once built).
+std::shared_ptr<const std::vector<std::vector<LayerPiece>>> AllLayerPieces(const BlockGeometry& g) {
+  auto all = std::make_shared<std::vector<std::vector<LayerPiece>>>();
+  all->reserve(g.num_layers);
+  for (uint32_t l = 0; l < g.num_layers; ++l) all->push_back(LayerPieces(g, l));
+  return all;
+}
+
 // INVALID_ARGUMENT naming the first non-finite token of block `block` of layer `layer` (element
 // by element, in token order; the rare path after the fused scan flagged the block), or
 // INTERNAL when none is found.
@@ -535,6 +543,17 @@ class PutSessionImpl final : public PutSession {
   };
   // Sets up the task layout (first asynchronous layer of the put).
   absl::Status InitAsync();
+  // LayerPieces of every layer of the put's geometry: the registration's
+  // (ConnSnapshot::layer_pieces), else built on first use. Caller's thread only.
+  const std::vector<std::vector<LayerPiece>>& Pieces() {
+    if (pieces_owner_ == nullptr) {
+      pieces_owner_ = conn_.layer_pieces;
+      if (pieces_owner_ == nullptr || pieces_owner_->size() != conn_.geometry.num_layers) {
+        pieces_owner_ = AllLayerPieces(conn_.geometry);
+      }
+    }
+    return *pieces_owner_;
+  }
   void RunAsyncTask(size_t t);
   // Joins every asynchronous layer: waits for (and helps with) their tasks, streams the pieces
   // of checksum chunks that straddle layers into the blocks' checksums in layer order, turns a
@@ -637,7 +656,7 @@ class PutSessionImpl final : public PutSession {
   // them (release) and not changed while they may run.
   std::unique_ptr<AsyncLayers> async_;  // null until the first WriteLayerAsync
   bool async_per_block_ = false;        // a task = one block's layer slice
-  // per layer: LayerPieces (ConnSnapshot::layer_pieces, or built by InitAsync)
+  // per layer: LayerPieces (Pieces(); pieces_ is its data() once InitAsync ran)
   std::shared_ptr<const std::vector<std::vector<LayerPiece>>> pieces_owner_;
   const std::vector<LayerPiece>* pieces_ = nullptr;
   std::vector<size_t> async_first_;                      // per layer + 1: first task index
@@ -1097,13 +1116,7 @@ class ClientImpl final : public Client {
         worker_address_ = resp.ucx_worker_address();
       }
       spec_ = spec;
-      {
-        auto pieces = std::make_shared<std::vector<std::vector<LayerPiece>>>();
-        for (uint32_t l = 0; l < info.geometry.num_layers; ++l) {
-          pieces->push_back(LayerPieces(info.geometry, l));
-        }
-        layer_pieces_ = std::move(pieces);
-      }
+      layer_pieces_ = AllLayerPieces(info.geometry);
       info_ = info;
       stale_ = false;
     }
@@ -2137,7 +2150,7 @@ absl::Status PutSessionImpl::PackLayer(uint32_t layer, const uint16_t* k, const 
   const uint64_t base = uint64_t(layer) * slice;  // the layer's offset in each block's form
   CopyPool& pool = client_->copy_pool();
   const bool parallel = pool.threads() > 1 && blocks * slice >= client_->parallel_put_min_bytes();
-  const std::vector<LayerPiece> pieces = LayerPieces(g, layer);
+  const std::vector<LayerPiece>& pieces = Pieces()[layer];
   const size_t per_block = pieces.size();
   const uint32_t row_bytes = 2 * g.head_dim;
   std::vector<uint8_t> finite(blocks * per_block, 1);
@@ -2367,13 +2380,7 @@ absl::Status PutSessionImpl::InitAsync() {
     KVPOOL_ASSIGN_OR_RETURN(whole_, client_->TakeBuffer(g.Bf16FormBytes() * blocks));
   }
   async_per_block_ = blocks >= size_t(2 * client_->copy_pool().threads());
-  pieces_owner_ = conn_.layer_pieces;
-  if (pieces_owner_ == nullptr || pieces_owner_->size() != L) {
-    auto built = std::make_shared<std::vector<std::vector<LayerPiece>>>();
-    for (uint32_t l = 0; l < L; ++l) built->push_back(LayerPieces(g, l));
-    pieces_owner_ = std::move(built);
-  }
-  pieces_ = pieces_owner_->data();
+  pieces_ = Pieces().data();
   async_first_.assign(L + 1, 0);
   for (uint32_t l = 0; l < L; ++l) {
     async_first_[l + 1] =
