@@ -386,28 +386,7 @@ TEST_P(ClientTest, AsyncLayersAreByteExactAgainstTheCpuEncoder) {
       EXPECT_EQ(r->blocks_written, blocks);
       EXPECT_EQ(r->bytes_written, uint64_t{blocks} * g.Bf16FormBytes());
 
-      auto lease = c->Acquire(s.tokens);
-      ASSERT_TRUE(lease.ok()) << lease.status();
-      ASSERT_EQ(lease->blocks.size(), blocks);
-      auto pools = MakePools(*c, blocks);
-      ASSERT_NE(pools, nullptr);
-      auto f = c->Fetch(*lease, pools->plan);
-      ASSERT_TRUE(f.ok()) << f.status();
-      ASSERT_EQ(f->num_blocks, blocks);
-      for (uint32_t b = 0; b < blocks; ++b) {
-        std::vector<uint8_t> bf16, int2;
-        ASSERT_TRUE(ExpectedForms(s, b, spec, &bf16, &int2));
-        if (f->forms[b] == Form::kInt2) {
-          EXPECT_EQ(0, std::memcmp(pools->int2_mem.data() + f->pages[b] * g.Int2FormBytes(),
-                                   int2.data(), int2.size()))
-              << "block " << b;
-        } else {
-          EXPECT_EQ(0, std::memcmp(pools->bf16_mem.data() + f->pages[b] * g.Bf16FormBytes(),
-                                   bf16.data(), bf16.size()))
-              << "block " << b;
-        }
-      }
-      EXPECT_TRUE(c->Release(*lease).ok());
+      ASSERT_NO_FATAL_FAILURE(FetchAndCompareForms(*c, s, spec, blocks));
     }
   }
 }
@@ -525,7 +504,7 @@ TEST_P(ClientTest, AsyncNonFiniteValuesPoisonThePutNamingLayerAndToken) {
         auto r = (*again)->Commit();
         ASSERT_TRUE(r.ok()) << r.status();
         EXPECT_EQ(r->blocks_written, blocks);
-        FetchAndCompareForms(*c, clean, spec, blocks);
+        ASSERT_NO_FATAL_FAILURE(FetchAndCompareForms(*c, clean, spec, blocks));
       }
     }
   }
