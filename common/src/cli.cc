@@ -492,10 +492,6 @@ std::string WithConfigNamed(const CLI::App& app, std::string what) {
   return what;
 }
 
-}  // namespace
-
-namespace {
-
 // The refusal of a value that is not a boolean word (BooleanWords), for the command line and the
 // --config file alike.
 std::string NotABoolean(const std::string& value) {
