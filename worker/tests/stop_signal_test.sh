@@ -83,6 +83,31 @@ assert int(m["kvpool_worker_pushed_bytes_total"]) == d["overall"]["bytes_written
 print(f"ok: prefill report: {len(stored)} stored, {len(interrupted)} interrupted, metrics agree")
 PY
 
+echo "== prefill: SIGTERM while the pool is stopped (SIGSTOP): no put is said to be aborted"
+aborts0="$(metric kvpool_put_aborts_total)"
+"${worker_bin}" --role prefill "${common[@]}" "${prompts[@]}" --call-timeout-ms 1000 \
+  --report "${work}/prefill_stopped.json" >/dev/null 2>"${work}/prefill_stopped.log" &
+wpid=$!
+wait_for "I prefill " "${work}/prefill_stopped.log" "${wpid}" || fail "no 'I prefill' line before the run ended"
+kill -STOP "${server_pid}"
+kill -TERM "${wpid}"; wait "${wpid}"; rc=$?; wpid=""
+kill -CONT "${server_pid}"
+[[ ${rc} -eq 143 ]] && echo "ok: prefill exit 143 with the pool stopped" || fail "prefill exit ${rc}, want 143"
+aborts1="$(metric kvpool_put_aborts_total)"
+python3 - "${work}" "${aborts0}" "${aborts1}" <<'PY' || fail "prefill report with the pool stopped"
+import json, sys
+w, a0, a1 = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+d = json.load(open(f"{w}/prefill_stopped.json"))
+reasons = [p["interrupt_reason"] for p in d["prompts"] if p.get("interrupted")]
+said_aborted = [r for r in reasons if "its put was aborted" in r]
+said_not = [r for r in reasons if "its AbortPut did not reach the pool" in r]
+# The pool took no AbortPut while stopped: every open put's reason must say so.
+assert a1 == a0, (a0, a1)
+assert not said_aborted, said_aborted
+assert said_not, reasons
+print(f"ok: {len(said_not)} open put(s) reported as not aborted (the pool was stopped), none claimed aborted")
+PY
+
 echo "== decode: SIGTERM after the first answer, stdout into a file"
 "${worker_bin}" --role decode "${common[@]}" "${prompts[@]}" --max-new-tokens 16 \
   --report "${work}/decode.json" --metrics-file "${work}/decode.prom" >"${work}/decode.out" 2>"${work}/decode.log" &

@@ -258,14 +258,21 @@ std::vector<absl::StatusOr<PrefillReport>> PrefillNode::RunAll(
   auto stop = [&] { return hooks.stop && hooks.stop(); };
   // An open put of a stopped run: aborted now, so the pool frees its staging at once instead
   // of at its put timeout.
+  // The outcome says whether the pool took the AbortPut: a pool that does not answer (stopped,
+  // killed) keeps the put's staging until its put timeout (newcomer s9b #1: "aborted" was said
+  // whatever Abort returned).
   auto abort = [&](Pending& p, size_t index) {
-    if (auto st = p.put->Abort(); !st.ok()) {
+    const absl::Status st = p.put->Abort();
+    if (!st.ok()) {
       KVPOOL_LOG_WARN("prefill: abort of prompt {}'s put after the stop: {}", index,
                       StatusText(st));
     }
     out[index] = absl::CancelledError(
-        "stopped before its commit (the worker was asked to stop): its put was aborted, "
-        "nothing of it stored");
+        st.ok() ? std::string("stopped before its commit (the worker was asked to stop): its put "
+                              "was aborted, nothing of it stored")
+                : absl::StrCat("stopped before its commit (the worker was asked to stop): nothing "
+                               "of it stored, but its AbortPut did not reach the pool (",
+                               StatusText(st), "): the pool frees its staging at its put timeout"));
   };
   std::optional<Pending> in_flight;  // destroying an uncommitted session aborts it
   size_t in_flight_index = 0;

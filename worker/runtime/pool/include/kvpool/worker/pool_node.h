@@ -129,9 +129,10 @@ class PrefillNode {
   // stop() is asked before each prompt is computed and after it is written; once it answers
   // true no further prompt is computed, the puts still open (the prompt just written and the
   // one in flight) are aborted (PutSession::Abort: the pool frees their staging at once) and
-  // their outcome is CANCELLED "stopped before its commit ...", and every prompt not started is
-  // CANCELLED "not run ...". stop() must be cheap and callable from this thread (e.g. reading a
-  // flag a signal handler sets).
+  // their outcome is CANCELLED "stopped before its commit ..." (saying whether the pool took
+  // the AbortPut; one that does not answer keeps the staging until its put timeout), and every
+  // prompt not started is CANCELLED "not run ...". stop() must be cheap and callable from this
+  // thread (e.g. reading a flag a signal handler sets).
   struct RunAllHooks {
     std::function<void(size_t, const absl::StatusOr<PrefillReport>&)> on_done;
     std::function<bool()> stop;
