@@ -157,6 +157,38 @@ absl::Status WriteJson(const std::string& path, const json& j) {
   return kvpool::cli::WriteOutputFile(path, j.dump(2) + "\n");
 }
 
+// The --fault hooks that signal the pool's process (--fault-pool-pid).
+bool NeedsPoolPid(kw::Fault f) {
+  return f == kw::Fault::kKillPoolMidFetch || f == kw::Fault::kStopPoolAfterRegister ||
+         f == kw::Fault::kKillPoolAfterFirstCommit;
+}
+
+// 0 when `pid` is the process of the pool `client` reaches (StatsResponse.pool_pid, protocol
+// v1.6); else prints why and returns kExitUsage: the pool does not answer Stats, is older than
+// v1.6 (reports no pid), or reports another pid. The pids compare only on the pool's host, in
+// one pid namespace, as the hooks signal a local process anyway.
+int CheckFaultPoolPid(kvpool::client::Client& client, const std::string& pool,
+                      const std::string& fault, int pid) {
+  absl::StatusOr<kvpool::client::PoolStats> st = client.Stats();
+  std::string why;
+  if (!st.ok()) {
+    why = absl::StrCat("cannot check that it is the pool at ", pool,
+                       " (Stats: ", kw::StatusText(st.status()), ")");
+  } else if (st->pool_pid == 0) {
+    why = absl::StrCat("cannot check that it is the pool at ", pool,
+                       ": that pool reports no pid (a kvpool-server from before protocol v1.6)");
+  } else if (static_cast<int64_t>(st->pool_pid) != pid) {
+    why = absl::StrCat("is not the pool at ", pool, " (that pool's pid is ", st->pool_pid, ")");
+  } else {
+    return 0;
+  }
+  std::fprintf(stderr,
+               "kvpool-worker: --fault-pool-pid: %d %s: %s signals only the pool under test "
+               "(--pool)\n",
+               pid, why.c_str(), fault.c_str());
+  return kvpool::cli::kExitUsage;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -253,7 +285,8 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--fault-pool-pid", fault_pool_pid,
                  "pid of the pool for kill-pool-mid-fetch, stop-pool-after-register and "
-                 "kill-pool-after-first-commit (must be a kvpool-server process)");
+                 "kill-pool-after-first-commit (must be the pid the pool at --pool reports: "
+                 "a kvpool-server on this host)");
   // An output that is one of the inputs (or the other output) would replace it (newcomer s7 F7).
   kvpool::cli::RefuseSameFiles(&app, {{report_opt}, {metrics_opt}},
                                {{model_opt}, {rotations_opt}, {prompts_opt}});
@@ -267,10 +300,7 @@ int main(int argc, char** argv) {
                  std::string(fault_or.status().message()).c_str());
     return kvpool::cli::kExitUsage;
   }
-  if ((*fault_or == kw::Fault::kKillPoolMidFetch ||
-       *fault_or == kw::Fault::kStopPoolAfterRegister ||
-       *fault_or == kw::Fault::kKillPoolAfterFirstCommit) &&
-      fault_pool_pid <= 0) {
+  if (NeedsPoolPid(*fault_or) && fault_pool_pid <= 0) {
     std::fprintf(stderr,
                  "kvpool-worker: --fault-pool-pid: %s needs the pool's pid (a positive integer)\n",
                  fault.c_str());
@@ -278,9 +308,9 @@ int main(int argc, char** argv) {
   }
   // The hooks SIGKILL/SIGSTOP that pid: only a kvpool-server's (a typo SIGKILLed an unrelated
   // `sleep`: newcomer s9 A8).
-  if (fault_pool_pid > 0 && *fault_or != kw::Fault::kNone &&
-      *fault_or != kw::Fault::kPrefillExitMidPush &&
-      !kvpool::ProcessRuns(fault_pool_pid, "kvpool-server")) {
+  // A cheap first check here, before any work; the pool confirms its pid once it is reached
+  // (CheckFaultPoolPid).
+  if (NeedsPoolPid(*fault_or) && !kvpool::ProcessRuns(fault_pool_pid, "kvpool-server")) {
     const std::optional<std::string> comm = kvpool::ProcessComm(fault_pool_pid);
     const std::string is = comm.has_value()
                                ? absl::StrCat("is '", *comm, "' (/proc/", fault_pool_pid, "/comm)")
@@ -567,6 +597,12 @@ int main(int argc, char** argv) {
                 absl::StrCat("local data plane (--ucx-tls '", ucx_tls, "', --pool ", pool, ")"));
   } else {
     client = std::move(c).value();
+    // The pool fault hooks SIGKILL/SIGSTOP --fault-pool-pid: only the pool at --pool (a pid of
+    // another kvpool-server passed the process-name check above and killed that pool, while the
+    // run under test "succeeded": newcomer s9b #2). The pool reports its pid in Stats (v1.6).
+    if (NeedsPoolPid(*fault_or)) {
+      if (int rc = CheckFaultPoolPid(*client, pool, fault, fault_pool_pid); rc != 0) return rc;
+    }
     // No deadline of its own: the client's default_timeout (--call-timeout-ms) bounds it, as
     // its DEADLINE_EXCEEDED message says (a fixed 5 s ignored the flag: newcomer s9 A7).
     auto info =

@@ -1443,6 +1443,7 @@ class ClientImpl final : public Client {
     s.evicted_blocks = resp.evicted_blocks();
     s.demoted_forms = resp.demoted_forms();
     s.pool_epoch = resp.pool_epoch();
+    s.pool_pid = resp.pool_pid();
     return s;
   }
 

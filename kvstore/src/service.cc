@@ -320,6 +320,7 @@ class KvPoolService final : public pb::KvPool::Service {
     resp->set_evicted_blocks(m.evictions_block.load());
     resp->set_demoted_forms(m.evictions_demote.load());
     resp->set_pool_epoch(ctx_.pool_epoch);
+    resp->set_pool_pid(static_cast<uint32_t>(::getpid()));
     return grpc::Status::OK;
   }
 

@@ -568,6 +568,9 @@ struct PoolStats {
   uint64_t evicted_blocks = 0;
   uint64_t demoted_forms = 0;
   uint64_t pool_epoch = 0;
+  // The pool's process id in its own pid namespace (protocol v1.6; 0 from an older pool). For
+  // test harnesses on the pool's host (kvpool-worker --fault-pool-pid).
+  uint32_t pool_pid = 0;
 };
 
 class Client {
