@@ -615,6 +615,58 @@ TEST_P(PoolIntegrationTest, ACommitAgainstAStoppedPoolReturnsAtItsCallTimeout) {
   EXPECT_TRUE(look->num_blocks == 0 || look->num_blocks == 4) << look->num_blocks;
 }
 
+// Newcomer s9b #4: a kvpool-worker stopped (SIGTERM) while a Commit waited for a stopped pool
+// cancels the put's calls (BeginPut's CallOptions::cancel); the cancelled Commit then still
+// waited up to 2 s for the AbortPut the stopped pool did not answer. Now a Commit whose
+// CommitPut is cancelled returns CANCELLED at once and sends the abort in the background. The
+// bound below is slack under the old 2 s wait, not a speed measurement.
+TEST_P(PoolIntegrationTest, ACommitCancelledAgainstAStoppedPoolReturnsAtOnce) {
+  StartServer({"--capacity", "16MiB"});
+  auto c = NewClient();
+  ASSERT_NE(c, nullptr);
+  ASSERT_TRUE(c->RegisterModel(Spec("int2")).ok());
+  Sequence s = MakeSequence(4 * kPage, 92);
+  auto token = std::make_shared<client::CancelToken>();
+  auto begun = c->BeginPut(s.tokens, {.cancel = token});
+  ASSERT_TRUE(begun.ok()) << begun.status();
+  std::unique_ptr<client::PutSession> put = *std::move(begun);
+  put->SetCallTimeout(absl::Seconds(10));
+  for (uint32_t l = 0; l < kLayers; ++l) {
+    ASSERT_TRUE(put->WriteLayer(l, s.ks()[l], s.vs()[l]).ok()) << l;
+  }
+  ASSERT_TRUE(put->Flush().ok());  // every byte is in staging: only the commit is left
+  ASSERT_TRUE(StopProcess(server_->pid()));
+  std::thread canceller([token] {
+    absl::SleepFor(absl::Milliseconds(300));
+    token->Cancel();
+  });
+  const absl::Time start = absl::Now();
+  auto r = put->Commit();
+  const absl::Duration took = absl::Now() - start;
+  canceller.join();
+  ASSERT_EQ(kill(server_->pid(), SIGCONT), 0);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kCancelled) << r.status();
+  EXPECT_THAT(std::string(r.status().message()), HasSubstr("CommitPut"));
+  EXPECT_THAT(std::string(r.status().message()),
+              HasSubstr("may still have committed the put (a Lookup tells)"));
+  EXPECT_THAT(std::string(r.status().message()), HasSubstr("aborted in the background"));
+  EXPECT_GE(took, absl::Milliseconds(250));
+  EXPECT_LT(took, absl::Milliseconds(1500)) << "Commit waited for the abort after the cancel";
+  EXPECT_TRUE(put->Abort().ok());  // finished already: a no-op
+  // The pool, running again, holds all of the put or none of it, and no open put.
+  absl::StatusOr<client::PoolStats> st;
+  for (int i = 0; i < 50; ++i) {
+    st = c->Stats();
+    if (st.ok() && st->open_puts == 0) break;
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+  ASSERT_TRUE(st.ok()) << st.status();
+  EXPECT_EQ(st->open_puts, 0u);
+  auto look = c->Lookup(s.tokens);
+  ASSERT_TRUE(look.ok()) << look.status();
+  EXPECT_TRUE(look->num_blocks == 0 || look->num_blocks == 4) << look->num_blocks;
+}
+
 // Newcomer report s7 F10: Abort (and the session's destructor) against a stopped pool first
 // waited for the put's WritePut calls in flight (each until its own call timeout) and then for
 // the AbortPut: 4.08 s with a 2 s call timeout over tcp, where CLIENT.md says the abort takes at

@@ -2610,8 +2610,24 @@ absl::StatusOr<PutResult> PutSessionImpl::Commit() {
   for (size_t i = 0; i < writes_.size(); ++i)
     sums.emplace_back(writes_[i].index, hashes_[i]->Finish());
   pb::CommitPutResponse resp;
+  const bool cancelled_before = cancel_ != nullptr && cancel_->cancelled();
   absl::Status s = client_->CommitRpc(conn_, put_id_, sums, CallDeadline(), cancel_, &resp);
   if (s.ok()) pulls_unsettled_ = false;  // the pool commits a put only with no pull running
+  if (absl::IsCancelled(s) && cancel_ != nullptr && cancel_->cancelled()) {
+    // Cancelled here (BeginPut's CallOptions::cancel): the caller wants out now, so the abort
+    // goes out as after an unanswered CommitPut, without waiting (a stop during a commit to a
+    // stopped pool waited the abort's 2 s after the cancel: newcomer s9b #4). Every transfer
+    // of the put has finished.
+    finished_ = true;
+    client_->AbortRpcInBackground(conn_, put_id_);
+    return absl::CancelledError(absl::StrCat(
+        s.message(),
+        cancelled_before ? "; the CommitPut was not sent: nothing of the put is stored"
+                         : "; a pool that received the CommitPut before the cancel may still "
+                           "have committed the put (a Lookup tells)",
+        "; the put is aborted in the background (AbortPut, not waited for; the pool drops an "
+        "uncommitted put at its put timeout anyway)"));
+  }
   if (absl::IsDeadlineExceeded(s)) {
     // The pool did not answer within the call timeout (stopped, hung or overloaded), and the
     // message names that timeout: return at it. Every transfer of the put has finished, so the

@@ -382,7 +382,10 @@ class PutSession {
   // (Abort: at most 2 s more), except when CommitPut got no answer within the call timeout:
   // then Commit returns DEADLINE_EXCEEDED at that timeout and the AbortPut is sent without
   // waiting for it (a pool that does not answer the commit would hold the caller another 2 s
-  // for the abort; one that was only slow may still have committed the put).
+  // for the abort; one that was only slow may still have committed the put). The same when the
+  // CommitPut is cancelled (BeginPut's CallOptions::cancel, during the call or before it): Commit
+  // returns CANCELLED at once, saying whether the CommitPut was sent (then the pool may have
+  // committed the put before the cancel), and the AbortPut goes out without waiting.
   // Errors: the put's error when it has one (the class comment: INVALID_ARGUMENT naming the
   // lowest layer holding a NaN/Inf and its first bad token, the same status as Flush, however
   // many layers were written; else the sticky error), else FAILED_PRECONDITION (a layer missing, or
