@@ -40,8 +40,15 @@ void CancelToken::Cancel() {
     if (cancelled_.exchange(true)) return;
     for (auto& [id, fn] : actions_) run.push_back(std::move(fn));
     actions_.clear();
+    running_ = true;
+    runner_ = std::this_thread::get_id();
   }
-  for (auto& fn : run) fn();
+  for (auto& fn : run) fn();  // outside the lock: an action may Add or Remove
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    running_ = false;
+  }
+  done_.notify_all();
 }
 
 uint64_t CancelToken::Add(std::function<void()> on_cancel) {
@@ -57,10 +64,13 @@ uint64_t CancelToken::Add(std::function<void()> on_cancel) {
 }
 
 void CancelToken::Remove(uint64_t id) {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   actions_.erase(std::remove_if(actions_.begin(), actions_.end(),
                                 [id](const auto& a) { return a.first == id; }),
                  actions_.end());
+  // An action Cancel took may be running on another thread: wait for it (not on the thread
+  // that runs it, where an action removing an id would wait for itself).
+  if (runner_ != std::this_thread::get_id()) done_.wait(lock, [this] { return !running_; });
 }
 
 // ---- packing ----

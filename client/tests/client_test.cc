@@ -11,6 +11,7 @@
 
 #include <array>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -1918,6 +1919,32 @@ TEST(ClientRefusal, NoSharedUcxTransportNamesUcxTls) {
   EXPECT_EQ(r.status().code(), absl::StatusCode::kUnavailable) << r.status();
   EXPECT_THAT(r.status().message(), HasSubstr("share no UCX transport"));
   EXPECT_THAT(r.status().message(), HasSubstr("--ucx-tls"));
+}
+
+// Cancel ran the actions it took outside its lock and Remove did not wait for them: a call
+// cancelled by another thread returned and freed its gRPC context while that thread's TryCancel
+// was still inside it ("Mutex unlocked when destroyed", SIGABRT: kvpool-worker stopped during a
+// registration, session 10). Remove now returns only once a running action has.
+TEST(CancelToken, RemoveWaitsForAnActionThatCancelIsRunning) {
+  auto token = std::make_shared<CancelToken>();
+  std::atomic<bool> started{false}, finished{false};
+  const uint64_t id = token->Add([&] {
+    started = true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    finished = true;
+  });
+  ASSERT_NE(id, 0u);
+  std::thread canceller([&] { token->Cancel(); });
+  while (!started) std::this_thread::yield();
+  token->Remove(id);
+  EXPECT_TRUE(finished) << "Remove returned while its action was still running";
+  canceller.join();
+  // An action that removes an id on the cancelling thread does not wait for itself.
+  auto self = std::make_shared<CancelToken>();
+  uint64_t other = self->Add([] {});
+  self->Add([&] { self->Remove(other); });
+  self->Cancel();
+  EXPECT_TRUE(self->cancelled());
 }
 
 TEST(PageTables, MergeConcatenatesRequests) {

@@ -44,12 +44,14 @@
 #pragma once
 
 #include <atomic>
+#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -73,11 +75,18 @@ class CancelToken {
   // Registers a cancel action; runs it at once when already cancelled. Returns an id for
   // Remove.
   uint64_t Add(std::function<void()> on_cancel);
+  // Unregisters action `id`. When Cancel is running the actions on another thread, waits until
+  // they have returned, so that no action touches what the caller frees after Remove (a
+  // cancelled call's gRPC context: its TryCancel ran on after the call had returned and the
+  // context was gone, found by kvpool-worker's stop during a registration, session 10).
   void Remove(uint64_t id);
 
  private:
   std::atomic<bool> cancelled_{false};
   std::mutex mu_;
+  std::condition_variable done_;  // notified when Cancel has run every action
+  bool running_ = false;          // Cancel is running the actions (guarded by mu_)
+  std::thread::id runner_;        // the thread that runs them (guarded by mu_)
   uint64_t next_ = 1;
   std::vector<std::pair<uint64_t, std::function<void()>>> actions_;
 };
