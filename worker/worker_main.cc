@@ -12,9 +12,12 @@
 // Exit codes: 0 ok, 1 usage, 2 runtime error, 128 + signal when SIGTERM (143) or SIGINT (130)
 // stopped the run (its report and metrics written: docs/WORKER.md "Stopping a worker").
 
+#include <fcntl.h>
 #include <signal.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <csignal>
 #include <cstdio>
@@ -22,6 +25,7 @@
 #include <memory>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -99,17 +103,46 @@ int Usage(const std::string& message) {
 // SIGTERM/SIGINT: the handler records the signal; each role stops taking new prompts, aborts
 // its open puts, writes the report and metrics of what completed and exits 128 + the signal
 // (docs/WORKER.md "Stopping a worker"). SA_RESETHAND: a second signal ends the process at once.
+// The handler also wakes the stop watcher (a byte on g_stop_pipe), which cancels the pool calls
+// still unanswered kStopGrace later (a registration or BeginPut waiting for a pool that does
+// not answer held the stop for the whole call timeout: newcomer s9b #3, #4).
 volatile std::sig_atomic_t g_stop_signal = 0;
+int g_stop_pipe[2] = {-1, -1};
 
-extern "C" void OnStopSignal(int sig) { g_stop_signal = sig; }
+// Calls a healthy pool answers within milliseconds (a commit that is under way when the signal
+// comes) are left this long to finish before they are cancelled: a CommitPut cancelled in
+// flight may still commit, so the worker could not tell whether the prompt was stored.
+constexpr std::chrono::milliseconds kStopGrace{250};
 
-void InstallStopHandlers() {
+extern "C" void OnStopSignal(int sig) {
+  const int saved_errno = errno;
+  g_stop_signal = sig;
+  const char b = 1;
+  if (g_stop_pipe[1] >= 0) (void)!::write(g_stop_pipe[1], &b, 1);  // async-signal-safe
+  errno = saved_errno;
+}
+
+// Installs the handlers and starts the stop watcher; returns the token it cancels kStopGrace
+// after the first signal (passed to the pool calls that may wait for an unresponsive pool).
+std::shared_ptr<kvpool::client::CancelToken> InstallStopHandlers() {
+  auto token = std::make_shared<kvpool::client::CancelToken>();
+  if (::pipe2(g_stop_pipe, O_CLOEXEC) == 0) {
+    ::fcntl(g_stop_pipe[1], F_SETFL, O_NONBLOCK);  // the handler never blocks
+    std::thread([token] {
+      char b;
+      while (::read(g_stop_pipe[0], &b, 1) < 0 && errno == EINTR) {
+      }
+      std::this_thread::sleep_for(kStopGrace);
+      token->Cancel();
+    }).detach();
+  }
   struct sigaction sa {};
   sa.sa_handler = OnStopSignal;
   sigemptyset(&sa.sa_mask);
   sa.sa_flags = SA_RESETHAND | SA_RESTART;
   sigaction(SIGTERM, &sa, nullptr);
   sigaction(SIGINT, &sa, nullptr);
+  return token;
 }
 
 // The stop signal received so far; 0 when none.
@@ -168,8 +201,9 @@ bool NeedsPoolPid(kw::Fault f) {
 // v1.6 (reports no pid), or reports another pid. The pids compare only on the pool's host, in
 // one pid namespace, as the hooks signal a local process anyway.
 int CheckFaultPoolPid(kvpool::client::Client& client, const std::string& pool,
-                      const std::string& fault, int pid) {
-  absl::StatusOr<kvpool::client::PoolStats> st = client.Stats();
+                      const std::string& fault, int pid,
+                      const std::shared_ptr<kvpool::client::CancelToken>& cancel) {
+  absl::StatusOr<kvpool::client::PoolStats> st = client.Stats({.cancel = cancel});
   std::string why;
   if (!st.ok()) {
     why = absl::StrCat("cannot check that it is the pool at ", pool,
@@ -291,7 +325,7 @@ int main(int argc, char** argv) {
   kvpool::cli::RefuseSameFiles(&app, {{report_opt}, {metrics_opt}},
                                {{model_opt}, {rotations_opt}, {prompts_opt}});
   KVPOOL_CLI_PARSE(app, argc, argv);
-  InstallStopHandlers();
+  const std::shared_ptr<kvpool::client::CancelToken> stop_token = InstallStopHandlers();
   if (model_id.empty()) model_id = std::filesystem::path(model).stem().string();
 
   auto fault_or = kw::ParseFault(fault);
@@ -582,7 +616,8 @@ int main(int argc, char** argv) {
   kw::NodeOptions nopts{.cache = copts,
                         .fault_pool_pid = fault_pool_pid,
                         .fault = *fault_or,
-                        .reconnect_wait = std::chrono::milliseconds(call_timeout_ms)};
+                        .reconnect_wait = std::chrono::milliseconds(call_timeout_ms),
+                        .cancel = stop_token};
   kvpool::client::ClientOptions clo;
   clo.server = pool;
   clo.ucx_tls = ucx_tls;
@@ -601,12 +636,17 @@ int main(int argc, char** argv) {
     // another kvpool-server passed the process-name check above and killed that pool, while the
     // run under test "succeeded": newcomer s9b #2). The pool reports its pid in Stats (v1.6).
     if (NeedsPoolPid(*fault_or)) {
-      if (int rc = CheckFaultPoolPid(*client, pool, fault, fault_pool_pid); rc != 0) return rc;
+      if (int rc = CheckFaultPoolPid(*client, pool, fault, fault_pool_pid, stop_token); rc != 0) {
+        return rc;
+      }
     }
     // No deadline of its own: the client's default_timeout (--call-timeout-ms) bounds it, as
     // its DEADLINE_EXCEEDED message says (a fixed 5 s ignored the flag: newcomer s9 A7).
-    auto info =
-        client->RegisterModel(kw::MakeModelSpec(cfg, copts, model_id, revision, *rot_bytes), {});
+    // A stop cancels it (stop_token): a pool that accepts the connection and never answers held
+    // a stopped worker until the deadline, and a prefill then exited 2 with no report (newcomer
+    // s9b #3).
+    auto info = client->RegisterModel(kw::MakeModelSpec(cfg, copts, model_id, revision, *rot_bytes),
+                                      {.cancel = stop_token});
     if (!info.ok()) {
       client_error = info.status();
       client.reset();
@@ -632,8 +672,14 @@ int main(int argc, char** argv) {
   out["bf16_bytes_per_token"] = bf16_per_token;
 
   if (role == "prefill") {
-    if (client == nullptr) {
+    if (client == nullptr && StopSignal() == 0) {
       return Fail(client_error, absl::StrCat("pool ", pool));
+    }
+    // Stopped before or during the registration: no prompt runs (RunAll's stop hook answers true
+    // at once, so the node never uses the missing client), and the report lists them all.
+    if (client == nullptr) {
+      KVPOOL_LOG_WARN("prefill: stopped during the registration with the pool at {} ({})", pool,
+                      kw::StatusText(client_error));
     }
     kw::PrefillNode node(&engine, client.get(), rotations, nopts);
     uint64_t bytes = 0, tokens = 0;
@@ -676,7 +722,7 @@ int main(int argc, char** argv) {
       if (!outcome.ok() && absl::IsCancelled(outcome.status()) && StopSignal() != 0) {
         const std::string why = std::string(outcome.status().message());
         // An aborted put is named; prompts never started are counted in the last line only.
-        if (!absl::StartsWith(why, "not run")) {
+        if (!kw::PromptNotRun(outcome.status())) {
           KVPOOL_LOG_WARN("prefill --prompt-file {}: {}", p.path, why);
         }
         out["prompts"].push_back({{"name", p.name},
@@ -784,12 +830,13 @@ int main(int argc, char** argv) {
                              absl::IsCancelled(client_error);
     // The client, not the pool, refuses a pool it cannot use (e.g. one started with
     // --data-plane none): say who refused.
-    nopts.no_pool_reason =
-        absl::StrCat(unreachable ? "pool unreachable at start-up: "
-                     : kvpool::client::RefusedByClient(client_error)
-                         ? "this worker refused the pool (the pool accepted the registration): "
-                         : "pool refused the registration: ",
-                     kw::StatusText(client_error));
+    nopts.no_pool_reason = absl::StrCat(
+        StopSignal() != 0 && absl::IsCancelled(client_error) ? "stopped during the registration: "
+        : unreachable                                        ? "pool unreachable at start-up: "
+        : kvpool::client::RefusedByClient(client_error)
+            ? "this worker refused the pool (the pool accepted the registration): "
+            : "pool refused the registration: ",
+        kw::StatusText(client_error));
     // Logged once here; each request's report carries it as fallback_reason.
     KVPOOL_LOG_WARN("pool at {} not usable ({}); every request computes its prefix locally", pool,
                     nopts.no_pool_reason);

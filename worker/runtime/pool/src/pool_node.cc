@@ -11,6 +11,7 @@
 #include <thread>
 #include <utility>
 
+#include "absl/strings/cord.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "kvpool/common/log.h"
@@ -56,6 +57,15 @@ void LayerRows(const StagingRecorder& rec, uint32_t layer, uint32_t blocks,
 }  // namespace
 
 const char kPoolSkipped[] = "pool skipped after an earlier failure in this run: ";
+
+namespace {
+// The payload that marks a prompt RunAll did not start (PromptNotRun).
+constexpr char kNotRunPayload[] = "type.kvpool/worker-prompt-not-run";
+}  // namespace
+
+bool PromptNotRun(const absl::Status& status) {
+  return absl::IsCancelled(status) && status.GetPayload(kNotRunPayload).has_value();
+}
 
 absl::StatusOr<Fault> ParseFault(const std::string& name) {
   if (name.empty() || name == "none") {
@@ -137,8 +147,11 @@ absl::StatusOr<PrefillNode::Pending> PrefillNode::ComputeAndWrite(absl::Span<con
   rep.compute_seconds = Since(t0);
 
   pending.writes_started = std::chrono::steady_clock::now();
-  if (absl::Status s = WriteLayers(pending); !s.ok() && !absl::IsUnavailable(s)) {
-    return s;  // UNAVAILABLE: the put is lost with the pool; Commit fails and puts it again
+  // UNAVAILABLE: the put is lost with the pool; Commit fails and puts it again. CANCELLED
+  // (NodeOptions::cancel: the node is stopping): RunAll aborts the open put.
+  if (absl::Status s = WriteLayers(pending);
+      !s.ok() && !absl::IsUnavailable(s) && !absl::IsCancelled(s)) {
+    return s;
   }
   return pending;
 }
@@ -202,18 +215,28 @@ void PrefillNode::NoteOutage(const absl::Status& s) {
 
 absl::StatusOr<std::unique_ptr<client::PutSession>> PrefillNode::BeginPut(
     const std::vector<uint32_t>& tokens) {
-  absl::StatusOr<std::unique_ptr<client::PutSession>> put = client_->BeginPut(tokens);
+  const client::CallOptions call{.cancel = options_.cancel};
+  auto cancelled = [&] { return options_.cancel != nullptr && options_.cancel->cancelled(); };
+  absl::StatusOr<std::unique_ptr<client::PutSession>> put = client_->BeginPut(tokens, call);
   auto backoff = std::chrono::milliseconds(50);
   while (absl::IsUnavailable(put.status())) {
     NoteOutage(put.status());
     const auto end = *outage_start_ + options_.reconnect_wait;
-    const auto now = std::chrono::steady_clock::now();
-    if (now >= end) {
+    if (std::chrono::steady_clock::now() >= end) {
       return put;  // the wait of this outage is spent: one attempt per prompt from now on
     }
-    std::this_thread::sleep_for(std::min<std::chrono::steady_clock::duration>(backoff, end - now));
+    // The backoff, in slices, so that a stop (NodeOptions::cancel) ends the wait within 20 ms.
+    const auto wake = std::min(std::chrono::steady_clock::now() + backoff, end);
+    while (!cancelled() && std::chrono::steady_clock::now() < wake) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    if (cancelled()) {
+      return absl::CancelledError(absl::StrCat(
+          "BeginPut: cancelled while waiting for the unreachable pool to come back (last: ",
+          StatusText(put.status()), ")"));
+    }
     backoff = std::min(backoff * 2, std::chrono::milliseconds(1000));
-    put = client_->BeginPut(tokens);  // the client re-registers the model first (stale)
+    put = client_->BeginPut(tokens, call);  // the client re-registers the model first (stale)
   }
   if (put.ok() && outage_start_.has_value()) {
     ++pool_reconnects_;
@@ -279,6 +302,13 @@ std::vector<absl::StatusOr<PrefillReport>> PrefillNode::RunAll(
   auto commit = [&] {
     out[in_flight_index] = Commit(std::move(*in_flight));
     in_flight.reset();
+    // Cancelled by NodeOptions::cancel: the stop came while the CommitPut was unanswered; the
+    // client's message says whether the pool may have committed it.
+    if (absl::IsCancelled(out[in_flight_index].status()) && stop()) {
+      out[in_flight_index] = absl::CancelledError(
+          absl::StrCat("stopped during its commit (the worker was asked to stop): ",
+                       StatusText(out[in_flight_index].status())));
+    }
     if (out[in_flight_index].ok() && options_.fault == Fault::kKillPoolAfterFirstCommit &&
         !fault_fired_ && options_.fault_pool_pid > 0) {
       fault_fired_ = true;
@@ -297,6 +327,11 @@ std::vector<absl::StatusOr<PrefillReport>> PrefillNode::RunAll(
       stopped = true;
       if (next.ok()) {
         abort(*next, i);
+      } else if (absl::IsCancelled(next.status())) {
+        // Its BeginPut was cancelled (NodeOptions::cancel): no put was open, nothing computed.
+        out[i] = absl::CancelledError(
+            absl::StrCat("stopped before its put was open (the worker was asked to stop): ",
+                         StatusText(next.status())));
       } else {
         out[i] = next.status();
       }
@@ -324,7 +359,9 @@ std::vector<absl::StatusOr<PrefillReport>> PrefillNode::RunAll(
     }
   }
   for (size_t k = i; k < prompts.size(); ++k) {
-    out[k] = absl::CancelledError("not run (the worker was asked to stop)");
+    absl::Status not_run = absl::CancelledError("not run (the worker was asked to stop)");
+    not_run.SetPayload(kNotRunPayload, absl::Cord("not run"));
+    out[k] = not_run;
   }
   report_up_to(prompts.size());
   return out;

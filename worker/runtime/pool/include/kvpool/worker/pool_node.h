@@ -80,7 +80,18 @@ struct NodeOptions {
   // FAILED_PRECONDITION: …". Empty: "pool unreachable at start-up". The node does not log it
   // per request (debug level only): the caller logs it once.
   std::string no_pool_reason;
+  // Prefill: cancelled when the node is to stop (kvpool-worker cancels it shortly after
+  // SIGTERM/SIGINT: docs/WORKER.md "Stopping a worker"). Passed to every BeginPut, so it cancels
+  // a BeginPut and every later call of its session except the AbortPut (a WritePut pull, the
+  // CommitPut: Commit then returns CANCELLED at once); the wait for an unreachable pool ends at
+  // it too. Null: nothing is cancelled. Decode does not use it.
+  std::shared_ptr<client::CancelToken> cancel;
 };
+
+// Whether `status`, an outcome of PrefillNode::RunAll, is that of a prompt the node did not
+// start because RunAllHooks::stop answered true first (CANCELLED "not run ...", marked with a
+// status payload; a prompt stopped later, e.g. with its put open, is CANCELLED without it).
+bool PromptNotRun(const absl::Status& status);
 
 // The ModelSpec a worker registers: geometry from the engine, recipe from `cache`,
 // rotation file bytes, identity (model_id, revision).
@@ -131,8 +142,11 @@ class PrefillNode {
   // one in flight) are aborted (PutSession::Abort: the pool frees their staging at once) and
   // their outcome is CANCELLED "stopped before its commit ..." (saying whether the pool took
   // the AbortPut; one that does not answer keeps the staging until its put timeout), and every
-  // prompt not started is CANCELLED "not run ...". stop() must be cheap and callable from this
-  // thread (e.g. reading a flag a signal handler sets).
+  // prompt not started is CANCELLED "not run ..." (PromptNotRun). A prompt whose BeginPut or
+  // CommitPut NodeOptions::cancel cancelled is CANCELLED "stopped before its put was open ..." or
+  // "stopped during its commit ..." (the latter says that the pool may have committed it).
+  // stop() must be cheap and callable from this thread (e.g. reading a flag a signal handler
+  // sets).
   struct RunAllHooks {
     std::function<void(size_t, const absl::StatusOr<PrefillReport>&)> on_done;
     std::function<bool()> stop;
