@@ -57,4 +57,9 @@ absl::StatusOr<HostPort> ParseHostPort(absl::string_view field, absl::string_vie
   return HostPort{std::string(host), value};
 }
 
+std::string FormatHostPort(absl::string_view host, int port) {
+  return host.find(':') != absl::string_view::npos ? absl::StrCat("[", host, "]:", port)
+                                                   : absl::StrCat(host, ":", port);
+}
+
 }  // namespace kvpool

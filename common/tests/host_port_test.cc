@@ -1,4 +1,4 @@
-// ParseHostPort: accepted forms and the refusals both binaries rely on.
+// ParseHostPort: accepted forms and the refusals both binaries rely on; FormatHostPort.
 #include "kvpool/common/host_port.h"
 
 #include <gtest/gtest.h>
@@ -23,6 +23,22 @@ TEST(ParseHostPort, AcceptsNamesIpv4AndBracketedIpv6) {
   ASSERT_TRUE(c.ok()) << c.status();
   EXPECT_EQ(c->host, "::1");
   EXPECT_EQ(c->port, 0);
+}
+
+// The start-up line of kvpool-server printed "grpc :::47120" for --listen [::]:47120, which
+// --listen refuses (newcomer s9b #6): FormatHostPort brackets an IPv6 host, and what it writes
+// parses back to the same host and port.
+TEST(FormatHostPort, BracketsIpv6HostsAndParsesBack) {
+  EXPECT_EQ(FormatHostPort("::", 47120), "[::]:47120");
+  EXPECT_EQ(FormatHostPort("::1", 0), "[::1]:0");
+  EXPECT_EQ(FormatHostPort("127.0.0.1", 7070), "127.0.0.1:7070");
+  EXPECT_EQ(FormatHostPort("pool.svc", 1), "pool.svc:1");
+  for (const char* host : {"::", "::1", "fe80::1", "0.0.0.0", "localhost"}) {
+    auto back = ParseHostPort("--listen", FormatHostPort(host, 7070), 0);
+    ASSERT_TRUE(back.ok()) << host << ": " << back.status();
+    EXPECT_EQ(back->host, host);
+    EXPECT_EQ(back->port, 7070);
+  }
 }
 
 TEST(ParseHostPort, RefusesMalformedAddressesNamingTheField) {

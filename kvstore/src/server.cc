@@ -388,19 +388,19 @@ absl::StatusOr<std::unique_ptr<PoolServer>> PoolServer::Create(const PoolServerO
       std::string reason = BindFailureReason(mhost, o.metrics_port);
       if (reason.empty()) reason = ", reason unknown (a probe bind of the port succeeded)";
       raw->grpc_server->Shutdown();
-      return absl::UnavailableError(
-          absl::StrCat("metrics-port: cannot bind ",
-                       absl::StrContains(mhost, ':') ? absl::StrCat("[", mhost, "]") : mhost, ":",
-                       o.metrics_port, reason));
+      return absl::UnavailableError(absl::StrCat("metrics-port: cannot bind ",
+                                                 FormatHostPort(mhost, o.metrics_port), reason));
     }
     raw->http_thread = std::thread([raw] { raw->http.listen_after_bind(); });
   }
   Impl* raw = impl.get();
   raw->tick_thread = std::thread([raw] { raw->TickLoop(); });
   KVPOOL_LOG_INFO(
-      "kvpool-server ready: grpc {}:{}{} metrics {} capacity {} bytes data-plane {} transfers "
+      "kvpool-server ready: grpc {}{} metrics {} capacity {} bytes data-plane {} transfers "
       "initiated by the {} rotation_path {}",
-      listen.host, raw->grpc_port,
+      // An IPv6 host in brackets, as --listen takes it ("grpc :::47120" could not be pasted
+      // back: newcomer s9b #6).
+      FormatHostPort(listen.host, raw->grpc_port),
       IsWildcardHost(listen.host) ? " (every interface, IPv4 and IPv6)" : "", raw->http_port,
       o.capacity_bytes, o.data_plane, ctx.pool_initiates_transfers ? "pool" : "client",
       rotation_dir.empty() ? std::string("refused (no --rotation-dir)")

@@ -1419,6 +1419,28 @@ TEST(ServerBinaryTest, SecondServerOnTheSameMetricsPortExitsWithARuntimeError) {
   fclose(first.out);
 }
 
+// The start-up line printed "grpc ::1:PORT" for --listen [::1]:0, an address --listen refuses
+// (newcomer s9b #6): an IPv6 host is printed in brackets.
+TEST(ServerBinaryTest, ReadyLinePrintsAnIpv6HostInBrackets) {
+  for (const std::string& host : {std::string("::1"), std::string("::")}) {
+    SCOPED_TRACE(host);
+    Child c = Spawn({"--listen", "[" + host + "]:0", "--metrics-port", "-1", "--data-plane", "none",
+                     "--capacity", "4MiB"},
+                    /*merge_stderr=*/true);
+    ASSERT_NE(c.out, nullptr);
+    std::string ready;
+    char line[4096];
+    while (ready.empty() && fgets(line, sizeof(line), c.out) != nullptr) {
+      if (std::strstr(line, "kvpool-server ready:") != nullptr) ready = line;
+    }
+    kill(c.pid, SIGTERM);
+    WaitExit(c.pid);
+    fclose(c.out);
+    if (ready.empty()) GTEST_SKIP() << "no IPv6 loopback on this host";
+    EXPECT_NE(ready.find("grpc [" + host + "]:"), std::string::npos) << ready;
+  }
+}
+
 // A --listen host that does not resolve said "reason unknown (a probe bind of the port
 // succeeded)"; ".invalid" never resolves (RFC 2606).
 TEST(ServerBinaryTest, UnresolvableListenHostSaysSo) {

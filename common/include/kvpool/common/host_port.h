@@ -30,4 +30,8 @@ struct HostPort {
 absl::StatusOr<HostPort> ParseHostPort(absl::string_view field, absl::string_view address,
                                        int min_port);
 
+// HOST:PORT as ParseHostPort reads it back: a host holding a ':' (an IPv6 address, as
+// HostPort::host keeps it) in brackets ("[::1]:7070"), any other host as it is.
+std::string FormatHostPort(absl::string_view host, int port);
+
 }  // namespace kvpool
