@@ -34,6 +34,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "kvpool/common/cli.h"
 #include "kvpool/common/keys.h"
@@ -190,6 +191,17 @@ absl::Status WriteJson(const std::string& path, const json& j) {
   return kvpool::cli::WriteOutputFile(path, j.dump(2) + "\n");
 }
 
+// A non-negative decimal integer as the integer flags take one (kvpool::cli::Range): digits
+// only, no sign, space, hex or leading zero ("+256" and "0256" passed SimpleAtoi: newcomer s9b
+// #7), and within int.
+bool ParseDecimal(absl::string_view v, int* out) {
+  if (v.empty() || v.find_first_not_of("0123456789") != absl::string_view::npos ||
+      (v.size() > 1 && v[0] == '0')) {
+    return false;
+  }
+  return absl::SimpleAtoi(v, out);
+}
+
 // The --fault hooks that signal the pool's process (--fault-pool-pid).
 bool NeedsPoolPid(kw::Fault f) {
   return f == kw::Fault::kKillPoolMidFetch || f == kw::Fault::kStopPoolAfterRegister ||
@@ -258,12 +270,10 @@ int main(int argc, char** argv) {
       ->capture_default_str()
       ->check(kvpool::cli::Range(0, 4096));
   app.add_option("--page-size", page_size, "tokens per block")->capture_default_str();
-  CLI::Option* sink_opt =
-      app.add_option("--sink-tokens", sink, "prefill/decode: S, sink tokens kept in BF16")
-          ->capture_default_str();
-  CLI::Option* recent_opt =
-      app.add_option("--recent-tokens", recent, "prefill/decode: W, recent tokens kept in BF16")
-          ->capture_default_str();
+  app.add_option("--sink-tokens", sink, "prefill/decode: S, sink tokens kept in BF16")
+      ->capture_default_str();
+  app.add_option("--recent-tokens", recent, "prefill/decode: W, recent tokens kept in BF16")
+      ->capture_default_str();
   app.add_option("--history-precision", history, "int2 | bf16")
       ->capture_default_str()
       ->check(CLI::IsMember({"int2", "bf16"}));
@@ -305,11 +315,10 @@ int main(int argc, char** argv) {
       app.add_option("--metrics-file", metrics_file,
                      "decode/prefill: write counters in Prometheus text format to this file")
           ->check(kvpool::cli::OutputFile());
-  CLI::Option* windows_opt =
-      app.add_option("--eval-windows", windows,
-                     "eval: the S:W pairs compared, comma-separated (instead of --sink-tokens "
-                     "and --recent-tokens)")
-          ->capture_default_str();
+  app.add_option("--eval-windows", windows,
+                 "eval: the S:W pairs compared, comma-separated (instead of --sink-tokens "
+                 "and --recent-tokens)")
+      ->capture_default_str();
   app.add_option("--teacher-force", teacher_force,
                  "decode: also compute the fp32 reference and teacher-forced agreement")
       ->capture_default_str();
@@ -357,16 +366,41 @@ int main(int argc, char** argv) {
   }
   // Each role is checked on the flags it uses only: eval compares --eval-windows and ignores
   // --sink-tokens/--recent-tokens (their defaults refused --page-size 256: newcomer s9 A10);
-  // prefill and decode ignore --eval-windows. One given explicitly to a role that ignores it is
-  // named in a warning.
+  // prefill and decode ignore --eval-windows. A flag given explicitly (command line or
+  // --config) to a role that ignores it is named in a warning (--metrics-file was ignored by
+  // eval without one: newcomer s9b #5).
   const bool eval = role == "eval";
-  for (const CLI::Option* o : eval ? std::vector<const CLI::Option*>{sink_opt, recent_opt}
-                                   : std::vector<const CLI::Option*>{windows_opt}) {
-    if (o->count() > 0) {
-      KVPOOL_LOG_WARN("{} is ignored by --role {} ({})", o->get_name(), role,
-                      eval ? "eval compares the S:W pairs of --eval-windows"
-                           : "--eval-windows is for --role eval");
+  struct RoleFlag {
+    const char* flag;
+    std::vector<std::string> roles;  // the roles that use it
+    const char* why;                 // null: "it is for --role R"
+  };
+  const std::vector<RoleFlag> role_flags = {
+      {"--sink-tokens", {"prefill", "decode"}, "eval compares the S:W pairs of --eval-windows"},
+      {"--recent-tokens", {"prefill", "decode"}, "eval compares the S:W pairs of --eval-windows"},
+      {"--eval-windows", {"eval"}, "--eval-windows is for --role eval"},
+      {"--history-precision", {"prefill", "decode"}, "eval compares bf16 and int2 history"},
+      {"--max-new-tokens", {"decode", "eval"}, "a prefill node generates no token"},
+      {"--teacher-force", {"decode"}, nullptr},
+      {"--pool", {"prefill", "decode"}, nullptr},
+      {"--model-id", {"prefill", "decode"}, nullptr},
+      {"--revision", {"prefill", "decode"}, nullptr},
+      {"--ucx-tls", {"prefill", "decode"}, nullptr},
+      {"--call-timeout-ms", {"prefill", "decode"}, nullptr},
+      {"--put-timeout-ms", {"prefill"}, nullptr},
+      {"--metrics-file", {"prefill", "decode"}, nullptr},
+      {"--fault", {"prefill", "decode"}, nullptr},
+      {"--fault-pool-pid", {"prefill", "decode"}, nullptr},
+  };
+  for (const RoleFlag& f : role_flags) {
+    if (app.get_option(f.flag)->count() == 0 ||
+        std::find(f.roles.begin(), f.roles.end(), role) != f.roles.end()) {
+      continue;
     }
+    KVPOOL_LOG_WARN("{} is ignored by --role {} ({})", f.flag, role,
+                    f.why != nullptr
+                        ? std::string(f.why)
+                        : absl::StrCat("it is for --role ", absl::StrJoin(f.roles, " and ")));
   }
   std::vector<std::pair<int, int>> wins;  // --eval-windows, checked before any work
   const std::vector<std::string> window_list =
@@ -374,11 +408,10 @@ int main(int argc, char** argv) {
   for (absl::string_view w : window_list) {
     std::vector<std::string> sw = absl::StrSplit(w, ':');
     int s = 0, r = 0;
-    if (sw.size() != 2 || !absl::SimpleAtoi(sw[0], &s) || !absl::SimpleAtoi(sw[1], &r) || s < 0 ||
-        r < 0) {
+    if (sw.size() != 2 || !ParseDecimal(sw[0], &s) || !ParseDecimal(sw[1], &r)) {
       std::fprintf(stderr,
-                   "kvpool-worker: --eval-windows: '%s' is not S:W (two non-negative "
-                   "integers)\n",
+                   "kvpool-worker: --eval-windows: '%s' is not S:W (two non-negative decimal "
+                   "integers: digits only, no sign, no leading zero)\n",
                    std::string(w).c_str());
       return kvpool::cli::kExitUsage;
     }

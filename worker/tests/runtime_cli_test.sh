@@ -56,6 +56,19 @@ expect_err "W --sink-tokens is ignored by --role eval (eval compares the S:W pai
 expect 1 "decode: a bad --eval-windows is not checked, but --sink-tokens is" -- "${worker}" --role decode --pool 127.0.0.1:1 --sink-tokens 40 --eval-windows 1:x "${base[@]}" "${prompt[@]}"
 expect_err "W --eval-windows is ignored by --role decode" "the ignored flag is named"
 expect_err "kvpool-worker: --sink-tokens: " "and the used one is checked"
+# Flags a role ignores, given explicitly, are named (newcomer s9b #5: eval ignored --metrics-file
+# silently).
+expect 0 "eval with --metrics-file and --pool" -- "${worker}" --role eval --eval-windows 0:0 --metrics-file "${work}/eval.prom" --pool 127.0.0.1:1 "${model_flags[@]}" --max-new-tokens 2 "${prompt[@]}"
+expect_err "W --metrics-file is ignored by --role eval (it is for --role prefill and decode)" "eval names the ignored --metrics-file"
+expect_err "W --pool is ignored by --role eval (it is for --role prefill and decode)" "eval names the ignored --pool"
+[[ ! -e "${work}/eval.prom" ]] || { echo "FAIL: eval wrote --metrics-file" >&2; failures=$((failures + 1)); }
+expect 1 "decode: ignored flags are named" -- "${worker}" --role decode --pool 127.0.0.1:1 --put-timeout-ms 5 --sink-tokens 40 "${base[@]}" "${prompt[@]}"
+expect_err "W --put-timeout-ms is ignored by --role decode (it is for --role prefill)" "decode names the ignored --put-timeout-ms"
+# --eval-windows pairs are plain decimal, as the integer flags (newcomer s9b #7: +256 and 0256 ran).
+for bad in +256:0 0256:0 256:+0 256:00 " 256:0" 0x100:0; do
+  expect 1 "eval window '${bad}'" -- "${worker}" --role eval --page-size 256 --eval-windows "${bad}" "${base[@]}" "${prompt[@]}"
+  expect_err "kvpool-worker: --eval-windows: '${bad}' is not S:W (two non-negative decimal integers" "the message names the pair"
+done
 expect 1 "non-numeric eval window" -- "${worker}" --role eval --eval-windows 64:x "${base[@]}" "${prompt[@]}"
 expect_err "kvpool-worker: --eval-windows" "the message names --eval-windows"
 expect 1 "eval window out of int range" -- "${worker}" --role eval --eval-windows 99999999999:16 "${base[@]}" "${prompt[@]}"
@@ -93,8 +106,9 @@ expect_err "kvpool-worker: --fault-pool-pid: ${sleeper} is no process of this ho
 expect 1 "a repeated --eval-windows pair" -- "${worker}" --role eval --eval-windows 64:256,16:16,64:256 "${base[@]}" "${prompt[@]}" --report "${work}/dupw.json"
 expect_err "kvpool-worker: --eval-windows: 64:256 is given twice ('64:256,16:16,64:256'); give each S:W pair once" "the message names the pair"
 [[ ! -e "${work}/dupw.json" ]] || { echo "FAIL: a repeated --eval-windows pair wrote a report" >&2; failures=$((failures + 1)); }
+# A pair spelt differently (016:16) was caught as a repeat; such spellings are refused now.
 expect 1 "a repeated --eval-windows pair, spelt differently" -- "${worker}" --role eval --eval-windows 16:16,016:16 "${base[@]}" "${prompt[@]}"
-expect_err "kvpool-worker: --eval-windows: 16:16 is given twice" "the message names the pair as parsed"
+expect_err "kvpool-worker: --eval-windows: '016:16' is not S:W" "the leading zero is refused"
 # An output that is an input (another spelling, a symlink, a hard link), the --config file or
 # the other output is refused before any work, naming both flags (newcomer s7 F7).
 cp "${demo}/prompts/01_kite.txt" "${work}/kite.txt"
