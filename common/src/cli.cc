@@ -717,6 +717,24 @@ int Parse(CLI::App& app, int argc, char** argv) {
     std::cerr << app.get_name() << ": " << what << "\n";
     std::cerr << "Run with --help for more information.\n";
     return kExitUsage;
+  } catch (const CLI::RequiredError& e) {
+    // CLI11 checks the required flags before the arguments it did not expect, so "kvpool
+    // calibrate --version" (or --bogus) answered "--model is required" (newcomer s9b #8): a
+    // misplaced top-level flag or an unknown argument is the first thing to fix, as it is
+    // when the required flags are given.
+    std::string what = MisplacedTopLevelFlag(app, argc, argv);
+    if (what.empty()) {
+      const std::vector<std::string> extra = app.remaining(/*recurse=*/true);
+      if (!extra.empty()) {
+        what = extra.size() > 1 ? "The following arguments were not expected:"
+                                : "The following argument was not expected:";
+        for (const std::string& a : extra) what += " " + a;  // in command-line order
+      }
+    }
+    if (what.empty()) what = WithConfigNamed(app, e.what());
+    std::cerr << app.get_name() << ": " << what << "\n";
+    std::cerr << "Run with --help for more information.\n";
+    return kExitUsage;
   } catch (const CLI::ExtrasError& e) {
     std::string what = MisplacedTopLevelFlag(app, argc, argv);
     if (what.empty()) what = WithConfigNamed(app, e.what());

@@ -90,6 +90,39 @@ struct SubcommandApp {
   }
 };
 
+// CLI11 checks required flags before unexpected arguments: "kvpool calibrate --version" (or
+// --bogus) answered "--model is required" (newcomer s9b #8). The misplaced or unknown flag is
+// named first, as when the required flags are given; with nothing else wrong, the missing one.
+TEST(CliParseTest, AMisplacedOrUnknownFlagIsNamedBeforeAMissingRequiredOne) {
+  struct RequiredApp {
+    CLI::App app{"test"};
+    std::string model;
+    RequiredApp() {
+      kvpool::cli::Setup(app, "prog");
+      app.require_subcommand(1);
+      app.add_subcommand("calibrate", "calibrate")->add_option("--model", model, "m")->required();
+    }
+  };
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {{"calibrate", "--version"},
+       "prog: --version is a flag of prog itself, not of the subcommand 'calibrate': give it "
+       "before the subcommand (prog --version calibrate ...)"},
+      {{"calibrate", "--log-level"}, "prog: --log-level is a flag of prog itself"},
+      {{"calibrate", "--bogus"}, "prog: The following argument was not expected: --bogus"},
+      {{"calibrate", "--bogus", "x", "--other"},
+       "prog: The following arguments were not expected: --bogus x --other"},
+      {{"calibrate"}, "prog: --model is required"},
+  };
+  for (const auto& [args, want] : cases) {
+    SCOPED_TRACE(args.back());
+    RequiredApp a;
+    auto [rc, err] = RunParse(a.app, args);
+    EXPECT_EQ(rc, kExitUsage);
+    EXPECT_NE(err.find(want), std::string::npos) << err;
+    if (args.size() > 1) EXPECT_EQ(err.find("is required"), std::string::npos) << err;
+  }
+}
+
 // A top-level flag after the subcommand is named with where it goes (CLI11 said only "The
 // following arguments were not expected: off --log-level": newcomer s9 A1).
 TEST(CliParseTest, TopLevelFlagAfterTheSubcommandSaysWhereItGoes) {

@@ -123,6 +123,11 @@ out="$("$bin" calibrate --model "$model" --text "$data/calibration.txt" --tokens
 # --config after the subcommand is refused naming the file, never silently ignored (newcomer
 # report s6 #5); before it, it is read (a missing file is named).
 printf 'calibrate:\n  model: %s\n  text: %s\n  out: %s\n' "$model" "$tmp/t100.txt" "$tmp/rc.safetensors" > "$tmp/c.yaml"
+# A top-level or unknown flag after the subcommand is named, also when required flags are
+# missing (newcomer s9b #8: "--model is required").
+check calibrate-version-after-missing 1 "kvpool: --version is a flag of kvpool itself, not of the subcommand 'calibrate'" -- "$bin" calibrate --version
+check calibrate-log-level-after-missing 1 "kvpool: --log-level is a flag of kvpool itself" -- "$bin" calibrate --log-level
+check calibrate-bogus-missing 1 "kvpool: The following argument was not expected: --bogus" -- "$bin" calibrate --bogus
 check calibrate-config-after-missing 1 "--config: '/nonexistent.yaml' is not read after the subcommand 'calibrate'" -- "$bin" calibrate --config /nonexistent.yaml
 check calibrate-config-after 1 "--config: '$tmp/c.yaml' is not read after the subcommand 'calibrate'" -- "$bin" calibrate --config "$tmp/c.yaml"
 check inspect-config-after 1 "is not read after the subcommand 'inspect'" -- "$bin" rotations inspect --config "$tmp/c.yaml"
