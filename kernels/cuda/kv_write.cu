@@ -28,11 +28,11 @@
 //   3. Clip threshold τ (FORMAT.md §2.2, the need-th largest |x̃| with need = d − clip index):
 //      the two rows' magnitudes (sign cleared) are sorted together with packed bf16x2 min/max
 //      (integer u16x2 min/max give the same order): each lane sorts runs of 8 (Batcher
-//      odd-even merge network), keeps the top of its runs (for lists shorter than 8: odd-even
-//      merge with the missing entries as -inf, pruned, see TopMerge; else bitonic max-merge),
-//      then the quad merges its lists through two shuffle rounds; the last round only follows
-//      the path to
-//      position need−1. need ≤ 6: networks pruned to their 6 largest outputs; need ≤ 8: top-8
+//      odd-even merge network; once for every need <= 16, SortRuns), keeps the top of its runs
+//      (for lists shorter than 8: odd-even merge with the missing entries as -inf, pruned, see
+//      TopMerge; else bitonic max-merge), then the quad merges its lists through two shuffle
+//      rounds; the last round only computes position need−1 (closed form of KthOfTwo for the
+//      lists' two deepest positions, else the path to it). need ≤ 6: lists of 6; need ≤ 8: top-8
 //      lists; need ≤ 16: top-8 lists merged to the quad's top 16 with an exactness check
 //      (every lane's 8th value ≤ the result), re-selected with top-16 lists when it fails;
 //      else a 15-step bitwise search on counts. Ties are exact (a sorting network permutes the
@@ -396,6 +396,15 @@ constexpr int kImadMinRunsWs = KVPOOL_WRITE_IMAD_MIN_RUNS_WS;
 #ifndef KVPOOL_WRITE_K_TOP5
 #define KVPOOL_WRITE_K_TOP5 0
 #endif
+// The runs of 8 sorted in full once, before the branch on need, so that the K (need <= 6), need
+// <= 8 and V (need <= 16) selections share that code instead of each inlining its own copy
+// (session 10: ≈ 420 fewer static instructions in the d 128 quantize kernel, at the cost of
+// the K runs' 2 pruned comparator halves each). Measured on the H200 (same call, 5 rounds,
+// with the closed-form quad round 2): quantize-only 56.7 vs 57.0 µs at 256K token-heads and
+// 192.1 vs 194.3 at 1M; 0 = one pruned copy per selection (for A/B builds).
+#ifndef KVPOOL_WRITE_SHARED_RUNS
+#define KVPOOL_WRITE_SHARED_RUNS 1
+#endif
 // Measurement switch (not a supported mode): the warp-specialized rotation with bf16 operands
 // (Rᵀ rounded to bf16, the bf16 input unconverted) instead of fp16 ones, to time the fp16
 // conversion of the tiles. The default (0) keeps the rotation numerics of the mma.sync kernels.
@@ -479,6 +488,42 @@ __device__ __forceinline__ void TopKBitonicCross(uint32_t (&c)[K], const uint32_
   }
 }
 
+// Sorts each run of K registers of m (both halves independently), pruned to the L largest
+// outputs; the runs r < kImad·(N/K)/4 take their comparator mins from the max on the FMA pipe.
+template <int K, int L, int N, int kImad>
+__device__ __forceinline__ void SortRuns(uint32_t (&m)[N]) {
+  constexpr int kRuns = N / K;
+#pragma unroll
+  for (int r = 0; r < kRuns; ++r) {
+    if (r < kImad * kRuns / 4)
+      RunNet<K, N, false, L>(m, r * K);
+    else
+      RunNet<K, N, false, L, false>(m, r * K);
+  }
+}
+
+// Quad round 2 by a closed form (session 10; KVPOOL_WRITE_KTH_FORMULA): position P (0-based,
+// descending) of the union of two descending lists a, b (at least P + 1 meaningful entries each)
+// is max(a[P], b[P], min(a[i-1], b[P-i]) for i = 1..P). Each min is <= the (P+1)-th largest (the
+// i entries of a and P+1-i of b above it are P+1 elements >= it), and the split of the union's
+// top P+1 into i from a and P+1-i from b attains it; ties are exact (multisets). P mins and a
+// max over P+2 values, which ptxas fuses into 3-input VHMNMX: 8 instructions for P = 5 (K at d
+// 128) and 16 for P = 10 (V), instead of the bitonic max step plus the log-depth walk to
+// position P with its branches (≈ 24 and ≈ 35 in the v13 SASS). Measured on the H200 (same
+// call, 5 rounds): quantize-only 57.0 vs 57.6 µs at 256K token-heads, 194.3 vs 196.4 at 1M; 0
+// keeps the walk for every position (for A/B builds).
+#ifndef KVPOOL_WRITE_KTH_FORMULA
+#define KVPOOL_WRITE_KTH_FORMULA 1
+#endif
+template <int P, int NA, int NB>
+__device__ __forceinline__ uint32_t KthOfTwo(const uint32_t (&a)[NA], const uint32_t (&b)[NB]) {
+  static_assert(P < NA && P < NB, "position inside both lists");
+  uint32_t r = SortMax(a[P], b[P]);
+#pragma unroll
+  for (int i = 1; i <= P; ++i) r = SortMax(r, SortMin(a[i - 1], b[P - i]));
+  return r;
+}
+
 // τ (packed magnitude bits, one half per row) of the quad's two rows, from the magnitudes m
 // (destroyed). need in 1..L: each lane keeps only its L largest (L <= K: a lane contributes at
 // most `need` of the row's need largest), so the networks are pruned to L outputs.
@@ -489,19 +534,15 @@ __device__ __forceinline__ void TopKBitonicCross(uint32_t (&c)[K], const uint32_
 // of the pair's lists, and τ' (position need-1 <= kL1-1) is exact when every lane's L-th value
 // ℓ is <= τ' (as in SelectTop8Merge16); *exact says whether that held on the quad's four lanes.
 // kImad: the quarters of the sorting runs with the IMAD comparator min (see kImadMinRuns).
-template <int K, int L, int N, bool kNat = false, int kL1 = L, int kImad = kImadMinRuns>
+// kSorted: the runs are sorted already (SortRuns, see KVPOOL_WRITE_SHARED_RUNS).
+template <int K, int L, int N, bool kNat = false, int kL1 = L, int kImad = kImadMinRuns,
+          bool kSorted = false>
 __device__ __forceinline__ uint32_t SelectTopK(uint32_t (&m)[N], int need, bool* exact = nullptr) {
   static_assert(N % K == 0 && (K == 8 || K == 16) && 2 * L >= K && L <= K, "runs of K");
   static_assert(kL1 >= L && kL1 <= K && (kL1 == L || L < K), "round-1 list length");
   constexpr int kRuns = N / K;
   static_assert(!kNat || kRuns >= 2, "same-row layout: at least one run per row");
-#pragma unroll
-  for (int r = 0; r < kRuns; ++r) {
-    if (r < kImad * kRuns / 4)
-      RunNet<K, N, false, L>(m, r * K);
-    else
-      RunNet<K, N, false, L, false>(m, r * K);
-  }
+  if constexpr (!kSorted) SortRuns<K, L, N, kImad>(m);
   // Tree merge of the runs into run 0: the top K of two descending lists A, B are
   // max(A[i], B[K-1-i]) (a bitonic sequence), then a bitonic merge sorts them.
   constexpr int kRunLevels = kRuns >= 8 ? 3 : kRuns >= 4 ? 2 : kRuns >= 2 ? 1 : 0;
@@ -560,30 +601,38 @@ __device__ __forceinline__ uint32_t SelectTopK(uint32_t (&m)[N], int need, bool*
     RunNet<K, N, true, L>(m, 0);
   }
   // Quad round 2 (xor 2): only the element at position need-1 of the merged list.
-  uint32_t c[K];
-  {
-    uint32_t b[K];
+  uint32_t b[K];
 #pragma unroll
-    for (int i = 0; i < kL1; ++i) b[i] = __shfl_xor_sync(0xffffffffu, m[i], 2);
-    TopKBitonic<K, kL1>(c, m, 0, b, 0);
-  }
+  for (int i = 0; i < kL1; ++i) b[i] = __shfl_xor_sync(0xffffffffu, m[i], 2);
   const int p = need - 1;
-  constexpr int kLevels = K == 8 ? 3 : 4;
+  uint32_t tau;
+  // the two deepest positions (need = kL1, kL1 - 1: K at 0.96 of d 128 is need 6) by the closed
+  // form of KthOfTwo; the rest (other clip ratios, the rare top-16 path) by the walk below
+  if (KVPOOL_WRITE_KTH_FORMULA && K == 8 && p == kL1 - 1) {
+    tau = KthOfTwo<kL1 - 1>(m, b);
+  } else if (KVPOOL_WRITE_KTH_FORMULA && K == 8 && p == kL1 - 2) {
+    tau = KthOfTwo<kL1 - 2>(m, b);
+  } else {
+    uint32_t c[K];
+    TopKBitonic<K, kL1>(c, m, 0, b, 0);
+    constexpr int kLevels = K == 8 ? 3 : 4;
 #pragma unroll
-  for (int lv = 0; lv < kLevels; ++lv) {
-    const int j = (K / 2) >> lv;
-    if (p & j) {
+    for (int lv = 0; lv < kLevels; ++lv) {
+      const int j = (K / 2) >> lv;
+      if (p & j) {
 #pragma unroll
-      for (int i = 0; i < K / 2; ++i)
-        if (i < j) c[i] = SortMin(c[i], c[i + j]);
-    } else {
+        for (int i = 0; i < K / 2; ++i)
+          if (i < j) c[i] = SortMin(c[i], c[i + j]);
+      } else {
 #pragma unroll
-      for (int i = 0; i < K / 2; ++i)
-        if (i < j) c[i] = SortMax(c[i], c[i + j]);
+        for (int i = 0; i < K / 2; ++i)
+          if (i < j) c[i] = SortMax(c[i], c[i + j]);
+      }
     }
+    tau = c[0];
   }
   if constexpr (kL1 > L) {  // ℓ <= τ' in both halves on all four lanes
-    uint32_t ok = GeMaskBf16x2(c[0], ell);
+    uint32_t ok = GeMaskBf16x2(tau, ell);
     ok &= __shfl_xor_sync(0xffffffffu, ok, 1);
     ok &= __shfl_xor_sync(0xffffffffu, ok, 2);
     *exact = ok == 0xffffffffu;
@@ -591,7 +640,7 @@ __device__ __forceinline__ uint32_t SelectTopK(uint32_t (&m)[N], int need, bool*
     (void)ell;
     if (exact != nullptr) *exact = true;
   }
-  return c[0];
+  return tau;
 }
 
 // need in 9..16 from per-lane top-8 lists (the top-8 pass costs 248 comparator instructions per
@@ -605,19 +654,13 @@ __device__ __forceinline__ uint32_t SelectTopK(uint32_t (&m)[N], int need, bool*
 // The quad rounds keep only the top L16 (12 or 16, >= need) of the merged lists: for need <= 12
 // (V at 0.92, d 128: need 11) the round-1 merge is pruned to 12 outputs and round 2 reads 12
 // of the partner's entries (24 fewer instructions per tile than with L16 = 16).
-// kNat: m in the same-row layout, as for SelectTopK.
-template <int N, int L16, bool kNat = false, int kImad = kImadMinRuns>
+// kNat: m in the same-row layout, kSorted: the runs sorted already, as for SelectTopK.
+template <int N, int L16, bool kNat = false, int kImad = kImadMinRuns, bool kSorted = false>
 __device__ __forceinline__ uint32_t SelectTop8Merge16(uint32_t (&m)[N], int need, bool* exact) {
   static_assert(L16 == 12 || L16 == 16, "top 12 or 16");
   static_assert(N % 8 == 0 && (!kNat || N >= 16), "runs of 8");
   constexpr int K = 8, kRuns = N / K;
-#pragma unroll
-  for (int r = 0; r < kRuns; ++r) {
-    if (r < kImad * kRuns / 4)
-      RunNet<K, N, false>(m, r * K);
-    else
-      RunNet<K, N, false, K, false>(m, r * K);
-  }
+  if constexpr (!kSorted) SortRuns<K, K, N, kImad>(m);
   constexpr int kRunLevels = kRuns >= 8 ? 3 : kRuns >= 4 ? 2 : kRuns >= 2 ? 1 : 0;
 #pragma unroll
   for (int lv = 0; lv < kRunLevels; ++lv)
@@ -652,34 +695,41 @@ __device__ __forceinline__ uint32_t SelectTop8Merge16(uint32_t (&m)[N], int need
 #pragma unroll
     for (int i = 0; i < 16; ++i) c[i] = i < L16 ? w[net.out[i]] : 0u;
   }
-  // Quad round 2 (xor 2): top 16 of the two sorted lists (bitonic; entries >= L16 count as 0),
-  // position need-1 only.
-  {
-    uint32_t b[16];
+  // Quad round 2 (xor 2): position need-1 of the union of the two sorted lists (entries >= L16
+  // count as 0): for need = L16, L16 - 1 (V at 0.92 of d 128: need 11) by the closed form of
+  // KthOfTwo, else the top 16 (bitonic) and the walk to position need-1.
+  uint32_t b[16];
 #pragma unroll
-    for (int i = 0; i < L16; ++i) b[i] = __shfl_xor_sync(0xffffffffu, c[i], 2);
-    TopKBitonic<16, L16>(c, c, 0, b, 0);
-  }
+  for (int i = 0; i < L16; ++i) b[i] = __shfl_xor_sync(0xffffffffu, c[i], 2);
   const int p = need - 1;
+  uint32_t tau;
+  if (KVPOOL_WRITE_KTH_FORMULA && L16 == 12 && p == L16 - 1) {
+    tau = KthOfTwo<L16 - 1>(c, b);
+  } else if (KVPOOL_WRITE_KTH_FORMULA && L16 == 12 && p == L16 - 2) {
+    tau = KthOfTwo<L16 - 2>(c, b);
+  } else {
+    TopKBitonic<16, L16>(c, c, 0, b, 0);
 #pragma unroll
-  for (int lv = 0; lv < 4; ++lv) {
-    const int j = 8 >> lv;
-    if (p & j) {
+    for (int lv = 0; lv < 4; ++lv) {
+      const int j = 8 >> lv;
+      if (p & j) {
 #pragma unroll
-      for (int i = 0; i < 8; ++i)
-        if (i < j) c[i] = SortMin(c[i], c[i + j]);
-    } else {
+        for (int i = 0; i < 8; ++i)
+          if (i < j) c[i] = SortMin(c[i], c[i + j]);
+      } else {
 #pragma unroll
-      for (int i = 0; i < 8; ++i)
-        if (i < j) c[i] = SortMax(c[i], c[i + j]);
+        for (int i = 0; i < 8; ++i)
+          if (i < j) c[i] = SortMax(c[i], c[i + j]);
+      }
     }
+    tau = c[0];
   }
   // ℓ <= τ' in both halves on all four lanes (τ' is the same on the quad's lanes).
-  uint32_t ok = GeMaskBf16x2(c[0], ell);
+  uint32_t ok = GeMaskBf16x2(tau, ell);
   ok &= __shfl_xor_sync(0xffffffffu, ok, 1);
   ok &= __shfl_xor_sync(0xffffffffu, ok, 2);
   *exact = ok == 0xffffffffu;
-  return c[0];
+  return tau;
 }
 
 // Any `need` (1..d): τ = the largest t with count(|x| >= t) >= need, built bit by bit (the
@@ -1611,6 +1661,9 @@ __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate, kWs>(), MinBlocks
             for (int p = 0; p < kRegs; ++p) m[p] = t[p];
           }
         };
+        // KVPOOL_WRITE_SHARED_RUNS: the runs of 8 sorted once for all the branches below.
+        constexpr bool kShared = KVPOOL_WRITE_SHARED_RUNS != 0 && !KVPOOL_WRITE_K_TOP5;
+        if (kShared && need <= 16) SortRuns<8, 8, kRegs, kImad>(m);
         if (need <= 6) {
 #if KVPOOL_WRITE_K_TOP5
           // per-lane top-5 lists, the quad's top 6, checked; rarely (a lane holding 6 of the
@@ -1627,14 +1680,14 @@ __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate, kWs>(), MinBlocks
             tau = SelectTopK<8, 6, kRegs, kNat, 6, kImad>(m, need);
           }
 #else
-          tau = SelectTopK<8, 6, kRegs, kNat, 6, kImad>(m, need);
+          tau = SelectTopK<8, 6, kRegs, kNat, 6, kImad, kShared>(m, need);
 #endif
         } else if (need <= 8) {
-          tau = SelectTopK<8, 8, kRegs, kNat, 8, kImad>(m, need);
+          tau = SelectTopK<8, 8, kRegs, kNat, 8, kImad, kShared>(m, need);
         } else if (need <= 16) {
           bool exact;
-          tau = need <= 12 ? SelectTop8Merge16<kRegs, 12, kNat, kImad>(m, need, &exact)
-                           : SelectTop8Merge16<kRegs, 16, kNat, kImad>(m, need, &exact);
+          tau = need <= 12 ? SelectTop8Merge16<kRegs, 12, kNat, kImad, kShared>(m, need, &exact)
+                           : SelectTop8Merge16<kRegs, 16, kNat, kImad, kShared>(m, need, &exact);
           if (!__all_sync(0xffffffffu, exact)) {  // rare: again from the parked values
 #pragma unroll
             for (int c = 0; c < kRegs / 4; ++c) {
