@@ -667,6 +667,48 @@ TEST_P(PoolIntegrationTest, ACommitCancelledAgainstAStoppedPoolReturnsAtOnce) {
   EXPECT_TRUE(look->num_blocks == 0 || look->num_blocks == 4) << look->num_blocks;
 }
 
+// AbortOpenPutsNow (kvpool-worker's second SIGTERM, newcomer s9b #9: the puts open then stayed
+// until the pool's put timeout): from another thread, every put still open is aborted at the
+// pool at once; the sessions are untouched, and a Commit after it fails without storing
+// anything; a committed put is not counted.
+TEST_P(PoolIntegrationTest, AbortOpenPutsNowAbortsEveryOpenPutFromAnotherThread) {
+  StartServer({"--capacity", "16MiB", "--put-timeout-ms", "600000"});
+  auto c = NewClient();
+  ASSERT_NE(c, nullptr);
+  ASSERT_TRUE(c->RegisterModel(Spec("int2")).ok());
+  const Sequence done = MakeSequence(2 * kPage, 96);
+  ASSERT_TRUE(c->Put(done.tokens, done.ks(), done.vs()).ok());
+  std::vector<Sequence> seqs = {MakeSequence(4 * kPage, 97), MakeSequence(3 * kPage, 98)};
+  std::vector<std::unique_ptr<client::PutSession>> puts;
+  for (const Sequence& s : seqs) {
+    auto begun = c->BeginPut(s.tokens);
+    ASSERT_TRUE(begun.ok()) << begun.status();
+    puts.push_back(*std::move(begun));
+    for (uint32_t l = 0; l < kLayers; ++l) {
+      ASSERT_TRUE(puts.back()->WriteLayer(l, s.ks()[l], s.vs()[l]).ok()) << l;
+    }
+    ASSERT_TRUE(puts.back()->Flush().ok());
+  }
+  auto before = c->Stats();
+  ASSERT_TRUE(before.ok()) << before.status();
+  EXPECT_EQ(before->open_puts, 2u);
+  int aborted = -1;
+  std::thread([&] { aborted = c->AbortOpenPutsNow(absl::Seconds(2)); }).join();
+  EXPECT_EQ(aborted, 2);
+  auto after = c->Stats();
+  ASSERT_TRUE(after.ok()) << after.status();
+  EXPECT_EQ(after->open_puts, 0u);
+  EXPECT_EQ(after->staging_bytes, 0u);
+  EXPECT_FALSE(puts[0]->Commit().ok());  // the pool no longer holds the put
+  puts.clear();                          // the destructors abort what is left: nothing
+  for (const Sequence& s : seqs) {
+    auto look = c->Lookup(s.tokens);
+    ASSERT_TRUE(look.ok()) << look.status();
+    EXPECT_EQ(look->num_blocks, 0u);
+  }
+  EXPECT_EQ(c->AbortOpenPutsNow(absl::Seconds(1)), 0);  // none open
+}
+
 // Newcomer report s7 F10: Abort (and the session's destructor) against a stopped pool first
 // waited for the put's WritePut calls in flight (each until its own call timeout) and then for
 // the AbortPut: 4.08 s with a 2 s call timeout over tcp, where CLIENT.md says the abort takes at

@@ -13,6 +13,7 @@
 // stopped the run (its report and metrics written: docs/WORKER.md "Stopping a worker").
 
 #include <fcntl.h>
+#include <poll.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -21,8 +22,11 @@
 #include <chrono>
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <memory>
+#include <mutex>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -103,48 +107,115 @@ int Usage(const std::string& message) {
 
 // SIGTERM/SIGINT: the handler records the signal; each role stops taking new prompts, aborts
 // its open puts, writes the report and metrics of what completed and exits 128 + the signal
-// (docs/WORKER.md "Stopping a worker"). SA_RESETHAND: a second signal ends the process at once.
-// The handler also wakes the stop watcher (a byte on g_stop_pipe), which cancels the pool calls
-// still unanswered kStopGrace later (a registration or BeginPut waiting for a pool that does
-// not answer held the stop for the whole call timeout: newcomer s9b #3, #4).
-volatile std::sig_atomic_t g_stop_signal = 0;
+// (docs/WORKER.md "Stopping a worker"). The handler also wakes the stop watcher (a byte on
+// g_stop_pipe), which cancels the pool calls still unanswered kStopGrace later (a registration
+// or BeginPut waiting for a pool that does not answer held the stop for the whole call timeout:
+// newcomer s9b #3, #4). A second signal ends the process at once, without the report: the
+// watcher first sends AbortPut for the puts still open, waiting at most kAtOnceAbortWait for the
+// pool's answers (they stayed open until the pool's put timeout: newcomer s9b #9), then the
+// signal's default action ends the process; a third signal ends it even while that runs.
+volatile std::sig_atomic_t g_stop_signal = 0;  // the first signal
+volatile std::sig_atomic_t g_last_signal = 0;
+volatile std::sig_atomic_t g_signals = 0;  // how many arrived
 int g_stop_pipe[2] = {-1, -1};
 
 // Calls a healthy pool answers within milliseconds (a commit that is under way when the signal
 // comes) are left this long to finish before they are cancelled: a CommitPut cancelled in
 // flight may still commit, so the worker could not tell whether the prompt was stored.
 constexpr std::chrono::milliseconds kStopGrace{250};
+// How long the second signal's AbortPuts may take before the process ends.
+constexpr absl::Duration kAtOnceAbortWait = absl::Milliseconds(300);
+
+// The client whose open puts the second signal aborts (null: none); g_at_once_mu is held while
+// they are aborted and while the client is set or cleared, so it is never used once destroyed.
+std::mutex g_at_once_mu;
+kvpool::client::Client* g_at_once_client = nullptr;
 
 extern "C" void OnStopSignal(int sig) {
   const int saved_errno = errno;
-  g_stop_signal = sig;
+  const int n = g_signals + 1;
+  g_signals = n;  // both signals are blocked while the handler runs (sa_mask)
+  if (n == 1) g_stop_signal = sig;
+  g_last_signal = sig;
+  if (n >= 3 || (n >= 2 && g_stop_pipe[1] < 0)) {
+    ::signal(sig, SIG_DFL);  // async-signal-safe, as raise
+    ::raise(sig);
+  }
   const char b = 1;
   if (g_stop_pipe[1] >= 0) (void)!::write(g_stop_pipe[1], &b, 1);  // async-signal-safe
   errno = saved_errno;
 }
 
+// The second signal: abort the open puts (bounded), then end the process by the signal.
+[[noreturn]] void ExitAtOnce() {
+  const int sig = g_last_signal;
+  {
+    std::lock_guard<std::mutex> lock(g_at_once_mu);
+    if (g_at_once_client != nullptr) {
+      const int aborted = g_at_once_client->AbortOpenPutsNow(kAtOnceAbortWait);
+      std::fprintf(stderr,
+                   "kvpool-worker: second %s: exiting at once, without the report (%d open "
+                   "put(s) aborted)\n",
+                   sig == SIGINT ? "SIGINT" : "SIGTERM", aborted);
+    }
+  }
+  ::signal(sig, SIG_DFL);
+  ::raise(sig);
+  std::_Exit(128 + sig);  // not reached: the default action of SIGTERM/SIGINT ends the process
+}
+
 // Installs the handlers and starts the stop watcher; returns the token it cancels kStopGrace
-// after the first signal (passed to the pool calls that may wait for an unresponsive pool).
+// after the first signal (at once after a second), passed to the pool calls that may wait for
+// an unresponsive pool.
 std::shared_ptr<kvpool::client::CancelToken> InstallStopHandlers() {
   auto token = std::make_shared<kvpool::client::CancelToken>();
   if (::pipe2(g_stop_pipe, O_CLOEXEC) == 0) {
     ::fcntl(g_stop_pipe[1], F_SETFL, O_NONBLOCK);  // the handler never blocks
     std::thread([token] {
-      char b;
-      while (::read(g_stop_pipe[0], &b, 1) < 0 && errno == EINTR) {
+      auto next_signal = [](int timeout_ms) {  // true: a byte arrived within timeout_ms
+        pollfd p{g_stop_pipe[0], POLLIN, 0};
+        int r;
+        while ((r = ::poll(&p, 1, timeout_ms)) < 0 && errno == EINTR) {
+        }
+        char b;
+        return r > 0 && ::read(g_stop_pipe[0], &b, 1) == 1;
+      };
+      while (!next_signal(-1)) {
       }
-      std::this_thread::sleep_for(kStopGrace);
+      const bool second = next_signal(static_cast<int>(kStopGrace.count()));
       token->Cancel();
+      if (!second) {
+        while (!next_signal(-1)) {
+        }
+      }
+      ExitAtOnce();
     }).detach();
   }
   struct sigaction sa {};
   sa.sa_handler = OnStopSignal;
   sigemptyset(&sa.sa_mask);
-  sa.sa_flags = SA_RESETHAND | SA_RESTART;
+  sigaddset(&sa.sa_mask, SIGTERM);
+  sigaddset(&sa.sa_mask, SIGINT);
+  sa.sa_flags = SA_RESTART;
   sigaction(SIGTERM, &sa, nullptr);
   sigaction(SIGINT, &sa, nullptr);
   return token;
 }
+
+// Makes `client` the one the second signal aborts the open puts of, until destroyed.
+class AtOnceClient {
+ public:
+  explicit AtOnceClient(kvpool::client::Client* client) {
+    std::lock_guard<std::mutex> lock(g_at_once_mu);
+    g_at_once_client = client;
+  }
+  ~AtOnceClient() {
+    std::lock_guard<std::mutex> lock(g_at_once_mu);
+    g_at_once_client = nullptr;
+  }
+  AtOnceClient(const AtOnceClient&) = delete;
+  AtOnceClient& operator=(const AtOnceClient&) = delete;
+};
 
 // The stop signal received so far; 0 when none.
 int StopSignal() { return g_stop_signal; }
@@ -657,7 +728,8 @@ int main(int argc, char** argv) {
   clo.default_timeout = absl::Milliseconds(call_timeout_ms);
   clo.put_timeout = absl::Milliseconds(put_timeout_ms);
   std::unique_ptr<kvpool::client::Client> client;
-  absl::Status client_error;  // the pool's own status, code kept (docs/WORKER.md)
+  std::optional<AtOnceClient> at_once;  // after `client`: cleared before it is destroyed
+  absl::Status client_error;            // the pool's own status, code kept (docs/WORKER.md)
   if (auto c = kvpool::client::Client::Create(clo); !c.ok()) {
     // Create makes no RPC: its failure is this worker's own configuration (the UCX transport
     // list, the address), not the pool, so both roles stop instead of falling back.
@@ -686,6 +758,7 @@ int main(int argc, char** argv) {
     } else {
       KVPOOL_LOG_INFO("registered {} rev {} with the pool at {} (epoch {})", model_id, revision,
                       pool, info->pool_epoch);
+      if (role == "prefill") at_once.emplace(client.get());  // its puts, on a second signal
       if (*fault_or == kw::Fault::kStopPoolAfterRegister) {
         KVPOOL_LOG_WARN("fault stop-pool-after-register: stopping pool pid {}", fault_pool_pid);
         // A pool thread already running may still answer the next call: wait (up to 2 s)

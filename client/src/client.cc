@@ -398,6 +398,11 @@ struct SessionLink {
   std::mutex mu;
   PutSessionImpl* session = nullptr;  // null once the session's destructor ran (guarded by mu)
   bool client_gone = false;           // the Client's destructor detached it (guarded by mu)
+  // The put, for Client::AbortOpenPutsNow from another thread (set before the link is shared,
+  // never changed).
+  Digest namespace_id{};
+  uint64_t epoch = 0;
+  uint64_t put_id = 0;
 };
 
 // A pool-initiated put's pull (one asynchronous WritePut call): its status, and a way to cancel
@@ -1257,7 +1262,7 @@ class ClientImpl final : public Client {
     auto session = std::make_unique<PutSessionImpl>(
         this, c, resp.put_id(), num_blocks, std::move(writes), options_.default_timeout,
         start + absl::Milliseconds(resp.timeout_ms()), call.cancel);
-    session->SetLink(AddSession(session.get()));
+    session->SetLink(AddSession(session.get(), c, resp.put_id()));
     if (!bad.ok()) return bad;  // the session's destructor aborts the put
     return session;
   }
@@ -1573,6 +1578,34 @@ class ClientImpl final : public Client {
           }
           tracker->End();  // last use of the tracker's client
         });
+  }
+
+  int AbortOpenPutsNow(absl::Duration wait) override {
+    std::vector<std::shared_ptr<SessionLink>> open;
+    {
+      std::lock_guard<std::mutex> lock(sessions_mu_);
+      for (const auto& [session, link] : sessions_) open.push_back(link);
+    }
+    const absl::Time deadline = absl::Now() + wait;
+    int aborted = 0;
+    for (const std::shared_ptr<SessionLink>& link : open) {
+      // Begun before the pool restarted: the restarted pool never knew the put.
+      if (!OtherIncarnation(link->epoch, link->put_id).ok()) continue;
+      ConnSnapshot c;
+      c.namespace_id = link->namespace_id;
+      for (;;) {
+        const absl::Status st = AbortRpc(c, link->put_id, deadline);
+        if (st.ok()) ++aborted;
+        // FAILED_PRECONDITION: a pull of the put still runs at the pool (it drops a cancelled
+        // one within ~100 ms): ask again while the time lasts.
+        if (!absl::IsFailedPrecondition(st) || absl::Now() + absl::Milliseconds(20) >= deadline) {
+          break;
+        }
+        absl::SleepFor(absl::Milliseconds(20));
+      }
+      if (absl::Now() >= deadline) break;
+    }
+    return aborted;
   }
 
   // ---- for PutSessionImpl ----
@@ -1981,9 +2014,13 @@ class ClientImpl final : public Client {
  public:
   // ---- open put sessions (F12) ----
   // Links a new session to this client (BeginPut); the session's destructor removes it.
-  std::shared_ptr<SessionLink> AddSession(PutSessionImpl* session) {
+  std::shared_ptr<SessionLink> AddSession(PutSessionImpl* session, const ConnSnapshot& c,
+                                          uint64_t put_id) {
     auto link = std::make_shared<SessionLink>();
     link->session = session;
+    link->namespace_id = c.namespace_id;
+    link->epoch = c.epoch;
+    link->put_id = put_id;
     std::lock_guard<std::mutex> lock(sessions_mu_);
     sessions_[session] = link;
     return link;

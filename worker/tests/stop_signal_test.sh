@@ -8,7 +8,8 @@
 #   3. eval on SIGINT exits 130 with an interrupted report;
 #   4. a stop while a call waits for a stopped pool, or during the start-up registration with a
 #      pool that never answers, cancels that call (250 ms after the signal) instead of waiting
-#      for its --call-timeout-ms, and still writes the report (newcomer s9b #3, #4).
+#      for its --call-timeout-ms, and still writes the report (newcomer s9b #3, #4);
+#   5. a second SIGTERM ends a prefill node at once with its open puts aborted (s9b #9).
 # Newcomer s9 A4: exit 143 with no log line, no report, no metrics, open puts pinning staging.
 # Usage: stop_signal_test.sh SERVER WORKER KVPOOL_TOOL MODEL DEMO_DIR
 set -uo pipefail
@@ -88,6 +89,31 @@ assert int(m["kvpool_worker_prefill_interrupted_prompts_total"]) == len(interrup
 assert int(m["kvpool_worker_pushed_bytes_total"]) == d["overall"]["bytes_written"] > 0, m
 print(f"ok: prefill report: {len(stored)} stored, {len(interrupted)} interrupted, metrics agree")
 PY
+
+echo "== prefill: a second SIGTERM 5 ms after the first ends the worker at once, its open puts aborted"
+# The first stop waits for the prompt being computed (~0.2 s); the second comes during it (most
+# runs) or after the first stop ended. Either way the pool holds no open put right after the
+# exit: the second signal sends the AbortPuts (waiting at most 300 ms) before the default action
+# ends the process (newcomer s9b #9: both puts stayed open until the pool's put timeout).
+"${worker_bin}" --role prefill "${common[@]}" "${prompts[@]}" --report "${work}/prefill_twice.json" \
+  >/dev/null 2>"${work}/prefill_twice.log" &
+wpid=$!
+wait_for "I prefill " "${work}/prefill_twice.log" "${wpid}" || fail "no 'I prefill' line before the run ended"
+kill -TERM "${wpid}"; sleep 0.005
+t0=$(date +%s%N)
+kill -TERM "${wpid}" 2>/dev/null; wait "${wpid}"; rc=$?; wpid=""
+ms=$(( ($(date +%s%N) - t0) / 1000000 ))
+[[ ${rc} -eq 143 ]] && echo "ok: exit 143" || fail "exit ${rc} after two SIGTERMs, want 143"
+(( ms < 1500 )) && echo "ok: exit ${ms} ms after the second SIGTERM" || fail "exit ${ms} ms after the second SIGTERM"
+open="$(metric kvpool_open_puts)"; staging="$(metric kvpool_staging_bytes)"
+[[ "${open}" == "0" && "${staging}" == "0" ]] && echo "ok: the pool holds no open put right after the exit" \
+  || { cat "${work}/prefill_twice.log" >&2; fail "after two SIGTERMs the pool still holds ${open} open put(s), ${staging} staging bytes"; }
+if grep -q "kvpool-worker: second SIGTERM: exiting at once, without the report" "${work}/prefill_twice.log"; then
+  echo "ok: the second signal came during the stop: $(grep -o '([0-9]* open put(s) aborted)' "${work}/prefill_twice.log")"
+  [[ ! -e "${work}/prefill_twice.json" ]] || fail "a report was written after the second signal"
+else
+  echo "ok: the first stop had ended before the second signal"
+fi
 
 echo "== prefill: SIGTERM while the pool is stopped (SIGSTOP): no put is said to be aborted, prompt exit"
 # The pool is stopped 1 s before the SIGTERM, so the worker waits in a pool call then (a CommitPut,

@@ -711,6 +711,16 @@ class Client {
   // The pool's counters. Needs no registration.
   virtual absl::StatusOr<PoolStats> Stats(const CallOptions& call = {}) = 0;
 
+  // For a process about to exit at once (kvpool-worker's second SIGTERM): sends AbortPut for
+  // every put of this client still open (a PutSession begun and not yet destroyed; one already
+  // committed or aborted answers NOT_FOUND), one after the other, until every one is answered
+  // or `wait` has passed, so that the pool frees their staging now instead of at its put
+  // timeout. A put the pool is still pulling a layer of (FAILED_PRECONDITION) is asked again
+  // every 20 ms within `wait`. The sessions are not touched (their later calls behave as
+  // without this call; one may then find its put gone). Thread-safe: callable while other
+  // threads are inside calls of those sessions. Returns how many puts the pool aborted.
+  virtual int AbortOpenPutsNow(absl::Duration wait) = 0;
+
   // The endpoint and unpacked remote key for a leased form, for callers that drive the data
   // plane themselves (transport().Prepare/Post). Valid until the pool's epoch changes.
   // Errors: UNAVAILABLE (epoch changed or data plane down), INVALID_ARGUMENT (rkey bytes),
