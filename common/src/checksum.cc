@@ -13,12 +13,36 @@
 
 namespace kvpool {
 
-// On x86-64 through libxxhash's runtime dispatch (AVX-512 / AVX2 when the CPU has them; same
-// values as the plain entry points): Debian builds those for baseline x86-64 (SSE2), which ran
-// at 2.3-4 GB/s against 6-28 GB/s dispatched on 256 KiB-4 MiB forms — slower than the copy a
-// reader verifies and the staging bytes the pool checks at commit.
+#if defined(__x86_64__)
+namespace internal {
+uint64_t Xxh3Avx2(const void* data, size_t size);  // checksum_avx2.cc
+}  // namespace internal
+
+namespace {
+bool HaveAvx2() {
+  static const bool have = [] {
+    __builtin_cpu_init();  // may run before libgcc's own initialisation (a static constructor)
+    return __builtin_cpu_supports("avx2") != 0;
+  }();
+  return have;
+}
+}  // namespace
+#endif
+
+// On x86-64: the AVX2 build of xxh3 (checksum_avx2.cc) when the CPU has AVX2, else libxxhash's
+// runtime dispatch; the same values either way. Debian builds the plain entry points for
+// baseline x86-64 (SSE2), which ran at 2.3-4 GB/s against 6-28 GB/s dispatched on 256 KiB-4 MiB
+// forms — slower than the copy a reader verifies and the staging bytes the pool checks at
+// commit. The dispatch takes AVX-512 where the CPU has it; the AVX2 build is used instead since
+// session 10: the client's copy threads hash a few 16 KiB chunks per put or fetch, short bursts
+// in which the AVX-512 path ran slower on the H200 host (Intel Xeon): with the AVX2 build in
+// client and pool, the geometric mean of bytes / p50 of the 256 KiB and 1 MiB asynchronous put
+// and first fetch was 1.12x and 1.16x that of the same build hashing through the dispatch, in
+// the two rounds of one call (docs/TRANSPORT.md "Session 10", which also says what is not known
+// about 4 MiB). Xxh3Stream keeps the dispatch.
 uint64_t Xxh3(const void* data, size_t size) {
 #if defined(__x86_64__)
+  if (HaveAvx2()) return internal::Xxh3Avx2(data, size);
   return XXH3_64bits_dispatch(data, size);
 #else
   return XXH3_64bits(data, size);
