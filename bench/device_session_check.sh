@@ -70,7 +70,7 @@ if [ -n "${POOL_BUILDS:-}" ]; then
       (export LD_LIBRARY_PATH="$PWD/$DEVLIBS/lib" UCX_MODULE_DIR="$P/ucx" PATH="$P/bin:$PATH" UCX_NET_DEVICES=lo PYTHONUNBUFFERED=1
         timeout 120 python3 bench/pool_bench.py --build "$P/$b" --tls posix,cma --repeat 3 \
           --results "$OUT/r" --sizes-kib "${POOL_SIZES_KIB:-256,1024,4096}" --tag "s_${b}_r$r" \
-          ${rot[@]+"${rot[@]}"} --bench-flag=--commit-blocks=4 --bench-flag=--lookup-clients=2) 2>&1 | tee -a "$LOG" | tail -14
+          ${rot[@]+"${rot[@]}"} --bench-flag=--commit-blocks=4 --bench-flag=--lookup-clients=16) 2>&1 | tee -a "$LOG" | tail -14
     done
   done
   if [ -n "${POOL_TCP_BUILD:-}" ]; then
@@ -79,7 +79,7 @@ if [ -n "${POOL_BUILDS:-}" ]; then
     (export LD_LIBRARY_PATH="$PWD/$DEVLIBS/lib" UCX_MODULE_DIR="$P/ucx" PATH="$P/bin:$PATH" UCX_NET_DEVICES=lo PYTHONUNBUFFERED=1
       timeout 180 python3 bench/pool_bench.py --build "$P/$b" --tls tcp --repeat 3 \
         --results "$OUT/r" --sizes-kib "${POOL_SIZES_KIB:-256,1024,4096}" --tag "s_${b}_tcp" \
-        ${rot[@]+"${rot[@]}"} --bench-flag=--commit-blocks=4 --bench-flag=--lookup-clients=2) 2>&1 | tee -a "$LOG" | tail -14
+        ${rot[@]+"${rot[@]}"} --bench-flag=--commit-blocks=4 --bench-flag=--lookup-clients=16) 2>&1 | tee -a "$LOG" | tail -14
   fi
 fi
 stamp "== done"
