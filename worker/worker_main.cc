@@ -9,7 +9,8 @@
 //       --report eval.json        # no pool: fp32 vs bf16/int2 x windows
 //
 // Standard output: the continuations (decode, eval) as text; logs go to standard error.
-// Exit codes: 0 ok, 1 usage, 2 runtime error, 128 + signal when SIGTERM (143) or SIGINT (130)
+// Exit codes: 0 ok, 1 usage, 2 runtime error, 128 + signal when SIGTERM (143), SIGINT (130) or
+// a closed standard output (SIGPIPE, 141)
 // stopped the run (its report and metrics written: docs/WORKER.md "Stopping a worker").
 
 #include <fcntl.h>
@@ -199,6 +200,7 @@ std::shared_ptr<kvpool::client::CancelToken> InstallStopHandlers() {
   sa.sa_flags = SA_RESTART;
   sigaction(SIGTERM, &sa, nullptr);
   sigaction(SIGINT, &sa, nullptr);
+  ::signal(SIGPIPE, SIG_IGN);  // a closed stdout: FlushStdout
   return token;
 }
 
@@ -220,7 +222,19 @@ class AtOnceClient {
 // The stop signal received so far; 0 when none.
 int StopSignal() { return g_stop_signal; }
 
-const char* SignalName(int sig) { return sig == SIGINT ? "SIGINT" : "SIGTERM"; }
+const char* SignalName(int sig) {
+  return sig == SIGINT ? "SIGINT" : sig == SIGPIPE ? "SIGPIPE" : "SIGTERM";
+}
+
+// Flushes standard output (each answer as it completes). A reader that went away (a pipe into
+// `head -1`) stops the run like SIGTERM, as if by SIGPIPE (128 + 13 = 141), with the report and
+// metrics of what completed: SIGPIPE is ignored, so the write fails with EPIPE instead of
+// killing the worker silently with neither (newcomer s10 F2).
+void FlushStdout() {
+  if ((std::fflush(stdout) != 0 || std::ferror(stdout)) && g_stop_signal == 0) {
+    g_stop_signal = SIGPIPE;
+  }
+}
 
 // Marks the report of a run that a stop signal ended (nothing when `sig` is 0).
 void NoteInterrupted(nlohmann::json& out, int sig) {
@@ -229,9 +243,15 @@ void NoteInterrupted(nlohmann::json& out, int sig) {
 }
 
 // The end of a run a stop signal ended: one line whatever --log-level says, exit 128 + signal.
-int Interrupted(int sig, const std::string& what) {
-  std::fprintf(stderr, "kvpool-worker: stopped by %s: %s\n", SignalName(sig), what.c_str());
-  return 128 + sig;
+// The report and metrics are written by then. The process ends here, without tearing down the
+// client: with a pool that stopped answering (SIGSTOP), UCX 1.13 asserted in ucp_worker_destroy
+// on a wireup reply still pending toward that pool (SIGABRT, exit 134 instead of 143: newcomer
+// s10 F1); the OS closes the connections.
+[[noreturn]] void Interrupted(int sig, const std::string& what) {
+  std::fprintf(stderr, "kvpool-worker: stopped by %s%s: %s\n", SignalName(sig),
+               sig == SIGPIPE ? " (standard output was closed)" : "", what.c_str());
+  std::fflush(nullptr);
+  std::_Exit(128 + sig);
 }
 
 // One counter of --metrics-file.
@@ -670,7 +690,7 @@ int main(int argc, char** argv) {
       }
       out["prompts"].push_back(pj);
       ++done;
-      std::fflush(stdout);  // each prompt's lines as it completes, also into a file or pipe
+      FlushStdout();  // each prompt's lines as it completes, also into a file or pipe
     }
     const int stop_signal = StopSignal();
     for (auto& [k, r] : overall) out["overall"][k] = TfJson(r);
@@ -687,8 +707,8 @@ int main(int argc, char** argv) {
       return Fail(s, "--report");
     }
     if (stop_signal != 0) {
-      return Interrupted(stop_signal,
-                         absl::StrCat("eval: ", done, " of ", prompts.size(), " prompt(s) run"));
+      Interrupted(stop_signal,
+                  absl::StrCat("eval: ", done, " of ", prompts.size(), " prompt(s) run"));
     }
     return kvpool::cli::kExitOk;
   }
@@ -913,10 +933,9 @@ int main(int argc, char** argv) {
       return Fail(s, "--report");
     }
     if (stop_signal != 0) {
-      return Interrupted(
-          stop_signal,
-          absl::StrCat("prefill: ", prompts.size() - skipped - failed - not_stored, " of ",
-                       prompts.size(), " prompt(s) stored, ", not_stored, " not"));
+      Interrupted(stop_signal,
+                  absl::StrCat("prefill: ", prompts.size() - skipped - failed - not_stored, " of ",
+                               prompts.size(), " prompt(s) stored, ", not_stored, " not"));
     }
     if (failed > 0) {
       // The run's outcome: printed whatever --log-level says, with the first failure.
@@ -997,7 +1016,7 @@ int main(int argc, char** argv) {
                 r->fallback ? ", FALLBACK: computed locally" : "", Text(engine, r->tokens).c_str());
     // Each answer as it completes, also into a file or pipe (block-buffered stdout lost every
     // answer of a SIGTERMed run: newcomer s9 A4).
-    std::fflush(stdout);
+    FlushStdout();
     ++served;
     out["prompts"].push_back(pj);
     moved += r->bytes_moved;
@@ -1054,8 +1073,8 @@ int main(int argc, char** argv) {
     return Fail(s, "--report");
   }
   if (stop_signal != 0) {
-    return Interrupted(stop_signal, absl::StrCat("decode: ", served, " of ", prompts.size(),
-                                                 " request(s) served"));
+    Interrupted(stop_signal,
+                absl::StrCat("decode: ", served, " of ", prompts.size(), " request(s) served"));
   }
   return kvpool::cli::kExitOk;
 }

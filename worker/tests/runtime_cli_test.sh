@@ -64,6 +64,33 @@ expect_err "W --pool is ignored by --role eval (it is for --role prefill and dec
 [[ ! -e "${work}/eval.prom" ]] || { echo "FAIL: eval wrote --metrics-file" >&2; failures=$((failures + 1)); }
 expect 1 "decode: ignored flags are named" -- "${worker}" --role decode --pool 127.0.0.1:1 --put-timeout-ms 5 --sink-tokens 40 "${base[@]}" "${prompt[@]}"
 expect_err "W --put-timeout-ms is ignored by --role decode (it is for --role prefill)" "decode names the ignored --put-timeout-ms"
+# A closed stdout (a pipe into head) stops decode and eval like SIGTERM, as SIGPIPE: report,
+# metrics and a last line, exit 141 (newcomer s10 F2: killed by SIGPIPE with none of them).
+five=(); for f in "${demo}"/prompts/0*.txt; do five+=(--prompt-file "${f}"); done
+"${worker}" --role decode --pool 127.0.0.1:1 "${model_flags[@]}" "${five[@]}" --max-new-tokens 4 \
+  --teacher-force false --report "${work}/pipe.json" --metrics-file "${work}/pipe.prom" 2>"${work}/err" | head -1 >/dev/null
+rc=${PIPESTATUS[0]}
+[[ ${rc} -eq 141 ]] && echo "ok: decode into a closed pipe (exit 141)" || { echo "FAIL: decode into a closed pipe: exit ${rc}, want 141" >&2; failures=$((failures + 1)); }
+expect_err "kvpool-worker: stopped by SIGPIPE (standard output was closed): decode: " "the last line names SIGPIPE"
+python3 - "${work}" <<'PY' || { echo "FAIL: decode report / metrics after a closed stdout" >&2; failures=$((failures + 1)); }
+import json, sys
+w = sys.argv[1]
+d = json.load(open(f"{w}/pipe.json"))
+assert d["interrupted"] is True and d["interrupt_signal"] == "SIGPIPE", d.get("interrupt_signal")
+assert 1 <= len(d["prompts"]) < 5 and d["prompts_not_run"] == 5 - len(d["prompts"]), d["prompts_not_run"]
+m = dict(l.split() for l in open(f"{w}/pipe.prom") if not l.startswith("#"))
+assert int(m["kvpool_worker_requests_total"]) == len(d["prompts"]), m
+print(f"ok: decode report and metrics after a closed stdout: {len(d['prompts'])} served")
+PY
+"${worker}" --role eval "${model_flags[@]}" "${five[@]}" --max-new-tokens 2 --eval-windows 64:256 \
+  --report "${work}/pipe_eval.json" 2>"${work}/err" | head -1 >/dev/null
+rc=${PIPESTATUS[0]}
+[[ ${rc} -eq 141 ]] && echo "ok: eval into a closed pipe (exit 141)" || { echo "FAIL: eval into a closed pipe: exit ${rc}, want 141" >&2; failures=$((failures + 1)); }
+python3 -c "
+import json
+d = json.load(open('${work}/pipe_eval.json'))
+assert d['interrupted'] is True and d['interrupt_signal'] == 'SIGPIPE' and d['prompts_not_run'] >= 1, d.get('interrupt_signal')
+print('ok: eval report after a closed stdout')" || { echo "FAIL: eval report after a closed stdout" >&2; failures=$((failures + 1)); }
 # --eval-windows pairs are plain decimal, as the integer flags (newcomer s9b #7: +256 and 0256 ran).
 for bad in +256:0 0256:0 256:+0 256:00 " 256:0" 0x100:0; do
   expect 1 "eval window '${bad}'" -- "${worker}" --role eval --page-size 256 --eval-windows "${bad}" "${base[@]}" "${prompt[@]}"
