@@ -31,6 +31,7 @@
 #include <sstream>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -426,7 +427,39 @@ int main(int argc, char** argv) {
                                {{model_opt}, {rotations_opt}, {prompts_opt}});
   KVPOOL_CLI_PARSE(app, argc, argv);
   const std::shared_ptr<kvpool::client::CancelToken> stop_token = InstallStopHandlers();
-  if (model_id.empty()) model_id = std::filesystem::path(model).stem().string();
+  const bool model_id_default = model_id.empty();
+  if (model_id_default) model_id = std::filesystem::path(model).stem().string();
+  const bool pool_role = role != "eval";
+  // The pool takes 1-256 printable ASCII bytes for each identity field (docs/PROTOCOL.md
+  // "Registration"); check before any work, naming where a default came from (a --model file
+  // named "my model ü.gguf" failed at the registration, exit 2, or made decode fall back
+  // silently: newcomer s10 F5).
+  for (const auto& [flag, value, derived] :
+       {std::tuple<const char*, const std::string&, bool>{"--model-id", model_id, model_id_default},
+        {"--revision", revision, false}}) {
+    if (!pool_role || value == "auto") continue;
+    std::string bad;
+    if (value.size() > 256) {
+      bad = absl::StrCat("is ", value.size(), " bytes long (at most 256)");
+    }
+    for (size_t i = 0; i < value.size() && bad.empty(); ++i) {
+      const auto c = static_cast<unsigned char>(value[i]);
+      if (c < 0x20 || c > 0x7e) {
+        char hex[8];
+        std::snprintf(hex, sizeof(hex), "0x%02x", c);
+        bad =
+            absl::StrCat("has byte ", i, " (", hex, "), which is not printable ASCII (0x20..0x7e)");
+      }
+    }
+    if (!bad.empty()) {
+      return Usage(absl::StrCat(flag, ": '", value, "' ",
+                                derived ? "(the default: the --model file's name without "
+                                          "its extension) "
+                                        : "",
+                                bad, "; the pool takes 1-256 printable ASCII bytes",
+                                derived ? ": give --model-id" : ""));
+    }
+  }
 
   auto fault_or = kw::ParseFault(fault);
   if (!fault_or.ok()) {
@@ -434,7 +467,8 @@ int main(int argc, char** argv) {
                  std::string(fault_or.status().message()).c_str());
     return kvpool::cli::kExitUsage;
   }
-  if (NeedsPoolPid(*fault_or) && fault_pool_pid <= 0) {
+  // eval ignores --fault and --fault-pool-pid (named in a warning below), so it checks neither.
+  if (pool_role && NeedsPoolPid(*fault_or) && fault_pool_pid <= 0) {
     std::fprintf(stderr,
                  "kvpool-worker: --fault-pool-pid: %s needs the pool's pid (a positive integer)\n",
                  fault.c_str());
@@ -444,7 +478,8 @@ int main(int argc, char** argv) {
   // `sleep`: newcomer s9 A8).
   // A cheap first check here, before any work; the pool confirms its pid once it is reached
   // (CheckFaultPoolPid).
-  if (NeedsPoolPid(*fault_or) && !kvpool::ProcessRuns(fault_pool_pid, "kvpool-server")) {
+  if (pool_role && NeedsPoolPid(*fault_or) &&
+      !kvpool::ProcessRuns(fault_pool_pid, "kvpool-server")) {
     const std::optional<std::string> comm = kvpool::ProcessComm(fault_pool_pid);
     const std::string is = comm.has_value()
                                ? absl::StrCat("is '", *comm, "' (/proc/", fault_pool_pid, "/comm)")

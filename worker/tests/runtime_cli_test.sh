@@ -91,6 +91,22 @@ import json
 d = json.load(open('${work}/pipe_eval.json'))
 assert d['interrupted'] is True and d['interrupt_signal'] == 'SIGPIPE' and d['prompts_not_run'] >= 1, d.get('interrupt_signal')
 print('ok: eval report after a closed stdout')" || { echo "FAIL: eval report after a closed stdout" >&2; failures=$((failures + 1)); }
+# The registered identity is checked before any work, naming where a default came from (newcomer
+# s10 F5: a model file named "my model ü.gguf" failed at the registration, exit 2, or made decode
+# fall back silently).
+ln -s "${model}" "${work}/my model ü.gguf"
+for r in prefill decode; do
+  expect 1 "${r}: a default --model-id that is not printable ASCII" -- "${worker}" --role "${r}" --pool 127.0.0.1:1 --model "${work}/my model ü.gguf" --rotations "${work}/rot.safetensors" "${prompt[@]}"
+  expect_err "kvpool-worker: --model-id: 'my model ü' (the default: the --model file's name without its extension) has byte 9 (0xc3), which is not printable ASCII" "the message names --model-id and its default"
+done
+expect 1 "an explicit --revision that is not printable ASCII" -- "${worker}" --role decode --pool 127.0.0.1:1 --revision "r$(printf '\t')1" "${base[@]}" "${prompt[@]}"
+expect_err "kvpool-worker: --revision: " "the message names --revision"
+expect 0 "eval takes any --model file name (it registers nothing)" -- "${worker}" --role eval --model "${work}/my model ü.gguf" --rotations "${work}/rot.safetensors" --max-new-tokens 1 --eval-windows 0:0 "${prompt[@]}"
+# eval ignores --fault and --fault-pool-pid: named, not checked (newcomer s10 F9).
+sleep 30 & sleeper2=$!
+expect 0 "eval with a pool fault hook and a pid that is not kvpool-server" -- "${worker}" --role eval --fault kill-pool-mid-fetch --fault-pool-pid "${sleeper2}" --max-new-tokens 1 --eval-windows 0:0 "${model_flags[@]}" "${prompt[@]}"
+expect_err "W --fault-pool-pid is ignored by --role eval" "the ignored hook is named"
+kill "${sleeper2}"; wait "${sleeper2}" 2>/dev/null
 # --eval-windows pairs are plain decimal, as the integer flags (newcomer s9b #7: +256 and 0256 ran).
 for bad in +256:0 0256:0 256:+0 256:00 " 256:0" 0x100:0; do
   expect 1 "eval window '${bad}'" -- "${worker}" --role eval --page-size 256 --eval-windows "${bad}" "${base[@]}" "${prompt[@]}"
