@@ -390,7 +390,8 @@ int main(int argc, char** argv) {
   app.add_option("--ucx-tls", ucx_tls, "UCX transports of the data plane")->capture_default_str();
   app.add_option("--put-timeout-ms", put_timeout_ms,
                  "prefill: how long a put may stay open between BeginPut and Commit before the "
-                 "pool drops it; 0 = the pool's --put-timeout-ms")
+                 "pool drops it; 0 = the pool's --put-timeout-ms; the pool caps it at the larger "
+                 "of 10 min and its own --put-timeout-ms (a warning says so)")
       ->capture_default_str()
       ->check(kvpool::cli::Range(0, 3600000));
   app.add_option("--call-timeout-ms", call_timeout_ms,
@@ -776,7 +777,8 @@ int main(int argc, char** argv) {
                         .fault_pool_pid = fault_pool_pid,
                         .fault = *fault_or,
                         .reconnect_wait = std::chrono::milliseconds(call_timeout_ms),
-                        .cancel = stop_token};
+                        .cancel = stop_token,
+                        .put_timeout = std::chrono::milliseconds(put_timeout_ms)};
   kvpool::client::ClientOptions clo;
   clo.server = pool;
   clo.ucx_tls = ucx_tls;

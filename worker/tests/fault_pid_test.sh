@@ -37,9 +37,14 @@ start_pool b
   --out "${work}/rot.safetensors" >/dev/null 2>&1 || { echo "calibrate failed" >&2; exit 1; }
 common=(--model "${model}" --rotations "${work}/rot.safetensors" --max-new-tokens 4
         --prompt-file "${demo}/prompts/01_kite.txt" --prompt-file "${demo}/prompts/02_garden.txt")
-# Pool b holds blocks: what a wrong pid would destroy.
-"${worker_bin}" --role prefill --pool "${b_addr}" "${common[@]}" >/dev/null 2>"${work}/prefill_b.log" \
-  || { cat "${work}/prefill_b.log" >&2; fail "prefill into pool b"; }
+# Pool b holds blocks: what a wrong pid would destroy. (Also: a --put-timeout-ms beyond what the
+# pool grants, 10 min here, is named in a warning: newcomer s10 F3.)
+"${worker_bin}" --role prefill --pool "${b_addr}" "${common[@]}" --put-timeout-ms 3600000 \
+  >/dev/null 2>"${work}/prefill_b.log" || { cat "${work}/prefill_b.log" >&2; fail "prefill into pool b"; }
+grep -q "W prefill: the pool grants each put about 600 s, not the 3600000 ms of --put-timeout-ms" \
+  "${work}/prefill_b.log" && echo "ok: the capped put timeout is named" \
+  || { cat "${work}/prefill_b.log" >&2; fail "no warning for the capped --put-timeout-ms"; }
+[[ $(grep -c "the pool grants each put" "${work}/prefill_b.log") -eq 1 ]] || fail "the put-timeout warning is not logged once"
 
 echo "== the pid of another kvpool-server (pool b) for the pool at --pool (pool a)"
 "${worker_bin}" --role prefill --pool "${a_addr}" "${common[@]}" --fault kill-pool-after-first-commit \

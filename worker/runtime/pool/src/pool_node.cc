@@ -238,6 +238,19 @@ absl::StatusOr<std::unique_ptr<client::PutSession>> PrefillNode::BeginPut(
     backoff = std::min(backoff * 2, std::chrono::milliseconds(1000));
     put = client_->BeginPut(tokens, call);  // the client re-registers the model first (stale)
   }
+  if (put.ok() && !put_timeout_checked_) {
+    put_timeout_checked_ = true;
+    // The pool caps the asked timeout at the larger of 10 min and its own --put-timeout-ms and
+    // grants it silently (newcomer s10 F3): say so once. expires() is BeginPut's start plus
+    // the granted timeout, so 1 s of slack covers the call's own time.
+    const int64_t granted = absl::ToInt64Milliseconds((*put)->expires() - absl::Now());
+    if (options_.put_timeout.count() > 0 && granted + 1000 < options_.put_timeout.count()) {
+      KVPOOL_LOG_WARN(
+          "prefill: the pool grants each put about {} s, not the {} ms of --put-timeout-ms (a "
+          "pool caps a put's timeout at the larger of 10 min and its own --put-timeout-ms)",
+          (granted + 500) / 1000, options_.put_timeout.count());
+    }
+  }
   if (put.ok() && outage_start_.has_value()) {
     ++pool_reconnects_;
     absl::StatusOr<client::ModelInfo> info = client_->model();

@@ -86,6 +86,9 @@ struct NodeOptions {
   // CommitPut: Commit then returns CANCELLED at once); the wait for an unreachable pool ends at
   // it too. Null: nothing is cancelled. Decode does not use it.
   std::shared_ptr<client::CancelToken> cancel;
+  // Prefill: the put timeout asked of the pool (kvpool-worker --put-timeout-ms; 0 = the pool's
+  // default). The pool caps it; the node warns once when the first put gets less.
+  std::chrono::milliseconds put_timeout{0};
 };
 
 // Whether `status`, an outcome of PrefillNode::RunAll, is that of a prompt the node did not
@@ -186,6 +189,7 @@ class PrefillNode {
   std::shared_ptr<const RotationSet> rotations_;
   NodeOptions options_;
   bool fault_fired_ = false;
+  bool put_timeout_checked_ = false;  // the first put's granted timeout was compared
   // When the current outage began (the first UNAVAILABLE BeginPut since one last reached the
   // pool); unset while the pool answers.
   std::optional<std::chrono::steady_clock::time_point> outage_start_;
