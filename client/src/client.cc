@@ -93,6 +93,10 @@ bool RefusedByClient(const absl::Status& status) {
   return status.GetPayload(kRefusedByClientPayload).has_value();
 }
 
+bool NoSharedUcxTransport(const absl::Status& status) {
+  return status.GetPayload(kNoSharedUcxTransportPayload).has_value();
+}
+
 PageTables MergePageTables(absl::Span<const PageTables* const> per_request) {
   PageTables out;
   auto append = [](SegmentTable& dst, const SegmentTable& src) {
@@ -131,11 +135,13 @@ absl::Status FromGrpc(const grpc::Status& s) {
 // the two UCX workers share no transport: says so, with this client's list.
 absl::Status WithUcxTlsHint(absl::Status s, const std::string& tls) {
   if (s.ok() || !absl::StrContains(s.message(), "Destination is unreachable")) return s;
-  return absl::Status(
+  absl::Status out(
       s.code(), absl::StrCat(s.message(),
                              " (the pool and this client share no UCX transport; check --ucx-tls "
                              "/ UCX_TLS on both: this client uses '",
                              tls.empty() ? "UCX's default" : tls, "')"));
+  out.SetPayload(kNoSharedUcxTransportPayload, absl::Cord("no shared UCX transport"));
+  return out;
 }
 
 // gRPC's own words for a broken or refused connection (as opposed to a status the pool sent).

@@ -6,6 +6,8 @@
 #      still runs with its blocks (newcomer s9b #2: it was SIGKILLed and the run exited 0);
 #   2. a process that is only named kvpool-server (a copy of sleep) is refused and not stopped;
 #   3. the pool's own pid is accepted: the hook fires and kills it.
+# And two prefill checks that need a pool: a capped --put-timeout-ms is named (s10 F3); a
+# --ucx-tls sharing no transport with the pool is not treated as an outage (s10 F8).
 # Usage: fault_pid_test.sh SERVER WORKER KVPOOL_TOOL MODEL DEMO_DIR
 set -uo pipefail
 server_bin="$1"; worker_bin="$2"; tool_bin="$3"; model="$4"; demo="$5"
@@ -88,5 +90,17 @@ grep -q "fault kill-pool-after-first-commit: killing pool pid ${a_pid}" "${work}
   && echo "ok: the hook fired on pool a" || { cat "${work}/right_pool.log" >&2; fail "the hook did not fire"; }
 kill -0 "${a_pid}" 2>/dev/null && fail "pool a still runs" || echo "ok: pool a is gone"
 kill -0 "${b_pid}" 2>/dev/null && echo "ok: pool b still runs" || fail "pool b was killed"
+
+echo "== a prefill whose --ucx-tls shares no transport with the pool (tcp): no 'lost put'"
+# A configuration mismatch, not an outage: it was logged as 'the put ... was lost with the pool'
+# and put again (newcomer s10 F8).
+"${worker_bin}" --role prefill --pool "${b_addr}" "${common[@]}" --ucx-tls posix,cma --revision tls-test \
+  --call-timeout-ms 2000 >/dev/null 2>"${work}/tls.log"
+rc=$?
+[[ ${rc} -eq 2 ]] && echo "ok: exit 2" || { cat "${work}/tls.log" >&2; fail "exit ${rc}, want 2"; }
+grep -q "share no UCX transport" "${work}/tls.log" && echo "ok: the error names the transports" \
+  || { cat "${work}/tls.log" >&2; fail "the error does not say that no UCX transport is shared"; }
+grep -q "was lost with the pool\|the pool is unreachable" "${work}/tls.log" \
+  && { cat "${work}/tls.log" >&2; fail "the mismatch was treated as a pool outage"; } || echo "ok: not treated as an outage"
 
 [[ ${failures} -eq 0 ]] && echo PASS || { echo "${failures} failure(s)" >&2; exit 1; }

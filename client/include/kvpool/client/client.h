@@ -566,6 +566,13 @@ inline constexpr char kRefusedByClientPayload[] = "type.kvpool/refused-by-client
 // Whether `status` is such a refusal by the client (the pool accepted the call).
 bool RefusedByClient(const absl::Status& status);
 
+// The payload an UNAVAILABLE status carries when UCX found that this client's and the pool's
+// workers share no transport (ucp_ep_create "Destination is unreachable", on either side: the
+// message says to check --ucx-tls / UCX_TLS). A configuration mismatch, not an outage: calling
+// again does not help.
+inline constexpr char kNoSharedUcxTransportPayload[] = "type.kvpool/no-shared-ucx-transport";
+bool NoSharedUcxTransport(const absl::Status& status);
+
 // Concatenates the page tables of several requests into one batch (request order).
 PageTables MergePageTables(absl::Span<const PageTables* const> per_request);
 

@@ -174,7 +174,9 @@ absl::Status PrefillNode::WriteLayers(Pending& pending) {
 
 absl::StatusOr<PrefillReport> PrefillNode::Commit(Pending pending) {
   absl::StatusOr<client::PutResult> r = pending.put->Commit();
-  if (absl::IsUnavailable(r.status())) {
+  // No shared UCX transport (--ucx-tls): a configuration mismatch, not a pool that went away;
+  // putting again fails the same way (it was logged as a lost put: newcomer s10 F8).
+  if (absl::IsUnavailable(r.status()) && !client::NoSharedUcxTransport(r.status())) {
     // The pool went away while the put was open (killed, restarted: a restarted pool has
     // forgotten it; the failed Commit aborted what was left). The recorded K/V are still here:
     // put them again, once, through the same outage wait as a new prompt's BeginPut. Nothing of
@@ -219,7 +221,7 @@ absl::StatusOr<std::unique_ptr<client::PutSession>> PrefillNode::BeginPut(
   auto cancelled = [&] { return options_.cancel != nullptr && options_.cancel->cancelled(); };
   absl::StatusOr<std::unique_ptr<client::PutSession>> put = client_->BeginPut(tokens, call);
   auto backoff = std::chrono::milliseconds(50);
-  while (absl::IsUnavailable(put.status())) {
+  while (absl::IsUnavailable(put.status()) && !client::NoSharedUcxTransport(put.status())) {
     NoteOutage(put.status());
     const auto end = *outage_start_ + options_.reconnect_wait;
     if (std::chrono::steady_clock::now() >= end) {
