@@ -1005,7 +1005,7 @@ int main(int argc, char** argv) {
   }
   kw::DecodeNode node(&engine, client.get(), rotations, nopts);
   kw::TeacherForcedResult tf_all;
-  uint64_t moved = 0, bf16_equiv = 0, stored = 0, loaded_tokens = 0, hit_tokens = 0;
+  uint64_t moved = 0, discarded = 0, bf16_equiv = 0, stored = 0, loaded_tokens = 0, hit_tokens = 0;
   int hits = 0, wanted = 0, fallbacks = 0;
   double fetch = 0, compute = 0;
   size_t served = 0;
@@ -1037,6 +1037,7 @@ int main(int argc, char** argv) {
             {"int2_blocks_fetched", r->int2_blocks_fetched},
             {"recomputed_tokens", r->recomputed_tokens},
             {"bytes_moved", r->bytes_moved},
+            {"bytes_discarded", r->bytes_discarded},
             {"bf16_bytes_equivalent", r->bf16_bytes_equivalent},
             {"bytes_stored", r->bytes_stored},
             {"fallback", r->fallback},
@@ -1057,6 +1058,7 @@ int main(int argc, char** argv) {
     ++served;
     out["prompts"].push_back(pj);
     moved += r->bytes_moved;
+    discarded += r->bytes_discarded;
     bf16_equiv += r->bf16_bytes_equivalent;
     stored += r->bytes_stored;
     loaded_tokens += uint64_t(r->loaded_blocks) * page_size;
@@ -1074,6 +1076,7 @@ int main(int argc, char** argv) {
                     {"loaded_blocks", loaded_tokens / page_size},
                     {"fallbacks", fallbacks},
                     {"bytes_moved", moved},
+                    {"bytes_discarded", discarded},
                     {"bytes_moved_per_token", loaded_tokens ? double(moved) / loaded_tokens : 0.0},
                     {"bytes_stored_per_token", hit_tokens ? double(stored) / hit_tokens : 0.0},
                     {"bf16_bytes_per_token", bf16_per_token},
@@ -1099,8 +1102,10 @@ int main(int argc, char** argv) {
          uint64_t(hits)},
         {"kvpool_worker_blocks_missed_total",
          "Blocks of the wanted prefixes the pool did not hold.", uint64_t(wanted - hits)},
-        {"kvpool_worker_fetched_bytes_total", "Bytes fetched from the pool over the data plane.",
-         moved},
+        {"kvpool_worker_fetched_bytes_total",
+         "Bytes fetched from the pool over the data plane (loaded or, after a failed fetch, "
+         "discarded).",
+         moved + discarded},
     });
     if (auto s = kvpool::cli::WriteOutputFile(metrics_file, text); !s.ok()) {
       return Fail(s, "--metrics-file");

@@ -248,6 +248,13 @@ for p in d["prompts"][1:]:
     assert p["fallback"] and (r.startswith("lookup: UNAVAILABLE") or
                               r.startswith("pool skipped after an earlier failure in this run: ")), p
 assert d["overall"]["fallbacks"] == len(d["prompts"]), d["overall"]
+# The sink blocks fetched before the kill moved over the data plane: counted as discarded, and
+# in the fetched-bytes metric (newcomer s10 F7: 0 everywhere).
+p0 = d["prompts"][0]
+assert p0["bytes_moved"] == 0 and p0["bytes_discarded"] > 0, p0
+assert d["overall"]["bytes_discarded"] == sum(p["bytes_discarded"] for p in d["prompts"]), d["overall"]
+m = dict(l.split() for l in open(f"{work}/pool_killed.prom") if not l.startswith("#"))
+assert int(m["kvpool_worker_fetched_bytes_total"]) == d["overall"]["bytes_moved"] + d["overall"]["bytes_discarded"], m
 for i, p in enumerate(d["prompts"]):
     single = ev["prompts"][i]["configs"]["int2_S64_W256"]["greedy_tokens"]
     assert p["tokens"] == single, f"{p['name']}: {p['tokens']} != {single}"

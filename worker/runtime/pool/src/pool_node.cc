@@ -497,6 +497,7 @@ absl::StatusOr<DecodeReport> DecodeNode::Run(absl::Span<const int> prompt, int m
             client::FetchPlan first = plan;
             first.max_blocks = static_cast<uint32_t>(std::max(1, std::min(sink_blocks, use)));
             auto part = client_->Fetch(*lease, first, call);
+            if (part.ok()) rep.bytes_discarded += part->bytes;  // fetched again below
             KVPOOL_LOG_WARN("fault kill-pool-mid-fetch: fetched {} block(s), killing pool pid {}",
                             part.ok() ? part->num_blocks : 0, options_.fault_pool_pid);
             if (options_.fault_pool_pid > 0) {
@@ -509,6 +510,7 @@ absl::StatusOr<DecodeReport> DecodeNode::Run(absl::Span<const int> prompt, int m
             failure = absl::StrCat("fetch: ", StatusText(fr.status()));
             note_down(fr.status(), failure);
           } else if (static_cast<int>(fr->num_blocks) != use) {
+            rep.bytes_discarded += fr->bytes;
             failure = absl::StrCat("fetch: ", fr->num_blocks, " of ", use, " blocks verified");
             for (const auto& s : fr->block_status) {
               if (!s.ok()) {
@@ -578,6 +580,7 @@ absl::StatusOr<DecodeReport> DecodeNode::Run(absl::Span<const int> prompt, int m
     rep.fallback = true;
     rep.fallback_reason = failure;
     rep.loaded_blocks = 0;
+    rep.bytes_discarded += rep.bytes_moved;  // fetched, then not used (e.g. lease expired)
     rep.bytes_moved = 0;
     rep.bf16_blocks_fetched = rep.int2_blocks_fetched = 0;
     if (client_ == nullptr || absl::StartsWith(failure, kPoolSkipped)) {

@@ -200,12 +200,16 @@ class PrefillNode {
 struct DecodeReport {
   std::vector<int> tokens;  // greedy continuation
   int prompt_tokens = 0;
-  int wanted_blocks = 0;               // full blocks before the last prompt token
-  int lookup_blocks = -1;              // leading blocks Lookup reported (-1: not run or failed)
-  int hit_blocks = 0;                  // blocks the pool held (leased)
-  int loaded_blocks = 0;               // blocks fetched and loaded
-  int recomputed_tokens = 0;           // prompt tokens computed locally
-  uint64_t bytes_moved = 0;            // fetched bytes (data plane)
+  int wanted_blocks = 0;      // full blocks before the last prompt token
+  int lookup_blocks = -1;     // leading blocks Lookup reported (-1: not run or failed)
+  int hit_blocks = 0;         // blocks the pool held (leased)
+  int loaded_blocks = 0;      // blocks fetched and loaded
+  int recomputed_tokens = 0;  // prompt tokens computed locally
+  uint64_t bytes_moved = 0;   // fetched bytes (data plane) of the blocks loaded
+  // Bytes fetched over the data plane but not loaded: a fetch that failed part-way or was
+  // incomplete (the request fell back), or fetched again (newcomer s10 F7: they were counted
+  // nowhere, so a fallback after 4 fetched blocks reported 0 bytes).
+  uint64_t bytes_discarded = 0;
   uint64_t bf16_bytes_equivalent = 0;  // bytes the loaded blocks take in BF16
   uint64_t bytes_stored = 0;           // bytes of every form the pool holds for the leased blocks
   uint64_t bf16_blocks_fetched = 0, int2_blocks_fetched = 0;
