@@ -674,9 +674,23 @@ int main(int argc, char** argv) {
     prompts.push_back(std::move(p));
   }
 
+  // The weights' SHA-256, for the auto revision and every report (eval's too, so that an eval
+  // report can be matched with the decode reports it is compared with: newcomer s10 #13). The
+  // pool compares layout, recipe and rotation of a registration, not weights (the proto has no
+  // field for them).
+  auto model_bytes = kvpool::cli::ReadInputFile(model, kvpool::cli::kMaxModelFileBytes);
+  if (!model_bytes.ok()) {
+    return Fail(model_bytes.status(), "model");
+  }
+  const std::string model_sha256 = kvpool::Sha256Hex(*model_bytes);
+  model_bytes->clear();
+  model_bytes->shrink_to_fit();
   json out;
   out["role"] = role;
   out["model"] = model_id;
+  out["model_sha256"] = model_sha256;
+  // The rotation id (SHA-256 of the rotation file, kvpool/kernels/rotation_file.h).
+  out["rotation_id"] = kvpool::Sha256Hex(*rot_bytes);
   out["page_size"] = page_size;
 
   // ---- eval: no pool ------------------------------------------------------------------------
@@ -750,14 +764,6 @@ int main(int argc, char** argv) {
   }
 
   // ---- pool roles ---------------------------------------------------------------------------
-  // The weights' SHA-256, for the auto revision and the report. The pool compares layout,
-  // recipe and rotation of a registration, not weights (the proto has no field for them).
-  auto model_bytes = kvpool::cli::ReadInputFile(model, kvpool::cli::kMaxModelFileBytes);
-  if (!model_bytes.ok()) {
-    return Fail(model_bytes.status(), "model");
-  }
-  const std::string model_sha256 = kvpool::Sha256Hex(*model_bytes);
-  out["model_sha256"] = model_sha256;
   if (revision != "auto") {
     KVPOOL_LOG_WARN(
         "--revision {} is explicit: the pool does not compare weights, so every worker that "

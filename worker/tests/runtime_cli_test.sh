@@ -64,6 +64,19 @@ expect_err "W --pool is ignored by --role eval (it is for --role prefill and dec
 [[ ! -e "${work}/eval.prom" ]] || { echo "FAIL: eval wrote --metrics-file" >&2; failures=$((failures + 1)); }
 expect 1 "decode: ignored flags are named" -- "${worker}" --role decode --pool 127.0.0.1:1 --put-timeout-ms 5 --sink-tokens 40 "${base[@]}" "${prompt[@]}"
 expect_err "W --put-timeout-ms is ignored by --role decode (it is for --role prefill)" "decode names the ignored --put-timeout-ms"
+# Every report names the model and rotation files by hash, eval's too (newcomer s10 #13).
+expect 0 "eval report with the model and rotation hashes" -- "${worker}" --role eval "${model_flags[@]}" --max-new-tokens 1 --eval-windows 0:0 --report "${work}/hash_eval.json" "${prompt[@]}"
+"${worker}" --role decode --pool 127.0.0.1:1 "${model_flags[@]}" --max-new-tokens 1 --teacher-force false --report "${work}/hash_decode.json" "${prompt[@]}" >/dev/null 2>&1
+python3 - "${work}" "${model}" <<'PY' || { echo "FAIL: model_sha256 / rotation_id in the eval and decode reports" >&2; failures=$((failures + 1)); }
+import hashlib, json, sys
+w, model = sys.argv[1], sys.argv[2]
+want_m = hashlib.sha256(open(model, "rb").read()).hexdigest()
+want_r = hashlib.sha256(open(f"{w}/rot.safetensors", "rb").read()).hexdigest()
+for role in ("eval", "decode"):
+    d = json.load(open(f"{w}/hash_{role}.json"))
+    assert d["model_sha256"] == want_m and d["rotation_id"] == want_r, (role, d.get("model_sha256"), d.get("rotation_id"))
+print("ok: eval and decode reports carry model_sha256 and rotation_id")
+PY
 # A closed stdout (a pipe into head) stops decode and eval like SIGTERM, as SIGPIPE: report,
 # metrics and a last line, exit 141 (newcomer s10 F2: killed by SIGPIPE with none of them).
 five=(); for f in "${demo}"/prompts/0*.txt; do five+=(--prompt-file "${f}"); done
