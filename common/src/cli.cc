@@ -146,6 +146,11 @@ class YamlConfig : public CLI::Config {
     if (v.IsMap()) {
       throw CLI::ConversionError("config file key \"" + key + "\" is a map; " + want);
     }
+    // An empty string for a flag: CLI11 reads a flag without a value as true, so "per-head: \"\""
+    // turned it on (newcomer s9b).
+    if (is_flag && v.IsScalar() && v.Scalar().empty()) {
+      throw CLI::ConversionError("config file key \"" + key + "\" is empty (\"\"); " + want);
+    }
     if (v.IsSequence()) {
       if (one_value) {
         throw CLI::ConversionError("config file key \"" + key + "\" is a list (" +

@@ -291,6 +291,16 @@ TEST(CliConfigTest, ValueErrorsFromTheFileNameTheFileAndTheKey) {
         << err;
   }
   {
+    ValueApp a;  // an empty string is no boolean either (it read as true: newcomer s9b)
+    const std::string path = WriteYaml("value-empty", "calibrate:\n  per-head: \"\"\n");
+    auto [rc, err] = RunParse(a.app, {"--config", path, "calibrate"});
+    EXPECT_EQ(rc, kExitUsage) << err;
+    EXPECT_NE(err.find("key \"calibrate.per-head\" is empty (\"\"); --per-head is a flag"),
+              std::string::npos)
+        << err;
+    EXPECT_FALSE(a.per_head);
+  }
+  {
     ValueApp a;  // accepted spellings still work
     const std::string path =
         WriteYaml("value-ok", "teacher-force: no\ncalibrate:\n  per-head: on\n");
@@ -424,6 +434,11 @@ TEST(CliConfigTest, AListOrNoValueWhereOneValueIsExpectedNamesTheKeyAndTheFile) 
        "key \"verbose\" has no value; --verbose is a flag: write \"verbose: true\" or "
        "\"verbose: false\""},
       {"verbose: [true, false]\n", "key \"verbose\" is a list (2 items); --verbose is a flag"},
+      // An empty string read as true (newcomer s9b).
+      {"verbose: \"\"\n",
+       "key \"verbose\" is empty (\"\"); --verbose is a flag: write \"verbose: true\" or "
+       "\"verbose: false\""},
+      {"verbose: ''\n", "key \"verbose\" is empty (\"\"); --verbose is a flag"},
       {"file:\n", "key \"file\" has no value; --file takes a value or a list of values"},
       {"file: []\n", "key \"file\" is an empty list; --file takes a value or a list of values"},
       {"file: [a, [b]]\n", "key \"file\": item 2 is a list; --file takes"},
