@@ -512,7 +512,7 @@ absl::StatusOr<uint64_t> BlockStore::AllocateLocked(uint64_t size) {
       const uint64_t held = std::min(used, staging_bytes_ + pinned_bytes_);
       const uint64_t free_bytes = capacity - used;
       return absl::ResourceExhaustedError(absl::StrCat(
-          "pool full: cannot allocate ", size, " bytes (", used, " of ", capacity,
+          "num_blocks: pool full: cannot allocate ", size, " bytes (", used, " of ", capacity,
           " bytes used: ", staging_bytes_, " bytes staging of open puts, ", pinned_bytes_,
           " bytes forms of leased or pinned blocks, ", used - held,
           " bytes other forms eviction cannot free now (ancestors of pinned blocks); ", free_bytes,

@@ -943,7 +943,8 @@ TEST_F(EvictionTest, ACommitThatNoLongerFitsFailsBeforeEvictingAnything) {
   EXPECT_EQ(store_->Stats().pinned_bytes, 0u);
 }
 
-// The allocation's own refusal (AllocateLocked, "pool full: ..."), which the room checks of
+// The allocation's own refusal (AllocateLocked, "num_blocks: pool full: ..."; the field prefix
+// was missing until session 10), which the room checks of
 // BeginPut and CommitPut cannot see coming: they add up bytes, and these free bytes are in
 // pieces (untested until session 9). A model with no sink or recent blocks stores one INT2 form
 // (192 bytes, 256 allocated) per block. 38 one-block puts leave their forms at 256-byte units
@@ -989,7 +990,8 @@ TEST_F(EvictionTest, AFragmentedPoolRefusesAPutNamingWhatHoldsIt) {
   auto p = store_->BeginPut(ns_, Tokens(101, 4), 1, {});
   ASSERT_EQ(p.status().code(), absl::StatusCode::kResourceExhausted) << p.status();
   EXPECT_EQ(p.status().message(),
-            "pool full: cannot allocate 512 bytes (5376 of 10240 bytes used: 512 bytes staging of "
+            "num_blocks: pool full: cannot allocate 512 bytes (5376 of 10240 bytes used: 512 "
+            "bytes staging of "
             "open puts, 4864 bytes forms of leased or pinned blocks, 0 bytes other forms eviction "
             "cannot free now (ancestors of pinned blocks); 4864 bytes free but fragmented)");
   const StoreStats after = store_->Stats();
