@@ -674,8 +674,31 @@ std::string MisplacedTopLevelFlag(const CLI::App& app, int argc, char** argv) {
 
 }  // namespace
 
+namespace {
+
+// A subcommand's --help listed only its own flags, not --log-level, --config and --version, which
+// go before it (newcomer s9b, left over): each subcommand without a footer of its own gets one
+// naming them and where they go.
+void NameProgramFlagsInSubcommandHelp(const CLI::App& root, CLI::App& app,
+                                      const std::string& path) {
+  for (CLI::App* sub : app.get_subcommands([](CLI::App*) { return true; })) {
+    const std::string sub_path = path + " " + sub->get_name();
+    if (sub->get_footer().empty()) {
+      sub->footer("\n" + root.get_name() +
+                  "'s own flags go before the subcommand: --log-level LEVEL "
+                  "(trace|debug|info|warn|error|off; default info), --config FILE, --version (" +
+                  root.get_name() + " --log-level warn" + sub_path + " ...; " + root.get_name() +
+                  " --help lists them)");
+    }
+    NameProgramFlagsInSubcommandHelp(root, *sub, sub_path);
+  }
+}
+
+}  // namespace
+
 int Parse(CLI::App& app, int argc, char** argv) {
   CheckBooleanWords(app);
+  NameProgramFlagsInSubcommandHelp(app, app, "");
   try {
     app.parse(argc, argv);
   } catch (const CLI::Success& e) {

@@ -90,6 +90,30 @@ struct SubcommandApp {
   }
 };
 
+// A subcommand's --help did not mention --log-level (newcomer s9b, left over): its footer names
+// the program's flags and where they go, also two subcommands deep; the program's own --help
+// lists them as before.
+TEST(CliParseTest, SubcommandHelpNamesTheProgramFlags) {
+  for (const std::vector<std::string>& args :
+       {std::vector<std::string>{"generate", "--help"},
+        std::vector<std::string>{"rotations", "inspect", "--help"}}) {
+    SubcommandApp s;
+    std::vector<std::string> argv_s = args;
+    argv_s.insert(argv_s.begin(), "prog");
+    std::vector<char*> argv;
+    for (auto& a : argv_s) argv.push_back(a.data());
+    ::testing::internal::CaptureStdout();
+    const int rc = Parse(s.app, static_cast<int>(argv.size()), argv.data());
+    const std::string out = ::testing::internal::GetCapturedStdout();
+    EXPECT_EQ(rc, kExitOk);
+    EXPECT_NE(out.find("prog's own flags go before the subcommand: --log-level LEVEL"),
+              std::string::npos)
+        << out;
+    const std::string path = args.size() == 2 ? " generate" : " rotations inspect";
+    EXPECT_NE(out.find("(prog --log-level warn" + path + " ..."), std::string::npos) << out;
+  }
+}
+
 // CLI11 checks required flags before unexpected arguments: "kvpool calibrate --version" (or
 // --bogus) answered "--model is required" (newcomer s9b #8). The misplaced or unknown flag is
 // named first, as when the required flags are given; with nothing else wrong, the missing one.

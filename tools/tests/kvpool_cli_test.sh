@@ -125,6 +125,7 @@ out="$("$bin" calibrate --model "$model" --text "$data/calibration.txt" --tokens
 printf 'calibrate:\n  model: %s\n  text: %s\n  out: %s\n' "$model" "$tmp/t100.txt" "$tmp/rc.safetensors" > "$tmp/c.yaml"
 # A top-level or unknown flag after the subcommand is named, also when required flags are
 # missing (newcomer s9b #8: "--model is required").
+check calibrate-help-names-log-level 0 "kvpool's own flags go before the subcommand: --log-level LEVEL" -- "$bin" calibrate --help
 check calibrate-version-after-missing 1 "kvpool: --version is a flag of kvpool itself, not of the subcommand 'calibrate'" -- "$bin" calibrate --version
 check calibrate-log-level-after-missing 1 "kvpool: --log-level is a flag of kvpool itself" -- "$bin" calibrate --log-level
 check calibrate-bogus-missing 1 "kvpool: The following argument was not expected: --bogus" -- "$bin" calibrate --bogus
