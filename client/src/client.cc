@@ -2761,20 +2761,25 @@ absl::Status PutSessionImpl::Abort() {
   // put id there could only name another put). A pull the old process had not finished keeps
   // whole_ away from reuse (pulls_unsettled_), as it would without an answer.
   if (!client_->OtherIncarnation(conn_.epoch, put_id_).ok()) return absl::OkStatus();
+  // The AbortPut's own share of the bound (what its message calls the call's deadline): the
+  // message said "within 1s" and then "(500 ms)" for one AbortPut (newcomer s10 #1, side note).
+  const absl::Duration abort_share = absl::Trunc(
+      std::max(abort_deadline - absl::Now(), absl::ZeroDuration()), absl::Milliseconds(1));
   absl::Status s = AbortRpcUntil(abort_deadline);
   if (s.ok() || absl::IsNotFound(s)) {
     pulls_unsettled_ = false;  // the pool holds nothing of the put: no pull reads whole_
     return absl::OkStatus();   // NOT_FOUND: already gone (expired, restarted)
   }
   if (absl::IsDeadlineExceeded(s)) {
-    return absl::DeadlineExceededError(
-        absl::StrCat("put ", put_id_, ": the abort got no answer from the pool within ",
-                     absl::FormatDuration(bound), " (the smaller of the call timeout and 2 s",
-                     cancelled > 0 ? absl::StrCat("; ", cancelled,
-                                                  " WritePut calls still in flight then were "
-                                                  "cancelled")
-                                   : std::string(),
-                     "); the pool reclaims the put's staging at its put timeout: ", s.message()));
+    return absl::DeadlineExceededError(absl::StrCat(
+        "put ", put_id_, ": the abort got no answer from the pool within ",
+        absl::FormatDuration(bound), " (the smaller of the call timeout and 2 s",
+        cancelled > 0
+            ? absl::StrCat("; ", cancelled,
+                           " WritePut calls still in flight were cancelled after half of it")
+            : std::string(),
+        "; the AbortPut had the last ", absl::FormatDuration(abort_share),
+        "); the pool reclaims the put's staging at its put timeout: ", s.message()));
   }
   return s;
 }
