@@ -143,7 +143,9 @@ TEST(CliParseTest, AMisplacedOrUnknownFlagIsNamedBeforeAMissingRequiredOne) {
     auto [rc, err] = RunParse(a.app, args);
     EXPECT_EQ(rc, kExitUsage);
     EXPECT_NE(err.find(want), std::string::npos) << err;
-    if (args.size() > 1) EXPECT_EQ(err.find("is required"), std::string::npos) << err;
+    if (args.size() > 1) {
+      EXPECT_EQ(err.find("is required"), std::string::npos) << err;
+    }
   }
 }
 
