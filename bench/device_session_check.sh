@@ -13,6 +13,8 @@
 # rounds of bench/pool_bench.py --repeat 3 over posix,cma with ucx_perftest in every run, and
 # the fresh-buffer baseline too when bin/ucp_rotating_bench is there (or BUILD/bin has one);
 # POOL_TCP_BUILD=b adds one pool_bench.py --repeat 3 run of build b over UCX_TLS=tcp at the end.
+# DECODE_AB_ENV="KVPOOL_DECODE_X=v" adds DECODE_AB_ROUNDS (2) alternating rounds of the headline
+# shapes with and without that launcher switch.
 # Prints a one-line verdict per test binary; the bench JSON files and logs are packed into
 # $OUT/session_check.tgz, the summary log stays beside it.
 set -u
@@ -52,6 +54,29 @@ pair grid --batches 1,8,32,128 --contexts 4096,32768,131072 --gqa 32:8 --page-si
 pair gqa_p64 --batches 32 --contexts 32768 --gqa 32:8,64:8,32:4 --page-sizes 16,64
 pair headline --batches 32 --contexts 32768 --gqa 32:8 --page-sizes 16
 pair headline128 --batches 8 --contexts 131072 --gqa 32:8 --page-sizes 16
+
+if [ -n "${DECODE_AB_ENV:-}" ]; then
+  # Same-call A/B of a launcher switch at the two headline shapes: DECODE_AB_ROUNDS (default 2)
+  # alternating rounds of the default build against the same binary under DECODE_AB_ENV
+  # ("NAME=VALUE ..."), SDPA measured once before the rounds (files decode_ab_*).
+  PYTHONUNBUFFERED=1 python3 bench/cuda_sdpa_baseline.py --out "$OUT/r/sdpa_ab.json" \
+    --batches 8,32 --contexts 32768,131072 --gqa 32:8 >>"$OUT/r/sdpa_ab.log" 2>&1
+  for r in $(seq "${DECODE_AB_ROUNDS:-2}"); do
+    for arm in default env; do
+      for shape in "32 32768" "8 131072"; do
+        set -- $shape
+        stamp "== decode A/B round $r $arm B=$1 ctx=$2 ${DECODE_AB_ENV}"
+        if [ "$arm" = env ]; then
+          env $DECODE_AB_ENV "$B" --batches "$1" --contexts "$2" --gqa 32:8 --page-sizes 16 \
+            --sdpa-json "$OUT/r/sdpa_ab.json" --json "$OUT/r/decode_ab_${arm}_b$1_r$r.json" 2>&1 | tee -a "$LOG"
+        else
+          "$B" --batches "$1" --contexts "$2" --gqa 32:8 --page-sizes 16 \
+            --sdpa-json "$OUT/r/sdpa_ab.json" --json "$OUT/r/decode_ab_${arm}_b$1_r$r.json" 2>&1 | tee -a "$LOG"
+        fi
+      done
+    done
+  done
+fi
 
 stamp "== write kernels (64K / 256K / 1M token-heads at 8 KV heads)"
 "$DEVLIBS/cuda_write_bench" --tokens 8192,32768,131072 --iters 30 --warmup 5 \
