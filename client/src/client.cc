@@ -2841,8 +2841,14 @@ absl::StatusOr<FetchResult> ClientImpl::Fetch(const Lease& lease, const FetchPla
   if (c.bf16_history) {
     hist_end = sink_end;
   } else {
-    const uint32_t window = std::min(c.info.recent_blocks, n - sink_end);
-    hist_end = n - window;
+    if (plan.sequence_blocks > 0 && plan.sequence_blocks < n) {
+      return absl::InvalidArgumentError(absl::StrCat("plan.sequence_blocks: ", plan.sequence_blocks,
+                                                     " is less than the ", n,
+                                                     " blocks to fetch (0 = those blocks)"));
+    }
+    // The window is the last recent_blocks of the sequence (of the fetched blocks by default).
+    const uint32_t seq = plan.sequence_blocks > 0 ? plan.sequence_blocks : n;
+    hist_end = std::min(n, std::max(sink_end, seq - std::min(seq, c.info.recent_blocks)));
     bool window_bf16 = true;
     for (uint32_t i = hist_end; i < n; ++i) window_bf16 &= lease.blocks[i].bf16.has_value();
     if (!window_bf16) {

@@ -729,6 +729,54 @@ TEST_P(ClientTest, AHistoryBlockHeldInBf16OnlyEndsTheFetchSayingWhy) {
   }
 }
 
+// Newcomer report 10 F5: a decoder that takes a prefix of a longer prompt's blocks (a prompt
+// sharing all but its last block with a stored one) gives the blocks it wants as
+// sequence_blocks: the window is that sequence's, so the fetched blocks before it come as INT2
+// history. Here 8 blocks are stored (sink 0, history 1..5, window 6..7) and 7 fetched: without
+// sequence_blocks the window of the 7 (5..6) needs BF16 of block 5, held INT2-only, and the
+// fetch stops before it (5 blocks); with sequence_blocks 8 all 7 come (5 as INT2).
+TEST_P(ClientTest, SequenceBlocksPlaceTheWindowOfAPrefixFetch) {
+  auto c = NewClient();
+  ASSERT_NE(c, nullptr);
+  const ModelSpec spec = Spec("int2");
+  ASSERT_TRUE(c->RegisterModel(spec).ok());
+  Sequence s = MakeSequence(8 * kPage, 91);
+  ASSERT_TRUE(c->Put(s.tokens, s.ks(), s.vs()).ok());
+  auto pools = MakePools(*c, 8);
+  ASSERT_NE(pools, nullptr);
+  auto lease = c->Acquire(s.tokens, 7);
+  ASSERT_TRUE(lease.ok()) << lease.status();
+  ASSERT_EQ(lease->blocks.size(), 7u);
+  ASSERT_FALSE(lease->blocks[5].bf16.has_value());
+  FetchPlan plan = pools->plan;
+  auto f = c->Fetch(*lease, plan);
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_EQ(f->num_blocks, 5u);  // stopped before the window of the 7 blocks
+  plan.sequence_blocks = 6;
+  auto bad = c->Fetch(*lease, plan);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument) << bad.status();
+  EXPECT_THAT(bad.status().message(), HasSubstr("plan.sequence_blocks"));
+  plan.sequence_blocks = 8;
+  f = c->Fetch(*lease, plan);
+  ASSERT_TRUE(f.ok()) << f.status();
+  ASSERT_EQ(f->num_blocks, 7u);
+  EXPECT_EQ(f->tables.sink.indices.size(), 1u);
+  EXPECT_EQ(f->tables.history.indices.size(), 5u);
+  EXPECT_EQ(f->tables.recent.indices.size(), 1u);
+  const BlockGeometry g{kLayers, kHeads, kDim, kPage};
+  for (uint32_t b = 0; b < 7; ++b) {
+    std::vector<uint8_t> bf16, int2;
+    ASSERT_TRUE(ExpectedForms(s, b, spec, &bf16, &int2));
+    const bool is_int2 = b >= 1 && b <= 5;
+    EXPECT_EQ(f->forms[b], is_int2 ? Form::kInt2 : Form::kBf16) << b;
+    const std::vector<uint8_t>& want = is_int2 ? int2 : bf16;
+    const uint8_t* got = is_int2 ? pools->int2_mem.data() + f->pages[b] * g.Int2FormBytes()
+                                 : pools->bf16_mem.data() + f->pages[b] * g.Bf16FormBytes();
+    EXPECT_EQ(0, std::memcmp(got, want.data(), want.size())) << "block " << b;
+  }
+  EXPECT_TRUE(c->Release(*lease).ok());
+}
+
 // Newcomer report s8 N10: Lookup/Acquire with 0 tokens answered the wire-level
 // "INVALID_ARGUMENT: token_ids/keys: give exactly one of them" (the C++ calls have no keys
 // argument). No tokens hold no full block: the same answer as 5 tokens, 0 blocks / no lease.

@@ -15,7 +15,9 @@
 #      prompts fail fast ("not sent"), or are stored once the pool resumes (SIGCONT);
 #   6. a prompt of n = 0 (mod P) tokens is a full hit too (the prefill puts the decoder's blocks);
 #   7. a pool killed mid-prefill and restarted a second later receives every prompt (the put
-#      that was open is put again), and the prefill node's counters pass promtool.
+#      that was open is put again), and the prefill node's counters pass promtool;
+#   8. a prompt sharing all but its last block with a stored one loads every shared block (the
+#      history before its own window as INT2), and a shorter prompt the history before its window.
 # Usage: e2e_pool_test.sh SERVER WORKER KVPOOL_TOOL MODEL DEMO_DIR [PROMTOOL]
 set -euo pipefail
 server_bin="$1"; worker_bin="$2"; tool_bin="$3"; model="$4"; demo="$5"; promtool="${6:-}"
@@ -95,7 +97,8 @@ PY
 echo "== partial hit: a shorter prompt whose window blocks have no BF16 form in the pool"
 # The first lines of 01_kite: its blocks are held, but those that would form this prompt's
 # recent window were history (INT2 only) in the stored sequence, so the worker takes the sink
-# and recomputes the window (FORMAT.md §3).
+# and the history before its window (INT2, as the recipe stores it) and recomputes the window
+# (FORMAT.md §3; before newcomer report 10 F5 it took the sink only).
 head -4 "${demo}/prompts/01_kite.txt" >"${work}/kite_prefix.txt"
 "${worker_bin}" --role decode --pool "${pool}" "${common[@]}" \
   --prompt-file "${work}/kite_prefix.txt" --report "${work}/decode_prefix.json" >/dev/null \
@@ -103,13 +106,51 @@ head -4 "${demo}/prompts/01_kite.txt" >"${work}/kite_prefix.txt"
 python3 - "${work}" <<'PY' || fail "partial hit"
 import json, sys
 p = json.load(open(f"{sys.argv[1]}/decode_prefix.json"))["prompts"][0]
+kite = json.load(open(f"{sys.argv[1]}/decode_int2.json"))["prompts"][0]
 assert not p["fallback"], p
 assert p["hit_blocks"] == p["wanted_blocks"] > 4, p         # every wanted block is held ...
-assert p["loaded_blocks"] == 4, p                           # ... but only the sink is usable
-assert p["recomputed_tokens"] == p["prompt_tokens"] - 64, p
+assert kite["name"] == "01_kite" and p["wanted_blocks"] < kite["wanted_blocks"], (p, kite)
+# ... the sink and the history before this prompt's window are usable, the window is not
+assert p["loaded_blocks"] == p["wanted_blocks"] - 16 > 4, p
+assert p["int2_blocks_fetched"] == p["loaded_blocks"] - 4, p
+assert p["recomputed_tokens"] == p["prompt_tokens"] - 16 * p["loaded_blocks"], p
 assert len(p["tokens"]) > 0 and p["teacher_forced"]["agreement"] >= 0.5, p
 print(f"partial hit: {p['hit_blocks']} blocks held, {p['loaded_blocks']} loaded, "
       f"{p['recomputed_tokens']} tokens recomputed, agreement {p['teacher_forced']['agreement']:.3f}")
+PY
+
+echo "== a prompt sharing all but its last block with a stored one loads every shared block"
+# 03_boat + " And then day 1 came." / "... day 2 ...": 483 tokens, 30 wanted blocks, the same
+# blocks 0..28 (asserted below). Only day 2 is put, so block 29 of day 1 is a miss; the shared
+# blocks 13 ... of day 2's window that lie before day 1's own window (blocks 14..29) are history
+# in day 1's context and are taken INT2 (newcomer report 10 F5: the worker asked BF16 of the
+# window of the 29 held blocks, 13..28, block 13 had INT2 only, and it loaded the 4 sink blocks
+# and recomputed 419 tokens). Its own namespace (--revision).
+for d in 1 2; do
+  printf '%s%s' "$(cat "${demo}/prompts/03_boat.txt")" " And then day ${d} came." >"${work}/boat_day${d}.txt"
+done
+day=(--revision day-test "${common[@]}")
+"${worker_bin}" --role prefill --pool "${pool}" "${day[@]}" --prompt-file "${work}/boat_day2.txt" \
+  --report "${work}/prefill_day2.json" >/dev/null 2>"${work}/prefill_day2.log" \
+  || { cat "${work}/prefill_day2.log" >&2; fail "prefill of day 2"; }
+"${worker_bin}" --role decode --pool "${pool}" "${day[@]}" --prompt-file "${work}/boat_day1.txt" \
+  --prompt-file "${work}/boat_day2.txt" --report "${work}/decode_day.json" >/dev/null \
+  2>"${work}/decode_day.log" || { cat "${work}/decode_day.log" >&2; fail "decode of day 1"; }
+python3 - "${work}" <<'PY' || fail "a prompt sharing all but its last block"
+import json, sys
+one, two = json.load(open(f"{sys.argv[1]}/decode_day.json"))["prompts"]
+for p in (one, two):
+    assert not p["fallback"], p
+    assert p["prompt_tokens"] == two["prompt_tokens"] and p["wanted_blocks"] == 30, p
+assert one["hit_blocks"] == one["wanted_blocks"] - 1, one   # all but the last block held
+assert one["loaded_blocks"] == one["hit_blocks"], one       # every held block used
+assert one["int2_blocks_fetched"] == one["wanted_blocks"] - 16 - 4, one  # blocks 4..13
+assert one["recomputed_tokens"] == one["prompt_tokens"] - 16 * one["loaded_blocks"], one
+assert len(one["tokens"]) > 0 and one["teacher_forced"]["agreement"] >= 0.5, one
+assert two["loaded_blocks"] == two["wanted_blocks"], two    # the stored prompt: a full hit
+print(f"day 1: {one['hit_blocks']} of {one['wanted_blocks']} blocks held, "
+      f"{one['loaded_blocks']} loaded ({one['int2_blocks_fetched']} INT2), "
+      f"{one['recomputed_tokens']} of {one['prompt_tokens']} tokens recomputed")
 PY
 
 echo "== a prompt of n = 0 (mod P) tokens, prefilled then decoded with the same recipe: a full hit"

@@ -293,6 +293,61 @@ TEST(MixedKvCacheTest, LoadedBlocksAttendLikeLocallyComputedOnes) {
   }
 }
 
+// Newcomer report 10 F5: a decoder whose prompt shares all but its last block with a stored
+// one loads the shared blocks and recomputes the last. Those blocks were stored for the other
+// prompt's window positions, so the ones before this prompt's own window exist in INT2 only,
+// though they are still in the window of the loaded length: LoadBlocks takes them as history
+// of the planned length (before, it refused them and the decoder fell back to the sink). Once
+// the sequence reaches that length, it attends bit-identically to a cache that computed it all.
+TEST(MixedKvCacheTest, APrefixLoadedForAPlannedLengthTakesItsHistoryInt2Only) {
+  auto rot = MakeRotations(kLayers, 4, 8, true, 31);
+  const MixedCacheOptions o = Opts(HistoryPrecision::kInt2, 16, 32);  // sink 1 block, window 2
+  auto local = MixedKvCache::Create(kLayers, kShape, rot, o).value();
+  Fill(*local, 112, 21);
+  Fill(*local, 16, 77, 112);  // 8 blocks: sink 0, history 1..5, recent 6..7
+  ASSERT_TRUE(local->HasInt2Form(5));
+  // The planned sequence is those 8 blocks; blocks 0..6 come from the pool, 7 is recomputed.
+  // At 7 blocks (112 tokens) block 5 is in the window, but it is history at 128 tokens.
+  std::vector<BlockForms> forms;
+  for (int b = 0; b < 7; ++b) {
+    const bool history = local->SegmentOf(b, 128) == Segment::kHistory;
+    forms.push_back(history ? BlockForms{nullptr, local->Int2Form(b)}
+                            : BlockForms{local->Bf16Form(b), nullptr});
+  }
+  ASSERT_EQ(forms[5].bf16, nullptr);
+  auto loaded = MixedKvCache::Create(kLayers, kShape, rot, o).value();
+  absl::Status s = loaded->LoadBlocks(forms);  // no planned length: block 5 is "recent"
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_NE(s.message().find("block 5 is in the recent window"), std::string::npos) << s;
+  EXPECT_EQ(loaded->LoadBlocks(forms, 111).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(loaded->LoadBlocks(forms, -1).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(loaded->Length(0), 0);  // unchanged
+  s = loaded->LoadBlocks(forms, 128);
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_EQ(loaded->Length(0), 112);
+  EXPECT_EQ(loaded->SegmentOf(5, 112), Segment::kRecent);
+  EXPECT_FALSE(loaded->HasBf16Form(5));
+  // BF16 history precision cannot read it, in the window or not.
+  EXPECT_EQ(loaded->set_history_precision(HistoryPrecision::kBf16).code(),
+            absl::StatusCode::kFailedPrecondition);
+  auto q = RandomRows(1, kShape.q_dim(), 5);
+  std::vector<float> a(kShape.q_dim()), b(kShape.q_dim());
+  // While block 5 is in the window it is attended from its INT2 form.
+  ASSERT_TRUE(loaded->Attend(0, 111, q, absl::MakeSpan(b)).ok());
+  for (float x : b) ASSERT_TRUE(std::isfinite(x));
+  // Recompute block 7 (the same K/V), then both decode the same 20 tokens.
+  Fill(*loaded, 16, 77, 112);
+  EXPECT_EQ(std::memcmp(loaded->Int2Form(5), local->Int2Form(5), local->geometry().Int2FormBytes()),
+            0);
+  Fill(*local, 20, 78, 128);
+  Fill(*loaded, 20, 78, 128);
+  for (int l = 0; l < kLayers; ++l) {
+    ASSERT_TRUE(local->Attend(l, 147, q, absl::MakeSpan(a)).ok());
+    ASSERT_TRUE(loaded->Attend(l, 147, q, absl::MakeSpan(b)).ok());
+    EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0) << "layer " << l;
+  }
+}
+
 TEST(MixedKvCacheTest, LoadBlocksRefusesMissingFormsAndPartialCaches) {
   auto rot = MakeRotations(kLayers, 4, 8, false);
   const MixedCacheOptions o = Opts(HistoryPrecision::kInt2, 16, 16);

@@ -233,10 +233,15 @@ bool MixedKvCache::UsesInt2(int b, int layer) const {
   if (options_.history != HistoryPrecision::kInt2) {
     return false;
   }
-  if (SegmentOf(b, length_[layer]) != Segment::kHistory) {
+  const Segment seg = SegmentOf(b, length_[layer]);
+  const Block& blk = blocks_[b];
+  if (seg == Segment::kRecent) {
+    // Loaded INT2-only as history of a planned length (LoadBlocks): demoted early.
+    return !blk.has_bf16[layer] && blk.has_int2[layer];
+  }
+  if (seg != Segment::kHistory) {
     return false;
   }
-  const Block& blk = blocks_[b];
   if (blk.has_int2[layer]) {
     return true;
   }
@@ -396,6 +401,8 @@ absl::Status MixedKvCache::Attend(int layer, int pos, absl::Span<const float> q,
       if (UsesInt2(b, layer)) {
         form = SegmentForm::kInt2;
       }
+    } else if (seg == 2 && UsesInt2(b, layer)) {
+      form = SegmentForm::kInt2;  // loaded INT2-only for a planned length (LoadBlocks)
     } else if (!blocks_[b].has_bf16[layer]) {
       return absl::FailedPreconditionError(absl::StrCat("block ", b, " layer ", layer, " is ",
                                                         seg == 0 ? "sink" : "recent",
@@ -437,7 +444,7 @@ absl::Status MixedKvCache::Attend(int layer, int pos, absl::Span<const float> q,
 
 // ---- pool integration -------------------------------------------------------------------------
 
-absl::Status MixedKvCache::LoadBlocks(absl::Span<const BlockForms> blocks) {
+absl::Status MixedKvCache::LoadBlocks(absl::Span<const BlockForms> blocks, int planned_length) {
   const int P = options_.page_size;
   const int len0 = length_[0];
   for (int l = 0; l < n_layers_; ++l) {
@@ -458,6 +465,13 @@ absl::Status MixedKvCache::LoadBlocks(absl::Span<const BlockForms> blocks) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "LoadBlocks: ", final_len, " tokens exceed the capacity of ", options_.capacity));
   }
+  if (planned_length < 0 ||
+      (planned_length > 0 && (planned_length < final_len || planned_length > options_.capacity))) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("LoadBlocks: planned_length ", planned_length, " outside [", final_len, ", ",
+                     options_.capacity, "] (the length after loading, the capacity) and not 0"));
+  }
+  const int planned = planned_length > 0 ? planned_length : final_len;
   const bool int2_mode = options_.history == HistoryPrecision::kInt2;
   for (int i = 0; i < n; ++i) {
     const int b = b0 + i;
@@ -465,7 +479,9 @@ absl::Status MixedKvCache::LoadBlocks(absl::Span<const BlockForms> blocks) {
       return absl::InvalidArgumentError(absl::StrCat("blocks[", i, "] has no form"));
     }
     const Segment seg = SegmentOf(b, final_len);
-    const bool needs_bf16 = seg != Segment::kHistory || !int2_mode;
+    // History now, or by the planned length (then attended from INT2 until it leaves the window).
+    const bool history = seg == Segment::kHistory || SegmentOf(b, planned) == Segment::kHistory;
+    const bool needs_bf16 = !history || !int2_mode;
     if (needs_bf16 && blocks[i].bf16 == nullptr) {
       return absl::FailedPreconditionError(absl::StrCat("block ", b, " is in the ",
                                                         seg == Segment::kSink     ? "sink"
@@ -512,7 +528,8 @@ absl::Status MixedKvCache::set_history_precision(HistoryPrecision p) {
     for (int l = 0; l < n_layers_; ++l) {
       const int nb = (length_[l] + options_.page_size - 1) / options_.page_size;
       for (int b = 0; b < nb; ++b) {
-        if (SegmentOf(b, length_[l]) == Segment::kHistory && !blocks_[b].has_bf16[l]) {
+        // History, or a window block loaded INT2-only for a planned length (LoadBlocks).
+        if (SegmentOf(b, length_[l]) != Segment::kSink && !blocks_[b].has_bf16[l]) {
           return absl::FailedPreconditionError(
               absl::StrCat("history precision bf16 needs block ", b, " layer ", l,
                            " in BF16, but it was fetched INT2-only"));

@@ -491,6 +491,16 @@ struct FetchPlan {
   // recomputes from that block on from the tokens, as for a miss; putting the sequence again
   // does not help (the pool keeps such a block BF16-only).
   bool accept_int2_window = false;
+  // Full blocks of the sequence the fetched blocks begin (0 = the blocks fetched), so that the
+  // recent window is that sequence's last recent_blocks blocks: a decoder that takes a prefix of
+  // a longer prompt's blocks from the pool (a partial hit, e.g. a prompt sharing all but its
+  // last block with a stored one) passes the blocks it wants, and the fetched blocks before
+  // that window come as INT2 history although they are among the last recent_blocks fetched —
+  // they are history in the prompt's own context (FORMAT.md §3), and the pool holds their INT2
+  // form. Only the fetched blocks inside the window are read in BF16 (accept_int2_window
+  // applies to those). Less than the blocks fetched (the lease's, at most max_blocks) is
+  // INVALID_ARGUMENT naming plan.sequence_blocks. Ignored with history precision bf16.
+  uint32_t sequence_blocks = 0;
   // Compare the form checksum (docs/BLOCK_FORMAT.md "Checksums") of every fetched form with
   // the lease's (DATA_LOSS per block on mismatch).
   // The lease alone already fails closed against slot reuse (a leased slot is never reused and

@@ -457,17 +457,19 @@ absl::StatusOr<DecodeReport> DecodeNode::Run(absl::Span<const int> prompt, int m
       for (const auto& b : lb) {
         rep.bytes_stored += (b.bf16 ? b.bf16->size : 0) + (b.int2 ? b.int2->size : 0);
       }
-      // Longest usable prefix: its recent window (and sink) must have BF16 forms; history the
-      // precision's form (FORMAT.md §3: otherwise the window is recomputed).
-      int use = static_cast<int>(lb.size());
-      for (; use > 0; --use) {
-        const int rs = std::min(use, std::max(sink_blocks, use - recent_blocks));
-        bool ok = true;
-        for (int b = 0; b < use && ok; ++b) {
-          const bool hist = b >= sink_blocks && b < rs;
-          ok = (hist && int2) ? lb[b].int2.has_value() : lb[b].bf16.has_value();
-        }
-        if (ok) {
+      // Longest usable prefix: sink and recent-window blocks need a BF16 form, history blocks
+      // the precision's form (FORMAT.md §3), where the window is that of the wanted blocks, not
+      // of the held ones: a held block before this prompt's own window is history in its
+      // context, whatever it was in the put that stored it (for a prompt sharing all but its
+      // last block with a stored one, the shared blocks before the window are INT2-only in the
+      // pool; newcomer report 10 F5: the window of the held blocks asked BF16 of them and only
+      // the 4 sink blocks were used, 419 of 483 tokens recomputed). The first block without its
+      // form ends the prefix; the rest is recomputed.
+      const int hist_end = std::max(sink_blocks, rep.wanted_blocks - recent_blocks);
+      int use = 0;
+      for (; use < static_cast<int>(lb.size()); ++use) {
+        const bool hist = use >= sink_blocks && use < hist_end;
+        if (!((hist && int2) ? lb[use].int2.has_value() : lb[use].bf16.has_value())) {
           break;
         }
       }
@@ -491,6 +493,9 @@ absl::StatusOr<DecodeReport> DecodeNode::Run(absl::Span<const int> prompt, int m
             plan.int2_pages.push_back(i);
           }
           plan.max_blocks = static_cast<uint32_t>(use);
+          // The window is the wanted blocks' (as above), so the fetch reads the blocks before it
+          // as INT2 history.
+          plan.sequence_blocks = static_cast<uint32_t>(rep.wanted_blocks);
           client::CallOptions call;  // the client's default timeout (--call-timeout-ms)
           if (options_.fault == Fault::kKillPoolMidFetch && !fault_fired_) {
             fault_fired_ = true;
@@ -559,7 +564,9 @@ absl::StatusOr<DecodeReport> DecodeNode::Run(absl::Span<const int> prompt, int m
     if (!forms.empty()) {
       KVPOOL_ASSIGN_OR_RETURN(auto cache,
                               MixedKvCache::Create(c.n_layers, c.attention(), rotations_, o));
-      absl::Status s = cache->LoadBlocks(forms);
+      // Blocks before the wanted prefix's window came as history (INT2) although some may lie
+      // in the window of the loaded length (a partial hit): history of the planned length.
+      absl::Status s = cache->LoadBlocks(forms, rep.wanted_blocks * P);
       if (s.ok()) {
         const int start = static_cast<int>(forms.size()) * P;
         KVPOOL_ASSIGN_OR_RETURN(absl::Span<const float> l,

@@ -112,8 +112,9 @@ class MixedKvCache : public engine::KvCacheView {
                       absl::Span<const float> v) override;
   // Mixed-precision attention for the query of token `pos` over positions [0, pos] (file
   // comment). Segments are those of a sequence of pos+1 tokens; each block is read in its
-  // current form. Errors: INVALID_ARGUMENT for a bad layer, pos >= Length(layer) or bad span
-  // sizes.
+  // current form (a recent-window block loaded INT2-only — LoadBlocks' planned_length — from
+  // its INT2 form, as its own run of the recent segment). Errors: INVALID_ARGUMENT for a bad layer,
+  // pos >= Length(layer) or bad span sizes.
   absl::Status Attend(int layer, int pos, absl::Span<const float> q,
                       absl::Span<float> out) override;
   int Length(int layer) const override;
@@ -127,7 +128,18 @@ class MixedKvCache : public engine::KvCacheView {
   // produced). Errors: FAILED_PRECONDITION (partial last block, layers of unequal length, a
   // required form missing — naming the block and form), INVALID_ARGUMENT (a block with no
   // form), RESOURCE_EXHAUSTED (capacity). On error the cache is unchanged.
-  absl::Status LoadBlocks(absl::Span<const BlockForms> blocks);
+  //
+  // `planned_length` (tokens; 0 = the length after loading) is the length the caller is about
+  // to extend the sequence to, e.g. a decoder that loads a prefix of its prompt's blocks and
+  // computes the rest (a partial hit). A block that is history at planned_length may then come
+  // INT2-only (in int2 mode) although it is still in the recent window of the loaded length: it
+  // is history in the prompt's context, and the pool holds its INT2 form (FORMAT.md §3). Such a
+  // block was demoted early: while it is in the window it is attended from its INT2 form (the
+  // tokens appended up to planned_length attend it that way), and the demotion when it leaves
+  // the window keeps that form. A block with a BF16 form is treated as without planned_length.
+  // INVALID_ARGUMENT when planned_length is negative, or positive and less than the length
+  // after loading or above the capacity.
+  absl::Status LoadBlocks(absl::Span<const BlockForms> blocks, int planned_length = 0);
 
   // Switches the history precision: to int2 demotes every history chunk, to bf16 re-reads the
   // BF16 forms. FAILED_PRECONDITION (naming the block) when bf16 is requested and a history

@@ -13,9 +13,11 @@
 // and a put open when it went away is put again from the recorded K/V (PrefillNode::RunAll).
 //
 // Decode (DecodeNode::Run): leases the longest held prefix (at most the full blocks before the
-// last prompt token), keeps the longest part of it whose recent window has BF16 forms, fetches
-// sink/window blocks in BF16 and history in the registered precision into registered page
-// pools, loads them into a MixedKvCache (LoadBlocks), releases the lease, recomputes the
+// last prompt token), keeps the longest part of it whose sink and recent window — the window of
+// those wanted blocks, so a held block before it is history even if it is among the last held
+// ones — have BF16 forms and history the registered precision's, fetches them in those forms
+// into registered page pools, loads them into a MixedKvCache (LoadBlocks with the wanted
+// blocks' length as planned length), releases the lease, recomputes the
 // missing tokens and generates greedily. When the pool is unreachable or a fetch fails or is
 // incomplete, it computes the prefix itself exactly as a single process would (eval.h
 // PrefillPd), so the answer is the same; the report and the log say so. After a pool call that
