@@ -17,7 +17,8 @@
 #   7. a pool killed mid-prefill and restarted a second later receives every prompt (the put
 #      that was open is put again), and the prefill node's counters pass promtool;
 #   8. a prompt sharing all but its last block with a stored one loads every shared block (the
-#      history before its own window as INT2), and a shorter prompt the history before its window.
+#      history before its own window as INT2), and a shorter prompt the history before its window;
+#   9. the pool counts no lookup miss for a full hit of n = 0 (mod P) tokens.
 # Usage: e2e_pool_test.sh SERVER WORKER KVPOOL_TOOL MODEL DEMO_DIR [PROMTOOL]
 set -euo pipefail
 server_bin="$1"; worker_bin="$2"; tool_bin="$3"; model="$4"; demo="$5"; promtool="${6:-}"
@@ -36,7 +37,7 @@ prompts=(--prompt-file "${demo}/prompts/01_kite.txt" --prompt-file "${demo}/prom
 common=(--model "${model}" --rotations "${work}/rot.safetensors" --max-new-tokens 32)
 
 start_pool() {
-  "${server_bin}" --listen "${pool}" --metrics-port -1 --ucx-tls tcp --capacity 64MiB \
+  "${server_bin}" --listen "${pool}" --metrics-port 0 --ucx-tls tcp --capacity 64MiB \
     >"${work}/server.log" 2>&1 &
   server_pid=$!
   for _ in $(seq 1 100); do
@@ -44,6 +45,16 @@ start_pool() {
     sleep 0.1
   done
   sleep 1
+}
+
+# A counter of the running pool's /metrics (its port from the start-up line metrics_port=N).
+pool_metric() {
+  python3 - "${work}/server.log" "$1" <<'PY'
+import re, sys, urllib.request
+port = re.findall(r"metrics_port=(\d+)", open(sys.argv[1]).read())[-1]
+text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+print(int(float(re.search(rf"^{sys.argv[2]} (\S+)$", text, re.M).group(1))))
+PY
 }
 
 fail() { echo "FAIL: $*" >&2; echo "--- server log" >&2; tail -20 "${work}/server.log" >&2 || true; exit 1; }
@@ -167,8 +178,15 @@ n0=(--revision n0-test "${common[@]}" --prompt-file "${work}/kite448.txt"
   >/dev/null 2>"${work}/eval_n0.log" || { cat "${work}/eval_n0.log" >&2; fail "eval n=0 mod P"; }
 "${worker_bin}" --role prefill --pool "${pool}" "${n0[@]}" --report "${work}/prefill_n0.json" \
   >/dev/null 2>"${work}/prefill_n0.log" || { cat "${work}/prefill_n0.log" >&2; fail "prefill n=0 mod P"; }
+misses0="$(pool_metric kvpool_lookup_misses_total)"; lookups0="$(pool_metric kvpool_lookups_total)"
 "${worker_bin}" --role decode --pool "${pool}" "${n0[@]}" --report "${work}/decode_n0.json" \
   >/dev/null 2>"${work}/decode_n0.log" || { cat "${work}/decode_n0.log" >&2; fail "decode n=0 mod P"; }
+# Two full hits, two calls each (Lookup, Acquire), no miss: the decoder asks for the blocks it
+# wants (newcomer report 10 F4: it sent the whole 448-token prompt and the pool counted a miss).
+misses1="$(pool_metric kvpool_lookup_misses_total)"; lookups1="$(pool_metric kvpool_lookups_total)"
+[[ $((lookups1 - lookups0)) -eq 4 ]] || fail "n = 0 (mod P): $((lookups1 - lookups0)) lookups, want 4"
+[[ ${misses1} -eq ${misses0} ]] || fail "n = 0 (mod P): full hits counted as $((misses1 - misses0)) lookup miss(es) by the pool"
+echo "n = 0 (mod P): the pool counted $((lookups1 - lookups0)) lookups and no miss for the two full hits"
 python3 - "${work}" <<'PY' || fail "n = 0 (mod P): not a full hit"
 import json, sys
 w = sys.argv[1]

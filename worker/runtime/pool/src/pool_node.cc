@@ -430,7 +430,11 @@ absl::StatusOr<DecodeReport> DecodeNode::Run(absl::Span<const int> prompt, int m
   } else if (!pool_down_.empty() && rep.wanted_blocks > 0) {
     failure = absl::StrCat(kPoolSkipped, pool_down_);
   } else if (rep.wanted_blocks > 0) {
-    const std::vector<uint32_t> tokens = ToU32(prompt);
+    // The tokens of the wanted blocks only: the pool counts a call whose held prefix ends
+    // before the request's last full block as a miss (kvpool_lookup_misses_total), so the whole
+    // prompt of n = 0 (mod P) tokens made every full hit a miss (newcomer report 10 F4).
+    const std::vector<uint32_t> tokens =
+        ToU32(prompt.first(static_cast<size_t>(rep.wanted_blocks) * P));
     // Side-effect-free probe first (what a scheduler asks), then the lease.
     // A failed probe or lease that is the pool's doing (UNAVAILABLE, DEADLINE_EXCEEDED, ...)
     // is a fallback with its reason, not a miss; only NOT_FOUND means "nothing stored".
