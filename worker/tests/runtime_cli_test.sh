@@ -383,14 +383,7 @@ else
 fi
 # The registration follows --call-timeout-ms (a fixed 5 s ignored it while its error said to
 # raise the flag: newcomer s9 A7). A listener that accepts and never answers is a hung pool.
-python3 -c '
-import socket, sys, time
-s = socket.socket(); s.bind(("127.0.0.1", 0)); s.listen(16)
-print(s.getsockname()[1], flush=True)
-conns = []
-while True:
-    conns.append(s.accept()[0])
-' >"${work}/silent.port" &
+python3 "$(dirname "${BASH_SOURCE[0]}")/silent_listener.py" >"${work}/silent.port" &
 silent_pid=$!
 for _ in $(seq 50); do [[ -s "${work}/silent.port" ]] && break; sleep 0.1; done
 silent="127.0.0.1:$(cat "${work}/silent.port")"

@@ -154,14 +154,7 @@ print(f"ok: {len(said_not)} open put(s) reported as not aborted (the pool was st
 PY
 
 echo "== a stop during the registration with a pool that never answers (accepts, never replies)"
-python3 -c '
-import socket
-s = socket.socket(); s.bind(("127.0.0.1", 0)); s.listen(16)
-print(s.getsockname()[1], flush=True)
-held = []
-while True:
-    held.append(s.accept()[0])
-' >"${work}/mute.port" &
+python3 "$(dirname "${BASH_SOURCE[0]}")/silent_listener.py" >"${work}/mute.port" &
 mute_pid=$!
 for _ in $(seq 1 100); do [[ -s "${work}/mute.port" ]] && break; sleep 0.05; done
 mute="127.0.0.1:$(head -1 "${work}/mute.port")"
