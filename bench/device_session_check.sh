@@ -14,7 +14,7 @@
 # the fresh-buffer baseline too when bin/ucp_rotating_bench is there (or BUILD/bin has one);
 # POOL_TCP_BUILD=b adds one pool_bench.py --repeat 3 run of build b over UCX_TLS=tcp at the end.
 # DECODE_AB_ENV="KVPOOL_DECODE_X=v" adds DECODE_AB_ROUNDS (2) alternating rounds of the headline
-# shapes with and without that launcher switch.
+# shapes with and without that launcher switch. POOL_ONLY=1 skips everything but the pool part.
 # Prints a one-line verdict per test binary; the bench JSON files and logs are packed into
 # $OUT/session_check.tgz, the summary log stays beside it.
 set -u
@@ -30,6 +30,7 @@ stamp() { echo "[+$(($(date +%s) - T0))s] $*" | tee -a "$LOG"; }
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,clocks.max.sm,temperature.gpu,power.draw --format=csv
 } 2>&1 | tee "$LOG"
 
+if [ -z "${POOL_ONLY:-}" ]; then
 stamp "== GPU tests, concurrently (CPU references dominate their time)"
 TESTS="cuda_kernels_test kvstore_gpu_test worker_gpu_test"
 for t in $TESTS; do
@@ -83,6 +84,7 @@ stamp "== write kernels (64K / 256K / 1M token-heads at 8 KV heads)"
   --json "$OUT/r/write.json" 2>&1 | tee -a "$LOG"
 
 nvidia-smi --query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv 2>&1 | tee -a "$LOG"
+fi  # POOL_ONLY
 
 if [ -n "${POOL_BUILDS:-}" ]; then
   P="$PWD/$DEVLIBS/pool"
