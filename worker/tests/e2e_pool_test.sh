@@ -18,7 +18,8 @@
 #      that was open is put again), and the prefill node's counters pass promtool;
 #   8. a prompt sharing all but its last block with a stored one loads every shared block (the
 #      history before its own window as INT2), and a shorter prompt the history before its window;
-#   9. the pool counts no lookup miss for a full hit of n = 0 (mod P) tokens.
+#   9. the pool counts no lookup miss for a full hit of n = 0 (mod P) tokens;
+#  10. a prefill node whose stderr is a closed pipe stores every prompt and writes its report.
 # Usage: e2e_pool_test.sh SERVER WORKER KVPOOL_TOOL MODEL DEMO_DIR [PROMTOOL]
 set -euo pipefail
 server_bin="$1"; worker_bin="$2"; tool_bin="$3"; model="$4"; demo="$5"; promtool="${6:-}"
@@ -206,6 +207,26 @@ for i, (pf, p) in enumerate(zip(pre, dec)):
     assert p["tokens"] == single, f"{p['name']}: pool {p['tokens']} != single {single}"
     print(f"{p['name']} (n = {n}): {pf['blocks']} blocks put, {p['loaded_blocks']}/"
           f"{p['wanted_blocks']} loaded, {p['recomputed_tokens']} recomputed, tokens identical")
+PY
+
+echo "== a prefill node whose stderr is a closed pipe still pushes every prompt and writes its report"
+# Its log is all it prints; a reader that is gone (here 'true', which reads nothing) used to kill
+# it by SIGPIPE at its next log line: exit 141, no report, the later prompts never pushed and its
+# open put left to the put timeout (newcomer report 10 F2). SIGPIPE is ignored: the lines are lost,
+# the run is not.
+set +e
+{ "${worker_bin}" --role prefill --pool "${pool}" --revision pipe-test "${common[@]}" "${prompts[@]}" \
+    --report "${work}/prefill_pipe.json" 2>&1 >/dev/null; } | true
+rc=${PIPESTATUS[0]}
+set -e
+[[ ${rc} -eq 0 ]] || fail "prefill with a closed stderr: exit ${rc}, want 0"
+python3 - "${work}" <<'PY' || fail "prefill with a closed stderr: report"
+import json, sys
+r = json.load(open(f"{sys.argv[1]}/prefill_pipe.json"))
+assert r["interrupted"] is False, r
+assert [p["name"] for p in r["prompts"]] == ["01_kite", "02_garden"], r["prompts"]
+assert all(p["blocks"] > 0 and not p.get("error") for p in r["prompts"]), r["prompts"]
+print(f"prefill with a closed stderr: exit 0, {len(r['prompts'])} prompts stored, report written")
 PY
 
 echo "== prefill node killed mid-push: nothing becomes visible"
