@@ -45,10 +45,28 @@ trap stop_pool EXIT INT TERM
 
 now() { date +%s.%N; }
 stage_json=""
-stage() {  # stage NAME COMMAND... : runs and records wall time (in order)
-  local name="$1"; shift
-  local t0; t0="$(now)"
-  "$@"
+# stage NAME STDOUT STDERR COMMAND... : runs COMMAND with its output into the two files ("" =
+# not redirected; the same file twice = both into it) and records its wall time (in order). A
+# failing stage ends the demo with its exit code after naming it, its log and the log's last
+# lines (newcomer report 10 F6: 'make demo' ended with 'Error 2' and nothing else).
+stage() {
+  local name="$1" stdout="$2" stderr="$3"; shift 3
+  local t0 rc=0; t0="$(now)"
+  if [[ -z "${stdout}" ]]; then
+    "$@" || rc=$?
+  elif [[ "${stdout}" == "${stderr}" ]]; then
+    "$@" >"${stdout}" 2>&1 || rc=$?
+  else
+    "$@" >"${stdout}" 2>"${stderr}" || rc=$?
+  fi
+  if [[ ${rc} -ne 0 ]]; then
+    echo "demo: stage ${name} failed (exit ${rc}); see ${stderr:-the lines above}" >&2
+    if [[ -n "${stderr}" && -s "${stderr}" ]]; then
+      echo "demo: the last lines of ${stderr}:" >&2
+      tail -n 8 "${stderr}" | sed 's/^/  | /' >&2
+    fi
+    exit "${rc}"
+  fi
   stage_json+="\"${name}\": $(python3 -c "print(round($(now) - ${t0}, 3))"),"
 }
 
@@ -58,35 +76,50 @@ port="$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); p
 pool="127.0.0.1:${port}"
 common=(--model "${model}" --rotations "${out}/rotations.safetensors" --max-new-tokens "${max_new}")
 
+# Started when the kvpool-server it started says it is ready on ${pool}, and still runs: a port
+# that merely answers may be another process's (one that took the port between the free-port
+# probe and the bind), and a server that died must not be waited for.
 start_pool() {
   "${bin}/kvpool-server" --listen "${pool}" --metrics-port -1 --ucx-tls tcp \
     >"${out}/pool.log" 2>&1 &
   pool_pid=$!
-  for _ in $(seq 1 50); do
-    if python3 -c "import socket,sys; s=socket.socket(); sys.exit(s.connect_ex(('127.0.0.1',${port})))"; then
+  local why="it did not say it was ready within 10 s"
+  for _ in $(seq 1 100); do
+    if ! kill -0 "${pool_pid}" 2>/dev/null; then
+      local rc=0
+      wait "${pool_pid}" || rc=$?
+      pool_pid=""
+      why="kvpool-server exited (code ${rc}) before it was ready"
+      break
+    fi
+    if grep -q "kvpool-server ready: grpc ${pool} " "${out}/pool.log" 2>/dev/null; then
       return 0
     fi
     sleep 0.1
   done
-  echo "demo: the pool did not start; see ${out}/pool.log" >&2
+  echo "demo: the pool did not start at ${pool}: ${why}; see ${out}/pool.log" >&2
+  tail -n 8 "${out}/pool.log" | sed 's/^/  | /' >&2
   exit 2
 }
 
 echo "== kvpool demo: stories260K, $(ls "${demo_src}"/prompts/*.txt | wc -l) prompts, pool at ${pool}"
-stage pool_start start_pool
+stage pool_start "" "" start_pool
 echo "-- calibrating OSCAR rotations on worker/demo/calibration.txt"
-stage calibrate "${bin}/kvpool" calibrate --model "${model}" --text "${demo_src}/calibration.txt" \
-  --out "${out}/rotations.safetensors" >"${out}/calibrate.log" 2>&1
+stage calibrate "${out}/calibrate.log" "${out}/calibrate.log" \
+  "${bin}/kvpool" calibrate --model "${model}" --text "${demo_src}/calibration.txt" \
+  --out "${out}/rotations.safetensors"
 echo "-- in-process evaluation (float32 reference; bf16/int2 x S64/W256, S16/W16)"
-stage eval "${bin}/kvpool-worker" --role eval "${common[@]}" "${prompt_args[@]}" \
-  --report "${out}/eval.json" >"${out}/eval.txt" 2>"${out}/eval.log"
+stage eval "${out}/eval.txt" "${out}/eval.log" \
+  "${bin}/kvpool-worker" --role eval "${common[@]}" "${prompt_args[@]}" --report "${out}/eval.json"
 echo "-- prefill node -> pool"
-stage prefill "${bin}/kvpool-worker" --role prefill --pool "${pool}" "${common[@]}" \
-  "${prompt_args[@]}" --report "${out}/prefill.json" >/dev/null 2>"${out}/prefill.log"
+stage prefill /dev/null "${out}/prefill.log" \
+  "${bin}/kvpool-worker" --role prefill --pool "${pool}" "${common[@]}" "${prompt_args[@]}" \
+  --report "${out}/prefill.json"
 echo "-- pool -> decode worker"
-stage decode "${bin}/kvpool-worker" --role decode --pool "${pool}" "${common[@]}" \
-  "${prompt_args[@]}" --report "${out}/decode.json" >"${out}/decode.txt" 2>"${out}/decode.log"
-stage pool_stop stop_pool
+stage decode "${out}/decode.txt" "${out}/decode.log" \
+  "${bin}/kvpool-worker" --role decode --pool "${pool}" "${common[@]}" "${prompt_args[@]}" \
+  --report "${out}/decode.json"
+stage pool_stop "" "" stop_pool
 
 stage_json="{${stage_json%,}}"
 
