@@ -398,7 +398,8 @@ int main(int argc, char** argv) {
                  "timeout of each pool call (registration, lookup, lease, fetch, "
                  "each call of a put), counted from that call's start; prefill: also how long "
                  "the prompts wait, per outage, for a pool found unreachable to come back (a put "
-                 "open when it went away is then put again)")
+                 "open when it went away is then put again), and how long a prompt waits for room "
+                 "that other puts' staging or leases hold in the pool")
       ->capture_default_str()
       ->check(kvpool::cli::Range(1, 3600000));
   CLI::Option* report_opt = app.add_option("--report", report, "write a JSON report to this file")
@@ -942,7 +943,8 @@ int main(int argc, char** argv) {
                       {"failed_prompts", failed},
                       {"interrupted_prompts", not_stored},
                       {"reput_prompts", reput},
-                      {"pool_reconnects", node.pool_reconnects()}};
+                      {"pool_reconnects", node.pool_reconnects()},
+                      {"room_waits", node.room_waits()}};
     NoteInterrupted(out, stop_signal);
     out["seconds"] =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();

@@ -828,6 +828,9 @@ absl::Status BlockStore::CheckCommitFitsLocked(const Model& m, absl::Span<const 
   const uint64_t capacity = arena_.capacity();
   const uint64_t room = EvictableRoomLocked(newly_pinned);
   if (staging + forms <= room) return absl::OkStatus();
+  // A prefill node (kvpool::worker::RoomHeldByOthers) reads the numbers of this message and of
+  // AllocateLocked's to tell pressure of other puts and leases, which it waits out, from a put
+  // too large for the pool; worker_e2e_pool_test checks it.
   return absl::ResourceExhaustedError(absl::StrCat(
       "num_blocks: the pool cannot hold this put's commit: it needs ", staging + forms,
       " bytes at once (", staging, " bytes of staging for the ", writes, " of ", num_blocks,

@@ -13,7 +13,9 @@
 
 #include "absl/strings/cord.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "kvpool/common/log.h"
 #include "kvpool/common/process.h"
 #include "kvpool/common/status.h"
@@ -57,6 +59,50 @@ void LayerRows(const StagingRecorder& rec, uint32_t layer, uint32_t blocks,
 }  // namespace
 
 const char kPoolSkipped[] = "pool skipped after an earlier failure in this run: ";
+
+namespace {
+// The number after the first `label` in `text` (digits only); nullopt when absent.
+std::optional<uint64_t> NumberAfter(absl::string_view text, absl::string_view label) {
+  const size_t at = text.find(label);
+  if (at == absl::string_view::npos) return std::nullopt;
+  absl::string_view rest = text.substr(at + label.size());
+  size_t n = 0;
+  while (n < rest.size() && rest[n] >= '0' && rest[n] <= '9') ++n;
+  uint64_t v = 0;
+  if (n == 0 || !absl::SimpleAtoi(rest.substr(0, n), &v)) return std::nullopt;
+  return v;
+}
+// The number just before `label` in `text` ("573440 bytes are staging"); nullopt when absent.
+std::optional<uint64_t> NumberBefore(absl::string_view text, absl::string_view label) {
+  const size_t at = text.find(label);
+  if (at == absl::string_view::npos) return std::nullopt;
+  size_t b = at;
+  while (b > 0 && text[b - 1] >= '0' && text[b - 1] <= '9') --b;
+  uint64_t v = 0;
+  if (b == at || !absl::SimpleAtoi(text.substr(b, at - b), &v)) return std::nullopt;
+  return v;
+}
+}  // namespace
+
+bool RoomHeldByOthers(const absl::Status& s) {
+  if (!absl::IsResourceExhausted(s)) return false;
+  const absl::string_view m = s.message();
+  // BeginPut's check that the commit can fit (kvstore CheckCommitFitsLocked).
+  std::optional<uint64_t> need = NumberAfter(m, "this put's commit: it needs ");
+  std::optional<uint64_t> room = NumberAfter(m, "eviction can make at most ");
+  std::optional<uint64_t> staging = NumberBefore(m, " bytes are staging of other open puts");
+  std::optional<uint64_t> pinned = NumberBefore(m, " bytes are forms of leased or pinned blocks");
+  if (!need.has_value()) {
+    // The staging allocation itself (kvstore AllocateLocked): room = the free bytes.
+    need = NumberAfter(m, "pool full: cannot allocate ");
+    room = NumberBefore(m, " bytes free");
+    staging = NumberBefore(m, " bytes staging of open puts");
+    pinned = NumberBefore(m, " bytes forms of leased or pinned blocks");
+  }
+  if (!need || !room || !staging || !pinned) return false;
+  const uint64_t held = *staging + *pinned;
+  return held > 0 && *need <= *room + held;
+}
 
 namespace {
 // The payload that marks a prompt RunAll did not start (PromptNotRun).
@@ -114,7 +160,8 @@ PrefillNode::PrefillNode(engine::Engine* engine, client::Client* client,
                          std::shared_ptr<const RotationSet> rotations, NodeOptions options)
     : engine_(engine), client_(client), rotations_(std::move(rotations)), options_(options) {}
 
-absl::StatusOr<PrefillNode::Pending> PrefillNode::ComputeAndWrite(absl::Span<const int> prompt) {
+absl::StatusOr<PrefillNode::Pending> PrefillNode::ComputeAndWrite(absl::Span<const int> prompt,
+                                                                  bool wait_for_room) {
   const engine::ModelConfig& c = engine_->config();
   const int P = options_.cache.page_size;
   // The put holds the blocks a decode worker of the same recipe takes: the full blocks before
@@ -132,7 +179,7 @@ absl::StatusOr<PrefillNode::Pending> PrefillNode::ComputeAndWrite(absl::Span<con
   rep.prompt_tokens = static_cast<int>(prompt.size());
   pending.tokens = ToU32(prompt.first(static_cast<size_t>(prefix)));
   // Open the put first: staging space is reserved while the prompt is computed.
-  KVPOOL_ASSIGN_OR_RETURN(pending.put, BeginPut(pending.tokens));
+  KVPOOL_ASSIGN_OR_RETURN(pending.put, BeginPut(pending.tokens, wait_for_room));
   rep.blocks = pending.put->num_blocks();
 
   // A prefill node attends in BF16 (history precision bf16, the registered S/W).
@@ -216,14 +263,36 @@ void PrefillNode::NoteOutage(const absl::Status& s) {
 }
 
 absl::StatusOr<std::unique_ptr<client::PutSession>> PrefillNode::BeginPut(
-    const std::vector<uint32_t>& tokens) {
+    const std::vector<uint32_t>& tokens, bool wait_for_room) {
   const client::CallOptions call{.cancel = options_.cancel};
   auto cancelled = [&] { return options_.cancel != nullptr && options_.cancel->cancelled(); };
   absl::StatusOr<std::unique_ptr<client::PutSession>> put = client_->BeginPut(tokens, call);
   auto backoff = std::chrono::milliseconds(50);
-  while (absl::IsUnavailable(put.status()) && !client::NoSharedUcxTransport(put.status())) {
-    NoteOutage(put.status());
-    const auto end = *outage_start_ + options_.reconnect_wait;
+  std::optional<std::chrono::steady_clock::time_point> room_wait_start;
+  for (;;) {
+    const bool outage =
+        absl::IsUnavailable(put.status()) && !client::NoSharedUcxTransport(put.status());
+    const bool room = wait_for_room && RoomHeldByOthers(put.status());
+    if (!outage && !room) {
+      break;
+    }
+    std::chrono::steady_clock::time_point end;
+    if (outage) {
+      NoteOutage(put.status());
+      end = *outage_start_ + options_.reconnect_wait;
+    } else {
+      // Other nodes' open puts (their staging) or leased blocks hold the room: transient (newcomer
+      // report 10 F3: a node that lost that race failed all 20 prompts in 22 ms).
+      if (!room_wait_start.has_value()) {
+        room_wait_start = std::chrono::steady_clock::now();
+        ++room_waits_;
+        KVPOOL_LOG_WARN(
+            "prefill: the pool has no room for this put now ({}); waiting up to {} ms for other "
+            "puts or leases to free it (--call-timeout-ms)",
+            StatusText(put.status()), options_.reconnect_wait.count());
+      }
+      end = *room_wait_start + options_.reconnect_wait;
+    }
     if (std::chrono::steady_clock::now() >= end) {
       return put;  // the wait of this outage is spent: one attempt per prompt from now on
     }
@@ -233,12 +302,16 @@ absl::StatusOr<std::unique_ptr<client::PutSession>> PrefillNode::BeginPut(
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
     if (cancelled()) {
-      return absl::CancelledError(absl::StrCat(
-          "BeginPut: cancelled while waiting for the unreachable pool to come back (last: ",
-          StatusText(put.status()), ")"));
+      return absl::CancelledError(
+          absl::StrCat("BeginPut: cancelled while waiting for ",
+                       outage ? "the unreachable pool to come back" : "room in the pool",
+                       " (last: ", StatusText(put.status()), ")"));
     }
     backoff = std::min(backoff * 2, std::chrono::milliseconds(1000));
     put = client_->BeginPut(tokens, call);  // the client re-registers the model first (stale)
+  }
+  if (put.ok() && room_wait_start.has_value()) {
+    KVPOOL_LOG_INFO("prefill: room for the put after {:.2f} s", Since(*room_wait_start));
   }
   if (put.ok() && !put_timeout_checked_) {
     put_timeout_checked_ = true;
@@ -279,7 +352,7 @@ void KillPoolAndWait(int pid) {
 }  // namespace
 
 absl::StatusOr<PrefillReport> PrefillNode::Run(absl::Span<const int> prompt) {
-  KVPOOL_ASSIGN_OR_RETURN(Pending pending, ComputeAndWrite(prompt));
+  KVPOOL_ASSIGN_OR_RETURN(Pending pending, ComputeAndWrite(prompt, /*wait_for_room=*/true));
   return Commit(std::move(pending));
 }
 
@@ -337,7 +410,16 @@ std::vector<absl::StatusOr<PrefillReport>> PrefillNode::RunAll(
       stopped = true;
       break;
     }
-    absl::StatusOr<Pending> next = ComputeAndWrite(prompts[i]);
+    // With a put of this node's own in flight, a refusal for room is not waited for: that put
+    // may be what holds it, and it commits only after this prompt is computed. It is committed
+    // first, then this prompt asks again, waiting for room other nodes hold (newcomer report 10
+    // F3).
+    absl::StatusOr<Pending> next = ComputeAndWrite(prompts[i], !in_flight.has_value());
+    if (!next.ok() && in_flight.has_value() && RoomHeldByOthers(next.status()) && !stop()) {
+      commit();
+      report_up_to(in_flight_index + 1);
+      next = ComputeAndWrite(prompts[i], /*wait_for_room=*/true);
+    }
     if (stop()) {
       stopped = true;
       if (next.ok()) {

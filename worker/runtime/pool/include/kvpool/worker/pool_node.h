@@ -161,6 +161,8 @@ class PrefillNode {
 
   // Outages after which a BeginPut reached the pool again (the client re-registered the model).
   int pool_reconnects() const { return pool_reconnects_; }
+  // Prompts whose BeginPut waited for room held by other puts or leases (RoomHeldByOthers).
+  int room_waits() const { return room_waits_; }
 
  private:
   // A put whose layers are written (transfers possibly still in flight), not yet committed.
@@ -174,15 +176,19 @@ class PrefillNode {
     std::unique_ptr<MixedKvCache> cache;        // the BF16 attention the prompt was computed with
     std::unique_ptr<StagingRecorder> recorder;  // the un-rotated bf16 K/V (over `cache`)
   };
-  absl::StatusOr<Pending> ComputeAndWrite(absl::Span<const int> prompt);
+  // `wait_for_room`: see BeginPut.
+  absl::StatusOr<Pending> ComputeAndWrite(absl::Span<const int> prompt, bool wait_for_room);
   // Writes every layer of pending.recorder into pending.put (in order).
   absl::Status WriteLayers(Pending& pending);
   // Commits; a Commit that fails UNAVAILABLE puts the recorded K/V again once (BeginPut with the
   // outage wait, WriteLayers, Commit).
   absl::StatusOr<PrefillReport> Commit(Pending pending);
   // client_->BeginPut, retried on UNAVAILABLE within the outage's reconnect_wait (50 ms backoff
-  // doubling to 1 s); the last status when the wait is over.
-  absl::StatusOr<std::unique_ptr<client::PutSession>> BeginPut(const std::vector<uint32_t>& tokens);
+  // doubling to 1 s); the last status when the wait is over. With `wait_for_room`, a
+  // RESOURCE_EXHAUSTED that other open puts' staging or leased blocks cause (RoomHeldByOthers)
+  // is retried the same way for up to reconnect_wait from this prompt's first refusal.
+  absl::StatusOr<std::unique_ptr<client::PutSession>> BeginPut(const std::vector<uint32_t>& tokens,
+                                                               bool wait_for_room = false);
   // An UNAVAILABLE BeginPut `s` starts an outage when none is open (logged once).
   void NoteOutage(const absl::Status& s);
 
@@ -197,7 +203,17 @@ class PrefillNode {
   std::optional<std::chrono::steady_clock::time_point> outage_start_;
   uint64_t outage_epoch_ = 0;  // the pool's epoch when the outage began (restart or hang?)
   int pool_reconnects_ = 0;
+  int room_waits_ = 0;
 };
+
+// True when `s` is the pool's BeginPut refusal for room (RESOURCE_EXHAUSTED "num_blocks: the pool
+// cannot hold this put's commit: it needs N bytes at once ... eviction can make at most R of the
+// pool's C bytes free (S bytes are staging of other open puts, L bytes are forms of leased or
+// pinned blocks)", or the allocation's "num_blocks: pool full: cannot allocate N bytes (... S
+// bytes staging of open puts, L bytes forms of leased or pinned blocks ...)") and the put would
+// fit once that staging and those leases are gone (N <= R + S + L, S + L > 0): pressure of other
+// puts and readers, which passes, rather than a put too large for the pool. Pure.
+bool RoomHeldByOthers(const absl::Status& s);
 
 struct DecodeReport {
   std::vector<int> tokens;  // greedy continuation
