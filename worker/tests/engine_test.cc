@@ -478,5 +478,53 @@ TEST(EngineErrorTest, NonFiniteWeightsAreRefusedAtLoad) {
   std::remove(path.c_str());
 }
 
+// Newcomer report 10 F7: finite weights whose activations overflow (every 7th element of
+// blk.1.attn_k.weight times 3e38: k becomes NaN/Inf; blk.2.attn_v.weight times 1e37: k and v
+// stay finite but the residual stream's squares overflow, the RMS norm gives zeros and the
+// logits a constant) made kvpool-engine generate print <unk> or blank tokens with exit 0. The
+// forward pass now refuses them, naming the layer and what overflowed.
+TEST(EngineErrorTest, ActivationsThatOverflowAreRefusedNamingTheLayer) {
+  std::ifstream in(kModel, std::ios::binary);
+  std::string bytes((std::istreambuf_iterator<char>(in)), {});
+  auto gguf = GgufFile::Parse(bytes);
+  ASSERT_TRUE(gguf.ok()) << gguf.status();
+  const std::string path = ::testing::TempDir() + "/engine_test_overflow.gguf";
+  struct Case {
+    const char* tensor;
+    float scale;
+    const char* want;
+  };
+  for (const Case& cs : {Case{"blk.1.attn_k.weight", 3e38f, "layer 1 pos 0: element "},
+                         Case{"blk.2.attn_v.weight", 1e37f, "RMS norm is too large"}}) {
+    SCOPED_TRACE(cs.tensor);
+    const GgufTensor* t = (*gguf)->FindTensor(cs.tensor);
+    ASSERT_NE(t, nullptr);
+    ASSERT_EQ(t->dtype, GgufDType::kF32);
+    std::string b = bytes;
+    const uint64_t base = (*gguf)->data_offset() + t->offset;
+    for (uint64_t i = 0; i < t->num_elements; i += 7) {
+      float w;
+      std::memcpy(&w, &b[base + i * sizeof(float)], sizeof(float));
+      w *= cs.scale;
+      if (!std::isfinite(w)) w = std::copysign(3.4e38f, w);  // finite weights only
+      std::memcpy(&b[base + i * sizeof(float)], &w, sizeof(float));
+    }
+    {
+      std::ofstream out(path, std::ios::binary | std::ios::trunc);
+      out.write(b.data(), static_cast<std::streamsize>(b.size()));
+    }
+    auto e = Engine::Create(path);
+    ASSERT_TRUE(e.ok()) << e.status();  // finite weights load
+    auto cache = (*e)->NewCache(64);
+    ASSERT_TRUE(cache.ok()) << cache.status();
+    auto r = (*e)->Generate({1}, {.max_tokens = 4}, **cache);
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+    EXPECT_NE(r.status().message().find(cs.want), std::string::npos) << r.status();
+    EXPECT_NE(r.status().message().find("overflow"), std::string::npos) << r.status();
+  }
+  std::remove(path.c_str());
+}
+
 }  // namespace
 }  // namespace kvpool::engine

@@ -4,6 +4,8 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <string>
+#include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -27,7 +29,9 @@ void MatVec(const std::vector<float>& w, const float* x, int rows, int cols, flo
 }
 
 // out = x / sqrt(mean(x²) + eps) ⊙ weight.
-void RmsNorm(const float* x, const std::vector<float>& weight, int n, float eps, float* out) {
+// False when the sum of squares is not finite (x holds values beyond ~1.8e19): the output is
+// then 0 or NaN, not a normalized x, and the caller refuses it (CheckNorm).
+bool RmsNorm(const float* x, const std::vector<float>& weight, int n, float eps, float* out) {
   float ss = 0.0f;
   for (int i = 0; i < n; ++i) {
     ss += x[i] * x[i];
@@ -36,6 +40,7 @@ void RmsNorm(const float* x, const std::vector<float>& weight, int n, float eps,
   for (int i = 0; i < n; ++i) {
     out[i] = x[i] * inv * weight[i];
   }
+  return std::isfinite(ss);
 }
 
 // Rotates adjacent pairs (2i, 2i+1), i < rope_dim/2, of each head of `v` by pos·inv_freq[i].
@@ -245,6 +250,27 @@ absl::StatusOr<std::unique_ptr<Fp32KvCache>> Engine::NewCache(int capacity) cons
 
 // ---- forward --------------------------------------------------------------------------------
 
+namespace {
+// INVALID_ARGUMENT naming `where`, `what` and the first element of `x` that is NaN or Inf.
+absl::Status CheckFinite(const std::vector<float>& x, const std::string& where, const char* what) {
+  for (size_t j = 0; j < x.size(); ++j) {
+    if (!std::isfinite(x[j])) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          where, ": element ", j, " of ", what, " is ", std::isnan(x[j]) ? "NaN" : "infinite",
+          " (the model's activations overflow: NaN/Inf are refused, FORMAT.md §2.5)"));
+    }
+  }
+  return absl::OkStatus();
+}
+// INVALID_ARGUMENT: the RMS norm before `block` got a residual stream whose squares overflow.
+absl::Status NormOverflow(const std::string& where, const char* block) {
+  return absl::InvalidArgumentError(absl::StrCat(
+      where, ": the residual stream entering the ", block,
+      " RMS norm is too large (its sum of squares overflows fp32: the model's activations "
+      "overflow; NaN/Inf are refused, FORMAT.md §2.5)"));
+}
+}  // namespace
+
 absl::StatusOr<absl::Span<const float>> Engine::Forward(int token, int pos, KvCacheView& cache) {
   const ModelConfig& c = config_;
   if (token < 0 || token >= c.vocab_size) {
@@ -261,12 +287,20 @@ absl::StatusOr<absl::Span<const float>> Engine::Forward(int token, int pos, KvCa
   for (int l = 0; l < c.n_layers; ++l) {
     const Layer& L = layers_[l];
     // Attention block.
-    RmsNorm(x_.data(), L.attn_norm, c.dim, c.rms_eps, h_.data());
+    if (!RmsNorm(x_.data(), L.attn_norm, c.dim, c.rms_eps, h_.data())) {
+      return NormOverflow(absl::StrCat("layer ", l, " pos ", pos), "attention");
+    }
     MatVec(L.wq, h_.data(), c.dim, c.dim, q_.data());
     MatVec(L.wk, h_.data(), kv_dim, c.dim, k_.data());
     MatVec(L.wv, h_.data(), kv_dim, c.dim, v_.data());
     Rope(q_.data(), c.n_heads, c.head_dim, pos, rope_inv_freq_);
     Rope(k_.data(), c.n_kv_heads, c.head_dim, pos, rope_inv_freq_);
+    {
+      const std::string where = absl::StrCat("layer ", l, " pos ", pos);
+      KVPOOL_RETURN_IF_ERROR(CheckFinite(q_, where, "q"));
+      KVPOOL_RETURN_IF_ERROR(CheckFinite(k_, where, "k"));
+      KVPOOL_RETURN_IF_ERROR(CheckFinite(v_, where, "v"));
+    }
     if (observer_ != nullptr) {
       observer_->OnAttentionInputs(l, pos, q_, k_, v_);
     }
@@ -280,9 +314,13 @@ absl::StatusOr<absl::Span<const float>> Engine::Forward(int token, int pos, KvCa
     for (int i = 0; i < c.dim; ++i) {
       x_[i] += h_[i];
     }
+    KVPOOL_RETURN_IF_ERROR(CheckFinite(x_, absl::StrCat("layer ", l, " pos ", pos),
+                                       "the residual stream after the attention block"));
 
     // SwiGLU feed-forward block (Shazeer 2020, "GLU Variants Improve Transformer").
-    RmsNorm(x_.data(), L.ffn_norm, c.dim, c.rms_eps, h_.data());
+    if (!RmsNorm(x_.data(), L.ffn_norm, c.dim, c.rms_eps, h_.data())) {
+      return NormOverflow(absl::StrCat("layer ", l, " pos ", pos), "feed-forward");
+    }
     MatVec(L.w_gate, h_.data(), c.ffn_dim, c.dim, gate_.data());
     MatVec(L.w_up, h_.data(), c.ffn_dim, c.dim, up_.data());
     for (int i = 0; i < c.ffn_dim; ++i) {
@@ -293,10 +331,15 @@ absl::StatusOr<absl::Span<const float>> Engine::Forward(int token, int pos, KvCa
     for (int i = 0; i < c.dim; ++i) {
       x_[i] += h_[i];
     }
+    KVPOOL_RETURN_IF_ERROR(CheckFinite(x_, absl::StrCat("layer ", l, " pos ", pos),
+                                       "the residual stream after the feed-forward block"));
   }
 
-  RmsNorm(x_.data(), output_norm_, c.dim, c.rms_eps, h_.data());
+  if (!RmsNorm(x_.data(), output_norm_, c.dim, c.rms_eps, h_.data())) {
+    return NormOverflow(absl::StrCat("pos ", pos), "output");
+  }
   MatVec(c.tied_output ? token_embd_ : output_, h_.data(), c.vocab_size, c.dim, logits_.data());
+  KVPOOL_RETURN_IF_ERROR(CheckFinite(logits_, absl::StrCat("pos ", pos), "the logits"));
   return absl::Span<const float>(logits_);
 }
 

@@ -126,8 +126,12 @@ class Engine {
   // Runs one token at position `pos` through the model, appending its K/V to `cache` (which
   // must hold positions [0, pos) of this sequence for every layer). Returns the logits
   // [vocab_size], valid until the next call on this engine. Errors: INVALID_ARGUMENT for a
-  // token outside the vocabulary or pos outside [0, context_length); whatever the cache
-  // returns (annotated with the layer).
+  // token outside the vocabulary or pos outside [0, context_length), and for a model whose
+  // activations are not finite (NaN/Inf, e.g. weights that overflow fp32: FORMAT.md §2.5
+  // refuses them at ingest), naming what: a layer's post-RoPE q, k or v ("layer 1 pos 0:
+  // element 6 of k is not finite ..."), checked before the observer and the cache see them, or
+  // the logits; whatever the cache returns (annotated with the layer). Newcomer report 10 F7:
+  // `kvpool-engine generate` printed blank tokens with exit 0 for such a model.
   absl::StatusOr<absl::Span<const float>> Forward(int token, int pos, KvCacheView& cache);
 
   // Forward over tokens at positions start_pos, start_pos+1, ...; returns the logits of the
