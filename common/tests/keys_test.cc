@@ -5,6 +5,8 @@
 #include <gtest/gtest.h>
 
 #include <numeric>
+#include <string>
+#include <thread>
 #include <vector>
 
 namespace kvpool {
@@ -98,6 +100,42 @@ TEST(KeysTest, ChainIsPrefixStableAndMaxBlocks) {
   ASSERT_EQ(two->size(), 2u);
   EXPECT_EQ((*all)[1], (*two)[1]);
   EXPECT_EQ((*all)[2], NextBlockKey((*all)[1], absl::MakeConstSpan(tokens).subspan(32, 16)));
+}
+
+// NextBlockKey feeds the body to SHA-256 in pieces of 64 ids: for page sizes below, at and
+// above a piece (and not a multiple of it) the key is SHA-256 of the whole concatenation
+// key(i-1) || u32 count || ids (docs/KEYS.md), hashed here in one piece.
+TEST(KeysTest, BlockKeyIsTheHashOfTheWholeBodyAtEveryPageSize) {
+  const Digest prev = *NamespaceKey(StoriesNamespace());
+  for (uint32_t page : {1u, 16u, 63u, 64u, 65u, 128u, 200u}) {
+    std::vector<uint32_t> tokens(page);
+    std::iota(tokens.begin(), tokens.end(), 0xfffffff0u);  // ids above 2^31 wrap through 0
+    std::string body(reinterpret_cast<const char*>(prev.data()), prev.size());
+    auto append = [&body](uint32_t v) {
+      for (int i = 0; i < 4; ++i) body.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+    };
+    append(page);
+    for (uint32_t t : tokens) append(t);
+    EXPECT_EQ(NextBlockKey(prev, tokens), Sha256(body)) << "page " << page;
+  }
+}
+
+// Each thread hashes with a context of its own: keys computed by eight threads at once equal the
+// keys of one thread.
+TEST(KeysTest, ThreadsComputeTheSameKeys) {
+  const Digest root = *NamespaceKey(StoriesNamespace());
+  std::vector<uint32_t> tokens(64 * 16);
+  std::iota(tokens.begin(), tokens.end(), 7u);
+  const std::vector<BlockKey> want = *ChainKeys(root, tokens, 16);
+  std::vector<std::vector<BlockKey>> got(8);
+  std::vector<std::thread> threads;
+  for (size_t t = 0; t < got.size(); ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < 50; ++i) got[t] = *ChainKeys(root, tokens, 16);
+    });
+  }
+  for (auto& th : threads) th.join();
+  for (size_t t = 0; t < got.size(); ++t) EXPECT_EQ(got[t], want) << "thread " << t;
 }
 
 TEST(KeysTest, EveryNamespaceFieldChangesTheKey) {

@@ -11,8 +11,9 @@
 //   KVPOOL_ASSIGN_OR_RETURN(std::vector<kvpool::BlockKey> keys,
 //                           kvpool::ChainKeys(root, tokens, ns.page_size));
 //
-// Every function is thread-safe (no shared state). SHA-256 comes from OpenSSL's EVP interface
-// (only the .cc includes it).
+// Every function is thread-safe: the only state is one SHA-256 context per calling thread
+// (reused, freed at thread exit) and the algorithm fetched once per process. SHA-256 comes from
+// OpenSSL's EVP interface (only the .cc includes it).
 #pragma once
 
 #include <array>
