@@ -441,17 +441,13 @@ int main(int argc, char** argv) {
         {"--revision", revision, false}}) {
     if (!pool_role || value == "auto") continue;
     std::string bad;
-    if (value.size() > 256) {
-      bad = absl::StrCat("is ", value.size(), " bytes long (at most 256)");
-    }
-    for (size_t i = 0; i < value.size() && bad.empty(); ++i) {
-      const auto c = static_cast<unsigned char>(value[i]);
-      if (c < 0x20 || c > 0x7e) {
-        char hex[8];
-        std::snprintf(hex, sizeof(hex), "0x%02x", c);
-        bad =
-            absl::StrCat("has byte ", i, " (", hex, "), which is not printable ASCII (0x20..0x7e)");
-      }
+    if (value.size() > kvpool::kMaxIdentityBytes) {
+      bad = absl::StrCat("is ", value.size(), " bytes long (at most ", kvpool::kMaxIdentityBytes,
+                         ")");
+    } else if (const size_t i = kvpool::FirstNonPrintableAscii(value); i != std::string::npos) {
+      char hex[8];
+      std::snprintf(hex, sizeof(hex), "0x%02x", static_cast<unsigned char>(value[i]));
+      bad = absl::StrCat("has byte ", i, " (", hex, "), which is not printable ASCII (0x20..0x7e)");
     }
     if (!bad.empty()) {
       return Usage(absl::StrCat(flag, ": '", value, "' ",

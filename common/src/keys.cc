@@ -196,6 +196,14 @@ absl::StatusOr<std::vector<BlockKey>> ChainKeys(const Digest& root,
   return keys;
 }
 
+size_t FirstNonPrintableAscii(std::string_view v) {
+  for (size_t i = 0; i < v.size(); ++i) {
+    const auto c = static_cast<unsigned char>(v[i]);
+    if (c < 0x20 || c > 0x7e) return i;
+  }
+  return std::string_view::npos;
+}
+
 std::string ToHex(const Digest& d) {
   static constexpr char kHex[] = "0123456789abcdef";
   std::string s(64, '0');

@@ -50,12 +50,9 @@ absl::Status ValidateIdentityString(const std::string& v, const char* field) {
     return absl::InvalidArgumentError(absl::StrCat(field, ": ", v.size(), " bytes, at most ",
                                                    kMaxIdentityBytes, " are accepted"));
   }
-  for (size_t i = 0; i < v.size(); ++i) {
-    const unsigned char c = static_cast<unsigned char>(v[i]);
-    if (c < 0x20 || c > 0x7e) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(field, ": byte ", i, " is not printable ASCII (0x20..0x7e)"));
-    }
+  if (const size_t i = FirstNonPrintableAscii(v); i != std::string_view::npos) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": byte ", i, " is not printable ASCII (0x20..0x7e)"));
   }
   return absl::OkStatus();
 }

@@ -62,6 +62,13 @@ struct KeyNamespace {
   std::optional<TensorParallelShard> tensor_parallel;  // #15, nullopt = "canonical"
 };
 
+// Identity strings of a namespace (tenant, model_id, revision) as the pool registers them
+// (docs/PROTOCOL.md "Registration"): 1..kMaxIdentityBytes bytes, each printable ASCII
+// (0x20..0x7e). The pool's RegisterModel and the worker's flag checks apply the same rule.
+inline constexpr size_t kMaxIdentityBytes = 256;
+// The index of the first byte of `v` outside printable ASCII (0x20..0x7e), or npos if none.
+size_t FirstNonPrintableAscii(std::string_view v);
+
 // The namespace bytes of docs/KEYS.md: each field as u32 length (LE) ‖ bytes. Never fails
 // (validation is NamespaceKey's job).
 std::string EncodeNamespace(const KeyNamespace& ns);

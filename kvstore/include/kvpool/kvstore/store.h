@@ -73,7 +73,7 @@ enum class HistoryPrecision : uint8_t { kInt2, kBf16 };
 // num_layers and num_kv_heads at most kMaxLayersOrHeads (the rotation file's own bound,
 // kernels/rotation_file.cc); page_size a power of two at most kMaxPageSize (the worker's bound,
 // worker/runtime/src/mixed_kv_cache.cc); tensor_parallel.size at most kMaxTensorParallel.
-inline constexpr size_t kMaxIdentityBytes = 256;
+using ::kvpool::kMaxIdentityBytes;  // kvpool/common/keys.h
 inline constexpr uint32_t kMaxPageSize = 1024;
 inline constexpr uint32_t kMaxRecipeTokens = 1u << 24;
 inline constexpr uint32_t kMaxLayersOrHeads = 4096;
