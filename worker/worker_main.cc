@@ -687,7 +687,7 @@ int main(int argc, char** argv) {
   out["model"] = model_id;
   out["model_sha256"] = model_sha256;
   // The rotation id (SHA-256 of the rotation file, kvpool/kernels/rotation_file.h).
-  out["rotation_id"] = kvpool::Sha256Hex(*rot_bytes);
+  out["rotation_id"] = rotations->rotation_id_hex();
   out["page_size"] = page_size;
 
   // ---- eval: no pool ------------------------------------------------------------------------
@@ -774,7 +774,7 @@ int main(int argc, char** argv) {
     // registers a new revision instead of conflicting with the old one.
     revision = absl::StrCat(hex, "-p", page_size, "-s", sink, "-w", recent, "-", history, "-k",
                             copts.clip_ratio_k, "-v", copts.clip_ratio_v, "-r",
-                            kvpool::Sha256Hex(*rot_bytes).substr(0, 16));
+                            rotations->rotation_id_hex().substr(0, 16));
   }
   kw::NodeOptions nopts{.cache = copts,
                         .fault_pool_pid = fault_pool_pid,
