@@ -696,6 +696,15 @@ void NameProgramFlagsInSubcommandHelp(const CLI::App& root, CLI::App& app,
 
 }  // namespace
 
+namespace {
+// A refused command line: "PROG: WHAT" and the --help hint on standard error; kExitUsage.
+int RefuseUsage(const CLI::App& app, const std::string& what) {
+  std::cerr << app.get_name() << ": " << what << "\n";
+  std::cerr << "Run with --help for more information.\n";
+  return kExitUsage;
+}
+}  // namespace
+
 int Parse(CLI::App& app, int argc, char** argv) {
   CheckBooleanWords(app);
   NameProgramFlagsInSubcommandHelp(app, app, "");
@@ -710,15 +719,11 @@ int Parse(CLI::App& app, int argc, char** argv) {
     const std::string what = e.what();
     const std::string prefix = "INI was not able to parse ";
     if (what.rfind(prefix, 0) == 0) {
-      std::cerr << app.get_name() << ": " << ConfigNamed(app) << ": unknown key \""
-                << what.substr(prefix.size())
-                << "\" (keys are flag names without the leading dashes; a subcommand's flags go "
-                   "in a section named after it)\n";
-    } else {
-      std::cerr << app.get_name() << ": " << ConfigNamed(app) << ": " << what << "\n";
+      return RefuseUsage(app, ConfigNamed(app) + ": unknown key \"" + what.substr(prefix.size()) +
+                                  "\" (keys are flag names without the leading dashes; a "
+                                  "subcommand's flags go in a section named after it)");
     }
-    std::cerr << "Run with --help for more information.\n";
-    return kExitUsage;
+    return RefuseUsage(app, ConfigNamed(app) + ": " + what);
   } catch (const CLI::ArgumentMismatch& e) {
     // CLI11 words a repeated single-value flag as "--x: At Most 1 required but received 2".
     std::string what = e.what();
@@ -728,23 +733,17 @@ int Parse(CLI::App& app, int argc, char** argv) {
              what.substr(at + std::string(": At Most 1 required but received ").size()) +
              " times; give it once";
     }
-    std::cerr << app.get_name() << ": " << what << "\n";
-    std::cerr << "Run with --help for more information.\n";
-    return kExitUsage;
+    return RefuseUsage(app, what);
   } catch (const CLI::ConversionError& e) {
     const auto* config = dynamic_cast<const YamlConfig*>(app.get_config_formatter().get());
     std::string what = OptionValueError(app, config, e.what(), argc, argv);
     if (what.empty()) what = WithConfigNamed(app, e.what());
-    std::cerr << app.get_name() << ": " << what << "\n";
-    std::cerr << "Run with --help for more information.\n";
-    return kExitUsage;
+    return RefuseUsage(app, what);
   } catch (const CLI::ValidationError& e) {
     const auto* config = dynamic_cast<const YamlConfig*>(app.get_config_formatter().get());
     std::string what = OptionValueError(app, config, e.what(), argc, argv);
     if (what.empty()) what = e.what();
-    std::cerr << app.get_name() << ": " << what << "\n";
-    std::cerr << "Run with --help for more information.\n";
-    return kExitUsage;
+    return RefuseUsage(app, what);
   } catch (const CLI::RequiredError& e) {
     // CLI11 checks the required flags before the arguments it did not expect, so "kvpool
     // calibrate --version" (or --bogus) answered "--model is required" (newcomer s9b #8): a
@@ -760,21 +759,15 @@ int Parse(CLI::App& app, int argc, char** argv) {
       }
     }
     if (what.empty()) what = WithConfigNamed(app, e.what());
-    std::cerr << app.get_name() << ": " << what << "\n";
-    std::cerr << "Run with --help for more information.\n";
-    return kExitUsage;
+    return RefuseUsage(app, what);
   } catch (const CLI::ExtrasError& e) {
     std::string what = MisplacedTopLevelFlag(app, argc, argv);
     if (what.empty()) what = WithConfigNamed(app, e.what());
-    std::cerr << app.get_name() << ": " << what << "\n";
-    std::cerr << "Run with --help for more information.\n";
-    return kExitUsage;
+    return RefuseUsage(app, what);
   } catch (const CLI::ParseError& e) {
     // YamlConfig's own errors ("config file is not valid YAML: ...") name the file here.
     const std::string what = WithConfigNamed(app, e.what());
-    std::cerr << app.get_name() << ": " << what << "\n";
-    std::cerr << "Run with --help for more information.\n";
-    return kExitUsage;
+    return RefuseUsage(app, what);
   }
   return -1;
 }
