@@ -251,21 +251,27 @@ absl::StatusOr<std::unique_ptr<Fp32KvCache>> Engine::NewCache(int capacity) cons
 // ---- forward --------------------------------------------------------------------------------
 
 namespace {
-// INVALID_ARGUMENT naming `where`, `what` and the first element of `x` that is NaN or Inf.
-absl::Status CheckFinite(const std::vector<float>& x, const std::string& where, const char* what) {
+// "layer L pos P", or "pos P" after the last layer (layer < 0): where an error arose.
+std::string Where(int layer, int pos) {
+  return layer < 0 ? absl::StrCat("pos ", pos) : absl::StrCat("layer ", layer, " pos ", pos);
+}
+// INVALID_ARGUMENT naming where (Where(layer, pos)), `what` and the first element of `x` that is
+// NaN or Inf. The location is formatted only on that path: this runs per layer and token.
+absl::Status CheckFinite(const std::vector<float>& x, int layer, int pos, const char* what) {
   for (size_t j = 0; j < x.size(); ++j) {
     if (!std::isfinite(x[j])) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          where, ": element ", j, " of ", what, " is ", std::isnan(x[j]) ? "NaN" : "infinite",
-          " (the model's activations overflow: NaN/Inf are refused, FORMAT.md §2.5)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(Where(layer, pos), ": element ", j, " of ", what, " is ",
+                       std::isnan(x[j]) ? "NaN" : "infinite",
+                       " (the model's activations overflow: NaN/Inf are refused, FORMAT.md §2.5)"));
     }
   }
   return absl::OkStatus();
 }
 // INVALID_ARGUMENT: the RMS norm before `block` got a residual stream whose squares overflow.
-absl::Status NormOverflow(const std::string& where, const char* block) {
+absl::Status NormOverflow(int layer, int pos, const char* block) {
   return absl::InvalidArgumentError(absl::StrCat(
-      where, ": the residual stream entering the ", block,
+      Where(layer, pos), ": the residual stream entering the ", block,
       " RMS norm is too large (its sum of squares overflows fp32: the model's activations "
       "overflow; NaN/Inf are refused, FORMAT.md §2.5)"));
 }
@@ -288,19 +294,16 @@ absl::StatusOr<absl::Span<const float>> Engine::Forward(int token, int pos, KvCa
     const Layer& L = layers_[l];
     // Attention block.
     if (!RmsNorm(x_.data(), L.attn_norm, c.dim, c.rms_eps, h_.data())) {
-      return NormOverflow(absl::StrCat("layer ", l, " pos ", pos), "attention");
+      return NormOverflow(l, pos, "attention");
     }
     MatVec(L.wq, h_.data(), c.dim, c.dim, q_.data());
     MatVec(L.wk, h_.data(), kv_dim, c.dim, k_.data());
     MatVec(L.wv, h_.data(), kv_dim, c.dim, v_.data());
     Rope(q_.data(), c.n_heads, c.head_dim, pos, rope_inv_freq_);
     Rope(k_.data(), c.n_kv_heads, c.head_dim, pos, rope_inv_freq_);
-    {
-      const std::string where = absl::StrCat("layer ", l, " pos ", pos);
-      KVPOOL_RETURN_IF_ERROR(CheckFinite(q_, where, "q"));
-      KVPOOL_RETURN_IF_ERROR(CheckFinite(k_, where, "k"));
-      KVPOOL_RETURN_IF_ERROR(CheckFinite(v_, where, "v"));
-    }
+    KVPOOL_RETURN_IF_ERROR(CheckFinite(q_, l, pos, "q"));
+    KVPOOL_RETURN_IF_ERROR(CheckFinite(k_, l, pos, "k"));
+    KVPOOL_RETURN_IF_ERROR(CheckFinite(v_, l, pos, "v"));
     if (observer_ != nullptr) {
       observer_->OnAttentionInputs(l, pos, q_, k_, v_);
     }
@@ -314,12 +317,12 @@ absl::StatusOr<absl::Span<const float>> Engine::Forward(int token, int pos, KvCa
     for (int i = 0; i < c.dim; ++i) {
       x_[i] += h_[i];
     }
-    KVPOOL_RETURN_IF_ERROR(CheckFinite(x_, absl::StrCat("layer ", l, " pos ", pos),
-                                       "the residual stream after the attention block"));
+    KVPOOL_RETURN_IF_ERROR(
+        CheckFinite(x_, l, pos, "the residual stream after the attention block"));
 
     // SwiGLU feed-forward block (Shazeer 2020, "GLU Variants Improve Transformer").
     if (!RmsNorm(x_.data(), L.ffn_norm, c.dim, c.rms_eps, h_.data())) {
-      return NormOverflow(absl::StrCat("layer ", l, " pos ", pos), "feed-forward");
+      return NormOverflow(l, pos, "feed-forward");
     }
     MatVec(L.w_gate, h_.data(), c.ffn_dim, c.dim, gate_.data());
     MatVec(L.w_up, h_.data(), c.ffn_dim, c.dim, up_.data());
@@ -331,15 +334,15 @@ absl::StatusOr<absl::Span<const float>> Engine::Forward(int token, int pos, KvCa
     for (int i = 0; i < c.dim; ++i) {
       x_[i] += h_[i];
     }
-    KVPOOL_RETURN_IF_ERROR(CheckFinite(x_, absl::StrCat("layer ", l, " pos ", pos),
-                                       "the residual stream after the feed-forward block"));
+    KVPOOL_RETURN_IF_ERROR(
+        CheckFinite(x_, l, pos, "the residual stream after the feed-forward block"));
   }
 
   if (!RmsNorm(x_.data(), output_norm_, c.dim, c.rms_eps, h_.data())) {
-    return NormOverflow(absl::StrCat("pos ", pos), "output");
+    return NormOverflow(-1, pos, "output");
   }
   MatVec(c.tied_output ? token_embd_ : output_, h_.data(), c.vocab_size, c.dim, logits_.data());
-  KVPOOL_RETURN_IF_ERROR(CheckFinite(logits_, absl::StrCat("pos ", pos), "the logits"));
+  KVPOOL_RETURN_IF_ERROR(CheckFinite(logits_, -1, pos, "the logits"));
   return absl::Span<const float>(logits_);
 }
 
