@@ -107,6 +107,22 @@ bool RoomHeldByOthers(const absl::Status& s) {
 namespace {
 // The payload that marks a prompt RunAll did not start (PromptNotRun).
 constexpr char kNotRunPayload[] = "type.kvpool/worker-prompt-not-run";
+// The payload of a CANCELLED outcome whose message already names the stage the stop found the
+// prompt in (RunAll does not add "stopped during its commit" to it).
+constexpr char kStageNamedPayload[] = "type.kvpool/worker-stop-stage-named";
+
+// A Reopen that failed: a stop (CANCELLED) found the prompt between a failed commit and its
+// put open again, not during a commit (newcomer s10b F3: a prompt waiting for a killed pool to
+// come back was logged "stopped during its commit").
+absl::Status ReopenStopped(const absl::Status& s) {
+  if (!absl::IsCancelled(s)) return s;
+  absl::Status out = absl::CancelledError(absl::StrCat(
+      "stopped while putting it again (the worker was asked to stop before its put was open "
+      "again): nothing of it stored: ",
+      StatusText(s)));
+  out.SetPayload(kStageNamedPayload, absl::Cord("1"));
+  return out;
+}
 }  // namespace
 
 bool PromptNotRun(const absl::Status& status) {
@@ -219,7 +235,29 @@ absl::Status PrefillNode::WriteLayers(Pending& pending) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<PrefillReport> PrefillNode::Commit(Pending pending) {
+absl::Status PrefillNode::Reopen(Pending& pending, bool wait_for_room,
+                                 std::optional<std::chrono::steady_clock::time_point> room_since) {
+  pending.put.reset();
+  absl::StatusOr<std::unique_ptr<client::PutSession>> put =
+      BeginPut(pending.tokens, wait_for_room, room_since);
+  if (!put.ok()) {
+    return put.status();
+  }
+  pending.put = std::move(put).value();
+  if (pending.put->num_blocks() != pending.report.blocks) {
+    return absl::InternalError(absl::StrCat("prefill: the put again has ",
+                                            pending.put->num_blocks(), " blocks, the first one ",
+                                            pending.report.blocks));
+  }
+  // UNAVAILABLE and CANCELLED surface at the Commit, as after ComputeAndWrite.
+  if (absl::Status s = WriteLayers(pending);
+      !s.ok() && !absl::IsUnavailable(s) && !absl::IsCancelled(s)) {
+    return s;
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<PrefillReport> PrefillNode::Commit(Pending pending, Pending* other_open) {
   absl::StatusOr<client::PutResult> r = pending.put->Commit();
   // No shared UCX transport (--ucx-tls): a configuration mismatch, not a pool that went away;
   // putting again fails the same way (it was logged as a lost put: newcomer s10 F8).
@@ -232,16 +270,62 @@ absl::StatusOr<PrefillReport> PrefillNode::Commit(Pending pending) {
         "prefill: the put of a {}-token prompt was lost with the pool ({}); putting its "
         "recorded K/V again",
         pending.report.prompt_tokens, StatusText(r.status()));
-    pending.put.reset();
     pending.report.reput = true;
-    KVPOOL_ASSIGN_OR_RETURN(pending.put, BeginPut(pending.tokens));
-    if (pending.put->num_blocks() != pending.report.blocks) {
-      return absl::InternalError(absl::StrCat("prefill: the put again has ",
-                                              pending.put->num_blocks(), " blocks, the lost one ",
-                                              pending.report.blocks));
+    if (absl::Status s = Reopen(pending, /*wait_for_room=*/false, std::nullopt); !s.ok()) {
+      return ReopenStopped(s);
     }
-    KVPOOL_RETURN_IF_ERROR(WriteLayers(pending));
     r = pending.put->Commit();
+  }
+  // A commit refused for room (RESOURCE_EXHAUSTED "can no longer hold this put's commit", or the
+  // allocation of a new form): leases, commits or other nodes' puts taken since the BeginPut
+  // hold the room the new forms need (BeginPut's check cannot see what arrives later). The
+  // failed Commit aborted the put; the recorded K/V are put again, the BeginPut waiting for
+  // room as a new prompt's does (RoomHeldByOthers; a put that can no longer fit fails there at
+  // once), up to reconnect_wait from this first refusal (newcomer s10b F1: 2 of 15 prompts of
+  // three nodes sharing a 1 MiB pool failed here although docs/WORKER.md said all are stored).
+  // This node's other open put (`other_open`, the next prompt, written and not committed) may
+  // be what holds the room: it is aborted first and put again by the caller (Reopen).
+  std::optional<std::chrono::steady_clock::time_point> room_since;
+  auto backoff = std::chrono::milliseconds(50);
+  while (absl::IsResourceExhausted(r.status()) && options_.reconnect_wait.count() > 0 &&
+         !Stopping()) {
+    const auto now = std::chrono::steady_clock::now();
+    if (!room_since.has_value()) {
+      room_since = now;
+      ++room_waits_;
+      KVPOOL_LOG_WARN(
+          "prefill: the pool refused the commit of a {}-token prompt for room ({}); putting its "
+          "recorded K/V again, waiting up to {} ms for other puts or leases to free room "
+          "(--call-timeout-ms)",
+          pending.report.prompt_tokens, StatusText(r.status()), options_.reconnect_wait.count());
+      if (other_open != nullptr && other_open->put != nullptr) {
+        if (absl::Status a = other_open->put->Abort(); !a.ok()) {
+          KVPOOL_LOG_WARN("prefill: abort of the next prompt's put to make room: {}",
+                          StatusText(a));
+        }
+        other_open->put.reset();  // the caller puts it again (Reopen)
+      }
+    } else if (now >= *room_since + options_.reconnect_wait) {
+      break;  // the wait is spent: the last refusal is the prompt's outcome
+    } else {
+      // Accepted by BeginPut but refused again at the commit: back off before the next try.
+      const auto wake = std::min(now + backoff, *room_since + options_.reconnect_wait);
+      while (!Stopping() && std::chrono::steady_clock::now() < wake) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+      backoff = std::min(backoff * 2, std::chrono::milliseconds(1000));
+      if (Stopping()) break;
+    }
+    if (absl::Status s = Reopen(pending, /*wait_for_room=*/true, room_since); !s.ok()) {
+      return ReopenStopped(s);
+    }
+    r = pending.put->Commit();
+  }
+  if (r.ok() && room_since.has_value()) {
+    KVPOOL_LOG_INFO(
+        "prefill: the put of a {}-token prompt committed after {:.2f} s of waiting "
+        "for room",
+        pending.report.prompt_tokens, Since(*room_since));
   }
   KVPOOL_RETURN_IF_ERROR(r.status());
   PrefillReport rep = pending.report;
@@ -263,12 +347,20 @@ void PrefillNode::NoteOutage(const absl::Status& s) {
 }
 
 absl::StatusOr<std::unique_ptr<client::PutSession>> PrefillNode::BeginPut(
-    const std::vector<uint32_t>& tokens, bool wait_for_room) {
+    const std::vector<uint32_t>& tokens, bool wait_for_room,
+    std::optional<std::chrono::steady_clock::time_point> room_since) {
   const client::CallOptions call{.cancel = options_.cancel};
-  auto cancelled = [&] { return options_.cancel != nullptr && options_.cancel->cancelled(); };
+  auto cancelled = [&] { return Stopping(); };
+  if (cancelled()) {
+    // A stop has begun: no new put opens (a BeginPut sent now would open one the stop never
+    // aborts when its answer arrives late; newcomer s10b F2).
+    return absl::CancelledError("BeginPut: not sent, the worker is stopping");
+  }
   absl::StatusOr<std::unique_ptr<client::PutSession>> put = client_->BeginPut(tokens, call);
   auto backoff = std::chrono::milliseconds(50);
-  std::optional<std::chrono::steady_clock::time_point> room_wait_start;
+  // The room wait of this prompt: from its first refusal (here, or at an earlier commit).
+  std::optional<std::chrono::steady_clock::time_point> room_wait_start = room_since;
+  bool waited_for_room = false;
   for (;;) {
     const bool outage =
         absl::IsUnavailable(put.status()) && !client::NoSharedUcxTransport(put.status());
@@ -283,6 +375,7 @@ absl::StatusOr<std::unique_ptr<client::PutSession>> PrefillNode::BeginPut(
     } else {
       // Other nodes' open puts (their staging) or leased blocks hold the room: transient (newcomer
       // report 10 F3: a node that lost that race failed all 20 prompts in 22 ms).
+      waited_for_room = true;
       if (!room_wait_start.has_value()) {
         room_wait_start = std::chrono::steady_clock::now();
         ++room_waits_;
@@ -310,7 +403,7 @@ absl::StatusOr<std::unique_ptr<client::PutSession>> PrefillNode::BeginPut(
     backoff = std::min(backoff * 2, std::chrono::milliseconds(1000));
     put = client_->BeginPut(tokens, call);  // the client re-registers the model first (stale)
   }
-  if (put.ok() && room_wait_start.has_value()) {
+  if (put.ok() && waited_for_room) {
     KVPOOL_LOG_INFO("prefill: room for the put after {:.2f} s", Since(*room_wait_start));
   }
   if (put.ok() && !put_timeout_checked_) {
@@ -367,6 +460,13 @@ std::vector<absl::StatusOr<PrefillReport>> PrefillNode::RunAll(
     }
   };
   auto stop = [&] { return hooks.stop && hooks.stop(); };
+  // BeginPut refuses once the run is stopping (no put opens after the stop began), also inside
+  // a Commit's re-put; cleared when RunAll returns.
+  stop_ = hooks.stop;
+  struct ClearStop {
+    std::function<bool()>* f;
+    ~ClearStop() { *f = nullptr; }
+  } clear_stop{&stop_};
   // An open put of a stopped run: aborted now, so the pool frees its staging at once instead
   // of at its put timeout.
   // The outcome says whether the pool took the AbortPut: a pool that does not answer (stopped,
@@ -388,12 +488,20 @@ std::vector<absl::StatusOr<PrefillReport>> PrefillNode::RunAll(
   std::optional<Pending> in_flight;  // destroying an uncommitted session aborts it
   size_t in_flight_index = 0;
   // `next`: the put begun after the one in flight, if any (see the fault below).
-  auto commit = [&](Pending* next) {
-    out[in_flight_index] = Commit(std::move(*in_flight));
+  auto commit = [&](absl::StatusOr<Pending>* next) {
+    Pending* other = next != nullptr && next->ok() ? &**next : nullptr;
+    out[in_flight_index] = Commit(std::move(*in_flight), other);
     in_flight.reset();
+    if (other != nullptr && other->put == nullptr) {
+      // Commit aborted the next prompt's put to make room for this one: put it again.
+      if (absl::Status s = Reopen(*other, /*wait_for_room=*/true, std::nullopt); !s.ok()) {
+        *next = ReopenStopped(s);
+      }
+    }
     // Cancelled by NodeOptions::cancel: the stop came while the CommitPut was unanswered; the
     // client's message says whether the pool may have committed it.
-    if (absl::IsCancelled(out[in_flight_index].status()) && stop()) {
+    if (absl::IsCancelled(out[in_flight_index].status()) && stop() &&
+        !out[in_flight_index].status().GetPayload(kStageNamedPayload).has_value()) {
       out[in_flight_index] = absl::CancelledError(
           absl::StrCat("stopped during its commit (the worker was asked to stop): ",
                        StatusText(out[in_flight_index].status())));
@@ -407,7 +515,7 @@ std::vector<absl::StatusOr<PrefillReport>> PrefillNode::RunAll(
       // ucp_get_req_handler) when the pool dies while a reply is being sent — a transport
       // limitation (docs/TRANSPORT.md "UCX 1.13 facts found while building it"), not what this
       // fault tests (a pool lost between a commit and the next put's commit).
-      if (next != nullptr) (void)next->put->Flush();
+      if (next != nullptr && next->ok() && (*next)->put != nullptr) (void)(*next)->put->Flush();
       KillPoolAndWait(options_.fault_pool_pid);
     }
   };
@@ -444,7 +552,7 @@ std::vector<absl::StatusOr<PrefillReport>> PrefillNode::RunAll(
       break;
     }
     if (in_flight.has_value()) {
-      commit(next.ok() ? &*next : nullptr);
+      commit(&next);
       report_up_to(in_flight_index + 1);
     }
     if (!next.ok()) {

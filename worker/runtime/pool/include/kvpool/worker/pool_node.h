@@ -147,9 +147,14 @@ class PrefillNode {
   // one in flight) are aborted (PutSession::Abort: the pool frees their staging at once) and
   // their outcome is CANCELLED "stopped before its commit ..." (saying whether the pool took
   // the AbortPut; one that does not answer keeps the staging until its put timeout), and every
-  // prompt not started is CANCELLED "not run ..." (PromptNotRun). A prompt whose BeginPut or
-  // CommitPut NodeOptions::cancel cancelled is CANCELLED "stopped before its put was open ..." or
-  // "stopped during its commit ..." (the latter says that the pool may have committed it).
+  // prompt not started is CANCELLED "not run ..." (PromptNotRun). No put is opened once stop()
+  // answered true (BeginPut answers CANCELLED without asking the pool). A prompt whose BeginPut
+  // or CommitPut NodeOptions::cancel cancelled (or that the stop kept from opening its put) is
+  // CANCELLED "stopped before its put was open ..." or "stopped during its commit ..." (the
+  // latter says that the pool may have committed it); one stopped between a failed commit (pool
+  // lost, or refused for room) and its put open again, "stopped while putting it again ...".
+  // A commit refused for room is put again from the recorded K/V (Commit); the next prompt's
+  // put, aborted to make that room, is then put again too.
   // stop() must be cheap and callable from this thread (e.g. reading a flag a signal handler
   // sets).
   struct RunAllHooks {
@@ -161,7 +166,8 @@ class PrefillNode {
 
   // Outages after which a BeginPut reached the pool again (the client re-registered the model).
   int pool_reconnects() const { return pool_reconnects_; }
-  // Prompts whose BeginPut waited for room held by other puts or leases (RoomHeldByOthers).
+  // Prompts whose BeginPut waited for room held by other puts or leases (RoomHeldByOthers), or
+  // whose commit was refused for room and put again (Commit).
   int room_waits() const { return room_waits_; }
 
  private:
@@ -181,14 +187,31 @@ class PrefillNode {
   // Writes every layer of pending.recorder into pending.put (in order).
   absl::Status WriteLayers(Pending& pending);
   // Commits; a Commit that fails UNAVAILABLE puts the recorded K/V again once (BeginPut with the
-  // outage wait, WriteLayers, Commit).
-  absl::StatusOr<PrefillReport> Commit(Pending pending);
+  // outage wait, WriteLayers, Commit). A Commit refused RESOURCE_EXHAUSTED (no room for the new
+  // forms now) puts them again, the BeginPut waiting for room (RoomHeldByOthers), until one
+  // commits or reconnect_wait from the first refusal has passed (50 ms backoff doubling to 1 s
+  // between refused commits); `other_open`, this node's other put still open (or null), is
+  // aborted at the first such refusal, as it may hold the room, and left with a null `put`: the
+  // caller puts it again (Reopen). A stop (NodeOptions::cancel) during such a re-put returns
+  // CANCELLED "stopped while putting it again ..." (StopStageNamed).
+  absl::StatusOr<PrefillReport> Commit(Pending pending, Pending* other_open = nullptr);
+  // Opens pending.put again (BeginPut with `wait_for_room` and `room_since`) and writes its
+  // recorded layers; UNAVAILABLE and CANCELLED of the writes are left to the Commit.
+  absl::Status Reopen(Pending& pending, bool wait_for_room,
+                      std::optional<std::chrono::steady_clock::time_point> room_since);
   // client_->BeginPut, retried on UNAVAILABLE within the outage's reconnect_wait (50 ms backoff
   // doubling to 1 s); the last status when the wait is over. With `wait_for_room`, a
   // RESOURCE_EXHAUSTED that other open puts' staging or leased blocks cause (RoomHeldByOthers)
-  // is retried the same way for up to reconnect_wait from this prompt's first refusal.
-  absl::StatusOr<std::unique_ptr<client::PutSession>> BeginPut(const std::vector<uint32_t>& tokens,
-                                                               bool wait_for_room = false);
+  // is retried the same way for up to reconnect_wait from this prompt's first refusal
+  // (`room_since` when given: a refusal at an earlier commit of the same prompt). CANCELLED,
+  // without asking the pool, once the node is stopping (Stopping()).
+  absl::StatusOr<std::unique_ptr<client::PutSession>> BeginPut(
+      const std::vector<uint32_t>& tokens, bool wait_for_room = false,
+      std::optional<std::chrono::steady_clock::time_point> room_since = std::nullopt);
+  // NodeOptions::cancel was cancelled, or RunAll's stop hook answers true.
+  bool Stopping() const {
+    return (options_.cancel != nullptr && options_.cancel->cancelled()) || (stop_ && stop_());
+  }
   // An UNAVAILABLE BeginPut `s` starts an outage when none is open (logged once).
   void NoteOutage(const absl::Status& s);
 
@@ -197,6 +220,7 @@ class PrefillNode {
   std::shared_ptr<const RotationSet> rotations_;
   NodeOptions options_;
   bool fault_fired_ = false;
+  std::function<bool()> stop_;        // RunAllHooks::stop while RunAll runs
   bool put_timeout_checked_ = false;  // the first put's granted timeout was compared
   // When the current outage began (the first UNAVAILABLE BeginPut since one last reached the
   // pool); unset while the pool answers.
