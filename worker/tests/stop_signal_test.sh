@@ -9,7 +9,8 @@
 #   4. a stop while a call waits for a stopped pool, or during the start-up registration with a
 #      pool that never answers, cancels that call (250 ms after the signal) instead of waiting
 #      for its --call-timeout-ms, and still writes the report (newcomer s9b #3, #4);
-#   5. a second SIGTERM ends a prefill node at once with its open puts aborted (s9b #9).
+#   5. a second SIGTERM ends a prefill node at once with its open puts aborted (s9b #9);
+#   6. a stop while a put lost with a killed pool waits to be put again names that stage.
 # Newcomer s9 A4: exit 143 with no log line, no report, no metrics, open puts pinning staging.
 # Usage: stop_signal_test.sh SERVER WORKER KVPOOL_TOOL MODEL DEMO_DIR
 set -uo pipefail
@@ -228,5 +229,38 @@ d = json.load(open('${work}/eval.json'))
 assert d['interrupted'] is True and d['interrupt_signal'] == 'SIGINT', d.get('interrupted')
 assert 1 <= len(d['prompts']) < ${n} and d['prompts_not_run'] == ${n} - len(d['prompts'])
 print('ok: eval report marked interrupted by SIGINT')" || fail "eval report"
+
+echo "== prefill: SIGTERM while a put lost with a SIGKILLed pool waits to be put again"
+# The pool is killed right after the first stored prompt: the next prompt's commit fails
+# UNAVAILABLE and its recorded K/V wait for the pool to come back; the stop then finds it
+# before its put is open again, not during a commit (newcomer s10b F3: it was logged "stopped
+# during its commit", a stage it never reached). A pool of its own: the one above stays.
+kport="$(free_port)"
+"${server_bin}" --listen "127.0.0.1:${kport}" --metrics-port -1 --ucx-tls tcp --capacity 64MiB \
+  >"${work}/server_kill.log" 2>&1 &
+kpid=$!
+for _ in $(seq 1 100); do grep -q "ready" "${work}/server_kill.log" 2>/dev/null && break; sleep 0.1; done
+"${worker_bin}" --role prefill --pool "127.0.0.1:${kport}" --model "${model}" --rotations "${work}/rot.safetensors" \
+  --model-id stoptest "${prompts[@]}" --report "${work}/prefill_killed.json" >/dev/null 2>"${work}/prefill_killed.log" &
+wpid=$!
+wait_for "I prefill " "${work}/prefill_killed.log" "${wpid}" || fail "no 'I prefill' line before the run ended"
+kill -KILL "${kpid}"; wait "${kpid}" 2>/dev/null
+sleep 1
+kill -TERM "${wpid}"; wait "${wpid}"; rc=$?; wpid=""
+[[ ${rc} -eq 143 ]] && echo "ok: prefill exit 143 with the pool killed" || fail "prefill exit ${rc}, want 143"
+python3 - "${work}" <<'PY' || { cat "${work}/prefill_killed.log" >&2; fail "prefill report with the pool killed"; }
+import json, sys
+w = sys.argv[1]
+d = json.load(open(f"{w}/prefill_killed.json"))
+reasons = [p["interrupt_reason"] for p in d["prompts"] if p.get("interrupted")]
+# No CommitPut reached a dead pool's stage "during its commit": a lost put waits to be put again.
+assert not [r for r in reasons if "stopped during its commit" in r and "BeginPut" in r], reasons
+again = [r for r in reasons if r.startswith("stopped while putting it again")]
+log = open(f"{w}/prefill_killed.log").read()
+# The kill lands while the next prompt is computed (most runs) or while its layers are written:
+# either way its commit fails UNAVAILABLE and it waits to be put again.
+assert again or "lost with the pool" not in log, reasons
+print(f"ok: {len(again)} prompt(s) stopped while putting their lost put again, named so")
+PY
 
 [[ ${failures} -eq 0 ]] && echo PASS || { echo "${failures} failure(s)" >&2; tail -5 "${work}/server.log" >&2; exit 1; }
