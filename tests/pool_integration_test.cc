@@ -692,9 +692,10 @@ TEST_P(PoolIntegrationTest, AbortOpenPutsNowAbortsEveryOpenPutFromAnotherThread)
   auto before = c->Stats();
   ASSERT_TRUE(before.ok()) << before.status();
   EXPECT_EQ(before->open_puts, 2u);
-  int aborted = -1;
+  client::Client::OpenPutAborts aborted{-1, -1};
   std::thread([&] { aborted = c->AbortOpenPutsNow(absl::Seconds(2)); }).join();
-  EXPECT_EQ(aborted, 2);
+  EXPECT_EQ(aborted.open, 2);
+  EXPECT_EQ(aborted.aborted, 2);
   auto after = c->Stats();
   ASSERT_TRUE(after.ok()) << after.status();
   EXPECT_EQ(after->open_puts, 0u);
@@ -706,7 +707,34 @@ TEST_P(PoolIntegrationTest, AbortOpenPutsNowAbortsEveryOpenPutFromAnotherThread)
     ASSERT_TRUE(look.ok()) << look.status();
     EXPECT_EQ(look->num_blocks, 0u);
   }
-  EXPECT_EQ(c->AbortOpenPutsNow(absl::Seconds(1)), 0);  // none open
+  const client::Client::OpenPutAborts none = c->AbortOpenPutsNow(absl::Seconds(1));
+  EXPECT_EQ(none.open, 0);
+  EXPECT_EQ(none.aborted, 0);
+}
+
+// Newcomer s10b F2: a second SIGTERM to a prefill node whose pool was stopped (SIGSTOP) printed
+// "0 open put(s) aborted", which read as "none was open" while two were. The count of open puts
+// comes back with the count aborted; neither is aborted by a pool that does not answer.
+TEST_P(PoolIntegrationTest, AbortOpenPutsNowAgainstAStoppedPoolCountsThePutsItCouldNotAbort) {
+  StartServer({"--capacity", "16MiB", "--put-timeout-ms", "600000"});
+  auto c = NewClient();
+  ASSERT_NE(c, nullptr);
+  ASSERT_TRUE(c->RegisterModel(Spec("int2")).ok());
+  std::vector<std::unique_ptr<client::PutSession>> puts;
+  for (uint64_t seed : {101, 102}) {
+    auto begun = c->BeginPut(MakeSequence(2 * kPage, seed).tokens);
+    ASSERT_TRUE(begun.ok()) << begun.status();
+    puts.push_back(*std::move(begun));
+  }
+  ASSERT_TRUE(StopProcess(server_->pid()));
+  const client::Client::OpenPutAborts r = c->AbortOpenPutsNow(absl::Milliseconds(300));
+  ASSERT_EQ(kill(server_->pid(), SIGCONT), 0);
+  EXPECT_EQ(r.open, 2);
+  EXPECT_EQ(r.aborted, 0);
+  puts.clear();  // the destructors abort both, now that the pool answers
+  auto after = c->Stats();
+  ASSERT_TRUE(after.ok()) << after.status();
+  EXPECT_EQ(after->open_puts, 0u);
 }
 
 // Newcomer report s7 F10: Abort (and the session's destructor) against a stopped pool first

@@ -19,6 +19,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <csignal>
@@ -133,6 +134,13 @@ constexpr absl::Duration kAtOnceAbortWait = absl::Milliseconds(300);
 std::mutex g_at_once_mu;
 kvpool::client::Client* g_at_once_client = nullptr;
 
+// What the run has done so far, for the second signal's line (every role says what it
+// stopped: newcomer s10b F5, a decode worker printed nothing). Set by the main thread as prompts
+// complete; read by the stop watcher.
+std::atomic<const char*> g_role{""};
+std::atomic<size_t> g_prompts_done{0};
+std::atomic<size_t> g_prompts_total{0};
+
 extern "C" void OnStopSignal(int sig) {
   const int saved_errno = errno;
   const int n = g_signals + 1;
@@ -153,13 +161,33 @@ extern "C" void OnStopSignal(int sig) {
   const int sig = g_last_signal;
   {
     std::lock_guard<std::mutex> lock(g_at_once_mu);
-    if (g_at_once_client != nullptr) {
-      const int aborted = g_at_once_client->AbortOpenPutsNow(kAtOnceAbortWait);
-      std::fprintf(stderr,
-                   "kvpool-worker: second %s: exiting at once, without the report (%d open "
-                   "put(s) aborted)\n",
-                   sig == SIGINT ? "SIGINT" : "SIGTERM", aborted);
+    const std::string role = g_role.load();
+    const size_t done = g_prompts_done.load(), total = g_prompts_total.load();
+    std::string what;
+    if (role == "prefill") {
+      what = absl::StrCat("prefill: ", done, " of ", total, " prompt(s) stored");
+      if (g_at_once_client != nullptr) {
+        const kvpool::client::Client::OpenPutAborts a =
+            g_at_once_client->AbortOpenPutsNow(kAtOnceAbortWait);
+        absl::StrAppend(&what, "; ", a.aborted, " of ", a.open, " open put(s) aborted");
+        if (a.aborted < a.open) {
+          absl::StrAppend(&what, " (the pool did not answer the others within ",
+                          absl::ToInt64Milliseconds(kAtOnceAbortWait),
+                          " ms: it frees their staging at its put timeout)");
+        }
+      }
+    } else if (role == "decode") {
+      what = absl::StrCat("decode: ", done, " of ", total,
+                          " request(s) served; the one under way is dropped (a lease it holds "
+                          "expires at its lease time)");
+    } else if (role == "eval") {
+      what = absl::StrCat("eval: ", done, " of ", total,
+                          " prompt(s) run; the one under way is dropped");
+    } else {
+      what = "before any prompt ran";
     }
+    std::fprintf(stderr, "kvpool-worker: second %s: exiting at once, without the report (%s)\n",
+                 sig == SIGINT ? "SIGINT" : "SIGTERM", what.c_str());
   }
   ::signal(sig, SIG_DFL);
   ::raise(sig);
@@ -691,6 +719,8 @@ int main(int argc, char** argv) {
   out["page_size"] = page_size;
 
   // ---- eval: no pool ------------------------------------------------------------------------
+  g_prompts_total = prompts.size();
+  g_role = role == "eval" ? "eval" : role == "prefill" ? "prefill" : "decode";
   if (role == "eval") {
     std::map<std::string, kw::TeacherForcedResult> overall;
     double ref_s = 0, mixed_s = 0;
@@ -736,7 +766,7 @@ int main(int argc, char** argv) {
         }
       }
       out["prompts"].push_back(pj);
-      ++done;
+      g_prompts_done = ++done;
       FlushStdout();  // each prompt's lines as it completes, also into a file or pipe
     }
     const int stop_signal = StopSignal();
@@ -921,6 +951,7 @@ int main(int argc, char** argv) {
                                 {"push_seconds", r->push_seconds},
                                 {"reput", r->reput}});
       reput += r->reput ? 1 : 0;
+      ++g_prompts_done;  // stored
       bytes += r->bytes_written;
       tokens += uint64_t(r->blocks) * page_size;
       compute += r->compute_seconds;
@@ -1059,7 +1090,7 @@ int main(int argc, char** argv) {
     // Each answer as it completes, also into a file or pipe (block-buffered stdout lost every
     // answer of a SIGTERMed run: newcomer s9 A4).
     FlushStdout();
-    ++served;
+    g_prompts_done = ++served;
     out["prompts"].push_back(pj);
     moved += r->bytes_moved;
     discarded += r->bytes_discarded;

@@ -1586,22 +1586,44 @@ class ClientImpl final : public Client {
         });
   }
 
-  int AbortOpenPutsNow(absl::Duration wait) override {
-    std::vector<std::shared_ptr<SessionLink>> open;
+  OpenPutAborts AbortOpenPutsNow(absl::Duration wait) override {
+    struct OpenPut {
+      Digest namespace_id;
+      uint64_t epoch;
+      uint64_t put_id;
+    };
+    std::vector<OpenPut> open;
     {
       std::lock_guard<std::mutex> lock(sessions_mu_);
-      for (const auto& [session, link] : sessions_) open.push_back(link);
+      for (const auto& [session, link] : sessions_) {
+        open.push_back({link->namespace_id, link->epoch, link->put_id});
+      }
     }
+    {
+      // Sessions gone whose background AbortPut the pool has not answered yet.
+      std::lock_guard<std::mutex> lock(unsettled_aborts_->mu);
+      for (const auto& [put_id, where] : unsettled_aborts_->puts) {
+        open.push_back({where.first, where.second, put_id});
+      }
+    }
+    // Once each; begun before the pool restarted: the restarted pool never knew the put.
+    std::sort(open.begin(), open.end(),
+              [](const OpenPut& a, const OpenPut& b) { return a.put_id < b.put_id; });
+    open.erase(std::unique(open.begin(), open.end(),
+                           [](const OpenPut& a, const OpenPut& b) { return a.put_id == b.put_id; }),
+               open.end());
+    std::erase_if(open,
+                  [&](const OpenPut& p) { return !OtherIncarnation(p.epoch, p.put_id).ok(); });
     const absl::Time deadline = absl::Now() + wait;
-    int aborted = 0;
-    for (const std::shared_ptr<SessionLink>& link : open) {
-      // Begun before the pool restarted: the restarted pool never knew the put.
-      if (!OtherIncarnation(link->epoch, link->put_id).ok()) continue;
+    OpenPutAborts out;
+    size_t asked = 0;
+    for (const OpenPut& p : open) {
+      ++asked;
       ConnSnapshot c;
-      c.namespace_id = link->namespace_id;
+      c.namespace_id = p.namespace_id;
+      absl::Status st;
       for (;;) {
-        const absl::Status st = AbortRpc(c, link->put_id, deadline);
-        if (st.ok()) ++aborted;
+        st = AbortRpc(c, p.put_id, deadline);
         // FAILED_PRECONDITION: a pull of the put still runs at the pool (it drops a cancelled
         // one within ~100 ms): ask again while the time lasts.
         if (!absl::IsFailedPrecondition(st) || absl::Now() + absl::Milliseconds(20) >= deadline) {
@@ -1609,9 +1631,13 @@ class ClientImpl final : public Client {
         }
         absl::SleepFor(absl::Milliseconds(20));
       }
+      // NOT_FOUND: committed, aborted or expired already; the pool does not hold it.
+      if (!absl::IsNotFound(st)) ++out.open;
+      if (st.ok()) ++out.aborted;
       if (absl::Now() >= deadline) break;
     }
-    return aborted;
+    out.open += static_cast<int>(open.size() - asked);  // not asked: the time was spent
+    return out;
   }
 
   // ---- for PutSessionImpl ----
@@ -1758,6 +1784,13 @@ class ClientImpl final : public Client {
   // re-tester s6). Deadline 2 s; at most kMaxBackgroundAborts in flight (beyond, none is sent:
   // the pool drops the put at its put timeout anyway). Not cancellable.
   void AbortRpcInBackground(const ConnSnapshot& c, uint64_t put_id) {
+    // Known open until the pool answers, for AbortOpenPutsNow (the session may be destroyed
+    // meanwhile: a stopped worker's cancelled commit).
+    std::shared_ptr<UnsettledAborts> unsettled = unsettled_aborts_;
+    {
+      std::lock_guard<std::mutex> lock(unsettled->mu);
+      unsettled->puts[put_id] = {c.namespace_id, c.epoch};
+    }
     if (!background_->TryBegin(kMaxBackgroundAborts)) return;
     struct Call {
       grpc::ClientContext ctx;
@@ -1770,8 +1803,11 @@ class ClientImpl final : public Client {
     call->ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
     std::shared_ptr<BackgroundCalls> tracker = background_;
     stub_->async()->AbortPut(&call->ctx, &call->req, &call->resp,
-                             [call, tracker, put_id](grpc::Status gs) {
-                               if (!gs.ok() && gs.error_code() != grpc::StatusCode::NOT_FOUND) {
+                             [call, tracker, unsettled, put_id](grpc::Status gs) {
+                               if (gs.ok() || gs.error_code() == grpc::StatusCode::NOT_FOUND) {
+                                 std::lock_guard<std::mutex> lock(unsettled->mu);
+                                 unsettled->puts.erase(put_id);
+                               } else {
                                  KVPOOL_LOG_DEBUG(
                                      "client: background AbortPut of put {} failed ({}); the pool "
                                      "drops it at its put timeout",
@@ -2008,6 +2044,13 @@ class ClientImpl final : public Client {
   static constexpr absl::Duration kBackgroundReportTimeout = absl::Seconds(2);
   static constexpr int kMaxBackgroundReports = 4;  // corruption reports in flight at once
   static constexpr int kMaxBackgroundAborts = 64;  // AbortPut calls in flight at once
+  // Puts whose AbortPut went out in the background (AbortRpcInBackground) and has not been
+  // answered OK or NOT_FOUND: the pool may still hold them (AbortOpenPutsNow asks again).
+  struct UnsettledAborts {
+    std::mutex mu;
+    std::map<uint64_t, std::pair<Digest, uint64_t>> puts;  // put_id -> (namespace, epoch)
+  };
+  std::shared_ptr<UnsettledAborts> unsettled_aborts_ = std::make_shared<UnsettledAborts>();
   std::shared_ptr<BackgroundCalls> background_ = std::make_shared<BackgroundCalls>();
 
   static constexpr size_t kMaxCachedBuffers = 8;

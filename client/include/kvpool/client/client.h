@@ -735,8 +735,18 @@ class Client {
   // timeout. A put the pool is still pulling a layer of (FAILED_PRECONDITION) is asked again
   // every 20 ms within `wait`. The sessions are not touched (their later calls behave as
   // without this call; one may then find its put gone). Thread-safe: callable while other
-  // threads are inside calls of those sessions. Returns how many puts the pool aborted.
-  virtual int AbortOpenPutsNow(absl::Duration wait) = 0;
+  // threads are inside calls of those sessions. Also asks again for puts whose session is gone
+  // but whose AbortPut went out in the background unanswered (a commit cancelled or timed out,
+  // PutSession::Commit). Returns how many puts the pool may still hold — `open`: begun with the
+  // pool's current incarnation (a restarted pool never knew the others) and not answered
+  // NOT_FOUND (committed, aborted or expired already) — and how many of them the pool aborted
+  // now; those not aborted (no answer within `wait`, e.g. a stopped pool) keep their staging
+  // until the pool's put timeout.
+  struct OpenPutAborts {
+    int open = 0;
+    int aborted = 0;
+  };
+  virtual OpenPutAborts AbortOpenPutsNow(absl::Duration wait) = 0;
 
   // The endpoint and unpacked remote key for a leased form, for callers that drive the data
   // plane themselves (transport().Prepare/Post). Valid until the pool's epoch changes.
