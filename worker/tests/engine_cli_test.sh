@@ -101,5 +101,10 @@ else
   fi
 fi
 
+# A model whose weights are all zero (a copy, tensors zeroed) gives logits that are all equal:
+# generate printed <unk> tokens with exit 0 (newcomer s10b F4); the forward pass refuses it.
+python3 "$(dirname "$0")/gguf_zero_weights.py" "$MODEL" "$TMP/zero.gguf"
+expect zeroed-weights 2 "every one of the 512 logits is 0 (the model is degenerate" -- --log-level off generate --model "$TMP/zero.gguf" --max-tokens 4
+
 echo "$failures failure(s)"
 [[ $failures -eq 0 ]]

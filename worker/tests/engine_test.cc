@@ -3,6 +3,7 @@
 // activation observer, sampling, and error paths.
 #include "kvpool/engine/engine.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -523,6 +524,48 @@ TEST(EngineErrorTest, ActivationsThatOverflowAreRefusedNamingTheLayer) {
     EXPECT_NE(r.status().message().find(cs.want), std::string::npos) << r.status();
     EXPECT_NE(r.status().message().find("overflow"), std::string::npos) << r.status();
   }
+  std::remove(path.c_str());
+}
+
+// Newcomer s10b F4: a model whose weights are all zero gives logits that are all equal (0):
+// greedy decoding emitted token 0 (<unk>) forever with exit 0, and eval/decode reported
+// agreement 1.0 (both runs emit the same token 0). The forward pass refuses such logits.
+TEST(EngineErrorTest, LogitsThatAreAllEqualAreRefusedAsADegenerateModel) {
+  std::ifstream in(kModel, std::ios::binary);
+  std::string bytes((std::istreambuf_iterator<char>(in)), {});
+  auto gguf = GgufFile::Parse(bytes);
+  ASSERT_TRUE(gguf.ok()) << gguf.status();
+  std::string b = bytes;
+  for (const char* name : {"token_embd.weight", "output.weight", "output_norm.weight"}) {
+    const GgufTensor* t = (*gguf)->FindTensor(name);
+    if (t == nullptr) continue;  // tied output
+    ASSERT_EQ(t->dtype, GgufDType::kF32) << name;
+    const uint64_t base = (*gguf)->data_offset() + t->offset;
+    std::fill_n(b.begin() + static_cast<std::ptrdiff_t>(base), t->num_elements * sizeof(float),
+                '\0');
+  }
+  const std::string path = ::testing::TempDir() + "/engine_test_zero.gguf";
+  {
+    std::ofstream out(path, std::ios::binary | std::ios::trunc);
+    out.write(b.data(), static_cast<std::streamsize>(b.size()));
+  }
+  auto e = Engine::Create(path);
+  ASSERT_TRUE(e.ok()) << e.status();  // finite weights load
+  auto cache = (*e)->NewCache(64);
+  ASSERT_TRUE(cache.ok()) << cache.status();
+  auto r = (*e)->Generate({1, 2, 3}, {.max_tokens = 4}, **cache);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+  EXPECT_NE(r.status().message().find("pos 0: every one of the 512 logits is 0"), std::string::npos)
+      << r.status();
+  EXPECT_NE(r.status().message().find("degenerate"), std::string::npos) << r.status();
+
+  // The real model's logits are not refused (the check cannot fire on a working model).
+  auto real = Engine::Create(kModel);
+  ASSERT_TRUE(real.ok()) << real.status();
+  auto real_cache = (*real)->NewCache(64);
+  ASSERT_TRUE(real_cache.ok());
+  EXPECT_TRUE((*real)->Generate({1, 2, 3}, {.max_tokens = 4}, **real_cache).ok());
   std::remove(path.c_str());
 }
 

@@ -280,6 +280,11 @@ else
   expect 0 "eval with a context_length of 2^24 under a 3 GB address-space limit" -- bash -c 'ulimit -v 3000000; exec "$@"' _ "${worker}" --role eval --model "${work}/ctx24.gguf" --rotations "${work}/rot.safetensors" "${prompt[@]}" --max-new-tokens 2 --eval-windows 64:256
   expect_err "int2_S64_W256" "the eval ran"
 fi
+# A model whose weights are all zero (same shape: the rotation file fits) has logits that are
+# all equal: eval reported agreement 1.0 with <unk> continuations and exit 0 (newcomer s10b F4).
+python3 "$(dirname "$0")/gguf_zero_weights.py" "${model}" "${work}/zero.gguf"
+expect 2 "eval with a model whose weights are zero" -- "${worker}" --role eval --model "${work}/zero.gguf" --rotations "${work}/rot.safetensors" "${prompt[@]}" --max-new-tokens 2 --eval-windows 64:256
+expect_err "logits is 0 (the model is degenerate" "the message says the model is degenerate"
 # A boolean that is none lists what is accepted (newcomer s8 N9; was CLI11's "Could not convert").
 expect 1 "--teacher-force maybe" -- "${worker}" --role decode --pool 127.0.0.1:1 --teacher-force maybe "${base[@]}" "${prompt[@]}"
 expect_err "kvpool-worker: --teacher-force: 'maybe' is not a boolean (want true or false" "the message lists the accepted values"

@@ -343,6 +343,16 @@ absl::StatusOr<absl::Span<const float>> Engine::Forward(int token, int pos, KvCa
   }
   MatVec(c.tied_output ? token_embd_ : output_, h_.data(), c.vocab_size, c.dim, logits_.data());
   KVPOOL_RETURN_IF_ERROR(CheckFinite(logits_, -1, pos, "the logits"));
+  // Logits that are all equal rank no token above another: a degenerate model (zeroed weights,
+  // norms or output), whose greedy continuation is token 0 forever and whose comparisons agree
+  // trivially (newcomer s10b F4: all-zero weights gave `<unk>` tokens, exit 0 and agreement 1.0).
+  if (c.vocab_size > 1 &&
+      std::all_of(logits_.begin() + 1, logits_.end(), [&](float v) { return v == logits_[0]; })) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        Where(-1, pos), ": every one of the ", c.vocab_size, " logits is ", logits_[0],
+        " (the model is degenerate, e.g. zeroed weights, norms or output tensor: no token ranks "
+        "above another, so a continuation or comparison would mean nothing)"));
+  }
   return absl::Span<const float>(logits_);
 }
 

@@ -131,7 +131,10 @@ class Engine {
   // refuses them at ingest), naming what: a layer's post-RoPE q, k or v ("layer 1 pos 0:
   // element 6 of k is not finite ..."), checked before the observer and the cache see them, or
   // the logits; whatever the cache returns (annotated with the layer). Newcomer report 10 F7:
-  // `kvpool-engine generate` printed blank tokens with exit 0 for such a model.
+  // `kvpool-engine generate` printed blank tokens with exit 0 for such a model. INVALID_ARGUMENT
+  // too for logits that are all equal ("pos 0: every one of the 512 logits is 0 (the model is
+  // degenerate ..."): a model with zeroed weights (newcomer s10b F4: `<unk>` tokens, exit 0,
+  // agreement 1.0).
   absl::StatusOr<absl::Span<const float>> Forward(int token, int pos, KvCacheView& cache);
 
   // Forward over tokens at positions start_pos, start_pos+1, ...; returns the logits of the
