@@ -29,6 +29,7 @@
 #include "kvpool/transport/ucx_transport.h"
 #include "kvpool/v1/pool.grpc.pb.h"
 #include "kvpool/v1/pool.pb.h"
+#include "stage_stamps.h"
 
 namespace kvpool::client {
 
@@ -1210,6 +1211,7 @@ class ClientImpl final : public Client {
   // BeginPut, returning the implementation (Put caps its deadline).
   absl::StatusOr<std::unique_ptr<PutSessionImpl>> BeginPutSession(absl::Span<const uint32_t> tokens,
                                                                   const CallOptions& call) {
+    KVPOOL_STAMP_SCOPE(kBeginPutEnter, kBeginPutExit, 0);
     const absl::Time deadline = Deadline(call);
     KVPOOL_ASSIGN_OR_RETURN(ConnSnapshot c, Conn(call, deadline));
     const uint32_t P = c.geometry.page_size;
@@ -1238,6 +1240,7 @@ class ClientImpl final : public Client {
     pb::BeginPutResponse resp;
     absl::Status s = Rpc(call, deadline, &pb::KvPool::Stub::BeginPut, req, &resp);
     hold.Release();
+    KVPOOL_STAMP(kBeginPutRpcDone, 0);
     if (!s.ok()) return CheckRestart(s, c.epoch, deadline);
     if (resp.pool_epoch() != c.epoch) {
       MarkStale("epoch changed at BeginPut");
@@ -1336,6 +1339,7 @@ class ClientImpl final : public Client {
 
   absl::StatusOr<Lease> Acquire(absl::Span<const uint32_t> tokens, uint32_t max_blocks,
                                 uint32_t lease_ms, const CallOptions& call) override {
+    KVPOOL_STAMP_SCOPE(kAcquireEnter, kAcquireExit, 0);
     const absl::Time deadline = Deadline(call);
     KVPOOL_ASSIGN_OR_RETURN(ConnSnapshot c, Conn(call, deadline));
     if (tokens.size() < c.geometry.page_size) {  // no full block: nothing held, no lease taken
@@ -1361,6 +1365,7 @@ class ClientImpl final : public Client {
     const absl::Time start = absl::Now();
     absl::Status s = Rpc(call, deadline, &pb::KvPool::Stub::Acquire, req, &resp);
     hold.Release();
+    KVPOOL_STAMP(kAcquireRpcDone, 0);
     if (!s.ok()) return CheckRestart(s, c.epoch, deadline);
     Lease lease;
     lease.id = resp.lease_id();
@@ -2377,6 +2382,7 @@ absl::Status PutSessionImpl::PostLayer(uint32_t layer,
 
 absl::Status PutSessionImpl::WriteLayer(uint32_t layer, absl::Span<const uint16_t> k,
                                         absl::Span<const uint16_t> v) {
+  KVPOOL_STAMP_SCOPE(kWriteEnter, kWriteExit, layer);
   KVPOOL_RETURN_IF_ERROR(CheckLayerArgs(layer, k, v));
   return WriteAcceptedLayer(layer, k, v, /*report_own_nonfinite=*/true);
 }
@@ -2613,6 +2619,7 @@ absl::Status PutSessionImpl::SendPacked() {
 
 absl::Status PutSessionImpl::WriteLayerAsync(uint32_t layer, absl::Span<const uint16_t> k,
                                              absl::Span<const uint16_t> v) {
+  KVPOOL_STAMP_SCOPE(kWriteAsyncEnter, kWriteAsyncExit, layer);
   KVPOOL_RETURN_IF_ERROR(CheckLayerArgs(layer, k, v));
   CopyPool& pool = client_->copy_pool();
   // One thread, or a put below the floor: the synchronous path (the same work, done before
@@ -2644,9 +2651,11 @@ absl::Status PutSessionImpl::WriteLayerAsync(uint32_t layer, absl::Span<const ui
 }
 
 absl::Status PutSessionImpl::Flush() {
+  KVPOOL_STAMP_SCOPE(kFlushEnter, kFlushExit, 0);
   KVPOOL_RETURN_IF_ERROR(CheckAttached());
   // Every asynchronous layer packed, checked and (RMA, pool) sent up to the first bad one.
   (void)JoinAsync();
+  KVPOOL_STAMP(kFlushJoined, 0);
   (void)CheckIncarnation();         // nothing flushed or pulled on behalf of a dead pool's put
   if (direct_) return PutStatus();  // stores into the mapped staging are visible once made
   if (pool_initiates()) {
@@ -2830,6 +2839,7 @@ absl::Status PutSessionImpl::Abort() {
 // ---- Fetch ----
 absl::StatusOr<FetchResult> ClientImpl::Fetch(const Lease& lease, const FetchPlan& plan,
                                               const CallOptions& call) {
+  KVPOOL_STAMP_SCOPE(kFetchEnter, kFetchExit, 0);
   const absl::Time deadline = Deadline(call);
   // Fail closed before touching pool memory (direct mode reads it with no pool-side check):
   // only a lease this client acquired and has not released, with the expiry and epoch it was
@@ -2873,6 +2883,7 @@ absl::StatusOr<FetchResult> ClientImpl::Fetch(const Lease& lease, const FetchPla
   if (absl::Now() >= expires) {
     return absl::FailedPreconditionError("lease: expired (renew or re-acquire)");
   }
+  KVPOOL_STAMP(kFetchLeaseChecked, 0);
   const uint32_t P = c.geometry.page_size;
   uint32_t n = static_cast<uint32_t>(lease.blocks.size());
   if (plan.max_blocks > 0) n = std::min(n, plan.max_blocks);
@@ -2965,6 +2976,7 @@ absl::StatusOr<FetchResult> ClientImpl::Fetch(const Lease& lease, const FetchPla
         {i, int2 ? Form::kInt2 : Form::kBf16, page, loc, uint64_t(page) * pool->page_stride});
     out.block_status.push_back(absl::OkStatus());
   }
+  KVPOOL_STAMP(kFetchItems, uint32_t(items.size()));
   // A page given to two blocks would hold only the last one's bytes while the page tables map
   // both to it (newcomer report s6 #2: direct mode returned OK for every block, tcp blamed the
   // pool with DATA_LOSS). Refuse any two destinations that overlap, within one list or across
@@ -3007,6 +3019,7 @@ absl::StatusOr<FetchResult> ClientImpl::Fetch(const Lease& lease, const FetchPla
     }
   }
 
+  KVPOOL_STAMP(kFetchOverlapChecked, 0);
   // Direct mode (the pool's memory is mapped here): copy every form, hashing it while it is in
   // the cache, instead of transfers through the transport's owner thread.
   std::vector<uint64_t> copied_sums;
@@ -3021,6 +3034,7 @@ absl::StatusOr<FetchResult> ClientImpl::Fetch(const Lease& lease, const FetchPla
   if (!c.info.pool_initiates_transfers && !items.empty()) {
     KVPOOL_RETURN_IF_ERROR(ConfirmPoolAlive(c.epoch, deadline));
   }
+  KVPOOL_STAMP(kFetchAliveChecked, 0);
   if (direct) {
     if (call.cancel && call.cancel->cancelled()) return absl::CancelledError("fetch cancelled");
     copied_sums.resize(items.size());
@@ -3032,6 +3046,7 @@ absl::StatusOr<FetchResult> ClientImpl::Fetch(const Lease& lease, const FetchPla
       total += it.loc->size;
     }
     CopyForms(dests, sources, items, plan.verify_checksums, total, &copied_sums);
+    KVPOOL_STAMP(kFetchCopyDone, 0);
     // The pool may have died during the copy: the pages then hold bytes nobody vouches for.
     KVPOOL_RETURN_IF_ERROR(ConfirmPoolAlive(c.epoch, deadline));
   } else if (c.info.pool_initiates_transfers) {

@@ -1,6 +1,8 @@
 // CopyPool (copy_pool.h): worker threads for the client's per-byte work.
 #include "copy_pool.h"
 
+#include "stage_stamps.h"
+
 #include <algorithm>
 
 #if defined(__x86_64__)
@@ -73,7 +75,9 @@ bool CopyPool::TryRunSlot(uint64_t run, size_t s) {
   // group_ are its, published before job_ (release) and seen through the caller's acquire of
   // job_.
   const size_t end = std::min(n_, (s + 1) * group_);
+  KVPOOL_STAMP(kSlotBegin, uint32_t(s));
   for (size_t i = s * group_; i < end; ++i) (*work_)(i);
+  KVPOOL_STAMP(kSlotEnd, uint32_t(s));
   slot.done.store(run, std::memory_order_release);
   return true;
 }
@@ -115,7 +119,9 @@ bool CopyPool::TryRunStreamTask(Stream& s) {
       break;
     }
   }
+  KVPOOL_STAMP(kTaskBegin, uint32_t(c));
   s.RunTask(c);
+  KVPOOL_STAMP(kTaskEnd, uint32_t(c));
   s.done_.fetch_add(1, std::memory_order_release);
   return true;
 }
@@ -249,6 +255,7 @@ void CopyPool::RunImpl(size_t n, absl::FunctionRef<void(size_t)> work,
     return;
   }
   parallel_runs_.fetch_add(1, std::memory_order_relaxed);
+  KVPOOL_STAMP_SCOPE(kRunEnter, kRunDone, uint32_t(n));
   // No worker runs anything of the previous job any more (every slot of it was done before its
   // Run returned), so these may change.
   group_ = (n + kSlots - 1) / kSlots;
@@ -258,6 +265,7 @@ void CopyPool::RunImpl(size_t n, absl::FunctionRef<void(size_t)> work,
   const uint64_t run = ++run_;
   job_.store(run << kSlotBits | num_slots, std::memory_order_release);
   Publish();
+  KVPOOL_STAMP(kRunPublished, uint32_t(num_slots));
   const size_t participants = workers_.size() + 1;
   size_t own = 0;            // the caller's next own slot: 0, P, 2P, ...
   size_t steal = num_slots;  // slots >= steal were tried (claimed slots stay claimed)
