@@ -18,17 +18,27 @@
 //   * raw get: the same bytes with one bare RMA get through the transport (when the client may
 //     initiate transfers): the data plane without the client; into the fetch page, or into a
 //     buffer of its own (--raw-get-into own).
+//   * in flight (--inflight-clients D, default 0 = none; after every size's one-at-a-time
+//     part, or alone with --only-inflight, as bench/pool_bench.py runs it): D clients in this
+//     process, one thread each (--inflight-copy-threads 1), put and then fetch fresh sequences
+//     of every size at the same time, D operations in flight as ucx_perftest's ucp_put_bw keeps
+//     many: aggregate GB/s of the put data phases (WriteLayer → Flush) and of the first
+//     fetches, each operation's p50/p99, and the process CPU per MiB moved. An additional
+//     measurement: the columns above stay one operation at a time;
 //   * commit: CommitPut of many INT2 blocks (rotate + quantize on the pool), reported apart;
 //   * lookup: p50/p99 of Lookup with N concurrent clients (all set up and warmed before timing;
 //     the wall time and the rate count the timed lookups only).
 // Block sizes are set by the model geometry (d = 128, P = 16: 8 KiB per layer·head), with
 // history precision bf16 so a block has exactly one S-byte form. Prints a table on stdout and
 // writes JSON (--json). bench/pool_bench.py runs it next to ucx_perftest on the same transport.
+#include <pthread.h>
+#include <sched.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -159,6 +169,29 @@ double ProcessCpuUs() {
          ru.ru_stime.tv_usec;
 }
 
+// A barrier whose waiters spin (then yield), so that the threads of an in-flight window start
+// within a microsecond or so of each other instead of a futex wake-up apart. Reusable.
+class SpinBarrier {
+ public:
+  explicit SpinBarrier(int n) : n_(n) {}
+  void Wait() {
+    const uint32_t gen = gen_.load(std::memory_order_acquire);
+    if (count_.fetch_add(1, std::memory_order_acq_rel) + 1 == n_) {
+      count_.store(0, std::memory_order_relaxed);
+      gen_.fetch_add(1, std::memory_order_release);
+      return;
+    }
+    for (int k = 0; gen_.load(std::memory_order_acquire) == gen; ++k) {
+      if (k >= 4096) std::this_thread::yield();
+    }
+  }
+
+ private:
+  const int n_;
+  std::atomic<int> count_{0};
+  std::atomic<uint32_t> gen_{0};
+};
+
 #define BENCH_CHECK(expr)                               \
   do {                                                  \
     absl::Status s_ = (expr);                           \
@@ -167,6 +200,152 @@ double ProcessCpuUs() {
       std::exit(kvpool::cli::kExitRuntime);             \
     }                                                   \
   } while (0)
+
+// The in-flight section's result for one size.
+struct Inflight {
+  int clients = 0, copy_threads = 0, per_window = 0, rounds = 0;
+  double put_gbps = 0, fetch_gbps = 0;  // window bytes / window time, over all windows
+  double put_cpu_us_per_mib = 0, fetch_cpu_us_per_mib = 0;  // process CPU in the windows
+  Stats put_op, fetch_op;  // each put's data phase / each first fetch
+};
+
+// D = clients.size() threads, thread i driving clients[i] (model `spec` registered on it): per
+// round, every thread begins `per_window` puts of fresh sequences (BeginPut, untimed), all
+// threads start together (SpinBarrier), each writes its puts' layers with WriteLayer and
+// Flushes them one after the other (the put data window: D puts in flight at any time, fresh
+// sequences; each thread reuses its own source values, as the one-at-a-time puts do), then all
+// commit (untimed), acquire (untimed), start together again and fetch each block once,
+// verified, into a page of their own (the fetch window), then release. A window's time runs from
+// the first thread's start to the last thread's end; bandwidth = bytes of all windows / their time.
+// CPU = the process's (all threads: callers, copy workers, gRPC) over the windows, per MiB moved.
+Inflight RunInflight(const std::vector<std::unique_ptr<Client>>& clients, const ModelSpec& spec,
+                     uint32_t L, uint32_t H, uint64_t bytes, int per_window, int rounds,
+                     int copy_threads, std::mt19937& seed_rng) {
+  const int D = static_cast<int>(clients.size());
+  Inflight r;
+  r.clients = D;
+  r.copy_threads = copy_threads;
+  r.per_window = per_window;
+  r.rounds = rounds;
+  SpinBarrier barrier(D);
+  using Clock = std::chrono::steady_clock;
+  // Per thread: its start and end of each window, and its operations' latencies.
+  std::vector<Clock::time_point> t_begin(D), t_end(D);
+  std::vector<std::vector<double>> put_lat(D), fetch_lat(D);
+  double put_window_us = 0, fetch_window_us = 0, put_cpu_us = 0, fetch_cpu_us = 0;
+  std::vector<uint32_t> seeds(D);
+  for (auto& x : seeds) x = seed_rng();
+  std::vector<std::thread> threads;
+  for (int i = 0; i < D; ++i) {
+    threads.emplace_back([&, i] {
+      Client& cl = *clients[i];
+      BENCH_CHECK(cl.RegisterModel(spec).status());
+      std::mt19937 rng(seeds[i]);
+      const size_t elems = size_t(16) * H * 128;
+      std::vector<std::vector<uint16_t>> kv(2 * L, std::vector<uint16_t>(elems));
+      for (auto& layer : kv) {
+        for (auto& x : layer) x = Bf16(float(int(rng() % 2001) - 1000) / 500.f);
+      }
+      std::vector<uint8_t> pages(bytes * per_window);
+      auto region = cl.RegisterBuffer(pages.data(), pages.size());
+      BENCH_CHECK(region.status());
+      kvpool::client::PagePool pool{*region, bytes};
+      for (int round = 0; round <= rounds; ++round) {
+        const bool timed = round > 0;
+        std::vector<std::vector<uint32_t>> tokens(per_window, std::vector<uint32_t>(16));
+        std::vector<std::unique_ptr<kvpool::client::PutSession>> puts;
+        for (auto& tk : tokens) {
+          for (auto& t : tk) t = rng();
+          auto put = cl.BeginPut(tk);
+          BENCH_CHECK(put.status());
+          puts.push_back(*std::move(put));
+        }
+        // Put window.
+        barrier.Wait();
+        double cpu0 = i == 0 ? ProcessCpuUs() : 0;
+        t_begin[i] = Clock::now();
+        for (auto& put : puts) {
+          const auto s0 = Clock::now();
+          for (uint32_t l = 0; l < L; ++l)
+            BENCH_CHECK(put->WriteLayer(l, kv[2 * l], kv[2 * l + 1]));
+          BENCH_CHECK(put->Flush());
+          if (timed) {
+            put_lat[i].push_back(
+                std::chrono::duration<double, std::micro>(Clock::now() - s0).count());
+          }
+        }
+        t_end[i] = Clock::now();
+        barrier.Wait();
+        if (i == 0 && timed) {
+          put_cpu_us += ProcessCpuUs() - cpu0;
+          put_window_us += std::chrono::duration<double, std::micro>(
+                               *std::max_element(t_end.begin(), t_end.end()) -
+                               *std::min_element(t_begin.begin(), t_begin.end()))
+                               .count();
+        }
+        barrier.Wait();  // thread 0 has read every thread's times
+        for (auto& put : puts) {
+          auto committed = put->Commit();
+          BENCH_CHECK(committed.status());
+          if (committed->blocks_written != 1) {
+            KVPOOL_LOG_ERROR("in-flight put wrote {} blocks", committed->blocks_written);
+            std::exit(kvpool::cli::kExitRuntime);
+          }
+        }
+        std::vector<kvpool::client::Lease> leases;
+        for (auto& tk : tokens) {
+          auto lease = cl.Acquire(tk);
+          BENCH_CHECK(lease.status());
+          leases.push_back(*std::move(lease));
+        }
+        // Fetch window: every block once, the first read after its commit, verified.
+        barrier.Wait();
+        cpu0 = i == 0 ? ProcessCpuUs() : 0;
+        t_begin[i] = Clock::now();
+        for (int k = 0; k < per_window; ++k) {
+          kvpool::client::FetchPlan plan;
+          plan.bf16_pool = &pool;
+          plan.bf16_pages = {k};
+          const auto s0 = Clock::now();
+          auto f = cl.Fetch(leases[k], plan);
+          const auto s1 = Clock::now();
+          BENCH_CHECK(f.status());
+          if (f->num_blocks != 1) {
+            KVPOOL_LOG_ERROR("in-flight fetch returned {} blocks", f->num_blocks);
+            std::exit(kvpool::cli::kExitRuntime);
+          }
+          if (timed)
+            fetch_lat[i].push_back(std::chrono::duration<double, std::micro>(s1 - s0).count());
+        }
+        t_end[i] = Clock::now();
+        barrier.Wait();
+        if (i == 0 && timed) {
+          fetch_cpu_us += ProcessCpuUs() - cpu0;
+          fetch_window_us += std::chrono::duration<double, std::micro>(
+                                 *std::max_element(t_end.begin(), t_end.end()) -
+                                 *std::min_element(t_begin.begin(), t_begin.end()))
+                                 .count();
+        }
+        barrier.Wait();
+        for (auto& lease : leases) BENCH_CHECK(cl.Release(lease));
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  const double moved = double(bytes) * D * per_window * rounds;  // per kind
+  r.put_gbps = moved / (put_window_us * 1e3);
+  r.fetch_gbps = moved / (fetch_window_us * 1e3);
+  r.put_cpu_us_per_mib = put_cpu_us / (moved / double(1 << 20));
+  r.fetch_cpu_us_per_mib = fetch_cpu_us / (moved / double(1 << 20));
+  std::vector<double> all_put, all_fetch;
+  for (int i = 0; i < D; ++i) {
+    all_put.insert(all_put.end(), put_lat[i].begin(), put_lat[i].end());
+    all_fetch.insert(all_fetch.end(), fetch_lat[i].begin(), fetch_lat[i].end());
+  }
+  r.put_op = Summarize(all_put);
+  r.fetch_op = Summarize(all_fetch);
+  return r;
+}
 
 }  // namespace
 
@@ -217,6 +396,43 @@ int main(int argc, char** argv) {
                  "long) when the put layers / fetch that follow will be spread; 0 = off")
       ->check(CLI::Range(int64_t{0}, int64_t{10'000'000}))
       ->capture_default_str();
+  int pin_caller_cpu = -1;
+  app.add_option("--pin-caller-cpu", pin_caller_cpu,
+                 "An experiment: pin the measuring thread (only it: after its client and copy "
+                 "threads exist; undone after the one-at-a-time transfers) to this CPU, so that "
+                 "it cannot migrate to another core while it waits in an RPC; -1 = not pinned")
+      ->check(CLI::Range(-1, 4095))
+      ->capture_default_str();
+  int inflight_clients = 0, inflight_copy_threads = 1, inflight_rounds = 10;
+  bool only_inflight = false;
+  uint64_t inflight_window_kib = 1024;
+  app.add_option("--inflight-clients", inflight_clients,
+                 "In-flight section (an additional measurement, after every size's "
+                 "one-at-a-time transfers, which it leaves as they were): D clients, one thread "
+                 "each, each with its own puts and fetches of fresh sequences, all D started "
+                 "together; 0 = none (bench/pool_bench.py runs it with --only-inflight in "
+                 "processes of their own)")
+      ->check(CLI::Range(0, 256))
+      ->capture_default_str();
+  app.add_option("--only-inflight", only_inflight,
+                 "Run only the in-flight section (needs --inflight-clients > 0): no "
+                 "one-at-a-time transfers, commit or lookup; each size's JSON entry holds its "
+                 "bytes and the in-flight fields")
+      ->capture_default_str();
+  app.add_option("--inflight-copy-threads", inflight_copy_threads,
+                 "ClientOptions::copy_threads of each in-flight client (1 = no worker threads: "
+                 "each put and fetch on its own calling thread)")
+      ->check(CLI::Range(1, 64))
+      ->capture_default_str();
+  app.add_option("--inflight-rounds", inflight_rounds,
+                 "Timed windows per size of the in-flight section (one more untimed first)")
+      ->check(CLI::Range(1, 100000))
+      ->capture_default_str();
+  app.add_option("--inflight-window-kib", inflight_window_kib,
+                 "Bytes each in-flight client puts (then fetches) back to back in one window, "
+                 "in KiB: max(1, this / size) blocks of one put each, at most 8")
+      ->check(CLI::Range(uint64_t{1}, uint64_t{1} << 30))
+      ->capture_default_str();
   app.add_option("--raw-get-into", raw_get_into,
                  "Where the raw get lands: 'page' = the fetch page itself (so the next "
                  "iteration's first fetch writes lines the transport's owner thread wrote last, "
@@ -253,6 +469,10 @@ int main(int argc, char** argv) {
   app.add_option("--json", json_path, "Write results as JSON to this file")
       ->check(kvpool::cli::OutputFile());
   KVPOOL_CLI_PARSE(app, argc, argv);
+  if (only_inflight && inflight_clients == 0) {
+    KVPOOL_LOG_ERROR("--only-inflight: needs --inflight-clients > 0");
+    return kvpool::cli::kExitUsage;
+  }
 
   nlohmann::json out;
   out["bench"] = "pool_bench";
@@ -271,6 +491,29 @@ int main(int argc, char** argv) {
   // be stored, and their puts would write nothing.
   std::mt19937 rng(std::random_device{}());
   auto client = NewClient(server, tls, map_shared_memory, cs);
+  // What the in-flight section needs of each size (it runs after all of them).
+  struct SizeRun {
+    ModelSpec spec;
+    uint32_t L, H;
+    uint64_t kib;
+  };
+  std::vector<SizeRun> size_runs;
+  cpu_set_t unpinned;
+  CPU_ZERO(&unpinned);
+  if (pin_caller_cpu >= 0) {
+    pthread_getaffinity_np(pthread_self(), sizeof(unpinned), &unpinned);
+    cpu_set_t one;
+    CPU_ZERO(&one);
+    CPU_SET(pin_caller_cpu, &one);
+    if (pthread_setaffinity_np(pthread_self(), sizeof(one), &one) != 0) {
+      KVPOOL_LOG_ERROR("--pin-caller-cpu: cannot pin to CPU {}", pin_caller_cpu);
+      return kvpool::cli::kExitUsage;
+    }
+  }
+  out["pin_caller_cpu"] = pin_caller_cpu;
+  out["inflight_clients"] = inflight_clients;
+  out["inflight_copy_threads"] = inflight_copy_threads;
+  out["only_inflight"] = only_inflight;
   out["map_shared_memory"] = map_shared_memory;
   out["async_put"] = async_put;
   out["raw_get_into"] = raw_get_into;
@@ -302,6 +545,11 @@ int main(int argc, char** argv) {
     const uint32_t L = std::min<uint32_t>(8, units);
     const uint32_t H = units / L;
     ModelSpec spec = Spec(absl::StrCat("bench-", kib, "k"), L, H, "bf16", 16, 16);
+    if (only_inflight) {
+      size_runs.push_back({spec, L, H, kib});
+      out["transfers"].push_back({{"bytes", bytes}, {"layers", L}, {"kv_heads", H}});
+      continue;
+    }
     auto info = client->RegisterModel(spec);
     BENCH_CHECK(info.status());
     const size_t elems = size_t(16) * H * 128;
@@ -492,11 +740,54 @@ int main(int argc, char** argv) {
     add(j, "fetch_unverified", nvs);
     add(j, "fetch_e2e", fe);  // Acquire + Fetch + Release
     if (!raw_us.empty()) add(j, "raw_get", rs);
+    size_runs.push_back({spec, L, H, kib});
     out["transfers"].push_back(j);
   }
 
+  if (pin_caller_cpu >= 0) pthread_setaffinity_np(pthread_self(), sizeof(unpinned), &unpinned);
+
+  // ---- in flight: D clients at once (after every one-at-a-time size, so that neither their
+  // clients nor their load are in the process while those are measured) ----
+  if (inflight_clients > 0) {
+    std::vector<std::unique_ptr<Client>> inflight;
+    CopySettings ics;
+    ics.copy_threads = inflight_copy_threads;
+    for (int i = 0; i < inflight_clients; ++i) {
+      inflight.push_back(NewClient(server, tls, map_shared_memory, ics));
+    }
+    for (size_t k = 0; k < size_runs.size(); ++k) {
+      const SizeRun& sr = size_runs[k];
+      const uint64_t bytes = sr.kib << 10;
+      const int per_window =
+          static_cast<int>(std::clamp<uint64_t>(inflight_window_kib / sr.kib, 1, 8));
+      const Inflight fl = RunInflight(inflight, sr.spec, sr.L, sr.H, bytes, per_window,
+                                      inflight_rounds, inflight_copy_threads, rng);
+      std::printf(
+          "%-9s in flight: %d clients x %d thread(s), %d back-to-back per client per window: put "
+          "%.3f GB/s (each put p50 %.1f / p99 %.1f us; %.0f us CPU per MiB), fetch %.3f GB/s "
+          "(p50 %.1f / p99 %.1f us; %.0f us CPU per MiB)\n",
+          absl::StrCat(sr.kib, " KiB").c_str(), fl.clients, fl.copy_threads, fl.per_window,
+          fl.put_gbps, fl.put_op.p50_us, fl.put_op.p99_us, fl.put_cpu_us_per_mib, fl.fetch_gbps,
+          fl.fetch_op.p50_us, fl.fetch_op.p99_us, fl.fetch_cpu_us_per_mib);
+      nlohmann::json& j = out["transfers"][k];
+      j["inflight_clients"] = fl.clients;
+      j["inflight_copy_threads"] = fl.copy_threads;
+      j["inflight_threads"] = fl.clients * fl.copy_threads;
+      j["inflight_per_window"] = fl.per_window;
+      j["inflight_rounds"] = fl.rounds;
+      j["put_inflight_gbps"] = fl.put_gbps;
+      j["put_inflight_p50_us"] = fl.put_op.p50_us;
+      j["put_inflight_p99_us"] = fl.put_op.p99_us;
+      j["put_inflight_cpu_us_per_mib"] = fl.put_cpu_us_per_mib;
+      j["fetch_inflight_gbps"] = fl.fetch_gbps;
+      j["fetch_inflight_p50_us"] = fl.fetch_op.p50_us;
+      j["fetch_inflight_p99_us"] = fl.fetch_op.p99_us;
+      j["fetch_inflight_cpu_us_per_mib"] = fl.fetch_cpu_us_per_mib;
+    }
+  }
+
   // ---- commit (rotate + quantize to INT2 on the pool) ----
-  {
+  if (!only_inflight) {
     const uint32_t L = 4, H = 8;
     ModelSpec spec = Spec("bench-commit", L, H, "int2", 0, 0);
     BENCH_CHECK(client->RegisterModel(spec).status());
@@ -533,7 +824,7 @@ int main(int argc, char** argv) {
   }
 
   // ---- lookup p99 with concurrent clients ----
-  {
+  if (!only_inflight) {
     ModelSpec spec = Spec("bench-lookup", 2, 2, "int2", 16, 32);
     BENCH_CHECK(client->RegisterModel(spec).status());
     const uint32_t blocks = 64;

@@ -17,6 +17,14 @@ PutSession::WriteLayerAsync (pool_bench --async-put, on by default; absent for b
     bench/pool_bench.py --build build [--tls tcp --tls posix,cma] [--iters 50] [--repeat 3]
                         [--sizes-kib 64,256,1024,4096] [--tag NAME] [--bench-flag=--map-shared-memory=false]
 
+--inflight D (default 8; 0 = none) adds a third table: D clients, one thread each, putting and
+fetching fresh sequences at the same time (the matched comparison with ucp_put_bw, which keeps
+many puts in flight), labelled with the threads used and the CPU per MiB, next to the
+ucx_perftest numbers of the same run; it never replaces the one-at-a-time columns. It runs after
+every repeat and baseline of the transport (pool_bench --only-inflight, a fresh server and
+process per repeat, medians), so its load never precedes a one-at-a-time measurement or a
+baseline; builds whose pool_bench has no --only-inflight skip it with a note.
+
 Each transport is measured --repeat times (a fresh server each time, ucx_perftest and
 ucp_rotating_bench after each pool_bench run) and the medians are reported: on a shared machine single runs are noisy.
 
@@ -120,6 +128,9 @@ def main():
     ap.add_argument("--ring-mib", type=int, default=1024,
                     help="ucp_rotating_bench --ring-mib (buffers per side; keep it well above "
                          "the last-level cache)")
+    ap.add_argument("--inflight", type=int, default=8,
+                    help="clients of the in-flight table (pool_bench --only-inflight "
+                         "--inflight-clients D, one thread each); 0 = none")
     ap.add_argument("--server-flag", action="append",
                     help="extra kvpool-server flag (repeatable), e.g. --server-flag=--transfer-"
                          "initiator=client")
@@ -146,6 +157,13 @@ def main():
               file=sys.stderr)
         return 1
     os.makedirs(args.results, exist_ok=True)
+    inflight = args.inflight
+    if inflight > 0:
+        helptext = subprocess.run([bench_bin, "--help"], capture_output=True, text=True).stdout
+        if "--only-inflight" not in helptext:
+            print(f"note: {bench_bin} has no --only-inflight (an older build): no in-flight table",
+                  file=sys.stderr)
+            inflight = 0
     for tls in tls_list:
         suffix = f"_{args.tag}" if args.tag else ""
         json_path = os.path.join(args.results,
@@ -180,6 +198,26 @@ def main():
                 for t in res["transfers"]:
                     t["fresh"] = rot[t["bytes"]]
             runs.append(res)
+        # The in-flight passes, after every repeat and baseline above.
+        inflight_runs = []
+        for rep in range(args.repeat if inflight > 0 else 0):
+            server, port = start_server(args.build, tls, args.capacity, args.server_flag or [])
+            rep_path = json_path + f".inflight{rep}"
+            try:
+                r = subprocess.run([bench_bin, "--server", f"127.0.0.1:{port}", "--ucx-tls", tls,
+                                    "--json", rep_path, "--sizes-kib", args.sizes_kib,
+                                    "--only-inflight=true", "--inflight-clients", str(inflight)] +
+                                   (args.bench_flag or []),
+                                   capture_output=True, text=True, timeout=1200)
+            finally:
+                server.kill()
+                server.wait()
+            if r.returncode != 0:
+                print(r.stdout, r.stderr, sep="\n", file=sys.stderr)
+                return 2
+            with open(rep_path) as f:
+                inflight_runs.append(json.load(f))
+            os.remove(rep_path)
         # Medians over the repeats, metric by metric (kvpool and ucx_perftest alike); each
         # repeat is kept under "repeats".
         res = json.loads(json.dumps(runs[0]))
@@ -189,6 +227,11 @@ def main():
                     t[k] = median([r["transfers"][i][k] for r in runs])
             for k in t["perftest"]:
                 t["perftest"][k] = median([r["transfers"][i]["perftest"][k] for r in runs])
+            if inflight_runs:
+                fl = [r["transfers"][i] for r in inflight_runs]
+                for k, v in fl[0].items():
+                    if "inflight" in k:
+                        t[k] = median([x[k] for x in fl]) if isinstance(v, float) else v
             p = t["perftest"]
             if "fresh" in t:
                 for k in t["fresh"]:
@@ -206,6 +249,7 @@ def main():
                 if isinstance(v, float):
                     res[sect][k] = median([r[sect][k] for r in runs])
         res["repeats"] = runs
+        res["inflight_repeats"] = inflight_runs
         res["repeat_count"] = args.repeat
         res["statistic"] = "median over repeats (each repeat: mean bandwidth, p50/p99 latency)"
         res["perftest_iters"] = args.perftest_iters
@@ -268,6 +312,35 @@ def main():
                       f" | {fr['put_gbps']:9.3f} {fr['get_gbps']:9.3f} | "
                       f"{fr['same_put_gbps']:8.3f} {fr['same_get_gbps']:8.3f} | "
                       f"{fr['put_p50_us']:9.1f}/{fr['get_p50_us']:<9.1f}")
+        if "put_inflight_gbps" in res["transfers"][0]:
+            t0 = res["transfers"][0]
+            print(f"In flight (an additional measurement; the tables above are one operation at a "
+                  f"time): {t0['inflight_clients']} clients in the bench process, "
+                  f"{t0['inflight_threads']} threads in all (copy_threads "
+                  f"{t0['inflight_copy_threads']} each), each putting and then fetching its own "
+                  f"fresh sequences back to back, all clients started together per window; GB/s = "
+                  f"bytes of all windows / their time (put: WriteLayer -> Flush, no BeginPut, no "
+                  f"CommitPut; fetch: the first verified Fetch after the commit); ratio to "
+                  f"ucx_perftest of the same run; CPU = the bench process's over the windows, us "
+                  f"per MiB moved (ucx_perftest: one core copying, at least 2^20 / its bytes per "
+                  f"us)")
+            print(f"{'size':>9} | {'put in flight':>14} | {'fetch in flight':>15} | {'per window':>10} "
+                  f"| {'put p50/p99 us':>15} {'fetch p50/p99 us':>17} | {'cpu us/MiB put':>14} "
+                  f"{'fetch':>6} | {'ucp_put_bw':>10} {'ucp_get':>8} | {'1 core us/MiB put/get':>21}")
+            for t in res["transfers"]:
+                p = t["perftest"]
+                pr = t.get("put_inflight_ratio")
+                fr_ = t.get("fetch_inflight_ratio")
+                core = lambda g: 2**20 / (g * 1e3) if g > 0 else float("nan")
+                print(f"{t['bytes'] // 1024:>5} KiB | {t['put_inflight_gbps']:7.3f} ({pr or 0:4.2f}) | "
+                      f"{t['fetch_inflight_gbps']:8.3f} ({fr_ or 0:4.2f}) | "
+                      f"{t['inflight_per_window']:>10} | "
+                      f"{t['put_inflight_p50_us']:7.1f}/{t['put_inflight_p99_us']:<7.1f} "
+                      f"{t['fetch_inflight_p50_us']:8.1f}/{t['fetch_inflight_p99_us']:<8.1f} | "
+                      f"{t['put_inflight_cpu_us_per_mib']:14.0f} "
+                      f"{t['fetch_inflight_cpu_us_per_mib']:6.0f} | "
+                      f"{p['ucp_put_bw_gbps']:10.3f} {p['ucp_get_gbps']:8.3f} | "
+                      f"{core(p['ucp_put_bw_gbps']):10.1f}/{core(p['ucp_get_gbps']):<10.1f}")
         c = res["commit"]
         print(f"commit (rotate + INT2 quantize on the pool, {c['blocks']} blocks): "
               f"{c['gbps']:.3f} GB/s of BF16 input, p50 {c['p50_ms']:.1f} ms")
