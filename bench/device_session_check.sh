@@ -13,6 +13,8 @@
 # rounds of bench/pool_bench.py --repeat 3 over posix,cma with ucx_perftest in every run, and
 # the fresh-buffer baseline too when bin/ucp_rotating_bench is there (or BUILD/bin has one);
 # POOL_TCP_BUILD=b adds one pool_bench.py --repeat 3 run of build b over UCX_TLS=tcp at the end.
+# POOL_INFLIGHT (default 8; 0 = none) is pool_bench.py --inflight: the in-flight table (8 clients
+# x 1 thread, after each run's baselines), for builds whose pool_bench has --only-inflight.
 # DECODE_AB_ENV="KVPOOL_DECODE_X=v" adds DECODE_AB_ROUNDS (2) alternating rounds of the headline
 # shapes with and without that launcher switch. POOL_ONLY=1 skips everything but the pool part.
 # Prints a one-line verdict per test binary; the bench JSON files and logs are packed into
@@ -97,7 +99,7 @@ if [ -n "${POOL_BUILDS:-}" ]; then
       (export LD_LIBRARY_PATH="$PWD/$DEVLIBS/lib" UCX_MODULE_DIR="$P/ucx" PATH="$P/bin:$PATH" UCX_NET_DEVICES=lo PYTHONUNBUFFERED=1
         timeout 120 python3 bench/pool_bench.py --build "$P/$b" --tls posix,cma --repeat 3 \
           --results "$OUT/r" --sizes-kib "${POOL_SIZES_KIB:-256,1024,4096}" --tag "s_${b}_r$r" \
-          ${rot[@]+"${rot[@]}"} --bench-flag=--commit-blocks=4 --bench-flag=--lookup-clients=16) 2>&1 | tee -a "$LOG" | tail -14
+          ${rot[@]+"${rot[@]}"} --inflight "${POOL_INFLIGHT:-8}" --bench-flag=--commit-blocks=4 --bench-flag=--lookup-clients=16) 2>&1 | tee -a "$LOG" | tail -14
     done
   done
   if [ -n "${POOL_TCP_BUILD:-}" ]; then
@@ -106,7 +108,7 @@ if [ -n "${POOL_BUILDS:-}" ]; then
     (export LD_LIBRARY_PATH="$PWD/$DEVLIBS/lib" UCX_MODULE_DIR="$P/ucx" PATH="$P/bin:$PATH" UCX_NET_DEVICES=lo PYTHONUNBUFFERED=1
       timeout 180 python3 bench/pool_bench.py --build "$P/$b" --tls tcp --repeat 3 \
         --results "$OUT/r" --sizes-kib "${POOL_SIZES_KIB:-256,1024,4096}" --tag "s_${b}_tcp" \
-        ${rot[@]+"${rot[@]}"} --bench-flag=--commit-blocks=4 --bench-flag=--lookup-clients=16) 2>&1 | tee -a "$LOG" | tail -14
+        ${rot[@]+"${rot[@]}"} --inflight "${POOL_INFLIGHT:-8}" --bench-flag=--commit-blocks=4 --bench-flag=--lookup-clients=16) 2>&1 | tee -a "$LOG" | tail -14
   fi
 fi
 stamp "== done"
