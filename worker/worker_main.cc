@@ -848,6 +848,25 @@ int main(int argc, char** argv) {
     } else {
       KVPOOL_LOG_INFO("registered {} rev {} with the pool at {} (epoch {})", model_id, revision,
                       pool, info->pool_epoch);
+      // Blocks of this model id under another revision are not found under this one: a
+      // recalibrated rotation file (or a changed recipe) makes a new revision and every lookup
+      // then misses, silently (newcomer s10b: 0 hits after a recalibration, no warning).
+      const std::string own_rotation = rotations->rotation_id_hex();
+      out["pool_other_revisions"] = json::array();
+      for (const kvpool::client::OtherRevision& o : info->other_revisions) {
+        const std::string other_rotation = kvpool::ToHex(o.rotation_id);
+        const bool same_rotation = other_rotation == own_rotation;
+        out["pool_other_revisions"].push_back(
+            {{"revision", o.revision}, {"rotation_id", other_rotation}, {"blocks", o.blocks}});
+        KVPOOL_LOG_WARN(
+            "the pool holds {} block(s) of model {} under revision {} (rotation {}), not under "
+            "this worker's revision {} (rotation {}): {}; lookups of this run do not find them",
+            o.blocks, model_id, o.revision, other_rotation.substr(0, 16), revision,
+            own_rotation.substr(0, 16),
+            same_rotation ? "the same rotation file, another recipe, weights or --revision"
+                          : "another rotation file (recalibrated?): --rotations with the old file "
+                            "(and its recipe) would find them");
+      }
       if (role == "prefill") at_once.emplace(client.get());  // its puts, on a second signal
       if (*fault_or == kw::Fault::kStopPoolAfterRegister) {
         KVPOOL_LOG_WARN("fault stop-pool-after-register: stopping pool pid {}", fault_pool_pid);

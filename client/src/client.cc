@@ -1086,6 +1086,14 @@ class ClientImpl final : public Client {
     info.sink_blocks = resp.sink_blocks();
     info.recent_blocks = resp.recent_blocks();
     info.pool_initiates_transfers = resp.pool_initiates_transfers();
+    for (const pb::OtherRevision& o : resp.other_revisions()) {
+      OtherRevision r;
+      r.revision = o.revision();
+      KVPOOL_ASSIGN_OR_RETURN(r.rotation_id,
+                              DigestFromBytes(o.rotation_id(), "other_revisions.rotation_id"));
+      r.blocks = o.blocks();
+      info.other_revisions.push_back(std::move(r));
+    }
     info.geometry =
         BlockGeometry{spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.page_size};
     if (resp.checksum_scheme() != kChecksumScheme) {

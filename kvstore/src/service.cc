@@ -437,6 +437,12 @@ class KvPoolService final : public pb::KvPool::Service {
     resp->set_sink_blocks(info->sink_blocks);
     resp->set_recent_blocks(info->recent_blocks);
     resp->set_checksum_scheme(kChecksumScheme);
+    for (const OtherRevision& o : info->other_revisions) {
+      pb::OtherRevision* r = resp->add_other_revisions();
+      r->set_revision(o.revision);
+      r->set_rotation_id(DigestBytes(o.rotation_id));
+      r->set_blocks(o.blocks);
+    }
     return absl::OkStatus();
   }
 

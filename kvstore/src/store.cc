@@ -328,6 +328,27 @@ absl::StatusOr<ModelInfo> BlockStore::RegisterModel(const ModelSpec& spec_in,
     rot = it->second;
   }
   const std::string identity = IdentityKey(spec);
+  // The other revisions of this model id holding blocks (Model::blocks is guarded by mu_, held).
+  auto other_revisions = [&] {
+    std::vector<OtherRevision> out;
+    for (const auto& [ns, other] : models_) {
+      const ModelSpec& o = other->spec;
+      if (o.tenant != spec.tenant || o.model_id != spec.model_id || o.revision == spec.revision ||
+          o.tensor_parallel.has_value() != spec.tensor_parallel.has_value() ||
+          (o.tensor_parallel.has_value() &&
+           (o.tensor_parallel->rank != spec.tensor_parallel->rank ||
+            o.tensor_parallel->size != spec.tensor_parallel->size)) ||
+          other->blocks == 0) {
+        continue;
+      }
+      out.push_back({o.revision, other->info.rotation_id, other->blocks});
+    }
+    std::sort(out.begin(), out.end(), [](const OtherRevision& a, const OtherRevision& b) {
+      return a.blocks != b.blocks ? a.blocks > b.blocks : a.revision < b.revision;
+    });
+    if (out.size() > kMaxOtherRevisions) out.resize(kMaxOtherRevisions);
+    return out;
+  };
   auto existing = models_by_identity_.find(identity);
   if (existing != models_by_identity_.end()) {
     const Model& m = *existing->second;
@@ -340,6 +361,7 @@ absl::StatusOr<ModelInfo> BlockStore::RegisterModel(const ModelSpec& spec_in,
     m.last_use.store(++use_clock_, std::memory_order_relaxed);
     ModelInfo info = m.info;
     info.created = false;
+    info.other_revisions = other_revisions();
     return info;
   }
   const uint64_t model_bytes = kRegistrationOverheadBytes + identity.size();
@@ -380,6 +402,7 @@ absl::StatusOr<ModelInfo> BlockStore::RegisterModel(const ModelSpec& spec_in,
   registration_bytes_ += model_bytes + rotation_charge;
   models_.emplace(ns_id, m);
   ModelInfo info = m->info;
+  info.other_revisions = other_revisions();
   models_by_identity_.emplace(identity, std::move(m));
   KVPOOL_LOG_INFO("registered model {}/{}@{} namespace {}", spec.tenant, spec.model_id,
                   spec.revision, ToHex(ns_id));

@@ -137,6 +137,33 @@ TEST_F(StoreTest, RegistrationIsIdempotentAndMismatchListsEveryField) {
   EXPECT_NE(r2->namespace_id, ns_);
 }
 
+// A recalibrated rotation file registers a new revision (kvpool-worker --revision auto), whose
+// lookups miss everything stored under the old one, silently (newcomer s10b). The registration
+// names the other revisions of the model id that hold blocks, with their rotation ids.
+TEST_F(StoreTest, RegistrationNamesTheOtherRevisionsOfTheModelIdThatHoldBlocks) {
+  ModelSpec rev = spec_;
+  rev.revision = "r2";
+  auto empty = store_->RegisterModel(rev, {.id = info_.rotation_id});
+  ASSERT_TRUE(empty.ok()) << empty.status();
+  EXPECT_TRUE(empty->other_revisions.empty());  // the first revision holds no block yet
+  ASSERT_TRUE(Put(1, 3).ok());
+  auto again = store_->RegisterModel(rev, {.id = info_.rotation_id});
+  ASSERT_TRUE(again.ok()) << again.status();
+  ASSERT_EQ(again->other_revisions.size(), 1u);
+  EXPECT_EQ(again->other_revisions[0].revision, spec_.revision);
+  EXPECT_EQ(again->other_revisions[0].rotation_id, info_.rotation_id);
+  EXPECT_EQ(again->other_revisions[0].blocks, 3u);
+  // Its own revision is not listed, nor another model id's.
+  auto own = store_->RegisterModel(spec_, {.id = info_.rotation_id});
+  ASSERT_TRUE(own.ok());
+  EXPECT_TRUE(own->other_revisions.empty());
+  ModelSpec other_id = spec_;
+  other_id.model_id = "another-model";
+  auto other = store_->RegisterModel(other_id, {.id = info_.rotation_id});
+  ASSERT_TRUE(other.ok());
+  EXPECT_TRUE(other->other_revisions.empty());
+}
+
 // A conflicting registration whose rotation file also disagrees with its clip ratio was refused
 // with the rotation file's mismatch only, hiding the page_size / sink / recent differences
 // (newcomer s7 F5; PROTOCOL.md: "listing every differing field"): one FAILED_PRECONDITION lists

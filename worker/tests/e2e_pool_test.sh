@@ -22,7 +22,9 @@
 #  10. a prefill node whose stderr is a closed pipe stores every prompt and writes its report;
 #  11. prefill nodes that share a pool with room for about one put wait for each other's staging
 #      (RESOURCE_EXHAUSTED naming other open puts) instead of failing their prompts, also when
-#      their puts share blocks and a commit is refused for room (the put is put again).
+#      their puts share blocks and a commit is refused for room (the put is put again);
+#  12. a decode with a recalibrated rotation file (a new revision) is told which revisions of
+#      the model id hold the blocks its lookups cannot find.
 # Usage: e2e_pool_test.sh SERVER WORKER KVPOOL_TOOL MODEL DEMO_DIR [PROMTOOL]
 set -euo pipefail
 server_bin="$1"; worker_bin="$2"; tool_bin="$3"; model="$4"; demo="$5"; promtool="${6:-}"
@@ -310,6 +312,30 @@ for p in d["prompts"]:
     assert r.startswith("pool refused the registration: ") and "FAILED_PRECONDITION" in r, r
     assert "unreachable" not in r, r
 print(f"decode with a conflicting registration: fallback, reason {r[:70]!r}")
+PY
+
+echo "== a recalibrated rotation file: a new revision, whose registration names the old one"
+# rot2 (another clip ratio) gives another rotation id, so --revision auto registers another
+# revision: every lookup misses what the int2 prefill stored, which went unsaid (newcomer s10b).
+# The pool names its other revisions holding blocks (protocol v1.7) and the worker warns.
+"${worker_bin}" --role decode --pool "${pool}" --history-precision int2 --model "${model}" \
+  --rotations "${work}/rot2.safetensors" --prompt-file "${demo}/prompts/01_kite.txt" \
+  --max-new-tokens 2 --teacher-force false --report "${work}/recal_decode.json" \
+  >/dev/null 2>"${work}/recal.log" || { cat "${work}/recal.log" >&2; fail "decode with a recalibrated rotation"; }
+python3 - "${work}" <<'PY' || { cat "${work}/recal.log" >&2; fail "recalibrated rotation"; }
+import hashlib, json, sys
+w = sys.argv[1]
+d = json.load(open(f"{w}/recal_decode.json"))
+old = hashlib.sha256(open(f"{w}/rot.safetensors", "rb").read()).hexdigest()
+assert d["rotation_id"] != old, d["rotation_id"]
+others = [o for o in d["pool_other_revisions"] if o["rotation_id"] == old and o["blocks"] > 0]
+assert others, d["pool_other_revisions"]
+assert d["prompts"][0]["hit_blocks"] == 0, d["prompts"][0]
+log = open(f"{w}/recal.log").read()
+assert f"(rotation {old[:16]}), not under this worker's revision" in log, log
+assert "another rotation file (recalibrated?)" in log, log
+print(f"recalibrated rotation: 0 blocks hit, warned of {len(others)} revision(s) under rotation "
+      f"{old[:16]} ({others[0]['blocks']} blocks)")
 PY
 
 echo "== pool killed mid-fetch: same answer as without the pool"

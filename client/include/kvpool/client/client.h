@@ -231,9 +231,22 @@ struct ModelSpec {
 };
 
 // The registration as the pool confirmed it.
+// Another revision of a registered model id that holds blocks in the pool
+// (RegisterModelResponse.other_revisions, protocol v1.7).
+struct OtherRevision {
+  std::string revision;
+  Digest rotation_id{};  // SHA-256 of that revision's rotation file
+  uint64_t blocks = 0;   // blocks resident under it when the registration ran
+};
+
 struct ModelInfo {
   Digest namespace_id{};  // key(-1); block keys chain from it
   Digest rotation_id{};
+  // The pool's other revisions of this tenant and model id (same shard) holding blocks, most
+  // blocks first, at most 8, as of the (latest) registration: blocks stored under them are not
+  // found under this revision (e.g. after a recalibrated rotation file). Empty from a pool
+  // before v1.7.
+  std::vector<OtherRevision> other_revisions;
   bool created = false;
   uint64_t pool_epoch = 0;
   uint64_t bf16_form_bytes = 0;

@@ -114,6 +114,18 @@ struct RotationInput {
   bool redact_file_content = false;
 };
 
+// A registered revision of the same tenant and model id (and shard) as a registration, other
+// than its own, that holds blocks: what a recalibrated rotation file or a changed recipe (a new
+// revision, so a new key namespace) no longer finds.
+struct OtherRevision {
+  std::string revision;
+  Digest rotation_id{};
+  uint64_t blocks = 0;  // resident blocks
+};
+
+// Most OtherRevision entries a registration returns (those with the most blocks).
+inline constexpr size_t kMaxOtherRevisions = 8;
+
 struct ModelInfo {
   Digest namespace_id{};
   Digest rotation_id{};
@@ -122,6 +134,9 @@ struct ModelInfo {
   uint64_t int2_form_bytes = 0;
   uint32_t sink_blocks = 0;
   uint32_t recent_blocks = 0;
+  // RegisterModel only: the other revisions of this model id that hold blocks, most blocks
+  // first, at most kMaxOtherRevisions (protocol v1.7, RegisterModelResponse.other_revisions).
+  std::vector<OtherRevision> other_revisions;
 };
 
 // Options; every field states its effect and default.
