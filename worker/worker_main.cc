@@ -1087,6 +1087,7 @@ int main(int argc, char** argv) {
             {"hit_blocks", r->hit_blocks},
             {"missed_blocks", r->wanted_blocks - r->hit_blocks},
             {"loaded_blocks", r->loaded_blocks},
+            {"gap_blocks", r->gap_blocks},
             {"bf16_blocks_fetched", r->bf16_blocks_fetched},
             {"int2_blocks_fetched", r->int2_blocks_fetched},
             {"recomputed_tokens", r->recomputed_tokens},

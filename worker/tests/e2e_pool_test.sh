@@ -17,7 +17,8 @@
 #   7. a pool killed mid-prefill and restarted a second later receives every prompt (the put
 #      that was open is put again), and the prefill node's counters pass promtool;
 #   8. a prompt sharing all but its last block with a stored one loads every shared block (the
-#      history before its own window as INT2), and a shorter prompt the history before its window;
+#      history before its own window as INT2), and a shorter prompt (a strict prefix) the history
+#      before its window and the window blocks held in BF16 after those the pool holds INT2-only;
 #   9. the pool counts no lookup miss for a full hit of n = 0 (mod P) tokens;
 #  10. a prefill node whose stderr is a closed pipe stores every prompt and writes its report;
 #  11. prefill nodes that share a pool with room for about one put wait for each other's staging
@@ -114,10 +115,12 @@ for hp in ("bf16", "int2"):
 PY
 
 echo "== partial hit: a shorter prompt whose window blocks have no BF16 form in the pool"
-# The first lines of 01_kite: its blocks are held, but those that would form this prompt's
-# recent window were history (INT2 only) in the stored sequence, so the worker takes the sink
-# and the history before its window (INT2, as the recipe stores it) and recomputes the window
-# (FORMAT.md §3; before newcomer report 10 F5 it took the sink only).
+# The first lines of 01_kite: its blocks are held, but the first blocks of this prompt's recent
+# window were history (INT2 only) in the stored sequence, so the worker takes the sink and the
+# history before its window (INT2, as the recipe stores it), recomputes those INT2-only window
+# blocks (the gap) and loads the window blocks after them, which the pool holds in BF16
+# (FORMAT.md §3; before newcomer report 10 F5 it took the sink only, before newcomer s10b the
+# whole window was recomputed: 9 of 25 blocks loaded).
 head -4 "${demo}/prompts/01_kite.txt" >"${work}/kite_prefix.txt"
 "${worker_bin}" --role decode --pool "${pool}" "${common[@]}" \
   --prompt-file "${work}/kite_prefix.txt" --report "${work}/decode_prefix.json" >/dev/null \
@@ -129,12 +132,19 @@ kite = json.load(open(f"{sys.argv[1]}/decode_int2.json"))["prompts"][0]
 assert not p["fallback"], p
 assert p["hit_blocks"] == p["wanted_blocks"] > 4, p         # every wanted block is held ...
 assert kite["name"] == "01_kite" and p["wanted_blocks"] < kite["wanted_blocks"], (p, kite)
-# ... the sink and the history before this prompt's window are usable, the window is not
-assert p["loaded_blocks"] == p["wanted_blocks"] - 16 > 4, p
-assert p["int2_blocks_fetched"] == p["loaded_blocks"] - 4, p
+# ... the sink and the history before this prompt's window come as stored, then the window
+# blocks that were history in the stored sequence (INT2 only: the gap) are recomputed, and the
+# window blocks the stored put kept in BF16 (its last 16) are loaded after them.
+hist = p["wanted_blocks"] - 16
+gap = kite["wanted_blocks"] - p["wanted_blocks"]  # the stored window starts this much later
+assert 0 < gap < 16 and p["gap_blocks"] == gap, (p, kite["wanted_blocks"])
+assert p["loaded_blocks"] == p["wanted_blocks"] - gap > hist > 4, p
+assert p["int2_blocks_fetched"] == hist - 4, p
+assert p["bf16_blocks_fetched"] == 4 + 16 - gap, p
 assert p["recomputed_tokens"] == p["prompt_tokens"] - 16 * p["loaded_blocks"], p
 assert len(p["tokens"]) > 0 and p["teacher_forced"]["agreement"] >= 0.5, p
-print(f"partial hit: {p['hit_blocks']} blocks held, {p['loaded_blocks']} loaded, "
+print(f"partial hit: {p['hit_blocks']} blocks held, {p['loaded_blocks']} loaded ({gap} window "
+      f"blocks recomputed between them; {hist} before the window alone), "
       f"{p['recomputed_tokens']} tokens recomputed, agreement {p['teacher_forced']['agreement']:.3f}")
 PY
 

@@ -605,8 +605,12 @@ absl::StatusOr<DecodeReport> DecodeNode::Run(absl::Span<const int> prompt, int m
   const int recent_blocks = (o.recent_tokens + P - 1) / P;
 
   // Pages the fetch fills (host memory registered with the data plane).
-  std::vector<uint8_t> bf16_pages, int2_pages;
+  std::vector<uint8_t> bf16_pages, int2_pages, tail_pages;
   std::vector<BlockForms> forms;
+  // Window blocks held in BF16 after an INT2-only gap (a strict prefix of a stored sequence):
+  // blocks [gap_end, gap_end + tail_forms.size()), loaded after the gap is recomputed.
+  std::vector<BlockForms> tail_forms;
+  int gap_end = 0;
   std::string failure;
   // A call that timed out marks the pool as hung: the rest of this node's requests fall back at
   // once instead of each waiting for the deadline. UNAVAILABLE does not: it comes back at once
@@ -666,7 +670,8 @@ absl::StatusOr<DecodeReport> DecodeNode::Run(absl::Span<const int> prompt, int m
       // last block with a stored one, the shared blocks before the window are INT2-only in the
       // pool; newcomer report 10 F5: the window of the held blocks asked BF16 of them and only
       // the 4 sink blocks were used, 419 of 483 tokens recomputed). The first block without its
-      // form ends the prefix; the rest is recomputed.
+      // form ends the prefix; the rest is recomputed, except BF16 window blocks after a gap of
+      // INT2-only ones (below).
       const int hist_end = std::max(sink_blocks, rep.wanted_blocks - recent_blocks);
       int use = 0;
       for (; use < static_cast<int>(lb.size()); ++use) {
@@ -741,6 +746,60 @@ absl::StatusOr<DecodeReport> DecodeNode::Run(absl::Span<const int> prompt, int m
           }
         }
       }
+      // A strict prefix of a stored sequence: the stored put kept BF16 for its own last window
+      // only, so the first blocks of this prompt's window, history there, are INT2-only and end
+      // the prefix above; the window blocks after them are held in BF16 (newcomer s10b: 11 of
+      // 27 blocks loaded, blocks 13..26 held in BF16 and recomputed). Those are fetched too and
+      // loaded once the gap is recomputed (prepare below). The fetch reads a lease from its
+      // first block, so it gets a copy of the lease holding just those blocks, none a sink:
+      // all of them in its window, hence read in BF16 (the pool checks each read against the
+      // lease's forms, by address).
+      const int held = std::min(static_cast<int>(lb.size()), rep.wanted_blocks);
+      if (failure.empty() && int2 && !forms.empty() && use >= hist_end && use < held) {
+        int g0 = use;
+        while (g0 < held && !lb[g0].bf16.has_value()) ++g0;
+        int t = g0;
+        while (t < held && lb[t].bf16.has_value()) ++t;
+        if (g0 > use && t > g0) {
+          const int count = t - g0;
+          tail_pages.assign(size_t(count) * g.Bf16FormBytes(), 0);
+          auto region = client_->RegisterBuffer(tail_pages.data(), tail_pages.size());
+          absl::StatusOr<client::FetchResult> tr =
+              region.ok() ? absl::StatusOr<client::FetchResult>(absl::UnknownError("not fetched"))
+                          : absl::StatusOr<client::FetchResult>(region.status());
+          client::PagePool tail_pool;
+          if (region.ok()) {
+            tail_pool = client::PagePool{*region, g.Bf16FormBytes()};
+            client::Lease tail_lease = *lease;
+            tail_lease.blocks.assign(lb.begin() + g0, lb.begin() + t);
+            for (client::LeasedBlock& b : tail_lease.blocks) b.sink = false;
+            client::FetchPlan plan;
+            plan.bf16_pool = &tail_pool;
+            for (int i = 0; i < count; ++i) plan.bf16_pages.push_back(i);
+            tr = client_->Fetch(tail_lease, plan, client::CallOptions{});
+          }
+          if (tr.ok() && static_cast<int>(tr->num_blocks) == count) {
+            rep.bytes_moved += tr->bytes;
+            rep.bf16_blocks_fetched += count;
+            gap_end = g0;
+            for (int i = 0; i < count; ++i) {
+              BlockForms f;
+              f.bf16 = tail_pages.data() + size_t(tr->pages[i]) * g.Bf16FormBytes();
+              tail_forms.push_back(f);
+            }
+          } else {
+            // The prefix stands; the window is recomputed as without the tail.
+            if (tr.ok()) rep.bytes_discarded += tr->bytes;
+            KVPOOL_LOG_WARN(
+                "decode: the {} BF16 window block(s) after the gap were not fetched "
+                "({}); computing them locally",
+                count,
+                tr.ok() ? absl::StrCat(tr->num_blocks, " of ", count, " verified")
+                        : StatusText(tr.status()));
+            note_down(tr.status(), absl::StrCat("fetch: ", StatusText(tr.status())));
+          }
+        }
+      }
       if (lease->id != 0 && !pool_down_.empty()) {
         // The pool just timed out: a Release would wait another deadline; the lease expires.
         KVPOOL_LOG_DEBUG("lease {} left to expire: the pool is not answering", lease->id);
@@ -758,6 +817,7 @@ absl::StatusOr<DecodeReport> DecodeNode::Run(absl::Span<const int> prompt, int m
   if (!failure.empty()) {
     forms.clear();
   }
+  if (forms.empty()) tail_forms.clear();
   rep.fetch_seconds = Since(t0);
 
   // Prepares a cache: the fetched blocks + the rest of the prompt computed locally, or (on any
@@ -769,8 +829,17 @@ absl::StatusOr<DecodeReport> DecodeNode::Run(absl::Span<const int> prompt, int m
       // Blocks before the wanted prefix's window came as history (INT2) although some may lie
       // in the window of the loaded length (a partial hit): history of the planned length.
       absl::Status s = cache->LoadBlocks(forms, rep.wanted_blocks * P);
+      int start = static_cast<int>(forms.size()) * P;
+      if (s.ok() && !tail_forms.empty()) {
+        // The gap (window blocks the pool holds INT2-only) is computed, then the BF16 window
+        // blocks after it are appended: the cache holds whole blocks at both points.
+        const int gap_stop = gap_end * P;
+        KVPOOL_RETURN_IF_ERROR(
+            engine_->Prefill(prompt.subspan(start, gap_stop - start), start, *cache).status());
+        s = cache->LoadBlocks(tail_forms, rep.wanted_blocks * P);
+        start = (gap_end + static_cast<int>(tail_forms.size())) * P;
+      }
       if (s.ok()) {
-        const int start = static_cast<int>(forms.size()) * P;
         KVPOOL_ASSIGN_OR_RETURN(absl::Span<const float> l,
                                 engine_->Prefill(prompt.subspan(start), start, *cache));
         logits->assign(l.begin(), l.end());
@@ -778,6 +847,7 @@ absl::StatusOr<DecodeReport> DecodeNode::Run(absl::Span<const int> prompt, int m
       }
       failure = absl::StrCat("load blocks: ", StatusText(s));
       forms.clear();
+      tail_forms.clear();
     }
     return PrefillPd(*engine_, rotations_, o, prompt, logits);
   };
@@ -801,7 +871,8 @@ absl::StatusOr<DecodeReport> DecodeNode::Run(absl::Span<const int> prompt, int m
                       failure, n);
     }
   } else {
-    rep.loaded_blocks = static_cast<int>(forms.size());
+    rep.loaded_blocks = static_cast<int>(forms.size() + tail_forms.size());
+    rep.gap_blocks = tail_forms.empty() ? 0 : gap_end - static_cast<int>(forms.size());
   }
   rep.recomputed_tokens = n - rep.loaded_blocks * P;
   rep.bf16_bytes_equivalent = uint64_t(rep.loaded_blocks) * g.Bf16FormBytes();

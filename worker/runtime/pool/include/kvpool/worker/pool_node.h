@@ -18,7 +18,10 @@
 // ones — have BF16 forms and history the registered precision's, fetches them in those forms
 // into registered page pools, loads them into a MixedKvCache (LoadBlocks with the wanted
 // blocks' length as planned length), releases the lease, recomputes the
-// missing tokens and generates greedily. When the pool is unreachable or a fetch fails or is
+// missing tokens and generates greedily. When that part ends at window blocks the pool holds
+// INT2-only (a strict prefix of a stored sequence, whose window was history there), the window
+// blocks held in BF16 after them are fetched too: the gap is recomputed and they are loaded
+// after it (DecodeReport::gap_blocks). When the pool is unreachable or a fetch fails or is
 // incomplete, it computes the prefix itself exactly as a single process would (eval.h
 // PrefillPd), so the answer is the same; the report and the log say so. After a pool call that
 // timed out (DEADLINE_EXCEEDED), the node stops asking the pool for its remaining requests
@@ -242,10 +245,13 @@ bool RoomHeldByOthers(const absl::Status& s);
 struct DecodeReport {
   std::vector<int> tokens;  // greedy continuation
   int prompt_tokens = 0;
-  int wanted_blocks = 0;      // full blocks before the last prompt token
-  int lookup_blocks = -1;     // leading blocks Lookup reported (-1: not run or failed)
-  int hit_blocks = 0;         // blocks the pool held (leased)
-  int loaded_blocks = 0;      // blocks fetched and loaded
+  int wanted_blocks = 0;   // full blocks before the last prompt token
+  int lookup_blocks = -1;  // leading blocks Lookup reported (-1: not run or failed)
+  int hit_blocks = 0;      // blocks the pool held (leased)
+  int loaded_blocks = 0;   // blocks fetched and loaded
+  // Blocks recomputed between loaded ones: the first blocks of the window that the pool holds
+  // INT2-only (a strict prefix of a stored sequence), before the BF16 window blocks it holds.
+  int gap_blocks = 0;
   int recomputed_tokens = 0;  // prompt tokens computed locally
   uint64_t bytes_moved = 0;   // fetched bytes (data plane) of the blocks loaded
   // Bytes fetched over the data plane but not loaded: a fetch that failed part-way or was
