@@ -103,9 +103,23 @@ constexpr int kWsConsumerWarps = 4 * kWsGroups;
 #define KVPOOL_WRITE_WS_PRODUCERS 1
 #endif
 constexpr int kWsProducers = KVPOOL_WRITE_WS_PRODUCERS;
+// Warps per CTA of the non-rotating kernels at d <= 128 (quantize-only, demotion, BF16 output),
+// which run 24 warps per SM: one CTA of 24 warps per SM (session 11, v15). Measured on the H200
+// (same call, 4 rounds, d 128, 32 q / 8 KV heads): quantize-only 52.6 vs 56.8 µs with 6 CTAs of 4
+// warps at 256K token-heads (the same kernel code otherwise), 173.9 vs 192.9 at 1M, 20.5 vs 21.9
+// at 64K; demotion 53.0 vs 56.6 and 171.9 vs 190.8 (docs/KERNELS.md, "Session 11"). A
+// compile-time switch for A/B builds (4, 8, 12 or 24 warps: 6, 3, 2 or 1 CTAs per SM).
+#ifndef KVPOOL_WRITE_Q_WARPS
+#define KVPOOL_WRITE_Q_WARPS 24
+#endif
+constexpr int kQWarps = KVPOOL_WRITE_Q_WARPS;
+static_assert(24 % kQWarps == 0 && kQWarps % 4 == 0, "24 warps per SM in whole CTAs");
 template <int D, bool kRotate, bool kWs>
 __host__ __device__ constexpr int WarpsPerCta() {
-  return kWs ? kWsConsumerWarps + 4 * kWsProducers : kRotate && D <= 128 ? 8 : 4;
+  return kWs                   ? kWsConsumerWarps + 4 * kWsProducers
+         : kRotate && D <= 128 ? 8
+         : D <= 128            ? kQWarps
+                               : 4;
 }
 
 struct WriteArgs {
@@ -145,6 +159,15 @@ struct WriteArgs {
   // second one, so that the first tiles of all warps are not queued behind second tiles at the
   // start (session 8; KVPOOL_WRITE_FIRST_WAIT=0 turns it off, for A/B measurements).
   int32_t first_wait;
+  // Quantize-only token writes (session 11, KVPOOL_WRITE_DYN_ITEMS; off by default, measured no
+  // faster): dyn != 0 splits the items into one contiguous range per CTA (split_* over CTAs
+  // instead of warps); warp w of the CTA takes items [w·dyn_static, (w+1)·dyn_static) of its
+  // CTA's range, and the rest of the range (at least kWarps × the launcher's dynamic items per
+  // warp) is claimed one item at a time from a shared-memory counter, so that the CTA's warps,
+  // spread over the SM's four sub-partitions, finish together. Every item index is < 2^31 then
+  // (the launcher checks).
+  int32_t dyn;
+  int32_t dyn_static;
 };
 
 // TMA descriptors of the sources, boxes of one whole tile (16 rows of one head, K or V) in the
@@ -916,13 +939,32 @@ __device__ __forceinline__ uint32_t Bf16FromKey(int k) {
 // fails and c is exactly a bf16 value, the next bf16 above it. (Earlier versions stepped fp32
 // ulps from fl(mn + A); when |mn| >> |x|, e.g. the middle threshold of a symmetric group, that
 // took up to 16 steps and was most of the kernel's threshold time.)
+// Session 11 (KVPOOL_WRITE_MID_BITS): A and m without fp32 <-> fp64 conversions. For every fp16
+// s > 0, A = fp32↑(β·s) is exactly w·s (w·s has at most 14 significant bits, so it is an fp32
+// value, and β·s = w·s − ε·s with 0 < ε·s below the gap to w·s's fp32 predecessor: ε·s <
+// 2^(E−24) for w = ½, < 2^(E−23)/1.5 and < 0.8·2^(E−23) for 1½ and 2½, whose products are never
+// powers of two), and w·s is exact in fp64 too. The fp64 pattern of A has its 29 low significand
+// bits clear, so subtracting 2^28 from it gives m = A − ½·(A − pred32(A)) in both cases (A a power
+// of two or not: the borrow then moves into the exponent and gives A − 2^(E−25)), and bit 29 is
+// A's fp32 significand lsb. Checked on the host for all 31,743 positive finite fp16 s and the
+// three levels: m and the tie rule equal the fp32↑ / predecessor form above (0 of 95,229 differ).
+#ifndef KVPOOL_WRITE_MID_BITS
+#define KVPOOL_WRITE_MID_BITS 1
+#endif
 __device__ __forceinline__ uint32_t CodeThresholdBf16(float mn, float s, int j) {
   if (!(s > 0.f)) return 0x7f80u;
+#if KVPOOL_WRITE_MID_BITS
+  const double w = j == 0 ? 0.5 : (j == 1 ? 1.5 : 2.5);
+  const long long a_bits = __double_as_longlong(w * double(s));  // A = w·s, exact
+  const double mid = __longlong_as_double(a_bits - (1ll << 28));
+  const bool tie_passes = ((a_bits >> 29) & 1) == 0;
+#else
   const double beta = j == 0 ? 0.5 - 0x1p-26 : (j == 1 ? 1.5 - 0x1p-24 : 2.5 - 0x1p-23);
   const float a_hi = __double2float_ru(beta * double(s));       // A > 0, finite (s <= 65504)
   const float a_lo = __int_as_float(__float_as_int(a_hi) - 1);  // its fp32 predecessor
   const double mid = 0.5 * (double(a_hi) + double(a_lo));
   const bool tie_passes = (__float_as_int(a_hi) & 1) == 0;
+#endif
   const double c_up = __dadd_ru(double(mn), mid), c_dn = __dadd_rd(double(mn), mid);
   const __nv_bfloat16 b = __float2bfloat16_ru(__double2float_ru(c_up));
   uint32_t bits = __bfloat16_as_ushort(b);
@@ -992,18 +1034,21 @@ constexpr int WriteSmemBytes() {
   if constexpr (kWs)
     return 2 * D * D * 2 + kWsConsumerWarps * kStages * kTileRows * 2 * D + 1024 +
            kWsConsumerWarps * kStages * 8 * 2;
+  // (TMA layout: + 16 bytes after the mbarriers for the dynamic-tail counter, WriteArgs::dyn)
   return (kRotate ? D * D * 2 : 0) + WarpsPerCta<D, kRotate>() * kStages * kTileRows * 2 * D +
-         (UseTmaLayout<kRotate, kOutBf16>() ? 1024 + WarpsPerCta<D, kRotate>() * kStages * 8 : 0);
+         (UseTmaLayout<kRotate, kOutBf16>() ? 1024 + WarpsPerCta<D, kRotate>() * kStages * 8 + 16
+                                            : 0);
 }
 
-// CTAs per SM the register budget is sized for (quantize: 6 x 4 warps = 80 registers, no
-// spills; shared memory, 33 KB per CTA with the reserved 1 KB, allows no 7th. Measured on the
-// H200: 6 CTAs 2.6 % faster than 5 at 256K token-heads; 4 CTAs of 7 warps (72 registers, the
-// whole 228 KB of shared memory) 4 % slower than 6 x 4. Rotating: 2 x 8 warps, which shared
-// memory allows anyway).
+// CTAs per SM the register budget is sized for (quantize: 24 warps per SM = 80 registers, no
+// spills, as 24 / kQWarps CTAs of kQWarps warps; shared memory, 8 KB of rings per warp, allows no
+// 25th warp. Measured on the H200 with 4-warp CTAs: 6 CTAs 2.6 % faster than 5 at 256K
+// token-heads; 4 CTAs of 7 warps (72 registers, the whole 228 KB of shared memory) 4 % slower
+// than 6 x 4; session 11: one CTA of 24 warps 7 % faster than 6 x 4 (see kQWarps). Rotating:
+// 2 x 8 warps, which shared memory allows anyway).
 template <int D, bool kRotate, bool kWs = false>
 constexpr int MinBlocks() {
-  return kWs || D >= 256 ? 1 : kRotate ? 2 : 6;
+  return kWs || D >= 256 ? 1 : kRotate ? 2 : 24 / kQWarps;
 }
 
 // kDemote (quantize-only kernels only): the source is BF16 pages (WriteArgs::src_pages) instead
@@ -1139,6 +1184,21 @@ __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate, kWs>(), MinBlocks
   auto split_begin = [&](uint32_t i) -> int64_t {
     return int64_t(i) * a.split_q + int64_t((i * a.split_r) / a.split_w);
   };
+  // Dynamic tail (WriteArgs::dyn; quantize-only token writes only): the CTA's counter after the
+  // mbarriers holds the absolute index of the next unclaimed item of the CTA's range;
+  // claim() takes one (lane 0's shared-memory atomic, broadcast to the warp). dyn_j: absolute
+  // index of the current item; dyn_static_end: end of this warp's static range; dyn_end: end of
+  // the CTA's range.
+  constexpr bool kDyn = !kRotate && !kOutBf16 && !kWs && !kDemote;
+  const bool dyn = kDyn && a.dyn != 0;
+  const uint32_t dyn_sa = bars0 + kRingWarps * 8 * kStages;
+  uint32_t dyn_j = 0, dyn_static_end = 0, dyn_end = 0;
+  auto claim = [&]() -> uint32_t {
+    uint32_t old = 0;
+    if (lane == 0)
+      asm volatile("atom.shared::cta.add.u32 %0, [%1], 1;\n" : "=r"(old) : "r"(dyn_sa) : "memory");
+    return __shfl_sync(0xffffffffu, old, 0);
+  };
   // Item pair index gt -> (gt / split_den, gt % split_den).
   auto split_pair = [&](int64_t gt, int& quo, int& rem) {
     if (a.div32) {
@@ -1161,11 +1221,26 @@ __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate, kWs>(), MinBlocks
     cur.tile = 4 * grp + sub;
     cur.kv = int(begin & 1);
   } else if constexpr (kMix) {
-    const uint32_t w = blockIdx.x * kWarps + warp;
-    const int64_t begin = split_begin(w), end = split_begin(w + 1);
-    left = int(end - begin);
-    split_pair(begin >> 1, cur.h, cur.tile);  // split_den = ntiles
-    cur.kv = int(begin & 1);
+    if (dyn) {  // split_* over CTAs (see WriteArgs::dyn)
+      const uint32_t cb = uint32_t(split_begin(blockIdx.x));
+      const uint32_t s = uint32_t(a.dyn_static);
+      dyn_end = uint32_t(split_begin(blockIdx.x + 1));
+      dyn_static_end = cb + uint32_t(warp + 1) * s;
+      if (threadIdx.x == 0)
+        asm volatile("st.shared::cta.u32 [%0], %1;\n" ::"r"(dyn_sa), "r"(cb + uint32_t(kWarps) * s)
+                     : "memory");
+      __syncthreads();
+      dyn_j = s > 0 ? cb + uint32_t(warp) * s : claim();
+      left = dyn_j < dyn_end ? 1 : 0;
+      split_pair(dyn_j >> 1, cur.h, cur.tile);
+      cur.kv = int(dyn_j & 1);
+    } else {
+      const uint32_t w = blockIdx.x * kWarps + warp;
+      const int64_t begin = split_begin(w), end = split_begin(w + 1);
+      left = int(end - begin);
+      split_pair(begin >> 1, cur.h, cur.tile);  // split_den = ntiles
+      cur.kv = int(begin & 1);
+    }
   } else {
     const int first = blockIdx.x * kWarps + warp;
     stride = gridDim.x * kWarps;
@@ -1481,16 +1556,31 @@ __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate, kWs>(), MinBlocks
   for (; left > 0; --left) {
     const int tile = cur.tile, kv = cur.kv, h = cur.h;
     const int need = kv ? need_v : need_k;
+    // The next item: the one after cur (nxt = adv(cur) here), or (dyn, past the warp's static
+    // range) one claimed from the CTA's counter.
+    bool has_nxt = left > 1, seq = true;
+    if (dyn) {
+      uint32_t nj = dyn_j + 1;
+      if (nj >= dyn_static_end) nj = claim();  // warp-uniform
+      has_nxt = nj < dyn_end;
+      seq = nj == dyn_j + 1;
+      if (!seq) {
+        split_pair(nj >> 1, nxt.h, nxt.tile);
+        nxt.kv = int(nj & 1);
+      }
+      dyn_j = nj;
+    }
     // Prefetch: the next item's rows, its destinations and the source page after it.
-    issue(nxt, left > 1, stage ^ 1, src_pg_next);
+    issue(nxt, has_nxt, stage ^ 1, src_pg_next);
     const Item nxt2 = adv(nxt);
     src_pg_next = src_page_of(nxt2, left > 2);
     int npg[2] = {0, 0}, nsl[2] = {0, 0};
-    const bool reuse = kMix && kv == 0;  // the next item is the V tile of the same tokens
+    // the next item is the V tile of the same tokens
+    const bool reuse = kMix && kv == 0 && seq;
     if (reuse) {
       if constexpr (kOutBf16) npg[0] = pg[0], npg[1] = pg[1], nsl[0] = sl[0], nsl[1] = sl[1];
     } else {
-      dest_of(nxt, left > 1, npg, nsl);
+      dest_of(nxt, has_nxt, npg, nsl);
     }
     if (tma) {
       MbarWaitParity((kWs ? full_sa : bar_sa) + 8 * stage, (phases >> stage) & 1u);
@@ -1634,7 +1724,7 @@ __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate, kWs>(), MinBlocks
     } else {
       // ---- step 3: τ (rows with NaN get an arbitrary τ; they are refused below) ----
       // The packed row values wait in this tile's (already consumed) stage while the sorting
-      // networks run, which keeps the register count low enough for 6 CTAs per SM: piece c
+      // networks run, which keeps the register count low enough for 24 warps per SM: piece c
       // (16 bytes) of lane L at byte 512·c + 16·L (no bank conflicts; one base register and
       // immediate offsets).
       uint8_t* park = ring + stage * kStageBytes + 16 * lane;
@@ -1929,6 +2019,7 @@ __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate, kWs>(), MinBlocks
     stage ^= 1;
     cur = nxt;
     nxt = nxt2;
+    if (dyn) left = has_nxt ? 2 : 1;  // (the loop's decrement follows)
   }
   CpAsyncWait<0>();
 }
@@ -2008,6 +2099,29 @@ bool WsEnabled() {
 bool FirstWaitEnabled() {
   const char* e = std::getenv("KVPOOL_WRITE_FIRST_WAIT");
   return e == nullptr || std::string(e) != "0";
+}
+
+// Dynamic items per warp of the quantize-only token writes (WriteArgs::dyn): from
+// KVPOOL_WRITE_DYN_ITEMS (read at each launch; a negative value turns the dynamic tail off,
+// for A/B measurements), else KVPOOL_WRITE_DYN_DEFAULT.
+// Off by default (-1): measured on the H200 (session 11, same call, 4 rounds) it gained nothing
+// at 256K / 1M token-heads with 4- or 24-warp CTAs (24 warps: 52.7 / 174.2 µs with 1 dynamic
+// item per warp vs 52.6 / 173.9 off) and lost at 64K (21.8 vs 20.5: every item claimed, no K -> V
+// destination reuse); see docs/KERNELS.md "Session 11".
+#ifndef KVPOOL_WRITE_DYN_DEFAULT
+#define KVPOOL_WRITE_DYN_DEFAULT -1
+#endif
+int DynItemsPerWarp() {
+  const char* e = std::getenv("KVPOOL_WRITE_DYN_ITEMS");
+  return e == nullptr || *e == 0 ? KVPOOL_WRITE_DYN_DEFAULT : std::atoi(e);
+}
+
+// KVPOOL_WRITE_MAX_CTAS (read at each launch): caps the grid of the non-rotating kernels, so
+// that tests can give each warp many items of a small write (0 or unset: no cap).
+int64_t MaxCtas() {
+  const char* e = std::getenv("KVPOOL_WRITE_MAX_CTAS");
+  const long long v = e == nullptr ? 0 : std::atoll(e);
+  return v > 0 ? int64_t(v) : int64_t(1) << 30;
 }
 
 // WriteArgs::split_*: `items` work items over `workers` (1 <= workers < 2^16) contiguous ranges,
@@ -2099,7 +2213,9 @@ KernelStatus LaunchWrite(const WriteArgs& a, cudaStream_t stream) {
     const int64_t items = 2 * int64_t(a.num_kv_heads) * ntiles;
     const int64_t ctas_for_items = (items + threads / 32 - 1) / (threads / 32);
     // at most 2^14 CTAs, so that the warp count stays below 2^16 (WriteArgs::split_w)
-    grid = dim3(unsigned(std::min<int64_t>({ctas_for_items, int64_t(per_sm) * sms, 16383})), 1, 1);
+    grid =
+        dim3(unsigned(std::min<int64_t>({ctas_for_items, int64_t(per_sm) * sms, 16383, MaxCtas()})),
+             1, 1);
   }
   TmaMaps maps{};
   WriteArgs args = a;
@@ -2107,9 +2223,19 @@ KernelStatus LaunchWrite(const WriteArgs& a, cudaStream_t stream) {
   args.first_wait = FirstWaitEnabled() ? 1 : 0;
   if constexpr (!kRotate) {
     const int64_t items = 2 * int64_t(a.num_kv_heads) * ntiles;
-    if (!SetSplit(items, int64_t(grid.x) * (threads / 32), uint32_t(ntiles), &args))
+    constexpr int64_t kW = threads / 32;
+    const int dyn_items = !kOutBf16 && !kDemote ? DynItemsPerWarp() : -1;
+    if (dyn_items >= 0 && items < int64_t(INT32_MAX)) {
+      // WriteArgs::dyn: ranges per CTA, each warp's static part leaving >= kW·dyn_items of the
+      // smallest CTA range to the counter
+      const int64_t per_warp = items / grid.x / kW;
+      args.dyn = 1;
+      args.dyn_static = int32_t(std::max<int64_t>(0, per_warp - dyn_items));
+      SetSplit(items, grid.x, uint32_t(ntiles), &args);  // cannot fail: items < 2^31
+    } else if (!SetSplit(items, int64_t(grid.x) * kW, uint32_t(ntiles), &args)) {
       return KernelStatus::Error(KernelError::kInvalidArgument,
                                  "num_tokens x num_kv_heads too large for one launch");
+    }
   }
   if constexpr (UseTmaLayout<kRotate, kOutBf16>()) {
     // A map the driver refuses leaves the cp.async loads (same bytes, slower).

@@ -31,7 +31,11 @@
 // the same TMA loads in warp-specialized kernels (the rotation by wgmma in producer warpgroups);
 // without a map, or with KVPOOL_WRITE_ROT_WS=0 (read at each launch), they run the mma.sync
 // kernels of the other head dims, which round to the same bf16 values (measured bit-identical,
-// docs/KERNELS.md "Session 7 (v11: warp-specialized d 128 rotation)").
+// docs/KERNELS.md "Session 7 (v11: warp-specialized d 128 rotation)"). Measurement and test
+// switches of the non-rotating kernels, read at each launch (same bytes): KVPOOL_WRITE_MAX_CTAS=N
+// caps their grid at N CTAs (more items per warp); KVPOOL_WRITE_DYN_ITEMS=K >= 0 lets each CTA's
+// warps of LaunchQuantizeWrite without rotation claim the last items of the CTA's range from a
+// shared-memory counter (off by default: measured no faster, docs/KERNELS.md "Session 11").
 #pragma once
 
 #include <cstdint>
