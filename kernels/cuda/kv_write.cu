@@ -2106,8 +2106,8 @@ bool FirstWaitEnabled() {
 // for A/B measurements), else KVPOOL_WRITE_DYN_DEFAULT.
 // Off by default (-1): measured on the H200 (session 11, same call, 4 rounds) it gained nothing
 // at 256K / 1M token-heads with 4- or 24-warp CTAs (24 warps: 52.7 / 174.2 µs with 1 dynamic
-// item per warp vs 52.6 / 173.9 off) and lost at 64K (21.8 vs 20.5: every item claimed, no K -> V
-// destination reuse); see docs/KERNELS.md "Session 11".
+// item per warp vs 52.6 / 173.9 off) and lost at 64K (21.8 vs 20.5: most items claimed, each
+// claim without the K -> V destination reuse); see docs/KERNELS.md "Session 11".
 #ifndef KVPOOL_WRITE_DYN_DEFAULT
 #define KVPOOL_WRITE_DYN_DEFAULT -1
 #endif
