@@ -15,6 +15,7 @@
 #include <gtest/gtest.h>
 
 #include "kvpool/common/process.h"
+#include "kvpool/common/room_shortage.h"
 #include "pool_testing.h"
 
 namespace kvpool::testing {
@@ -897,6 +898,13 @@ TEST_P(PoolIntegrationTest, APutWhoseCommitCannotFitIsRefusedAtBeginPut) {
       refused.status().message(),
       HasSubstr(absl::StrCat(kBlocks * 16384, " bytes of staging for the 40 of 40 blocks")));
   EXPECT_THAT(refused.status().message(), HasSubstr("bytes are forms of leased or pinned blocks"));
+  // The numbers cross gRPC as a trailer (protocol v1.7) and come back as the status's payload.
+  std::optional<RoomShortage> r = GetRoomShortage(refused.status());
+  ASSERT_TRUE(r.has_value()) << refused.status();
+  EXPECT_GT(r->need_bytes, r->room_bytes);
+  EXPECT_GE(r->need_bytes, uint64_t{kBlocks} * 16384);
+  EXPECT_EQ(r->staging_bytes, 0u);
+  EXPECT_GT(r->pinned_bytes, 0u);
   auto st = c->Stats();
   ASSERT_TRUE(st.ok()) << st.status();
   EXPECT_EQ(st->open_puts, 0u);

@@ -25,6 +25,7 @@
 #include "copy_pool.h"
 #include "kvpool/common/checksum.h"
 #include "kvpool/common/log.h"
+#include "kvpool/common/room_shortage.h"
 #include "kvpool/common/status.h"
 #include "kvpool/transport/ucx_transport.h"
 #include "kvpool/v1/pool.grpc.pb.h"
@@ -737,7 +738,20 @@ class ClientImpl final : public Client {
     if (call.cancel) cancel_id = call.cancel->Add([&ctx] { ctx.TryCancel(); });
     grpc::Status s = (stub_.get()->*fn)(&ctx, req, resp);
     if (call.cancel && cancel_id != 0) call.cancel->Remove(cancel_id);
-    return RpcOutcome(s, MethodName(req), timeout, call.cancel.get());
+    absl::Status out = RpcOutcome(s, MethodName(req), timeout, call.cancel.get());
+    if (s.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) {
+      // A refusal for room: its numbers (protocol v1.7 trailer) as a status payload
+      // (kvpool/common/room_shortage.h).
+      const auto& trailers = ctx.GetServerTrailingMetadata();
+      if (auto it = trailers.find(kRoomShortageTrailer); it != trailers.end()) {
+        pb::RoomShortage m;
+        if (m.ParseFromArray(it->second.data(), static_cast<int>(it->second.size()))) {
+          SetRoomShortage(out,
+                          {m.need_bytes(), m.room_bytes(), m.staging_bytes(), m.pinned_bytes()});
+        }
+      }
+    }
+    return out;
   }
 
   // The status of a finished RPC (sync or async) `method`, given `timeout` from its start and

@@ -18,6 +18,7 @@
 #include "kvpool/common/bounded_file.h"
 #include "kvpool/common/checksum.h"
 #include "kvpool/common/log.h"
+#include "kvpool/common/room_shortage.h"
 #include "kvpool/common/status.h"
 #include "kvpool/v1/pool.grpc.pb.h"
 #include "kvpool/v1/pool.pb.h"
@@ -213,7 +214,19 @@ class KvPoolService final : public pb::KvPool::Service {
 
   grpc::Status BeginPut(grpc::ServerContext* context, const pb::BeginPutRequest* req,
                         pb::BeginPutResponse* resp) override {
-    return Timed(store_.metrics().put_latency, [&] { return BeginPutImpl(*req, resp, context); });
+    return Timed(store_.metrics().put_latency, [&] {
+      absl::Status s = BeginPutImpl(*req, resp, context);
+      // A refusal for room: its numbers as a trailer too (protocol v1.7, RoomShortage).
+      if (std::optional<RoomShortage> r = GetRoomShortage(s); r.has_value() && context) {
+        pb::RoomShortage m;
+        m.set_need_bytes(r->need_bytes);
+        m.set_room_bytes(r->room_bytes);
+        m.set_staging_bytes(r->staging_bytes);
+        m.set_pinned_bytes(r->pinned_bytes);
+        context->AddTrailingMetadata(kRoomShortageTrailer, m.SerializeAsString());
+      }
+      return s;
+    });
   }
 
   grpc::Status CommitPut(grpc::ServerContext*, const pb::CommitPutRequest* req,

@@ -16,6 +16,7 @@
 #include "absl/strings/str_join.h"
 #include "kvpool/common/checksum.h"
 #include "kvpool/common/log.h"
+#include "kvpool/common/room_shortage.h"
 #include "kvpool/common/status.h"
 #include "kvpool/kernels/quantize.h"
 #include "kvpool/kernels/rotation_file.h"
@@ -531,12 +532,14 @@ absl::StatusOr<uint64_t> BlockStore::AllocateLocked(uint64_t size) {
       const uint64_t used = arena_.used_bytes(), capacity = arena_.capacity();
       const uint64_t held = std::min(used, staging_bytes_ + pinned_bytes_);
       const uint64_t free_bytes = capacity - used;
-      return absl::ResourceExhaustedError(absl::StrCat(
+      absl::Status refused = absl::ResourceExhaustedError(absl::StrCat(
           "num_blocks: pool full: cannot allocate ", size, " bytes (", used, " of ", capacity,
           " bytes used: ", staging_bytes_, " bytes staging of open puts, ", pinned_bytes_,
           " bytes forms of leased or pinned blocks, ", used - held,
           " bytes other forms eviction cannot free now (ancestors of pinned blocks); ", free_bytes,
           " bytes free", free_bytes >= need ? " but fragmented" : "", ")"));
+      SetRoomShortage(refused, {size, free_bytes, staging_bytes_, pinned_bytes_});
+      return refused;
     }
   }
 }
@@ -848,10 +851,11 @@ absl::Status BlockStore::CheckCommitFitsLocked(const Model& m, absl::Span<const 
   const uint64_t capacity = arena_.capacity();
   const uint64_t room = EvictableRoomLocked(newly_pinned);
   if (staging + forms <= room) return absl::OkStatus();
-  // A prefill node (kvpool::worker::RoomHeldByOthers) reads the numbers of this message and of
-  // AllocateLocked's to tell pressure of other puts and leases, which it waits out, from a put
-  // too large for the pool; worker_e2e_pool_test checks it.
-  return absl::ResourceExhaustedError(absl::StrCat(
+  // A prefill node (kvpool::worker::RoomHeldByOthers) reads these numbers (the RoomShortage
+  // payload, or this message's and AllocateLocked's text from a pool before v1.7) to tell
+  // pressure of other puts and leases, which it waits out, from a put too large for the pool;
+  // worker_e2e_pool_test checks it.
+  absl::Status refused = absl::ResourceExhaustedError(absl::StrCat(
       "num_blocks: the pool cannot hold this put's commit: it needs ", staging + forms,
       " bytes at once (", staging, " bytes of staging for the ", writes, " of ", num_blocks,
       " blocks to write, plus ", forms,
@@ -860,6 +864,8 @@ absl::Status BlockStore::CheckCommitFitsLocked(const Model& m, absl::Span<const 
       room, " of the pool's ", capacity, " bytes free (", staging_bytes_,
       " bytes are staging of other open puts, ", pinned_bytes_ + newly_pinned,
       " bytes are forms of leased or pinned blocks); release leases or put fewer blocks"));
+  SetRoomShortage(refused, {staging + forms, room, staging_bytes_, pinned_bytes_ + newly_pinned});
+  return refused;
 }
 
 absl::StatusOr<std::unordered_map<uint64_t, BlockStore::Put>::iterator>

@@ -12,6 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kvpool/common/checksum.h"
+#include "kvpool/common/room_shortage.h"
 #include "test_util.h"
 
 namespace kvpool::kvstore {
@@ -883,6 +884,14 @@ TEST_F(EvictionTest, BeginPutRefusesACommitThatCouldNeverFit) {
   EXPECT_THAT(p.status().message(), HasSubstr("at most 5632 of the pool's 10240 bytes free"));
   EXPECT_THAT(p.status().message(),
               HasSubstr("0 bytes are staging of other open puts, 4608 bytes"));
+  // The same numbers as a payload (kvpool/common/room_shortage.h), for clients that must not
+  // parse the message.
+  std::optional<RoomShortage> r = GetRoomShortage(p.status());
+  ASSERT_TRUE(r.has_value());
+  EXPECT_EQ(r->need_bytes, 7424u);
+  EXPECT_EQ(r->room_bytes, 5632u);
+  EXPECT_EQ(r->staging_bytes, 0u);
+  EXPECT_EQ(r->pinned_bytes, 4608u);
   const StoreStats after = store_->Stats();
   EXPECT_EQ(after.used_bytes, before.used_bytes);  // nothing allocated, leaked or evicted
   EXPECT_EQ(after.staging_bytes, 0u);
@@ -1021,6 +1030,12 @@ TEST_F(EvictionTest, AFragmentedPoolRefusesAPutNamingWhatHoldsIt) {
             "bytes staging of "
             "open puts, 4864 bytes forms of leased or pinned blocks, 0 bytes other forms eviction "
             "cannot free now (ancestors of pinned blocks); 4864 bytes free but fragmented)");
+  std::optional<RoomShortage> r = GetRoomShortage(p.status());
+  ASSERT_TRUE(r.has_value());
+  EXPECT_EQ(r->need_bytes, 512u);
+  EXPECT_EQ(r->room_bytes, 4864u);
+  EXPECT_EQ(r->staging_bytes, 512u);
+  EXPECT_EQ(r->pinned_bytes, 4864u);
   const StoreStats after = store_->Stats();
   EXPECT_EQ(after.used_bytes, before.used_bytes);  // nothing allocated, leaked or evicted
   EXPECT_EQ(after.staging_bytes, 512u);

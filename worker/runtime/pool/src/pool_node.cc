@@ -18,6 +18,7 @@
 #include "absl/strings/string_view.h"
 #include "kvpool/common/log.h"
 #include "kvpool/common/process.h"
+#include "kvpool/common/room_shortage.h"
 #include "kvpool/common/status.h"
 #include "kvpool/worker/staging_recorder.h"
 #include "kvpool/worker/status_text.h"
@@ -86,6 +87,12 @@ std::optional<uint64_t> NumberBefore(absl::string_view text, absl::string_view l
 
 bool RoomHeldByOthers(const absl::Status& s) {
   if (!absl::IsResourceExhausted(s)) return false;
+  // The pool's numbers (protocol v1.7: kvpool/common/room_shortage.h); a pool before v1.7 sends
+  // them in its message only, read below.
+  if (std::optional<RoomShortage> r = GetRoomShortage(s); r.has_value()) {
+    const uint64_t held = r->staging_bytes + r->pinned_bytes;
+    return held > 0 && r->need_bytes <= r->room_bytes + held;
+  }
   const absl::string_view m = s.message();
   // BeginPut's check that the commit can fit (kvstore CheckCommitFitsLocked).
   std::optional<uint64_t> need = NumberAfter(m, "this put's commit: it needs ");

@@ -239,7 +239,9 @@ class PrefillNode {
 // pinned blocks)", or the allocation's "num_blocks: pool full: cannot allocate N bytes (... S
 // bytes staging of open puts, L bytes forms of leased or pinned blocks ...)") and the put would
 // fit once that staging and those leases are gone (N <= R + S + L, S + L > 0): pressure of other
-// puts and readers, which passes, rather than a put too large for the pool. Pure.
+// puts and readers, which passes, rather than a put too large for the pool. The numbers come
+// from the status's RoomShortage payload (kvpool/common/room_shortage.h, protocol v1.7), or
+// from the message text of a pool before v1.7. Pure.
 bool RoomHeldByOthers(const absl::Status& s);
 
 struct DecodeReport {
