@@ -115,6 +115,11 @@ check calibrate-few-tokens-warns 0 "is few" -- "$bin" calibrate --model "$model"
 printf 'hello' > "$tmp/short.txt"
 check calibrate-short-text 2 "--text '$tmp/short.txt' gives [0-9]* tokens, fewer than 16" -- "$bin" calibrate --model "$model" --text "$tmp/short.txt" --out "$tmp/rs.safetensors"
 [[ ! -e "$tmp/rs.safetensors" ]] && echo "ok   calibrate-short-text-no-file" || { echo "FAIL calibrate-short-text wrote a file"; fail=1; }
+# llama.block_count 4 over the tensors of 5 layers: calibrate wrote a 4-layer rotation file
+# (newcomer report 11 F1); the model is refused, nothing written.
+python3 "$(dirname "${BASH_SOURCE[0]}")/../../worker/tests/gguf_set_u32.py" "$model" "$tmp/layers4.gguf" llama.block_count 4
+check calibrate-layers-beyond-block-count 2 "tensor 'blk.4.attn_q.weight' belongs to layer 4, beyond the layers the metadata describes (llama.block_count 4" -- "$bin" calibrate --model "$tmp/layers4.gguf" --text "$data/calibration.txt" --tokens 400 --out "$tmp/r4.safetensors"
+[[ ! -e "$tmp/r4.safetensors" ]] && echo "ok   calibrate-layers-beyond-block-count-no-file" || { echo "FAIL calibrate wrote a rotation file for an inconsistent model"; fail=1; }
 head -c 400 "$data/calibration.txt" > "$tmp/t100.txt"
 check calibrate-short-text-warns 0 "--text '$tmp/t100.txt' gives [0-9]* tokens, which is few" -- "$bin" calibrate --model "$model" --text "$tmp/t100.txt" --out "$tmp/rw.safetensors"
 check calibrate-text-below-tokens-warns 0 "(--tokens 2000) gives [0-9]* tokens, which is few" -- "$bin" calibrate --model "$model" --text "$tmp/t100.txt" --tokens 2000 --out "$tmp/rw.safetensors"

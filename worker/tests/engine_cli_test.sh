@@ -106,5 +106,11 @@ fi
 python3 "$(dirname "$0")/gguf_zero_weights.py" "$MODEL" "$TMP/zero.gguf"
 expect zeroed-weights 2 "every one of the 512 logits is 0 (the model is degenerate" -- --log-level off generate --model "$TMP/zero.gguf" --max-tokens 4
 
+# Metadata that describes fewer layers than the file holds (llama.block_count 4 over 5 layers'
+# tensors) ran 4 layers with exit 0 (newcomer report 11 F1); the loader refuses the tensors it
+# does not read.
+python3 "$(dirname "$0")/gguf_set_u32.py" "$MODEL" "$TMP/layers4.gguf" llama.block_count 4
+expect layers-beyond-block-count 2 "tensor 'blk.4.attn_q.weight' belongs to layer 4, beyond the layers the metadata describes (llama.block_count 4" -- --log-level off generate --model "$TMP/layers4.gguf" --max-tokens 4
+
 echo "$failures failure(s)"
 [[ $failures -eq 0 ]]

@@ -479,6 +479,82 @@ TEST(EngineErrorTest, NonFiniteWeightsAreRefusedAtLoad) {
   std::remove(path.c_str());
 }
 
+// Newcomer report 11 F1: a copy of stories260K whose llama.block_count says 4 while it holds
+// the tensors of 5 layers loaded and ran 4 layers (exit 0, other text). The loader refuses every
+// tensor it does not read, naming the first and the metadata key; block_count 6 (a layer
+// missing) is refused naming the missing tensor. A tensor of another name (output.weight
+// renamed, so the output would silently become tied) is refused the same way.
+TEST(EngineErrorTest, TensorsTheMetadataDoesNotDescribeAreRefused) {
+  std::ifstream in(kModel, std::ios::binary);
+  std::string bytes((std::istreambuf_iterator<char>(in)), {});
+  auto gguf = GgufFile::Parse(bytes);
+  ASSERT_TRUE(gguf.ok()) << gguf.status();
+  ASSERT_EQ(*(*gguf)->GetUint("llama.block_count"), 5u);
+  // The key string, then its value type (u32) and the u32 value.
+  const std::string key = "llama.block_count";
+  const size_t k = bytes.find(key);
+  ASSERT_NE(k, std::string::npos);
+  const size_t at = k + key.size() + 4;
+  uint32_t type = 0, value = 0;
+  std::memcpy(&type, &bytes[k + key.size()], 4);
+  std::memcpy(&value, &bytes[at], 4);
+  ASSERT_EQ(type, 4u);  // GGUF uint32
+  ASSERT_EQ(value, 5u);
+  const std::string path = ::testing::TempDir() + "/engine_test_layers.gguf";
+  auto load = [&](const std::string& b) {
+    {
+      std::ofstream out(path, std::ios::binary | std::ios::trunc);
+      out.write(b.data(), static_cast<std::streamsize>(b.size()));
+    }
+    return Engine::Create(path);
+  };
+  auto with_layers = [&](uint32_t n) {
+    std::string b = bytes;
+    std::memcpy(&b[at], &n, 4);
+    return b;
+  };
+  {
+    auto e = load(with_layers(4));
+    ASSERT_FALSE(e.ok()) << "a 5-layer file loaded as 4 layers";
+    EXPECT_EQ(e.status().code(), absl::StatusCode::kInvalidArgument) << e.status();
+    EXPECT_NE(e.status().message().find("tensor 'blk.4.attn_q.weight' belongs to layer 4"),
+              std::string::npos)
+        << e.status();
+    EXPECT_NE(e.status().message().find("llama.block_count 4"), std::string::npos) << e.status();
+    EXPECT_NE(e.status().message().find("holds 9 tensor(s)"), std::string::npos) << e.status();
+    EXPECT_NE(e.status().message().find(path), std::string::npos) << e.status();
+  }
+  {
+    auto e = load(with_layers(6));
+    ASSERT_FALSE(e.ok());
+    EXPECT_NE(e.status().message().find("tensor 'blk.5.attn_norm.weight' is missing"),
+              std::string::npos)
+        << e.status();
+  }
+  {
+    // Same length, so every offset stays valid.
+    std::string b = bytes;
+    // The tensor info's name, not the tail of blk.N.attn_output.weight.
+    size_t o = b.find("output.weight");
+    while (o != std::string::npos && b[o - 1] == '_') o = b.find("output.weight", o + 1);
+    ASSERT_NE(o, std::string::npos);
+    b.replace(o, 13, "outpux.weight");
+    auto e = load(b);
+    ASSERT_FALSE(e.ok()) << "an unknown tensor was ignored";
+    EXPECT_EQ(e.status().code(), absl::StatusCode::kInvalidArgument) << e.status();
+    EXPECT_NE(e.status().message().find("tensor 'outpux.weight' is not a tensor of the llama"),
+              std::string::npos)
+        << e.status();
+  }
+  {
+    // The untouched file loads (the check cannot fire on the real model).
+    auto e = load(bytes);
+    ASSERT_TRUE(e.ok()) << e.status();
+    EXPECT_EQ((*e)->config().n_layers, 5);
+  }
+  std::remove(path.c_str());
+}
+
 // Newcomer report 10 F7: finite weights whose activations overflow (every 7th element of
 // blk.1.attn_k.weight times 3e38: k becomes NaN/Inf; blk.2.attn_v.weight times 1e37: k and v
 // stay finite but the residual stream's squares overflow, the RMS norm gives zeros and the

@@ -285,6 +285,10 @@ fi
 python3 "$(dirname "$0")/gguf_zero_weights.py" "${model}" "${work}/zero.gguf"
 expect 2 "eval with a model whose weights are zero" -- "${worker}" --role eval --model "${work}/zero.gguf" --rotations "${work}/rot.safetensors" "${prompt[@]}" --max-new-tokens 2 --eval-windows 64:256
 expect_err "logits is 0 (the model is degenerate" "the message says the model is degenerate"
+# llama.block_count 4 over the tensors of 5 layers ran 4 layers (newcomer report 11 F1).
+python3 "$(dirname "$0")/gguf_set_u32.py" "${model}" "${work}/layers4.gguf" llama.block_count 4
+expect 2 "eval with a model holding a layer its metadata does not describe" -- "${worker}" --role eval --model "${work}/layers4.gguf" --rotations "${work}/rot.safetensors" "${prompt[@]}" --max-new-tokens 2 --eval-windows 64:256
+expect_err "tensor 'blk.4.attn_q.weight' belongs to layer 4, beyond the layers the metadata describes (llama.block_count 4" "the message names the tensor and the key"
 # A boolean that is none lists what is accepted (newcomer s8 N9; was CLI11's "Could not convert").
 expect 1 "--teacher-force maybe" -- "${worker}" --role decode --pool 127.0.0.1:1 --teacher-force maybe "${base[@]}" "${prompt[@]}"
 expect_err "kvpool-worker: --teacher-force: 'maybe' is not a boolean (want true or false" "the message lists the accepted values"

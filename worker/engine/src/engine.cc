@@ -2,9 +2,12 @@
 #include "kvpool/engine/engine.h"
 
 #include <algorithm>
+#include <array>
+#include <charconv>
 #include <chrono>
 #include <cmath>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -99,6 +102,71 @@ absl::StatusOr<std::vector<float>> Weight(const GgufFile& f, const std::string& 
     }
   }
   return w;
+}
+
+// The per-layer tensors Engine::Load reads, "blk.<l>." + each.
+constexpr std::array<std::string_view, 9> kLayerTensors = {
+    "attn_norm.weight", "attn_q.weight",   "attn_k.weight", "attn_v.weight",  "attn_output.weight",
+    "ffn_norm.weight",  "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"};
+
+// INVALID_ARGUMENT for the first tensor of `f` that Engine::Load does not read, with how many
+// such tensors the file holds: a tensor is expected when it is token_embd.weight,
+// output_norm.weight, output.weight or blk.<l>.<one of kLayerTensors> with l < n_layers. A layer
+// beyond llama.block_count (newcomer report 11 F1: block_count 4 over 5 layers' tensors ran 4
+// layers, exit 0) or a tensor of a feature this engine does not implement (e.g. rope_freqs) would
+// otherwise be ignored and the model run as something it is not. Runs after every expected
+// tensor was found, so a missing one is reported first (Weight: "tensor '...' is missing").
+absl::Status CheckNoUnexpectedTensors(const GgufFile& f, int n_layers) {
+  const GgufTensor* first = nullptr;
+  std::string why;
+  int count = 0;
+  for (const GgufTensor& t : f.tensors()) {
+    std::string_view name = t.name;
+    if (name == "token_embd.weight" || name == "output_norm.weight" || name == "output.weight") {
+      continue;
+    }
+    std::string reason;
+    if (name.starts_with("blk.")) {
+      name.remove_prefix(4);
+      const size_t dot = name.find('.');
+      uint32_t layer = 0;
+      const std::string_view digits =
+          dot == std::string_view::npos ? std::string_view() : name.substr(0, dot);
+      // Canonical decimal only ("blk.04." is not layer 4).
+      const auto [end, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), layer);
+      const bool numbered = !digits.empty() && ec == std::errc() &&
+                            end == digits.data() + digits.size() &&
+                            (digits.size() == 1 || digits[0] != '0');
+      const std::string_view rest =
+          dot == std::string_view::npos ? std::string_view() : name.substr(dot + 1);
+      const bool known =
+          std::find(kLayerTensors.begin(), kLayerTensors.end(), rest) != kLayerTensors.end();
+      if (numbered && known && layer < static_cast<uint32_t>(n_layers)) {
+        continue;
+      }
+      if (numbered && layer >= static_cast<uint32_t>(n_layers)) {
+        reason = absl::StrCat("belongs to layer ", layer,
+                              ", beyond the layers the metadata describes (llama.block_count ",
+                              n_layers, ": layers 0..", n_layers - 1, ")");
+      } else {
+        reason = "is not a tensor of a llama layer this engine reads";
+      }
+    } else {
+      reason = "is not a tensor of the llama model this engine reads";
+    }
+    if (first == nullptr) {
+      first = &t;
+      why = std::move(reason);
+    }
+    ++count;
+  }
+  if (first == nullptr) {
+    return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      "tensor '", first->name, "' ", why, "; the file holds ", count,
+      " tensor(s) the metadata does not describe (a model file whose metadata and tensors "
+      "disagree is refused rather than run as a different model)"));
 }
 
 double Seconds(std::chrono::steady_clock::time_point a, std::chrono::steady_clock::time_point b) {
@@ -225,6 +293,7 @@ absl::Status Engine::Load(const std::string& path) {
   if (!c.tied_output) {
     KVPOOL_ASSIGN_OR_RETURN(output_, Weight(f, "output.weight", {d, vocab}));
   }
+  KVPOOL_RETURN_IF_ERROR(CheckNoUnexpectedTensors(f, c.n_layers));
 
   rope_inv_freq_.resize(c.rope_dim / 2);
   for (int i = 0; i < c.rope_dim / 2; ++i) {
