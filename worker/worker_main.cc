@@ -604,6 +604,11 @@ int main(int argc, char** argv) {
   if (auto s = kvpool::CheckRotationsMatch(*rot_or, expected); !s.ok()) {
     return Fail(s, "rotations");
   }
+  if (const std::string note =
+          kvpool::RotationModelNameMismatch(*rot_or, std::filesystem::path(model).stem().string());
+      !note.empty()) {
+    KVPOOL_LOG_WARN("--rotations '{}': {}", rotations_path, note);
+  }
   auto rotations = std::make_shared<const kvpool::RotationSet>(std::move(rot_or).value());
 
   kw::MixedCacheOptions copts;

@@ -96,6 +96,22 @@ TEST(SafetensorsTest, CorruptedFilesGiveTypedErrors) {
               C::kInvalidArgument, "overlap");
   ExpectError(WithHeader(R"({"__metadata__":{"k":3}})", ""), C::kInvalidArgument,
               "__metadata__.k is not a string");
+  // Bytes no tensor describes (newcomer report 11 F3: 4 bytes appended to a rotation file were
+  // accepted): after the last tensor, between two, before the first, or with no tensor at all.
+  ExpectError(SampleFile() + "xxxx", C::kInvalidArgument,
+              "4 byte(s) after the last tensor 'b.x' (its data ends at 24, the data section has "
+              "28 bytes)");
+  ExpectError(WithHeader(R"({"t":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", data),
+              C::kInvalidArgument, "8 byte(s) after the last tensor 't'");
+  ExpectError(WithHeader(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},)"
+                         R"("b":{"dtype":"F32","shape":[2],"data_offsets":[8,16]}})",
+                         data),
+              C::kInvalidArgument,
+              "data section bytes [4, 8) before tensor 'b' belong to no tensor");
+  ExpectError(WithHeader(R"({"t":{"dtype":"F32","shape":[2],"data_offsets":[8,16]}})", data),
+              C::kInvalidArgument, "data section bytes [0, 8) before tensor 't'");
+  ExpectError(WithHeader("{}", data), C::kInvalidArgument, "16 byte(s) after the last tensor (");
+  EXPECT_TRUE(SafetensorsFile::Parse(WithHeader("{}", "")).ok());
   ExpectError(WithHeader(R"({"t":{"shape":[2],"data_offsets":[0,8]}})", data), C::kInvalidArgument,
               "no string dtype");
   ExpectError(WithHeader(R"({"t":{"dtype":"U8","shape":[4294967296,4294967296,4294967296],)"

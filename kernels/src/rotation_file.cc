@@ -1,6 +1,7 @@
 // Rotation files (see kvpool/kernels/rotation_file.h).
 #include "kvpool/kernels/rotation_file.h"
 
+#include <algorithm>
 #include <charconv>
 #include <cmath>
 #include <cstdio>
@@ -144,6 +145,30 @@ absl::Status WriteRotationFile(RotationSet* rot, const std::string& path) {
   return absl::OkStatus();
 }
 
+absl::Status CheckEigenvalues(const std::string& name, const std::vector<float>& data, uint64_t d) {
+  for (size_t i = 0; i < data.size(); ++i) {
+    if (!std::isfinite(data[i]))
+      return absl::InvalidArgumentError(
+          absl::StrCat("rotation file: tensor '", name, "' element ", i, " is not finite"));
+  }
+  // Per head (a [d] slice): the largest eigenvalue is the target's norm.
+  for (size_t h = 0; h * d < data.size(); ++h) {
+    float top = 0;
+    for (uint64_t j = 0; j < d; ++j) top = std::max(top, data[h * d + j]);
+    const float floor = -kRotationEigenvalueTolerance * top;
+    for (uint64_t j = 0; j < d; ++j) {
+      const float e = data[h * d + j];
+      if (e < floor) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "rotation file: tensor '", name, "' element ", h * d + j, " is ", FloatString(e),
+            ": eigenvalues of the PSD targets C_Q / C_S (FORMAT.md §1) are >= 0 (up to ",
+            FloatString(kRotationEigenvalueTolerance), " x the largest, ", FloatString(top), ")"));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<RotationSet> ParseRotations(const std::string& bytes) {
   auto parsed = SafetensorsFile::Parse(bytes);
   if (!parsed.ok()) return parsed.status();
@@ -200,13 +225,10 @@ absl::StatusOr<RotationSet> ParseRotations(const std::string& bytes) {
               absl::StrJoin(t->shape, ","), "], expected F32 [", absl::StrJoin(want, ","), "]"));
         }
         KVPOOL_ASSIGN_OR_RETURN(std::vector<float> data, f.ReadF32(name));
-        // Rotation entries are checked by the orthogonality test below; eigenvalues (of the
-        // symmetric PSD targets C_Q / C_S, FORMAT.md §1) only need to be finite numbers.
-        for (size_t i = 0; !is_rot && i < data.size(); ++i) {
-          if (!std::isfinite(data[i]))
-            return absl::InvalidArgumentError(
-                absl::StrCat("rotation file: tensor '", name, "' element ", i, " is not finite"));
-        }
+        // Rotation entries are checked by the orthogonality test below; eigenvalues are those
+        // of the symmetric PSD targets C_Q / C_S (FORMAT.md §1): finite, and not negative
+        // beyond rounding (CheckEigenvalues).
+        if (!is_rot) KVPOOL_RETURN_IF_ERROR(CheckEigenvalues(name, data, d));
         auto& dst = is_rot ? (kind == KvKind::kKey ? k : v) : (kind == KvKind::kKey ? ke : ve);
         dst.insert(dst.end(), data.begin(), data.end());
       }
@@ -291,6 +313,17 @@ absl::Status CheckRotationsMatch(const RotationSet& rot, const ExpectedRotationM
   if (bad.empty()) return absl::OkStatus();
   return absl::FailedPreconditionError(
       absl::StrCat("rotation file does not match the model: ", absl::StrJoin(bad, "; ")));
+}
+
+std::string RotationModelNameMismatch(const RotationSet& rot, const std::string& model_name) {
+  const RotationMetadata& m = rot.metadata();
+  if (m.model_name.empty() || m.model_name == model_name) return "";
+  return absl::StrCat("the rotation file was calibrated for model '", m.model_name, "', not '",
+                      model_name, "' (the model file's name): only its geometry (head_dim ",
+                      m.head_dim, ", ", m.num_layers, " layers, ", m.num_kv_heads,
+                      " KV heads) is checked, so a file fitted on another model of that shape "
+                      "quantizes this one with rotations that are not its own (kvpool calibrate "
+                      "--model on this model writes a matching one)");
 }
 
 }  // namespace kvpool

@@ -2,6 +2,7 @@
 // are not rotations is refused by the shared reader that the pool, worker and tools all use.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -93,6 +94,54 @@ TEST(RotationFileMetadataTest, TensorsBeyondTheMetadataLayerCountAreRefused) {
   const std::string msg(parsed.status().message());
   EXPECT_NE(msg.find("'layers.1."), std::string::npos) << msg;
   EXPECT_NE(msg.find("not described by the metadata (num_layers 1)"), std::string::npos) << msg;
+}
+
+// Newcomer report 11 F4: a negative eigenvalue (impossible for the PSD targets C_Q / C_S) was
+// accepted by `kvpool rotations inspect` and the worker; NaN was refused. Rounding-size
+// negatives (what an eigensolver returns for a singular target) stay accepted.
+TEST(RotationFileEigenvalueTest, NegativeEigenvaluesAreRefusedNamingTheTensor) {
+  const uint32_t d = 8;
+  auto make = [&](float bad, size_t at) {
+    std::vector<float> ke(2 * 2 * d), ve(2 * 2 * d);  // 1 layer x 2 heads (v2) x d, twice
+    for (size_t i = 0; i < ke.size(); ++i) ke[i] = ve[i] = 1.0f + static_cast<float>(i % d);
+    ve[at] = bad;
+    auto rot = RotationSet::FromMatrices(HadamardMeta(2, d, 2, 2), HadamardStack(d, 4),
+                                         HadamardStack(d, 4), ke, ve);
+    EXPECT_TRUE(rot.ok()) << rot.status();
+    return ParseRotations(SerializeRotations(*rot));
+  };
+  // Layer 1 (elements 16..31), head 1, element 3: largest eigenvalue of that slice is 8.
+  auto neg = make(-5.0f, 2 * d + d + 3);
+  ASSERT_FALSE(neg.ok()) << "a negative eigenvalue was accepted";
+  EXPECT_EQ(neg.status().code(), absl::StatusCode::kInvalidArgument);
+  const std::string msg(neg.status().message());
+  EXPECT_NE(msg.find("tensor 'layers.1.v.eigenvalues' element 11 is -5"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("largest, 8)"), std::string::npos) << msg;
+  // -1e-5 x the largest (8) is rounding: accepted; -1e-3 x 8 is not.
+  EXPECT_TRUE(make(-8e-5f, 2 * d + d + 3).ok());
+  EXPECT_FALSE(make(-8e-3f, 2 * d + d + 3).ok());
+  EXPECT_TRUE(make(0.0f, 0).ok());
+  auto nan = make(std::nanf(""), 1);
+  ASSERT_FALSE(nan.ok());
+  EXPECT_NE(nan.status().message().find("'layers.0.v.eigenvalues' element 1 is not finite"),
+            std::string::npos)
+      << nan.status();
+}
+
+// Newcomer report 11 F2: the model_name was never compared with anything. It is advisory (the
+// pool's model id is the operator's choice): a differing name gives a warning naming both.
+TEST(RotationFileMetadataTest, AModelNameThatDiffersGivesAWarningNamingBoth) {
+  auto rot = RotationSet::Hadamard(HadamardMeta(1, 16, 2, 1));  // model_name "m"
+  ASSERT_TRUE(rot.ok()) << rot.status();
+  EXPECT_EQ(RotationModelNameMismatch(*rot, "m"), "");
+  const std::string note = RotationModelNameMismatch(*rot, "other-model");
+  EXPECT_NE(note.find("calibrated for model 'm', not 'other-model'"), std::string::npos) << note;
+  EXPECT_NE(note.find("head_dim 16, 2 layers, 1 KV heads"), std::string::npos) << note;
+  RotationMetadata unnamed = HadamardMeta(1, 16, 2, 1);
+  unnamed.model_name.clear();
+  auto anon = RotationSet::Hadamard(unnamed);
+  ASSERT_TRUE(anon.ok()) << anon.status();
+  EXPECT_EQ(RotationModelNameMismatch(*anon, "other-model"), "");
 }
 
 TEST(RotationFileMetadataTest, LayerCountBeyondUint32IsOutOfRangeNotMalformed) {

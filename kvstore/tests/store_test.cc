@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <set>
 #include <thread>
 
@@ -305,8 +306,21 @@ TEST_F(StoreTest, RegistrationsAreBoundedAndFreedLeastRecentlyUsed) {
   EXPECT_EQ(store_->metrics().registrations_freed.load(), 18u);
   // A rotation file larger than the whole limit is refused as such, freeing nothing.
   ModelSpec huge = spec_n(100);
+  // Grown by padding its JSON header with spaces, so that it stays a valid file (bytes after
+  // the last tensor are refused by the reader since newcomer report 11 F3).
   std::string huge_file = RotationFileFor(huge);
-  huge_file.resize(o.max_registration_bytes + 1, ' ');
+  {
+    uint64_t n = 0;
+    std::memcpy(&n, huge_file.data(), 8);
+    std::string header = huge_file.substr(8, n);
+    const std::string data = huge_file.substr(8 + n);
+    header.resize(o.max_registration_bytes + 1 - 8 - data.size(), ' ');
+    n = header.size();
+    huge_file.assign(8, '\0');
+    std::memcpy(huge_file.data(), &n, 8);
+    huge_file += header + data;
+  }
+  ASSERT_EQ(huge_file.size(), o.max_registration_bytes + 1);
   auto too_big = store_->RegisterModel(huge, {.file_bytes = huge_file});
   EXPECT_EQ(too_big.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_NE(too_big.status().message().find("more than the whole"), std::string::npos)

@@ -327,6 +327,10 @@ int RunEvaluate(const EvaluateOptions& o, const std::string& rotations_path) {
   if (!oscar.ok()) return Fail(oscar.status());
   auto meta = ModelRotationMetadata(o.model_path);
   if (!meta.ok()) return Fail(meta.status());
+  // Only the geometry is refused (EvaluateModel); a name that differs is warned about.
+  if (const std::string note = RotationModelNameMismatch(*oscar, meta->model_name); !note.empty()) {
+    KVPOOL_LOG_WARN("evaluate: --rotations '{}': {}", rotations_path, note);
+  }
   auto none = RotationSet::Identity(*meta);
   auto had = RotationSet::Hadamard(*meta);
   if (!none.ok()) return Fail(none.status());

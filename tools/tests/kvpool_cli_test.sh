@@ -218,6 +218,33 @@ b[off:off + 4] = struct.pack("<f", math.inf)
 open(sys.argv[2], "wb").write(b)
 PY
 check inspect-inf-eigenvalue 2 "layers.1.v.eigenvalues' element 3 is not finite" -- "$bin" rotations inspect "$tmp/infeig.safetensors"
+# A negative eigenvalue (the targets are PSD) was printed as eig_min and accepted (newcomer
+# report 11 F4).
+python3 - "$tmp/rot.safetensors" "$tmp/negeig.safetensors" <<'PY'
+import json, struct, sys
+b = bytearray(open(sys.argv[1], "rb").read())
+n = struct.unpack("<Q", b[:8])[0]
+h = json.loads(b[8:8 + n])
+off = 8 + n + h["layers.0.k.eigenvalues"]["data_offsets"][0]
+b[off:off + 4] = struct.pack("<f", -5.0)
+open(sys.argv[2], "wb").write(b)
+PY
+check inspect-negative-eigenvalue 2 "layers.0.k.eigenvalues' element 0 is -5: eigenvalues of the PSD targets" -- "$bin" rotations inspect "$tmp/negeig.safetensors"
+# Bytes after the last tensor were accepted, and gave a new rotation id (newcomer report 11 F3).
+cp "$tmp/rot.safetensors" "$tmp/long.safetensors"; printf xxxx >>"$tmp/long.safetensors"
+check inspect-trailing-bytes 2 "INVALID_ARGUMENT: .*4 byte(s) after the last tensor" -- "$bin" rotations inspect "$tmp/long.safetensors"
+# A rotation file calibrated for another model name (same geometry) was used without a word
+# (newcomer report 11 F2): evaluate warns, naming both, and runs.
+python3 - "$tmp/rot.safetensors" "$tmp/other-name.safetensors" "$(basename "$model" .gguf)" <<'PY'
+import sys
+b = open(sys.argv[1], "rb").read()
+old = b'"model_name":"' + sys.argv[3].encode() + b'"'
+assert b.count(old) == 1, "header layout changed; update the edit"
+open(sys.argv[2], "wb").write(b.replace(old, b'"model_name":"' + sys.argv[3][:-2].encode() + b'99"'))
+PY
+check evaluate-other-model-name 0 "evaluate: --rotations '$tmp/other-name.safetensors': the rotation file was calibrated for model '.*99', not '$(basename "$model" .gguf)'" -- "$bin" evaluate --model "$model" --rotations "$tmp/other-name.safetensors" --text "$data/evaluation.txt" --tokens 400
+out="$("$bin" evaluate --model "$model" --rotations "$tmp/rot.safetensors" --text "$data/evaluation.txt" --tokens 400 2>&1)"
+! grep -q "was calibrated for model" <<<"$out" && echo "ok   evaluate-own-model-name-no-warning" || { echo "FAIL evaluate-own-model-name-no-warning: $out"; fail=1; }
 # An output that is an input (also through another spelling, a symlink or a hard link), the
 # --config file or the other output is refused at parse time naming both flags, and the input
 # is left as it was (newcomer s7 F7: --out equal to --model turned the model into a rotation

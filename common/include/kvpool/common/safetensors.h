@@ -9,7 +9,8 @@
 // The reader validates everything before exposing a byte (FORMAT.md §4): header length
 // (≤ 100 MB and inside the file), JSON syntax and types, known dtype, non-negative integer
 // shape whose element count × itemsize equals end − begin (no overflow), offsets inside the data
-// section, no two tensors overlapping, metadata values strings. Errors:
+// section, no two tensors overlapping, the tensors' bytes tiling the data section exactly (no gap,
+// no byte after the last tensor), metadata values strings. Errors:
 //   - INVALID_ARGUMENT: a malformed or inconsistent field (message names the tensor/field);
 //   - DATA_LOSS: the file is shorter than its header promises;
 //   - NOT_FOUND: file missing (ReadFile) or tensor absent (Find returns nullptr instead).

@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -46,9 +47,22 @@ absl::Status WriteRotationFile(RotationSet* rot, const std::string& path);
 // refusing any matrix that is not a rotation.
 inline constexpr double kRotationOrthogonalityTolerance = 1e-4;
 
-// Parses and validates file bytes: safetensors validity (common/safetensors.h), metadata
-// fields present and well-formed, every expected tensor present with the exact dtype/shape,
-// finite values, every rotation matrix orthogonal within kRotationOrthogonalityTolerance.
+// Most negative accepted eigenvalue, as a fraction of the largest of its [d] slice. The targets
+// C_Q / C_S are positive semi-definite (FORMAT.md §1), so a negative eigenvalue is rounding only:
+// an fp32 symmetric eigensolver errs by about d · 2^-24 · λ_max (≤ 1e-4 · λ_max for d ≤ 1024).
+inline constexpr float kRotationEigenvalueTolerance = 1e-4f;
+
+// INVALID_ARGUMENT unless every element of the eigenvalue tensor `name` (`data`, [H, d] or [d]
+// flattened) is finite and ≥ −kRotationEigenvalueTolerance × the largest of its [d] slice;
+// the message names the tensor, the element and its value (newcomer report 11 F4: −5 was
+// accepted).
+absl::Status CheckEigenvalues(const std::string& name, const std::vector<float>& data, uint64_t d);
+
+// Parses and validates file bytes: safetensors validity (common/safetensors.h: no byte outside
+// the tensors), metadata fields present and well-formed, every expected tensor present with the
+// exact dtype/shape, finite values, eigenvalues not negative (CheckEigenvalues), every rotation
+// matrix orthogonal within kRotationOrthogonalityTolerance. Shared by the pool (RegisterModel),
+// kvpool-worker and the kvpool CLI (rotations inspect, evaluate, quantize).
 // INVALID_ARGUMENT naming the field/tensor (and the measured orthogonality error, e.g.
 // "tensor 'layers.0.k.rotation' is not orthogonal: max |R Rt - I| = 4.880e+01 > tolerance
 // 0.0001"); DATA_LOSS for truncated files.
@@ -76,5 +90,16 @@ struct ExpectedRotationModel {
 // OK when every field matches; otherwise FAILED_PRECONDITION listing every mismatching field
 // ("rotation file does not match the model: head_dim 64 != 128; num_layers 4 != 36").
 absl::Status CheckRotationsMatch(const RotationSet& rot, const ExpectedRotationModel& expected);
+
+// The rotation file's model_name is advisory: a name identifies no weights, an operator may
+// rename a model file, and the pool registers a model under an id of its own choosing
+// (--model-id), so a differing name is warned about, never refused (the geometry and the clip
+// ratios are what CheckRotationsMatch refuses). Returns "" when `rot`'s model_name equals
+// `model_name` (for a loaded GGUF: its file name without the extension, what `kvpool calibrate`
+// records) or the file records none; otherwise one line for a warning naming both, e.g.
+// "the rotation file was calibrated for model 'a', not 'b' (the model file's name): only its
+// geometry (head_dim 8, 5 layers, 4 KV heads) is checked; ..." (newcomer
+// report 11 F2: a file calibrated for another model of the same geometry was used silently).
+std::string RotationModelNameMismatch(const RotationSet& rot, const std::string& model_name);
 
 }  // namespace kvpool
