@@ -16,6 +16,7 @@
 
 #include "kvpool/common/process.h"
 #include "kvpool/common/room_shortage.h"
+#include "kvpool/transport/ucx_transport.h"
 #include "pool_testing.h"
 
 namespace kvpool::testing {
@@ -232,6 +233,103 @@ TEST_P(PoolIntegrationTest, LeaseExpiryIsEnforced) {
   ASSERT_TRUE(f.ok()) << f.status();
   EXPECT_EQ(VerifyFetch(s, Spec("int2"), *f, *pools), 0);
   EXPECT_TRUE(c->Release(*l2).ok());
+}
+
+// A client transport whose Post waits `delay` before posting: a fetch then outlives a short
+// lease deterministically (the lease is live when the fetch starts, expired once it copied).
+class SlowPostTransport : public transport::Transport {
+ public:
+  SlowPostTransport(std::unique_ptr<transport::Transport> inner, absl::Duration delay)
+      : inner_(std::move(inner)), delay_(delay) {}
+  std::string Name() const override { return inner_->Name(); }
+  std::string WorkerAddress() const override { return inner_->WorkerAddress(); }
+  bool SupportsCudaMemory() const override { return inner_->SupportsCudaMemory(); }
+  absl::StatusOr<std::shared_ptr<transport::MemoryRegion>> RegisterMemory(void* a,
+                                                                          size_t n) override {
+    return inner_->RegisterMemory(a, n);
+  }
+  absl::StatusOr<std::shared_ptr<transport::MemoryRegion>> AllocateMemory(size_t n) override {
+    return inner_->AllocateMemory(n);
+  }
+  absl::StatusOr<transport::EndpointId> Connect(std::string_view peer) override {
+    return inner_->Connect(peer);
+  }
+  absl::Status EndpointStatus(transport::EndpointId e) const override {
+    return inner_->EndpointStatus(e);
+  }
+  absl::Status Disconnect(transport::EndpointId e) override { return inner_->Disconnect(e); }
+  absl::StatusOr<transport::RemoteKeyId> UnpackRemoteKey(transport::EndpointId e,
+                                                         std::string_view rkey) override {
+    return inner_->UnpackRemoteKey(e, rkey);
+  }
+  absl::StatusOr<std::shared_ptr<transport::Transfer>> Prepare(
+      transport::TransferRequest r) override {
+    return inner_->Prepare(std::move(r));
+  }
+  absl::Status Post(const std::shared_ptr<transport::Transfer>& t) override {
+    absl::SleepFor(delay_);
+    return inner_->Post(t);
+  }
+  absl::StatusOr<std::shared_ptr<transport::Transfer>> PostFlush(transport::EndpointId e) override {
+    return inner_->PostFlush(e);
+  }
+  void Abort(const std::shared_ptr<transport::Transfer>& t) override { inner_->Abort(t); }
+
+ private:
+  std::unique_ptr<transport::Transport> inner_;
+  absl::Duration delay_;
+};
+
+// Newcomer report 11 F11: a lease that expired while its forms were being copied failed the
+// fetch (FAILED_PRECONDITION, "the bytes ... were discarded") and dropped the byte count, so a
+// decode worker reported bytes_discarded 0 and kvpool_worker_fetched_bytes_total 0 for bytes
+// that had crossed the data plane. FetchPlan::moved_bytes now gives that count, and the message
+// states it.
+TEST_P(PoolIntegrationTest, ALeaseThatExpiresDuringTheFetchReportsTheBytesItMoved) {
+  // The client reads (tcp defaults to pool-initiated transfers, which do not Post here).
+  StartServer({"--capacity", "16MiB", "--transfer-initiator", "client"});
+  client::ClientOptions o;
+  o.server = server_->address();
+  o.ucx_tls = GetParam();
+  o.default_timeout = absl::Seconds(20);
+  o.map_shared_memory = false;  // RMA through the transport (a mapped copy does not Post)
+  const std::string tls = GetParam();
+  o.transport_factory = [tls]() -> absl::StatusOr<std::unique_ptr<transport::Transport>> {
+    auto inner = transport::CreateUcxTransport({.tls = tls});
+    if (!inner.ok()) return inner.status();
+    return std::make_unique<SlowPostTransport>(*std::move(inner), absl::Milliseconds(600));
+  };
+  auto c = client::Client::Create(o);
+  ASSERT_TRUE(c.ok()) << c.status();
+  ASSERT_TRUE((*c)->RegisterModel(Spec("int2")).ok());
+  Sequence s = MakeSequence(4 * kPage, 12);
+  ASSERT_TRUE((*c)->Put(s.tokens, s.ks(), s.vs()).ok());
+  auto pools = MakePools(**c, 4);
+  ASSERT_NE(pools, nullptr);
+  uint64_t moved = 12345;
+  pools->plan.moved_bytes = &moved;
+
+  auto lease = (*c)->Acquire(s.tokens, 0, /*lease_ms=*/200);
+  ASSERT_TRUE(lease.ok()) << lease.status();
+  ASSERT_EQ(lease->blocks.size(), 4u);
+  auto f = (*c)->Fetch(*lease, pools->plan);
+  ASSERT_FALSE(f.ok()) << "the 200 ms lease outlived a fetch that posted after 600 ms";
+  EXPECT_EQ(f.status().code(), absl::StatusCode::kFailedPrecondition) << f.status();
+  EXPECT_GT(moved, 0u);
+  EXPECT_NE(f.status().message().find(absl::StrCat("expired during the fetch; the ", moved,
+                                                   " bytes it copied may have been reused")),
+            std::string::npos)
+      << f.status();
+  (void)(*c)->Release(*lease);
+
+  // A lease that holds: the same count as FetchResult::bytes.
+  auto l2 = (*c)->Acquire(s.tokens, 0, 20000);
+  ASSERT_TRUE(l2.ok()) << l2.status();
+  moved = 12345;
+  auto f2 = (*c)->Fetch(*l2, pools->plan);
+  ASSERT_TRUE(f2.ok()) << f2.status();
+  EXPECT_EQ(moved, f2->bytes);
+  EXPECT_TRUE((*c)->Release(*l2).ok());
 }
 
 // Small pool; one sequence is leased and read over and over while other clients fill the pool

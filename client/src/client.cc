@@ -2862,6 +2862,7 @@ absl::Status PutSessionImpl::Abort() {
 absl::StatusOr<FetchResult> ClientImpl::Fetch(const Lease& lease, const FetchPlan& plan,
                                               const CallOptions& call) {
   KVPOOL_STAMP_SCOPE(kFetchEnter, kFetchExit, 0);
+  if (plan.moved_bytes != nullptr) *plan.moved_bytes = 0;
   const absl::Time deadline = Deadline(call);
   // Fail closed before touching pool memory (direct mode reads it with no pool-side check):
   // only a lease this client acquired and has not released, with the expiry and epoch it was
@@ -3068,6 +3069,7 @@ absl::StatusOr<FetchResult> ClientImpl::Fetch(const Lease& lease, const FetchPla
       total += it.loc->size;
     }
     CopyForms(dests, sources, items, plan.verify_checksums, total, &copied_sums);
+    if (plan.moved_bytes != nullptr) *plan.moved_bytes = total;
     KVPOOL_STAMP(kFetchCopyDone, 0);
     // The pool may have died during the copy: the pages then hold bytes nobody vouches for.
     KVPOOL_RETURN_IF_ERROR(ConfirmPoolAlive(c.epoch, deadline));
@@ -3196,17 +3198,19 @@ absl::StatusOr<FetchResult> ClientImpl::Fetch(const Lease& lease, const FetchPla
     }
     out.bytes += it.loc->size;
   }
+  if (plan.moved_bytes != nullptr) *plan.moved_bytes = out.bytes;
   if (absl::Now() >= expires) {
     return absl::FailedPreconditionError(
-        "lease: expired during the fetch; the bytes may have been reused and were discarded");
+        absl::StrCat("lease: expired during the fetch; the ", out.bytes,
+                     " bytes it copied may have been reused by the pool: discard them"));
   }
   {
     // Released (by another thread) during the fetch: the pool may have reused the slots.
     std::lock_guard<std::mutex> lock(leases_mu_);
     if (lease.id != 0 && !leases_.contains(lease.id)) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "lease_id: ", lease.id,
-          " was released during the fetch; the bytes may have been reused and were discarded"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("lease_id: ", lease.id, " was released during the fetch; the ", out.bytes,
+                       " bytes it copied may have been reused by the pool: discard them"));
     }
   }
   // The bytes were the leased forms' (the lease held throughout): a mismatch is corruption, in

@@ -523,6 +523,14 @@ struct FetchPlan {
   // while it is still in that thread's cache.
   // false skips it (e.g. a caller that verifies later on the GPU). Default true.
   bool verify_checksums = true;
+  // When set (not owned), receives the bytes this call moved into the page pools — the
+  // FetchResult::bytes of a fetch that returns OK — also when the fetch then fails after moving
+  // them: the lease expired or was released during the fetch (FAILED_PRECONDITION), or the pool
+  // was found dead after a direct copy (UNAVAILABLE). The caller discards those pages; this
+  // lets it count what crossed the data plane (newcomer report 11 F11: a decode worker reported
+  // 0 bytes discarded for a fetch whose lease expired after its 593920 bytes were copied). 0
+  // when nothing moved (refused before any byte moved, a transfer that failed or timed out).
+  uint64_t* moved_bytes = nullptr;
 };
 
 // CSR page table of one segment for one request (docs/BLOCK_FORMAT.md "Page tables").

@@ -715,8 +715,10 @@ absl::StatusOr<DecodeReport> DecodeNode::Run(absl::Span<const int> prompt, int m
             fault_fired_ = true;
             client::FetchPlan first = plan;
             first.max_blocks = static_cast<uint32_t>(std::max(1, std::min(sink_blocks, use)));
+            uint64_t part_moved = 0;
+            first.moved_bytes = &part_moved;
             auto part = client_->Fetch(*lease, first, call);
-            if (part.ok()) rep.bytes_discarded += part->bytes;  // fetched again below
+            rep.bytes_discarded += part_moved;  // fetched again below
             KVPOOL_LOG_WARN("fault kill-pool-mid-fetch: fetched {} block(s), killing pool pid {}",
                             part.ok() ? part->num_blocks : 0, options_.fault_pool_pid);
             if (options_.fault_pool_pid > 0) {
@@ -724,8 +726,12 @@ absl::StatusOr<DecodeReport> DecodeNode::Run(absl::Span<const int> prompt, int m
             }
             std::this_thread::sleep_for(std::chrono::milliseconds(300));
           }
+          // Bytes a failed fetch moved (its lease expired after the copy, ...) were discarded.
+          uint64_t moved = 0;
+          plan.moved_bytes = &moved;
           absl::StatusOr<client::FetchResult> fr = client_->Fetch(*lease, plan, call);
           if (!fr.ok()) {
+            rep.bytes_discarded += moved;
             failure = absl::StrCat("fetch: ", StatusText(fr.status()));
             note_down(fr.status(), failure);
           } else if (static_cast<int>(fr->num_blocks) != use) {
@@ -775,6 +781,7 @@ absl::StatusOr<DecodeReport> DecodeNode::Run(absl::Span<const int> prompt, int m
               region.ok() ? absl::StatusOr<client::FetchResult>(absl::UnknownError("not fetched"))
                           : absl::StatusOr<client::FetchResult>(region.status());
           client::PagePool tail_pool;
+          uint64_t tail_moved = 0;  // bytes the tail fetch moved, also when it failed
           if (region.ok()) {
             tail_pool = client::PagePool{*region, g.Bf16FormBytes()};
             client::Lease tail_lease = *lease;
@@ -783,6 +790,7 @@ absl::StatusOr<DecodeReport> DecodeNode::Run(absl::Span<const int> prompt, int m
             client::FetchPlan plan;
             plan.bf16_pool = &tail_pool;
             for (int i = 0; i < count; ++i) plan.bf16_pages.push_back(i);
+            plan.moved_bytes = &tail_moved;
             tr = client_->Fetch(tail_lease, plan, client::CallOptions{});
           }
           if (tr.ok() && static_cast<int>(tr->num_blocks) == count) {
@@ -796,7 +804,7 @@ absl::StatusOr<DecodeReport> DecodeNode::Run(absl::Span<const int> prompt, int m
             }
           } else {
             // The prefix stands; the window is recomputed as without the tail.
-            if (tr.ok()) rep.bytes_discarded += tr->bytes;
+            rep.bytes_discarded += tail_moved;
             KVPOOL_LOG_WARN(
                 "decode: the {} BF16 window block(s) after the gap were not fetched "
                 "({}); computing them locally",
