@@ -311,6 +311,40 @@ absl::Status WriteJson(const std::string& path, const json& j) {
   return kvpool::cli::WriteOutputFile(path, j.dump(2) + "\n");
 }
 
+// Writes the --metrics-file `metrics_text` (when `metrics_file` is not empty) and the --report
+// `out` (when `report` is not empty), each atomically; the second is written whatever became of
+// the first (newcomer report 11 F5: a --metrics-file on a full disk skipped --report, whose disk
+// had room, without a word). Each failure is printed (Fail's line, naming the flag and the
+// error); when one output failed and the other was written, a line says which one was. Returns
+// 0, or kExitRuntime when either failed.
+int WriteOutputs(const std::string& metrics_file, const std::string& metrics_text,
+                 const std::string& report, const json& out) {
+  std::vector<std::string> written, failed;
+  if (!metrics_file.empty()) {
+    if (auto s = kvpool::cli::WriteOutputFile(metrics_file, metrics_text); !s.ok()) {
+      Fail(s, "--metrics-file");
+      failed.push_back("--metrics-file");
+    } else {
+      written.push_back(absl::StrCat("--metrics-file '", metrics_file, "'"));
+    }
+  }
+  if (!report.empty()) {
+    if (auto s = WriteJson(report, out); !s.ok()) {
+      Fail(s, "--report");
+      failed.push_back("--report");
+    } else {
+      written.push_back(absl::StrCat("--report '", report, "'"));
+    }
+  }
+  if (failed.empty()) return kvpool::cli::kExitOk;
+  if (!written.empty()) {
+    std::fprintf(stderr, "kvpool-worker: %s written; exit %d because %s failed\n",
+                 absl::StrJoin(written, " and ").c_str(), kvpool::cli::kExitRuntime,
+                 absl::StrJoin(failed, " and ").c_str());
+  }
+  return kvpool::cli::kExitRuntime;
+}
+
 // A non-negative decimal integer as the integer flags take one (kvpool::cli::Range): digits
 // only, no sign, space, hex or leading zero ("+256" and "0256" passed SimpleAtoi: newcomer s9b
 // #7), and within int.
@@ -999,6 +1033,7 @@ int main(int argc, char** argv) {
     NoteInterrupted(out, stop_signal);
     out["seconds"] =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+    std::string metrics_text;  // --metrics-file
     if (!metrics_file.empty()) {
       const std::string text = PrometheusCounters({
           {"kvpool_worker_prefill_prompts_total", "Prompts given to this prefill node.",
@@ -1021,13 +1056,9 @@ int main(int argc, char** argv) {
            "Prompts whose put was lost with the pool and put again from the recorded K/V.",
            uint64_t(reput)},
       });
-      if (auto s = kvpool::cli::WriteOutputFile(metrics_file, text); !s.ok()) {
-        return Fail(s, "--metrics-file");
-      }
+      metrics_text = text;
     }
-    if (auto s = WriteJson(report, out); !s.ok()) {
-      return Fail(s, "--report");
-    }
+    if (int rc = WriteOutputs(metrics_file, metrics_text, report, out); rc != 0) return rc;
     if (stop_signal != 0) {
       Interrupted(stop_signal,
                   absl::StrCat("prefill: ", prompts.size() - skipped - failed - not_stored, " of ",
@@ -1149,6 +1180,7 @@ int main(int argc, char** argv) {
   NoteInterrupted(out, stop_signal);
   out["seconds"] =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+  std::string metrics_text;  // --metrics-file
   if (!metrics_file.empty()) {
     const std::string text = PrometheusCounters({
         {"kvpool_worker_requests_total", "Requests served by this decode worker.", served},
@@ -1167,13 +1199,9 @@ int main(int argc, char** argv) {
          "discarded).",
          moved + discarded},
     });
-    if (auto s = kvpool::cli::WriteOutputFile(metrics_file, text); !s.ok()) {
-      return Fail(s, "--metrics-file");
-    }
+    metrics_text = text;
   }
-  if (auto s = WriteJson(report, out); !s.ok()) {
-    return Fail(s, "--report");
-  }
+  if (int rc = WriteOutputs(metrics_file, metrics_text, report, out); rc != 0) return rc;
   if (stop_signal != 0) {
     Interrupted(stop_signal,
                 absl::StrCat("decode: ", served, " of ", prompts.size(), " request(s) served"));

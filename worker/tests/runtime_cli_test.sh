@@ -303,6 +303,25 @@ expect_err "W --rotations '${work}/rot-other-name.safetensors': the rotation fil
 [[ $(grep -c "was calibrated for model" "${work}/err") -eq 1 ]] || { echo "FAIL: the model-name warning is not given exactly once" >&2; failures=$((failures + 1)); }
 expect 0 "eval with the model's own rotation file" -- "${worker}" --role eval "${model_flags[@]}" "${prompt[@]}" --max-new-tokens 2 --eval-windows 64:256
 if grep -q "was calibrated for model" "${work}/err"; then echo "FAIL: a model-name warning for a matching file" >&2; failures=$((failures + 1)); fi
+# A --metrics-file that cannot be written (disk full in the report) skipped --report too, without
+# a word (newcomer report 11 F5): both are attempted, each failure named, and the one written
+# said. The metrics file's directory is replaced by a plain file once the run is under way (the
+# flag's up-front check passed), so its write fails.
+mkdir -p "${work}/mdir"
+many=(); for i in 1 2; do for p in "${demo}"/prompts/0*.txt; do many+=(--prompt-file "$p"); done; done
+"${worker}" --role decode --teacher-force false --pool 127.0.0.1:1 "${model_flags[@]}" --max-new-tokens 16 "${many[@]}" \
+  --report "${work}/f5.json" --metrics-file "${work}/mdir/m.prom" >"${work}/out" 2>"${work}/err" &
+f5=$!
+for _ in $(seq 100); do grep -q "not usable" "${work}/err" && break; sleep 0.1; done
+rm -rf "${work}/mdir"; touch "${work}/mdir"
+wait ${f5}; rc=$?
+if [[ ${rc} -eq 2 && -s "${work}/f5.json" ]] && grep -q -- "kvpool-worker: --metrics-file: " "${work}/err" &&
+   grep -q -- "kvpool-worker: --report '${work}/f5.json' written; exit 2 because --metrics-file failed" "${work}/err"; then
+  echo "ok: a failed --metrics-file still writes --report and says so (exit 2)"
+else
+  echo "FAIL: failed --metrics-file: exit ${rc}, report $(ls "${work}/f5.json" 2>&1)" >&2; cat "${work}/err" >&2; failures=$((failures + 1))
+fi
+rm -f "${work}/mdir"
 # A boolean that is none lists what is accepted (newcomer s8 N9; was CLI11's "Could not convert").
 expect 1 "--teacher-force maybe" -- "${worker}" --role decode --pool 127.0.0.1:1 --teacher-force maybe "${base[@]}" "${prompt[@]}"
 expect_err "kvpool-worker: --teacher-force: 'maybe' is not a boolean (want true or false" "the message lists the accepted values"
