@@ -25,7 +25,7 @@ build: configure
 # both summaries print); the target fails if either failed.
 test: build
 	@cd $(BUILD) && ctest --output-on-failure -j $(JOBS) -LE gpu; c=$$?; cd $(CURDIR); \
-	  $(BUILD)/venv/bin/python -m pytest -q python/tests; p=$$?; \
+	  $(BUILD)/venv/bin/python -m pytest -q -rs python/tests; p=$$?; \
 	  if [ $$c -ne 0 ]; then echo "make test: ctest failed (exit $$c)" >&2; fi; \
 	  if [ $$p -ne 0 ]; then echo "make test: pytest failed (exit $$p)" >&2; fi; \
 	  [ $$c -eq 0 ] && [ $$p -eq 0 ]
