@@ -1,7 +1,9 @@
 // Prometheus text rendering (metrics.h).
 #include "kvpool/kvstore/metrics.h"
 
+#include <charconv>
 #include <cmath>
+#include <string>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -13,7 +15,16 @@ std::string Num(double v) {
   if (std::isinf(v)) {
     return v > 0 ? "+Inf" : "-Inf";
   }
-  return absl::StrFormat("%.17g", v);
+  // Shortest text that reads back as `v` (std::to_chars with no precision): bounds print as
+  // le="5e-05", not le="5.0000000000000002e-05" (%.17g; newcomer report 11 F8). Whole numbers
+  // below 2^53 in fixed notation (gauges: 8388608, not 8.388608e+06), the rest in the general
+  // notation (0.0002, not 2e-04).
+  const bool whole = std::fabs(v) < 9007199254740992.0 && v == std::trunc(v);
+  char buf[400];  // fixed notation of any double below 2^53 fits
+  const auto [end, ec] = std::to_chars(
+      buf, buf + sizeof(buf), v, whole ? std::chars_format::fixed : std::chars_format::general);
+  if (ec != std::errc()) return absl::StrFormat("%.17g", v);
+  return std::string(buf, end);
 }
 
 void Header(std::string* out, const std::string& name, const char* help, const char* type) {

@@ -44,6 +44,21 @@ TEST(HistogramTest, CumulativeBuckets) {
   EXPECT_NE(out.find("x_count 5\n"), std::string::npos);
 }
 
+// Newcomer report 11 F8: bounds such as 5e-5 printed with 17 significant digits
+// (le="5.0000000000000002e-05"); the shortest text that reads back as the double is printed.
+TEST(HistogramTest, BoundsPrintAsTheShortestRoundTripText) {
+  Histogram h({5e-5, 2e-4, 0.1, 0.25, 1e3, 8388608, 0.0015});
+  h.Observe(0.3);
+  std::string out;
+  h.Render("x", &out);
+  for (const char* le : {"5e-05", "0.0002", "0.1", "0.25", "1000", "8388608", "0.0015"}) {
+    EXPECT_NE(out.find(std::string("x_bucket{le=\"") + le + "\"}"), std::string::npos) << le << "\n"
+                                                                                       << out;
+  }
+  EXPECT_EQ(out.find("00000000"), std::string::npos) << out;
+  EXPECT_NE(out.find("x_sum 0.3\n"), std::string::npos) << out;
+}
+
 TEST(MetricsTest, StoreMetricsPassPromtoolAndCountActivity) {
   if (std::string(KVPOOL_PROMTOOL).empty()) {
     GTEST_SKIP() << "promtool not installed";
