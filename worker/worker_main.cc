@@ -477,7 +477,7 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--teacher-force", teacher_force,
                  "decode: also compute the fp32 reference and teacher-forced agreement")
-      ->capture_default_str();
+      ->default_str(teacher_force ? "true" : "false");  // as WORKER.md writes it, not "1"
   app.add_option("--fault", fault,
                  "test hook: none | prefill-exit-mid-push | kill-pool-mid-fetch | "
                  "stop-pool-after-register | kill-pool-after-first-commit")

@@ -235,9 +235,12 @@ int main(int argc, char** argv) {
   app.add_option("--corruption-report-rate", o.store.corruption_reports_per_second,
                  "ReportCorrupt: re-verified reports per second each client host may send "
                  "(token bucket; more are refused with RESOURCE_EXHAUSTED and counted in "
-                 "kvpool_corruption_reports_dropped_total{reason=\"rate\"}); 0 = no limit")
+                 "kvpool_corruption_reports_dropped_total{reason=\"rate\"}); 0 = no limit; "
+                 "fractions allowed")
       ->capture_default_str()
-      ->check(CLI::Range(0.0, 1e9));
+      // The project's range check (kvpool/common/cli.h), as for every other number: CLI11's
+      // printed "[0 - 1e+09]" and "Value -1 not in range 0.000000 to 1000000000.000000".
+      ->check(kvpool::cli::Range(0.0, 1e9));
   app.add_option("--corruption-report-burst", o.store.corruption_report_burst,
                  "ReportCorrupt: most re-verified reports a client host may send at once (the "
                  "bucket's size; default one full call)")

@@ -1211,6 +1211,21 @@ TEST(ServerBinaryTest, FlagsHelpAndUsageErrors) {
               std::string::npos)
         << out;
   }
+  // --corruption-report-rate took CLI11's range check: "[0 - 1e+09]" in --help and "Value -1 not
+  // in range 0.000000 to 1000000000.000000" (newcomer report 11 F8); now the project's, as for
+  // every other number.
+  EXPECT_EQ(text.find("[0 - 1e+09]"), std::string::npos) << text;
+  EXPECT_NE(text.find("in 0..1e+09"), std::string::npos) << text;
+  {
+    auto [rc, out] = RunToExit({"--corruption-report-rate", "-1"});
+    EXPECT_EQ(rc, 1) << out;
+    EXPECT_NE(out.find("--corruption-report-rate: -1 is outside 0..1e+09"), std::string::npos)
+        << out;
+    auto [rc2, out2] = RunToExit({"--corruption-report-rate", "lots"});
+    EXPECT_EQ(rc2, 1) << out2;
+    EXPECT_NE(out2.find("--corruption-report-rate: 'lots' is not a number"), std::string::npos)
+        << out2;
+  }
 }
 
 // --low-watermark above --high-watermark was refused only by the store, after the pool memory was

@@ -33,6 +33,8 @@ base=("${model_flags[@]}" --max-new-tokens 16)
 
 expect 0 "--help" -- "${worker}" --help
 expect_err "--history-precision" "--help lists the flags"
+# The default as WORKER.md writes it (newcomer report 11 F8: "--teacher-force BOOLEAN=1").
+expect_err "--teacher-force BOOLEAN=true" "--help shows --teacher-force's default as true"
 expect 0 "--version" -- "${worker}" --version
 expect 1 "missing --role" -- "${worker}" "${base[@]}" "${prompt[@]}"
 expect 1 "unknown role" -- "${worker}" --role train "${base[@]}" "${prompt[@]}"
