@@ -2,13 +2,19 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cctype>
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
+#include <ctime>
 #include <string>
+#include <thread>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "kvpool/common/cli.h"
 #include "kvpool/common/log.h"
 #include "kvpool/kvstore/server.h"
@@ -304,11 +310,51 @@ int main(int argc, char** argv) {
   while (sigwait(&signals, &sig) == 0 && sig == SIGHUP) {
     KVPOOL_LOG_WARN("SIGHUP ignored: no configuration reload; SIGTERM or SIGINT drains and exits");
   }
-  KVPOOL_LOG_INFO("signal {}: draining (readiness off, in-flight calls get {} ms)", sig, drain_ms);
+  KVPOOL_LOG_INFO(
+      "signal {}: draining: readiness off; new calls are still served for --readiness-delay-ms "
+      "{} ms{}, then in-flight calls get --drain-ms {} ms",
+      sig, readiness_delay_ms,
+      readiness_delay_ms > 0 ? " (a second SIGTERM or SIGINT ends that delay)" : "", drain_ms);
   (*server)->MarkNotReady();
-  if (readiness_delay_ms > 0) {
-    absl::SleepFor(absl::Milliseconds(readiness_delay_ms));
+  // The readiness delay waits for the signals too: a second SIGTERM/SIGINT ends it (an
+  // operator's second Ctrl-C during a delay of up to 10 minutes was silently ignored: newcomer
+  // report 11 F9); SIGHUP stays ignored.
+  const absl::Time ready_end = absl::Now() + absl::Milliseconds(readiness_delay_ms);
+  for (absl::Duration left = ready_end - absl::Now(); left > absl::ZeroDuration();
+       left = ready_end - absl::Now()) {
+    const timespec ts = absl::ToTimespec(left);
+    const int s = sigtimedwait(&signals, nullptr, &ts);
+    if (s == SIGHUP) {
+      KVPOOL_LOG_WARN("SIGHUP ignored while draining");
+    } else if (s > 0) {
+      KVPOOL_LOG_WARN(
+          "signal {} again: the rest of --readiness-delay-ms ({} ms) skipped; new calls "
+          "are refused now",
+          s, absl::ToInt64Milliseconds(ready_end - absl::Now()));
+      break;
+    } else if (errno != EINTR) {
+      break;  // EAGAIN: the delay is over
+    }
   }
+  // During the drain (at most --drain-ms) further signals are logged, saying what they do.
+  std::atomic<bool> drained{false};
+  std::thread watcher([&] {
+    while (!drained.load()) {
+      const timespec tick = absl::ToTimespec(absl::Milliseconds(100));
+      const int s = sigtimedwait(&signals, nullptr, &tick);
+      if (s == SIGHUP) {
+        KVPOOL_LOG_WARN("SIGHUP ignored while draining");
+      } else if (s > 0) {
+        KVPOOL_LOG_WARN(
+            "signal {} during the drain: nothing more to skip; in-flight calls get at "
+            "most --drain-ms {} ms in all, then the pool exits (SIGKILL stops it at "
+            "once)",
+            s, drain_ms);
+      }
+    }
+  });
   (*server)->Shutdown(absl::Milliseconds(drain_ms));
+  drained.store(true);
+  watcher.join();
   return kvpool::cli::kExitOk;
 }

@@ -1668,6 +1668,34 @@ TEST(ServerBinaryTest, SighupIsIgnoredAndSigtermStillDrains) {
   fclose(c.out);
 }
 
+// Newcomer report 11 F9: a second SIGTERM/SIGINT during --readiness-delay-ms (up to 10 min) was
+// ignored without a word, so a repeated Ctrl-C could not stop the pool. It now ends the delay:
+// with a 60 s delay the pool exits 0 soon after the second signal (the bound is half the delay,
+// a behaviour check — did the delay end? — not a speed target).
+TEST(ServerBinaryTest, ASecondSigtermEndsTheReadinessDelay) {
+  Child c = Spawn({"--listen", "127.0.0.1:0", "--metrics-port", "-1", "--data-plane", "none",
+                   "--capacity", "4MiB", "--readiness-delay-ms", "60000"});
+  int grpc_port = 0, metrics_port = 0;
+  ASSERT_TRUE(c.ReadPorts(&grpc_port, &metrics_port));
+  auto ch = grpc::CreateChannel(absl::StrCat("127.0.0.1:", grpc_port),
+                                grpc::InsecureChannelCredentials());
+  ASSERT_EQ(HealthCheck(ch, ""), 1);  // SERVING
+  const absl::Time start = absl::Now();
+  ASSERT_EQ(kill(c.pid, SIGTERM), 0);
+  // The first signal was handled once readiness is off (the pool still answers in the delay).
+  int health = 1;
+  for (int i = 0; i < 200 && health == 1; ++i) {
+    health = HealthCheck(ch, "");
+    if (health == 1) absl::SleepFor(absl::Milliseconds(50));
+  }
+  ASSERT_EQ(health, 2) << "readiness still on after SIGTERM";  // NOT_SERVING
+  ASSERT_EQ(kill(c.pid, SIGTERM), 0);
+  EXPECT_EQ(WaitExitFor(c.pid, absl::Seconds(30)), 0);
+  EXPECT_LT(absl::Now() - start, absl::Seconds(30));
+  if (waitpid(c.pid, nullptr, WNOHANG) == 0) kill(c.pid, SIGKILL);
+  fclose(c.out);
+}
+
 // ---- a client that hangs while the pool pulls its put (pool-initiated, tcp) ------------------
 
 constexpr size_t kHungSourceBytes = 4 << 20;
