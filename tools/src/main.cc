@@ -63,7 +63,10 @@ const CLI::Validator kIndex(
 
 // Fewest text tokens `calibrate --tokens` accepts, and below how many it warns: a rotation is
 // the eigenbasis of a head_dim x head_dim covariance, which fewer tokens than head_dim leave
-// rank-deficient (the eigenvectors of its zero eigenvalues are arbitrary).
+// rank-deficient (the eigenvectors of its zero eigenvalues are arbitrary). 16 is a fixed floor
+// (the flag is checked before the model, hence head_dim, is known; head_dim is 8 for stories260K
+// and 64..256 for real models), not head_dim itself: the messages say so (newcomer report 11
+// F10: '--tokens 15' was refused "because fewer tokens than head_dim", head_dim being 8).
 constexpr int64_t kMinCalibrationTokens = 16;
 constexpr int64_t kFewCalibrationTokens = 256;
 // Largest --tokens: a bound on a count, not a budget (0 already means "all the text").
@@ -306,7 +309,7 @@ int RunCalibrate(const CalibrateOptions& o, const std::string& out) {
   auto rot = CalibrateModel(opt);
   if (!rot.ok()) return Fail(rot.status());
   if (int rc = CheckTokensUsed("calibrate", o.text_path, o.max_tokens, used,
-                               "a rotation fitted on fewer tokens than head_dim is arbitrary",
+                               "too few to fit a rotation on (16 is calibrate's fixed floor)",
                                "nothing written");
       rc >= 0) {
     return rc;
@@ -506,7 +509,10 @@ int main(int argc, char** argv) {
   if (*calib) {
     if (ctokens < 0 || (ctokens > 0 && ctokens < kMinCalibrationTokens)) {
       std::cerr << "kvpool: --tokens must be 0 (all) or >= " << kMinCalibrationTokens << ", got "
-                << ctokens << ": a rotation fitted on fewer tokens than head_dim is arbitrary\n";
+                << ctokens << ": " << kMinCalibrationTokens
+                << " is calibrate's fixed floor (a head_dim x head_dim target needs many more "
+                   "tokens than head_dim; below "
+                << kFewCalibrationTokens << " it warns)\n";
       return kvpool::cli::kExitUsage;
     }
     c.max_tokens = ctokens;

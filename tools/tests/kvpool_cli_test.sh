@@ -107,6 +107,10 @@ mkdir "$tmp/outdir"
 check calibrate-out-is-dir 1 "is a directory" -- "$bin" calibrate --model "$model" --text "$data/calibration.txt" --tokens 400 --out "$tmp/outdir"
 # No temporary file of the atomic writer (TARGET.tmp-PID-N, kvpool/common/atomic_file.h).
 ! compgen -G "$tmp/outdir.tmp*" >/dev/null && echo "ok   calibrate-out-is-dir-no-tmp" || { echo "FAIL calibrate-out-is-dir left a temporary file"; fail=1; }
+# The bound is a fixed floor, not head_dim (8 for this model; newcomer report 11 F10).
+check calibrate-tokens-15 1 "--tokens must be 0 (all) or >= 16, got 15: 16 is calibrate's fixed floor" -- "$bin" calibrate --model "$model" --text "$data/calibration.txt" --tokens 15 --out "$tmp/r15.safetensors"
+out="$("$bin" calibrate --model "$model" --text "$data/calibration.txt" --tokens 15 --out "$tmp/r15.safetensors" 2>&1)"
+! grep -q "fewer tokens than head_dim" <<<"$out" && echo "ok   calibrate-tokens-15-no-head-dim-claim" || { echo "FAIL calibrate-tokens-15 cites head_dim: $out"; fail=1; }
 check calibrate-tokens-1 1 "--tokens must be 0 (all) or >= 16, got 1" -- "$bin" calibrate --model "$model" --text "$data/calibration.txt" --tokens 1 --out "$tmp/r1.safetensors"
 [[ ! -e "$tmp/r1.safetensors" ]] && echo "ok   calibrate-tokens-1-no-file" || { echo "FAIL calibrate-tokens-1 wrote a file"; fail=1; }
 check calibrate-few-tokens-warns 0 "is few" -- "$bin" calibrate --model "$model" --text "$data/calibration.txt" --tokens 32 --out "$tmp/r32.safetensors"
