@@ -382,7 +382,10 @@ absl::StatusOr<ModelInfo> BlockStore::RegisterModel(const ModelSpec& spec_in,
         " bytes of registration memory; registrations hold ", registration_bytes_, " of the ",
         options_.max_registration_bytes,
         " bytes --max-registration-bytes allows and every other registered model holds stored "
-        "blocks or an open put (delete blocks or raise --max-registration-bytes)"));
+        "blocks or an open put (a registration is freed once its model holds neither: its "
+        "blocks leave by eviction or by a client's Delete call, docs/PROTOCOL.md \"Delete and "
+        "Stats\"; or restart the pool with a larger --max-registration-bytes, which drops "
+        "every stored block)"));
   }
   auto m = std::make_shared<Model>();
   m->spec = spec;

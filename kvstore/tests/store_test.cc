@@ -349,6 +349,11 @@ TEST_F(StoreTest, RegistrationsAreBoundedAndFreedLeastRecentlyUsed) {
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
   EXPECT_NE(refused.status().message().find("rotation_file"), std::string::npos);
   EXPECT_NE(refused.status().message().find("--max-registration-bytes"), std::string::npos);
+  // The remedies named exist (newcomer report 11 F6: "delete blocks" named no tool).
+  EXPECT_NE(refused.status().message().find("by a client's Delete call"), std::string::npos)
+      << refused.status();
+  EXPECT_NE(refused.status().message().find("restart the pool with a larger"), std::string::npos)
+      << refused.status();
   EXPECT_EQ(store_->Stats().models, before.models);
   EXPECT_EQ(store_->Stats().registration_bytes, before.registration_bytes);
   // Re-registering a held model needs no room; the same rotation under a new revision is charged
