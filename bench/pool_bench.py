@@ -168,24 +168,31 @@ def main():
         suffix = f"_{args.tag}" if args.tag else ""
         json_path = os.path.join(args.results,
                                  f"pool_bench_{tls.replace(',', '_')}{suffix}.json")
-        runs = []
-        for rep in range(args.repeat):
+
+        def run_bench(rep_path, extra):
+            """One pool_bench run against a fresh server; its JSON, or None after printing why."""
             server, port = start_server(args.build, tls, args.capacity, args.server_flag or [])
-            rep_path = json_path + f".rep{rep}"
             try:
                 r = subprocess.run([bench_bin, "--server", f"127.0.0.1:{port}", "--ucx-tls", tls,
-                                    "--iters", str(args.iters), "--json", rep_path,
-                                    "--sizes-kib", args.sizes_kib] + (args.bench_flag or []),
+                                    "--json", rep_path, "--sizes-kib", args.sizes_kib] + extra +
+                                   (args.bench_flag or []),
                                    capture_output=True, text=True, timeout=1200)
             finally:
                 server.kill()
                 server.wait()
             if r.returncode != 0:
                 print(r.stdout, r.stderr, sep="\n", file=sys.stderr)
-                return 2
+                return None
             with open(rep_path) as f:
                 res = json.load(f)
             os.remove(rep_path)
+            return res
+
+        runs = []
+        for rep in range(args.repeat):
+            res = run_bench(json_path + f".rep{rep}", ["--iters", str(args.iters)])
+            if res is None:
+                return 2
             for t in res["transfers"]:
                 size = t["bytes"]
                 put_bw, put_lat = perftest(tls, "ucp_put_bw", size, args.perftest_iters, 10)
@@ -201,23 +208,11 @@ def main():
         # The in-flight passes, after every repeat and baseline above.
         inflight_runs = []
         for rep in range(args.repeat if inflight > 0 else 0):
-            server, port = start_server(args.build, tls, args.capacity, args.server_flag or [])
-            rep_path = json_path + f".inflight{rep}"
-            try:
-                r = subprocess.run([bench_bin, "--server", f"127.0.0.1:{port}", "--ucx-tls", tls,
-                                    "--json", rep_path, "--sizes-kib", args.sizes_kib,
-                                    "--only-inflight=true", "--inflight-clients", str(inflight)] +
-                                   (args.bench_flag or []),
-                                   capture_output=True, text=True, timeout=1200)
-            finally:
-                server.kill()
-                server.wait()
-            if r.returncode != 0:
-                print(r.stdout, r.stderr, sep="\n", file=sys.stderr)
+            res = run_bench(json_path + f".inflight{rep}",
+                            ["--only-inflight=true", "--inflight-clients", str(inflight)])
+            if res is None:
                 return 2
-            with open(rep_path) as f:
-                inflight_runs.append(json.load(f))
-            os.remove(rep_path)
+            inflight_runs.append(res)
         # Medians over the repeats, metric by metric (kvpool and ucx_perftest alike); each
         # repeat is kept under "repeats".
         res = json.loads(json.dumps(runs[0]))
