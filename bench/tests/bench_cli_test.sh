@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Flag checks of the bench binaries (no pool needed: they fail while parsing).
-# Usage: bench_cli_test.sh POOL_BENCH QUANTIZE_BENCH
+# With SERVER (kvpool-server), also pool_bench --only-inflight against a small pool of its own.
+# Usage: bench_cli_test.sh POOL_BENCH QUANTIZE_BENCH [SERVER]
 set -u
-pool="$1"; quant="$2"
+pool="$1"; quant="$2"; server="${3:-}"
 # shellcheck source=../../tests/cli_check.sh
 source "$(dirname "${BASH_SOURCE[0]}")/../../tests/cli_check.sh"
 # A negative count used to abort in std::vector (std::length_error, exit 134).
@@ -27,4 +28,27 @@ check "quantize_bench --json-out /proc/q.json" 1 "--json-out: cannot create a fi
 # 127.0.0.1:1 has no pool, so a run that got past parsing would fail otherwise (exit 2).
 check "pool_bench --json /nonexistent/dir/x.json" 1 "--json: directory '/nonexistent/dir' of '/nonexistent/dir/x.json' does not exist" -- "$pool" --server 127.0.0.1:1 --json /nonexistent/dir/x.json
 check "pool_bench --json /dev/null" 1 "--json: '/dev/null' is a character device, not a regular file" -- "$pool" --server 127.0.0.1:1 --json /dev/null
+# --only-inflight without clients: the usage form of the other flags (newcomer 11b F7: an E log
+# line).
+check "pool_bench --only-inflight --inflight-clients 0" 1 "^pool_bench: --only-inflight: needs --inflight-clients > 0" -- "$pool" --server 127.0.0.1:1 --only-inflight=true
+if [[ -n "$server" ]]; then
+  # Newcomer 11b F7: --only-inflight printed the one-at-a-time table's header with no rows, and a
+  # pool too small for the section failed with "E put.status(): RESOURCE_EXHAUSTED: ..." naming
+  # neither the section nor what it needs.
+  work="$(mktemp -d)"
+  port="$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')"
+  "$server" --listen "127.0.0.1:${port}" --metrics-port -1 --ucx-tls tcp --capacity 2MiB >"${work}/server.log" 2>&1 &
+  spid=$!
+  for _ in $(seq 1 100); do grep -q "ready" "${work}/server.log" 2>/dev/null && break; sleep 0.1; done
+  check "pool_bench --only-inflight runs" 0 "16 KiB    in flight: 2 clients" -- "$pool" --server "127.0.0.1:${port}" --ucx-tls tcp \
+    --only-inflight=true --inflight-clients 2 --sizes-kib 16 --inflight-rounds 2 --inflight-window-kib 64
+  out="$("$pool" --server "127.0.0.1:${port}" --ucx-tls tcp --only-inflight=true --inflight-clients 2 --sizes-kib 16 \
+    --inflight-rounds 2 --inflight-window-kib 64 2>&1)"
+  if grep -q "put data" <<<"$out"; then echo "FAIL pool_bench --only-inflight prints the one-at-a-time header:"; echo "$out"; fail=1
+  else echo "ok   pool_bench --only-inflight prints no one-at-a-time header"; fi
+  # 4 clients x 4 puts x 256 KiB = 4 MiB of open puts into a 2 MiB pool.
+  check "pool_bench --only-inflight, pool too small" 2 "in-flight section, 256 KiB blocks, client [0-9] of 4: .*RESOURCE_EXHAUSTED.*(this section holds 4 client(s) x 4 put(s) x 256 KiB = 4194304 bytes of open puts at once" \
+    -- "$pool" --server "127.0.0.1:${port}" --ucx-tls tcp --only-inflight=true --inflight-clients 4 --sizes-kib 256 --inflight-rounds 2
+  kill "$spid" 2>/dev/null; wait "$spid" 2>/dev/null; rm -rf "$work"
+fi
 exit $fail
