@@ -899,12 +899,19 @@ int main(int argc, char** argv) {
             {{"revision", o.revision}, {"rotation_id", other_rotation}, {"blocks", o.blocks}});
         KVPOOL_LOG_WARN(
             "the pool holds {} block(s) of model {} under revision {} (rotation {}), not under "
-            "this worker's revision {} (rotation {}): {}; lookups of this run do not find them",
+            "this worker's revision {} (rotation {}): {}; {}",
             o.blocks, model_id, o.revision, other_rotation.substr(0, 16), revision,
             own_rotation.substr(0, 16),
             same_rotation ? "the same rotation file, another recipe, weights or --revision"
                           : "another rotation file (recalibrated?): --rotations with the old file "
-                            "(and its recipe) would find them");
+                            "(and its recipe) would find them",
+            // A prefill node makes no lookups (newcomer 11b F5): what the other revision means
+            // for it is a second copy.
+            role == "prefill"
+                ? "this node stores its prompts under its own revision, a second copy that "
+                  "decode workers of the other revision do not find; both copies take pool "
+                  "capacity"
+                : "lookups of this run do not find them");
       }
       if (role == "prefill") at_once.emplace(client.get());  // its puts, on a second signal
       if (*fault_or == kw::Fault::kStopPoolAfterRegister) {

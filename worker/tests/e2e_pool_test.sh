@@ -348,6 +348,17 @@ print(f"recalibrated rotation: 0 blocks hit, warned of {len(others)} revision(s)
       f"{old[:16]} ({others[0]['blocks']} blocks)")
 PY
 
+# A prefill node makes no lookups: its warning says it stores a second copy (newcomer 11b F5).
+"${worker_bin}" --role prefill --pool "${pool}" --history-precision int2 --model "${model}" \
+  --rotations "${work}/rot2.safetensors" --prompt-file "${demo}/prompts/01_kite.txt" \
+  >/dev/null 2>"${work}/recal_prefill.log" || { cat "${work}/recal_prefill.log" >&2; fail "prefill with a recalibrated rotation"; }
+if grep -q "another rotation file (recalibrated?).*this node stores its prompts under its own revision, a second copy" "${work}/recal_prefill.log" \
+  && ! grep -q "lookups of this run" "${work}/recal_prefill.log"; then
+  echo "ok: the prefill node's other-revision warning speaks of a second copy, not of lookups"
+else
+  cat "${work}/recal_prefill.log" >&2; fail "prefill other-revision warning"
+fi
+
 echo "== pool killed mid-fetch: same answer as without the pool"
 "${worker_bin}" --role decode --pool "${pool}" "${common[@]}" "${prompts[@]}" \
   --fault kill-pool-mid-fetch --fault-pool-pid "${server_pid}" --teacher-force false \
