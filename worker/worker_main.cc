@@ -1067,9 +1067,13 @@ int main(int argc, char** argv) {
     }
     if (int rc = WriteOutputs(metrics_file, metrics_text, report, out); rc != 0) return rc;
     if (stop_signal != 0) {
-      Interrupted(stop_signal,
-                  absl::StrCat("prefill: ", prompts.size() - skipped - failed - not_stored, " of ",
-                               prompts.size(), " prompt(s) stored, ", not_stored, " not"));
+      // Every prompt in exactly one count (newcomer 11b F2: the failed ones were in none).
+      std::string what =
+          absl::StrCat("prefill: ", prompts.size() - skipped - failed - not_stored, " of ",
+                       prompts.size(), " prompt(s) stored, ", not_stored, " stopped");
+      if (failed > 0) absl::StrAppend(&what, ", ", failed, " failed");
+      if (skipped > 0) absl::StrAppend(&what, ", ", skipped, " skipped");
+      Interrupted(stop_signal, what);
     }
     if (failed > 0) {
       // The run's outcome: printed whatever --log-level says, with the first failure.

@@ -87,6 +87,11 @@ assert log.count("I prefill ") == len(stored), (log.count("I prefill "), len(sto
 # Each prompt stopped with its put open is logged; those not started only in the last line.
 not_run = [p for p in interrupted if p["interrupt_reason"].startswith("not run")]
 assert log.count("W prefill --prompt-file ") == len(interrupted) - len(not_run) >= 1, log
+# The last line counts every prompt once: stored, stopped (newcomer 11b F2: "N of M stored, K
+# not" left the failed ones out of both counts).
+import re
+last = re.search(r"stopped by SIGTERM: prefill: (\d+) of (\d+) prompt\(s\) stored, (\d+) stopped$", log, re.M)
+assert last and int(last[1]) == len(stored) and int(last[2]) == n and int(last[3]) == len(interrupted), last
 m = dict(l.split() for l in open(f"{w}/prefill.prom") if not l.startswith("#"))
 assert int(m["kvpool_worker_prefill_interrupted_prompts_total"]) == len(interrupted), m
 assert int(m["kvpool_worker_pushed_bytes_total"]) == d["overall"]["bytes_written"] > 0, m

@@ -328,6 +328,17 @@ absl::StatusOr<PrefillReport> PrefillNode::Commit(Pending pending, Pending* othe
     }
     r = pending.put->Commit();
   }
+  // A stop (the loop ends at once when it begins) found the prompt between a commit refused
+  // for room and its put again: it is stopped, not failed; the refusal was not final (newcomer
+  // 11b F2: logged "E ... RESOURCE_EXHAUSTED" and counted as failed 2.7 s into a 20 s wait).
+  if (absl::IsResourceExhausted(r.status()) && options_.reconnect_wait.count() > 0 && Stopping()) {
+    absl::Status out = absl::CancelledError(absl::StrCat(
+        "stopped while putting it again (the worker was asked to stop while it waited for room "
+        "after the pool refused its commit): nothing of it stored (last refusal: ",
+        StatusText(r.status()), ")"));
+    out.SetPayload(kStageNamedPayload, absl::Cord("1"));
+    return out;
+  }
   if (r.ok() && room_since.has_value()) {
     KVPOOL_LOG_INFO(
         "prefill: the put of a {}-token prompt committed after {:.2f} s of waiting "
