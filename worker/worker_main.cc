@@ -194,6 +194,26 @@ extern "C" void OnStopSignal(int sig) {
   std::_Exit(128 + sig);  // not reached: the default action of SIGTERM/SIGINT ends the process
 }
 
+const char* SignalName(int sig);
+
+// The first signal's line, at once (newcomer 11b F3: nothing was printed until the stop ended,
+// which invited the second, report-losing signal): what the stop waits for, and what a second
+// signal costs. Printed whatever --log-level says.
+void FirstSignalLine() {
+  const int sig = g_stop_signal;
+  const std::string role = g_role.load();
+  const char* waits =
+      role == "prefill"
+          ? "no new prompt starts; the prompt being computed finishes, the open puts are aborted"
+      : role == "decode" ? "no new request starts; the one under way finishes"
+      : role == "eval"   ? "no new prompt starts; the one under way finishes"
+                         : "the start-up is stopped";
+  std::fprintf(stderr,
+               "kvpool-worker: %s: stopping: %s, then the report and metrics are written (a "
+               "second SIGTERM or SIGINT exits at once, without them)\n",
+               SignalName(sig), waits);
+}
+
 // Installs the handlers and starts the stop watcher; returns the token it cancels kStopGrace
 // after the first signal (at once after a second), passed to the pool calls that may wait for
 // an unresponsive pool.
@@ -212,6 +232,7 @@ std::shared_ptr<kvpool::client::CancelToken> InstallStopHandlers() {
       };
       while (!next_signal(-1)) {
       }
+      FirstSignalLine();
       const bool second = next_signal(static_cast<int>(kStopGrace.count()));
       token->Cancel();
       if (!second) {

@@ -71,6 +71,10 @@ open="$(metric kvpool_open_puts)"; staging="$(metric kvpool_staging_bytes)"
 [[ "${open}" == "0" && "${staging}" == "0" ]] && echo "ok: the pool holds no open put (staging 0) right after the exit" \
   || fail "the pool still holds ${open} open put(s), ${staging} staging bytes"
 grep -q "kvpool-worker: stopped by SIGTERM: prefill: " "${work}/prefill.log" || fail "no final line naming SIGTERM"
+# The first signal says at once that the stop began, what it waits for and what a second costs
+# (newcomer 11b F3: nothing was printed until the stop ended).
+grep -q "^kvpool-worker: SIGTERM: stopping: no new prompt starts; the prompt being computed finishes, the open puts are aborted, then the report and metrics are written (a second SIGTERM or SIGINT exits at once, without them)$" \
+  "${work}/prefill.log" && echo "ok: the first SIGTERM's line" || fail "prefill: no line at the first SIGTERM"
 python3 - "${work}" "${n}" <<'PY' || fail "prefill report / metrics"
 import json, sys
 w, n = sys.argv[1], int(sys.argv[2])
@@ -210,6 +214,8 @@ else
 fi
 kill -TERM "${wpid}"; wait "${wpid}"; rc=$?; wpid=""
 [[ ${rc} -eq 143 ]] && echo "ok: decode exit 143" || fail "decode exit ${rc}, want 143"
+grep -q "^kvpool-worker: SIGTERM: stopping: no new request starts; the one under way finishes, then the report" \
+  "${work}/decode.log" && echo "ok: the first SIGTERM's line" || fail "decode: no line at the first SIGTERM"
 python3 - "${work}" "${n}" <<'PY' || fail "decode report / stdout"
 import json, sys
 w, n = sys.argv[1], int(sys.argv[2])
@@ -250,6 +256,8 @@ wpid=$!
 wait_for "^== " "${work}/eval.out" "${wpid}" || fail "no eval output before the run ended"
 kill -INT "${wpid}"; wait "${wpid}"; rc=$?; wpid=""
 [[ ${rc} -eq 130 ]] && echo "ok: eval exit 130 on SIGINT" || fail "eval exit ${rc}, want 130"
+grep -q "^kvpool-worker: SIGINT: stopping: no new prompt starts; the one under way finishes" "${work}/eval.log" \
+  || fail "eval: no line at the first SIGINT"
 python3 -c "
 import json, sys
 d = json.load(open('${work}/eval.json'))
