@@ -140,6 +140,9 @@ kvpool::client::Client* g_at_once_client = nullptr;
 std::atomic<const char*> g_role{""};
 std::atomic<size_t> g_prompts_done{0};
 std::atomic<size_t> g_prompts_total{0};
+// Decode: whether the request under way holds a lease (NodeOptions::lease_held), for the second
+// signal's line (newcomer 11b F4: it said a lease expires while none was held).
+std::atomic<bool> g_lease_held{false};
 
 extern "C" void OnStopSignal(int sig) {
   const int saved_errno = errno;
@@ -178,8 +181,9 @@ extern "C" void OnStopSignal(int sig) {
       }
     } else if (role == "decode") {
       what = absl::StrCat("decode: ", done, " of ", total,
-                          " request(s) served; the one under way is dropped (a lease it holds "
-                          "expires at its lease time)");
+                          " request(s) served; the one under way is dropped",
+                          g_lease_held.load() ? " (the lease it holds expires at its lease time)"
+                                              : " (it holds no lease)");
     } else if (role == "eval") {
       what = absl::StrCat("eval: ", done, " of ", total,
                           " prompt(s) run; the one under way is dropped");
@@ -871,7 +875,8 @@ int main(int argc, char** argv) {
                         .fault = *fault_or,
                         .reconnect_wait = std::chrono::milliseconds(call_timeout_ms),
                         .cancel = stop_token,
-                        .put_timeout = std::chrono::milliseconds(put_timeout_ms)};
+                        .put_timeout = std::chrono::milliseconds(put_timeout_ms),
+                        .lease_held = &g_lease_held};
   kvpool::client::ClientOptions clo;
   clo.server = pool;
   clo.ucx_tls = ucx_tls;

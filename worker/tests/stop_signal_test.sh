@@ -12,7 +12,10 @@
 #   5. a second SIGTERM ends a prefill node at once with its open puts aborted (s9b #9);
 #   6. a stop while a put lost with a killed pool waits to be put again names that stage;
 #   7. a second SIGTERM makes every role say what it stopped; with the pool stopped, how many
-#      open puts were not aborted.
+#      open puts were not aborted;
+#   8. the first signal prints a line at once (what the stop waits for, what a second costs),
+#      the last line counts every prompt once, and decode's second-signal line names a lease
+#      only when the pool holds one (newcomer 11b F2, F3, F4).
 # Newcomer s9 A4: exit 143 with no log line, no report, no metrics, open puts pinning staging.
 # Usage: stop_signal_test.sh SERVER WORKER KVPOOL_TOOL MODEL DEMO_DIR
 set -uo pipefail
@@ -241,8 +244,18 @@ wpid=$!
 wait_for "^== " "${work}/decode_twice.out" "${wpid}" || fail "no decode answer before the run ended"
 kill -TERM "${wpid}"; sleep 0.005; kill -TERM "${wpid}" 2>/dev/null; wait "${wpid}"; rc=$?; wpid=""
 [[ ${rc} -eq 143 ]] && echo "ok: decode exit 143 after two SIGTERMs" || fail "decode exit ${rc} after two SIGTERMs, want 143"
+leases="$(metric kvpool_leases)"
 if grep -q "kvpool-worker: second SIGTERM: exiting at once, without the report (decode: [0-9]* of ${n} request(s) served" "${work}/decode_twice.log"; then
-  echo "ok: $(grep -o 'decode: [0-9]* of [0-9]* request(s) served' "${work}/decode_twice.log")"
+  echo "ok: $(grep -o 'decode: [0-9]* of [0-9]* request(s) served.*' "${work}/decode_twice.log")"
+  # A lease is named only when one is held (newcomer 11b F4: "a lease it holds expires" while the
+  # pool held none). The request under way is almost always generating (its lease released).
+  if grep -q "the one under way is dropped (it holds no lease))" "${work}/decode_twice.log"; then
+    [[ "${leases}" == "0" ]] && echo "ok: no lease said, none held by the pool" || fail "no lease said, the pool holds ${leases}"
+  elif grep -q "the one under way is dropped (the lease it holds expires at its lease time))" "${work}/decode_twice.log"; then
+    [[ "${leases}" -ge 1 ]] && echo "ok: a lease said, the pool holds ${leases}" || fail "a lease said, the pool holds ${leases}"
+  else
+    cat "${work}/decode_twice.log" >&2; fail "decode second-signal line says nothing of a lease"
+  fi
 elif grep -q "kvpool-worker: stopped by SIGTERM: decode: " "${work}/decode_twice.log"; then
   echo "ok: the first stop had ended before the second signal"
 else

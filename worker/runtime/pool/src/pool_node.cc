@@ -676,6 +676,18 @@ absl::StatusOr<DecodeReport> DecodeNode::Run(absl::Span<const int> prompt, int m
       failure = absl::StrCat("acquire: ", StatusText(lease.status()));
       note_down(lease.status(), failure);
     } else {
+      // Cleared at the end of this branch: the lease is released then (or left to expire).
+      struct LeaseHeld {
+        std::atomic<bool>* flag;
+        explicit LeaseHeld(std::atomic<bool>* f) : flag(f) {
+          if (flag != nullptr) flag->store(true);
+        }
+        ~LeaseHeld() {
+          if (flag != nullptr) flag->store(false);
+        }
+        LeaseHeld(const LeaseHeld&) = delete;
+        LeaseHeld& operator=(const LeaseHeld&) = delete;
+      } lease_held(lease->id != 0 ? options_.lease_held : nullptr);
       const auto& lb = lease->blocks;
       rep.hit_blocks = static_cast<int>(lb.size());
       for (const auto& b : lb) {

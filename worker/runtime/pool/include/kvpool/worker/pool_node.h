@@ -31,6 +31,7 @@
 // Thread-safety: one node per thread (the Engine is single-threaded).
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <functional>
 #include <memory>
@@ -94,6 +95,11 @@ struct NodeOptions {
   // Prefill: the put timeout asked of the pool (kvpool-worker --put-timeout-ms; 0 = the pool's
   // default). The pool caps it; the node warns once when the first put gets less.
   std::chrono::milliseconds put_timeout{0};
+  // Decode: when set, true while the request under way holds a lease (from its Acquire to its
+  // Release, or until it leaves the lease to expire), false otherwise; read by another thread
+  // (kvpool-worker's second-signal line says whether a lease is left to expire). Not owned; must
+  // outlive the node. Null: not reported.
+  std::atomic<bool>* lease_held = nullptr;
 };
 
 // Whether `status`, an outcome of PrefillNode::RunAll, is that of a prompt the node did not
