@@ -225,10 +225,19 @@ absl::StatusOr<RotationSet> ParseRotations(const std::string& bytes) {
               absl::StrJoin(t->shape, ","), "], expected F32 [", absl::StrJoin(want, ","), "]"));
         }
         KVPOOL_ASSIGN_OR_RETURN(std::vector<float> data, f.ReadF32(name));
-        // Rotation entries are checked by the orthogonality test below; eigenvalues are those
+        // Rotation entries: finite here, orthogonal below; eigenvalues are those
         // of the symmetric PSD targets C_Q / C_S (FORMAT.md §1): finite, and not negative
         // beyond rounding (CheckEigenvalues).
         if (!is_rot) KVPOOL_RETURN_IF_ERROR(CheckEigenvalues(name, data, d));
+        // Not finite: the tensor and the entry's index in it (newcomer 11b F6: RotationSet's own
+        // check said "k rotations element 137", an index across every layer).
+        for (size_t i = 0; is_rot && i < data.size(); ++i) {
+          if (std::isfinite(data[i])) continue;
+          const std::string head = hr > 1 ? absl::StrCat("[", i / (d * d), "]") : "";
+          return absl::InvalidArgumentError(absl::StrCat("rotation file: tensor '", name,
+                                                         "' element ", head, "[", i / d % d, "][",
+                                                         i % d, "] is not finite"));
+        }
         auto& dst = is_rot ? (kind == KvKind::kKey ? k : v) : (kind == KvKind::kKey ? ke : ve);
         dst.insert(dst.end(), data.begin(), data.end());
       }

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "kvpool/common/keys.h"
+#include "kvpool/common/safetensors.h"
 #include "kvpool/kernels/rotation.h"
 #include "kvpool/kernels/rotation_file.h"
 
@@ -126,6 +127,34 @@ TEST(RotationFileEigenvalueTest, NegativeEigenvaluesAreRefusedNamingTheTensor) {
   EXPECT_NE(nan.status().message().find("'layers.0.v.eigenvalues' element 1 is not finite"),
             std::string::npos)
       << nan.status();
+}
+
+// Newcomer report 11b F6: a NaN in a rotation matrix was reported as "k rotations element 137"
+// (an index across all layers), not by tensor and entry as the orthogonality check does.
+TEST(RotationFileFiniteTest, ANonFiniteRotationEntryNamesTheTensorAndItsIndex) {
+  const uint32_t d = 8;
+  // 2 layers x 2 heads, a matrix per head (format v2): tensors [2, d, d].
+  auto rot = RotationSet::FromMatrices(HadamardMeta(2, d, 2, 2), HadamardStack(d, 4),
+                                       HadamardStack(d, 4));
+  ASSERT_TRUE(rot.ok()) << rot.status();
+  std::string bytes = SerializeRotations(*rot);
+  uint64_t header = 0;
+  std::memcpy(&header, bytes.data(), sizeof(header));  // safetensors: u64 LE header length
+  auto file = SafetensorsFile::Parse(bytes);
+  ASSERT_TRUE(file.ok()) << file.status();
+  const SafetensorsTensor* t = (*file)->Find("layers.1.k.rotation");
+  ASSERT_NE(t, nullptr);
+  // Head 1, row 2, column 3 of layer 1's K rotation.
+  const float nan = std::nanf("");
+  std::memcpy(&bytes[8 + header + t->begin + sizeof(float) * (d * d + 2 * d + 3)], &nan,
+              sizeof(nan));
+  auto parsed = ParseRotations(bytes);
+  ASSERT_FALSE(parsed.ok()) << "a NaN rotation entry was accepted";
+  EXPECT_EQ(parsed.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(parsed.status().message().find(
+                "tensor 'layers.1.k.rotation' element [1][2][3] is not finite"),
+            std::string::npos)
+      << parsed.status();
 }
 
 // Newcomer report 11 F2: the model_name was never compared with anything. It is advisory (the
