@@ -486,7 +486,9 @@ int main(int argc, char** argv) {
                  "each call of a put), counted from that call's start; prefill: also how long "
                  "the prompts wait, per outage, for a pool found unreachable to come back (a put "
                  "open when it went away is then put again), and how long a prompt waits for room "
-                 "that other puts' staging or leases hold in the pool")
+                 "that other puts' staging or leases hold in the pool (once per shortage: after "
+                 "a prompt waited this long in vain, the later ones fail at once until a commit "
+                 "succeeds)")
       ->capture_default_str()
       ->check(kvpool::cli::Range(1, 3600000));
   CLI::Option* report_opt = app.add_option("--report", report, "write a JSON report to this file")

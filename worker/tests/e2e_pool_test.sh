@@ -23,7 +23,8 @@
 #  10. a prefill node whose stderr is a closed pipe stores every prompt and writes its report;
 #  11. prefill nodes that share a pool with room for about one put wait for each other's staging
 #      (RESOURCE_EXHAUSTED naming other open puts) instead of failing their prompts, also when
-#      their puts share blocks and a commit is refused for room (the put is put again);
+#      their puts share blocks and a commit is refused for room (the put is put again); a
+#      shortage that does not pass (staging of puts left open) costs one wait, not one a prompt;
 #  12. a decode with a recalibrated rotation file (a new revision) is told which revisions of
 #      the model id hold the blocks its lookups cannot find.
 # Usage: e2e_pool_test.sh SERVER WORKER KVPOOL_TOOL MODEL DEMO_DIR [PROMTOOL]
@@ -609,4 +610,42 @@ PY
 room_round 1 room 0
 room_round 2 roomshared 1
 room_round 3 roomshared3 1
+
+echo "== a room shortage that does not pass costs the run one --call-timeout-ms, not one per prompt"
+# Two prefill nodes die mid-push (--fault prefill-exit-mid-push), each leaving a put open in a
+# 1 MiB pool whose put timeout is 10 min: their staging (573440 bytes) holds the room, and
+# nothing frees it within the run. The refusals name that staging (RoomHeldByOthers), so the
+# first prompt waits its --call-timeout-ms; the others then fail at once, saying why (newcomer
+# 11b F8: each of 5 prompts waited its full 3 s, 15.1 s).
+stuck_port="$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')"
+"${server_bin}" --listen "127.0.0.1:${stuck_port}" --metrics-port -1 --ucx-tls tcp --capacity 1MiB \
+  --put-timeout-ms 600000 >"${work}/server_stuck.log" 2>&1 &
+room_pid=$!
+for _ in $(seq 1 100); do grep -q "kvpool-server ready: grpc 127.0.0.1:${stuck_port} " "${work}/server_stuck.log" && break; sleep 0.1; done
+for f in 01_kite 02_garden; do
+  "${worker_bin}" --role prefill --pool "127.0.0.1:${stuck_port}" --model-id stuck "${common[@]}" \
+    --prompt-file "${demo}/prompts/${f}.txt" --fault prefill-exit-mid-push >/dev/null 2>"${work}/stuck_${f}.log" \
+    && fail "prefill --fault prefill-exit-mid-push ${f} did not die"
+done
+all=(); for f in "${demo}"/prompts/*.txt; do all+=(--prompt-file "$f"); done
+t0=$(date +%s%N); rc=0
+"${worker_bin}" --role prefill --pool "127.0.0.1:${stuck_port}" --model-id stuck "${common[@]}" "${all[@]}" \
+  --call-timeout-ms 1500 --report "${work}/prefill_stuck.json" >/dev/null 2>"${work}/prefill_stuck.log" || rc=$?
+ms=$(( ($(date +%s%N) - t0) / 1000000 ))
+kill "${room_pid}" 2>/dev/null || true; wait "${room_pid}" 2>/dev/null || true; room_pid=""
+python3 - "${work}" "${rc}" "${ms}" <<'PY' || { cat "${work}/prefill_stuck.log" >&2; fail "a room shortage that does not pass"; }
+import json, sys
+work, rc, ms = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+d = json.load(open(f"{work}/prefill_stuck.json"))
+o = d["overall"]
+log = open(f"{work}/prefill_stuck.log").read()
+assert rc == 2 and o["failed_prompts"] == 5, (rc, o)
+# One wait for the run, not one per prompt; the other four say why they did not wait.
+assert o["room_waits"] == 1, o
+assert log.count("no room came within the whole 1500 ms of waiting") == 1, log
+errors = [p["error"] for p in d["prompts"]]
+assert all(e.startswith("RESOURCE_EXHAUSTED") for e in errors), errors
+assert sum("(not waited for: an earlier prompt waited the whole 1500 ms" in e for e in errors) == 4, errors
+print(f"a shortage that does not pass: 5 prompts failed after {ms} ms, 1 room wait of 1500 ms, 4 not waited for")
+PY
 echo "PASS"

@@ -294,6 +294,9 @@ absl::StatusOr<PrefillReport> PrefillNode::Commit(Pending pending, Pending* othe
   // be what holds the room: it is aborted first and put again by the caller (Reopen).
   std::optional<std::chrono::steady_clock::time_point> room_since;
   auto backoff = std::chrono::milliseconds(50);
+  if (absl::IsResourceExhausted(r.status()) && room_wait_spent_ && !Stopping()) {
+    return RoomWaitSpent(r.status());  // an earlier prompt's room wait ran out: not waited for
+  }
   while (absl::IsResourceExhausted(r.status()) && options_.reconnect_wait.count() > 0 &&
          !Stopping()) {
     const auto now = std::chrono::steady_clock::now();
@@ -313,6 +316,7 @@ absl::StatusOr<PrefillReport> PrefillNode::Commit(Pending pending, Pending* othe
         other_open->put.reset();  // the caller puts it again (Reopen)
       }
     } else if (now >= *room_since + options_.reconnect_wait) {
+      NoteRoomWaitSpent();
       break;  // the wait is spent: the last refusal is the prompt's outcome
     } else {
       // Accepted by BeginPut but refused again at the commit: back off before the next try.
@@ -339,6 +343,7 @@ absl::StatusOr<PrefillReport> PrefillNode::Commit(Pending pending, Pending* othe
     out.SetPayload(kStageNamedPayload, absl::Cord("1"));
     return out;
   }
+  if (r.ok()) room_wait_spent_ = false;  // room came: a later shortage is waited for again
   if (r.ok() && room_since.has_value()) {
     KVPOOL_LOG_INFO(
         "prefill: the put of a {}-token prompt committed after {:.2f} s of waiting "
@@ -351,6 +356,28 @@ absl::StatusOr<PrefillReport> PrefillNode::Commit(Pending pending, Pending* othe
   rep.blocks_written = r->blocks_written;
   rep.bytes_written = r->bytes_written;
   return rep;
+}
+
+void PrefillNode::NoteRoomWaitSpent() {
+  if (room_wait_spent_) return;
+  room_wait_spent_ = true;
+  KVPOOL_LOG_WARN(
+      "prefill: no room came within the whole {} ms of waiting (--call-timeout-ms); the later "
+      "prompts refused for room fail at once, each trying once, until a commit succeeds again",
+      options_.reconnect_wait.count());
+}
+
+absl::Status PrefillNode::RoomWaitSpent(const absl::Status& s) const {
+  absl::Status out(s.code(),
+                   absl::StrCat(s.message(),
+                                " (not waited for: an earlier prompt waited the "
+                                "whole ",
+                                options_.reconnect_wait.count(),
+                                " ms of --call-timeout-ms for room in vain, and no commit has "
+                                "succeeded since)"));
+  s.ForEachPayload(
+      [&out](absl::string_view url, const absl::Cord& payload) { out.SetPayload(url, payload); });
+  return out;
 }
 
 void PrefillNode::NoteOutage(const absl::Status& s) {
@@ -392,7 +419,9 @@ absl::StatusOr<std::unique_ptr<client::PutSession>> PrefillNode::BeginPut(
       end = *outage_start_ + options_.reconnect_wait;
     } else {
       // Other nodes' open puts (their staging) or leased blocks hold the room: transient (newcomer
-      // report 10 F3: a node that lost that race failed all 20 prompts in 22 ms).
+      // report 10 F3: a node that lost that race failed all 20 prompts in 22 ms) — unless an
+      // earlier prompt waited the whole reconnect_wait for it in vain (room_wait_spent_).
+      if (room_wait_spent_) return RoomWaitSpent(put.status());
       waited_for_room = true;
       if (!room_wait_start.has_value()) {
         room_wait_start = std::chrono::steady_clock::now();
@@ -405,6 +434,7 @@ absl::StatusOr<std::unique_ptr<client::PutSession>> PrefillNode::BeginPut(
       end = *room_wait_start + options_.reconnect_wait;
     }
     if (std::chrono::steady_clock::now() >= end) {
+      if (!outage) NoteRoomWaitSpent();
       return put;  // the wait of this outage is spent: one attempt per prompt from now on
     }
     // The backoff, in slices, so that a stop (NodeOptions::cancel) ends the wait within 20 ms.

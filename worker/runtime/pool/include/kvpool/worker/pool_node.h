@@ -199,10 +199,10 @@ class PrefillNode {
   // outage wait, WriteLayers, Commit). A Commit refused RESOURCE_EXHAUSTED (no room for the new
   // forms now) puts them again, the BeginPut waiting for room (RoomHeldByOthers), until one
   // commits or reconnect_wait from the first refusal has passed (50 ms backoff doubling to 1 s
-  // between refused commits); `other_open`, this node's other put still open (or null), is
-  // aborted at the first such refusal, as it may hold the room, and left with a null `put`: the
-  // caller puts it again (Reopen). A stop (NodeOptions::cancel) during such a re-put returns
-  // CANCELLED "stopped while putting it again ..." (StopStageNamed).
+  // between refused commits; not at all while room_wait_spent_); `other_open`, this node's other
+  // put still open (or null), is aborted at the first such refusal, as it may hold the room, and
+  // left with a null `put`: the caller puts it again (Reopen). A stop (NodeOptions::cancel) during
+  // such a re-put returns CANCELLED "stopped while putting it again ..." (StopStageNamed).
   absl::StatusOr<PrefillReport> Commit(Pending pending, Pending* other_open = nullptr);
   // Opens pending.put again (BeginPut with `wait_for_room` and `room_since`) and writes its
   // recorded layers; UNAVAILABLE and CANCELLED of the writes are left to the Commit.
@@ -212,7 +212,8 @@ class PrefillNode {
   // doubling to 1 s); the last status when the wait is over. With `wait_for_room`, a
   // RESOURCE_EXHAUSTED that other open puts' staging or leased blocks cause (RoomHeldByOthers)
   // is retried the same way for up to reconnect_wait from this prompt's first refusal
-  // (`room_since` when given: a refusal at an earlier commit of the same prompt). CANCELLED,
+  // (`room_since` when given: a refusal at an earlier commit of the same prompt), or not at all
+  // once an earlier prompt's room wait ran out with no commit since (room_wait_spent_). CANCELLED,
   // without asking the pool, once the node is stopping (Stopping()).
   absl::StatusOr<std::unique_ptr<client::PutSession>> BeginPut(
       const std::vector<uint32_t>& tokens, bool wait_for_room = false,
@@ -237,6 +238,16 @@ class PrefillNode {
   uint64_t outage_epoch_ = 0;  // the pool's epoch when the outage began (restart or hang?)
   int pool_reconnects_ = 0;
   int room_waits_ = 0;
+  // Set when a prompt waited the whole reconnect_wait for room (its BeginPut's or its commit's
+  // re-put wait) without getting it: a shortage that does not pass. Until a commit succeeds
+  // again, a later prompt refused for room does not wait: it fails at once with the refusal,
+  // its message saying why (RoomWaitSpent), so such a shortage costs the run one reconnect_wait,
+  // not one per prompt (newcomer 11b F8). Each prompt still tries once.
+  bool room_wait_spent_ = false;
+  // The refusal `s` of a prompt not waited for (room_wait_spent_): same code and payloads.
+  absl::Status RoomWaitSpent(const absl::Status& s) const;
+  // Marks the shortage as one that does not pass (logged once per episode).
+  void NoteRoomWaitSpent();
 };
 
 // True when `s` is the pool's BeginPut refusal for room (RESOURCE_EXHAUSTED "num_blocks: the pool
