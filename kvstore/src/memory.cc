@@ -1,6 +1,7 @@
 // PoolMemory, Clock and Arena (memory.h).
 #include "kvpool/kvstore/memory.h"
 
+#include <algorithm>
 #include <cassert>
 #include <cstdlib>
 #include <cstring>
@@ -96,6 +97,12 @@ absl::StatusOr<uint64_t> Arena::Allocate(uint64_t size) {
   }
   return absl::ResourceExhaustedError(
       absl::StrCat("pool full: no free range of ", need, " bytes (", free_bytes(), " bytes free)"));
+}
+
+uint64_t Arena::largest_free_range() const {
+  uint64_t largest = 0;
+  for (const auto& [offset, size] : free_) largest = std::max(largest, size);
+  return largest;
 }
 
 void Arena::Free(uint64_t offset, uint64_t size) {

@@ -531,20 +531,141 @@ absl::StatusOr<uint64_t> BlockStore::AllocateLocked(uint64_t size) {
       target = arena_.used_bytes() > need ? arena_.used_bytes() - need : 0;
     }
     if (ReclaimLocked(target, "allocation") == 0) {
-      // What holds the pool, in numbers (the parts eviction cannot touch, then the rest).
-      const uint64_t used = arena_.used_bytes(), capacity = arena_.capacity();
-      const uint64_t held = std::min(used, staging_bytes_ + pinned_bytes_);
-      const uint64_t free_bytes = capacity - used;
-      absl::Status refused = absl::ResourceExhaustedError(absl::StrCat(
-          "num_blocks: pool full: cannot allocate ", size, " bytes (", used, " of ", capacity,
-          " bytes used: ", staging_bytes_, " bytes staging of open puts, ", pinned_bytes_,
-          " bytes forms of leased or pinned blocks, ", used - held,
-          " bytes other forms eviction cannot free now (ancestors of pinned blocks); ", free_bytes,
-          " bytes free", free_bytes >= need ? " but fragmented" : "", ")"));
-      SetRoomShortage(refused, {size, free_bytes, staging_bytes_, pinned_bytes_});
-      return refused;
+      return off;  // nothing more can be evicted
     }
   }
+}
+
+BlockStore::EvictionDryRun BlockStore::DryRunEvictionLocked() const {
+  EvictionDryRun dry{.arena = arena_};
+  auto find = [this](const Digest& k) -> const Block* {
+    const auto& map = ShardOf(k).blocks;
+    auto it = map.find(k);
+    return it == map.end() ? nullptr : &it->second;
+  };
+  // Blocks above a pinned one: ReclaimLocked removes leaves only, so never these.
+  std::unordered_set<const Block*> above_pinned;
+  for (const Digest& k : lru_) {
+    const Block* b = find(k);
+    if (b == nullptr || b->pins == 0) continue;
+    for (std::optional<Digest> p = b->parent; p.has_value();) {
+      const Block* pb = find(*p);
+      if (pb == nullptr || !above_pinned.insert(pb).second) break;
+      p = pb->parent;
+    }
+  }
+  for (const Digest& k : lru_) {
+    const Block* b = find(k);
+    if (b == nullptr || b->pins > 0) continue;
+    const bool removable = above_pinned.count(b) == 0;
+    for (int f = 0; f < kNumForms; ++f) {
+      const Slot& s = b->forms[f];
+      if (!s.present) continue;
+      const bool demotable =
+          f == int(FormKind::kBf16) && !b->sink && b->forms[int(FormKind::kInt2)].present;
+      if (removable || demotable) {
+        dry.arena.Free(s.offset, s.size);
+        dry.evictable += arena_.RoundUp(s.size);
+      } else {
+        dry.ancestors += arena_.RoundUp(s.size);
+      }
+    }
+  }
+  return dry;
+}
+
+absl::StatusOr<std::vector<uint64_t>> BlockStore::AllocateAllLocked(
+    absl::Span<const uint64_t> sizes, const char* what, absl::Span<const uint64_t> then) {
+  std::vector<uint64_t> offsets;
+  offsets.reserve(sizes.size());
+  auto free_all = [&] {
+    for (size_t k = 0; k < offsets.size(); ++k) arena_.Free(offsets[k], sizes[k]);
+    offsets.clear();
+  };
+  const std::string named = then.empty()
+                                ? absl::StrCat(sizes.size(), " ", what)
+                                : absl::StrCat(sizes.size(), " ", what, " and the ", then.size(),
+                                               " new forms its commit allocates beside them");
+  // 1. The free ranges as they are (the common case: no eviction, no dry run).
+  for (uint64_t size : sizes) {
+    absl::StatusOr<uint64_t> off = arena_.Allocate(size);
+    if (!off.ok()) break;
+    offsets.push_back(*off);
+  }
+  if (offsets.size() == sizes.size()) return offsets;
+  free_all();
+  // 2. Would they (and `then` after them) fit once eviction freed all it may? If not, evict
+  // nothing.
+  const EvictionDryRun dry = DryRunEvictionLocked();
+  {
+    std::vector<uint64_t> all(sizes.begin(), sizes.end());
+    all.insert(all.end(), then.begin(), then.end());
+    Arena trial = dry.arena;
+    for (size_t k = 0; k < all.size(); ++k) {
+      if (!trial.Allocate(all[k]).ok()) return RoomRefusalLocked(all, k, named, dry, 0);
+    }
+  }
+  // 3. Evict as needed (watermark steps, FORMAT.md §5 order) while allocating.
+  const uint64_t used_before = arena_.used_bytes();
+  for (uint64_t size : sizes) {
+    absl::StatusOr<uint64_t> off = AllocateLocked(size);
+    if (!off.ok()) break;
+    offsets.push_back(*off);
+  }
+  if (offsets.size() == sizes.size()) return offsets;
+  // First fit placed some ranges before all eviction was done, where they block a later one.
+  // Eviction is exhausted now, so the arena without our ranges is the dry run's: place them
+  // again in that arena's order, which step 2 showed to fit.
+  free_all();
+  const uint64_t evicted = used_before - arena_.used_bytes();
+  for (size_t k = 0; k < sizes.size(); ++k) {
+    absl::StatusOr<uint64_t> off = arena_.Allocate(sizes[k]);
+    if (!off.ok()) {
+      free_all();
+      return RoomRefusalLocked(sizes, k, named, DryRunEvictionLocked(), evicted);
+    }
+    offsets.push_back(*off);
+  }
+  return offsets;
+}
+
+absl::Status BlockStore::RoomRefusalLocked(absl::Span<const uint64_t> sizes, size_t placed,
+                                           absl::string_view what, const EvictionDryRun& dry,
+                                           uint64_t evicted) const {
+  uint64_t need = 0;
+  for (uint64_t size : sizes) need += arena_.RoundUp(size);
+  const uint64_t used = arena_.used_bytes(), capacity = arena_.capacity();
+  const uint64_t free_now = capacity - used;
+  const uint64_t free_after = free_now + dry.evictable;
+  // Allocated but in no block and no staging: forms other commits reserved and have not linked.
+  const uint64_t accounted = staging_bytes_ + pinned_bytes_ + dry.evictable + dry.ancestors;
+  const uint64_t unlinked = used > accounted ? used - accounted : 0;
+  std::string text = absl::StrCat(
+      "num_blocks: pool full: cannot allocate ", need, " bytes at once for ", what, " (", used,
+      " of ", capacity, " bytes used: ", staging_bytes_, " bytes staging of open puts, ",
+      pinned_bytes_, " bytes forms of leased or pinned blocks, ", dry.ancestors,
+      " bytes forms of unpinned ancestors of pinned blocks (evicted only after them), ", unlinked,
+      " bytes forms other commits have not linked yet, ", dry.evictable,
+      " bytes forms eviction can free; ", free_now, " bytes free, ", free_after,
+      " once those are evicted");
+  if (need <= free_after && placed < sizes.size()) {
+    absl::StrAppend(&text, ", but in pieces: the largest free range would be ",
+                    dry.arena.largest_free_range(), " bytes, and ");
+    if (placed == 0) {
+      absl::StrAppend(&text, "the first (", arena_.RoundUp(sizes[0]), " bytes) finds no range");
+    } else {
+      absl::StrAppend(&text, "once the first ", placed, " are placed the next (",
+                      arena_.RoundUp(sizes[placed]), " bytes) finds no range");
+    }
+  }
+  if (evicted == 0) {
+    absl::StrAppend(&text, "); nothing was evicted");
+  } else {
+    absl::StrAppend(&text, "); ", evicted, " bytes were evicted looking for room");
+  }
+  absl::Status refused = absl::ResourceExhaustedError(text);
+  SetRoomShortage(refused, {need, free_after, staging_bytes_, pinned_bytes_});
+  return refused;
 }
 
 void BlockStore::FreeSlotLocked(Block& b, FormKind f, const char* reason) {
@@ -792,25 +913,38 @@ absl::StatusOr<PutPlan> BlockStore::BeginPut(const Digest& namespace_id,
     }
     st.plan.forms_held = HeldForms(held);
     st.plan.forms_added = HeldForms(added);
+    st.plan.action = PutAction::kSkip;  // kWrite once its staging is allocated below
+    put.blocks.push_back(std::move(st));
+  }
+  // The staging of every block to write at once (or none: nothing evicted for a put that then
+  // fails), with the blocks the put builds on pinned.
+  // The forms are only counted in the dry run: a put whose commit could not place them even
+  // after eviction evicts nothing for its staging either.
+  std::vector<uint64_t> staging_sizes, form_sizes;
+  const uint64_t form_bytes[kNumForms] = {m->info.bf16_form_bytes, m->info.int2_form_bytes};
+  for (const PutBlockState& st : put.blocks) {
+    if (st.plan.forms_added.empty()) continue;
+    staging_sizes.push_back(bf16_bytes);
+    for (FormKind f : st.plan.forms_added) form_sizes.push_back(form_bytes[int(f)]);
+  }
+  absl::StatusOr<std::vector<uint64_t>> offsets =
+      AllocateAllLocked(staging_sizes, "staging ranges", form_sizes);
+  if (!offsets.ok()) {
+    ReleasePutLocked(put, true);  // unpins; no block is kWrite yet
+    return offsets.status();
+  }
+  size_t next = 0;
+  for (PutBlockState& st : put.blocks) {
     if (!st.plan.forms_added.empty()) {
-      absl::StatusOr<uint64_t> off = AllocateLocked(bf16_bytes);
-      if (!off.ok()) {
-        put.blocks.push_back(std::move(st));
-        put.blocks.back().plan.action = PutAction::kSkip;  // nothing allocated for this one
-        ReleasePutLocked(put, true);
-        return off.status();
-      }
+      const uint64_t off = (*offsets)[next++];
       st.plan.action = PutAction::kWrite;
-      st.plan.staging_offset = *off;
+      st.plan.staging_offset = off;
       st.plan.size = bf16_bytes;
-      st.staging_offset = *off;
+      st.staging_offset = off;
       staging_bytes_ += arena_.RoundUp(bf16_bytes);
       staged += bf16_bytes;
-    } else {
-      st.plan.action = PutAction::kSkip;
     }
     plan.blocks.push_back(st.plan);
-    put.blocks.push_back(std::move(st));
   }
   puts_.emplace(put.id, std::move(put));
   metrics_->put_bytes.fetch_add(staged, std::memory_order_relaxed);
@@ -1097,29 +1231,30 @@ absl::StatusOr<CommitResult> BlockStore::CommitPut(const Digest& namespace_id, u
       lock.unlock();
       return fail(absl::ResourceExhaustedError(why));
     }
+    // Every new form at once, or none and nothing evicted (AllocateAllLocked).
+    std::vector<uint64_t> form_sizes;
+    for (const PutBlockState& b : blocks) {
+      for (int f = 0; f < kNumForms; ++f) {
+        if (enc[b.plan.index].wanted[f]) form_sizes.push_back(sizes[f]);
+      }
+    }
+    absl::StatusOr<std::vector<uint64_t>> offsets = AllocateAllLocked(form_sizes, "new forms");
+    if (!offsets.ok()) {
+      for (const Digest& k : commit_pins) {
+        UnpinLocked(k);
+      }
+      lock.unlock();
+      return fail(offsets.status());
+    }
+    size_t next = 0;
     for (const PutBlockState& b : blocks) {
       const uint32_t i = b.plan.index;
       for (int f = 0; f < kNumForms; ++f) {
         if (!enc[i].wanted[f]) {
           continue;
         }
-        absl::StatusOr<uint64_t> off = AllocateLocked(sizes[f]);
-        if (!off.ok()) {
-          for (Reserved& r : res) {
-            for (Slot& s : r.slot) {
-              if (s.present) {
-                arena_.Free(s.offset, s.size);
-              }
-            }
-          }
-          for (const Digest& k : commit_pins) {
-            UnpinLocked(k);
-          }
-          lock.unlock();
-          return fail(off.status());
-        }
         res[i].slot[f] = Slot{.present = true,
-                              .offset = *off,
+                              .offset = (*offsets)[next++],
                               .size = sizes[f],
                               .generation = NextGeneration(),
                               .xxh3 = enc[i].xxh3[f]};

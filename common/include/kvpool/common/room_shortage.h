@@ -2,8 +2,9 @@
 // status instead of only in its message text.
 //
 // A BeginPut the pool refuses RESOURCE_EXHAUSTED because the put cannot commit with what is
-// held now (kvstore BlockStore::CheckCommitFitsLocked) or its staging cannot be allocated
-// (AllocateLocked) carries a RoomShortage: the store sets it as an absl::Status payload, the
+// held now (kvstore BlockStore::CheckCommitFitsLocked) or its staging, or a commit's new forms,
+// cannot be placed even once eviction freed all it may (AllocateAllLocked) carries a
+// RoomShortage: the store sets it as an absl::Status payload, the
 // pool sends it as the trailing metadata kRoomShortageTrailer (protocol v1.7: a serialized
 // kvpool.v1.RoomShortage), and the C++ client sets the same payload on the status it returns,
 // so a prefill node (kvpool::worker::RoomHeldByOthers) reads the numbers without parsing the
@@ -22,7 +23,7 @@ namespace kvpool {
 
 struct RoomShortage {
   uint64_t need_bytes = 0;     // bytes the put needs at once (staging, plus new forms at commit)
-  uint64_t room_bytes = 0;     // bytes eviction can make free now (or free, for an allocation)
+  uint64_t room_bytes = 0;     // bytes eviction can make free now ("pool full": maybe in pieces)
   uint64_t staging_bytes = 0;  // staging held by (other) open puts
   uint64_t pinned_bytes = 0;   // forms of leased or pinned blocks
 };

@@ -110,6 +110,9 @@ class Arena {
   uint64_t free_bytes() const { return capacity_ - used_; }
   uint64_t RoundUp(uint64_t size) const { return (size + alignment_ - 1) & ~(alignment_ - 1); }
   size_t free_ranges() const { return free_.size(); }
+  // Bytes of the largest free range (0 when full): the largest size Allocate can serve now.
+  // O(free ranges).
+  uint64_t largest_free_range() const;
 
  private:
   uint64_t capacity_;

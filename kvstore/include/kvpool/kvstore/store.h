@@ -344,7 +344,9 @@ class BlockStore {
   // timeout_ms), RESOURCE_EXHAUSTED (staging space even after eviction; or a commit that could
   // never fit: its staging plus the new forms it allocates while holding that staging exceed
   // what eviction can free — capacity minus other puts' staging and the forms of leased or
-  // pinned blocks — the message gives each number).
+  // pinned blocks — the message gives each number; or, when the free bytes are in pieces, a
+  // staging that would not fit with the commit's new forms even once eviction freed all it may:
+  // "pool full: ...; nothing was evicted", AllocateAllLocked).
   absl::StatusOr<PutPlan> BeginPut(const Digest& namespace_id, absl::Span<const uint32_t> tokens,
                                    uint32_t num_blocks, absl::Duration timeout);
 
@@ -354,9 +356,11 @@ class BlockStore {
   // Errors also: NOT_FOUND (unknown/expired put), FAILED_PRECONDITION (put of another
   // namespace, or already committing), RESOURCE_EXHAUSTED (no space for the forms: checked before
   // anything is evicted against capacity minus staging and pinned forms, naming num_blocks and the
-  // numbers). Fail closed: a put past its deadline (BeginPut's time + its timeout) is expired even
-  // before Tick runs. CommitPut, AbortPut and BeginPutWrite then answer NOT_FOUND ("expired: not
-  // committed within the pool's put timeout of N ms ...") and reclaim its staging (counted in
+  // numbers; then, when the free ranges do not take the forms, whether they would once eviction
+  // freed all it may: if not, "pool full: ...; nothing was evicted", else it evicts until they are
+  // allocated). Fail closed: a put past its deadline (BeginPut's time + its timeout) is expired
+  // even before Tick runs. CommitPut, AbortPut and BeginPutWrite then answer NOT_FOUND ("expired:
+  // not committed within the pool's put timeout of N ms ...") and reclaim its staging (counted in
   // put_expiries), unless a WritePut still holds a claim (then Tick reclaims it after
   // EndPutWrite). A commit that started before the deadline completes.
   absl::StatusOr<CommitResult> CommitPut(const Digest& namespace_id, uint64_t put_id,
@@ -510,8 +514,42 @@ class BlockStore {
                                                   size_t max_blocks) const;
   // Forms a block at `index` of a sequence of `num_blocks` gets from a put.
   void TargetForms(const Model& m, uint32_t index, uint32_t num_blocks, bool out[kNumForms]) const;
-  // Allocates `size` bytes, evicting when needed. Requires mu_ exclusive.
+  // Allocates `size` bytes, evicting (ReclaimLocked) until it fits or nothing more can be
+  // evicted; then the arena's RESOURCE_EXHAUSTED. Only AllocateAllLocked calls it, after its dry
+  // run. Requires mu_ exclusive.
   absl::StatusOr<uint64_t> AllocateLocked(uint64_t size);
+  // What eviction could make free now, found without evicting: a copy of the arena with every
+  // form freed that ReclaimLocked may free (BF16 forms of unpinned non-sink blocks that also hold
+  // INT2; every form of unpinned blocks with no pinned descendant, FORMAT.md §5), the bytes so
+  // freed, and the bytes of the unpinned blocks it cannot free (ancestors of pinned blocks).
+  struct EvictionDryRun {
+    Arena arena;
+    uint64_t evictable = 0;
+    uint64_t ancestors = 0;
+  };
+  // O(blocks + free ranges), like one ReclaimLocked pass. Requires mu_.
+  EvictionDryRun DryRunEvictionLocked() const;
+  // One arena range for each of `sizes` (bytes, each > 0), all of them or none; offsets in the
+  // order of `sizes`. Without eviction when the free ranges serve them all; else it evicts only
+  // when a dry run (DryRunEvictionLocked) shows they all fit once eviction freed what it may, so
+  // a request that cannot succeed evicts nothing (newcomer report 11b F1: a commit whose forms
+  // found no range in a fragmented pool evicted every stored block, then failed, and the
+  // prefill node's re-put repeated it). `then`: sizes that must fit after these in the dry run
+  // but are not allocated (BeginPut: the new forms its commit allocates while the staging is
+  // held, so a put that could not commit evicts nothing for its staging either). `what` names
+  // the ranges in the refusal ("new forms", "staging ranges"). Errors: RESOURCE_EXHAUSTED
+  // "num_blocks: pool full: ..." naming what holds the pool (RoomRefusalLocked), with a
+  // RoomShortage payload. Requires mu_ exclusive.
+  absl::StatusOr<std::vector<uint64_t>> AllocateAllLocked(absl::Span<const uint64_t> sizes,
+                                                          const char* what,
+                                                          absl::Span<const uint64_t> then = {});
+  // The refusal of AllocateAllLocked: `sizes` (named by `what`, e.g. "3 new forms") cannot all
+  // be placed; the first `placed` of them fit (in the dry run's arena) and the next did not;
+  // `evicted` bytes were evicted meanwhile. The caller's own ranges must be freed before (they
+  // are not counted). Requires mu_.
+  absl::Status RoomRefusalLocked(absl::Span<const uint64_t> sizes, size_t placed,
+                                 absl::string_view what, const EvictionDryRun& dry,
+                                 uint64_t evicted) const;
   // Frees down to `target_used` bytes. Returns bytes freed. Requires mu_ exclusive.
   uint64_t ReclaimLocked(uint64_t target_used, const char* trigger);
   // Requires mu_ exclusive and the block's shard lock exclusive.
