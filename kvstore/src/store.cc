@@ -561,9 +561,7 @@ BlockStore::EvictionDryRun BlockStore::DryRunEvictionLocked() const {
     for (int f = 0; f < kNumForms; ++f) {
       const Slot& s = b->forms[f];
       if (!s.present) continue;
-      const bool demotable =
-          f == int(FormKind::kBf16) && !b->sink && b->forms[int(FormKind::kInt2)].present;
-      if (removable || demotable) {
+      if (removable || (f == int(FormKind::kBf16) && Demotable(*b))) {
         dry.arena.Free(s.offset, s.size);
         dry.evictable += arena_.RoundUp(s.size);
       } else {
@@ -727,10 +725,10 @@ uint64_t BlockStore::ReclaimLocked(uint64_t target_used, const char* trigger) {
   // first.
   for (auto it = lru_.begin(); it != lru_.end() && arena_.used_bytes() > target_used; ++it) {
     Block& b = *FindBlockLocked(*it);
-    if (b.pins > 0 || b.sink) {
+    if (b.pins > 0) {
       continue;
     }
-    if (b.forms[int(FormKind::kBf16)].present && b.forms[int(FormKind::kInt2)].present) {
+    if (Demotable(b)) {
       std::unique_lock shard_lock(ShardOf(b.key).mu);
       FreeSlotLocked(b, FormKind::kBf16, "demote");
       metrics_->evictions_demote.fetch_add(1, std::memory_order_relaxed);

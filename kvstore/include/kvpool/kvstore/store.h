@@ -570,6 +570,12 @@ class BlockStore {
   // pinned) at the last unpin. Requires mu_ exclusive; takes the block's shard lock.
   void DropCorruptFormLocked(Block& b, FormKind f);
   static bool HoldsAForm(const Block& b) { return b.forms[0].present || b.forms[1].present; }
+  // Whether eviction's first phase may drop b's BF16 form ("demote before evict", FORMAT.md §5):
+  // a non-sink block holding both forms (pins are the caller's check).
+  static bool Demotable(const Block& b) {
+    return !b.sink && b.forms[int(FormKind::kBf16)].present &&
+           b.forms[int(FormKind::kInt2)].present;
+  }
   void ExpireLocked(absl::Time now);
   // Bytes of `b`'s present and dropped forms (arena-rounded).
   uint64_t HeldBytes(const Block& b) const;
