@@ -1070,7 +1070,7 @@ int main(int argc, char** argv) {
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
     std::string metrics_text;  // --metrics-file
     if (!metrics_file.empty()) {
-      const std::string text = PrometheusCounters({
+      metrics_text = PrometheusCounters({
           {"kvpool_worker_prefill_prompts_total", "Prompts given to this prefill node.",
            prompts.size()},
           {"kvpool_worker_prefill_failed_prompts_total",
@@ -1091,7 +1091,6 @@ int main(int argc, char** argv) {
            "Prompts whose put was lost with the pool and put again from the recorded K/V.",
            uint64_t(reput)},
       });
-      metrics_text = text;
     }
     if (int rc = WriteOutputs(metrics_file, metrics_text, report, out); rc != 0) return rc;
     if (stop_signal != 0) {
@@ -1221,7 +1220,7 @@ int main(int argc, char** argv) {
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
   std::string metrics_text;  // --metrics-file
   if (!metrics_file.empty()) {
-    const std::string text = PrometheusCounters({
+    metrics_text = PrometheusCounters({
         {"kvpool_worker_requests_total", "Requests served by this decode worker.", served},
         {"kvpool_worker_requests_not_run_total",
          "Requests not started because the worker was stopped by SIGTERM or SIGINT.",
@@ -1238,7 +1237,6 @@ int main(int argc, char** argv) {
          "discarded).",
          moved + discarded},
     });
-    metrics_text = text;
   }
   if (int rc = WriteOutputs(metrics_file, metrics_text, report, out); rc != 0) return rc;
   if (stop_signal != 0) {

@@ -121,14 +121,19 @@ constexpr char kStageNamedPayload[] = "type.kvpool/worker-stop-stage-named";
 // A Reopen that failed: a stop (CANCELLED) found the prompt between a failed commit and its
 // put open again, not during a commit (newcomer s10b F3: a prompt waiting for a killed pool to
 // come back was logged "stopped during its commit").
-absl::Status ReopenStopped(const absl::Status& s) {
-  if (!absl::IsCancelled(s)) return s;
-  absl::Status out = absl::CancelledError(absl::StrCat(
-      "stopped while putting it again (the worker was asked to stop before its put was open "
-      "again): nothing of it stored: ",
-      StatusText(s)));
+// CANCELLED "stopped while putting it again (the worker was asked to stop WHEN): nothing of it
+// stored" + `rest`, marked as naming its stage (kStageNamedPayload).
+absl::Status StopStageNamed(absl::string_view when, absl::string_view rest) {
+  absl::Status out = absl::CancelledError(
+      absl::StrCat("stopped while putting it again (the worker was asked to stop ", when,
+                   "): nothing of it stored", rest));
   out.SetPayload(kStageNamedPayload, absl::Cord("1"));
   return out;
+}
+
+absl::Status ReopenStopped(const absl::Status& s) {
+  if (!absl::IsCancelled(s)) return s;
+  return StopStageNamed("before its put was open again", absl::StrCat(": ", StatusText(s)));
 }
 }  // namespace
 
@@ -320,12 +325,10 @@ absl::StatusOr<PrefillReport> PrefillNode::Commit(Pending pending, Pending* othe
       break;  // the wait is spent: the last refusal is the prompt's outcome
     } else {
       // Accepted by BeginPut but refused again at the commit: back off before the next try.
-      const auto wake = std::min(now + backoff, *room_since + options_.reconnect_wait);
-      while (!Stopping() && std::chrono::steady_clock::now() < wake) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      if (SleepUnlessStopping(std::min(now + backoff, *room_since + options_.reconnect_wait))) {
+        break;
       }
       backoff = std::min(backoff * 2, std::chrono::milliseconds(1000));
-      if (Stopping()) break;
     }
     if (absl::Status s = Reopen(pending, /*wait_for_room=*/true, room_since); !s.ok()) {
       return ReopenStopped(s);
@@ -336,12 +339,8 @@ absl::StatusOr<PrefillReport> PrefillNode::Commit(Pending pending, Pending* othe
   // for room and its put again: it is stopped, not failed; the refusal was not final (newcomer
   // 11b F2: logged "E ... RESOURCE_EXHAUSTED" and counted as failed 2.7 s into a 20 s wait).
   if (absl::IsResourceExhausted(r.status()) && options_.reconnect_wait.count() > 0 && Stopping()) {
-    absl::Status out = absl::CancelledError(absl::StrCat(
-        "stopped while putting it again (the worker was asked to stop while it waited for room "
-        "after the pool refused its commit): nothing of it stored (last refusal: ",
-        StatusText(r.status()), ")"));
-    out.SetPayload(kStageNamedPayload, absl::Cord("1"));
-    return out;
+    return StopStageNamed("while it waited for room after the pool refused its commit",
+                          absl::StrCat(" (last refusal: ", StatusText(r.status()), ")"));
   }
   if (r.ok()) room_wait_spent_ = false;  // room came: a later shortage is waited for again
   if (r.ok() && room_since.has_value()) {
@@ -356,6 +355,13 @@ absl::StatusOr<PrefillReport> PrefillNode::Commit(Pending pending, Pending* othe
   rep.blocks_written = r->blocks_written;
   rep.bytes_written = r->bytes_written;
   return rep;
+}
+
+bool PrefillNode::SleepUnlessStopping(std::chrono::steady_clock::time_point wake) const {
+  while (!Stopping() && std::chrono::steady_clock::now() < wake) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return Stopping();
 }
 
 void PrefillNode::NoteRoomWaitSpent() {
@@ -395,8 +401,7 @@ absl::StatusOr<std::unique_ptr<client::PutSession>> PrefillNode::BeginPut(
     const std::vector<uint32_t>& tokens, bool wait_for_room,
     std::optional<std::chrono::steady_clock::time_point> room_since) {
   const client::CallOptions call{.cancel = options_.cancel};
-  auto cancelled = [&] { return Stopping(); };
-  if (cancelled()) {
+  if (Stopping()) {
     // A stop has begun: no new put opens (a BeginPut sent now would open one the stop never
     // aborts when its answer arrives late; newcomer s10b F2).
     return absl::CancelledError("BeginPut: not sent, the worker is stopping");
@@ -438,11 +443,7 @@ absl::StatusOr<std::unique_ptr<client::PutSession>> PrefillNode::BeginPut(
       return put;  // the wait of this outage is spent: one attempt per prompt from now on
     }
     // The backoff, in slices, so that a stop (NodeOptions::cancel) ends the wait within 20 ms.
-    const auto wake = std::min(std::chrono::steady_clock::now() + backoff, end);
-    while (!cancelled() && std::chrono::steady_clock::now() < wake) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
-    if (cancelled()) {
+    if (SleepUnlessStopping(std::min(std::chrono::steady_clock::now() + backoff, end))) {
       return absl::CancelledError(
           absl::StrCat("BeginPut: cancelled while waiting for ",
                        outage ? "the unreachable pool to come back" : "room in the pool",

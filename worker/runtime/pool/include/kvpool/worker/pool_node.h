@@ -222,6 +222,9 @@ class PrefillNode {
   bool Stopping() const {
     return (options_.cancel != nullptr && options_.cancel->cancelled()) || (stop_ && stop_());
   }
+  // Sleeps in 20 ms slices until `wake` or until the node is stopping (a stop ends a backoff
+  // within 20 ms); returns Stopping().
+  bool SleepUnlessStopping(std::chrono::steady_clock::time_point wake) const;
   // An UNAVAILABLE BeginPut `s` starts an outage when none is open (logged once).
   void NoteOutage(const absl::Status& s);
 
