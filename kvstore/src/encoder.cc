@@ -8,6 +8,7 @@
 #include "kvpool/common/log.h"
 #include "kvpool/common/status.h"
 #include "kvpool/kernels/quantize.h"
+#include "kvpool/kernels/rotation_file.h"
 
 #if defined(KVPOOL_HAVE_GPU_ENCODER)
 #include "gpu_encoder.h"
@@ -40,10 +41,22 @@ absl::Status CheckFinite(const BlockGeometry& g, const uint8_t* bf16_form) {
   return absl::OkStatus();
 }
 
+// INTERNAL unless `rotation`'s matrices have g's shape (ValidateBatch, EncodeBlock).
+absl::Status RotationFits(const BlockGeometry& g, const RotationSet& rotation) {
+  absl::Status s = CheckRotationsMatch(
+      rotation,
+      {.head_dim = g.head_dim, .num_layers = g.num_layers, .num_kv_heads = g.num_kv_heads});
+  if (s.ok()) return s;
+  // Registration refuses such a pair (newcomer 12 F1): reaching here is a bug, not bad input.
+  return absl::InternalError(
+      absl::StrCat("the model's rotation does not fit its geometry: ", s.message()));
+}
+
 absl::Status EncodeBlock(const BlockGeometry& g, const RotationSet& rotation, float clip_k,
                          float clip_v, const uint8_t* staging, uint8_t* bf16_out, uint8_t* int2_out,
                          EncodeResult* result) {
   KVPOOL_RETURN_IF_ERROR(ValidateHeadDim(g.head_dim, "geometry.head_dim"));
+  KVPOOL_RETURN_IF_ERROR(RotationFits(g, rotation));
   KVPOOL_RETURN_IF_ERROR(ValidateClipRatio(clip_k, "recipe.clip_ratio_k"));
   KVPOOL_RETURN_IF_ERROR(ValidateClipRatio(clip_v, "recipe.clip_ratio_v"));
   KVPOOL_RETURN_IF_ERROR(CheckFinite(g, staging));
@@ -117,7 +130,7 @@ class CpuEncoder final : public BlockEncoder {
  public:
   absl::Status EncodeBlocks(const BlockGeometry& g, const RotationSet& rotation, float clip_k,
                             float clip_v, absl::Span<EncodeJob> jobs) override {
-    KVPOOL_RETURN_IF_ERROR(ValidateBatch(g, clip_k, clip_v, jobs));
+    KVPOOL_RETURN_IF_ERROR(ValidateBatch(g, rotation, clip_k, clip_v, jobs));
     for (EncodeJob& j : jobs) {
       j.result = EncodeResult{};
       j.status =
@@ -131,14 +144,15 @@ class CpuEncoder final : public BlockEncoder {
 
 }  // namespace
 
-absl::Status ValidateBatch(const BlockGeometry& g, float clip_k, float clip_v,
-                           absl::Span<const EncodeJob> jobs) {
+absl::Status ValidateBatch(const BlockGeometry& g, const RotationSet& rotation, float clip_k,
+                           float clip_v, absl::Span<const EncodeJob> jobs) {
   if (!g.Valid()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "geometry: num_layers ", g.num_layers, ", num_kv_heads ", g.num_kv_heads, ", head_dim ",
         g.head_dim, ", page_size ", g.page_size, " is not a valid block geometry"));
   }
   KVPOOL_RETURN_IF_ERROR(ValidateHeadDim(g.head_dim, "geometry.head_dim"));
+  KVPOOL_RETURN_IF_ERROR(RotationFits(g, rotation));
   KVPOOL_RETURN_IF_ERROR(ValidateClipRatio(clip_k, "recipe.clip_ratio_k"));
   KVPOOL_RETURN_IF_ERROR(ValidateClipRatio(clip_v, "recipe.clip_ratio_v"));
   for (size_t i = 0; i < jobs.size(); ++i) {

@@ -111,7 +111,7 @@ class GpuEncoder final : public BlockEncoder {
 
   absl::Status EncodeBlocks(const BlockGeometry& g, const RotationSet& rotation, float clip_k,
                             float clip_v, absl::Span<EncodeJob> jobs) override {
-    KVPOOL_RETURN_IF_ERROR(ValidateBatch(g, clip_k, clip_v, jobs));
+    KVPOOL_RETURN_IF_ERROR(ValidateBatch(g, rotation, clip_k, clip_v, jobs));
     if (jobs.empty()) {
       return absl::OkStatus();
     }

@@ -237,6 +237,12 @@ absl::StatusOr<ModelInfo> BlockStore::RegisterModel(const ModelSpec& spec_in,
   }
   KVPOOL_RETURN_IF_ERROR(ValidateSpec(spec));
 
+  // What the rotation must fit, whether it is sent now or re-attached by rotation_id.
+  const kvpool::ExpectedRotationModel expected_rotation{.head_dim = spec.geometry.head_dim,
+                                                        .num_layers = spec.geometry.num_layers,
+                                                        .num_kv_heads = spec.geometry.num_kv_heads,
+                                                        .clip_ratio_k = spec.clip_ratio_k,
+                                                        .clip_ratio_v = spec.clip_ratio_v};
   // Parse the rotation outside the lock (it can be large).
   std::shared_ptr<const kvpool::RotationSet> rot;
   Digest rot_id{};
@@ -258,11 +264,7 @@ absl::StatusOr<ModelInfo> BlockStore::RegisterModel(const ModelSpec& spec_in,
       if (absl::IsDataLoss(bad)) bad = absl::InvalidArgumentError(bad.message());
       return Annotate(bad, rotation.field);
     }
-    absl::Status match = CheckRotationsMatch(*parsed, {.head_dim = spec.geometry.head_dim,
-                                                       .num_layers = spec.geometry.num_layers,
-                                                       .num_kv_heads = spec.geometry.num_kv_heads,
-                                                       .clip_ratio_k = spec.clip_ratio_k,
-                                                       .clip_ratio_v = spec.clip_ratio_v});
+    absl::Status match = CheckRotationsMatch(*parsed, expected_rotation);
     if (!match.ok()) {
       if (rotation.redact_file_content) {
         match = absl::FailedPreconditionError(absl::StrCat(
@@ -364,6 +366,16 @@ absl::StatusOr<ModelInfo> BlockStore::RegisterModel(const ModelSpec& spec_in,
     info.created = false;
     info.other_revisions = other_revisions();
     return info;
+  }
+  if (rotation.file_bytes.empty()) {
+    // A rotation re-attached by id was checked against the model it was sent for, not this one:
+    // a model of another geometry would be encoded with matrices of the wrong shape (newcomer
+    // 12 F1: head_dim 256 over an 8x8 file crashed the commit; head_dim 16, 6 layers for 5 or
+    // 64 KV heads encoded blocks from memory past the matrices and served them as valid).
+    if (absl::Status match = CheckRotationsMatch(*rot, expected_rotation); !match.ok()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "rotation_id: the held rotation ", ToHex(rot_id), " does not fit: ", match.message()));
+    }
   }
   const uint64_t model_bytes = kRegistrationOverheadBytes + identity.size();
   const uint64_t rotation_charge =

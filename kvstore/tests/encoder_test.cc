@@ -175,6 +175,25 @@ TEST(EncoderTest, BatchRefusesMalformedCalls) {
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(s.message().find("geometry"), std::string::npos) << s.message();
   EXPECT_TRUE(enc->EncodeBlocks(g, *rot, 0.96f, 0.92f, {}).ok());
+  // A rotation of another shape never reaches the rotation (newcomer 12 F1: a 256-wide row over
+  // 8x8 matrices read past them): INTERNAL from the batch and from EncodeBlock, outputs untouched.
+  BlockGeometry wider = g, deeper = g, more_heads = g;
+  wider.head_dim = 16;
+  deeper.num_layers = 2;
+  more_heads.num_kv_heads = 2;
+  for (const BlockGeometry& other : {wider, deeper, more_heads}) {
+    std::vector<uint8_t> big = BlockBytes(other, 0, 0), big_out(other.Bf16FormBytes(), 0xAB);
+    std::vector<EncodeJob> one(1);
+    one[0].staging = big.data();
+    one[0].bf16_out = big_out.data();
+    s = enc->EncodeBlocks(other, *rot, 0.96f, 0.92f, absl::MakeSpan(one));
+    EXPECT_EQ(s.code(), absl::StatusCode::kInternal) << s;
+    EXPECT_NE(s.message().find("does not fit"), std::string::npos) << s.message();
+    EncodeResult r;
+    s = EncodeBlock(other, *rot, 0.96f, 0.92f, big.data(), big_out.data(), nullptr, &r);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInternal) << s;
+    EXPECT_EQ(big_out, std::vector<uint8_t>(other.Bf16FormBytes(), 0xAB));
+  }
 }
 
 }  // namespace

@@ -140,6 +140,43 @@ TEST_F(StoreTest, RegistrationIsIdempotentAndMismatchListsEveryField) {
   EXPECT_NE(r2->namespace_id, ns_);
 }
 
+// A rotation re-attached by rotation_id must fit the new registration like a file sent with it
+// (newcomer 12 F1): another revision with another head_dim, layer count, KV head count or clip
+// ratio was accepted, and its commits rotated rows with matrices of the wrong shape (a crash at
+// head_dim 256 over the 8x8 file; elsewhere blocks encoded from memory past the matrices, served
+// as valid). Each is refused FAILED_PRECONDITION naming rotation_id and the field; nothing stored
+// before is touched and the matching registration still re-attaches.
+TEST_F(StoreTest, ARotationReattachedByIdMustFitTheModel) {
+  ASSERT_TRUE(Put(1, 3).ok());
+  const auto before = Forms(1, 3);
+  struct Case {
+    const char* field;
+    void (*change)(ModelSpec&);
+  };
+  const Case cases[] = {
+      {"head_dim", [](ModelSpec& s) { s.geometry.head_dim *= 2; }},
+      {"num_layers", [](ModelSpec& s) { s.geometry.num_layers += 1; }},
+      {"num_kv_heads", [](ModelSpec& s) { s.geometry.num_kv_heads *= 2; }},
+      {"clip_ratio_k", [](ModelSpec& s) { s.clip_ratio_k = 0.5f; }},
+      {"clip_ratio_v", [](ModelSpec& s) { s.clip_ratio_v = 0.5f; }},
+  };
+  for (const Case& c : cases) {
+    ModelSpec other = spec_;
+    other.revision = std::string("bad-") + c.field;
+    c.change(other);
+    auto r = store_->RegisterModel(other, {.id = info_.rotation_id});
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << c.field << r.status();
+    EXPECT_THAT(r.status().message(), HasSubstr("rotation_id")) << r.status();
+    EXPECT_THAT(r.status().message(), HasSubstr(c.field)) << r.status();
+  }
+  EXPECT_EQ(Forms(1, 3), before);
+  ModelSpec fits = spec_;
+  fits.revision = "r2";
+  auto ok = store_->RegisterModel(fits, {.id = info_.rotation_id});
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_TRUE(ok->created);
+}
+
 // A recalibrated rotation file registers a new revision (kvpool-worker --revision auto), whose
 // lookups miss everything stored under the old one, silently (newcomer s10b). The registration
 // names the other revisions of the model id that hold blocks, with their rotation ids.

@@ -109,9 +109,11 @@ class BlockEncoder {
   virtual void RegisterHostMemory(void* base, size_t bytes) {}
 };
 
-// The call-level checks every BlockEncoder::EncodeBlocks makes first (the errors listed there).
-absl::Status ValidateBatch(const BlockGeometry& g, float clip_k, float clip_v,
-                           absl::Span<const EncodeJob> jobs);
+// The call-level checks every BlockEncoder::EncodeBlocks makes first (the errors listed there),
+// and INTERNAL when `rotation`'s head_dim, num_layers or num_kv_heads differ from `g` (the
+// registration refuses such a pair; this keeps a bug there from reading past the matrices).
+absl::Status ValidateBatch(const BlockGeometry& g, const RotationSet& rotation, float clip_k,
+                           float clip_v, absl::Span<const EncodeJob> jobs);
 
 // The CPU encoder (EncodeBlock per job, in order). Thread-safe, stateless.
 std::unique_ptr<BlockEncoder> NewCpuEncoder();
