@@ -895,10 +895,14 @@ class UcxTransport final : public Transport {
 
   void LockOnce(uint8_t* data, size_t length) {
     if (core_->options().lock_memory && mlock(data, length) != 0) {
+      // errno now, before call_once (which may overwrite it: newcomer 12 F3 saw ENOTTY's text).
+      const int err = errno;
       static std::once_flag once;
-      std::call_once(once, [] {
-        KVPOOL_LOG_WARN("transport: mlock failed ({}); memory is registered but not locked",
-                        std::strerror(errno));
+      std::call_once(once, [err, length] {
+        KVPOOL_LOG_WARN(
+            "transport: mlock of {} bytes failed ({}); memory is registered but not locked "
+            "(the limit is RLIMIT_MEMLOCK, `ulimit -l`, unless the process has CAP_IPC_LOCK)",
+            length, std::strerror(err));
       });
     }
   }
