@@ -514,6 +514,24 @@ absl::StatusOr<std::vector<Digest>> BlockStore::ResolveKeys(const Model& m, cons
   return ChainKeys(m.info.namespace_id, q.token_ids, m.spec.geometry.page_size, max_blocks);
 }
 
+// A held block answers position i of a key query only where it IS block i of the chain the
+// query names: block 0 has no parent, block i > 0 is the child of the query's key i - 1. Keys
+// computed from token_ids always are (a key hashes its parent's, FORMAT.md §3); keys a client
+// sends may be out of order, repeated or skip a block, and would otherwise be leased and
+// answered as "leading blocks 0..n-1" at the wrong positions (newcomer report 13 F2).
+// INVALID_ARGUMENT naming keys[i].
+absl::Status BlockStore::CheckChainPosition(absl::Span<const Digest> keys, uint32_t i,
+                                            const Block& b) {
+  const bool parent_ok =
+      i == 0 ? !b.parent.has_value() : (b.parent.has_value() && *b.parent == keys[i - 1]);
+  if (b.index == i && parent_ok) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "keys[", i, "]: the pool holds ", ToHex(keys[i]), " as block ", b.index, " of its chain",
+      i == 0 ? "" : absl::StrCat(", not as the child of keys[", i - 1, "]"),
+      " (keys must be the chain from the sequence's first block: keys[0] block 0, keys[i] the "
+      "child of keys[i-1])"));
+}
+
 void BlockStore::TargetForms(const Model& m, uint32_t index, uint32_t num_blocks,
                              bool out[kNumForms]) const {
   const bool sink = index < m.info.sink_blocks;
@@ -1397,6 +1415,7 @@ absl::StatusOr<std::vector<BlockFormsInfo>> BlockStore::Lookup(const Digest& nam
     if (it == sh.blocks.end() || it->second.model != m || !HoldsAForm(it->second)) {
       break;  // absent, or every form dropped as corrupt (ReportCorrupt)
     }
+    KVPOOL_RETURN_IF_ERROR(CheckChainPosition(keys, static_cast<uint32_t>(out.size()), it->second));
     bool present[kNumForms];
     for (int f = 0; f < kNumForms; ++f) {
       present[f] = it->second.forms[f].present;
@@ -1438,6 +1457,10 @@ absl::StatusOr<LeaseGrant> BlockStore::Acquire(const Digest& namespace_id, const
         break;  // absent, or every form dropped as corrupt (ReportCorrupt)
       }
       Block& b = *found;
+      if (absl::Status chain = CheckChainPosition(keys, i, b); !chain.ok()) {
+        for (const Digest& k : l.keys) UnpinLocked(k);  // nothing leased
+        return chain;
+      }
       PinLocked(b);
       lru_.splice(lru_.end(), lru_, b.lru);
       l.keys.push_back(keys[i]);

@@ -457,6 +457,58 @@ TEST_F(StoreTest, FormsPerBlockFollowTheRecipe) {
   EXPECT_EQ(s.open_puts, 0u);
 }
 
+// Newcomer report 13 F2: keys a client sends were answered wherever they were held, so
+// [key 4, key 5] was leased as "blocks 0 and 1" (and [key 0, key 5, key 5] as 0..2, [key 0,
+// key 2] skipping block 1): a client whose keys are off attends over other positions' KV. A key
+// must be asked for at its own position of its chain; anything else is INVALID_ARGUMENT naming
+// the key, with nothing leased.
+TEST_F(StoreTest, KeysMustBeTheChainFromTheFirstBlock) {
+  ASSERT_TRUE(Put(1, 6).ok());
+  ASSERT_TRUE(Put(2, 3).ok());
+  auto k = *ChainKeys(ns_, Tokens(1, 24), 4);
+  auto other = *ChainKeys(ns_, Tokens(2, 12), 4);
+  struct Case {
+    std::vector<Digest> keys;
+    const char* field;
+  };
+  const std::vector<Case> bad = {
+      {{k[4], k[5]}, "keys[0]"},        // starts mid-chain
+      {{k[0], k[5], k[5]}, "keys[1]"},  // skips blocks 1..4
+      {{k[0], k[2]}, "keys[1]"},        // skips block 1
+      {{k[0], k[1], k[1]}, "keys[2]"},  // repeated
+      {{k[1], k[0]}, "keys[0]"},        // out of order
+      {{k[0], other[1]}, "keys[1]"},    // block 1 of another sequence
+  };
+  for (const Case& c : bad) {
+    auto lk = store_->Lookup(ns_, {.keys = c.keys});
+    ASSERT_EQ(lk.status().code(), absl::StatusCode::kInvalidArgument) << c.field;
+    EXPECT_THAT(std::string(lk.status().message()), ::testing::StartsWith(c.field)) << lk.status();
+    auto lease = store_->Acquire(ns_, {.keys = c.keys}, 0, {});
+    ASSERT_EQ(lease.status().code(), absl::StatusCode::kInvalidArgument) << c.field;
+    EXPECT_THAT(std::string(lease.status().message()), ::testing::StartsWith(c.field))
+        << lease.status();
+  }
+  EXPECT_EQ(store_->Stats().leases, 0u);
+  // Nothing was left pinned: Delete (refused for leased blocks) removes the whole sequence.
+  // The chain itself, and any prefix of it, still answers; an unknown key ends the prefix.
+  auto whole = store_->Acquire(ns_, {.keys = k}, 0, {});
+  ASSERT_TRUE(whole.ok()) << whole.status();
+  EXPECT_EQ(whole->blocks.size(), 6u);
+  ASSERT_TRUE(store_->Release(whole->lease_id).ok());
+  auto three = store_->Lookup(ns_, {.keys = {k[0], k[1], k[2]}});
+  ASSERT_TRUE(three.ok()) << three.status();
+  EXPECT_EQ(three->size(), 3u);
+  auto unknown_tail = *ChainKeys(ns_, Tokens(1, 32), 4);  // blocks 6, 7 never put
+  auto eight = store_->Lookup(ns_, {.keys = unknown_tail});
+  ASSERT_TRUE(eight.ok()) << eight.status();
+  EXPECT_EQ(eight->size(), 6u);
+  uint32_t deleted = 0;
+  auto items = store_->Delete(ns_, {k[0]}, &deleted);
+  ASSERT_TRUE(items.ok()) << items.status();
+  EXPECT_TRUE((*items)[0].status.ok()) << (*items)[0].status;
+  EXPECT_EQ(deleted, 6u);
+}
+
 TEST_F(StoreTest, Bf16PrecisionKeepsOnlyBf16) {
   Init(1 << 20, HistoryPrecision::kBf16);
   ASSERT_TRUE(Put(1, 5).ok());
@@ -867,23 +919,19 @@ TEST_F(EvictionTest, EvictsWholeBlocksLeafFirstAndNeverLeased) {
   ASSERT_EQ(f.size(), 4u);
   EXPECT_EQ(f[2], (std::vector<FormKind>{kB, kI}));
   EXPECT_GT(store_->metrics().evictions_block.load(), 0u);
-  // Leaf-first: every resident block's parent is resident, so any held block is reachable as
-  // part of a held prefix. Check by key chains of every sequence: Lookup by keys of the full
-  // chain must equal the count of the chain's keys that are held (no holes).
+  // Leaf-first: every resident block's parent is resident, so every held block is part of the
+  // held prefix of its sequence (no holes). Only these 11 sequences were put, so the union of
+  // their held prefixes must be every block in the index. (A key query can no longer observe a
+  // hole directly: a key must be asked for at its own position of its chain.)
+  std::set<Digest> in_prefixes;
   for (uint32_t seq = 1; seq < 12; ++seq) {
     const uint32_t n = seq <= 3 ? 4 : 3;
     auto keys = ChainKeys(ns_, Tokens(seq, n * 4, seq == 2 || seq == 3 ? 8 : 0), 4);
-    uint32_t held = 0;
-    for (const Digest& k : *keys) {
-      auto one = store_->Acquire(ns_, {.keys = {k}}, 0, {});
-      if (!one->blocks.empty()) {
-        ++held;
-        ASSERT_TRUE(store_->Release(one->lease_id).ok());
-      }
-    }
     auto prefix = store_->Lookup(ns_, {.keys = *keys});
-    EXPECT_EQ(prefix->size(), held) << "sequence " << seq << " has a hole";
+    ASSERT_TRUE(prefix.ok()) << prefix.status();
+    for (const BlockFormsInfo& b : *prefix) in_prefixes.insert(b.key);
   }
+  EXPECT_EQ(store_->Stats().blocks, in_prefixes.size()) << "a resident block outside every prefix";
   ASSERT_TRUE(store_->Release(lease->lease_id).ok());
 }
 

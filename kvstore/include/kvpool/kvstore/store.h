@@ -391,11 +391,13 @@ class BlockStore {
       uint64_t lease_id, std::vector<std::pair<uint64_t, uint64_t>>* dropped = nullptr);
 
   // Leading held blocks of `query`. Side-effect free (no LRU touch). Errors: NOT_FOUND
-  // (namespace), INVALID_ARGUMENT (both or neither of token_ids/keys).
+  // (namespace), INVALID_ARGUMENT (both or neither of token_ids/keys; `keys[i]` held but not as
+  // block i of the chain keys[0..i-1] names: out of order, repeated or skipping a block).
   absl::StatusOr<std::vector<BlockFormsInfo>> Lookup(const Digest& namespace_id,
                                                      const KeyQuery& query) const;
 
   // Leases the leading held blocks (at most max_blocks when > 0). lease 0 = default.
+  // Errors: those of Lookup (then nothing is leased).
   absl::StatusOr<LeaseGrant> Acquire(const Digest& namespace_id, const KeyQuery& query,
                                      uint32_t max_blocks, absl::Duration lease);
   // Errors: NOT_FOUND when the lease is unknown or expired.
@@ -512,6 +514,9 @@ class BlockStore {
   bool MakeRoomForRegistrationLocked(uint64_t need, const Digest& keep_rotation);
   absl::StatusOr<std::vector<Digest>> ResolveKeys(const Model& m, const KeyQuery& q,
                                                   size_t max_blocks) const;
+  // OK when held block `b` is block i of the chain `keys` names (store.cc says why), else
+  // INVALID_ARGUMENT naming keys[i]. Reads only `b`: callable under a shard lock or mu_.
+  static absl::Status CheckChainPosition(absl::Span<const Digest> keys, uint32_t i, const Block& b);
   // Forms a block at `index` of a sequence of `num_blocks` gets from a put.
   void TargetForms(const Model& m, uint32_t index, uint32_t num_blocks, bool out[kNumForms]) const;
   // Allocates `size` bytes, evicting (ReclaimLocked) until it fits or nothing more can be
