@@ -133,12 +133,18 @@ __device__ __forceinline__ void MbarWait(uint64_t* bar, uint32_t parity) {
       : "memory");
 }
 // Bulk global -> shared copy of `bytes` (multiple of 16, both addresses 16-byte aligned),
-// completing on `bar` (TMA, no tensor map).
-__device__ __forceinline__ void BulkCopy(void* dst, const void* src, uint32_t bytes,
-                                         uint64_t* bar) {
+// completing on `bar` (TMA, no tensor map), issued once by one elected lane of a converged warp
+// (v27; every lane passes the same operands): with warp-uniform operands the compiler emits a
+// single UBLKCP, where a per-thread cp.async.bulk costs a loop over the issuing lanes (ELECT,
+// three R2UR, two PLOP3, UBLKCP and a branch per lane).
+__device__ __forceinline__ void BulkCopyElect(void* dst, const void* src, uint32_t bytes,
+                                              uint64_t* bar) {
   asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::
-          "r"(SmemAddr(dst)),
+      "{\n"
+      ".reg .pred p;\n"
+      "elect.sync _|p, 0xffffffff;\n"
+      "@p cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+      "}\n" ::"r"(SmemAddr(dst)),
       "l"(src), "r"(bytes), "r"(SmemAddr(bar))
       : "memory");
 }
@@ -545,8 +551,9 @@ __global__ void __launch_bounds__(kThreads, (D == 128 && NT == 1) ? 4 : 1)
 //
 // * Loads: TMA bulk copies (cp.async.bulk) of whole units into a private 2-stage ring per warp,
 //   completed through mbarriers; a stage holds two steps (4 units), so the wait, the expect_tx and
-//   the page-id bookkeeping are paid once per 64 tokens. Page ids are prefetched 32 units ahead,
-//   one per lane, and the lane holding a unit's page id issues that unit's copy itself.
+//   the page-id bookkeeping are paid once per 64 tokens. A stage's page ids are loaded one stage
+//   ahead, one per lane (lanes 0-3); since v27 each copy is issued by one elected lane with the
+//   page id shuffled in, so its operands are warp-uniform (one UBLKCP, no per-lane loop).
 // * S = K·q̃ᵀ on integer tensor cores (mma m16n8k32, u8 codes × s8 q, s32 accumulators): the
 //   32-bit word at code byte 4w holds channels 4w..4w+3 of all four quarters, so
 //   (word >> 2k) & 0x03030303 are four u8 codes of quarter k (2 ops per 4 codes, no bias,
@@ -561,8 +568,10 @@ __global__ void __launch_bounds__(kThreads, (D == 128 && NT == 1) ? 4 : 1)
 //   SUBNORMAL, (x & (0x00030003 << 2k)) = code·4^k·2^-24 exactly, one LOP3 per two codes, no
 //   bias to remove (the 0x6400 + HSUB2 form cost two ops; folding the bias out after the MMA
 //   failed the tolerances, KERNELS.md). 2^24·4^-k is applied once to the accumulator.
-//   P' = p·scale16 (fp16), Σ p·min16 in fp32 per head (FORMAT.md §2.8). Heads sit on the even
-//   (head h) and odd (head 4 + h) N columns, matching the S layout after movmatrix.trans.
+//   P' = p·scale16 (fp16), Σ p·min16 per head (FORMAT.md §2.8): at one n-tile (v27) from one more
+//   m16n8k16 per unit with an all-ones A and p·min16 in the (otherwise padding) odd N columns of
+//   P', at two n-tiles in fp32 FFMAs. Heads sit on the even (head h) and odd (head 4 + h) N
+//   columns, matching the S layout after movmatrix.trans.
 // * Online softmax in log2 units; logits are formed relative to the running max (the FFMA chain
 //   starts from -max), which is re-reduced across lanes only when some logit of the step exceeds
 //   it (one warp vote per step otherwise). Invalid rows (past the last page's length, or units
@@ -716,37 +725,58 @@ __global__ void __launch_bounds__(kThreads, (D <= 128 ? (KT == 1 ? 5 : 4) : 2))
     auto fixed_base = [&](int t) { return ((t * num_splits + sx) * kWarps + warp) * kStageUnits; };
     int* claims = a.row_claims + kClaimStride * (size_t(b) * rows_per_req + yy);
     const uint64_t chunk_bytes = uint64_t(page_size) * (D / 2 + 8 * kNG);
-    const int32_t* page_ids = seg.indices + pbeg;
-    const uint8_t* head_base = seg.base + uint64_t(kvh) * chunk_bytes;
+    // Page ids and the head's base as single 64-bit values (the empty asms keep the compiler from
+    // re-deriving them per use: a sign-extended pbeg added to every page-id address, two 64-bit
+    // additions per copy address).
+    uint64_t pid_addr = reinterpret_cast<uint64_t>(seg.indices + pbeg);
+    asm("" : "+l"(pid_addr));
+    const int32_t* page_ids = reinterpret_cast<const int32_t*>(pid_addr);
+    uint64_t head_addr = reinterpret_cast<uint64_t>(seg.base) + uint64_t(kvh) * chunk_bytes;
+    asm("" : "+l"(head_addr));
+    const uint8_t* head_base = reinterpret_cast<const uint8_t*>(head_addr);
 
-    // Page id of unit base + lane (lanes < kStageUnits; 0 past the row's end).
+    // Page id of unit base + (lane % kStageUnits) (base < row_units; a unit past the row's end
+    // reads unit base's page id, see issue): one load per lane, from kStageUnits addresses.
     auto load_pid = [&](int base) -> int {
-      const int u = base + lane;
-      return (lane < kStageUnits && u < row_units) ? __ldg(page_ids + (u >> tpp_log2)) : 0;
+      const uint32_t u = uint32_t(base) + uint32_t(lane & (kStageUnits - 1));
+      const uint32_t uc = u < uint32_t(row_units) ? u : uint32_t(base);
+      return base < row_units ? __ldg(page_ids + (uc >> tpp_log2)) : 0;
     };
-    // TMA copies of ring stage t = units base .. base + kStageUnits - 1 (base < row_units): lane j
-    // copies unit base + j with the page id it holds. No proxy fence before the copies: the
+    // TMA copies of ring stage t = units base .. base + kStageUnits - 1 (base < row_units). v27:
+    // copy j takes lane j's page id through a shuffle, so its operands are warp-uniform, and one
+    // elected lane issues it (BulkCopyElect; v26 had lane j issue it, which the compiler wraps in
+    // a loop over the issuing lanes, ~8 instructions per copy plus per-lane address arithmetic).
+    // Every stage copies kStageUnits units: a unit past the row's end copies unit base again (an
+    // in-bounds page; its rows are masked like any row past the end), so the expect_tx count is
+    // a constant and the copies need no branch. No proxy fence before the copies: the
     // generic-proxy reads of this stage completed (their values were consumed) before the
     // __syncwarp that ended its previous use, as in a TMA pipeline's consumer release. expect_tx
     // comes first in program order (same warp).
     auto issue = [&](int t, int base, int pid) {
       const int s = t % kStages;
-      const int nvalid = min(row_units - base, kStageUnits);
-      if (lane == 0) MbarExpectTx(&bar[s], uint32_t(nvalid * C::kTile));
-      if (lane < nvalid) {
-        const uint8_t* src = head_base + uint64_t(uint32_t(pid)) * seg.page_stride;
-        uint8_t* dst = ring + (s * kStageUnits + lane) * C::kTile;
-        if (page_size == 16) {
-          BulkCopy(dst, src, C::kTile, &bar[s]);
-        } else {
-          const int sub = (base + lane) & 3;
-          const uint64_t code_part = uint64_t(page_size) * C::kCR;
-          BulkCopy(dst, src + sub * 16 * C::kCR, 16 * C::kCR, &bar[s]);
-          BulkCopy(dst + 16 * C::kCR, src + code_part + sub * 16 * C::kCR, 16 * C::kCR, &bar[s]);
-          BulkCopy(dst + 32 * C::kCR, src + 2 * code_part + sub * 64 * kNG, 64 * kNG, &bar[s]);
-          BulkCopy(dst + 32 * C::kCR + 64 * kNG,
-                   src + 2 * code_part + uint64_t(page_size) * 4 * kNG + sub * 64 * kNG, 64 * kNG,
-                   &bar[s]);
+      if (lane == 0) MbarExpectTx(&bar[s], uint32_t(kStageUnits * C::kTile));
+      const uint64_t stride = seg.page_stride;
+      uint8_t* const dst = ring + s * kStageUnits * C::kTile;
+      if (page_size == 16) {
+#pragma unroll
+        for (int j = 0; j < kStageUnits; ++j) {
+          const uint32_t pj = uint32_t(__shfl_sync(0xffffffffu, pid, j));
+          BulkCopyElect(dst + j * C::kTile, head_base + uint64_t(pj) * stride, C::kTile, &bar[s]);
+        }
+      } else {
+        const uint64_t code_part = uint64_t(page_size) * C::kCR;
+#pragma unroll
+        for (int j = 0; j < kStageUnits; ++j) {
+          const uint32_t pj = uint32_t(__shfl_sync(0xffffffffu, pid, j));
+          const uint8_t* src = head_base + uint64_t(pj) * stride;
+          uint8_t* d = dst + j * C::kTile;
+          const int sub = (base + j < row_units ? base + j : base) & 3;
+          BulkCopyElect(d, src + sub * 16 * C::kCR, 16 * C::kCR, &bar[s]);
+          BulkCopyElect(d + 16 * C::kCR, src + code_part + sub * 16 * C::kCR, 16 * C::kCR, &bar[s]);
+          BulkCopyElect(d + 32 * C::kCR, src + 2 * code_part + sub * 64 * kNG, 64 * kNG, &bar[s]);
+          BulkCopyElect(d + 32 * C::kCR + 64 * kNG,
+                        src + 2 * code_part + uint64_t(page_size) * 4 * kNG + sub * 64 * kNG,
+                        64 * kNG, &bar[s]);
         }
       }
     };
@@ -844,6 +874,20 @@ __global__ void __launch_bounds__(kThreads, (D <= 128 ? (KT == 1 ? 5 : 4) : 2))
     // -inf), i.e. the FFMA chain that builds a logit starts from -mref, so p = 2^logit needs no
     // subtraction; a logit exceeds the running max iff it exceeds gth = m_run - mref (0 or -inf).
     float m_run[KT], mref[KT], gth[KT], l_run[KT], mn_run[KT][kNG];
+    // v27, one n-tile: Σ p·min16 per head comes from the tensor cores. With a single n-tile the odd
+    // N columns of P' were zero padding; they now carry p·min16 of the even column's head (one
+    // HMUL2 of {p, p} by the (scale16, min16) word makes both), and one more m16n8k16 per unit
+    // with an all-ones A sums them over the unit's 16 tokens: accm[grp][1] of lane (g, tig) is
+    // Σ p·min16 of head tig, the same in every lane group (no reduction across groups). This
+    // replaces a half→float conversion and an FFMA per (token row, lane), 8 instructions per unit,
+    // with one HMMA; p·min16 is rounded to fp16 as P' = p·scale16 always was. The V MMAs' odd
+    // output columns then hold unused sums (Σ code·p·min16, finite).
+    constexpr bool kMinMma = KT == 1;
+    float accm[kNG][4];
+#pragma unroll
+    for (int grp = 0; grp < kNG; ++grp)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) accm[grp][i] = 0.f;
 #pragma unroll
     for (int kt = 0; kt < KT; ++kt) {
       m_run[kt] = -INFINITY;
@@ -872,14 +916,17 @@ __global__ void __launch_bounds__(kThreads, (D <= 128 ? (KT == 1 ? 5 : 4) : 2))
       const int sbase = s ? sb1 : sb0;
       if (sbase >= row_units) break;  // warp-uniform
       MbarWait(&bar[s], (uint32_t(ts / kStages) ^ (par_bits >> s)) & 1u);
+      const bool stage_partial = (sbase + kStageUnits) * 16 > row_tokens;  // warp-uniform
 #pragma unroll
       for (int h = 0; h < kStepsPerStage; ++h) {
         // A step past the row's end (a stage that holds fewer than kStageUnits units) is run with
         // every row masked rather than skipped, so the two steps of a stage form one basic block
         // the compiler can interleave.
         const uint8_t* stage = ring + (s * kStageUnits + h * kSub) * C::kTile;
-        const int u0 = sbase + h * kSub;                     // row-global unit of the step
-        const bool partial = (u0 + kSub) * 16 > row_tokens;  // warp-uniform
+        const int u0 = sbase + h * kSub;  // row-global unit of the step
+        // One test per stage (v27; v26 tested each step): a stage with rows past the segment's end,
+        // or units not loaded, runs both steps through the masking branches.
+        const bool partial = stage_partial;
 
         float logit[kSub][KT][2];    // relative to mref
         uint32_t vpw[kSub][2][kNG];  // V params {scale16, min16} of rows krow, krow + 8
@@ -993,7 +1040,12 @@ __global__ void __launch_bounds__(kThreads, (D <= 128 ? (KT == 1 ? 5 : 4) : 2))
             gth[kt] = m_new - ref;
             l_run[kt] *= alpha;
 #pragma unroll
-            for (int grp = 0; grp < kNG; ++grp) mn_run[kt][grp] *= alpha;
+            for (int grp = 0; grp < kNG; ++grp) {
+              if constexpr (kMinMma)
+                accm[grp][1] *= alpha;  // the only column read (0, 2, 3 are never used)
+              else
+                mn_run[kt][grp] *= alpha;
+            }
 #pragma unroll
             for (int mt = 0; mt < kMt; ++mt) {
               acc[mt][kt] *= alpha;
@@ -1011,21 +1063,27 @@ __global__ void __launch_bounds__(kThreads, (D <= 128 ? (KT == 1 ? 5 : 4) : 2))
             for (int r = 0; r < 2; ++r) {
               p[kt][r] = Ex2(logit[j][kt][r]);
               l_run[kt] += p[kt][r];
+              if constexpr (!kMinMma) {
 #pragma unroll
-              for (int grp = 0; grp < kNG; ++grp)
-                mn_run[kt][grp] =
-                    fmaf(p[kt][r], __high2float(*reinterpret_cast<const __half2*>(&vpw[j][r][grp])),
-                         mn_run[kt][grp]);
+                for (int grp = 0; grp < kNG; ++grp)
+                  mn_run[kt][grp] = fmaf(
+                      p[kt][r], __high2float(*reinterpret_cast<const __half2*>(&vpw[j][r][grp])),
+                      mn_run[kt][grp]);
+              }
             }
           }
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
-            // {p(head tig), p(head 4 + tig)} of token g + 8r, times its scale16.
-            const uint32_t pk = PackHalf2(p[0][r], KT == 2 ? p[KT - 1][r] : 0.f);
+            // {p(head tig), p(head 4 + tig)} of token g + 8r, times its scale16; with kMinMma
+            // {p·scale16, p·min16} of head tig.
+            const uint32_t pk = PackHalf2(p[0][r], KT == 2   ? p[KT - 1][r]
+                                                   : kMinMma ? p[0][r]
+                                                             : 0.f);
 #pragma unroll
             for (int grp = 0; grp < kNG; ++grp) {
-              __half2 h = __hmul2(*reinterpret_cast<const __half2*>(&pk),
-                                  __low2half2(*reinterpret_cast<const __half2*>(&vpw[j][r][grp])));
+              const __half2 vp = *reinterpret_cast<const __half2*>(&vpw[j][r][grp]);
+              __half2 h =
+                  __hmul2(*reinterpret_cast<const __half2*>(&pk), kMinMma ? vp : __low2half2(vp));
               pb[j][grp][r] = MovMatrixTrans(*reinterpret_cast<const uint32_t*>(&h));
             }
           }
@@ -1068,6 +1126,12 @@ __global__ void __launch_bounds__(kThreads, (D <= 128 ? (KT == 1 ? 5 : 4) : 2))
               MmaF16(acc[mt], x0 & m0, x0 & m1, x1 & m0, x1 & m1, pb[j][grp][0], pb[j][grp][1]);
             }
           }
+          if constexpr (kMinMma) {
+            constexpr uint32_t kOnes = 0x3c003c00u;  // fp16 {1, 1}
+#pragma unroll
+            for (int grp = 0; grp < kNG; ++grp)
+              MmaF16(accm[grp], kOnes, kOnes, kOnes, kOnes, pb[j][grp][0], pb[j][grp][1]);
+          }
         }
       }  // step h of stage ts
       __syncwarp();
@@ -1098,9 +1162,11 @@ __global__ void __launch_bounds__(kThreads, (D <= 128 ? (KT == 1 ? 5 : 4) : 2))
 #pragma unroll
       for (int o = 4; o < 32; o <<= 1) {
         l_run[kt] += __shfl_xor_sync(0xffffffffu, l_run[kt], o);
+        if constexpr (!kMinMma) {
 #pragma unroll
-        for (int grp = 0; grp < kNG; ++grp)
-          mn_run[kt][grp] += __shfl_xor_sync(0xffffffffu, mn_run[kt][grp], o);
+          for (int grp = 0; grp < kNG; ++grp)
+            mn_run[kt][grp] += __shfl_xor_sync(0xffffffffu, mn_run[kt][grp], o);
+        }
       }
 
     // ---- combine the warps in shared memory ----
@@ -1127,7 +1193,8 @@ __global__ void __launch_bounds__(kThreads, (D <= 128 ? (KT == 1 ? 5 : 4) : 2))
           const int dim = g * (D / 32) + (idx >> 2) + (D / 4) * k;
           const int grp = (kNG == 2) ? (dim >= 128) : 0;
           // 2^24 undoes the subnormal code encoding, 4^-k the quarter's bit position.
-          const float o = acc[mt][i] * (16777216.f / float(1 << (2 * k))) + mn_run[kt][grp];
+          const float mn = kMinMma ? accm[grp][1] : mn_run[kt][grp];
+          const float o = acc[mt][i] * (16777216.f / float(1 << (2 * k))) + mn;
           co[(warp * kN + 4 * kt + tig) * D + dim] = o;
         }
       }
