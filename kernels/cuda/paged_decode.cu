@@ -95,6 +95,10 @@ struct AttnArgs {
   int32_t items_rows;
   // With items_rows > 0: the ticket counter of the second items (zeroed by QRotateKernel, v20).
   int* item_counter;
+  // BF16 kernel only (v28): lane l of a warp loads the page id of the warp's step w + l once per
+  // 32-step window (the first one right after the index and q̃ loads, before the q̃ packing) and
+  // each unit's copy takes its id by a shuffle; 0: every copy loads its page id first (v7-v24).
+  int32_t pid_window;
 };
 
 __device__ __forceinline__ void ImmaU8S8(int (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
@@ -147,6 +151,23 @@ __device__ __forceinline__ void BulkCopyElect(void* dst, const void* src, uint32
       "}\n" ::"r"(SmemAddr(dst)),
       "l"(src), "r"(bytes), "r"(SmemAddr(bar))
       : "memory");
+}
+
+// Global load of a read-only int, issued where it is written (asm volatile: the compiler keeps it
+// in program order with the other asm statements and does not sink it into the branch that
+// uses it); 0 when !pred (p is not read). v28, Bf16DecodeKernel's prologue.
+__device__ __forceinline__ int LdgEarly(const int32_t* p, bool pred) {
+  int v;
+  asm volatile(
+      "{\n"
+      ".reg .pred q;\n"
+      "setp.ne.b32 q, %2, 0;\n"
+      "mov.b32 %0, 0;\n"
+      "@q ld.global.nc.b32 %0, [%1];\n"
+      "}\n"
+      : "=r"(v)
+      : "l"(p), "r"(int(pred)));
+  return v;
 }
 
 // Programmatic dependent launch (PDL, sm_90): let the next kernel of the stream be scheduled,
@@ -254,11 +275,47 @@ __global__ void __launch_bounds__(kThreads, (D == 128 && NT == 1) ? 4 : 1)
   const int page_size = a.page_size;
   const int tpp_log2 = page_size == 64 ? 2 : 0;  // 16-token units per page: 1 or 4
 
+  // Prologue order (v28): every index load of the CTA is issued first, back to back (LdgEarly:
+  // the compiler neither sinks a load into the branch that uses it nor holds it behind the loads
+  // before it), then the q̃ loads, then the index arithmetic, the page-id window and the q̃
+  // packing, so the first copy waits for three latencies (indices with q̃, page ids, data). v24
+  // chained recent indptr -> last_page_len -> sink indptr -> sink last_page_len -> q̃ -> page id
+  // -> data, seven (SASS of Bf16DecodeKernel<128, 1>). A used segment has all `batch`
+  // last-page lengths (Validate), so they are loaded whether or not the request's segment is
+  // empty.
+  const bool has_seg = seg.indptr != nullptr;
+  const bool fold = a.fold_sink && sx == 0 && a.seg0.indptr != nullptr;
+  const int r_beg = LdgEarly(has_seg ? seg.indptr + b : nullptr, has_seg);
+  const int r_end = LdgEarly(has_seg ? seg.indptr + b + 1 : nullptr, has_seg);
+  const int r_ll = LdgEarly(has_seg ? seg.last_len + b : nullptr, has_seg);
+  const int s_beg = LdgEarly(fold ? a.seg0.indptr + b : nullptr, fold);
+  const int s_end = LdgEarly(fold ? a.seg0.indptr + b + 1 : nullptr, fold);
+  const int s_ll = LdgEarly(fold ? a.seg0.last_len + b : nullptr, fold);
+
+  if (a.pdl_wait_first) PdlWait();  // q̃ of QRotateKernel
+  PdlLaunchDependents();
+  KVPOOL_TL(2, 1);
+  // ---- q̃ loads (packed into the MMA fragments below, once the indices are in) ----
+  float qraw[kSteps][NT][2][2];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    const int hl = 8 * nt + g;
+    const float* qh = a.q_rot + (size_t(b) * a.num_q_heads + h_first + hl) * D;
+    const bool real = hl < nh;
+#pragma unroll
+    for (int s = 0; s < kSteps; ++s)
+#pragma unroll
+      for (int half = 0; half < 2; ++half)
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+          qraw[s][nt][half][e] = real ? qh[16 * s + 8 * half + 2 * tig + e] : 0.f;
+  }
+
   int pbeg = 0, npg = 0, last_len = 0;
-  if (seg.indptr != nullptr) {
-    pbeg = seg.indptr[b];
-    npg = seg.indptr[b + 1] - pbeg;
-    if (npg > 0) last_len = min(max(seg.last_len[b], 0), page_size);
+  if (has_seg) {
+    pbeg = r_beg;
+    npg = r_end - r_beg;
+    if (npg > 0) last_len = min(max(r_ll, 0), page_size);
   }
   const int p0 = sx * seg.pages_per_split;
   const int p1 = min(npg, p0 + seg.pages_per_split);
@@ -269,10 +326,9 @@ __global__ void __launch_bounds__(kThreads, (D == 128 && NT == 1) ? 4 : 1)
   // of the sink's / the request's last recent page (partial pages), -1 / out of range if absent.
   int s_pages = 0, lp_s = -1, s_last = 0;
   const int32_t* s_ids = nullptr;
-  if (a.fold_sink && sx == 0 && a.seg0.indptr != nullptr) {
-    const int s_beg = a.seg0.indptr[b];
-    const int s_npg = max(a.seg0.indptr[b + 1] - s_beg, 0);
-    if (s_npg > 0) s_last = min(max(a.seg0.last_len[b], 0), page_size);
+  if (fold) {
+    const int s_npg = max(s_end - s_beg, 0);
+    if (s_npg > 0) s_last = min(max(s_ll, 0), page_size);
     s_pages = min(s_npg, a.seg0.pages_per_split);
     overflow |= s_npg > s_pages;
     lp_s = s_npg - 1;
@@ -288,34 +344,32 @@ __global__ void __launch_bounds__(kThreads, (D == 128 && NT == 1) ? 4 : 1)
   // Recent page of local page index lp >= s_pages: page_ids[lp].
   const int32_t* page_ids = seg.indices + pbeg + p0 - s_pages;
   const uint8_t* head_base = seg.base + uint64_t(kvh) * chunk_bytes;
+  // Page-id window (pid_window, v28): lane l holds the page id of this warp's step w0 + l, loaded
+  // before the q̃ packing; each copy takes its id by a shuffle (v24: every copy loaded its page
+  // id first, the first one a full latency after the q̃ loads).
+  static_assert(kSub == 1, "the page-id window holds one unit per step");
+  auto load_pids = [&](int w0) -> int32_t {
+    const int t = w0 + lane;
+    const int u = first_unit + t * kWarps;
+    return (t < my_steps && u < nunits) ? (u < n0 ? s_ids : page_ids)[u >> tpp_log2] : 0;
+  };
+  int32_t pid_win = a.pid_window ? load_pids(0) : 0;
 
-  if (a.pdl_wait_first) PdlWait();  // q̃ of QRotateKernel
-  PdlLaunchDependents();
-  KVPOOL_TL(2, 1);
   // ---- q fragments (B operand of S = K·q̃ᵀ) ----
   uint32_t qb[kSteps][NT][2];
   // q̃ = hi + lo, both bf16 (two MMAs), so q̃ keeps ~16 significant bits.
   uint32_t qlo[kSteps][NT][2];
-  {
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      const int hl = 8 * nt + g;
-      const float* qh = a.q_rot + (size_t(b) * a.num_q_heads + h_first + hl) * D;
-      const bool real = hl < nh;
+  for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-      for (int s = 0; s < kSteps; ++s) {
+    for (int s = 0; s < kSteps; ++s)
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          float v[2];
-#pragma unroll
-          for (int e = 0; e < 2; ++e) v[e] = real ? qh[16 * s + 8 * half + 2 * tig + e] : 0.f;
-          qb[s][nt][half] = PackBf162(v[0], v[1]);
-          const __nv_bfloat162 hi = *reinterpret_cast<const __nv_bfloat162*>(&qb[s][nt][half]);
-          qlo[s][nt][half] = PackBf162(v[0] - __low2float(hi), v[1] - __high2float(hi));
-        }
+      for (int half = 0; half < 2; ++half) {
+        const float* v = qraw[s][nt][half];
+        qb[s][nt][half] = PackBf162(v[0], v[1]);
+        const __nv_bfloat162 hi = *reinterpret_cast<const __nv_bfloat162*>(&qb[s][nt][half]);
+        qlo[s][nt][half] = PackBf162(v[0] - __low2float(hi), v[1] - __high2float(hi));
       }
-    }
-  }
 
   // ---- per-warp cp.async ring; a stage holds kSub 16-token units ----
   uint8_t* ring = smem + warp * C::kStages * C::kTile * kSub;
@@ -329,13 +383,16 @@ __global__ void __launch_bounds__(kThreads, (D == 128 && NT == 1) ? 4 : 1)
   auto issue = [&](int t) {
     if (t < my_steps) {
       uint8_t* stage = ring + (t % C::kStages) * C::kTile * kSub;
+      // Steps are issued in order, so a new window starts exactly at t % 32 == 0.
+      if (a.pid_window && t > 0 && (t & 31) == 0) pid_win = load_pids(t);
+      const int32_t pid_shfl = __shfl_sync(0xffffffffu, pid_win, t & 31);
 #pragma unroll
       for (int j = 0; j < kSub; ++j) {
         const int u = first_unit + t * kSub * kWarps + j;
         if (u < nunits) {
           const int sub = u & ((1 << tpp_log2) - 1);
-          const uint8_t* src =
-              head_base + uint64_t((u < n0 ? s_ids : page_ids)[u >> tpp_log2]) * seg.page_stride;
+          const int32_t pid = a.pid_window ? pid_shfl : (u < n0 ? s_ids : page_ids)[u >> tpp_log2];
+          const uint8_t* src = head_base + uint64_t(pid) * seg.page_stride;
           uint8_t* dst = stage + j * C::kTile;
           const int valid = unit_valid(u);
           constexpr int kRowPieces = D / 8;  // 16-byte pieces per bf16 row
@@ -1773,6 +1830,17 @@ bool FoldSink() {
   return on;
 }
 
+// Whether the BF16 kernel loads its page ids in 32-step windows ahead of the copies (v28,
+// AttnArgs::pid_window; default on): KVPOOL_DECODE_BF16_PID=0 restores the per-copy load (A/B).
+// Read once per process.
+bool Bf16PidWindow() {
+  static const bool on = [] {
+    const char* e = std::getenv("KVPOOL_DECODE_BF16_PID");
+    return e == nullptr || std::string(e) != "0";
+  }();
+  return on;
+}
+
 // Launches `kernel` on `stream`, with the PDL attribute when `pdl` (the kernel may then start
 // before its predecessor in the stream finished; it synchronizes with griddepcontrol.wait).
 template <typename Kernel, typename... Args>
@@ -2152,6 +2220,7 @@ KernelStatus LaunchPagedDecode(const PagedDecodeParams& p, Stream stream_handle)
     ab.head_chunks = plan.head_chunks;
     ab.pdl_wait_first = !int2_first;
     ab.fold_sink = plan.fold_sink;
+    ab.pid_window = Bf16PidWindow();
     ab.seg0 = MakeSeg(p.sink, p.bf16_pool, plan.sink, 0);
     ab.seg1 = MakeSeg(p.recent, p.bf16_pool, plan.recent, plan.sink_parts + plan.history.splits);
     return DispatchBf16(
