@@ -20,7 +20,8 @@ EV = {1: "acq_enter", 2: "acq_rpc_done", 3: "acq_exit", 10: "fetch_enter", 11: "
       20: "run_enter", 21: "run_published", 22: "run_done", 23: "slot_begin", 24: "slot_end",
       25: "hint_begin", 26: "hint_end", 27: "task_begin", 28: "task_end", 30: "bp_enter",
       31: "bp_rpc_done", 32: "bp_exit", 40: "wa_enter", 41: "wa_exit", 42: "w_enter",
-      43: "w_exit", 44: "flush_enter", 45: "flush_joined", 46: "flush_exit"}
+      43: "w_exit", 44: "flush_enter", 45: "flush_joined", 46: "flush_exit", 47: "wa_ready",
+      48: "wa_submitted"}
 
 
 def pct(xs, p):
@@ -46,6 +47,7 @@ def main():
     us = lambda d: d / per_us
     # Every slot / task / hint of every thread, for the windows below.
     work = []  # (begin, end, thread, kind)
+    work_arg = {}  # work entry -> its stamps' arg (slot / task index)
     for th, es in ev.items():
         open_ = {}
         for tsc, name, arg in es:
@@ -54,7 +56,9 @@ def main():
             elif name in ("slot_end", "task_end", "hint_end"):
                 k = name[:-4]
                 if k in open_:
-                    work.append((open_.pop(k), tsc, th, k))
+                    w = (open_.pop(k), tsc, th, k)
+                    work.append(w)
+                    work_arg[w] = arg
     work.sort()
     stages = defaultdict(list)
     out = {}
@@ -67,8 +71,11 @@ def main():
     for th, es in ev.items():
         prev = None
         i = 0
+        cpu = {}  # the CPU args of the last acq_enter / acq_rpc_done / bp_enter / bp_rpc_done
         while i < len(es):
             tsc, name, arg = es[i]
+            if name in ("acq_enter", "acq_rpc_done", "bp_enter", "bp_rpc_done"):
+                cpu[name] = arg
             if name == "fetch_enter":
                 j = i
                 marks = {}
@@ -79,7 +86,8 @@ def main():
                     marks["fetch_exit"] = es[j][0]
                     kind = "first" if prev == "acq_exit" else ("warm" if prev == "fetch_exit" else None)
                     if kind:
-                        fetch_kinds[kind].append((marks, th))
+                        moved = (cpu.get("acq_enter") != cpu.get("acq_rpc_done")) if kind == "first" else None
+                        fetch_kinds[kind].append((marks, th, moved))
                     prev = "fetch_exit"
                     i = j + 1
                     continue
@@ -88,6 +96,7 @@ def main():
                 j = i
                 marks = {"first_wa_enter": tsc}
                 calls = []
+                submitted = {}  # layer -> its wa_submitted stamp (session 13 stamps)
                 open_call = None
                 while j < len(es) and es[j][1] != "flush_exit":
                     n2 = es[j][1]
@@ -95,12 +104,16 @@ def main():
                         open_call = es[j][0]
                     elif n2 == "wa_exit" and open_call is not None:
                         calls.append((open_call, es[j][0]))
+                    elif n2 == "wa_submitted":
+                        submitted[es[j][2]] = es[j][0]
+                        marks.setdefault(n2, es[j][0])
                     else:
                         marks.setdefault(n2, es[j][0])
                     j += 1
                 if j < len(es):
                     marks["flush_exit"] = es[j][0]
-                    put_async.append((marks, calls, th))
+                    marks["submitted"] = submitted
+                    put_async.append((marks, calls, th, cpu.get("bp_enter") != cpu.get("bp_rpc_done")))
                     prev = "flush_exit"
                     i = j + 1
                     continue
@@ -114,8 +127,15 @@ def main():
                  "run_enter", "run_published", "run_done", "copy_done", "fetch_exit"]
         st = defaultdict(list)
         slots_caller, slot_dur, first_start, hints_done, hint_lead = [], [], [], [], []
-        for marks, th in lst:
+        for marks, th, moved in lst:
             st["total"].append(us(marks["fetch_exit"] - marks["fetch_enter"]))
+            if moved is not None:
+                # Session 13: whether the caller came back from the Acquire RPC on another CPU.
+                tag = "moved" if moved else "same cpu"
+                st[f"total ({tag})"].append(us(marks["fetch_exit"] - marks["fetch_enter"]))
+                if "run_published" in marks:
+                    st[f"enter->run_published ({tag})"].append(
+                        us(marks["run_published"] - marks["fetch_enter"]))
             last = None
             for o in order:
                 if o in marks:
@@ -139,6 +159,9 @@ def main():
             hint_lead += [us(marks.get("run_published", marks["fetch_exit"]) - w[1]) for w in hs]
         for k, v in st.items():
             rep[k] = {"p50": pct(v, 0.5), "p90": pct(v, 0.9)}
+        moved = [m for _, _, m in lst if m is not None]
+        if moved:
+            rep["caller_moved_cpu_in_acquire_rpc_fraction"] = round(sum(moved) / len(moved), 3)
         rep["slots_on_caller_p50"] = pct(slots_caller, 0.5)
         rep["slot_us"] = {"p50": pct(slot_dur, 0.5), "p90": pct(slot_dur, 0.9), "n": len(slot_dur)}
         rep["worker_first_slot_after_publish_us"] = {"p50": pct(first_start, 0.5),
@@ -153,8 +176,15 @@ def main():
     rep = {"count": len(lst)}
     st = defaultdict(list)
     tasks_caller, task_dur, last_task_after_flush = [], [], []
-    for marks, calls, th in lst:
+    task_start_after_submit = []
+    for marks, calls, th, moved in lst:
         st["window (first call -> flush returned)"].append(us(marks["flush_exit"] - marks["first_wa_enter"]))
+        tag = "moved" if moved else "same cpu"
+        st[f"window ({tag} in BeginPut RPC)"].append(us(marks["flush_exit"] - marks["first_wa_enter"]))
+        if "wa_ready" in marks:  # the first call's stages (session 13 stamps)
+            st["first call: enter -> checks + layout done"].append(us(marks["wa_ready"] - marks["first_wa_enter"]))
+            if "wa_submitted" in marks:
+                st["first call: Submit"].append(us(marks["wa_submitted"] - marks["wa_ready"]))
         if calls:
             st["first call"].append(us(calls[0][1] - calls[0][0]))
             st["later calls (sum)"].append(sum(us(e - b) for b, e in calls[1:]))
@@ -167,10 +197,24 @@ def main():
         task_dur += [us(w[1] - w[0]) for w in ws]
         if ws:
             last_task_after_flush.append(us(max(w[1] for w in ws) - marks["flush_enter"]))
+        sub = marks.get("submitted") or {}
+        if sub and calls and len(ws) % len(calls) == 0:
+            # Each task's start after the Submit that published it (tasks are layer-major, the
+            # same number per layer; the task index is the stamp's arg).
+            per_layer = len(ws) // len(calls)
+            for w in ws:
+                at = sub.get(work_arg[w] // per_layer)
+                if at is not None:
+                    task_start_after_submit.append(us(w[0] - at))
     for k, v in st.items():
         rep[k] = {"p50": pct(v, 0.5), "p90": pct(v, 0.9)}
+    if lst:
+        rep["caller_moved_cpu_in_beginput_rpc_fraction"] = round(sum(1 for x in lst if x[3]) / len(lst), 3)
     rep["tasks_on_caller_p50"] = pct(tasks_caller, 0.5)
     rep["task_us"] = {"p50": pct(task_dur, 0.5), "p90": pct(task_dur, 0.9), "n": len(task_dur)}
+    if task_start_after_submit:
+        rep["task_start_after_its_submit_us"] = {"p50": pct(task_start_after_submit, 0.5),
+                                                 "p90": pct(task_start_after_submit, 0.9)}
     rep["last_task_end_after_flush_enter_us"] = {"p50": pct(last_task_after_flush, 0.5),
                                                  "p90": pct(last_task_after_flush, 0.9)}
     out["put_async"] = rep

@@ -9,6 +9,8 @@
 #include <mutex>
 #include <vector>
 
+#include <sched.h>
+
 #if defined(__x86_64__)
 #include <x86intrin.h>
 #endif
@@ -97,6 +99,11 @@ void Record(Event event, uint32_t arg) {
     return;
   }
   buf->entries[buf->used++] = {Tsc(), arg, event};
+}
+
+uint32_t Cpu() {
+  const int c = sched_getcpu();
+  return c < 0 ? 0xFFFFFFFFu : static_cast<uint32_t>(c);
 }
 
 }  // namespace kvpool::client::stamps

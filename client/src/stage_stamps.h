@@ -18,7 +18,8 @@
 namespace kvpool::client::stamps {
 
 enum Event : uint16_t {
-  // Client::Acquire (calling thread).
+  // Client::Acquire (calling thread); since session 13 kAcquireEnter's and kAcquireRpcDone's
+  // arg is the CPU (Cpu()) at that point (the same for BeginPut's).
   kAcquireEnter = 1,
   kAcquireRpcDone = 2,
   kAcquireExit = 3,
@@ -57,9 +58,17 @@ enum Event : uint16_t {
   kFlushEnter = 44,
   kFlushJoined = 45,  // the asynchronous layers are drained
   kFlushExit = 46,
+  // Inside WriteLayerAsync (session 13), arg = layer: the checks and the first call's task
+  // layout done; the layer's tasks published.
+  kWriteAsyncReady = 47,
+  kWriteAsyncSubmitted = 48,
 };
 
 void Record(Event event, uint32_t arg);
+
+// The CPU the calling thread runs on now (sched_getcpu; for the Acquire and BeginPut stamps,
+// whose args say whether the caller came back from the RPC on another core: session 13).
+uint32_t Cpu();
 
 // Stamps `enter` now and `exit` when the scope ends (every return path).
 class Scope {
