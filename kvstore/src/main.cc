@@ -18,6 +18,7 @@
 #include "kvpool/common/cli.h"
 #include "kvpool/common/log.h"
 #include "kvpool/kvstore/server.h"
+#include "memory_limit.h"
 
 namespace {
 
@@ -90,11 +91,23 @@ CLI::Validator WatermarkFraction(bool low) {
       "in [0.5, 1]");
 }
 
+// What --capacity may be at most: the memory this process may use (physical memory, or its
+// cgroup's limit: a container's limits.memory) less kProcessReserve for the process itself
+// (gRPC, UCX, the binary: ~32 MiB resident with a tiny pool). The pool's memory is allocated and
+// pinned up front: more can only end in swapping or the OOM killer, which in a container kills
+// it before it logs a line (newcomer report 13 F1).
+constexpr uint64_t kProcessReserve = 64ull << 20;
+const kvpool::kvstore::MemoryLimit& UsableMemory() {
+  static const kvpool::kvstore::MemoryLimit limit =
+      kvpool::kvstore::ProcessMemoryLimit(static_cast<uint64_t>(sysconf(_SC_PHYS_PAGES)) *
+                                          static_cast<uint64_t>(sysconf(_SC_PAGESIZE)));
+  return limit;
+}
+
 // CLI11 checks for --capacity and --max-registration-bytes: a positive byte count ParseBytes
-// reads, and for --capacity 1 MiB .. this machine's physical memory (the pool's memory is
-// allocated and pinned up front: more can only end in swapping or the OOM killer, less cannot
-// hold a block of any real model). At parse time, so a value from a --config file is named with
-// the file and its key (cli::Parse; newcomer s8 N9).
+// reads, and for --capacity 1 MiB .. UsableMemory() - kProcessReserve (less cannot hold a block
+// of any real model). At parse time, so a value from a --config file is named with the file and
+// its key (cli::Parse; newcomer s8 N9).
 CLI::Validator ByteCount(const char* examples, bool capacity_bounds) {
   return CLI::Validator(
       [examples, capacity_bounds](std::string& v) -> std::string {
@@ -104,13 +117,17 @@ CLI::Validator ByteCount(const char* examples, bool capacity_bounds) {
               "cannot parse \"", v,
               "\" as a positive byte count (bytes, or digits and a unit: ", examples, ")");
         }
+        if (!capacity_bounds) return {};
         constexpr uint64_t kMinCapacity = 1ull << 20;
-        const uint64_t physical = static_cast<uint64_t>(sysconf(_SC_PHYS_PAGES)) *
-                                  static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
-        if (capacity_bounds && (bytes < kMinCapacity || (physical > 0 && bytes > physical))) {
+        if (bytes < kMinCapacity) {
+          return absl::StrCat(v, " (", bytes, " bytes) is below 1 MiB");
+        }
+        const kvpool::kvstore::MemoryLimit& limit = UsableMemory();
+        if (limit.bytes > 0 && bytes + kProcessReserve > limit.bytes) {
           return absl::StrCat(v, " (", bytes,
-                              " bytes) is outside 1 MiB .. this machine's physical memory (",
-                              physical, " bytes)");
+                              " bytes) is more than this process may use: ", limit.bytes,
+                              " bytes (", limit.source, ") less 64 MiB for the ",
+                              "process itself; the pool allocates and pins all of it at start");
         }
         return {};
       },
@@ -184,7 +201,8 @@ int main(int argc, char** argv) {
       ->check(kvpool::cli::Range(-1, 65535));
   app.add_option("--capacity", capacity,
                  "Pool memory for blocks and staging: bytes or with a unit (KiB, MiB, GiB, TiB, "
-                 "KB, MB, GB, TB), 1 MiB .. this machine's physical memory")
+                 "KB, MB, GB, TB), 1 MiB .. the memory this process may use (physical memory or "
+                 "its cgroup's limit) less 64 MiB; allocated and pinned at start")
       ->check(ByteCount("64GiB, 512MiB, 1000000", /*capacity_bounds=*/true));
   std::string max_registration = "1GiB";
   app.add_option("--max-registration-bytes", max_registration,
@@ -278,6 +296,17 @@ int main(int argc, char** argv) {
 
   // Checked by ByteCount at parse time.
   ParseBytes(capacity, &o.capacity_bytes);
+  // Allowed, but warned before the allocation that may be the process's last act: other
+  // processes hold memory now (the check above is against the limit, not what is free).
+  if (const uint64_t avail = kvpool::kvstore::MemAvailableBytes();
+      avail > 0 && o.capacity_bytes > avail) {
+    std::fprintf(stderr,
+                 "kvpool-server: warning: --capacity %s (%llu bytes) is more than the memory "
+                 "available now (MemAvailable %llu bytes in /proc/meminfo); the pool allocates "
+                 "and pins all of it at start: expect swapping or the OOM killer\n",
+                 capacity.c_str(), static_cast<unsigned long long>(o.capacity_bytes),
+                 static_cast<unsigned long long>(avail));
+  }
   ParseBytes(max_registration, &o.store.max_registration_bytes);
   // A default lease longer than the longest one a client may request contradicts itself; the
   // pool used to raise the maximum silently.
