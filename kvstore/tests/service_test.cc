@@ -1538,7 +1538,7 @@ TEST(ServerBinaryTest, ConfigFileValueErrorsNameTheFileAndTheKey) {
   for (const Case& c : {
            Case{"capacity: lots",
                 "key \"capacity\": --capacity: cannot parse \"lots\" as a positive byte count"},
-           Case{"capacity: 1", "key \"capacity\": --capacity: 1 (1 bytes) is outside 1 MiB .. "},
+           Case{"capacity: 1", "key \"capacity\": --capacity: 1 (1 bytes) is below 1 MiB"},
            Case{"max-registration-bytes: 0",
                 "key \"max-registration-bytes\": --max-registration-bytes: cannot parse \"0\""},
            Case{"listen: \"[::1]\"",
