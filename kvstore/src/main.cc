@@ -220,8 +220,8 @@ int main(int argc, char** argv) {
   app.add_option("--transfer-initiator", o.transfer_initiator,
                  "Who starts RMA transfers: pool (clients call WritePut/ReadLeased; a client "
                  "killed mid-transfer cannot abort the pool over tcp), client (clients put/get "
-                 "the pool's memory themselves), or auto (pool when --ucx-tls is empty or names "
-                 "tcp, else client)")
+                 "the pool's memory themselves), or auto (pool when --ucx-tls may let UCX use tcp: "
+                 "empty, all, an item naming tcp, or a ^ list keeping it; else client)")
       ->check(CLI::IsMember({"auto", "pool", "client"}))
       ->capture_default_str();
   app.add_option("--high-watermark", o.store.high_watermark,

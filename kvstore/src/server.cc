@@ -22,8 +22,11 @@
 #include <random>
 #include <thread>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "kvpool/common/host_port.h"
 #include "kvpool/common/log.h"
 #include "kvpool/common/status.h"
@@ -234,6 +237,19 @@ int PoolServer::metrics_port() const { return impl_->http_port; }
 const std::string& PoolServer::ucx_worker_address() const { return impl_->worker_address; }
 BlockStore& PoolServer::store() { return *impl_->store; }
 
+bool UcxTlsMayUseTcp(std::string_view ucx_tls_std) {
+  absl::string_view ucx_tls(ucx_tls_std.data(), ucx_tls_std.size());
+  if (ucx_tls.empty()) return true;
+  const bool exclude = absl::ConsumePrefix(&ucx_tls, "^");
+  bool names_tcp = false;
+  for (absl::string_view item : absl::StrSplit(ucx_tls, ',')) {
+    item = absl::StripAsciiWhitespace(item);
+    if (absl::EqualsIgnoreCase(item, "all")) return !exclude;  // everything, or nothing
+    if (absl::StrContains(absl::AsciiStrToLower(item), "tcp")) names_tcp = true;
+  }
+  return exclude ? !names_tcp : names_tcp;
+}
+
 absl::StatusOr<std::unique_ptr<PoolServer>> PoolServer::Create(const PoolServerOptions& o) {
   auto impl = std::make_unique<Impl>();
   impl->options = o;
@@ -264,7 +280,7 @@ absl::StatusOr<std::unique_ptr<PoolServer>> PoolServer::Create(const PoolServerO
   }
   bool pool_initiates = o.transfer_initiator == "pool";
   if (o.transfer_initiator == "auto") {
-    pool_initiates = o.ucx_tls.empty() || absl::StrContains(o.ucx_tls, "tcp");
+    pool_initiates = UcxTlsMayUseTcp(o.ucx_tls);
   }
 #if defined(KVPOOL_HAVE_TRANSPORT)
   std::shared_ptr<transport::MemoryRegion> arena;
@@ -395,6 +411,14 @@ absl::StatusOr<std::unique_ptr<PoolServer>> PoolServer::Create(const PoolServerO
   }
   Impl* raw = impl.get();
   raw->tick_thread = std::thread([raw] { raw->TickLoop(); });
+  if (o.data_plane == "ucx" && !ctx.pool_initiates_transfers && UcxTlsMayUseTcp(o.ucx_tls)) {
+    KVPOOL_LOG_WARN(
+        "--transfer-initiator client with --ucx-tls '{}', which lets UCX use tcp: a client killed "
+        "in the middle of an RMA transfer over tcp can abort this pool and lose every stored "
+        "block (UCX 1.13 emulates RMA over tcp with messages the pool answers; docs/TRANSPORT.md). "
+        "Use --transfer-initiator pool (or auto), or a --ucx-tls without tcp",
+        o.ucx_tls);
+  }
   KVPOOL_LOG_INFO(
       "kvpool-server ready: grpc {}{} metrics {} capacity {} bytes data-plane {} transfers "
       "initiated by the {} rotation_path {}",

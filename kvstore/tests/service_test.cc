@@ -744,6 +744,42 @@ TEST_F(ServiceTest, SixteenConcurrentClientsByteExact) {
   EXPECT_EQ(s.staging_bytes, 0u);
 }
 
+// Newcomer report 13 F3: `auto` looked for the letters "tcp" only, so --ucx-tls all and ^posix
+// (lists that let UCX use tcp) made clients initiate RMA over tcp, and a client killed
+// mid-transfer aborted the pool (UCX 1.13: "Endpoint timeout").
+TEST(UcxTlsTest, EverySpellingThatLetsUcxUseTcpIsSeen) {
+  for (const char* tcp : {"", "tcp", "TCP", "posix,tcp", "tcp_sockcm", "all", "ALL", "sm,all",
+                          "^posix", "^posix,cma", "^ib", "posix, tcp"}) {
+    EXPECT_TRUE(UcxTlsMayUseTcp(tcp)) << "'" << tcp << "'";
+  }
+  for (const char* none : {"posix,cma", "sm", "shm,self", "rc,ud", "^tcp", "^posix,tcp", "^all"}) {
+    EXPECT_FALSE(UcxTlsMayUseTcp(none)) << "'" << none << "'";
+  }
+}
+
+TEST(UcxTlsTest, AutoLetsThePoolInitiateWheneverTcpMayBeUsed) {
+  for (const auto& [tls, pool_initiates] : std::vector<std::pair<std::string, bool>>{
+           {"all", true}, {"^posix", true}, {"", true}, {"posix,cma", false}, {"^tcp", false}}) {
+    SCOPED_TRACE(tls);
+    transport::FakeFabric fabric;
+    PoolServerOptions o;
+    o.listen = "127.0.0.1:0";
+    o.metrics_port = -1;
+    o.capacity_bytes = 4 << 20;
+    o.ucx_tls = tls;  // the fake transport ignores it; the initiator rule reads it
+    o.transport_factory = [&fabric]() -> absl::StatusOr<std::unique_ptr<transport::Transport>> {
+      return fabric.CreateTransport("pool");
+    };
+    auto server = PoolServer::Create(o);
+    ASSERT_TRUE(server.ok()) << server.status();
+    auto stub = pb::KvPool::NewStub(grpc::CreateChannel(
+        absl::StrCat("127.0.0.1:", (*server)->grpc_port()), grpc::InsecureChannelCredentials()));
+    pb::RegisterModelResponse reg;
+    ASSERT_TRUE(stub->RegisterModel(Ctx().get(), RegisterRequest(testing::TinySpec()), &reg).ok());
+    EXPECT_EQ(reg.pool_initiates_transfers(), pool_initiates);
+  }
+}
+
 // Pool-initiated transfers through a server built on an injected in-process transport
 // (FakeFabric): WritePut pulls staging bytes from the client's region, ReadLeased pushes leased
 // forms into it; malformed requests are refused naming the field; a pool that does not

@@ -15,6 +15,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <string_view>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -46,9 +47,10 @@ struct PoolServerOptions {
   std::string ucx_tls;
   // Who initiates RMA transfers: "client" (clients put into staging and get leased forms
   // themselves), "pool" (clients call WritePut/ReadLeased and the pool gets/puts; a client dying
-  // mid-transfer then fails only the pool's own request), or "auto": "pool" when `ucx_tls` is
-  // empty or names tcp — UCX 1.13 emulates RMA over tcp with messages the target answers, and a
-  // target answering a dead client aborts (docs/TRANSPORT.md) — else "client". Default "auto".
+  // mid-transfer then fails only the pool's own request), or "auto": "pool" when `ucx_tls` may
+  // let UCX use tcp (UcxTlsMayUseTcp) — UCX 1.13 emulates RMA over tcp with messages the target
+  // answers, and a target answering a dead client aborts (docs/TRANSPORT.md) — else "client".
+  // "client" with such a list starts, with a warning. Default "auto".
   std::string transfer_initiator = "auto";
   // Tests: builds the data plane instead of CreateUcxTransport (e.g. a FakeFabric transport).
   // Ignored unless data_plane is "ucx". Default: none.
@@ -63,6 +65,11 @@ struct PoolServerOptions {
   absl::Duration tick_interval = absl::Milliseconds(100);
   StoreOptions store;
 };
+
+// Whether a UCX_TLS value may let UCX pick tcp: "" (UCX's default: every transport), a list with
+// "all" or an item naming tcp ("tcp", "tcp_sockcm"), or an exclusion list ("^…") that does not
+// exclude tcp. Items are compared case-insensitively, as UCX does. Pure; thread-safe.
+bool UcxTlsMayUseTcp(std::string_view ucx_tls);
 
 class PoolServer {
  public:
