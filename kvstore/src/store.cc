@@ -310,8 +310,9 @@ absl::StatusOr<ModelInfo> BlockStore::RegisterModel(const ModelSpec& spec_in,
   ns.rotation_id = rot_id;
   ns.page_size = spec.geometry.page_size;
   ns.sink_tokens = spec.sink_tokens;
-  ns.clip_ratio_k = spec.clip_ratio_k;
-  ns.clip_ratio_v = spec.clip_ratio_v;
+  // + 0.0f: -0 and 0 are one recipe ("clipping disabled"), so one namespace.
+  ns.clip_ratio_k = spec.clip_ratio_k + 0.0f;
+  ns.clip_ratio_v = spec.clip_ratio_v + 0.0f;
   ns.history_precision = PrecisionName(spec.history_precision);
   ns.tensor_parallel = spec.tensor_parallel;
   KVPOOL_ASSIGN_OR_RETURN(Digest ns_id, NamespaceKey(ns));

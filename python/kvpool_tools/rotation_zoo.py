@@ -464,6 +464,7 @@ def convert(keys_obj: Dict[str, Any], values_obj: Optional[Dict[str, Any]], *, m
     for flag, clip in (("--clip-k", clip_k), ("--clip-v", clip_v)):
         if not (math.isfinite(clip) and 0.0 <= clip <= 1.0):
             raise ConversionError(f"{flag} must be 0 (disabled) or in (0, 1], got {clip}")
+    clip_k, clip_v = clip_k + 0.0, clip_v + 0.0  # -0 is 0, as in _clip_ratio
     k_obj = str(keys_obj.get("objective", "oscar"))
     v_obj = str(values_obj.get("objective", k_obj)) if values_obj is not None else k_obj
     objective, composition = _objective_and_composition(k_obj, v_obj)
@@ -502,7 +503,7 @@ def _clip_ratio(v: str) -> float:
         raise argparse.ArgumentTypeError(f"'{v}' is not a number") from None
     if not (math.isfinite(x) and 0.0 <= x <= 1.0):  # as `kvpool calibrate --clip-k`
         raise argparse.ArgumentTypeError(f"must be 0 (disabled) or in (0, 1], got '{v}'")
-    return x
+    return x + 0.0  # -0 is 0: one rotation id and namespace for "clipping disabled"
 
 
 def _read_input(path: str, flag: str) -> bytes:

@@ -42,6 +42,9 @@ const CLI::Validator kClipRatio(
       if (!CLI::detail::lexical_cast(v, r) || !(r >= 0.0f && r <= 1.0f)) {
         return "must be 0 (disabled) or in (0, 1], got '" + v + "'";
       }
+      // "-0" is 0: recorded as -0 it gave another rotation id, revision and namespace for the
+      // same "clipping disabled" (newcomer report 13 F9).
+      if (r == 0.0f) v = "0";
       return {};
     },
     "RATIO in [0,1]");
@@ -410,7 +413,7 @@ int main(int argc, char** argv) {
       ->add_option("--clip", q.clip,
                    "clip ratio (0 disables; default: the rotation file's ratio for --kind, or "
                    "0.96 for k / 0.92 for v with --rotation none|hadamard)")
-      ->check(kClipRatio)
+      ->transform(kClipRatio)
       ->default_str("file's ratio");
   CLI::Option* dequant_out = quant
                                  ->add_option("--dequant-out", q.dequant_out,
@@ -453,10 +456,10 @@ int main(int argc, char** argv) {
                                ->check(kvpool::cli::OutputFile());
   calib->add_flag("--per-head", c.per_head, "one rotation per (layer, KV head) (format_version 2)");
   calib->add_option("--clip-k", c.clip_ratio_k, "K clip ratio recorded in the file")
-      ->check(kClipRatio)
+      ->transform(kClipRatio)
       ->capture_default_str();
   calib->add_option("--clip-v", c.clip_ratio_v, "V clip ratio recorded in the file")
-      ->check(kClipRatio)
+      ->transform(kClipRatio)
       ->capture_default_str();
 
   // An output that is one of the inputs (or the other output) would replace it (newcomer s7 F7).

@@ -277,4 +277,9 @@ check quantize-two-outputs-one-file 1 "--packed-out: '$tmp/both.bin' is the same
   && echo "ok   quantize-inputs-kept" || { echo "FAIL quantize replaced an input"; fail=1; }
 # A keyword is not a file: --rotation none with an output named "none" still runs.
 check quantize-rotation-keyword-not-a-file 0 "relative L2 err" -- bash -c "cd '$tmp' && '$bin' quantize --in xin.npy --rotation none --packed-out none"
+# --clip-k -0 is 0: the same file, so the same rotation id and namespace (newcomer report 13 F9).
+"$bin" calibrate --model "$model" --text "$data/calibration.txt" --tokens 400 --clip-k -0 --clip-v -0 --out "$tmp/rneg0.safetensors" >/dev/null 2>&1
+"$bin" calibrate --model "$model" --text "$data/calibration.txt" --tokens 400 --clip-k 0 --clip-v 0 --out "$tmp/rzero.safetensors" >/dev/null 2>&1
+[[ -s "$tmp/rzero.safetensors" ]] && cmp -s "$tmp/rneg0.safetensors" "$tmp/rzero.safetensors" \
+  && echo "ok   calibrate-clip-minus-zero-is-zero" || { echo "FAIL calibrate --clip-k -0 wrote another file than --clip-k 0"; fail=1; }
 exit $fail
