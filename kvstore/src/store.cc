@@ -623,6 +623,10 @@ absl::StatusOr<std::vector<uint64_t>> BlockStore::AllocateAllLocked(
   }
   if (offsets.size() == sizes.size()) return offsets;
   free_all();
+  // Leases and puts past their deadline pin nothing from here on, even before the expiry tick
+  // runs (--tick-ms up to 60 s): their readers and writers are refused already (newcomer
+  // report 13 F6: an expired lease kept its blocks from eviction until the tick).
+  ExpireLocked(clock_->Now());
   // 2. Would they (and `then` after them) fit once eviction freed all it may? If not, evict
   // nothing.
   const EvictionDryRun dry = DryRunEvictionLocked();
@@ -1595,7 +1599,10 @@ StoreStats BlockStore::Stats() const {
     s.form_bytes[f] = form_bytes_[f];
   }
   s.open_puts = puts_.size();
-  s.leases = leases_.size();
+  const absl::Time now = clock_->Now();
+  for (const auto& [id, lease] : leases_) {
+    if (lease.deadline > now) ++s.leases;  // one past its deadline is expired before the tick
+  }
   s.commit_device = std::string(encoder_->device_name());
   {
     std::shared_lock models_lock(models_mu_);

@@ -935,6 +935,25 @@ TEST_F(EvictionTest, EvictsWholeBlocksLeafFirstAndNeverLeased) {
   ASSERT_TRUE(store_->Release(lease->lease_id).ok());
 }
 
+// Newcomer report 13 F6: a lease past its deadline kept its blocks from eviction (and counted in
+// Stats().leases) until the expiry tick ran, up to --tick-ms (60 s) later. It pins nothing now.
+TEST_F(EvictionTest, ALeasePastItsDeadlinePinsNothingBeforeTheTick) {
+  ASSERT_TRUE(Put(1, 4).ok());
+  auto lease = store_->Acquire(ns_, {.token_ids = Tokens(1, 16)}, 0, absl::Seconds(1));
+  ASSERT_EQ(lease->blocks.size(), 4u);
+  EXPECT_EQ(store_->Stats().leases, 1u);
+  clock_.Advance(absl::Seconds(2));  // no Tick
+  EXPECT_EQ(store_->Stats().leases, 0u);
+  // Sequence 1 is the least recently used: the puts below evict it first.
+  for (uint32_t seq = 2; seq < 8; ++seq) {
+    auto c = Put(seq, 3);
+    ASSERT_TRUE(c.ok()) << seq << ": " << c.status();
+  }
+  EXPECT_LT(Forms(1, 4).size(), 4u) << "the expired lease still pinned sequence 1";
+  EXPECT_EQ(store_->metrics().lease_expiries.load(), 1u);
+  EXPECT_EQ(store_->Release(lease->lease_id).code(), absl::StatusCode::kNotFound);
+}
+
 TEST_F(EvictionTest, PoolFullOfLeasedBlocksRefusesPuts) {
   InitWatermarks(0.9, 0.8);
   for (uint32_t seq = 1; seq <= 3; ++seq) {
