@@ -151,8 +151,15 @@ std::string RenderPrometheus(const Metrics& m, const std::vector<GaugeSample>& g
   Counter(&out, "kvpool_put_bytes_total", "Staging bytes reserved by BeginPut.", m.put_bytes);
   Counter(&out, "kvpool_commit_bytes_total", "Staging bytes ingested by successful commits.",
           m.commit_bytes);
-  Counter(&out, "kvpool_fetch_bytes_total", "Form bytes handed to readers under leases.",
+  // Newcomer report 13 F5: "handed to readers" read as "read"; a window block is leased with
+  // both forms and one is read, and a lease nobody reads counts too.
+  Counter(&out, "kvpool_fetch_bytes_total",
+          "Form bytes leased by Acquire: every form of every leased block, read or not.",
           m.fetch_bytes);
+  Counter(&out, "kvpool_read_leased_bytes_total",
+          "Form bytes the pool wrote into readers' memory (ReadLeased, pool-initiated transfers; "
+          "client-initiated reads are counted by the clients).",
+          m.read_leased_bytes);
   Counter(&out, "kvpool_grpc_errors_total", "gRPC calls that returned a non-OK status.",
           m.grpc_errors);
   struct H {

@@ -893,11 +893,15 @@ class KvPoolService final : public pb::KvPool::Service {
         }
       }
     }
-    for (const absl::Status& r : results) {
+    uint64_t moved = 0;
+    for (int i = 0; i < req.reads_size(); ++i) {
+      const absl::Status& r = results[i];
+      if (r.ok()) moved += req.reads(i).size();
       pb::ItemStatus* st = resp->add_results();
       st->set_code(static_cast<int32_t>(r.code()));
       st->set_message(std::string(r.message()));
     }
+    store_.metrics().read_leased_bytes.fetch_add(moved, std::memory_order_relaxed);
     return absl::OkStatus();
 #else
     (void)req;

@@ -911,6 +911,8 @@ TEST(PoolInitiatedTest, WritePutAndReadLeasedOverAFakeFabric) {
   }
   EXPECT_EQ(read.results(rl.reads_size() - 1).code(), int(grpc::StatusCode::NOT_FOUND));
   EXPECT_EQ((*dest)->data()[at], 0xEE);
+  // kvpool_read_leased_bytes_total: the forms written (`at` bytes), not the refused stray read.
+  EXPECT_EQ((*server)->store().metrics().read_leased_bytes.load(), at);
   pb::ReleaseRequest rel;
   rel.set_lease_id(lease.lease_id());
   pb::ReleaseResponse released;

@@ -69,7 +69,8 @@ struct Metrics {
   std::atomic<uint64_t> int2_overflow_blocks{0};  // kept BF16 because a group exceeded fp16
   std::atomic<uint64_t> put_bytes{0};             // staging bytes reserved by BeginPut
   std::atomic<uint64_t> commit_bytes{0};          // staging bytes ingested by successful commits
-  std::atomic<uint64_t> fetch_bytes{0};           // form bytes handed out under leases
+  std::atomic<uint64_t> fetch_bytes{0};           // form bytes leased (every form, read or not)
+  std::atomic<uint64_t> read_leased_bytes{0};     // form bytes ReadLeased pushed (reads OK)
   std::atomic<uint64_t> grpc_errors{0};
   // Latency (seconds) and size (bytes) histograms.
   Histogram put_latency;  // BeginPut
