@@ -62,6 +62,12 @@
 
 namespace {
 
+// A status as people read it: code and message, without payloads (a room refusal carries a
+// binary one, which ToString() printed as escaped bytes; newcomer report 13 F7).
+std::string TextOf(const absl::Status& s) {
+  return s.ToString(absl::StatusToStringMode::kWithNoExtraData);
+}
+
 using kvpool::client::Client;
 using kvpool::client::ClientOptions;
 using kvpool::client::ModelSpec;
@@ -94,7 +100,7 @@ std::string RotationFile(const std::string& model, uint32_t L, uint32_t H, uint3
   meta.num_kv_heads = H;
   auto rot = kvpool::RotationSet::Hadamard(meta);
   if (!rot.ok()) {
-    KVPOOL_LOG_ERROR("rotation: {}", rot.status().ToString());
+    KVPOOL_LOG_ERROR("rotation: {}", TextOf(rot.status()));
     std::exit(kvpool::cli::kExitRuntime);
   }
   return kvpool::SerializeRotations(*rot);
@@ -147,7 +153,7 @@ std::unique_ptr<Client> NewClient(const std::string& server, const std::string& 
   o.default_timeout = absl::Seconds(60);
   auto c = Client::Create(o);
   if (!c.ok()) {
-    KVPOOL_LOG_ERROR("client: {}", c.status().ToString());
+    KVPOOL_LOG_ERROR("client: {}", TextOf(c.status()));
     std::exit(kvpool::cli::kExitRuntime);
   }
   return *std::move(c);
@@ -192,13 +198,13 @@ class SpinBarrier {
   std::atomic<uint32_t> gen_{0};
 };
 
-#define BENCH_CHECK(expr)                               \
-  do {                                                  \
-    absl::Status s_ = (expr);                           \
-    if (!s_.ok()) {                                     \
-      KVPOOL_LOG_ERROR("{}: {}", #expr, s_.ToString()); \
-      std::exit(kvpool::cli::kExitRuntime);             \
-    }                                                   \
+#define BENCH_CHECK(expr)                            \
+  do {                                               \
+    absl::Status s_ = (expr);                        \
+    if (!s_.ok()) {                                  \
+      KVPOOL_LOG_ERROR("{}: {}", #expr, TextOf(s_)); \
+      std::exit(kvpool::cli::kExitRuntime);          \
+    }                                                \
   } while (0)
 
 // The in-flight section's result for one size.
@@ -234,7 +240,7 @@ Inflight RunInflight(const std::vector<std::unique_ptr<Client>>& clients, const 
     if (s.ok()) return;
     KVPOOL_LOG_ERROR(
         "in-flight section, {} KiB blocks, client {} of {}: {}: {}{}", bytes >> 10, client + 1, D,
-        what, s.ToString(),
+        what, TextOf(s),
         absl::IsResourceExhausted(s)
             ? absl::StrCat(" (this section holds ", D, " client(s) x ", per_window, " put(s) x ",
                            bytes >> 10, " KiB = ", staging_bytes,
@@ -548,6 +554,15 @@ int main(int argc, char** argv) {
   // chunk. Results from before it (one xxh3 stream per form) have no such field.
   out["checksum"] = absl::StrCat("chunked xxh3_64, ", kvpool::kChecksumChunkBytes, "-byte chunks");
 
+  // Every size is checked before anything is printed (newcomer report 13 F7: the header came
+  // first, then the refusal).
+  for (uint64_t kib : sizes_kib) {
+    const uint64_t bytes = kib << 10;
+    if (bytes < (16u << 10) || (bytes & (bytes - 1)) != 0) {
+      KVPOOL_LOG_ERROR("--sizes-kib: {} is not a power of two >= 16", kib);
+      return kvpool::cli::kExitUsage;
+    }
+  }
   // Not with --only-inflight: the table's columns are the one-at-a-time transfers it skips
   // (newcomer 11b F7: the header was printed with no rows).
   if (!only_inflight) {
@@ -560,10 +575,6 @@ int main(int argc, char** argv) {
   }
   for (uint64_t kib : sizes_kib) {
     const uint64_t bytes = kib << 10;
-    if (bytes < (16u << 10) || (bytes & (bytes - 1)) != 0) {
-      KVPOOL_LOG_ERROR("--sizes-kib: {} is not a power of two >= 16", kib);
-      return kvpool::cli::kExitUsage;
-    }
     // bytes = L * H * 8 KiB; keep L <= 8.
     const uint32_t units = static_cast<uint32_t>(bytes / (8 << 10));
     const uint32_t L = std::min<uint32_t>(8, units);
