@@ -650,6 +650,19 @@ int main(int argc, char** argv) {
   }
   auto& engine = **engine_or;
   const auto& cfg = engine.config();
+  // Generation stops when the context is full; say so, as kvpool-engine does (newcomer report 13
+  // F8: a 510-token prompt with --max-new-tokens 100 gave 2 tokens and no word about it).
+  auto context_full = [&](size_t prompt, size_t generated) {
+    return generated < static_cast<size_t>(std::max(max_new, 0)) &&
+           prompt + generated >= static_cast<size_t>(cfg.context_length);
+  };
+  auto warn_if_context_full = [&](const std::string& name, size_t prompt, size_t generated) {
+    if (!context_full(prompt, generated)) return;
+    KVPOOL_LOG_WARN(
+        "{}: generated {} of --max-new-tokens {}: the context is full ({} prompt tokens, the "
+        "model's context is {} tokens)",
+        name, generated, max_new, prompt, cfg.context_length);
+  };
   auto rot_bytes = kvpool::cli::ReadInputFile(rotations_path, kvpool::cli::kMaxRotationFileBytes);
   if (!rot_bytes.ok()) {
     return Fail(rot_bytes.status(), "rotations");
@@ -799,6 +812,7 @@ int main(int argc, char** argv) {
         return Fail(ref.status(), "reference");
       }
       ref_s += ref->seconds;
+      warn_if_context_full(p.name, p.tokens.size(), ref->tokens.size());
       json pj{{"name", p.name},
               {"prompt_tokens", p.tokens.size()},
               {"reference", {{"tokens", ref->tokens}, {"text", Text(engine, ref->tokens)}}}};
@@ -1152,10 +1166,12 @@ int main(int argc, char** argv) {
     if (!r.ok()) {
       return Fail(r.status(), absl::StrCat("decode ", p.name));
     }
+    warn_if_context_full(p.name, p.tokens.size(), r->tokens.size());
     json pj{{"name", p.name},
             {"prompt_tokens", r->prompt_tokens},
             {"tokens", r->tokens},
             {"text", Text(engine, r->tokens)},
+            {"context_full", context_full(p.tokens.size(), r->tokens.size())},
             {"wanted_blocks", r->wanted_blocks},
             {"lookup_blocks", r->lookup_blocks},
             {"hit_blocks", r->hit_blocks},
