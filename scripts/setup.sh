@@ -28,6 +28,13 @@ if ((${#missing[@]})); then
   "${sudo_cmd[@]}" apt-get update -q
   DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -q --no-install-recommends \
     "${missing[@]}"
+  # The `prometheus` package is here for its promtool (the metrics tests); Debian also enables
+  # and starts its server, which listens on 0.0.0.0:9090, kvpool-server's documented metrics
+  # port (newcomer report 13). Stop and disable the server we installed; nothing else uses it.
+  if [[ " ${missing[*]} " == *" prometheus "* && -d /run/systemd/system ]]; then
+    echo "setup: disabling the prometheus server the package started (only promtool is used)" >&2
+    "${sudo_cmd[@]}" systemctl disable --now prometheus.service >/dev/null 2>&1 || true
+  fi
 fi
 
 # Python tooling (tests of the Python tools, the rotation-file converter): a venv in the
