@@ -99,6 +99,10 @@ bool NoSharedUcxTransport(const absl::Status& status) {
   return status.GetPayload(kNoSharedUcxTransportPayload).has_value();
 }
 
+bool PutExpired(const absl::Status& status) {
+  return absl::IsDeadlineExceeded(status) && status.GetPayload(kPutExpiredPayload).has_value();
+}
+
 PageTables MergePageTables(absl::Span<const PageTables* const> per_request) {
   PageTables out;
   auto append = [](SegmentTable& dst, const SegmentTable& src) {
@@ -2133,11 +2137,13 @@ class ClientImpl final : public Client {
 // ---- PutSessionImpl ----
 absl::Status PutSessionImpl::Expired(absl::Status s) const {
   if (!absl::IsNotFound(s) || absl::Now() < expires_) return s;
-  return absl::DeadlineExceededError(absl::StrCat(
+  absl::Status expired = absl::DeadlineExceededError(absl::StrCat(
       "put ", put_id_, ": not committed within the pool's put timeout (it ran out ",
       absl::FormatDuration(absl::Trunc(absl::Now() - expires_, absl::Milliseconds(1))),
       " ago; ClientOptions::put_timeout, kvpool-server --put-timeout-ms); the pool dropped it (",
       s.message(), ")"));
+  expired.SetPayload(kPutExpiredPayload, absl::Cord());
+  return expired;
 }
 
 PutSessionImpl::~PutSessionImpl() {

@@ -1202,6 +1202,9 @@ TEST_P(ClientTest, PutSessionOutlivesTheDefaultTimeoutButNotThePutTimeout) {
   auto r2 = (*put2)->Commit();
   EXPECT_EQ(r2.status().code(), absl::StatusCode::kDeadlineExceeded) << r2.status();
   EXPECT_THAT(r2.status().message(), HasSubstr("put timeout"));
+  // Marked, so that a caller holding the K/V can put them again (kvpool-worker's prefill does).
+  EXPECT_TRUE(kvpool::client::PutExpired(r2.status())) << r2.status();
+  EXPECT_FALSE(kvpool::client::PutExpired(absl::DeadlineExceededError("put timeout")));
   auto look2 = short_lived->Lookup(s2.tokens, roomy());
   ASSERT_TRUE(look2.ok()) << look2.status();
   EXPECT_EQ(look2->num_blocks, 0u);

@@ -604,6 +604,12 @@ bool RefusedByClient(const absl::Status& status);
 inline constexpr char kNoSharedUcxTransportPayload[] = "type.kvpool/no-shared-ucx-transport";
 bool NoSharedUcxTransport(const absl::Status& status);
 
+// The payload of the DEADLINE_EXCEEDED a PutSession call returns once the pool dropped the put
+// for its put timeout ("not committed within the pool's put timeout"): nothing of the put is
+// visible; the same K/V can be put again with a new BeginPut.
+inline constexpr char kPutExpiredPayload[] = "type.kvpool/put-expired";
+bool PutExpired(const absl::Status& status);
+
 // Concatenates the page tables of several requests into one batch (request order).
 PageTables MergePageTables(absl::Span<const PageTables* const> per_request);
 

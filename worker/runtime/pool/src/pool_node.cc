@@ -222,10 +222,11 @@ absl::StatusOr<PrefillNode::Pending> PrefillNode::ComputeAndWrite(absl::Span<con
   rep.compute_seconds = Since(t0);
 
   pending.writes_started = std::chrono::steady_clock::now();
-  // UNAVAILABLE: the put is lost with the pool; Commit fails and puts it again. CANCELLED
+  // UNAVAILABLE: the put is lost with the pool, or expired (client::PutExpired: this node was
+  // paused past the pool's put timeout); Commit fails and puts it again. CANCELLED
   // (NodeOptions::cancel: the node is stopping): RunAll aborts the open put.
   if (absl::Status s = WriteLayers(pending);
-      !s.ok() && !absl::IsUnavailable(s) && !absl::IsCancelled(s)) {
+      !s.ok() && !absl::IsUnavailable(s) && !absl::IsCancelled(s) && !client::PutExpired(s)) {
     return s;
   }
   return pending;
@@ -281,6 +282,21 @@ absl::StatusOr<PrefillReport> PrefillNode::Commit(Pending pending, Pending* othe
     KVPOOL_LOG_WARN(
         "prefill: the put of a {}-token prompt was lost with the pool ({}); putting its "
         "recorded K/V again",
+        pending.report.prompt_tokens, StatusText(r.status()));
+    pending.report.reput = true;
+    if (absl::Status s = Reopen(pending, /*wait_for_room=*/false, std::nullopt); !s.ok()) {
+      return ReopenStopped(s);
+    }
+    r = pending.put->Commit();
+  }
+  // The pool dropped the put at its put timeout: this node was paused or slow past
+  // --put-timeout-ms between BeginPut and Commit (a stop signal, a swapping or overloaded host).
+  // The recorded K/V are still here: put them again, once, as after a lost pool (newcomer
+  // report 13 F10: the prompt was lost). A second expiry fails the prompt.
+  if (client::PutExpired(r.status()) && !pending.report.reput && !Stopping()) {
+    KVPOOL_LOG_WARN(
+        "prefill: the put of a {}-token prompt expired in the pool ({}); putting its recorded "
+        "K/V again",
         pending.report.prompt_tokens, StatusText(r.status()));
     pending.report.reput = true;
     if (absl::Status s = Reopen(pending, /*wait_for_room=*/false, std::nullopt); !s.ok()) {
