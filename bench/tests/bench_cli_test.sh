@@ -24,6 +24,7 @@ fi
 # directory.
 check "quantize_bench --json-out /dev/null" 1 "--json-out: '/dev/null' is a character device, not a regular file" -- "$quant" --json-out /dev/null
 check "quantize_bench --json-out /proc/q.json" 1 "--json-out: cannot create a file in directory '/proc'" -- "$quant" --json-out /proc/q.json
+check "quantize_bench --benchmark_filter matching nothing" 1 "--benchmark_filter matches no benchmark" -- "$quant" --pairs 1 --window-ms 1 --benchmark_filter=NOPE --json-out /tmp/kvpool_bench_cli_qb.json
 # pool_bench --json too: it was checked only after the whole benchmark had run (exit 2).
 # 127.0.0.1:1 has no pool, so a run that got past parsing would fail otherwise (exit 2).
 check "pool_bench --json /nonexistent/dir/x.json" 1 "--json: directory '/nonexistent/dir' of '/nonexistent/dir/x.json' does not exist" -- "$pool" --server 127.0.0.1:1 --json /nonexistent/dir/x.json

@@ -117,12 +117,21 @@ CLI::Validator ByteCount(const char* examples, bool capacity_bounds) {
               "cannot parse \"", v,
               "\" as a positive byte count (bytes, or digits and a unit: ", examples, ")");
         }
-        if (!capacity_bounds) return {};
+        const kvpool::kvstore::MemoryLimit& limit = UsableMemory();
+        if (!capacity_bounds) {
+          // --max-registration-bytes: a bound above the memory the process may use bounds
+          // nothing (newcomer report 13).
+          if (limit.bytes > 0 && bytes > limit.bytes) {
+            return absl::StrCat(v, " (", bytes,
+                                " bytes) is more than this process may use: ", limit.bytes,
+                                " bytes (", limit.source, ")");
+          }
+          return {};
+        }
         constexpr uint64_t kMinCapacity = 1ull << 20;
         if (bytes < kMinCapacity) {
           return absl::StrCat(v, " (", bytes, " bytes) is below 1 MiB");
         }
-        const kvpool::kvstore::MemoryLimit& limit = UsableMemory();
         if (limit.bytes > 0 && bytes + kProcessReserve > limit.bytes) {
           return absl::StrCat(v, " (", bytes,
                               " bytes) is more than this process may use: ", limit.bytes,

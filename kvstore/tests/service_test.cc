@@ -1516,6 +1516,19 @@ TEST(ServerBinaryTest, CapacityOutsideOneMiBToPhysicalMemoryIsAUsageError) {
   }
 }
 
+// A registration bound above the memory the process may use bounds nothing (newcomer report 13).
+TEST(ServerBinaryTest, MaxRegistrationBytesAboveTheMemoryLimitIsAUsageError) {
+  auto [rc, text] =
+      RunToExit({"--listen", "127.0.0.1:0", "--metrics-port", "-1", "--data-plane", "none",
+                 "--capacity", "4MiB", "--max-registration-bytes", "1000TiB"});
+  EXPECT_EQ(rc, 1) << text;
+  EXPECT_NE(text.find("--max-registration-bytes: 1000TiB (1099511627776000 bytes) is more than "
+                      "this process may use"),
+            std::string::npos)
+      << text;
+  EXPECT_EQ(text.find("grpc_port="), std::string::npos) << text;
+}
+
 TEST(ServerBinaryTest, PortsOutOfRangeAreUsageErrorsNamingTheFlag) {
   for (const char* bad : {"70000", "-7", "65536"}) {
     auto [rc, text] = RunToExit({"--listen", "127.0.0.1:0", "--metrics-port", bad, "--data-plane",
