@@ -890,6 +890,7 @@ int main(int argc, char** argv) {
                         .fault_pool_pid = fault_pool_pid,
                         .fault = *fault_or,
                         .reconnect_wait = std::chrono::milliseconds(call_timeout_ms),
+                        .hung_pool_retry = std::chrono::milliseconds(3 * int64_t{call_timeout_ms}),
                         .cancel = stop_token,
                         .put_timeout = std::chrono::milliseconds(put_timeout_ms),
                         .lease_held = &g_lease_held};

@@ -681,15 +681,25 @@ absl::StatusOr<DecodeReport> DecodeNode::Run(absl::Span<const int> prompt, int m
   // once instead of each waiting for the deadline. UNAVAILABLE does not: it comes back at once
   // (refused connection, broken pipe after a restart), and the client reconnects on the next call,
   // so a pool restarted mid-run is used again.
+  // After NodeOptions::hung_pool_retry the pool is asked again (a stall ends; a restarted pool
+  // answers UNAVAILABLE at once and reconnects).
   auto note_down = [&](const absl::Status& st, const std::string& what) {
     if (pool_down_.empty() && absl::IsDeadlineExceeded(st)) {
       pool_down_ = what;
+      pool_down_at_ = std::chrono::steady_clock::now();
+      const int64_t retry = options_.hung_pool_retry.count();
       KVPOOL_LOG_WARN(
           "decode: the pool did not answer within the deadline ({}); the remaining requests of "
-          "this run compute their prefix locally without asking it",
-          what);
+          "this run compute their prefix locally without asking it{}",
+          what, retry > 0 ? absl::StrCat(" for ", retry, " ms") : std::string());
     }
   };
+  if (!pool_down_.empty() && options_.hung_pool_retry.count() > 0 &&
+      std::chrono::steady_clock::now() - pool_down_at_ >= options_.hung_pool_retry) {
+    KVPOOL_LOG_WARN("decode: asking the pool again, {} ms after it did not answer ({})",
+                    options_.hung_pool_retry.count(), pool_down_);
+    pool_down_.clear();
+  }
   auto t0 = std::chrono::steady_clock::now();
   if (client_ == nullptr) {
     failure =

@@ -81,6 +81,12 @@ struct NodeOptions {
   // passed, each later prompt tries once (so a pool that stays down costs one wait per run, and
   // one restarted later still gets the later prompts). Zero: no wait, every prompt tries once.
   std::chrono::milliseconds reconnect_wait{0};
+  // Decode: how long after a pool call timed out (DEADLINE_EXCEEDED: a hung pool) the node asks
+  // the pool again; until then every request falls back at once. A pool that stays hung costs
+  // one deadline per interval; one that recovers is used again (newcomer report 13: one 2 s stall
+  // disabled the pool for the rest of a 60-prompt run). kvpool-worker sets 3 x --call-timeout-ms.
+  // Zero: never again in this run.
+  std::chrono::milliseconds hung_pool_retry{0};
   // Why a DecodeNode built with a null client has no pool (reported as fallback_reason), e.g.
   // "pool unreachable at start-up: UNAVAILABLE: …" or "pool refused the registration:
   // FAILED_PRECONDITION: …". Empty: "pool unreachable at start-up". The node does not log it
@@ -311,8 +317,10 @@ class DecodeNode {
   // Set by the first pool call (Lookup, Acquire, Fetch, Release) that failed with
   // DEADLINE_EXCEEDED (not UNAVAILABLE: docs/WORKER.md), to that call's failure text: later
   // requests do not ask the pool (a hung pool would cost each of them the full deadline) and report
-  // kPoolSkipped + this text as their fallback_reason.
+  // kPoolSkipped + this text as their fallback_reason. Cleared NodeOptions::hung_pool_retry after
+  // pool_down_at_.
   std::string pool_down_;
+  std::chrono::steady_clock::time_point pool_down_at_;
 };
 
 }  // namespace kvpool::worker
