@@ -156,6 +156,12 @@ std::string RenderPrometheus(const Metrics& m, const std::vector<GaugeSample>& g
   Counter(&out, "kvpool_fetch_bytes_total",
           "Form bytes leased by Acquire: every form of every leased block, read or not.",
           m.fetch_bytes);
+  // Newcomer report 13: a pool living at its high watermark demotes window BF16 forms first, so
+  // hits stop being servable in the form decoders want while the hit counters stay at 100 %.
+  Counter(&out, "kvpool_lease_window_int2_only_blocks_total",
+          "Blocks of a lease's recent window (its last recent_tokens/page_size non-sink blocks) "
+          "leased without a BF16 form (demoted, or inside a longer stored sequence).",
+          m.lease_window_int2_only_blocks);
   Counter(&out, "kvpool_read_leased_bytes_total",
           "Form bytes the pool wrote into readers' memory (ReadLeased, pool-initiated transfers; "
           "client-initiated reads are counted by the clients).",

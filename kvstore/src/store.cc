@@ -1490,6 +1490,19 @@ absl::StatusOr<LeaseGrant> BlockStore::Acquire(const Digest& namespace_id, const
       leases_.emplace(grant.lease_id, std::move(l));
     }
   }
+  // The lease's window without BF16 (TargetForms' "tail", for this prefix's length).
+  const size_t n = grant.blocks.size();
+  const size_t window_from = std::max<size_t>(
+      m->info.sink_blocks, n > m->info.recent_blocks ? n - m->info.recent_blocks : 0);
+  uint64_t int2_only = 0;
+  for (size_t i = window_from; i < n; ++i) {
+    const auto& fs = grant.blocks[i].forms;
+    if (std::none_of(fs.begin(), fs.end(),
+                     [](const FormLocation& f) { return f.form == FormKind::kBf16; })) {
+      ++int2_only;
+    }
+  }
+  metrics_->lease_window_int2_only_blocks.fetch_add(int2_only, std::memory_order_relaxed);
   metrics_->lookup_calls.fetch_add(1, std::memory_order_relaxed);
   metrics_->lookup_hit_blocks.fetch_add(grant.blocks.size(), std::memory_order_relaxed);
   if (grant.blocks.size() < keys.size()) {  // as in Lookup: no full block, no miss

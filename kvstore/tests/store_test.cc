@@ -892,14 +892,26 @@ TEST_F(EvictionTest, DemotesBf16BeforeEvictingBlocks) {
   EXPECT_GE(store_->metrics().evictions_demote.load(), 4u);
   EXPECT_EQ(store_->metrics().evictions_block.load(), 0u);
   // Sinks keep BF16; demoted blocks keep INT2.
+  uint64_t window_int2_only = 0;  // blocks 2 and 3 are each sequence's recent window (W = 8)
   for (uint32_t seq = 1; seq <= 3; ++seq) {
     auto f = Forms(seq, 4);
     ASSERT_EQ(f.size(), 4u);
     EXPECT_EQ(f[0], (std::vector<FormKind>{kB}));
     for (int i = 1; i < 4; ++i) {
       EXPECT_NE(std::find(f[i].begin(), f[i].end(), kI), f[i].end());
+      if (i >= 2 && std::find(f[i].begin(), f[i].end(), kB) == f[i].end()) ++window_int2_only;
     }
   }
+  // The hits a BF16-window reader cannot use as stored show in
+  // kvpool_lease_window_int2_only_blocks_total (newcomer report 13): leases count them.
+  EXPECT_GT(window_int2_only, 0u);
+  EXPECT_EQ(store_->metrics().lease_window_int2_only_blocks.load(), 0u);
+  for (uint32_t seq = 1; seq <= 3; ++seq) {
+    auto l = store_->Acquire(ns_, {.token_ids = Tokens(seq, 16)}, 0, {});
+    ASSERT_TRUE(l.ok()) << l.status();
+    ASSERT_TRUE(store_->Release(l->lease_id).ok());
+  }
+  EXPECT_EQ(store_->metrics().lease_window_int2_only_blocks.load(), window_int2_only);
 }
 
 TEST_F(EvictionTest, EvictsWholeBlocksLeafFirstAndNeverLeased) {

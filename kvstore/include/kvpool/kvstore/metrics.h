@@ -71,6 +71,10 @@ struct Metrics {
   std::atomic<uint64_t> commit_bytes{0};          // staging bytes ingested by successful commits
   std::atomic<uint64_t> fetch_bytes{0};           // form bytes leased (every form, read or not)
   std::atomic<uint64_t> read_leased_bytes{0};     // form bytes ReadLeased pushed (reads OK)
+  // Blocks of a lease's recent window (its last recent_blocks non-sink blocks) leased without a
+  // BF16 form (demoted, or interior blocks of a longer sequence): readers that need BF16 there
+  // recompute them although they count as hits.
+  std::atomic<uint64_t> lease_window_int2_only_blocks{0};
   std::atomic<uint64_t> grpc_errors{0};
   // Latency (seconds) and size (bytes) histograms.
   Histogram put_latency;  // BeginPut
