@@ -930,7 +930,10 @@ __global__ void __launch_bounds__(kThreads, (D <= 128 ? (KT == 1 ? 5 : 4) : 2))
     // m_run: running max (log2 units). Logits are formed relative to mref = m_run (0 while m_run is
     // -inf), i.e. the FFMA chain that builds a logit starts from -mref, so p = 2^logit needs no
     // subtraction; a logit exceeds the running max iff it exceeds gth = m_run - mref (0 or -inf).
-    float m_run[KT], mref[KT], gth[KT], l_run[KT], mn_run[KT][kNG];
+    // v29: m_run is not kept (it is always mref + gth = gth - nref) and mref is held negated,
+    // nref = -mref, the FFMA chain's start. The register this frees is what lets the two lane
+    // offsets below stay in registers at 95 (without it: 96 and a 16-byte spill).
+    float nref[KT], gth[KT], l_run[KT], mn_run[KT][kNG];
     // v27, one n-tile: Σ p·min16 per head comes from the tensor cores. With a single n-tile the odd
     // N columns of P' were zero padding; they now carry p·min16 of the even column's head (one
     // HMUL2 of {p, p} by the (scale16, min16) word makes both), and one more m16n8k16 per unit
@@ -947,8 +950,7 @@ __global__ void __launch_bounds__(kThreads, (D <= 128 ? (KT == 1 ? 5 : 4) : 2))
       for (int i = 0; i < 4; ++i) accm[grp][i] = 0.f;
 #pragma unroll
     for (int kt = 0; kt < KT; ++kt) {
-      m_run[kt] = -INFINITY;
-      mref[kt] = 0.f;
+      nref[kt] = 0.f;
       gth[kt] = -INFINITY;
       l_run[kt] = 0.f;
 #pragma unroll
@@ -967,6 +969,13 @@ __global__ void __launch_bounds__(kThreads, (D <= 128 ? (KT == 1 ? 5 : 4) : 2))
     // (bases grow with the stage index, so the first one past the end ends the loop with no copy in
     // flight). (v11 ran the stages without masked steps through a second, branch-free copy of this
     // body: 96 registers instead of 90 and no faster (s5/s6 A/B in KERNELS.md), so v12 dropped it.)
+    // Per-lane shared-memory offsets of a unit's K rows, K/V params and V rows inside a unit. v29:
+    // the empty asm keeps koff and voff in registers through the loop (without it the compiler
+    // re-derived them from %tid every stage, ~11 instructions); poff is left to the compiler
+    // (holding it too needs a 96th register and spills).
+    uint32_t koff = krow * C::kCR + tig * (D / 16), poff = krow * kNG * 4,
+             voff = tig * C::kCR + g * C::kVB;
+    asm("" : "+r"(koff), "+r"(voff));
     int ts = 0;
     for (;; ++ts) {
       const int s = ts % kStages;
@@ -990,15 +999,15 @@ __global__ void __launch_bounds__(kThreads, (D <= 128 ? (KT == 1 ? 5 : 4) : 2))
 #pragma unroll
         for (int j = 0; j < kSub; ++j) {
           const uint8_t* st = stage + j * C::kTile;
-          const uint32_t* kpar = reinterpret_cast<const uint32_t*>(st + 32 * C::kCR);
+          const uint32_t* kpar = reinterpret_cast<const uint32_t*>(st + 32 * C::kCR + poff);
           const uint32_t* vpar = kpar + 16 * kNG;
           float ks[2][kNG], km[2][kNG];
 #pragma unroll
           for (int r = 0; r < 2; ++r)
 #pragma unroll
             for (int grp = 0; grp < kNG; ++grp) {
-              const uint32_t kp = kpar[(krow + 8 * r) * kNG + grp];
-              vpw[j][r][grp] = vpar[(krow + 8 * r) * kNG + grp];
+              const uint32_t kp = kpar[8 * r * kNG + grp];
+              vpw[j][r][grp] = vpar[8 * r * kNG + grp];
               const __half2 kh = *reinterpret_cast<const __half2*>(&kp);
               ks[r][grp] = __low2float(kh);
               km[r][grp] = __high2float(kh);
@@ -1007,7 +1016,7 @@ __global__ void __launch_bounds__(kThreads, (D <= 128 ? (KT == 1 ? 5 : 4) : 2))
           uint32_t kw[2][kTW];
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
-            const uint8_t* rowp = st + (krow + 8 * r) * C::kCR + tig * (D / 16);
+            const uint8_t* rowp = st + koff + 8 * r * C::kCR;
             if constexpr (kTW == 1) {
               kw[r][0] = *reinterpret_cast<const uint32_t*>(rowp);
             } else if constexpr (kTW == 2) {
@@ -1046,7 +1055,7 @@ __global__ void __launch_bounds__(kThreads, (D <= 128 ? (KT == 1 ? 5 : 4) : 2))
           for (int kt = 0; kt < KT; ++kt)
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
-              float x = -mref[kt];
+              float x = nref[kt];
 #pragma unroll
               for (int grp = 0; grp < kNG; ++grp) {
                 const int dot = sacc[grp][kt][2 * r] * 256 + sacc[grp][kt][2 * r + 1];
@@ -1072,9 +1081,12 @@ __global__ void __launch_bounds__(kThreads, (D <= 128 ? (KT == 1 ? 5 : 4) : 2))
         float lmax[KT];
 #pragma unroll
         for (int kt = 0; kt < KT; ++kt) {
-          lmax[kt] = -INFINITY;
+          // No -inf start (v29, one FMNMX per step fewer): fmaxf returns the non-NaN operand, so
+          // only a lane whose four logits are all NaN differs (NaN instead of -inf), and both
+          // fail the test below and lose to any other operand of the reduction in the rescale.
+          lmax[kt] = fmaxf(logit[0][kt][0], logit[0][kt][1]);
 #pragma unroll
-          for (int j = 0; j < kSub; ++j)
+          for (int j = 1; j < kSub; ++j)
             lmax[kt] = fmaxf(lmax[kt], fmaxf(logit[j][kt][0], logit[j][kt][1]));
           grow |= lmax[kt] > gth[kt];
         }
@@ -1085,15 +1097,15 @@ __global__ void __launch_bounds__(kThreads, (D <= 128 ? (KT == 1 ? 5 : 4) : 2))
             x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 4));
             x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 8));
             x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 16));
-            const float m_new = fmaxf(m_run[kt], x + mref[kt]);
-            const float alpha = (m_new == -INFINITY) ? 1.f : Ex2(m_run[kt] - m_new);
+            const float m_old = gth[kt] - nref[kt];  // m_run
+            const float m_new = fmaxf(m_old, x - nref[kt]);
+            const float alpha = (m_new == -INFINITY) ? 1.f : Ex2(m_old - m_new);
             const float ref = (m_new == -INFINITY) ? 0.f : m_new;
 #pragma unroll
             for (int j = 0; j < kSub; ++j)
 #pragma unroll
-              for (int r = 0; r < 2; ++r) logit[j][kt][r] += mref[kt] - ref;
-            m_run[kt] = m_new;
-            mref[kt] = ref;
+              for (int r = 0; r < 2; ++r) logit[j][kt][r] -= nref[kt] + ref;
+            nref[kt] = -ref;
             gth[kt] = m_new - ref;
             l_run[kt] *= alpha;
 #pragma unroll
@@ -1155,8 +1167,7 @@ __global__ void __launch_bounds__(kThreads, (D <= 128 ? (KT == 1 ? 5 : 4) : 2))
           uint32_t vw[4][kVW];
 #pragma unroll
           for (int q = 0; q < 4; ++q) {
-            const int row = tig + 4 * (q & 1) + 8 * (q >> 1);
-            const uint8_t* rp = vc + row * C::kCR + g * kVB;
+            const uint8_t* rp = vc + voff + (4 * (q & 1) + 8 * (q >> 1)) * C::kCR;
             if constexpr (kVB == 2) {
               vw[q][0] = *reinterpret_cast<const uint16_t*>(rp);
             } else if constexpr (kVB == 4) {
@@ -1235,7 +1246,7 @@ __global__ void __launch_bounds__(kThreads, (D <= 128 ? (KT == 1 ? 5 : 4) : 2))
     if (g == 0) {
 #pragma unroll
       for (int kt = 0; kt < KT; ++kt) {
-        cm[warp * kN + 4 * kt + tig] = m_run[kt];
+        cm[warp * kN + 4 * kt + tig] = gth[kt] - nref[kt];  // m_run
         cl[warp * kN + 4 * kt + tig] = l_run[kt];
       }
     }
