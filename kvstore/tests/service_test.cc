@@ -744,6 +744,24 @@ TEST_F(ServiceTest, SixteenConcurrentClientsByteExact) {
   EXPECT_EQ(s.staging_bytes, 0u);
 }
 
+// A 4 MiB pool on loopback whose data plane is `fabric`'s in-process transport ("pool"); the
+// fabric must outlive the server.
+PoolServerOptions FakeFabricPoolOptions(transport::FakeFabric& fabric) {
+  PoolServerOptions o;
+  o.listen = "127.0.0.1:0";
+  o.metrics_port = -1;
+  o.capacity_bytes = 4 << 20;
+  o.transport_factory = [&fabric]() -> absl::StatusOr<std::unique_ptr<transport::Transport>> {
+    return fabric.CreateTransport("pool");
+  };
+  return o;
+}
+
+std::unique_ptr<pb::KvPool::Stub> StubOf(PoolServer& server) {
+  return pb::KvPool::NewStub(grpc::CreateChannel(absl::StrCat("127.0.0.1:", server.grpc_port()),
+                                                 grpc::InsecureChannelCredentials()));
+}
+
 // Newcomer report 13 F3: `auto` looked for the letters "tcp" only, so --ucx-tls all and ^posix
 // (lists that let UCX use tcp) made clients initiate RMA over tcp, and a client killed
 // mid-transfer aborted the pool (UCX 1.13: "Endpoint timeout").
@@ -762,18 +780,11 @@ TEST(UcxTlsTest, AutoLetsThePoolInitiateWheneverTcpMayBeUsed) {
            {"all", true}, {"^posix", true}, {"", true}, {"posix,cma", false}, {"^tcp", false}}) {
     SCOPED_TRACE(tls);
     transport::FakeFabric fabric;
-    PoolServerOptions o;
-    o.listen = "127.0.0.1:0";
-    o.metrics_port = -1;
-    o.capacity_bytes = 4 << 20;
+    PoolServerOptions o = FakeFabricPoolOptions(fabric);
     o.ucx_tls = tls;  // the fake transport ignores it; the initiator rule reads it
-    o.transport_factory = [&fabric]() -> absl::StatusOr<std::unique_ptr<transport::Transport>> {
-      return fabric.CreateTransport("pool");
-    };
     auto server = PoolServer::Create(o);
     ASSERT_TRUE(server.ok()) << server.status();
-    auto stub = pb::KvPool::NewStub(grpc::CreateChannel(
-        absl::StrCat("127.0.0.1:", (*server)->grpc_port()), grpc::InsecureChannelCredentials()));
+    auto stub = StubOf(**server);
     pb::RegisterModelResponse reg;
     ASSERT_TRUE(stub->RegisterModel(Ctx().get(), RegisterRequest(testing::TinySpec()), &reg).ok());
     EXPECT_EQ(reg.pool_initiates_transfers(), pool_initiates);
@@ -786,18 +797,11 @@ TEST(UcxTlsTest, AutoLetsThePoolInitiateWheneverTcpMayBeUsed) {
 // initiate refuses both calls.
 TEST(PoolInitiatedTest, WritePutAndReadLeasedOverAFakeFabric) {
   transport::FakeFabric fabric;  // outlives the server and the client transport
-  PoolServerOptions o;
-  o.listen = "127.0.0.1:0";
-  o.metrics_port = -1;
-  o.capacity_bytes = 4 << 20;
+  PoolServerOptions o = FakeFabricPoolOptions(fabric);
   o.transfer_initiator = "pool";
-  o.transport_factory = [&fabric]() -> absl::StatusOr<std::unique_ptr<transport::Transport>> {
-    return fabric.CreateTransport("pool");
-  };
   auto server = PoolServer::Create(o);
   ASSERT_TRUE(server.ok()) << server.status();
-  auto stub = pb::KvPool::NewStub(grpc::CreateChannel(
-      absl::StrCat("127.0.0.1:", (*server)->grpc_port()), grpc::InsecureChannelCredentials()));
+  auto stub = StubOf(**server);
   const ModelSpec spec = testing::TinySpec();
   pb::RegisterModelResponse reg;
   ASSERT_TRUE(stub->RegisterModel(Ctx().get(), RegisterRequest(spec), &reg).ok());

@@ -274,35 +274,29 @@ absl::StatusOr<PrefillReport> PrefillNode::Commit(Pending pending, Pending* othe
   absl::StatusOr<client::PutResult> r = pending.put->Commit();
   // No shared UCX transport (--ucx-tls): a configuration mismatch, not a pool that went away;
   // putting again fails the same way (it was logged as a lost put: newcomer s10 F8).
+  // Puts the recorded K/V again after `what` happened to the put (once per prompt: the report's
+  // reput flag); `r` becomes the new put's Commit result.
+  auto put_again = [&](const char* what) -> absl::Status {
+    KVPOOL_LOG_WARN("prefill: the put of a {}-token prompt {} ({}); putting its recorded K/V again",
+                    pending.report.prompt_tokens, what, StatusText(r.status()));
+    pending.report.reput = true;
+    KVPOOL_RETURN_IF_ERROR(Reopen(pending, /*wait_for_room=*/false, std::nullopt));
+    r = pending.put->Commit();
+    return absl::OkStatus();
+  };
   if (absl::IsUnavailable(r.status()) && !client::NoSharedUcxTransport(r.status())) {
     // The pool went away while the put was open (killed, restarted: a restarted pool has
     // forgotten it; the failed Commit aborted what was left). The recorded K/V are still here:
     // put them again, once, through the same outage wait as a new prompt's BeginPut. Nothing of
     // the lost put is visible (two-phase), and blocks a lost answer did commit are found present.
-    KVPOOL_LOG_WARN(
-        "prefill: the put of a {}-token prompt was lost with the pool ({}); putting its "
-        "recorded K/V again",
-        pending.report.prompt_tokens, StatusText(r.status()));
-    pending.report.reput = true;
-    if (absl::Status s = Reopen(pending, /*wait_for_room=*/false, std::nullopt); !s.ok()) {
-      return ReopenStopped(s);
-    }
-    r = pending.put->Commit();
+    if (absl::Status s = put_again("was lost with the pool"); !s.ok()) return ReopenStopped(s);
   }
   // The pool dropped the put at its put timeout: this node was paused or slow past
   // --put-timeout-ms between BeginPut and Commit (a stop signal, a swapping or overloaded host).
   // The recorded K/V are still here: put them again, once, as after a lost pool (newcomer
   // report 13 F10: the prompt was lost). A second expiry fails the prompt.
   if (client::PutExpired(r.status()) && !pending.report.reput && !Stopping()) {
-    KVPOOL_LOG_WARN(
-        "prefill: the put of a {}-token prompt expired in the pool ({}); putting its recorded "
-        "K/V again",
-        pending.report.prompt_tokens, StatusText(r.status()));
-    pending.report.reput = true;
-    if (absl::Status s = Reopen(pending, /*wait_for_room=*/false, std::nullopt); !s.ok()) {
-      return ReopenStopped(s);
-    }
-    r = pending.put->Commit();
+    if (absl::Status s = put_again("expired in the pool"); !s.ok()) return ReopenStopped(s);
   }
   // A commit refused for room (RESOURCE_EXHAUSTED "can no longer hold this put's commit", or the
   // allocation of a new form): leases, commits or other nodes' puts taken since the BeginPut
