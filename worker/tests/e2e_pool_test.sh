@@ -12,7 +12,8 @@
 #      decode reports the fallback;
 #   5. a hung pool (SIGSTOP) costs one call's deadline, not one per prompt: the later decode
 #      prompts report that the pool was skipped after the first one's failure; the later prefill
-#      prompts fail fast ("not sent"), or are stored once the pool resumes (SIGCONT);
+#      prompts fail fast ("not sent"), or are stored once the pool resumes (SIGCONT); a decode
+#      worker asks a resumed pool again 3 x --call-timeout-ms after the timeout and is served;
 #   6. a prompt of n = 0 (mod P) tokens is a full hit too (the prefill puts the decoder's blocks);
 #   7. a pool killed mid-prefill and restarted a second later receives every prompt (the put
 #      that was open is put again), and the prefill node's counters pass promtool;
@@ -491,6 +492,44 @@ for x in p[1:]:
 assert pre["overall"]["pool_reconnects"] == 1 and pre["overall"]["failed_prompts"] == 1, pre["overall"]
 print(f"pool resumed under prefill: {p[0]['name']} lost at its deadline, the other {len(p) - 1} "
       f"stored; run {pre['seconds']:.1f} s")
+PY
+
+echo "== hung pool under a decode worker that outlives the hang: asked again, then served"
+# Newcomer report 13: a pool that stopped answering once was never asked again in the run. Now
+# the decode worker asks it again 3 x --call-timeout-ms (here 900 ms) after the timeout. The pool
+# (above: prompts 2-5 stored under revision hung-resume-test) is stopped right after the registration
+# and resumed once the first Lookup has timed out; 40 prompts of --max-new-tokens 40 outlast
+# the interval many times over, so the later ones are served by the pool again.
+many=()
+for _ in $(seq 1 10); do for f in "${five[@]:2}"; do [[ "$f" == --prompt-file ]] || many+=(--prompt-file "$f"); done; done
+"${worker_bin}" --role decode --pool "${pool}" --revision hung-resume-test --model "${model}" \
+  --rotations "${work}/rot.safetensors" --max-new-tokens 40 "${many[@]}" --call-timeout-ms 300 \
+  --fault stop-pool-after-register --fault-pool-pid "${server_pid}" --teacher-force false \
+  --report "${work}/decode_retry.json" >/dev/null 2>"${work}/decode_retry.log" &
+worker_pid=$!
+for _ in $(seq 1 400); do  # until the first Lookup has timed out (or the worker stopped)
+  grep -q "did not answer within the deadline" "${work}/decode_retry.log" 2>/dev/null && break
+  kill -0 "${worker_pid}" 2>/dev/null || break
+  sleep 0.05
+done
+kill -CONT "${server_pid}" 2>/dev/null || true
+rc=0
+wait "${worker_pid}" || rc=$?
+[[ ${rc} -eq 0 ]] || { cat "${work}/decode_retry.log" >&2; fail "decode across a hang: exit ${rc}"; }
+grep -q "decode: asking the pool again, 900 ms after it did not answer" "${work}/decode_retry.log" \
+  || { cat "${work}/decode_retry.log" >&2; fail "the decode worker did not ask the pool again"; }
+python3 - "${work}" <<'PY' || { cat "${work}/decode_retry.log" >&2; fail "decode across a hang"; }
+import json, sys
+d = json.load(open(f"{sys.argv[1]}/decode_retry.json"))
+p = d["prompts"]
+assert len(p) == 40, len(p)
+assert p[0]["fallback"] and "DEADLINE_EXCEEDED" in p[0]["fallback_reason"], p[0]
+served = [x for x in p if not x["fallback"]]
+assert served and not p[-1]["fallback"] and p[-1]["hit_blocks"] > 0, p[-1]
+first_served = next(i for i, x in enumerate(p) if not x["fallback"])
+assert all(not x["fallback"] for x in p[first_served:]), "a fallback after the pool came back"
+print(f"hung pool under decode: {first_served} prompts fell back, the pool served the other "
+      f"{len(p) - first_served} after it was asked again")
 PY
 
 echo "== pool killed mid-prefill and restarted 1 s later: every prompt reaches the new pool"
