@@ -47,6 +47,15 @@ pool="127.0.0.1:${port}"
 prompts=(--prompt-file "${demo}/prompts/01_kite.txt" --prompt-file "${demo}/prompts/02_garden.txt")
 common=(--model "${model}" --rotations "${work}/rot.safetensors" --max-new-tokens 32)
 
+# Waits (up to 20 s) until FILE has a line matching PATTERN or the worker ${worker_pid} stopped.
+wait_for_line() {
+  for _ in $(seq 1 400); do
+    grep -q "$1" "$2" 2>/dev/null && return 0
+    kill -0 "${worker_pid}" 2>/dev/null || return 0
+    sleep 0.05
+  done
+}
+
 start_pool() {
   "${server_bin}" --listen "${pool}" --metrics-port 0 --ucx-tls tcp --capacity 64MiB \
     >"${work}/server.log" 2>&1 &
@@ -470,11 +479,7 @@ PY
   --call-timeout-ms 3000 --report "${work}/prefill_resumed.json" >/dev/null \
   2>"${work}/prefill_resumed.log" &
 worker_pid=$!
-for _ in $(seq 1 400); do  # until the first BeginPut has timed out (or the worker stopped)
-  grep -q "did not answer (" "${work}/prefill_resumed.log" 2>/dev/null && break
-  kill -0 "${worker_pid}" 2>/dev/null || break
-  sleep 0.05
-done
+wait_for_line "did not answer (" "${work}/prefill_resumed.log"  # the first BeginPut timed out
 sleep 1
 kill -CONT "${server_pid}" 2>/dev/null || true
 rc=0
@@ -507,11 +512,7 @@ for _ in $(seq 1 10); do for f in "${five[@]:2}"; do [[ "$f" == --prompt-file ]]
   --fault stop-pool-after-register --fault-pool-pid "${server_pid}" --teacher-force false \
   --report "${work}/decode_retry.json" >/dev/null 2>"${work}/decode_retry.log" &
 worker_pid=$!
-for _ in $(seq 1 400); do  # until the first Lookup has timed out (or the worker stopped)
-  grep -q "did not answer within the deadline" "${work}/decode_retry.log" 2>/dev/null && break
-  kill -0 "${worker_pid}" 2>/dev/null || break
-  sleep 0.05
-done
+wait_for_line "did not answer within the deadline" "${work}/decode_retry.log"  # the first Lookup
 kill -CONT "${server_pid}" 2>/dev/null || true
 rc=0
 wait "${worker_pid}" || rc=$?
