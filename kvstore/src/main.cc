@@ -132,7 +132,10 @@ CLI::Validator ByteCount(const char* examples, bool capacity_bounds) {
         if (bytes < kMinCapacity) {
           return absl::StrCat(v, " (", bytes, " bytes) is below 1 MiB");
         }
-        if (limit.bytes > 0 && bytes + kProcessReserve > limit.bytes) {
+        // Not bytes + kProcessReserve: it wrapped for capacities within 64 MiB of 2^64, which
+        // then passed (newcomer report 13b).
+        if (limit.bytes > 0 &&
+            (limit.bytes < kProcessReserve || bytes > limit.bytes - kProcessReserve)) {
           return absl::StrCat(v, " (", bytes,
                               " bytes) is more than this process may use: ", limit.bytes,
                               " bytes (", limit.source, ") less 64 MiB for the ",

@@ -19,6 +19,13 @@ absl::StatusOr<std::unique_ptr<HeapPoolMemory>> HeapPoolMemory::Create(size_t si
   if (size == 0) {
     return absl::InvalidArgumentError("capacity: must be > 0");
   }
+  // The page round-up below wrapped to a tiny buffer for sizes within 4 KiB of 2^64, and the
+  // pool then started with a "capacity" of 16 EiB over it (newcomer report 13b).
+  constexpr size_t kMaxSize = size_t{1} << 62;
+  if (size > kMaxSize) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("capacity: ", size, " bytes is more than any machine holds (at most 2^62)"));
+  }
   size_t rounded = (size + 4095) & ~size_t{4095};
   void* p = std::aligned_alloc(4096, rounded);
   if (p == nullptr) {

@@ -242,10 +242,12 @@ bool UcxTlsMayUseTcp(std::string_view ucx_tls_std) {
   if (ucx_tls.empty()) return true;
   const bool exclude = absl::ConsumePrefix(&ucx_tls, "^");
   bool names_tcp = false;
+  // Items as UCX reads them: exact, case-sensitive, untrimmed (newcomer report 13b: "^TCP" and
+  // "^ tcp" exclude nothing in UCX, which warns "transport 'TCP' is not available", so tcp
+  // stayed usable while this said it was excluded).
   for (absl::string_view item : absl::StrSplit(ucx_tls, ',')) {
-    item = absl::StripAsciiWhitespace(item);
-    if (absl::EqualsIgnoreCase(item, "all")) return !exclude;  // everything, or nothing
-    if (absl::StrContains(absl::AsciiStrToLower(item), "tcp")) names_tcp = true;
+    if (item == "all") return !exclude;  // everything, or nothing
+    if (absl::StartsWith(item, "tcp")) names_tcp = true;
   }
   return exclude ? !names_tcp : names_tcp;
 }

@@ -90,6 +90,11 @@ TEST(HeapPoolMemoryTest, CreateAndRejectZero) {
   EXPECT_EQ((*m)->remote_address(), reinterpret_cast<uint64_t>((*m)->data()));
   EXPECT_EQ((*m)->data()[9999], 0);
   EXPECT_EQ(HeapPoolMemory::Create(0).status().code(), absl::StatusCode::kInvalidArgument);
+  // Sizes whose page round-up wrapped to a tiny buffer (newcomer report 13b).
+  for (size_t huge : {~size_t{0}, ~size_t{0} - 4095, (size_t{1} << 62) + 1}) {
+    EXPECT_EQ(HeapPoolMemory::Create(huge).status().code(), absl::StatusCode::kInvalidArgument)
+        << huge;
+  }
 }
 
 }  // namespace

@@ -68,7 +68,8 @@ struct PoolServerOptions {
 
 // Whether a UCX_TLS value may let UCX pick tcp: "" (UCX's default: every transport), a list with
 // "all" or an item naming tcp ("tcp", "tcp_sockcm"), or an exclusion list ("^…") that does not
-// exclude tcp. Items are compared case-insensitively, as UCX does. Pure; thread-safe.
+// exclude tcp. Items are compared as UCX compares them: exactly (case-sensitive, untrimmed), so
+// "^TCP" excludes nothing and "posix, tcp" names no tcp. Pure; thread-safe.
 bool UcxTlsMayUseTcp(std::string_view ucx_tls);
 
 class PoolServer {
