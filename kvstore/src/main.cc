@@ -308,6 +308,20 @@ int main(int argc, char** argv) {
 
   // Checked by ByteCount at parse time.
   ParseBytes(capacity, &o.capacity_bytes);
+  ParseBytes(max_registration, &o.store.max_registration_bytes);
+  // Each bound holds alone; together they may not (newcomer report 13b): registrations are
+  // allocated as models register, so this is a warning, not a refusal.
+  if (const kvpool::kvstore::MemoryLimit& limit = UsableMemory();
+      limit.bytes > 0 && o.capacity_bytes + kProcessReserve < limit.bytes &&
+      o.store.max_registration_bytes > limit.bytes - kProcessReserve - o.capacity_bytes) {
+    std::fprintf(stderr,
+                 "kvpool-server: warning: --capacity %s and --max-registration-bytes %s together "
+                 "exceed what this process may use (%llu bytes, %s, less 64 MiB): registrations "
+                 "past %llu bytes would run into that limit\n",
+                 capacity.c_str(), max_registration.c_str(),
+                 static_cast<unsigned long long>(limit.bytes), limit.source.c_str(),
+                 static_cast<unsigned long long>(limit.bytes - kProcessReserve - o.capacity_bytes));
+  }
   // Allowed, but warned before the allocation that may be the process's last act: other
   // processes hold memory now (the check above is against the limit, not what is free).
   if (const uint64_t avail = kvpool::kvstore::MemAvailableBytes();
@@ -319,7 +333,6 @@ int main(int argc, char** argv) {
                  capacity.c_str(), static_cast<unsigned long long>(o.capacity_bytes),
                  static_cast<unsigned long long>(avail));
   }
-  ParseBytes(max_registration, &o.store.max_registration_bytes);
   // A default lease longer than the longest one a client may request contradicts itself; the
   // pool used to raise the maximum silently.
   if (lease_ms > max_lease_ms) {

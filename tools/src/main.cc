@@ -38,13 +38,20 @@ int Fail(const absl::Status& s) {
 // negatives and values above 1 at parse time (exit 1 naming the flag).
 const CLI::Validator kClipRatio(
     [](std::string& v) -> std::string {
-      float r = 0;
-      if (!CLI::detail::lexical_cast(v, r) || !(r >= 0.0f && r <= 1.0f)) {
+      double d = 0;
+      if (!CLI::detail::lexical_cast(v, d) || !(d >= 0.0 && d <= 1.0)) {
         return "must be 0 (disabled) or in (0, 1], got '" + v + "'";
+      }
+      // The file records a float32: a positive ratio that rounds to 0 there (1e-50) would
+      // silently disable clipping (newcomer report 13b).
+      if (d > 0.0 && static_cast<float>(d) == 0.0f) {
+        return "'" + v +
+               "' is positive but rounds to 0 in the file's float32 (clipping disabled); " +
+               "give 0 to disable clipping, or a ratio of at least 1e-38";
       }
       // "-0" is 0: recorded as -0 it gave another rotation id, revision and namespace for the
       // same "clipping disabled" (newcomer report 13 F9).
-      if (r == 0.0f) v = "0";
+      if (d == 0.0) v = "0";
       return {};
     },
     "RATIO in [0,1]");

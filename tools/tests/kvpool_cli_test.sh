@@ -71,6 +71,7 @@ check quantize-nan-input 2 "element \[3,5\] is nan" -- "$bin" quantize --in "$tm
 check quantize-pinf-input 2 "element \[2,1\] is +inf" -- "$bin" quantize --in "$tmp/pinf.npy" --rotation hadamard
 check quantize-ninf-input 2 "element \[4,1,6\] is -inf" -- "$bin" quantize --in "$tmp/ninf.npy"
 check calibrate-bad-clip 1 "--clip-k" -- "$bin" calibrate --model "$model" --text "$data/calibration.txt" --clip-k 5 --out "$tmp/r.safetensors"
+check calibrate-clip-underflows 1 "rounds to 0 in the file's float32" -- "$bin" calibrate --model "$model" --text "$data/calibration.txt" --clip-k 1e-50 --out "$tmp/r.safetensors"
 # Outputs are checked before the run (kvpool::cli::OutputFile): a device node or a symlink to
 # one is refused (the writer would have replaced it with a regular file), so is a directory no
 # file can be created in; a symlink to a regular file is written through (the link stays).
