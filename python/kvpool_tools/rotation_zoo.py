@@ -464,6 +464,9 @@ def convert(keys_obj: Dict[str, Any], values_obj: Optional[Dict[str, Any]], *, m
     for flag, clip in (("--clip-k", clip_k), ("--clip-v", clip_v)):
         if not (math.isfinite(clip) and 0.0 <= clip <= 1.0):
             raise ConversionError(f"{flag} must be 0 (disabled) or in (0, 1], got {clip}")
+        if clip > 0.0 and np.float32(clip) == 0.0:  # as `kvpool calibrate` (newcomer report 13b)
+            raise ConversionError(f"{flag} {clip} is positive but rounds to 0 in the file's "
+                                  "float32 (clipping disabled); give 0, or at least 1e-38")
     clip_k, clip_v = clip_k + 0.0, clip_v + 0.0  # -0 is 0, as in _clip_ratio
     k_obj = str(keys_obj.get("objective", "oscar"))
     v_obj = str(values_obj.get("objective", k_obj)) if values_obj is not None else k_obj

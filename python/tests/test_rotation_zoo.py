@@ -590,6 +590,9 @@ def test_cli_flag_values_are_checked(tmp_path):
     # convert() itself refuses them as well (callers that skip the CLI).
     with raises(rz.ConversionError, match="--clip-k must be 0"):
         rz.convert(one, one, model_name="m", num_kv_heads=1, clip_k=float("nan"))
+    # A positive ratio that is 0 as float32 would disable clipping silently (newcomer report 13b).
+    with raises(rz.ConversionError, match="--clip-v 1e-50 is positive but rounds to 0"):
+        rz.convert(one, one, model_name="m", num_kv_heads=1, clip_v=1e-50)
     with raises(rz.ConversionError, match="--num-kv-heads must be >= 1, got 0"):
         rz.convert(one, one, model_name="m", num_kv_heads=0)
 
