@@ -380,6 +380,9 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "quantize_bench: --benchmark_filter matches no benchmark\n");
     return kvpool::cli::kExitUsage;
   }
+  // --benchmark_list_tests lists and runs nothing: no summary of zeros, no results file
+  // (newcomer report 13b).
+  if (rep.reps.empty()) return 0;
   const bool avx2 = kvpool::CpuHasAvx2();
   const Interleaved il =
       avx2 && pairs > 0 ? RunInterleaved(pairs, window_ms / 1e3, 576) : Interleaved{};
