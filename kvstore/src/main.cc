@@ -324,14 +324,26 @@ int main(int argc, char** argv) {
   }
   // Allowed, but warned before the allocation that may be the process's last act: other
   // processes hold memory now (the check above is against the limit, not what is free).
-  if (const uint64_t avail = kvpool::kvstore::MemAvailableBytes();
-      avail > 0 && o.capacity_bytes > avail) {
-    std::fprintf(stderr,
-                 "kvpool-server: warning: --capacity %s (%llu bytes) is more than the memory "
-                 "available now (MemAvailable %llu bytes in /proc/meminfo); the pool allocates "
-                 "and pins all of it at start: expect swapping or the OOM killer\n",
-                 capacity.c_str(), static_cast<unsigned long long>(o.capacity_bytes),
-                 static_cast<unsigned long long>(avail));
+  // Available now: MemAvailable, or less where the limiting cgroup's other processes already use
+  // part of its limit (newcomer report 13b: a 1 GiB pool in a 1.5 GiB cgroup holding 900 MiB
+  // started unwarned and the kernel killed the other process).
+  {
+    uint64_t avail = kvpool::kvstore::MemAvailableBytes();
+    std::string where = "MemAvailable in /proc/meminfo";
+    if (const kvpool::kvstore::MemoryLimit& limit = UsableMemory();
+        limit.used > 0 && limit.used < limit.bytes &&
+        (avail == 0 || limit.bytes - limit.used < avail)) {
+      avail = limit.bytes - limit.used;
+      where = absl::StrCat(limit.source, " less the ", limit.used, " bytes its cgroup uses now");
+    }
+    if (avail > 0 && o.capacity_bytes > avail) {
+      std::fprintf(stderr,
+                   "kvpool-server: warning: --capacity %s (%llu bytes) is more than the memory "
+                   "available now (%llu bytes: %s); the pool allocates and pins all of it at "
+                   "start: expect swapping or the OOM killer\n",
+                   capacity.c_str(), static_cast<unsigned long long>(o.capacity_bytes),
+                   static_cast<unsigned long long>(avail), where.c_str());
+    }
   }
   // A default lease longer than the longest one a client may request contradicts itself; the
   // pool used to raise the maximum silently.

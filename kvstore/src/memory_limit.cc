@@ -35,14 +35,19 @@ std::vector<std::string> SelfAndParents(const std::string& root, absl::string_vi
 MemoryLimit ProcessMemoryLimit(uint64_t physical_bytes, const std::string& proc_self_cgroup,
                                const std::string& cgroup_root) {
   MemoryLimit best{.bytes = physical_bytes, .source = "physical memory"};
-  auto consider = [&](const std::string& file) {
+  auto consider = [&](const std::string& dir, const char* limit_file, const char* usage_file) {
+    const std::string file = dir + "/" + limit_file;
     std::string v;
     uint64_t bytes = 0;
     if (!ReadFirstLine(file, &v) || !absl::SimpleAtoi(v, &bytes) || bytes == 0) {
       return;  // absent, "max", or unreadable: no limit here
     }
     if (best.bytes != 0 && bytes >= best.bytes) return;  // v1 "unlimited" is ~2^63
-    best = {.bytes = bytes, .source = "cgroup limit " + file};
+    uint64_t used = 0;
+    if (std::string u; !ReadFirstLine(dir + "/" + usage_file, &u) || !absl::SimpleAtoi(u, &used)) {
+      used = 0;
+    }
+    best = {.bytes = bytes, .source = "cgroup limit " + file, .used = used};
   };
   std::ifstream f(proc_self_cgroup);
   std::string line;
@@ -52,14 +57,14 @@ MemoryLimit ProcessMemoryLimit(uint64_t physical_bytes, const std::string& proc_
     if (parts.size() != 3 || parts[2].empty() || parts[2][0] != '/') continue;
     if (parts[1].empty()) {
       for (const std::string& dir : SelfAndParents(cgroup_root, parts[2])) {
-        consider(dir + "/memory.max");
+        consider(dir, "memory.max", "memory.current");
       }
       continue;
     }
     const std::vector<absl::string_view> controllers = absl::StrSplit(parts[1], ',');
     if (std::find(controllers.begin(), controllers.end(), "memory") == controllers.end()) continue;
     for (const std::string& dir : SelfAndParents(cgroup_root + "/memory", parts[2])) {
-      consider(dir + "/memory.limit_in_bytes");
+      consider(dir, "memory.limit_in_bytes", "memory.usage_in_bytes");
     }
   }
   return best;

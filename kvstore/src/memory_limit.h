@@ -12,6 +12,10 @@ struct MemoryLimit {
   // What set `bytes`, for messages: "physical memory", or the cgroup file that did (e.g.
   // "cgroup limit /sys/fs/cgroup/kubepods/pod1/memory.max").
   std::string source;
+  // What that cgroup uses now (its memory.current / memory.usage_in_bytes beside the limit
+  // file); 0 for physical memory or when unreadable. limit - used is what a new allocation may
+  // take before the cgroup's OOM killer acts (newcomer report 13b: MemAvailable ignores it).
+  uint64_t used = 0;
 };
 
 // The lower of `physical_bytes` (0 = not known) and every memory limit of the cgroups this

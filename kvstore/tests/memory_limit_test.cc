@@ -40,9 +40,11 @@ TEST_F(MemoryLimitTest, CgroupV2TakesTheLowestLimitOfItselfAndItsParents) {
   Write("cg/kubepods/pod1/ctr/memory.max", "max\n");
   Write("cg/kubepods/pod1/memory.max", std::to_string(10 * kGiB) + "\n");
   Write("cg/kubepods/memory.max", std::to_string(12 * kGiB) + "\n");
+  Write("cg/kubepods/pod1/memory.current", std::to_string(3 * kGiB) + "\n");
   MemoryLimit l = ProcessMemoryLimit(64 * kGiB, self, Cg());
   EXPECT_EQ(l.bytes, 10 * kGiB);
   EXPECT_EQ(l.source, "cgroup limit " + Cg() + "/kubepods/pod1/memory.max");
+  EXPECT_EQ(l.used, 3 * kGiB);  // the limiting cgroup's usage, beside its limit
   // Physical memory below every limit wins.
   l = ProcessMemoryLimit(8 * kGiB, self, Cg());
   EXPECT_EQ(l.bytes, 8 * kGiB);
@@ -66,9 +68,11 @@ TEST_F(MemoryLimitTest, CgroupV1ReadsTheMemoryControllersLimitAndIgnoresUnlimite
   Write("cg/memory/memory.limit_in_bytes", "9223372036854771712\n");
   // A cpu controller's file of the same name must not count.
   Write("cg/user/x/memory.limit_in_bytes", std::to_string(1 * kGiB) + "\n");
+  Write("cg/memory/user/x/memory.usage_in_bytes", "1048576\n");
   MemoryLimit l = ProcessMemoryLimit(64 * kGiB, self, Cg());
   EXPECT_EQ(l.bytes, 3 * kGiB);
   EXPECT_EQ(l.source, "cgroup limit " + Cg() + "/memory/user/x/memory.limit_in_bytes");
+  EXPECT_EQ(l.used, 1048576u);
 }
 
 TEST_F(MemoryLimitTest, NoCgroupFileOrUnreadableValuesMeanPhysicalMemory) {
@@ -79,6 +83,7 @@ TEST_F(MemoryLimitTest, NoCgroupFileOrUnreadableValuesMeanPhysicalMemory) {
   MemoryLimit l = ProcessMemoryLimit(16 * kGiB, self, Cg());
   EXPECT_EQ(l.bytes, 16 * kGiB);
   EXPECT_EQ(l.source, "physical memory");
+  EXPECT_EQ(l.used, 0u);
   // Physical memory unknown (0): a limit still counts.
   Write("cg/a/memory.max", "4096\n");
   EXPECT_EQ(ProcessMemoryLimit(0, self, Cg()).bytes, 4096u);
