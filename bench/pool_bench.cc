@@ -559,20 +559,28 @@ int main(int argc, char** argv) {
   for (uint64_t kib : sizes_kib) {
     const uint64_t bytes = kib << 10;
     if (bytes < (16u << 10) || (bytes & (bytes - 1)) != 0) {
-      KVPOOL_LOG_ERROR("--sizes-kib: {} is not a power of two >= 16", kib);
+      // The usage form, as the flags' own checks (newcomer report 13b: an E log line).
+      std::fprintf(stderr,
+                   "pool_bench: --sizes-kib: %llu is not a power of two >= 16\n"
+                   "Run with --help for more information.\n",
+                   static_cast<unsigned long long>(kib));
       return kvpool::cli::kExitUsage;
     }
   }
-  // Not with --only-inflight: the table's columns are the one-at-a-time transfers it skips
-  // (newcomer 11b F7: the header was printed with no rows).
-  if (!only_inflight) {
+  // Printed before the first row, so never with --only-inflight (its columns are the
+  // one-at-a-time transfers it skips; newcomer 11b F7) nor before a failure that ends the run
+  // with no row (newcomer report 13b: a pool that cannot be reached).
+  bool header_printed = false;
+  auto print_header = [&] {
+    if (header_printed) return;
+    header_printed = true;
     std::printf(
         "%-9s %9s %9s %9s %9s %9s %9s %9s %9s %9s %9s %9s %6s %6s %8s  (GB/s; mean over "
         "iterations; p50 in us; faults: minor page faults per put / first fetch; cpu: process CPU "
         "ms per iteration)\n",
         "size", "put data", "put async", "put e2e", "put+cmt", "fetch", "warm", "no-xxh3",
         "fetch e2e", "raw get", "p50 put", "p50 async", "pf put", "pf get", "cpu ms");
-  }
+  };
   for (uint64_t kib : sizes_kib) {
     const uint64_t bytes = kib << 10;
     // bytes = L * H * 8 KiB; keep L <= 8.
@@ -731,6 +739,7 @@ int main(int argc, char** argv) {
     // No raw get when the pool initiates transfers (docs/TRANSPORT.md): "n/a", not a measured 0.
     char raw_cell[32] = "n/a";
     if (!raw_us.empty()) std::snprintf(raw_cell, sizeof(raw_cell), "%.3f", gbps(rs));
+    print_header();
     std::printf(
         "%-9s %9.3f %9.3f %9.3f %9.3f %9.3f %9.3f %9.3f %9.3f %9s %9.1f %9.1f %6.1f %6.1f %8.3f\n",
         absl::StrCat(kib, " KiB").c_str(), gbps(ps), gbps(pa), gbps(pe), gbps(pc), gbps(fs),

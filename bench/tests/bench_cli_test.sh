@@ -12,6 +12,17 @@ for flag in --lookup-clients --commit-blocks --iters --lookup-iters --commit-ite
   check "pool_bench $flag 0" 1 "$flag" -- "$pool" --server 127.0.0.1:1 "$flag" 0
 done
 check "pool_bench --warmup -1" 1 "--warmup" -- "$pool" --server 127.0.0.1:1 --warmup -1
+# A bad size is refused in the usage form, and no run that ends without a row prints the table's
+# header (newcomer reports 13 F7 and 13b).
+check "pool_bench --sizes-kib 24" 1 "^pool_bench: --sizes-kib: 24 is not a power of two >= 16" -- "$pool" --server 127.0.0.1:1 --sizes-kib 24
+for args in "--sizes-kib 24" "--sizes-kib 16"; do  # a usage error; a pool that cannot be reached
+  # shellcheck disable=SC2086
+  if out="$("$pool" --server 127.0.0.1:1 $args 2>/dev/null)"; [[ -z "$out" ]]; then
+    echo "ok   pool_bench $args prints no table header"
+  else
+    echo "FAIL pool_bench $args printed: $out"; fail=1
+  fi
+done
 # The default results file is in the current directory, not a committed file of the source tree.
 out="$("$quant" --help 2>&1)"
 if grep -q -- "--json-out.*=quantize_cpu.json\|--json-out.*\[quantize_cpu.json\]" <<<"$out" &&
