@@ -56,17 +56,12 @@
 #include "kvpool/common/checksum.h"
 #include "kvpool/common/cli.h"
 #include "kvpool/common/log.h"
+#include "kvpool/common/status_text.h"
 #include "kvpool/common/version.h"
 #include "kvpool/kernels/rotation.h"
 #include "kvpool/kernels/rotation_file.h"
 
 namespace {
-
-// A status as people read it: code and message, without payloads (a room refusal carries a
-// binary one, which ToString() printed as escaped bytes; newcomer report 13 F7).
-std::string TextOf(const absl::Status& s) {
-  return s.ToString(absl::StatusToStringMode::kWithNoExtraData);
-}
 
 using kvpool::client::Client;
 using kvpool::client::ClientOptions;
@@ -100,7 +95,7 @@ std::string RotationFile(const std::string& model, uint32_t L, uint32_t H, uint3
   meta.num_kv_heads = H;
   auto rot = kvpool::RotationSet::Hadamard(meta);
   if (!rot.ok()) {
-    KVPOOL_LOG_ERROR("rotation: {}", TextOf(rot.status()));
+    KVPOOL_LOG_ERROR("rotation: {}", kvpool::StatusText(rot.status()));
     std::exit(kvpool::cli::kExitRuntime);
   }
   return kvpool::SerializeRotations(*rot);
@@ -153,7 +148,7 @@ std::unique_ptr<Client> NewClient(const std::string& server, const std::string& 
   o.default_timeout = absl::Seconds(60);
   auto c = Client::Create(o);
   if (!c.ok()) {
-    KVPOOL_LOG_ERROR("client: {}", TextOf(c.status()));
+    KVPOOL_LOG_ERROR("client: {}", kvpool::StatusText(c.status()));
     std::exit(kvpool::cli::kExitRuntime);
   }
   return *std::move(c);
@@ -198,13 +193,15 @@ class SpinBarrier {
   std::atomic<uint32_t> gen_{0};
 };
 
-#define BENCH_CHECK(expr)                            \
-  do {                                               \
-    absl::Status s_ = (expr);                        \
-    if (!s_.ok()) {                                  \
-      KVPOOL_LOG_ERROR("{}: {}", #expr, TextOf(s_)); \
-      std::exit(kvpool::cli::kExitRuntime);          \
-    }                                                \
+// Statuses print as kvpool::StatusText (code and message, no payload: a room refusal's binary
+// one printed as escaped bytes with ToString(); newcomer report 13 F7).
+#define BENCH_CHECK(expr)                                        \
+  do {                                                           \
+    absl::Status s_ = (expr);                                    \
+    if (!s_.ok()) {                                              \
+      KVPOOL_LOG_ERROR("{}: {}", #expr, kvpool::StatusText(s_)); \
+      std::exit(kvpool::cli::kExitRuntime);                      \
+    }                                                            \
   } while (0)
 
 // The in-flight section's result for one size.
@@ -240,7 +237,7 @@ Inflight RunInflight(const std::vector<std::unique_ptr<Client>>& clients, const 
     if (s.ok()) return;
     KVPOOL_LOG_ERROR(
         "in-flight section, {} KiB blocks, client {} of {}: {}: {}{}", bytes >> 10, client + 1, D,
-        what, TextOf(s),
+        what, kvpool::StatusText(s),
         absl::IsResourceExhausted(s)
             ? absl::StrCat(" (this section holds ", D, " client(s) x ", per_window, " put(s) x ",
                            bytes >> 10, " KiB = ", staging_bytes,

@@ -47,12 +47,12 @@
 #include "kvpool/common/keys.h"
 #include "kvpool/common/log.h"
 #include "kvpool/common/process.h"
+#include "kvpool/common/status_text.h"
 #include "kvpool/engine/engine.h"
 #include "kvpool/kernels/rotation_file.h"
 #include "kvpool/worker/eval.h"
 #include "kvpool/worker/mixed_kv_cache.h"
 #include "kvpool/worker/pool_node.h"
-#include "kvpool/worker/status_text.h"
 
 namespace kw = kvpool::worker;
 using nlohmann::json;
@@ -97,7 +97,7 @@ std::string Text(const kvpool::engine::Engine& e, const std::vector<int>& tokens
 // A fatal error ends the run: printed to stderr whatever --log-level says (off included), as
 // kvpool and kvpool-engine do.
 int Fail(const absl::Status& s, const std::string& what) {
-  std::fprintf(stderr, "kvpool-worker: %s: %s\n", what.c_str(), kw::StatusText(s).c_str());
+  std::fprintf(stderr, "kvpool-worker: %s: %s\n", what.c_str(), kvpool::StatusText(s).c_str());
   return kvpool::cli::kExitRuntime;
 }
 
@@ -398,7 +398,7 @@ int CheckFaultPoolPid(kvpool::client::Client& client, const std::string& pool,
   std::string why;
   if (!st.ok()) {
     why = absl::StrCat("cannot check that it is the pool at ", pool,
-                       " (Stats: ", kw::StatusText(st.status()), ")");
+                       " (Stats: ", kvpool::StatusText(st.status()), ")");
   } else if (st->pool_pid == 0) {
     why = absl::StrCat("cannot check that it is the pool at ", pool,
                        ": that pool reports no pid (a kvpool-server from before protocol v1.6)");
@@ -983,7 +983,7 @@ int main(int argc, char** argv) {
     // at once, so the node never uses the missing client), and the report lists them all.
     if (client == nullptr) {
       KVPOOL_LOG_WARN("prefill: stopped during the registration with the pool at {} ({})", pool,
-                      kw::StatusText(client_error));
+                      kvpool::StatusText(client_error));
     }
     kw::PrefillNode node(&engine, client.get(), rotations, nopts);
     uint64_t bytes = 0, tokens = 0;
@@ -1037,7 +1037,7 @@ int main(int argc, char** argv) {
         return;
       }
       if (!outcome.ok()) {
-        const std::string why = kw::StatusText(outcome.status());
+        const std::string why = kvpool::StatusText(outcome.status());
         KVPOOL_LOG_ERROR("prefill --prompt-file {}: {}", p.path, why);
         out["prompts"].push_back(
             {{"name", p.name}, {"prompt_tokens", p.tokens.size()}, {"error", why}});
@@ -1141,7 +1141,7 @@ int main(int argc, char** argv) {
         : kvpool::client::RefusedByClient(client_error)
             ? "this worker refused the pool (the pool accepted the registration): "
             : "pool refused the registration: ",
-        kw::StatusText(client_error));
+        kvpool::StatusText(client_error));
     // Logged once here; each request's report carries it as fallback_reason.
     KVPOOL_LOG_WARN("pool at {} not usable ({}); every request computes its prefix locally", pool,
                     nopts.no_pool_reason);

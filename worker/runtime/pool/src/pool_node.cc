@@ -20,8 +20,8 @@
 #include "kvpool/common/process.h"
 #include "kvpool/common/room_shortage.h"
 #include "kvpool/common/status.h"
+#include "kvpool/common/status_text.h"
 #include "kvpool/worker/staging_recorder.h"
-#include "kvpool/worker/status_text.h"
 
 namespace kvpool::worker {
 

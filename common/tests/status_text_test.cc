@@ -1,9 +1,9 @@
 // StatusText: the code once, the message without repeated code names.
-#include "kvpool/worker/status_text.h"
+#include "kvpool/common/status_text.h"
 
 #include <gtest/gtest.h>
 
-namespace kvpool::worker {
+namespace kvpool {
 namespace {
 
 TEST(StatusTextTest, CodeThenMessage) {
@@ -27,4 +27,4 @@ TEST(StatusTextTest, OtherCodeInMessageKept) {
 }
 
 }  // namespace
-}  // namespace kvpool::worker
+}  // namespace kvpool

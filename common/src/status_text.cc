@@ -1,12 +1,12 @@
-// One-line status text without a repeated code (see kvpool/worker/status_text.h).
-#include "kvpool/worker/status_text.h"
+// One-line status text without a repeated code (see kvpool/common/status_text.h).
+#include "kvpool/common/status_text.h"
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "absl/strings/strip.h"
 
-namespace kvpool::worker {
+namespace kvpool {
 
 std::string StatusText(const absl::Status& status) {
   const std::string code = absl::StatusCodeToString(status.code());
@@ -24,4 +24,4 @@ std::string StatusText(const absl::Status& status) {
   return absl::StrCat(code, ": ", msg);
 }
 
-}  // namespace kvpool::worker
+}  // namespace kvpool
