@@ -1490,14 +1490,16 @@ absl::StatusOr<LeaseGrant> BlockStore::Acquire(const Digest& namespace_id, const
       leases_.emplace(grant.lease_id, std::move(l));
     }
   }
-  // The lease's window without BF16 (TargetForms' "tail", for this prefix's length).
-  const size_t n = grant.blocks.size();
-  const size_t window_from = std::max<size_t>(
-      m->info.sink_blocks, n > m->info.recent_blocks ? n - m->info.recent_blocks : 0);
+  // Blocks the recipe gives a BF16 form at this prefix's length (TargetForms: its recent
+  // window, or sinks and bf16-history blocks, which always hold one) leased without it.
+  const uint32_t n = static_cast<uint32_t>(grant.blocks.size());
   uint64_t int2_only = 0;
-  for (size_t i = window_from; i < n; ++i) {
+  for (uint32_t i = 0; i < n; ++i) {
+    bool target[kNumForms];
+    TargetForms(*m, i, n, target);
     const auto& fs = grant.blocks[i].forms;
-    if (std::none_of(fs.begin(), fs.end(),
+    if (target[int(FormKind::kBf16)] &&
+        std::none_of(fs.begin(), fs.end(),
                      [](const FormLocation& f) { return f.form == FormKind::kBf16; })) {
       ++int2_only;
     }
