@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdio>
 #include <ctime>
+#include <optional>
 #include <string>
 #include <thread>
 
@@ -103,6 +104,14 @@ const kvpool::kvstore::MemoryLimit& UsableMemory() {
                                           static_cast<uint64_t>(sysconf(_SC_PAGESIZE)));
   return limit;
 }
+// What the pool's memory may take: UsableMemory() less kProcessReserve (0 when the limit is at
+// most the reserve; computed without a sum, which wrapped near 2^64: newcomer report 13b);
+// nullopt when no limit is known.
+std::optional<uint64_t> PoolRoom() {
+  const kvpool::kvstore::MemoryLimit& limit = UsableMemory();
+  if (limit.bytes == 0) return std::nullopt;
+  return limit.bytes > kProcessReserve ? limit.bytes - kProcessReserve : 0;
+}
 
 // CLI11 checks for --capacity and --max-registration-bytes: a positive byte count ParseBytes
 // reads, and for --capacity 1 MiB .. UsableMemory() - kProcessReserve (less cannot hold a block
@@ -132,10 +141,7 @@ CLI::Validator ByteCount(const char* examples, bool capacity_bounds) {
         if (bytes < kMinCapacity) {
           return absl::StrCat(v, " (", bytes, " bytes) is below 1 MiB");
         }
-        // Not bytes + kProcessReserve: it wrapped for capacities within 64 MiB of 2^64, which
-        // then passed (newcomer report 13b).
-        if (limit.bytes > 0 &&
-            (limit.bytes < kProcessReserve || bytes > limit.bytes - kProcessReserve)) {
+        if (const std::optional<uint64_t> room = PoolRoom(); room && bytes > *room) {
           return absl::StrCat(v, " (", bytes,
                               " bytes) is more than this process may use: ", limit.bytes,
                               " bytes (", limit.source, ") less 64 MiB for the ",
@@ -311,16 +317,17 @@ int main(int argc, char** argv) {
   ParseBytes(max_registration, &o.store.max_registration_bytes);
   // Each bound holds alone; together they may not (newcomer report 13b): registrations are
   // allocated as models register, so this is a warning, not a refusal.
-  if (const kvpool::kvstore::MemoryLimit& limit = UsableMemory();
-      limit.bytes > 0 && o.capacity_bytes + kProcessReserve < limit.bytes &&
-      o.store.max_registration_bytes > limit.bytes - kProcessReserve - o.capacity_bytes) {
+  if (const std::optional<uint64_t> room = PoolRoom();
+      room && o.capacity_bytes < *room &&
+      o.store.max_registration_bytes > *room - o.capacity_bytes) {
+    const kvpool::kvstore::MemoryLimit& limit = UsableMemory();
     std::fprintf(stderr,
                  "kvpool-server: warning: --capacity %s and --max-registration-bytes %s together "
                  "exceed what this process may use (%llu bytes, %s, less 64 MiB): registrations "
                  "past %llu bytes would run into that limit\n",
                  capacity.c_str(), max_registration.c_str(),
                  static_cast<unsigned long long>(limit.bytes), limit.source.c_str(),
-                 static_cast<unsigned long long>(limit.bytes - kProcessReserve - o.capacity_bytes));
+                 static_cast<unsigned long long>(*room - o.capacity_bytes));
   }
   // Allowed, but warned before the allocation that may be the process's last act: other
   // processes hold memory now (the check above is against the limit, not what is free).

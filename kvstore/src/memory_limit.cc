@@ -12,9 +12,12 @@
 namespace kvpool::kvstore {
 namespace {
 
-bool ReadFirstLine(const std::string& path, std::string* line) {
+// The number on the first line of `path` (a cgroup file); false when absent, unreadable or not
+// a number ("max").
+bool ReadNumber(const std::string& path, uint64_t* out) {
   std::ifstream f(path);
-  return f && std::getline(f, *line);
+  std::string line;
+  return f && std::getline(f, line) && absl::SimpleAtoi(line, out);
 }
 
 // Folders from `root + rel` up to `root` itself, deepest first ("/a/b" → root/a/b, root/a, root).
@@ -37,16 +40,11 @@ MemoryLimit ProcessMemoryLimit(uint64_t physical_bytes, const std::string& proc_
   MemoryLimit best{.bytes = physical_bytes, .source = "physical memory"};
   auto consider = [&](const std::string& dir, const char* limit_file, const char* usage_file) {
     const std::string file = dir + "/" + limit_file;
-    std::string v;
     uint64_t bytes = 0;
-    if (!ReadFirstLine(file, &v) || !absl::SimpleAtoi(v, &bytes) || bytes == 0) {
-      return;  // absent, "max", or unreadable: no limit here
-    }
-    if (best.bytes != 0 && bytes >= best.bytes) return;  // v1 "unlimited" is ~2^63
+    if (!ReadNumber(file, &bytes) || bytes == 0) return;  // absent, "max", unreadable: no limit
+    if (best.bytes != 0 && bytes >= best.bytes) return;   // v1 "unlimited" is ~2^63
     uint64_t used = 0;
-    if (std::string u; !ReadFirstLine(dir + "/" + usage_file, &u) || !absl::SimpleAtoi(u, &used)) {
-      used = 0;
-    }
+    if (!ReadNumber(dir + "/" + usage_file, &used)) used = 0;
     best = {.bytes = bytes, .source = "cgroup limit " + file, .used = used};
   };
   std::ifstream f(proc_self_cgroup);
