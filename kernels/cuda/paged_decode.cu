@@ -1701,13 +1701,16 @@ KernelStatus Validate(const PagedDecodeParams& p) {
   return KernelStatus::Ok();
 }
 
+// An A/B switch that is on unless the environment sets `name` to "0".
+bool EnvOnUnlessZero(const char* name) {
+  const char* e = std::getenv(name);
+  return e == nullptr || std::string(e) != "0";
+}
+
 // Whether launches use programmatic dependent launch (PDL): on unless the environment sets
 // KVPOOL_DECODE_PDL=0 (kept for A/B measurements). Read once per process.
 bool UsePdl() {
-  static const bool on = [] {
-    const char* e = std::getenv("KVPOOL_DECODE_PDL");
-    return e == nullptr || std::string(e) != "0";
-  }();
+  static const bool on = EnvOnUnlessZero("KVPOOL_DECODE_PDL");
   return on;
 }
 
@@ -1834,10 +1837,7 @@ int RecentSplitsOverride() {
 // B = 1 × 32K, where that CTA becomes the longest of a latency-bound launch; docs/KERNELS.md v8).
 // KVPOOL_DECODE_FOLD_SINK=0 keeps separate sink CTAs (A/B). Read once per process.
 bool FoldSink() {
-  static const bool on = [] {
-    const char* e = std::getenv("KVPOOL_DECODE_FOLD_SINK");
-    return e == nullptr || std::string(e) != "0";
-  }();
+  static const bool on = EnvOnUnlessZero("KVPOOL_DECODE_FOLD_SINK");
   return on;
 }
 
@@ -1845,10 +1845,7 @@ bool FoldSink() {
 // AttnArgs::pid_window; default on): KVPOOL_DECODE_BF16_PID=0 restores the per-copy load (A/B).
 // Read once per process.
 bool Bf16PidWindow() {
-  static const bool on = [] {
-    const char* e = std::getenv("KVPOOL_DECODE_BF16_PID");
-    return e == nullptr || std::string(e) != "0";
-  }();
+  static const bool on = EnvOnUnlessZero("KVPOOL_DECODE_BF16_PID");
   return on;
 }
 
