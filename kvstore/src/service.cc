@@ -702,8 +702,11 @@ class KvPoolService final : public pb::KvPool::Service {
   // and, at shutdown, the whole drain waiting for minutes, and then crash ucp_worker_destroy.
   // `what` names the transfer and `bound` what set its deadline, for the messages: a client
   // saw only "transfer still in progress at its deadline".
+  // `cause`: why a transfer that ran out of time did so, when the caller knows better than
+  // "the client stopped answering" (empty: that default).
   absl::Status WaitTransfer(const std::shared_ptr<transport::Transfer>& t, absl::Time deadline,
-                            grpc::ServerContext* call, const char* what, const char* bound) {
+                            grpc::ServerContext* call, const char* what, const char* bound,
+                            const std::string& cause = {}) {
     absl::Status s;
     while (true) {
       s = t->Wait(std::min(deadline, absl::Now() + absl::Milliseconds(100)));
@@ -711,9 +714,10 @@ class KvPoolService final : public pb::KvPool::Service {
       if (absl::Now() >= deadline) {
         s = absl::DeadlineExceededError(absl::StrCat(
             what, " did not finish by ", bound,
-            ", so the pool aborted it (its UCX connection to client_worker_address is closed): "
-            "the client process stopped answering UCX (stopped, hung or overloaded) or its "
-            "network is down"));
+            ", so the pool aborted it (its UCX connection to client_worker_address is closed): ",
+            cause.empty() ? "the client process stopped answering UCX (stopped, hung or "
+                            "overloaded) or its network is down"
+                          : cause));
         break;
       }
       if (call != nullptr && call->IsCancelled()) {
@@ -748,7 +752,16 @@ class KvPoolService final : public pb::KvPool::Service {
     absl::Duration put_left;
     KVPOOL_ASSIGN_OR_RETURN(std::vector<StagingRange> ranges,
                             store_.BeginPutWrite(ns, req.put_id(), &put_left));
-    deadline = std::min(deadline, absl::Now() + put_left);
+    // A put timeout shorter than the pull itself (newcomer 13b F8: kvpool-worker
+    // --put-timeout-ms 1 read as a client that stopped answering UCX) is named as such.
+    std::string cause;
+    if (absl::Now() + put_left < deadline) {
+      deadline = absl::Now() + put_left;
+      cause = absl::StrCat("the put's timeout ran out first (", absl::ToInt64Milliseconds(put_left),
+                           " ms of it were left when this pull began): the put's timeout is "
+                           "shorter than writing and committing the put takes (ask for a longer "
+                           "one), or the client stopped answering UCX within it");
+    }
     struct Claim {
       BlockStore& store;
       uint64_t put_id;
@@ -788,7 +801,8 @@ class KvPoolService final : public pb::KvPool::Service {
     KVPOOL_RETURN_IF_ERROR(WaitTransfer(
         t, deadline, call, "WritePut: the pool's pull of this put from the client's memory",
         "the earlier of the call's deadline and the put's timeout (BeginPutRequest.timeout_ms, "
-        "else kvpool-server --put-timeout-ms; the put is then dropped: begin it again)"));
+        "else kvpool-server --put-timeout-ms; the put is then dropped: begin it again)",
+        cause));
     resp->set_bytes_written(total);
     return absl::OkStatus();
 #else

@@ -103,4 +103,18 @@ grep -q "share no UCX transport" "${work}/tls.log" && echo "ok: the error names 
 grep -q "was lost with the pool\|the pool is unreachable" "${work}/tls.log" \
   && { cat "${work}/tls.log" >&2; fail "the mismatch was treated as a pool outage"; } || echo "ok: not treated as an outage"
 
+echo "== a put timeout shorter than a put takes (--put-timeout-ms 1): the error names the timeout"
+# It read as a client that stopped answering UCX, or named only the pool's flag (newcomer 13b F8).
+"${worker_bin}" --role prefill --pool "${b_addr}" "${common[@]}" --put-timeout-ms 1 \
+  --revision short-put-test >/dev/null 2>"${work}/short_put.log"
+rc=$?
+[[ ${rc} -eq 2 ]] && echo "ok: exit 2" || { cat "${work}/short_put.log" >&2; fail "exit ${rc}, want 2"; }
+last="$(tail -n 1 "${work}/short_put.log")"
+if [[ "${last}" == *"longer than the put timeout of 1 ms that kvpool-worker --put-timeout-ms asks for"* ||
+      "${last}" == *"the put's timeout ran out first"* ]]; then
+  echo "ok: the failure names the put timeout"
+else
+  cat "${work}/short_put.log" >&2; fail "the failure does not name the put timeout"
+fi
+
 [[ ${failures} -eq 0 ]] && echo PASS || { echo "${failures} failure(s)" >&2; exit 1; }

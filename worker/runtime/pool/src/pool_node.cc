@@ -276,10 +276,12 @@ absl::StatusOr<PrefillReport> PrefillNode::Commit(Pending pending, Pending* othe
   // putting again fails the same way (it was logged as a lost put: newcomer s10 F8).
   // Puts the recorded K/V again after `what` happened to the put (once per prompt: the report's
   // reput flag); `r` becomes the new put's Commit result.
+  std::optional<std::chrono::steady_clock::time_point> reput_start;
   auto put_again = [&](const char* what) -> absl::Status {
     KVPOOL_LOG_WARN("prefill: the put of a {}-token prompt {} ({}); putting its recorded K/V again",
                     pending.report.prompt_tokens, what, StatusText(r.status()));
     pending.report.reput = true;
+    reput_start = std::chrono::steady_clock::now();
     KVPOOL_RETURN_IF_ERROR(Reopen(pending, /*wait_for_room=*/false, std::nullopt));
     r = pending.put->Commit();
     return absl::OkStatus();
@@ -359,6 +361,9 @@ absl::StatusOr<PrefillReport> PrefillNode::Commit(Pending pending, Pending* othe
         "for room",
         pending.report.prompt_tokens, Since(*room_since));
   }
+  if (client::PutExpired(r.status()) && reput_start.has_value()) {
+    return ExpiredAgain(r.status(), Since(*reput_start));
+  }
   KVPOOL_RETURN_IF_ERROR(r.status());
   PrefillReport rep = pending.report;
   rep.push_seconds = Since(pending.writes_started);
@@ -391,6 +396,27 @@ absl::Status PrefillNode::RoomWaitSpent(const absl::Status& s) const {
                                 options_.reconnect_wait.count(),
                                 " ms of --call-timeout-ms for room in vain, and no commit has "
                                 "succeeded since)"));
+  s.ForEachPayload(
+      [&out](absl::string_view url, const absl::Cord& payload) { out.SetPayload(url, payload); });
+  return out;
+}
+
+absl::Status PrefillNode::ExpiredAgain(const absl::Status& s, double reput_seconds) const {
+  // The pool's message names the pool's flag and ClientOptions; what a node's operator sets is
+  // this node's --put-timeout-ms, or the pool's when it is 0 (newcomer 13b F8: with
+  // --put-timeout-ms 1 every prompt failed and nothing said which flag was too short).
+  const int64_t asked = options_.put_timeout.count();
+  absl::Status out(
+      s.code(),
+      absl::StrCat(s.message(), " (it expired again when put a second time from the recorded K/V: ",
+                   "that put took ", static_cast<int64_t>(reput_seconds * 1000.0),
+                   " ms from its BeginPut to its Commit, longer than the put timeout ",
+                   asked > 0 ? absl::StrCat("of ", asked,
+                                            " ms that kvpool-worker --put-timeout-ms asks "
+                                            "for; raise it, or give 0 for the pool's own")
+                             : "of the pool (kvpool-server --put-timeout-ms; or ask for more with "
+                               "kvpool-worker --put-timeout-ms)",
+                   ")"));
   s.ForEachPayload(
       [&out](absl::string_view url, const absl::Cord& payload) { out.SetPayload(url, payload); });
   return out;

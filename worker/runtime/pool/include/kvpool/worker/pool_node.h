@@ -255,6 +255,11 @@ class PrefillNode {
   bool room_wait_spent_ = false;
   // The refusal `s` of a prompt not waited for (room_wait_spent_): same code and payloads.
   absl::Status RoomWaitSpent(const absl::Status& s) const;
+  // `s` (a put that expired in the pool, client::PutExpired) for a prompt whose second put,
+  // from the recorded K/V, expired too after `reput_seconds`: the message adds which timeout
+  // was too short for it (this node's --put-timeout-ms, or the pool's when that is 0) and by
+  // how much; the payloads are kept.
+  absl::Status ExpiredAgain(const absl::Status& s, double reput_seconds) const;
   // Marks the shortage as one that does not pass (logged once per episode).
   void NoteRoomWaitSpent();
 };
