@@ -496,6 +496,26 @@ int main(int argc, char** argv) {
                  "section is all it runs)\nRun with --help for more information.\n");
     return kvpool::cli::kExitUsage;
   }
+  if (pin_caller_cpu >= 0) {
+    // Checked before anything runs, in the usage form: pthread_setaffinity_np's EINVAL, found
+    // after the client was set up, said nothing of why (newcomer 13b F9).
+    cpu_set_t allowed_set;
+    CPU_ZERO(&allowed_set);
+    pthread_getaffinity_np(pthread_self(), sizeof(allowed_set), &allowed_set);
+    if (!CPU_ISSET(pin_caller_cpu, &allowed_set)) {
+      std::string allowed;
+      for (int c = 0; c < CPU_SETSIZE; ++c) {
+        if (CPU_ISSET(c, &allowed_set)) {
+          allowed += (allowed.empty() ? "" : ",") + std::to_string(c);
+        }
+      }
+      std::fprintf(stderr,
+                   "pool_bench: --pin-caller-cpu: CPU %d is not one this process may run on "
+                   "(its CPUs: %s)\nRun with --help for more information.\n",
+                   pin_caller_cpu, allowed.c_str());
+      return kvpool::cli::kExitUsage;
+    }
+  }
 
   nlohmann::json out;
   out["bench"] = "pool_bench";
@@ -528,8 +548,9 @@ int main(int argc, char** argv) {
     cpu_set_t one;
     CPU_ZERO(&one);
     CPU_SET(pin_caller_cpu, &one);
-    if (pthread_setaffinity_np(pthread_self(), sizeof(one), &one) != 0) {
-      KVPOOL_LOG_ERROR("--pin-caller-cpu: cannot pin to CPU {}", pin_caller_cpu);
+    if (const int err = pthread_setaffinity_np(pthread_self(), sizeof(one), &one); err != 0) {
+      KVPOOL_LOG_ERROR("--pin-caller-cpu: cannot pin to CPU {}: {}", pin_caller_cpu,
+                       std::strerror(err));
       return kvpool::cli::kExitUsage;
     }
   }

@@ -12,6 +12,8 @@ for flag in --lookup-clients --commit-blocks --iters --lookup-iters --commit-ite
   check "pool_bench $flag 0" 1 "$flag" -- "$pool" --server 127.0.0.1:1 "$flag" 0
 done
 check "pool_bench --warmup -1" 1 "--warmup" -- "$pool" --server 127.0.0.1:1 --warmup -1
+# A CPU outside the process's affinity was refused with no reason (newcomer 13b F9).
+check "pool_bench --pin-caller-cpu 4095" 1 "^pool_bench: --pin-caller-cpu: CPU 4095 is not one this process may run on (its CPUs: 0" -- "$pool" --server 127.0.0.1:1 --pin-caller-cpu 4095
 # A bad size is refused in the usage form, and no run that ends without a row prints the table's
 # header (newcomer reports 13 F7 and 13b).
 check "pool_bench --sizes-kib 24" 1 "^pool_bench: --sizes-kib: 24 is not a power of two >= 16" -- "$pool" --server 127.0.0.1:1 --sizes-kib 24
