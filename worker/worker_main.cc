@@ -144,6 +144,14 @@ std::atomic<size_t> g_prompts_total{0};
 // signal's line (newcomer 11b F4: it said a lease expires while none was held).
 std::atomic<bool> g_lease_held{false};
 
+extern "C" void OnHangupSignal(int) {
+  const int saved_errno = errno;
+  static constexpr char kLine[] =
+      "kvpool-worker: SIGHUP ignored; SIGTERM or SIGINT stops the run\n";
+  (void)!::write(STDERR_FILENO, kLine, sizeof(kLine) - 1);  // async-signal-safe
+  errno = saved_errno;
+}
+
 extern "C" void OnStopSignal(int sig) {
   const int saved_errno = errno;
   const int n = g_signals + 1;
@@ -246,6 +254,14 @@ std::shared_ptr<kvpool::client::CancelToken> InstallStopHandlers() {
       ExitAtOnce();
     }).detach();
   }
+  // SIGHUP is logged and ignored, as by kvpool-server: UCX's default UCX_DEBUG_SIGNO=HUP
+  // otherwise turned a hangup (a closed terminal) into UCX debug logging for the rest of the
+  // run, whatever --log-level said (newcomer 14 F3).
+  struct sigaction hup {};
+  hup.sa_handler = OnHangupSignal;
+  sigemptyset(&hup.sa_mask);
+  hup.sa_flags = SA_RESTART;
+  sigaction(SIGHUP, &hup, nullptr);
   struct sigaction sa {};
   sa.sa_handler = OnStopSignal;
   sigemptyset(&sa.sa_mask);

@@ -105,6 +105,23 @@ assert int(m["kvpool_worker_pushed_bytes_total"]) == d["overall"]["bytes_written
 print(f"ok: prefill report: {len(stored)} stored, {len(interrupted)} interrupted, metrics agree")
 PY
 
+echo "== prefill: SIGHUP is logged and ignored (UCX's debug handler, UCX_DEBUG_SIGNO=HUP, does not take it)"
+# newcomer 14 F3: a hangup turned on UCX debug logging for the rest of the run.
+"${worker_bin}" --role prefill "${common[@]}" "${prompts[@]:0:20}" \
+  --report "${work}/hup.json" >/dev/null 2>"${work}/hup.log" &
+wpid=$!
+wait_for "I prefill " "${work}/hup.log" "${wpid}" || fail "SIGHUP case: no 'I prefill' line before the run ended"
+kill -HUP "${wpid}"; wait "${wpid}"; rc=$?; wpid=""
+[[ ${rc} -eq 0 ]] && echo "ok: the run went on to exit 0" || fail "SIGHUP case: exit ${rc}, want 0"
+grep -q "^kvpool-worker: SIGHUP ignored; SIGTERM or SIGINT stops the run$" "${work}/hup.log" \
+  && echo "ok: the SIGHUP line" || { cat "${work}/hup.log" >&2; fail "no 'SIGHUP ignored' line"; }
+grep -q "UCX  *DEBUG" "${work}/hup.log" && fail "UCX debug logging after SIGHUP" || echo "ok: no UCX debug lines"
+python3 -c "
+import json
+d = json.load(open('${work}/hup.json'))
+assert len(d['prompts']) == 10 and d['overall']['failed_prompts'] == 0 and not d.get('interrupted'), d['overall']
+print('ok: all 10 prompts stored')" || fail "SIGHUP case: not every prompt stored"
+
 echo "== prefill: a second SIGTERM 5 ms after the first ends the worker at once, its open puts aborted"
 # The first stop waits for the prompt being computed (~0.2 s); the second comes during it (most
 # runs) or after the first stop ended. Either way the pool holds no open put right after the
