@@ -99,9 +99,9 @@ struct AttnArgs {
   // 32-step window (the first one right after the index and q̃ loads, before the q̃ packing) and
   // each unit's copy takes its id by a shuffle; 0: every copy loads its page id first (v7-v24).
   int32_t pid_window;
-  // INT2 kernel only (s14 A/B): ring stages of the first item issued before the wait for q̃ (2:
-  // both, v9-v29; 1: stage 1 is issued right after the wait, so half the prologue's copies
-  // compete with the rotation's R_K and q loads).
+  // INT2 kernel only (v30): ring stages of the first item issued before the wait for q̃ (2: both,
+  // v9-v29; 1: stage 1 right after the wait, so that half as many copies queue in front of the
+  // rotation's R_K and q loads while q̃ is on the critical path; launcher rule, Int2PreStages).
   int32_t pre_stages;
 };
 
@@ -845,6 +845,7 @@ __global__ void __launch_bounds__(kThreads, (D <= 128 ? (KT == 1 ? 5 : 4) : 2))
     // only, never q̃), so a CTA resident while QRotateKernel runs has kStages stages in flight.
     static_assert(kStages == 2, "the stage bookkeeping below holds two ring slots");
     int sb0 = fixed_base(0), sb1 = fixed_base(1);  // unit base of the stage in ring slot 0 / 1
+    // v30: with pre_stages == 1 the first item's stage 1 waits for q̃ as well (see AttnArgs).
     const bool late1 = a.pre_stages == 1 && item == 0;
     const int pid0 = load_pid(sb0), pid1 = load_pid(sb1);
     if (sb0 < row_units) issue(0, sb0, pid0);
@@ -1335,39 +1336,31 @@ __global__ void __launch_bounds__(kThreads, (D <= 128 ? (KT == 1 ? 5 : 4) : 2))
 // of the slices meet in shared memory. (v3 gave each CTA D threads and computed 16 heads for any
 // group: 16.6 µs at B = 32, 8 KV heads, d 128, latency-bound on 8 warps per SM.)
 constexpr int kRotThreads = 256;
-// v30 (s14): a CTA rotates `rpc` requests of one KV head (grid (H_kv, ceil(B / rpc)); rpc·group
-// ≤ 16 q rows, the columns of qs), so R_K is loaded once for all of them; the rows go four at a
-// time through the same reduction. `trigger` places the CTA's PDL trigger (the INT2 grid behind
-// it is scheduled once every rotation CTA has triggered or exited): 0 first statement (v6–v29),
-// 1 after q is staged, 2 after the first four rows' FMAs (R_K and q consumed), 3 at the end.
+// The body is shared by two kernels that differ in their register bound only (v30, RotCap):
+// QRotateKernel<D> (v29: `__launch_bounds__(256)`, 104 registers at d 128) and QRotateCapKernel<D>
+// (3 CTAs per SM, at most 80 registers, so that an INT2 CTA fits beside two rotation CTAs).
 template <int D>
-__global__ void __launch_bounds__(kRotThreads)
-    QRotateKernel(const uint16_t* __restrict__ q, const float* __restrict__ rk,
-                  int64_t r_head_stride, int num_q_heads, int group, float scale,
-                  float* __restrict__ q_rot, int* __restrict__ row_claims, int claims_per_cta,
-                  int batch, int rpc, int trigger) {
+__device__ __forceinline__ void QRotateBody(const uint16_t* __restrict__ q,
+                                            const float* __restrict__ rk, int64_t r_head_stride,
+                                            int num_q_heads, int group, float scale,
+                                            float* __restrict__ q_rot, int* __restrict__ row_claims,
+                                            int claims_per_cta) {
   constexpr int kParts = kRotThreads / D;    // slices of the reduction index (1, 2 or 4)
-  __shared__ __align__(16) float qs[D][16];  // [i][row of the CTA]
+  __shared__ __align__(16) float qs[D][16];  // [i][head]
   __shared__ float red[kParts][4][D];
-  if (trigger == 0) PdlLaunchDependents();
+  PdlLaunchDependents();
   KVPOOL_TL(0, 0);
-  const int kvh = blockIdx.x, b0 = blockIdx.y * rpc;
-  const int nreq = min(rpc, batch - b0);
-  const int nrows = nreq * group;  // CTA row r: request b0 + r / group, head r % group
-  // The INT2 kernel's claim counters of these (request, KV head), one per head chunk: this kernel
+  const int kvh = blockIdx.x, b = blockIdx.y;
+  // The INT2 kernel's claim counters of this (request, KV head), one per head chunk: this kernel
   // runs after the previous launch completed and before any INT2 CTA claims (they claim after
   // their wait for this grid), so a poisoned workspace is fine.
-  if (int(threadIdx.x) < nreq * claims_per_cta) {
-    const int rq = int(threadIdx.x) / claims_per_cta, c = int(threadIdx.x) % claims_per_cta;
-    row_claims[kClaimStride * ((size_t(b0 + rq) * gridDim.x + kvh) * claims_per_cta + c)] = 0;
-  }
+  if (int(threadIdx.x) < claims_per_cta)
+    row_claims[kClaimStride * ((size_t(b) * gridDim.x + kvh) * claims_per_cta + threadIdx.x)] = 0;
   // ... and the second items' ticket counter behind them (AttnArgs::item_counter).
   if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0)
-    row_claims[kClaimStride * (size_t(batch) * gridDim.x * claims_per_cta)] = 0;
+    row_claims[kClaimStride * (size_t(gridDim.y) * gridDim.x * claims_per_cta)] = 0;
   const int j = threadIdx.x % D, part = threadIdx.x / D;
-  auto row_of = [&](int r) {
-    return size_t(b0 + r / group) * num_q_heads + size_t(kvh) * group + r % group;
-  };
+  const size_t row0 = size_t(b) * num_q_heads + size_t(kvh) * group;
   const float* r = rk == nullptr ? nullptr : rk + kvh * r_head_stride;
   // R elements (i = part + kParts·c, j) of this thread, loaded kChunk at a time into registers,
   // all of a chunk before any is used; the first chunk is issued before q is staged, so the R
@@ -1383,11 +1376,10 @@ __global__ void __launch_bounds__(kRotThreads)
   if (r != nullptr) load_chunk(0);
   for (int idx = threadIdx.x; idx < 16 * D; idx += kRotThreads) {
     const int h = idx / D, i = idx % D;
-    qs[i][h] = h < nrows ? Bf16BitsToFloat(q[row_of(h) * D + i]) : 0.f;
+    qs[i][h] = h < group ? Bf16BitsToFloat(q[(row0 + h) * D + i]) : 0.f;
   }
   __syncthreads();
-  if (trigger == 1) PdlLaunchDependents();
-  for (int h0 = 0; h0 < nrows; h0 += 4) {
+  for (int h0 = 0; h0 < group; h0 += 4) {
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
     if (r == nullptr) {
       if (part == 0) {
@@ -1408,7 +1400,6 @@ __global__ void __launch_bounds__(kRotThreads)
         }
       }
     }
-    if (trigger == 2 && h0 == 0) PdlLaunchDependents();
 #pragma unroll
     for (int e = 0; e < 4; ++e) red[part][e][j] = acc[e];
     __syncthreads();
@@ -1418,14 +1409,28 @@ __global__ void __launch_bounds__(kRotThreads)
         float x = 0.f;
 #pragma unroll
         for (int pp = 0; pp < kParts; ++pp) x += red[pp][e][j];
-        if (h0 + e < nrows) q_rot[row_of(h0 + e) * D + j] = x * scale;
+        if (h0 + e < group) q_rot[(row0 + h0 + e) * D + j] = x * scale;
       }
     }
     __syncthreads();
   }
-  if (trigger == 3) PdlLaunchDependents();
   KVPOOL_TL(0, 2);
 }
+#define KVPOOL_QROT_ARGS                                                               \
+  const uint16_t *__restrict__ q, const float *__restrict__ rk, int64_t r_head_stride, \
+      int num_q_heads, int group, float scale, float *__restrict__ q_rot,              \
+      int *__restrict__ row_claims, int claims_per_cta
+template <int D>
+__global__ void __launch_bounds__(kRotThreads) QRotateKernel(KVPOOL_QROT_ARGS) {
+  QRotateBody<D>(q, rk, r_head_stride, num_q_heads, group, scale, q_rot, row_claims,
+                 claims_per_cta);
+}
+template <int D>
+__global__ void __launch_bounds__(kRotThreads, 3) QRotateCapKernel(KVPOOL_QROT_ARGS) {
+  QRotateBody<D>(q, rk, r_head_stride, num_q_heads, group, scale, q_rot, row_claims,
+                 claims_per_cta);
+}
+#undef KVPOOL_QROT_ARGS
 
 // out[b, i, :] = (LSE-merge over splits of part_o)·R_Vᵀ; grid (H_kv, B), 256 threads:
 // warp w merges heads w, w+8 (lanes over splits for the LSE, over head_dim for the output),
@@ -1868,34 +1873,34 @@ bool Bf16PidWindow() {
   return on;
 }
 
-// s14 A/B switches of the launch start (docs/KERNELS.md "Session 14 (decode14)"), read once per
-// process. KVPOOL_DECODE_QROT_TRIGGER=0..3: where QRotateKernel's CTAs trigger the INT2 grid
-// (QRotateKernel's `trigger`). KVPOOL_DECODE_INT2_PRE=1/2: AttnArgs::pre_stages.
-// KVPOOL_DECODE_QROT_RPC=N: requests per rotation CTA (clamped to 16 / group; 0: the launcher's
-// rule, QRotRequestsPerCta).
-int EnvIntOr(const char* name, int dflt) {
-  const char* e = std::getenv(name);
-  return e == nullptr ? dflt : std::atoi(e);
+// v30 (s14): whether the rotation runs as QRotateCapKernel<D> (at most 80 registers: at
+// B = 32 × 32K two rotation CTAs per SM held 2 × 256 × 104 registers and left no room for an INT2
+// CTA, so the INT2 grid started only once the rotation grid had drained, 5 µs; docs/KERNELS.md
+// "Session 14"). KVPOOL_DECODE_QROT_CAP=0 restores v29's 104-register kernel (A/B). Read once.
+bool RotCap() {
+  static const bool on = EnvOnUnlessZero("KVPOOL_DECODE_QROT_CAP");
+  return on;
 }
-int QRotTrigger() {
-  static const int v = std::min(std::max(EnvIntOr("KVPOOL_DECODE_QROT_TRIGGER", 0), 0), 3);
-  return v;
+
+using RotFn = void (*)(const uint16_t*, const float*, int64_t, int, int, float, float*, int*, int);
+RotFn RotKernel(int d, bool cap) {
+  if (d == 64) return QRotateKernel<64>;  // 46 registers already (the bound would raise it to 75)
+  if (d == 128) return cap ? QRotateCapKernel<128> : QRotateKernel<128>;
+  return cap ? QRotateCapKernel<256> : QRotateKernel<256>;
 }
-int Int2PreStages() {
-  static const int v = EnvIntOr("KVPOOL_DECODE_INT2_PRE", 2) == 1 ? 1 : 2;
-  return v;
-}
-// Requests per rotation CTA: the rule (RPC=0) takes the fewest CTAs per request that keep the
-// rotation grid at most half the SMs (R_K loaded once for several requests, and the SMs left free
-// from the start for INT2 CTAs), at most 16 / group requests; one request where the grid is
-// that small already (B ≤ 8 at 8 KV heads).
-int QRotRequestsPerCta(int batch, int num_kv_heads, int group) {
-  static const int env = EnvIntOr("KVPOOL_DECODE_QROT_RPC", 1);
-  const int cap = std::max(16 / group, 1);
-  if (env > 0) return std::min(env, cap);
-  int rpc = 1;
-  while (rpc < cap && int64_t(num_kv_heads) * ((batch + rpc - 1) / rpc) > NumSms() / 2) rpc *= 2;
-  return std::min(rpc, cap);
+
+// v30 (s14): ring stages the INT2 kernel's first item issues before its wait for q̃
+// (AttnArgs::pre_stages). Rule: 1 where the rotation grid holds at most half the SM count
+// (B ≤ 8 at 8 KV heads: the INT2 CTAs are resident while q is rotated and their copies queue in
+// front of the rotation's loads; s14 call 1: B = 1 × 32K / 128K −1.8 %, B = 8 neutral), 2
+// elsewhere (B = 32 × 32K +0.2 % with 1). KVPOOL_DECODE_INT2_PRE=1/2 forces it (A/B). Read once.
+int Int2PreStages(int64_t rot_ctas) {
+  static const int env = [] {
+    const char* e = std::getenv("KVPOOL_DECODE_INT2_PRE");
+    return e == nullptr ? 0 : (std::string(e) == "1" ? 1 : 2);
+  }();
+  if (env != 0) return env;
+  return 2 * rot_ctas <= NumSms() ? 1 : 2;
 }
 
 // Launches `kernel` on `stream`, with the PDL attribute when `pdl` (the kernel may then start
@@ -2219,44 +2224,30 @@ KernelStatus LaunchPagedDecode(const PagedDecodeParams& p, Stream stream_handle)
   const int64_t rstride = p.rotation_per_head ? int64_t(d) * d : 0;
   const dim3 hb(p.num_kv_heads, p.batch);
   const float qscale = p.sm_scale * kLog2e;
-  const int rpc = QRotRequestsPerCta(p.batch, p.num_kv_heads, group);
-  const dim3 rot_grid(p.num_kv_heads, (p.batch + rpc - 1) / rpc);
-  const int trigger = QRotTrigger();
   {
     // The rotation grid gets the maximum shared-memory carveout when it holds more CTAs than
     // there are SMs, or more than 3/4 of them while the INT2 grid is one wave that claims stages
     // (QRotCarveoutMode); the attribute is host-side state, set only when it changes.
-    static std::atomic<int> state[3] = {};  // 0 unset, 1 maximum, 2 driver default
-    const int64_t rot_ctas = int64_t(rot_grid.x) * rot_grid.y;
+    static std::atomic<int> state[6] = {};  // 0 unset, 1 maximum, 2 driver default
+    const int64_t rot_ctas = int64_t(p.num_kv_heads) * p.batch;
     const bool big = rot_ctas > NumSms();
     const bool wide_claims =
         plan.dyn_pct > 0 && plan.items_rows == 0 && 4 * rot_ctas > 3 * NumSms();
     const int mode = QRotCarveoutMode();
     const bool max_co = mode == 2 || (mode == 1 && big) || (mode < 0 && (big || wide_claims));
     const int want = max_co ? 1 : 2;
-    std::atomic<int>& cur = state[d == 64 ? 0 : (d == 128 ? 1 : 2)];
+    const bool cap = RotCap();
+    std::atomic<int>& cur = state[(d == 64 ? 0 : (d == 128 ? 1 : 2)) * 2 + (cap ? 1 : 0)];
     if (cur.load(std::memory_order_relaxed) != want) {
       const int v = want == 1 ? int(cudaSharedmemCarveoutMaxShared) : -1;  // -1: no preference
       const cudaFuncAttribute at = cudaFuncAttributePreferredSharedMemoryCarveout;
-      const cudaError_t e = d == 64    ? cudaFuncSetAttribute(QRotateKernel<64>, at, v)
-                            : d == 128 ? cudaFuncSetAttribute(QRotateKernel<128>, at, v)
-                                       : cudaFuncSetAttribute(QRotateKernel<256>, at, v);
+      const cudaError_t e = cudaFuncSetAttribute(RotKernel(d, cap), at, v);
       if (e != cudaSuccess) return LaunchError("cudaFuncSetAttribute(QRotateKernel)");
       cur.store(want, std::memory_order_relaxed);
     }
   }
-  if (d == 64)
-    QRotateKernel<64><<<rot_grid, kRotThreads, 0, stream>>>(
-        p.q, p.rotation_k, rstride, p.num_q_heads, group, qscale, q_rot, row_claims, plan.i2_chunks,
-        p.batch, rpc, trigger);
-  else if (d == 128)
-    QRotateKernel<128><<<rot_grid, kRotThreads, 0, stream>>>(
-        p.q, p.rotation_k, rstride, p.num_q_heads, group, qscale, q_rot, row_claims, plan.i2_chunks,
-        p.batch, rpc, trigger);
-  else
-    QRotateKernel<256><<<rot_grid, kRotThreads, 0, stream>>>(
-        p.q, p.rotation_k, rstride, p.num_q_heads, group, qscale, q_rot, row_claims, plan.i2_chunks,
-        p.batch, rpc, trigger);
+  RotKernel(d, RotCap())<<<hb, kRotThreads, 0, stream>>>(
+      p.q, p.rotation_k, rstride, p.num_q_heads, group, qscale, q_rot, row_claims, plan.i2_chunks);
   st = LaunchError("QRotateKernel");
   if (!st.ok()) return st;
 
@@ -2298,7 +2289,7 @@ KernelStatus LaunchPagedDecode(const PagedDecodeParams& p, Stream stream_handle)
     ai.dyn_claims = plan.dyn_pct;
     ai.split_major = plan.split_major;
     ai.items_rows = plan.items_rows;
-    ai.pre_stages = Int2PreStages();
+    ai.pre_stages = Int2PreStages(int64_t(p.num_kv_heads) * p.batch);
     const int rows_per_req = p.num_kv_heads * plan.i2_chunks;
     ai.item_counter = row_claims + kClaimStride * (size_t(p.batch) * rows_per_req);
     const dim3 grid = plan.items_rows > 0
