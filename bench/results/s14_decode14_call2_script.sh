@@ -80,7 +80,7 @@ B8="--batches 8 --contexts 131072"
 B32="--batches 32 --contexts 32768"
 B1="--batches 1 --contexts 32768"
 M="${E}_QROT_CAP=0 ${E}_INT2_PRE=2"
-for rep in a b; do
+for rep in a; do
   tl "b32_v29_$rep" "$M" $B32
   tl "b32_v30_$rep" "X=0" $B32
   tl "b32_v30pre1_$rep" "${E}_INT2_PRE=1" $B32
@@ -107,7 +107,7 @@ SETS=(
   "C2|--batches 128 --contexts 32768 --gqa 32:8 --page-sizes 16"
   "C3|--batches 1,16 --contexts 131072 --gqa 32:8 --page-sizes 16"
 )
-for r in $(seq "${ROUNDS:-8}"); do
+for r in $(seq "${ROUNDS:-7}"); do
   for st in "${SETS[@]}"; do
     IFS='|' read -r sn sa <<<"$st"
     [ "$r" -gt 3 ] && [ "$sn" != A ] && [ "$sn" != B ] && continue

@@ -1336,15 +1336,11 @@ __global__ void __launch_bounds__(kThreads, (D <= 128 ? (KT == 1 ? 5 : 4) : 2))
 // of the slices meet in shared memory. (v3 gave each CTA D threads and computed 16 heads for any
 // group: 16.6 µs at B = 32, 8 KV heads, d 128, latency-bound on 8 warps per SM.)
 constexpr int kRotThreads = 256;
-// The body is shared by two kernels that differ in their register bound only (v30, RotCap):
-// QRotateKernel<D> (v29: `__launch_bounds__(256)`, 104 registers at d 128) and QRotateCapKernel<D>
-// (3 CTAs per SM, at most 80 registers, so that an INT2 CTA fits beside two rotation CTAs).
 template <int D>
-__device__ __forceinline__ void QRotateBody(const uint16_t* __restrict__ q,
-                                            const float* __restrict__ rk, int64_t r_head_stride,
-                                            int num_q_heads, int group, float scale,
-                                            float* __restrict__ q_rot, int* __restrict__ row_claims,
-                                            int claims_per_cta) {
+__global__ void __launch_bounds__(kRotThreads)
+    QRotateKernel(const uint16_t* __restrict__ q, const float* __restrict__ rk,
+                  int64_t r_head_stride, int num_q_heads, int group, float scale,
+                  float* __restrict__ q_rot, int* __restrict__ row_claims, int claims_per_cta) {
   constexpr int kParts = kRotThreads / D;    // slices of the reduction index (1, 2 or 4)
   __shared__ __align__(16) float qs[D][16];  // [i][head]
   __shared__ float red[kParts][4][D];
@@ -1416,21 +1412,6 @@ __device__ __forceinline__ void QRotateBody(const uint16_t* __restrict__ q,
   }
   KVPOOL_TL(0, 2);
 }
-#define KVPOOL_QROT_ARGS                                                               \
-  const uint16_t *__restrict__ q, const float *__restrict__ rk, int64_t r_head_stride, \
-      int num_q_heads, int group, float scale, float *__restrict__ q_rot,              \
-      int *__restrict__ row_claims, int claims_per_cta
-template <int D>
-__global__ void __launch_bounds__(kRotThreads) QRotateKernel(KVPOOL_QROT_ARGS) {
-  QRotateBody<D>(q, rk, r_head_stride, num_q_heads, group, scale, q_rot, row_claims,
-                 claims_per_cta);
-}
-template <int D>
-__global__ void __launch_bounds__(kRotThreads, 3) QRotateCapKernel(KVPOOL_QROT_ARGS) {
-  QRotateBody<D>(q, rk, r_head_stride, num_q_heads, group, scale, q_rot, row_claims,
-                 claims_per_cta);
-}
-#undef KVPOOL_QROT_ARGS
 
 // out[b, i, :] = (LSE-merge over splits of part_o)·R_Vᵀ; grid (H_kv, B), 256 threads:
 // warp w merges heads w, w+8 (lanes over splits for the LSE, over head_dim for the output),
@@ -1873,34 +1854,20 @@ bool Bf16PidWindow() {
   return on;
 }
 
-// v30 (s14): whether the rotation runs as QRotateCapKernel<D> (at most 80 registers: at
-// B = 32 × 32K two rotation CTAs per SM held 2 × 256 × 104 registers and left no room for an INT2
-// CTA, so the INT2 grid started only once the rotation grid had drained, 5 µs; docs/KERNELS.md
-// "Session 14"). KVPOOL_DECODE_QROT_CAP=0 restores v29's 104-register kernel (A/B). Read once.
-bool RotCap() {
-  static const bool on = EnvOnUnlessZero("KVPOOL_DECODE_QROT_CAP");
-  return on;
-}
-
-using RotFn = void (*)(const uint16_t*, const float*, int64_t, int, int, float, float*, int*, int);
-RotFn RotKernel(int d, bool cap) {
-  if (d == 64) return QRotateKernel<64>;  // 46 registers already (the bound would raise it to 75)
-  if (d == 128) return cap ? QRotateCapKernel<128> : QRotateKernel<128>;
-  return cap ? QRotateCapKernel<256> : QRotateKernel<256>;
-}
-
 // v30 (s14): ring stages the INT2 kernel's first item issues before its wait for q̃
-// (AttnArgs::pre_stages). Rule: 1 where the rotation grid holds at most half the SM count
-// (B ≤ 8 at 8 KV heads: the INT2 CTAs are resident while q is rotated and their copies queue in
-// front of the rotation's loads; s14 call 1: B = 1 × 32K / 128K −1.8 %, B = 8 neutral), 2
-// elsewhere (B = 32 × 32K +0.2 % with 1). KVPOOL_DECODE_INT2_PRE=1/2 forces it (A/B). Read once.
+// (AttnArgs::pre_stages). Rule: 1 where the rotation grid holds at most 1/16 of the SMs (8 CTAs
+// on the H200: B = 1 at 8 KV heads), i.e. where the launch is a latency chain whose start is q̃:
+// its R_K and q loads then queue behind half as many INT2 copies (s14: B = 1 × 32K −1.3 / −1.8 %,
+// B = 1 × 128K −1.8 / −2.0 %, every round below main's); 2 elsewhere (B = 8: −0.1 to +0.9 % with
+// 1, within the rounds' spread but never a win; B = 32 × 32K +0.1 to +0.2 %).
+// KVPOOL_DECODE_INT2_PRE=1/2 forces it (A/B). Read once.
 int Int2PreStages(int64_t rot_ctas) {
   static const int env = [] {
     const char* e = std::getenv("KVPOOL_DECODE_INT2_PRE");
     return e == nullptr ? 0 : (std::string(e) == "1" ? 1 : 2);
   }();
   if (env != 0) return env;
-  return 2 * rot_ctas <= NumSms() ? 1 : 2;
+  return 16 * rot_ctas <= NumSms() ? 1 : 2;
 }
 
 // Launches `kernel` on `stream`, with the PDL attribute when `pdl` (the kernel may then start
@@ -2228,7 +2195,7 @@ KernelStatus LaunchPagedDecode(const PagedDecodeParams& p, Stream stream_handle)
     // The rotation grid gets the maximum shared-memory carveout when it holds more CTAs than
     // there are SMs, or more than 3/4 of them while the INT2 grid is one wave that claims stages
     // (QRotCarveoutMode); the attribute is host-side state, set only when it changes.
-    static std::atomic<int> state[6] = {};  // 0 unset, 1 maximum, 2 driver default
+    static std::atomic<int> state[3] = {};  // 0 unset, 1 maximum, 2 driver default
     const int64_t rot_ctas = int64_t(p.num_kv_heads) * p.batch;
     const bool big = rot_ctas > NumSms();
     const bool wide_claims =
@@ -2236,18 +2203,29 @@ KernelStatus LaunchPagedDecode(const PagedDecodeParams& p, Stream stream_handle)
     const int mode = QRotCarveoutMode();
     const bool max_co = mode == 2 || (mode == 1 && big) || (mode < 0 && (big || wide_claims));
     const int want = max_co ? 1 : 2;
-    const bool cap = RotCap();
-    std::atomic<int>& cur = state[(d == 64 ? 0 : (d == 128 ? 1 : 2)) * 2 + (cap ? 1 : 0)];
+    std::atomic<int>& cur = state[d == 64 ? 0 : (d == 128 ? 1 : 2)];
     if (cur.load(std::memory_order_relaxed) != want) {
       const int v = want == 1 ? int(cudaSharedmemCarveoutMaxShared) : -1;  // -1: no preference
       const cudaFuncAttribute at = cudaFuncAttributePreferredSharedMemoryCarveout;
-      const cudaError_t e = cudaFuncSetAttribute(RotKernel(d, cap), at, v);
+      const cudaError_t e = d == 64    ? cudaFuncSetAttribute(QRotateKernel<64>, at, v)
+                            : d == 128 ? cudaFuncSetAttribute(QRotateKernel<128>, at, v)
+                                       : cudaFuncSetAttribute(QRotateKernel<256>, at, v);
       if (e != cudaSuccess) return LaunchError("cudaFuncSetAttribute(QRotateKernel)");
       cur.store(want, std::memory_order_relaxed);
     }
   }
-  RotKernel(d, RotCap())<<<hb, kRotThreads, 0, stream>>>(
-      p.q, p.rotation_k, rstride, p.num_q_heads, group, qscale, q_rot, row_claims, plan.i2_chunks);
+  if (d == 64)
+    QRotateKernel<64><<<hb, kRotThreads, 0, stream>>>(p.q, p.rotation_k, rstride, p.num_q_heads,
+                                                      group, qscale, q_rot, row_claims,
+                                                      plan.i2_chunks);
+  else if (d == 128)
+    QRotateKernel<128><<<hb, kRotThreads, 0, stream>>>(p.q, p.rotation_k, rstride, p.num_q_heads,
+                                                       group, qscale, q_rot, row_claims,
+                                                       plan.i2_chunks);
+  else
+    QRotateKernel<256><<<hb, kRotThreads, 0, stream>>>(p.q, p.rotation_k, rstride, p.num_q_heads,
+                                                       group, qscale, q_rot, row_claims,
+                                                       plan.i2_chunks);
   st = LaunchError("QRotateKernel");
   if (!st.ok()) return st;
 
