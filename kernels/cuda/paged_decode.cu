@@ -1857,8 +1857,8 @@ bool Bf16PidWindow() {
 // v30 (s14): ring stages the INT2 kernel's first item issues before its wait for q̃
 // (AttnArgs::pre_stages). Rule: 1 where the rotation grid holds at most 1/16 of the SMs (8 CTAs
 // on the H200: B = 1 at 8 KV heads), i.e. where the launch is a latency chain whose start is q̃:
-// its R_K and q loads then queue behind half as many INT2 copies (s14: B = 1 × 32K −1.3 / −1.8 %,
-// B = 1 × 128K −1.8 / −2.0 %, every round below main's); 2 elsewhere (B = 8: −0.1 to +0.9 % with
+// its R_K and q loads then queue behind half as many INT2 copies (s14: B = 1 × 32K −1.2 to −1.8 %,
+// B = 1 × 128K −1.8 to −2.0 %, every round below main's); 2 elsewhere (B = 8: +0.0 to +0.9 % with
 // 1, within the rounds' spread but never a win; B = 32 × 32K +0.1 to +0.2 %).
 // KVPOOL_DECODE_INT2_PRE=1/2 forces it (A/B). Read once.
 int Int2PreStages(int64_t rot_ctas) {
