@@ -99,6 +99,10 @@ struct AttnArgs {
   // 32-step window (the first one right after the index and q̃ loads, before the q̃ packing) and
   // each unit's copy takes its id by a shuffle; 0: every copy loads its page id first (v7-v24).
   int32_t pid_window;
+  // INT2 kernel only (v30): ring stages of the first item issued before the wait for q̃ (2: both,
+  // v9-v29; 1: stage 1 right after the wait, so that half as many copies queue in front of the
+  // rotation's R_K and q loads while q̃ is on the critical path; launcher rule, Int2PreStages).
+  int32_t pre_stages;
 };
 
 __device__ __forceinline__ void ImmaU8S8(int (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
@@ -841,14 +845,15 @@ __global__ void __launch_bounds__(kThreads, (D <= 128 ? (KT == 1 ? 5 : 4) : 2))
     // only, never q̃), so a CTA resident while QRotateKernel runs has kStages stages in flight.
     static_assert(kStages == 2, "the stage bookkeeping below holds two ring slots");
     int sb0 = fixed_base(0), sb1 = fixed_base(1);  // unit base of the stage in ring slot 0 / 1
-    {
-      const int pid0 = load_pid(sb0), pid1 = load_pid(sb1);
-      if (sb0 < row_units) issue(0, sb0, pid0);
-      if (sb1 < row_units) issue(1, sb1, pid1);
-    }
+    // v30: with pre_stages == 1 the first item's stage 1 waits for q̃ as well (see AttnArgs).
+    const bool late1 = a.pre_stages == 1 && item == 0;
+    const int pid0 = load_pid(sb0), pid1 = load_pid(sb1);
+    if (sb0 < row_units) issue(0, sb0, pid0);
+    if (!late1 && sb1 < row_units) issue(1, sb1, pid1);
 
     // ---- q̃ (written by QRotateKernel) → 16-bit integers per head, in shared memory ----
     if (a.pdl_wait_first) PdlWait();
+    if (late1 && sb1 < row_units) issue(1, sb1, pid1);
     PdlLaunchDependents();
     KVPOOL_TL(1, 1);
     // Claims of stages 2 and 3 (the counters are zero now: QRotateKernel completed). Lane 0 holds
@@ -1849,6 +1854,22 @@ bool Bf16PidWindow() {
   return on;
 }
 
+// v30 (s14): ring stages the INT2 kernel's first item issues before its wait for q̃
+// (AttnArgs::pre_stages). Rule: 1 where the rotation grid holds at most 1/16 of the SMs (8 CTAs
+// on the H200: B = 1 at 8 KV heads), i.e. where the launch is a latency chain whose start is q̃:
+// its R_K and q loads then queue behind half as many INT2 copies (s14: B = 1 × 32K −1.2 to −1.8 %,
+// B = 1 × 128K −1.8 to −2.0 %, every round below main's); 2 elsewhere (B = 8: +0.0 to +0.9 % with
+// 1, within the rounds' spread but never a win; B = 32 × 32K +0.1 to +0.2 %).
+// KVPOOL_DECODE_INT2_PRE=1/2 forces it (A/B). Read once.
+int Int2PreStages(int64_t rot_ctas) {
+  static const int env = [] {
+    const char* e = std::getenv("KVPOOL_DECODE_INT2_PRE");
+    return e == nullptr ? 0 : (std::string(e) == "1" ? 1 : 2);
+  }();
+  if (env != 0) return env;
+  return 16 * rot_ctas <= NumSms() ? 1 : 2;
+}
+
 // Launches `kernel` on `stream`, with the PDL attribute when `pdl` (the kernel may then start
 // before its predecessor in the stream finished; it synchronizes with griddepcontrol.wait).
 template <typename Kernel, typename... Args>
@@ -2246,6 +2267,7 @@ KernelStatus LaunchPagedDecode(const PagedDecodeParams& p, Stream stream_handle)
     ai.dyn_claims = plan.dyn_pct;
     ai.split_major = plan.split_major;
     ai.items_rows = plan.items_rows;
+    ai.pre_stages = Int2PreStages(int64_t(p.num_kv_heads) * p.batch);
     const int rows_per_req = p.num_kv_heads * plan.i2_chunks;
     ai.item_counter = row_claims + kClaimStride * (size_t(p.batch) * rows_per_req);
     const dim3 grid = plan.items_rows > 0
