@@ -369,6 +369,9 @@ absl::StatusOr<PrefillReport> PrefillNode::Commit(Pending pending, Pending* othe
   rep.push_seconds = Since(pending.writes_started);
   rep.blocks_written = r->blocks_written;
   rep.bytes_written = r->bytes_written;
+  if (absl::StatusOr<client::ModelInfo> info = client_->model(); info.ok()) {
+    rep.pool_epoch = info->pool_epoch;
+  }
   return rep;
 }
 
@@ -662,6 +665,27 @@ std::vector<absl::StatusOr<PrefillReport>> PrefillNode::RunAll(
     out[k] = not_run;
   }
   report_up_to(prompts.size());
+  // Prompts committed to a pool that restarted since are gone with it (newcomer 14 F1: the
+  // report said every prompt was stored, and the 8 committed before a restart were not there).
+  for (int pass = 0; pass < 2 && !stopped && !stop(); ++pass) {
+    absl::StatusOr<client::ModelInfo> info = client_->model();
+    if (!info.ok()) break;
+    const uint64_t epoch = info->pool_epoch;
+    bool any = false;
+    for (size_t k = 0; k < prompts.size() && !stop(); ++k) {
+      if (!out[k].ok() || out[k]->pool_epoch == 0 || out[k]->pool_epoch == epoch) continue;
+      any = true;
+      KVPOOL_LOG_WARN(
+          "prefill: prompt {} of the run was committed to the pool before it restarted (epoch "
+          "{}, now {}): its blocks went with that pool; computing it and putting it again",
+          k, out[k]->pool_epoch, epoch);
+      absl::StatusOr<PrefillReport> r = Run(prompts[k]);
+      if (r.ok()) r->recomputed_after_restart = true;
+      out[k] = std::move(r);
+      if (hooks.on_redone) hooks.on_redone(k, out[k]);
+    }
+    if (!any) break;
+  }
   return out;
 }
 

@@ -130,6 +130,11 @@ struct PrefillReport {
   // The put was open on a pool that went away (UNAVAILABLE: killed, restarted) and was put
   // again from the recorded K/V, without computing the prompt again.
   bool reput = false;
+  // The epoch of the pool the commit reached (ModelInfo::pool_epoch after it).
+  uint64_t pool_epoch = 0;
+  // The prompt had been committed to a pool that restarted later in the run (its blocks went
+  // with it); it was computed and put again at the end of RunAll (RunAllHooks::on_redone).
+  bool recomputed_after_restart = false;
 };
 
 class PrefillNode {
@@ -172,9 +177,17 @@ class PrefillNode {
   // put, aborted to make that room, is then put again too.
   // stop() must be cheap and callable from this thread (e.g. reading a flag a signal handler
   // sets).
+  //
+  // A pool that restarted after some prompts committed has lost them (a restarted pool starts
+  // empty). Once every prompt has its outcome, each prompt committed to an earlier epoch than
+  // the pool's latest (ModelInfo::pool_epoch) is computed and put again, as Run does (at most
+  // two such passes, for a pool restarted again meanwhile), logged, with
+  // PrefillReport::recomputed_after_restart set; on_redone(i, outcome) gives its new outcome
+  // (on_done had given the first). A restart after the run's last call is not seen.
   struct RunAllHooks {
     std::function<void(size_t, const absl::StatusOr<PrefillReport>&)> on_done;
     std::function<bool()> stop;
+    std::function<void(size_t, const absl::StatusOr<PrefillReport>&)> on_redone;
   };
   std::vector<absl::StatusOr<PrefillReport>> RunAll(absl::Span<const std::vector<int>> prompts,
                                                     const RunAllHooks& hooks = {});
