@@ -257,7 +257,8 @@ int main(int argc, char** argv) {
       ->check(kvpool::cli::Range(int64_t{1}, int64_t{3600000}));
   app.add_option("--max-lease-ms", max_lease_ms, "Longest lease a client may request")
       ->check(kvpool::cli::Range(int64_t{1}, int64_t{86400000}));
-  app.add_option("--max-put-blocks", o.store.max_put_blocks, "Most blocks in one put")
+  app.add_option("--max-put-blocks", o.store.max_put_blocks,
+                 "Most blocks one put writes (blocks the pool holds already do not count)")
       ->check(kvpool::cli::Range(uint32_t{1}, uint32_t{1} << 24));
   app.add_option("--tick-ms", tick_ms, "Period of expiry and watermark eviction")
       ->check(kvpool::cli::Range(int64_t{1}, int64_t{60000}));

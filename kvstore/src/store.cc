@@ -892,16 +892,7 @@ absl::StatusOr<PutPlan> BlockStore::BeginPut(const Digest& namespace_id,
                                                    full, " full blocks of token_ids (",
                                                    tokens.size(), " tokens, page_size ", P, ")"));
   }
-  if (num_blocks > options_.max_put_blocks) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "num_blocks: ", num_blocks, " exceeds the per-put limit ", options_.max_put_blocks));
-  }
   const uint64_t bf16_bytes = m->info.bf16_form_bytes;
-  if (uint64_t{num_blocks} * arena_.RoundUp(bf16_bytes) > arena_.capacity()) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("num_blocks: staging for ", num_blocks, " blocks (", num_blocks * bf16_bytes,
-                     " bytes) exceeds the pool capacity of ", arena_.capacity(), " bytes"));
-  }
   if (timeout <= absl::ZeroDuration()) {
     timeout = options_.default_put_timeout;
   }
@@ -948,6 +939,32 @@ absl::StatusOr<PutPlan> BlockStore::BeginPut(const Digest& namespace_id,
     st.plan.forms_added = HeldForms(added);
     st.plan.action = PutAction::kSkip;  // kWrite once its staging is allocated below
     put.blocks.push_back(std::move(st));
+  }
+  // The per-put limit and the capacity bound count the blocks this put writes: blocks the pool
+  // holds already (a conversation's earlier turns) need no staging (newcomer 14 F2: counting
+  // the whole sequence made every prompt longer than --max-put-blocks pages unstorable).
+  uint32_t writes = 0;
+  for (const PutBlockState& st : put.blocks) writes += st.plan.forms_added.empty() ? 0 : 1;
+  const std::string held_part = writes < num_blocks
+                                    ? absl::StrCat(" (", num_blocks - writes, " of its ",
+                                                   num_blocks, " blocks are held already)")
+                                    : std::string();
+  if (writes > options_.max_put_blocks) {
+    ReleasePutLocked(put, true);  // unpins; no block is kWrite yet
+    return absl::InvalidArgumentError(
+        absl::StrCat("num_blocks: the put writes ", writes, " blocks", held_part,
+                     ", more than the per-put "
+                     "limit ",
+                     options_.max_put_blocks,
+                     " (kvpool-server --max-put-blocks): put a prefix with "
+                     "at most that many new blocks first, then the whole sequence"));
+  }
+  if (uint64_t{writes} * arena_.RoundUp(bf16_bytes) > arena_.capacity()) {
+    ReleasePutLocked(put, true);
+    return absl::ResourceExhaustedError(
+        absl::StrCat("num_blocks: staging for the ", writes, " blocks the put writes", held_part,
+                     " (", uint64_t{writes} * bf16_bytes, " bytes) exceeds the pool capacity of ",
+                     arena_.capacity(), " bytes"));
   }
   // The staging of every block to write at once (or none: nothing evicted for a put that then
   // fails), with the blocks the put builds on pinned.

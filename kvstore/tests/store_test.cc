@@ -866,6 +866,36 @@ TEST_F(StoreTest, LeasesRenewReleaseAndExpire) {
 
 // 10240 bytes of pool: 20 BF16 forms (512 bytes) or 40 INT2 forms (192 bytes, allocated as
 // 256). A 4-block sequence stores B, I, B+I, B+I = 2304 bytes; staging is 512 per block.
+// --max-put-blocks bounds the blocks one put writes, not the sequence's length: blocks the pool
+// holds already need no staging (newcomer 14 F2: an 8-block prompt whose first 4 blocks were
+// held was refused with a limit of 4, so no prompt longer than 4 pages could ever be stored).
+TEST_F(StoreTest, PerPutLimitCountsTheBlocksThePutWrites) {
+  StoreOptions o;
+  o.max_put_blocks = 4;
+  Init(1 << 20, HistoryPrecision::kInt2, o);
+  ASSERT_TRUE(Put(1, 4).ok());
+  auto grown = Put(1, 8);  // 4 held + 4 new
+  ASSERT_TRUE(grown.ok()) << grown.status();
+  EXPECT_EQ(grown->bytes_ingested, 4u * info_.bf16_form_bytes);
+  auto over = store_->BeginPut(ns_, Tokens(1, 13 * 4), 13, {});  // 8 held + 5 new
+  ASSERT_EQ(over.status().code(), absl::StatusCode::kInvalidArgument) << over.status();
+  EXPECT_THAT(std::string(over.status().message()),
+              ::testing::HasSubstr("the put writes 5 blocks (8 of its 13 blocks are held "
+                                   "already), more than the per-put limit 4"));
+  auto fresh = store_->BeginPut(ns_, Tokens(2, 5 * 4), 5, {});
+  ASSERT_EQ(fresh.status().code(), absl::StatusCode::kInvalidArgument) << fresh.status();
+  EXPECT_THAT(std::string(fresh.status().message()),
+              ::testing::HasSubstr("the put writes 5 blocks, more than the per-put limit 4"));
+  // The refusals opened nothing and left nothing pinned: the held blocks can still be deleted.
+  EXPECT_EQ(store_->Stats().open_puts, 0u);
+  auto keys = *ChainKeys(ns_, Tokens(1, 8 * 4), 4);
+  uint32_t deleted = 0;
+  auto items = store_->Delete(ns_, {keys[0]}, &deleted);  // the block and its descendants
+  ASSERT_TRUE(items.ok()) << items.status();
+  EXPECT_TRUE((*items)[0].status.ok()) << (*items)[0].status;
+  EXPECT_EQ(deleted, 8u);
+}
+
 class EvictionTest : public StoreTest {
  protected:
   void SetUp() override { InitWatermarks(0.6, 0.4); }
