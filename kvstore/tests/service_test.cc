@@ -1221,6 +1221,25 @@ TEST(ServerBinaryTest, FlagsHelpAndUsageErrors) {
   Child bad = Spawn({"--capacity", "lots"});
   fclose(bad.out);
   EXPECT_EQ(WaitExit(bad.pid), 1);
+  // --help (or -h) wins over a bad value of another flag, from the command line or a --config
+  // file, as --version does (newcomer s14 #1: these exited 1 with the other flag's error).
+  {
+    const std::string config = ::testing::TempDir() + "/kvpool_server_help_bad_value.yaml";
+    std::ofstream(config) << "data-plane: none\nmetrics-port: abc\n";
+    for (const std::vector<std::string>& args :
+         std::vector<std::vector<std::string>>{{"--help", "--capacity", "1"},
+                                               {"--metrics-port", "abc", "--help"},
+                                               {"-h", "--data-plane", "NONE"},
+                                               {"--config", config, "--help"},
+                                               {"--metrics-port", "abc", "--version"}}) {
+      auto [rc, out] = RunToExit(args);
+      EXPECT_EQ(rc, 0) << args[0] << " " << args[1] << ": " << out;
+      EXPECT_NE(out.find(args.back() == "--version" ? "kvpool-server 0" : "--rotation-dir"),
+                std::string::npos)
+          << args[0] << " " << args[1] << ": " << out;
+    }
+    unlink(config.c_str());
+  }
   Child unknown = Spawn({"--no-such-flag"});
   fclose(unknown.out);
   EXPECT_EQ(WaitExit(unknown.pid), 1);

@@ -10,6 +10,11 @@ check help 0 "quantize" -- "$bin" --help
 check version 0 "kvpool 0" -- "$bin" --version
 check no-subcommand 1 "" -- "$bin"
 check quantize-missing-in 1 "--in" -- "$bin" quantize
+# --help wins over a bad value of another flag, as --version does, and shows the subcommand's
+# help (newcomer s14 #1: "quantize --clip 5 --help" exited 1 with --clip's error).
+check quantize-help-after-bad-clip 0 "--dequant-out" -- "$bin" quantize --clip 5 --help
+check quantize-help-before-bad-clip 0 "--dequant-out" -- "$bin" quantize -h --clip 5
+check quantize-help-bad-kind 0 "--packed-out" -- "$bin" quantize --kind q --help
 # The unset defaults of --head / --clip (-1, outside their ranges) were shown as "=-1".
 qhelp="$("$bin" quantize --help 2>&1)"
 if grep -q -- "--head INT:INDEX >= 0=input head" <<<"$qhelp" &&

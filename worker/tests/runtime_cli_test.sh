@@ -36,6 +36,12 @@ expect_err "--history-precision" "--help lists the flags"
 # The default as WORKER.md writes it (newcomer report 11 F8: "--teacher-force BOOLEAN=1").
 expect_err "--teacher-force BOOLEAN=true" "--help shows --teacher-force's default as true"
 expect 0 "--version" -- "${worker}" --version
+# --help wins over a bad value of another flag, as --version does (newcomer s14 #1: "--pool bad
+# --help" exited 1 with --pool's error).
+expect 0 "--help after a bad --pool" -- "${worker}" --pool bad --help
+expect_err "--history-precision" "--help after a bad --pool prints the help"
+expect 0 "-h before a bad --fault" -- "${worker}" -h --fault meteor
+expect_err "--history-precision" "-h before a bad --fault prints the help"
 expect 1 "missing --role" -- "${worker}" "${base[@]}" "${prompt[@]}"
 expect 1 "unknown role" -- "${worker}" --role train "${base[@]}" "${prompt[@]}"
 expect 1 "bad history precision" -- "${worker}" --role eval --history-precision int3 "${base[@]}" "${prompt[@]}"
