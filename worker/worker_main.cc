@@ -436,7 +436,7 @@ int main(int argc, char** argv) {
   CLI::App app{"kvpool-worker — prefill node, decode worker and in-process evaluation"};
   kvpool::cli::Setup(app, "kvpool-worker");
   std::string role, pool = "127.0.0.1:7070", model, rotations_path, ucx_tls = "tcp";
-  std::string model_id, revision = "auto", history = "int2", report, fault;
+  std::string model_id, revision = "auto", history = "int2", report, fault = "none";
   std::string windows = "64:256,16:16";
   std::vector<std::string> prompt_files;
   int max_new = 48, page_size = 16, sink = 64, recent = 256, fault_pool_pid = 0;
@@ -521,9 +521,11 @@ int main(int argc, char** argv) {
   app.add_option("--teacher-force", teacher_force,
                  "decode: also compute the fp32 reference and teacher-forced agreement")
       ->default_str(teacher_force ? "true" : "false");  // as WORKER.md writes it, not "1"
-  app.add_option("--fault", fault,
-                 "test hook: none | prefill-exit-mid-push | kill-pool-mid-fetch | "
-                 "stop-pool-after-register | kill-pool-after-first-commit")
+  // Checked by the flag (newcomer s14 #2), so a --config file's bad value is named with the file
+  // and its key, and --help lists the choices (kw::ParseFault's names).
+  app.add_option("--fault", fault, "test hook (none = no fault)")
+      ->check(CLI::IsMember({"none", "prefill-exit-mid-push", "kill-pool-mid-fetch",
+                             "stop-pool-after-register", "kill-pool-after-first-commit"}))
       ->capture_default_str();
   app.add_option("--fault-pool-pid", fault_pool_pid,
                  "pid of the pool for kill-pool-mid-fetch, stop-pool-after-register and "

@@ -1218,6 +1218,8 @@ TEST(ServerBinaryTest, FlagsHelpAndUsageErrors) {
         "--put-timeout-ms", "--high-watermark", "--rotation-dir"}) {
     EXPECT_NE(text.find(flag), std::string::npos) << flag;
   }
+  // The choices of --data-plane are shown, as --transfer-initiator's (newcomer s14 #2).
+  EXPECT_NE(text.find("--data-plane TEXT:{ucx,none}"), std::string::npos) << text;
   Child bad = Spawn({"--capacity", "lots"});
   fclose(bad.out);
   EXPECT_EQ(WaitExit(bad.pid), 1);
@@ -1626,8 +1628,13 @@ TEST(ServerBinaryTest, ConfigFileValueErrorsNameTheFileAndTheKey) {
            Case{"metrics-port: abc",
                 "key \"metrics-port\": --metrics-port: 'abc' is not an integer (want "
                 "-1..65535)"},
+           // Checked only by the server after parsing: "cannot start: INVALID_ARGUMENT:
+           // data-plane: expected ..." without the file or the key (newcomer s14 #2).
+           Case{"data-plane: NONE", "key \"data-plane\": --data-plane: NONE not in {ucx,none}"},
        }) {
-    std::ofstream(path) << "data-plane: none\n" << c.line << "\n";
+    std::ofstream(path) << (std::string(c.line).rfind("data-plane", 0) == 0 ? ""
+                                                                            : "data-plane: none\n")
+                        << c.line << "\n";
     auto [rc, text] = RunToExit({"--config", path});
     EXPECT_EQ(rc, 1) << c.line << ": " << text;
     EXPECT_NE(text.find("kvpool-server: --config '" + path + "' " + c.want), std::string::npos)

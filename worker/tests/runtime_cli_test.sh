@@ -139,6 +139,13 @@ expect 1 "eval window out of int range" -- "${worker}" --role eval --eval-window
 expect 1 "eval window not S:W" -- "${worker}" --role eval --eval-windows 64 "${base[@]}" "${prompt[@]}"
 expect 1 "bad fault" -- "${worker}" --role decode --fault meteor "${base[@]}" "${prompt[@]}"
 expect_err "kvpool-worker: --fault: " "the message names --fault, with the program prefix"
+# --fault is checked by the flag (newcomer s14 #2): --help lists the choices, and a --config
+# file's bad value is named with the file and the key, as every other flag's.
+expect 0 "--help lists --fault's choices" -- "${worker}" --help
+expect_err "--fault TEXT:{none,prefill-exit-mid-push,kill-pool-mid-fetch,stop-pool-after-register,kill-pool-after-first-commit}" "--help lists --fault's choices"
+printf 'fault: meteor\n' >"${work}/fault.yaml"
+expect 1 "bad fault in a --config file" -- "${worker}" --config "${work}/fault.yaml" --role decode "${base[@]}" "${prompt[@]}"
+expect_err "kvpool-worker: --config '${work}/fault.yaml' key \"fault\": --fault: meteor not in {none," "the message names the file, the key and the flag"
 for bad in 127.0.0.1:99999 127.0.0.1:0 127.0.0.1 :7070 127.0.0.1: 127.0.0.1:x7; do
   expect 1 "--pool ${bad} refused" -- "${worker}" --role decode --pool "${bad}" "${base[@]}" "${prompt[@]}"
   expect_err "kvpool-worker: --pool: " "the message names --pool (${bad})"
