@@ -832,6 +832,7 @@ int main(int argc, char** argv) {
       ref_s += ref->seconds;
       warn_if_context_full(p.name, p.tokens.size(), ref->tokens.size());
       json pj{{"name", p.name},
+              {"path", p.path},
               {"prompt_tokens", p.tokens.size()},
               {"reference", {{"tokens", ref->tokens}, {"text", Text(engine, ref->tokens)}}}};
       std::printf("== %s (%zu prompt tokens)\nfp32 reference: %s\n", p.name.c_str(),
@@ -1032,6 +1033,7 @@ int main(int argc, char** argv) {
                          " before the last token (the decoder computes it): nothing to push");
         KVPOOL_LOG_WARN("prefill --prompt-file {}: skipped, {}", p.path, why);
         out["prompts"].push_back({{"name", p.name},
+                                  {"path", p.path},
                                   {"prompt_tokens", p.tokens.size()},
                                   {"skipped", true},
                                   {"skip_reason", why}});
@@ -1048,6 +1050,7 @@ int main(int argc, char** argv) {
           KVPOOL_LOG_WARN("prefill --prompt-file {}: {}", p.path, why);
         }
         out["prompts"].push_back({{"name", p.name},
+                                  {"path", p.path},
                                   {"prompt_tokens", p.tokens.size()},
                                   {"interrupted", true},
                                   {"interrupt_reason", why}});
@@ -1057,8 +1060,10 @@ int main(int argc, char** argv) {
       if (!outcome.ok()) {
         const std::string why = kvpool::StatusText(outcome.status());
         KVPOOL_LOG_ERROR("prefill --prompt-file {}: {}", p.path, why);
-        out["prompts"].push_back(
-            {{"name", p.name}, {"prompt_tokens", p.tokens.size()}, {"error", why}});
+        out["prompts"].push_back({{"name", p.name},
+                                  {"path", p.path},
+                                  {"prompt_tokens", p.tokens.size()},
+                                  {"error", why}});
         if (failed++ == 0) first_failure = why;
         return;
       }
@@ -1069,6 +1074,7 @@ int main(int argc, char** argv) {
           p.name, r->prompt_tokens, r->blocks, r->blocks_written, r->bytes_written,
           r->compute_seconds, r->push_seconds);
       out["prompts"].push_back({{"name", p.name},
+                                {"path", p.path},
                                 {"prompt_tokens", r->prompt_tokens},
                                 {"blocks", r->blocks},
                                 {"blocks_written", r->blocks_written},
@@ -1229,6 +1235,7 @@ int main(int argc, char** argv) {
     }
     warn_if_context_full(p.name, p.tokens.size(), r->tokens.size());
     json pj{{"name", p.name},
+            {"path", p.path},
             {"prompt_tokens", r->prompt_tokens},
             {"tokens", r->tokens},
             {"text", Text(engine, r->tokens)},

@@ -85,6 +85,24 @@ for role in ("eval", "decode"):
     assert d["model_sha256"] == want_m and d["rotation_id"] == want_r, (role, d.get("model_sha256"), d.get("rotation_id"))
 print("ok: eval and decode reports carry model_sha256 and rotation_id")
 PY
+# Each prompt entry of a report carries its --prompt-file as given (`path`): `name` is the file's
+# name only, so d1/same.txt and d2/same.txt were both just "same" (newcomer s14 #4).
+mkdir -p "${work}/d1" "${work}/d2"
+cp "${demo}/prompts/01_kite.txt" "${work}/d1/same.txt"
+cp "${demo}/prompts/01_kite.txt" "${work}/d2/same.txt"
+same=(--prompt-file "${work}/d1/same.txt" --prompt-file "${work}/d2/same.txt")
+expect 0 "eval report of two prompts with one name" -- "${worker}" --role eval "${model_flags[@]}" --max-new-tokens 1 --eval-windows 0:0 --report "${work}/same_eval.json" "${same[@]}"
+expect 0 "decode report of two prompts with one name" -- "${worker}" --role decode --pool 127.0.0.1:1 "${model_flags[@]}" --max-new-tokens 1 --teacher-force false --report "${work}/same_decode.json" "${same[@]}"
+python3 - "${work}" <<'PY' || { echo "FAIL: the prompts' path in the eval and decode reports" >&2; failures=$((failures + 1)); }
+import json, sys
+w = sys.argv[1]
+for role in ("eval", "decode"):
+    d = json.load(open(f"{w}/same_{role}.json"))
+    got = [(p["name"], p.get("path")) for p in d["prompts"]]
+    want = [("same", f"{w}/d1/same.txt"), ("same", f"{w}/d2/same.txt")]
+    assert got == want, (role, got)
+print("ok: eval and decode reports name each prompt's --prompt-file by its path")
+PY
 # A closed stdout (a pipe into head) stops decode and eval like SIGTERM, as SIGPIPE: report,
 # metrics and a last line, exit 141 (newcomer s10 F2: killed by SIGPIPE with none of them).
 five=(); for f in "${demo}"/prompts/0*.txt; do five+=(--prompt-file "${f}"); done
