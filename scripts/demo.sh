@@ -30,8 +30,11 @@ if [[ ! -f "${model}" ]]; then
   echo "demo: model not found at ${model} (set KVPOOL_DATA_DIR)" >&2
   exit 2
 fi
+# The directory holds this run's outputs only: a stage that fails must not leave the previous
+# run's decode.txt, eval.txt or rotations.safetensors beside the new logs (only *.json and *.log
+# were removed: newcomer s14 #3).
+rm -rf -- "${out}"
 mkdir -p "${out}"
-rm -f "${out}"/*.json "${out}"/*.log
 
 pool_pid=""
 stop_pool() {

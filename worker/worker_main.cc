@@ -436,7 +436,7 @@ int main(int argc, char** argv) {
   CLI::App app{"kvpool-worker — prefill node, decode worker and in-process evaluation"};
   kvpool::cli::Setup(app, "kvpool-worker");
   std::string role, pool = "127.0.0.1:7070", model, rotations_path, ucx_tls = "tcp";
-  std::string model_id, revision = "auto", history = "int2", report, fault;
+  std::string model_id, revision = "auto", history = "int2", report, fault = "none";
   std::string windows = "64:256,16:16";
   std::vector<std::string> prompt_files;
   int max_new = 48, page_size = 16, sink = 64, recent = 256, fault_pool_pid = 0;
@@ -521,9 +521,11 @@ int main(int argc, char** argv) {
   app.add_option("--teacher-force", teacher_force,
                  "decode: also compute the fp32 reference and teacher-forced agreement")
       ->default_str(teacher_force ? "true" : "false");  // as WORKER.md writes it, not "1"
-  app.add_option("--fault", fault,
-                 "test hook: none | prefill-exit-mid-push | kill-pool-mid-fetch | "
-                 "stop-pool-after-register | kill-pool-after-first-commit")
+  // Checked by the flag (newcomer s14 #2), so a --config file's bad value is named with the file
+  // and its key, and --help lists the choices (kw::ParseFault's names).
+  app.add_option("--fault", fault, "test hook (none = no fault)")
+      ->check(CLI::IsMember({"none", "prefill-exit-mid-push", "kill-pool-mid-fetch",
+                             "stop-pool-after-register", "kill-pool-after-first-commit"}))
       ->capture_default_str();
   app.add_option("--fault-pool-pid", fault_pool_pid,
                  "pid of the pool for kill-pool-mid-fetch, stop-pool-after-register and "
@@ -830,6 +832,7 @@ int main(int argc, char** argv) {
       ref_s += ref->seconds;
       warn_if_context_full(p.name, p.tokens.size(), ref->tokens.size());
       json pj{{"name", p.name},
+              {"path", p.path},
               {"prompt_tokens", p.tokens.size()},
               {"reference", {{"tokens", ref->tokens}, {"text", Text(engine, ref->tokens)}}}};
       std::printf("== %s (%zu prompt tokens)\nfp32 reference: %s\n", p.name.c_str(),
@@ -1030,6 +1033,7 @@ int main(int argc, char** argv) {
                          " before the last token (the decoder computes it): nothing to push");
         KVPOOL_LOG_WARN("prefill --prompt-file {}: skipped, {}", p.path, why);
         out["prompts"].push_back({{"name", p.name},
+                                  {"path", p.path},
                                   {"prompt_tokens", p.tokens.size()},
                                   {"skipped", true},
                                   {"skip_reason", why}});
@@ -1046,6 +1050,7 @@ int main(int argc, char** argv) {
           KVPOOL_LOG_WARN("prefill --prompt-file {}: {}", p.path, why);
         }
         out["prompts"].push_back({{"name", p.name},
+                                  {"path", p.path},
                                   {"prompt_tokens", p.tokens.size()},
                                   {"interrupted", true},
                                   {"interrupt_reason", why}});
@@ -1055,8 +1060,10 @@ int main(int argc, char** argv) {
       if (!outcome.ok()) {
         const std::string why = kvpool::StatusText(outcome.status());
         KVPOOL_LOG_ERROR("prefill --prompt-file {}: {}", p.path, why);
-        out["prompts"].push_back(
-            {{"name", p.name}, {"prompt_tokens", p.tokens.size()}, {"error", why}});
+        out["prompts"].push_back({{"name", p.name},
+                                  {"path", p.path},
+                                  {"prompt_tokens", p.tokens.size()},
+                                  {"error", why}});
         if (failed++ == 0) first_failure = why;
         return;
       }
@@ -1067,6 +1074,7 @@ int main(int argc, char** argv) {
           p.name, r->prompt_tokens, r->blocks, r->blocks_written, r->bytes_written,
           r->compute_seconds, r->push_seconds);
       out["prompts"].push_back({{"name", p.name},
+                                {"path", p.path},
                                 {"prompt_tokens", r->prompt_tokens},
                                 {"blocks", r->blocks},
                                 {"blocks_written", r->blocks_written},
@@ -1227,6 +1235,7 @@ int main(int argc, char** argv) {
     }
     warn_if_context_full(p.name, p.tokens.size(), r->tokens.size());
     json pj{{"name", p.name},
+            {"path", p.path},
             {"prompt_tokens", r->prompt_tokens},
             {"tokens", r->tokens},
             {"text", Text(engine, r->tokens)},

@@ -703,16 +703,22 @@ int RefuseUsage(const CLI::App& app, const std::string& what) {
   std::cerr << "Run with --help for more information.\n";
   return kExitUsage;
 }
-}  // namespace
 
-int Parse(CLI::App& app, int argc, char** argv) {
-  CheckBooleanWords(app);
-  NameProgramFlagsInSubcommandHelp(app, app, "");
+// Whether --help (or --help-all) of `app` or of a subcommand it parsed was given: 1 for --help,
+// 2 for --help-all, 0 for neither. Read after a refused parse: CLI11 reads the whole command line
+// (counting each flag) before it reads the --config file and converts and checks the values.
+int HelpGiven(const CLI::App& app) {
+  if (app.get_help_all_ptr() != nullptr && app.get_help_all_ptr()->count() > 0) return 2;
+  int given = app.get_help_ptr() != nullptr && app.get_help_ptr()->count() > 0 ? 1 : 0;
+  for (const CLI::App* sub : app.get_subcommands()) given = std::max(given, HelpGiven(*sub));
+  return given;
+}
+
+// The message and exit code of a refused parse; called inside a catch block (rethrows the
+// exception being handled).
+int RefuseParseError(CLI::App& app, int argc, char** argv) {
   try {
-    app.parse(argc, argv);
-  } catch (const CLI::Success& e) {
-    app.exit(e);
-    return kExitOk;
+    throw;
   } catch (const CLI::ConfigError& e) {
     // CLI11 2.1.2 words an unknown key as "INI was not able to parse KEY" (KEY is
     // "section.name" inside a subcommand section); say what it means for a YAML file.
@@ -768,6 +774,34 @@ int Parse(CLI::App& app, int argc, char** argv) {
     // YamlConfig's own errors ("config file is not valid YAML: ...") name the file here.
     const std::string what = WithConfigNamed(app, e.what());
     return RefuseUsage(app, what);
+  }
+}
+
+}  // namespace
+
+int Parse(CLI::App& app, int argc, char** argv) {
+  CheckBooleanWords(app);
+  NameProgramFlagsInSubcommandHelp(app, app, "");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::Success& e) {
+    app.exit(e);
+    return kExitOk;
+  } catch (const CLI::ParseError&) {
+    // CLI11 converts and checks values before it looks at --help, so "--help --capacity 1" (or
+    // "--metrics-port abc --help", or a bad value in the --config file) answered with the other
+    // flag's error; --version, whose callback runs first, already won (newcomer s14 #1). The
+    // help asked for wins the same way: the subcommand's when it was given to one (CLI::App::help
+    // shows the parsed subcommand's).
+    if (const int help = HelpGiven(app); help > 0) {
+      if (help == 2) {
+        app.exit(CLI::CallForAllHelp());
+      } else {
+        app.exit(CLI::CallForHelp());
+      }
+      return kExitOk;
+    }
+    return RefuseParseError(app, argc, argv);
   }
   return -1;
 }

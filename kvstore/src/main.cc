@@ -230,8 +230,13 @@ int main(int argc, char** argv) {
                  "(RESOURCE_EXHAUSTED). Same units as --capacity")
       ->capture_default_str()
       ->check(ByteCount("1GiB, 512MiB", /*capacity_bounds=*/false));
+  // Checked by the flag (newcomer s14 #2): the server's own check ("cannot start: ... expected
+  // \"ucx\" or \"none\"") ran after parsing, so a --config file's bad value was not named
+  // with the file and its key, and --help did not list the choices.
   app.add_option("--data-plane", o.data_plane,
-                 "ucx (pinned host memory registered with UCX) or none (heap; control plane only)");
+                 "ucx (pinned host memory registered with UCX) or none (heap; control plane only)")
+      ->check(CLI::IsMember({"ucx", "none"}))
+      ->capture_default_str();
   app.add_option("--ucx-tls", o.ucx_tls,
                  "UCX_TLS for the data plane, e.g. tcp or posix,cma "
                  "(empty = UCX default)");

@@ -1218,9 +1218,30 @@ TEST(ServerBinaryTest, FlagsHelpAndUsageErrors) {
         "--put-timeout-ms", "--high-watermark", "--rotation-dir"}) {
     EXPECT_NE(text.find(flag), std::string::npos) << flag;
   }
+  // The choices of --data-plane are shown, as --transfer-initiator's (newcomer s14 #2).
+  EXPECT_NE(text.find("--data-plane TEXT:{ucx,none}"), std::string::npos) << text;
   Child bad = Spawn({"--capacity", "lots"});
   fclose(bad.out);
   EXPECT_EQ(WaitExit(bad.pid), 1);
+  // --help (or -h) wins over a bad value of another flag, from the command line or a --config
+  // file, as --version does (newcomer s14 #1: these exited 1 with the other flag's error).
+  {
+    const std::string config = ::testing::TempDir() + "/kvpool_server_help_bad_value.yaml";
+    std::ofstream(config) << "data-plane: none\nmetrics-port: abc\n";
+    for (const std::vector<std::string>& args :
+         std::vector<std::vector<std::string>>{{"--help", "--capacity", "1"},
+                                               {"--metrics-port", "abc", "--help"},
+                                               {"-h", "--data-plane", "NONE"},
+                                               {"--config", config, "--help"},
+                                               {"--metrics-port", "abc", "--version"}}) {
+      auto [rc, out] = RunToExit(args);
+      EXPECT_EQ(rc, 0) << args[0] << " " << args[1] << ": " << out;
+      EXPECT_NE(out.find(args.back() == "--version" ? "kvpool-server 0" : "--rotation-dir"),
+                std::string::npos)
+          << args[0] << " " << args[1] << ": " << out;
+    }
+    unlink(config.c_str());
+  }
   Child unknown = Spawn({"--no-such-flag"});
   fclose(unknown.out);
   EXPECT_EQ(WaitExit(unknown.pid), 1);
@@ -1607,8 +1628,13 @@ TEST(ServerBinaryTest, ConfigFileValueErrorsNameTheFileAndTheKey) {
            Case{"metrics-port: abc",
                 "key \"metrics-port\": --metrics-port: 'abc' is not an integer (want "
                 "-1..65535)"},
+           // Checked only by the server after parsing: "cannot start: INVALID_ARGUMENT:
+           // data-plane: expected ..." without the file or the key (newcomer s14 #2).
+           Case{"data-plane: NONE", "key \"data-plane\": --data-plane: NONE not in {ucx,none}"},
        }) {
-    std::ofstream(path) << "data-plane: none\n" << c.line << "\n";
+    std::ofstream(path) << (std::string(c.line).rfind("data-plane", 0) == 0 ? ""
+                                                                            : "data-plane: none\n")
+                        << c.line << "\n";
     auto [rc, text] = RunToExit({"--config", path});
     EXPECT_EQ(rc, 1) << c.line << ": " << text;
     EXPECT_NE(text.find("kvpool-server: --config '" + path + "' " + c.want), std::string::npos)

@@ -96,3 +96,20 @@ def test_a_pool_server_that_exits_is_not_mistaken_for_whatever_holds_the_port(tm
     assert "kvpool-server exited (code 3) before it was ready" in r.stderr, r.stderr
     assert "address already in use" in r.stderr, r.stderr
     assert "-- calibrating" not in r.stdout, r.stdout
+
+
+def test_a_failed_run_leaves_no_output_of_the_previous_run(tmp_path):
+    # Newcomer s14 #3: only *.json and *.log were removed at the start, so a run that failed at
+    # calibrate left the previous run's decode.txt, eval.txt and rotations.safetensors beside
+    # its new calibrate.log.
+    build, data = make_build(tmp_path, SERVER_OK, CALIBRATE_FAILS)
+    old = build / "demo"
+    old.mkdir()
+    for name in ("decode.txt", "eval.txt", "rotations.safetensors", "report.json", "decode.log"):
+        (old / name).write_text("from the previous run\n")
+    r = run_demo(build, data)
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    left = sorted(p.name for p in old.iterdir())
+    assert "calibrate.log" in left, left
+    for p in old.iterdir():
+        assert "from the previous run" not in p.read_text(errors="replace"), (p.name, left)

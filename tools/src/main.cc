@@ -399,7 +399,10 @@ int main(int argc, char** argv) {
           ->required()
           ->check(kvpool::cli::InputFile(kMaxNpyFileBytes));
   CLI::Option* quant_rot =
-      quant->add_option("--rotation", q.rotation, "none | hadamard | a rotation .safetensors file")
+      quant
+          ->add_option("--rotation", q.rotation,
+                       "none | hadamard | a rotation .safetensors file (a file named none or "
+                       "hadamard: give its path, ./hadamard)")
           ->capture_default_str()
           ->check(kvpool::cli::InputFile(kvpool::cli::kMaxRotationFileBytes, {"none", "hadamard"}));
   quant->add_option("--layer", q.layer, "layer of the rotation file (needs a rotation file)")

@@ -10,6 +10,11 @@ check help 0 "quantize" -- "$bin" --help
 check version 0 "kvpool 0" -- "$bin" --version
 check no-subcommand 1 "" -- "$bin"
 check quantize-missing-in 1 "--in" -- "$bin" quantize
+# --help wins over a bad value of another flag, as --version does, and shows the subcommand's
+# help (newcomer s14 #1: "quantize --clip 5 --help" exited 1 with --clip's error).
+check quantize-help-after-bad-clip 0 "--dequant-out" -- "$bin" quantize --clip 5 --help
+check quantize-help-before-bad-clip 0 "--dequant-out" -- "$bin" quantize -h --clip 5
+check quantize-help-bad-kind 0 "--packed-out" -- "$bin" quantize --kind q --help
 # The unset defaults of --head / --clip (-1, outside their ranges) were shown as "=-1".
 qhelp="$("$bin" quantize --help 2>&1)"
 if grep -q -- "--head INT:INDEX >= 0=input head" <<<"$qhelp" &&
@@ -278,6 +283,13 @@ check quantize-two-outputs-one-file 1 "--packed-out: '$tmp/both.bin' is the same
   && echo "ok   quantize-inputs-kept" || { echo "FAIL quantize replaced an input"; fail=1; }
 # A keyword is not a file: --rotation none with an output named "none" still runs.
 check quantize-rotation-keyword-not-a-file 0 "relative L2 err" -- bash -c "cd '$tmp' && '$bin' quantize --in xin.npy --rotation none --packed-out none"
+# A rotation file named like a keyword needs a path: the help says so (newcomer s14 #5), and
+# ./hadamard is that file (here a copy of a per-layer rotation file, so --layer works), while
+# hadamard is the normalized Hadamard rotation.
+check quantize-help-keyword-file 0 "a file named none or hadamard: give its path, ./hadamard" -- "$bin" quantize --help
+cp "$tmp/rot.safetensors" "$tmp/hadamard"
+check quantize-rotation-dot-slash-keyword-is-the-file 0 "relative L2 err" -- bash -c "cd '$tmp' && '$bin' quantize --in xin.npy --rotation ./hadamard --layer 2"
+check quantize-rotation-keyword-is-not-the-file 1 "--layer 2 needs a rotation file" -- bash -c "cd '$tmp' && '$bin' quantize --in xin.npy --rotation hadamard --layer 2"
 # --clip-k -0 is 0: the same file, so the same rotation id and namespace (newcomer report 13 F9).
 "$bin" calibrate --model "$model" --text "$data/calibration.txt" --tokens 400 --clip-k -0 --clip-v -0 --out "$tmp/rneg0.safetensors" >/dev/null 2>&1
 "$bin" calibrate --model "$model" --text "$data/calibration.txt" --tokens 400 --clip-k 0 --clip-v 0 --out "$tmp/rzero.safetensors" >/dev/null 2>&1

@@ -70,6 +70,9 @@ expect non-number 1 "max-tokens" -- generate --model "$MODEL" --max-tokens abc
 expect no-subcommand 1 "subcommand" --
 expect no-model 1 "--model" -- generate
 expect help 0 "--max-tokens" -- generate --help
+# --help wins over a bad value of another flag, as --version does (newcomer s14 #1).
+expect help-after-bad-top-p 0 "--max-tokens" -- generate --top-p 2 --help
+expect help-before-bad-temperature 0 "--max-tokens" -- generate -h --temperature -1
 expect greedy 0 "Once upon a time, there was a little girl named Lily." -- \
   generate --model "$MODEL" --max-tokens 30
 if ! grep -qF "tok/s" "$TMP/err"; then

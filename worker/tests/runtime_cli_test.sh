@@ -36,6 +36,12 @@ expect_err "--history-precision" "--help lists the flags"
 # The default as WORKER.md writes it (newcomer report 11 F8: "--teacher-force BOOLEAN=1").
 expect_err "--teacher-force BOOLEAN=true" "--help shows --teacher-force's default as true"
 expect 0 "--version" -- "${worker}" --version
+# --help wins over a bad value of another flag, as --version does (newcomer s14 #1: "--pool bad
+# --help" exited 1 with --pool's error).
+expect 0 "--help after a bad --pool" -- "${worker}" --pool bad --help
+expect_err "--history-precision" "--help after a bad --pool prints the help"
+expect 0 "-h before a bad --fault" -- "${worker}" -h --fault meteor
+expect_err "--history-precision" "-h before a bad --fault prints the help"
 expect 1 "missing --role" -- "${worker}" "${base[@]}" "${prompt[@]}"
 expect 1 "unknown role" -- "${worker}" --role train "${base[@]}" "${prompt[@]}"
 expect 1 "bad history precision" -- "${worker}" --role eval --history-precision int3 "${base[@]}" "${prompt[@]}"
@@ -78,6 +84,24 @@ for role in ("eval", "decode"):
     d = json.load(open(f"{w}/hash_{role}.json"))
     assert d["model_sha256"] == want_m and d["rotation_id"] == want_r, (role, d.get("model_sha256"), d.get("rotation_id"))
 print("ok: eval and decode reports carry model_sha256 and rotation_id")
+PY
+# Each prompt entry of a report carries its --prompt-file as given (`path`): `name` is the file's
+# name only, so d1/same.txt and d2/same.txt were both just "same" (newcomer s14 #4).
+mkdir -p "${work}/d1" "${work}/d2"
+cp "${demo}/prompts/01_kite.txt" "${work}/d1/same.txt"
+cp "${demo}/prompts/01_kite.txt" "${work}/d2/same.txt"
+same=(--prompt-file "${work}/d1/same.txt" --prompt-file "${work}/d2/same.txt")
+expect 0 "eval report of two prompts with one name" -- "${worker}" --role eval "${model_flags[@]}" --max-new-tokens 1 --eval-windows 0:0 --report "${work}/same_eval.json" "${same[@]}"
+expect 0 "decode report of two prompts with one name" -- "${worker}" --role decode --pool 127.0.0.1:1 "${model_flags[@]}" --max-new-tokens 1 --teacher-force false --report "${work}/same_decode.json" "${same[@]}"
+python3 - "${work}" <<'PY' || { echo "FAIL: the prompts' path in the eval and decode reports" >&2; failures=$((failures + 1)); }
+import json, sys
+w = sys.argv[1]
+for role in ("eval", "decode"):
+    d = json.load(open(f"{w}/same_{role}.json"))
+    got = [(p["name"], p.get("path")) for p in d["prompts"]]
+    want = [("same", f"{w}/d1/same.txt"), ("same", f"{w}/d2/same.txt")]
+    assert got == want, (role, got)
+print("ok: eval and decode reports name each prompt's --prompt-file by its path")
 PY
 # A closed stdout (a pipe into head) stops decode and eval like SIGTERM, as SIGPIPE: report,
 # metrics and a last line, exit 141 (newcomer s10 F2: killed by SIGPIPE with none of them).
@@ -133,6 +157,13 @@ expect 1 "eval window out of int range" -- "${worker}" --role eval --eval-window
 expect 1 "eval window not S:W" -- "${worker}" --role eval --eval-windows 64 "${base[@]}" "${prompt[@]}"
 expect 1 "bad fault" -- "${worker}" --role decode --fault meteor "${base[@]}" "${prompt[@]}"
 expect_err "kvpool-worker: --fault: " "the message names --fault, with the program prefix"
+# --fault is checked by the flag (newcomer s14 #2): --help lists the choices, and a --config
+# file's bad value is named with the file and the key, as every other flag's.
+expect 0 "--help lists --fault's choices" -- "${worker}" --help
+expect_err "--fault TEXT:{none,prefill-exit-mid-push,kill-pool-mid-fetch,stop-pool-after-register,kill-pool-after-first-commit}" "--help lists --fault's choices"
+printf 'fault: meteor\n' >"${work}/fault.yaml"
+expect 1 "bad fault in a --config file" -- "${worker}" --config "${work}/fault.yaml" --role decode "${base[@]}" "${prompt[@]}"
+expect_err "kvpool-worker: --config '${work}/fault.yaml' key \"fault\": --fault: meteor not in {none," "the message names the file, the key and the flag"
 for bad in 127.0.0.1:99999 127.0.0.1:0 127.0.0.1 :7070 127.0.0.1: 127.0.0.1:x7; do
   expect 1 "--pool ${bad} refused" -- "${worker}" --role decode --pool "${bad}" "${base[@]}" "${prompt[@]}"
   expect_err "kvpool-worker: --pool: " "the message names --pool (${bad})"

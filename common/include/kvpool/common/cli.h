@@ -196,10 +196,13 @@ CLI::Validator Range(T min, T max) {
 CLI::Validator HostPortAddress(int min_port);
 
 // Parses; on --help/--version prints and returns kExitOk, on a usage error prints a one-line
-// message and returns kExitUsage; returns -1 when the program should continue. First adds the
-// boolean-words check (Setup) to every option of type bool and every flag of `app` and its
-// subcommands, except --help, --help-all, --version and counting flags (an integer or vector
-// add_flag, MultiOptionPolicy::TakeAll).
+// message and returns kExitUsage; returns -1 when the program should continue. --help (-h,
+// --help-all) on the command line (not as another flag's value) wins over a usage error of
+// another flag or of the --config file, as --version does (its callback runs before the other
+// flags' checks): it prints the help of the subcommand it was given to ("kvpool quantize --clip 5
+// --help"). First adds the boolean-words check (Setup) to every option of type bool and every
+// flag of `app` and its subcommands, except --help, --help-all, --version and counting flags (an
+// integer or vector add_flag, MultiOptionPolicy::TakeAll).
 int Parse(CLI::App& app, int argc, char** argv);
 
 }  // namespace kvpool::cli
