@@ -1101,7 +1101,8 @@ int main(int argc, char** argv) {
             absl::StrCat(kvpool::StatusText(outcome.status()),
                          " (putting it again: its first commit went to a pool that restarted)");
         KVPOOL_LOG_ERROR("prefill --prompt-file {}: {}", p.path, why);
-        e = {{"name", p.name}, {"prompt_tokens", p.tokens.size()}, {"error", why}};
+        e = {
+            {"name", p.name}, {"path", p.path}, {"prompt_tokens", p.tokens.size()}, {"error", why}};
         if (failed++ == 0) first_failure = why;
         --g_prompts_done;
         return;
