@@ -1040,6 +1040,13 @@ int main(int argc, char** argv) {
         ++skipped;
       }
     };
+    // A stored prompt's part of the run's totals.
+    auto add_to_overall = [&](const kw::PrefillReport& r) {
+      bytes += r.bytes_written;
+      tokens += uint64_t(r.blocks) * page_size;
+      compute += r.compute_seconds;
+      push += r.push_seconds;
+    };
     auto on_done = [&](size_t k, const absl::StatusOr<kw::PrefillReport>& outcome) {
       record_skipped_up_to(run_index[k]);
       const Prompt& p = prompts[recorded++];
@@ -1084,10 +1091,7 @@ int main(int argc, char** argv) {
                                 {"reput", r->reput}});
       reput += r->reput ? 1 : 0;
       ++g_prompts_done;  // stored
-      bytes += r->bytes_written;
-      tokens += uint64_t(r->blocks) * page_size;
-      compute += r->compute_seconds;
-      push += r->push_seconds;
+      add_to_overall(*r);
     };
     // A prompt committed to a pool that restarted later was computed and put again: its entry
     // is replaced (newcomer 14 F1).
@@ -1120,10 +1124,7 @@ int main(int argc, char** argv) {
       e["push_seconds"] = e.value("push_seconds", 0.0) + r->push_seconds;
       e["recomputed_after_restart"] = true;
       ++recomputed;
-      bytes += r->bytes_written;
-      tokens += uint64_t(r->blocks) * page_size;
-      compute += r->compute_seconds;
-      push += r->push_seconds;
+      add_to_overall(*r);
     };
     // prompt i+1 computes while i is in flight; one outcome per prompt.
     node.RunAll(
