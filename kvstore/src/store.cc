@@ -953,11 +953,9 @@ absl::StatusOr<PutPlan> BlockStore::BeginPut(const Digest& namespace_id,
     ReleasePutLocked(put, true);  // unpins; no block is kWrite yet
     return absl::InvalidArgumentError(
         absl::StrCat("num_blocks: the put writes ", writes, " blocks", held_part,
-                     ", more than the per-put "
-                     "limit ",
-                     options_.max_put_blocks,
-                     " (kvpool-server --max-put-blocks): put a prefix with "
-                     "at most that many new blocks first, then the whole sequence"));
+                     ", more than the per-put limit ", options_.max_put_blocks,
+                     " (kvpool-server --max-put-blocks): put a prefix with at most that many new "
+                     "blocks first, then the whole sequence"));
   }
   if (uint64_t{writes} * arena_.RoundUp(bf16_bytes) > arena_.capacity()) {
     ReleasePutLocked(put, true);
