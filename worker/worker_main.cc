@@ -1096,14 +1096,39 @@ int main(int argc, char** argv) {
     };
     // A prompt committed to a pool that restarted later was computed and put again: its entry
     // is replaced (newcomer 14 F1).
+    // One that was not put again is no longer stored (stopped first: interrupted; else failed),
+    // and one the pool could not confirm at the end is marked so (newcomer 16 F1).
+    int unconfirmed = 0;
     auto on_redone = [&](size_t k, const absl::StatusOr<kw::PrefillReport>& outcome) {
       const Prompt& p = prompts[run_index[k]];
       json& e = out["prompts"][run_index[k]];
+      if (outcome.ok() && !outcome->pool_unconfirmed.empty()) {
+        KVPOOL_LOG_WARN("prefill --prompt-file {}: {}", p.path, outcome->pool_unconfirmed);
+        e["unconfirmed"] = true;
+        e["unconfirmed_reason"] = outcome->pool_unconfirmed;
+        ++unconfirmed;
+        return;
+      }
       tokens -= e.value("blocks", uint64_t{0}) * page_size;  // no longer in the pool
+      const bool lost = !outcome.ok() && kw::PromptLostWithPool(outcome.status());
+      if (lost && absl::IsCancelled(outcome.status())) {
+        const std::string why = std::string(outcome.status().message());
+        KVPOOL_LOG_WARN("prefill --prompt-file {}: {}", p.path, why);
+        e = {{"name", p.name},
+             {"path", p.path},
+             {"prompt_tokens", p.tokens.size()},
+             {"interrupted", true},
+             {"interrupt_reason", why}};
+        ++not_stored;
+        --g_prompts_done;
+        return;
+      }
       if (!outcome.ok()) {
         const std::string why =
-            absl::StrCat(kvpool::StatusText(outcome.status()),
-                         " (putting it again: its first commit went to a pool that restarted)");
+            lost ? kvpool::StatusText(outcome.status())
+                 : absl::StrCat(kvpool::StatusText(outcome.status()),
+                                " (putting it again: its first commit went to a pool that "
+                                "restarted)");
         KVPOOL_LOG_ERROR("prefill --prompt-file {}: {}", p.path, why);
         e = {
             {"name", p.name}, {"path", p.path}, {"prompt_tokens", p.tokens.size()}, {"error", why}};
@@ -1146,6 +1171,7 @@ int main(int argc, char** argv) {
                       {"interrupted_prompts", not_stored},
                       {"reput_prompts", reput},
                       {"recomputed_prompts", recomputed},
+                      {"unconfirmed_prompts", unconfirmed},
                       {"pool_reconnects", node.pool_reconnects()},
                       {"room_waits", node.room_waits()}};
     NoteInterrupted(out, stop_signal);
@@ -1177,6 +1203,10 @@ int main(int argc, char** argv) {
            "Prompts committed to a pool that restarted later in the run, computed and put "
            "again.",
            uint64_t(recomputed)},
+          {"kvpool_worker_prefill_unconfirmed_prompts_total",
+           "Prompts committed to a pool that did not answer at the end of the run (stored only "
+           "if it is still up).",
+           uint64_t(unconfirmed)},
       });
     }
     if (int rc = WriteOutputs(metrics_file, metrics_text, report, out); rc != 0) return rc;
@@ -1187,7 +1217,18 @@ int main(int argc, char** argv) {
                        prompts.size(), " prompt(s) stored, ", not_stored, " stopped");
       if (failed > 0) absl::StrAppend(&what, ", ", failed, " failed");
       if (skipped > 0) absl::StrAppend(&what, ", ", skipped, " skipped");
+      if (unconfirmed > 0) {
+        absl::StrAppend(&what, " (", unconfirmed,
+                        " of the stored unconfirmed: the pool did not answer at the end)");
+      }
       Interrupted(stop_signal, what);
+    }
+    if (unconfirmed > 0) {
+      std::fprintf(stderr,
+                   "kvpool-worker: prefill: %d prompt(s) committed to a pool that did not answer "
+                   "at the end of the run: stored only if that pool is still up (report: "
+                   "\"unconfirmed\")\n",
+                   unconfirmed);
     }
     if (failed > 0) {
       // The run's outcome: printed whatever --log-level says, with the first failure.

@@ -608,6 +608,57 @@ if [[ -n "${promtool}" && -x "${promtool}" ]]; then
 else
   echo "skip: promtool not found; prefill metrics format not checked"
 fi
+echo "== pool restarted mid-prefill, the node SIGTERMed as the pool answers again: what the report calls stored is in the pool"
+# Newcomer 16 F1: a stop after a restart (or during the recompute at the end) reported the prompts
+# committed to the old pool as stored; they went with it. They are now interrupted ("committed
+# to the pool before it restarted … the run stopped before putting it again"), or put again
+# when the stop comes after the recompute. Either way each prompt the report calls stored must
+# be served by the pool: checked by decoding them all (positions: the 40 prompts repeat the 5).
+forty=()
+for _ in $(seq 1 8); do forty+=("${five[@]}"); done
+"${worker_bin}" --role prefill --pool "${pool}" --revision restart-stop-test "${common[@]}" "${forty[@]}" \
+  --fault kill-pool-after-first-commit --fault-pool-pid "${server_pid}" --call-timeout-ms 30000 \
+  --report "${work}/prefill_rs.json" >/dev/null 2>"${work}/prefill_rs.log" &
+worker_pid=$!
+old_pool=${server_pid}
+for _ in $(seq 1 1200); do
+  kill -0 "${old_pool}" 2>/dev/null && kill -0 "${worker_pid}" 2>/dev/null || break
+  sleep 0.05
+done
+wait "${old_pool}" 2>/dev/null || true
+server_pid=""
+sleep 1
+start_pool
+for _ in $(seq 1 600); do
+  grep -q "prefill: the pool answers again" "${work}/prefill_rs.log" 2>/dev/null && break
+  kill -0 "${worker_pid}" 2>/dev/null || break
+  sleep 0.02
+done
+kill -TERM "${worker_pid}" 2>/dev/null
+rc=0
+wait "${worker_pid}" || rc=$?
+[[ ${rc} -eq 143 || ${rc} -eq 0 ]] || { cat "${work}/prefill_rs.log" >&2; fail "prefill SIGTERMed after a restart: exit ${rc}, want 143 (or 0 if it ended first)"; }
+"${worker_bin}" --role decode --pool "${pool}" --revision restart-stop-test --model "${model}" \
+  --rotations "${work}/rot.safetensors" "${forty[@]}" --max-new-tokens 1 --teacher-force false \
+  --report "${work}/decode_rs.json" >/dev/null 2>"${work}/decode_rs.log" \
+  || { cat "${work}/decode_rs.log" >&2; fail "decode after the stopped prefill"; }
+python3 - "${work}" <<'PY' || { cat "${work}/prefill_rs.log" >&2; fail "a prompt reported stored is not in the pool"; }
+import json, sys
+work = sys.argv[1]
+pre = json.load(open(f"{work}/prefill_rs.json"))["prompts"]
+dec = json.load(open(f"{work}/decode_rs.json"))["prompts"]
+assert len(pre) == len(dec) == 40, (len(pre), len(dec))
+stored = [i for i, x in enumerate(pre) if "error" not in x and not x.get("interrupted")
+          and not x.get("unconfirmed")]
+missing = [i for i in stored if dec[i]["hit_blocks"] < dec[i]["wanted_blocks"]]
+assert not missing, f"reported stored, not in the pool: {missing}"
+first = pre[0]  # committed to the killed pool
+lost = "committed to the pool before it restarted"
+assert first.get("recomputed_after_restart") or (
+    first.get("interrupted") and lost in first["interrupt_reason"]), first
+print(f"stop after a restart: {len(stored)} of 40 reported stored, all served; prompt 0 "
+      f"{'put again' if first.get('recomputed_after_restart') else 'interrupted: ' + lost}")
+PY
 echo "== three prefill nodes into a pool with room for about one put: they wait for each other's staging"
 # 1 MiB holds one put's staging and forms at a time (a demo prompt: 276480 bytes of staging plus
 # about 290 KB of new forms). The refusal names the other open puts' staging, pressure that

@@ -117,6 +117,9 @@ constexpr char kNotRunPayload[] = "type.kvpool/worker-prompt-not-run";
 // The payload of a CANCELLED outcome whose message already names the stage the stop found the
 // prompt in (RunAll does not add "stopped during its commit" to it).
 constexpr char kStageNamedPayload[] = "type.kvpool/worker-stop-stage-named";
+// The payload of an outcome RunAll gave a prompt it had committed to a pool that restarted
+// later and that it did not put again (PromptLostWithPool).
+constexpr char kLostPayload[] = "type.kvpool/worker-prompt-lost-with-pool";
 
 // A Reopen that failed: a stop (CANCELLED) found the prompt between a failed commit and its
 // put open again, not during a commit (newcomer s10b F3: a prompt waiting for a killed pool to
@@ -139,6 +142,10 @@ absl::Status ReopenStopped(const absl::Status& s) {
 
 bool PromptNotRun(const absl::Status& status) {
   return absl::IsCancelled(status) && status.GetPayload(kNotRunPayload).has_value();
+}
+
+bool PromptLostWithPool(const absl::Status& status) {
+  return status.GetPayload(kLostPayload).has_value();
 }
 
 absl::StatusOr<Fault> ParseFault(const std::string& name) {
@@ -665,15 +672,37 @@ std::vector<absl::StatusOr<PrefillReport>> PrefillNode::RunAll(
     out[k] = not_run;
   }
   report_up_to(prompts.size());
+  // The pool's epoch as this run ends: asked of the pool (Stats), so that a restart after the
+  // run's last call is seen too; 0 (no epoch is 0) with `unanswered` set when the pool does not
+  // answer.
+  // While stopping the call is bounded by 1 s (fail-fast: a pool that is gone refuses at once).
+  absl::Status unanswered;
+  auto epoch_now = [&]() -> uint64_t {
+    const bool stopping = stopped || stop();
+    client::CallOptions call;
+    if (stopping) call.deadline = absl::Now() + absl::Seconds(1);
+    absl::StatusOr<client::PoolStats> st = client_->Stats(call);
+    if (!st.ok()) {
+      unanswered = st.status();
+      return 0;
+    }
+    unanswered = absl::OkStatus();
+    return st->pool_epoch;
+  };
+  auto committed = [&](size_t k) { return out[k].ok() && out[k]->pool_epoch != 0; };
+  auto any_committed = [&] {
+    for (size_t k = 0; k < prompts.size(); ++k) {
+      if (committed(k)) return true;
+    }
+    return false;
+  };
   // Prompts committed to a pool that restarted since are gone with it (newcomer 14 F1: the
   // report said every prompt was stored, and the 8 committed before a restart were not there).
-  for (int pass = 0; pass < 2 && !stopped && !stop(); ++pass) {
-    absl::StatusOr<client::ModelInfo> info = client_->model();
-    if (!info.ok()) break;
-    const uint64_t epoch = info->pool_epoch;
+  uint64_t epoch = any_committed() ? epoch_now() : 0;
+  for (int pass = 0; pass < 2 && epoch != 0 && !stopped && !stop(); ++pass) {
     bool any = false;
     for (size_t k = 0; k < prompts.size() && !stop(); ++k) {
-      if (!out[k].ok() || out[k]->pool_epoch == 0 || out[k]->pool_epoch == epoch) continue;
+      if (!committed(k) || out[k]->pool_epoch == epoch) continue;
       any = true;
       KVPOOL_LOG_WARN(
           "prefill: prompt {} of the run was committed to the pool before it restarted (epoch "
@@ -685,6 +714,37 @@ std::vector<absl::StatusOr<PrefillReport>> PrefillNode::RunAll(
       if (hooks.on_redone) hooks.on_redone(k, out[k]);
     }
     if (!any) break;
+    epoch = epoch_now();
+  }
+  // What the passes left (the run stopped first, or the pool restarted again after the second
+  // pass) is not in the pool, and its outcome says so; when the pool does not answer at the
+  // end, nothing committed can be confirmed (newcomer 16 F1: a stop during the recompute
+  // reported 30 lost prompts as stored, three restarts 20, a pool gone for good 21).
+  const bool stopping = stopped || stop();
+  for (size_t k = 0; k < prompts.size(); ++k) {
+    if (!committed(k)) continue;
+    if (epoch == 0) {
+      out[k]->pool_unconfirmed =
+          absl::StrCat("the pool did not answer at the end of the run (", StatusText(unanswered),
+                       "): the prompt is stored only if the pool it was committed to (epoch ",
+                       out[k]->pool_epoch, ") is still up");
+      if (hooks.on_redone) hooks.on_redone(k, out[k]);
+      continue;
+    }
+    if (out[k]->pool_epoch == epoch) continue;
+    const std::string what =
+        absl::StrCat("committed to the pool before it restarted (epoch ", out[k]->pool_epoch,
+                     ", now ", epoch, "): its blocks went with that pool, and ");
+    absl::Status lost = stopping
+                            ? absl::CancelledError(absl::StrCat(
+                                  what, "the run stopped before putting it again: not in the pool"))
+                            : absl::UnavailableError(absl::StrCat(
+                                  what,
+                                  "the pool restarted again after the run's two passes of putting "
+                                  "such prompts again: not in the pool"));
+    lost.SetPayload(kLostPayload, absl::Cord("1"));
+    out[k] = lost;
+    if (hooks.on_redone) hooks.on_redone(k, out[k]);
   }
   return out;
 }

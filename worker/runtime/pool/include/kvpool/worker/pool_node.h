@@ -113,6 +113,11 @@ struct NodeOptions {
 // status payload; a prompt stopped later, e.g. with its put open, is CANCELLED without it).
 bool PromptNotRun(const absl::Status& status);
 
+// Whether `status`, an outcome of PrefillNode::RunAll given through RunAllHooks::on_redone, is
+// that of a prompt committed to a pool that restarted later and not put again (CANCELLED when
+// the run was stopping, else UNAVAILABLE; the message names both epochs).
+bool PromptLostWithPool(const absl::Status& status);
+
 // The ModelSpec a worker registers: geometry from the engine, recipe from `cache`,
 // rotation file bytes, identity (model_id, revision).
 client::ModelSpec MakeModelSpec(const engine::ModelConfig& config, const MixedCacheOptions& cache,
@@ -135,6 +140,10 @@ struct PrefillReport {
   // The prompt had been committed to a pool that restarted later in the run (its blocks went
   // with it); it was computed and put again at the end of RunAll (RunAllHooks::on_redone).
   bool recomputed_after_restart = false;
+  // Non-empty: why the pool's holding this prompt could not be confirmed at the end of RunAll
+  // (the pool did not answer then; the message says so and names the epoch it was committed
+  // to). Set only by RunAll, given through RunAllHooks::on_redone.
+  std::string pool_unconfirmed;
 };
 
 class PrefillNode {
@@ -183,7 +192,12 @@ class PrefillNode {
   // the pool's latest (ModelInfo::pool_epoch) is computed and put again, as Run does (at most
   // two such passes, for a pool restarted again meanwhile), logged, with
   // PrefillReport::recomputed_after_restart set; on_redone(i, outcome) gives its new outcome
-  // (on_done had given the first). A restart after the run's last call is not seen.
+  // (on_done had given the first). The pool's epoch is asked of the pool itself (Stats, bounded
+  // by 1 s once stop() answered true), so a restart after the run's last call is seen too. A
+  // prompt still committed to an earlier epoch after that (the run stopped before the passes,
+  // or the pool restarted during both) gets a PromptLostWithPool outcome through on_redone;
+  // when the pool does not answer, every committed prompt gets PrefillReport::pool_unconfirmed
+  // through on_redone (newcomer 16 F1).
   struct RunAllHooks {
     std::function<void(size_t, const absl::StatusOr<PrefillReport>&)> on_done;
     std::function<bool()> stop;
