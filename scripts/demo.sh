@@ -20,6 +20,13 @@ demo_src="${repo_dir}/worker/demo"
 out="${build_dir}/demo"
 max_new="${KVPOOL_DEMO_MAX_NEW:-48}"
 
+# The directory holds this run's outputs only: a stage that fails must not leave the previous
+# run's decode.txt, eval.txt or rotations.safetensors beside the new logs (only *.json and *.log
+# were removed: newcomer s14 #3), nor a run refused before its first stage (missing binaries or
+# model) the previous run's report (newcomer 16 F3: the checks came before the emptying).
+rm -rf -- "${out}"
+mkdir -p "${out}"
+
 for b in kvpool-server kvpool-worker kvpool; do
   if [[ ! -x "${bin}/${b}" ]]; then
     echo "demo: ${bin}/${b} not found; build first (make build)" >&2
@@ -30,12 +37,6 @@ if [[ ! -f "${model}" ]]; then
   echo "demo: model not found at ${model} (set KVPOOL_DATA_DIR)" >&2
   exit 2
 fi
-# The directory holds this run's outputs only: a stage that fails must not leave the previous
-# run's decode.txt, eval.txt or rotations.safetensors beside the new logs (only *.json and *.log
-# were removed: newcomer s14 #3).
-rm -rf -- "${out}"
-mkdir -p "${out}"
-
 pool_pid=""
 stop_pool() {
   if [[ -n "${pool_pid}" ]]; then
@@ -77,7 +78,8 @@ prompt_args=()
 for f in "${demo_src}"/prompts/*.txt; do prompt_args+=(--prompt-file "$f"); done
 port="$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')"
 pool="127.0.0.1:${port}"
-common=(--model "${model}" --rotations "${out}/rotations.safetensors" --max-new-tokens "${max_new}")
+common=(--model "${model}" --rotations "${out}/rotations.safetensors")
+gen=(--max-new-tokens "${max_new}")  # eval and decode generate; the prefill node does not
 
 # Started when the kvpool-server it started says it is ready on ${pool}, and still runs: a port
 # that merely answers may be another process's (one that took the port between the free-port
@@ -113,14 +115,14 @@ stage calibrate "${out}/calibrate.log" "${out}/calibrate.log" \
   --out "${out}/rotations.safetensors"
 echo "-- in-process evaluation (float32 reference; bf16/int2 x S64/W256, S16/W16)"
 stage eval "${out}/eval.txt" "${out}/eval.log" \
-  "${bin}/kvpool-worker" --role eval "${common[@]}" "${prompt_args[@]}" --report "${out}/eval.json"
+  "${bin}/kvpool-worker" --role eval "${common[@]}" "${gen[@]}" "${prompt_args[@]}" --report "${out}/eval.json"
 echo "-- prefill node -> pool"
 stage prefill /dev/null "${out}/prefill.log" \
   "${bin}/kvpool-worker" --role prefill --pool "${pool}" "${common[@]}" "${prompt_args[@]}" \
   --report "${out}/prefill.json"
 echo "-- pool -> decode worker"
 stage decode "${out}/decode.txt" "${out}/decode.log" \
-  "${bin}/kvpool-worker" --role decode --pool "${pool}" "${common[@]}" "${prompt_args[@]}" \
+  "${bin}/kvpool-worker" --role decode --pool "${pool}" "${common[@]}" "${gen[@]}" "${prompt_args[@]}" \
   --report "${out}/decode.json"
 stage pool_stop "" "" stop_pool
 

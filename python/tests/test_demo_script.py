@@ -113,3 +113,32 @@ def test_a_failed_run_leaves_no_output_of_the_previous_run(tmp_path):
     assert "calibrate.log" in left, left
     for p in old.iterdir():
         assert "from the previous run" not in p.read_text(errors="replace"), (p.name, left)
+
+
+def test_a_run_refused_before_its_first_stage_leaves_no_output_of_the_previous_run(tmp_path):
+    # Newcomer 16 F3: a missing model (or binary) was reported before build/demo/ was emptied,
+    # so the previous run's report.json and decode.txt stayed beside the refusal.
+    build, data = make_build(tmp_path, SERVER_OK, OK)
+    (data / "stories260K" / "stories260K-f32.gguf").unlink()
+    old = build / "demo"
+    old.mkdir()
+    for name in ("decode.txt", "report.json"):
+        (old / name).write_text("from the previous run\n")
+    r = run_demo(build, data)
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert "demo: model not found at" in r.stderr, r.stderr
+    assert not old.exists() or not list(old.iterdir()), sorted(p.name for p in old.iterdir())
+
+
+def test_the_prefill_stage_is_not_given_the_generation_length(tmp_path):
+    # Newcomer 16 F11: --max-new-tokens went to the prefill node too, whose log then warned
+    # that --role prefill ignores it. Stand-in worker: records its arguments per role.
+    log = tmp_path / "worker_args.txt"
+    worker = f"#!/bin/sh\necho \"$*\" >> {log}\nexit 0\n"
+    build, data = make_build(tmp_path, SERVER_OK, OK, worker)
+    run_demo(build, data)  # the report step fails on the stand-ins' missing JSON; not checked
+    lines = log.read_text().splitlines()
+    roles = {l.split("--role ")[1].split()[0]: l for l in lines}
+    assert set(roles) == {"eval", "prefill", "decode"}, lines
+    assert "--max-new-tokens" not in roles["prefill"], roles["prefill"]
+    assert "--max-new-tokens 48" in roles["eval"] and "--max-new-tokens 48" in roles["decode"]
