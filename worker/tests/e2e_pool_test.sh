@@ -747,4 +747,29 @@ assert all(e.startswith("RESOURCE_EXHAUSTED") for e in errors), errors
 assert sum("(not waited for: an earlier prompt waited the whole 1500 ms" in e for e in errors) == 4, errors
 print(f"a shortage that does not pass: 5 prompts failed after {ms} ms, 1 room wait of 1500 ms, 4 not waited for")
 PY
+echo "== --max-put-blocks: a prefix given first in the same run lets the whole prompt through"
+# Newcomer 16 F4: the refusal says "put a prefix with at most that many new blocks first", but
+# the node opens prompt i+1's put before it commits prompt i, so the prefix's blocks did not
+# count as held yet and the whole prompt was refused within one run. The node now commits its
+# put in flight and asks once more.
+lim_port="$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')"
+"${server_bin}" --listen "127.0.0.1:${lim_port}" --metrics-port -1 --ucx-tls tcp --capacity 64MiB \
+  --max-put-blocks 20 >"${work}/server_limit.log" 2>&1 &
+lim_pid=$!
+for _ in $(seq 1 100); do grep -q "kvpool-server ready: grpc 127.0.0.1:${lim_port} " "${work}/server_limit.log" && break; sleep 0.1; done
+head -c 300 "${demo}/prompts/01_kite.txt" >"${work}/kite_prefix.txt"  # 8 blocks of the 27
+rc=0
+"${worker_bin}" --role prefill --pool "127.0.0.1:${lim_port}" --model-id limit "${common[@]}" \
+  --prompt-file "${work}/kite_prefix.txt" --prompt-file "${demo}/prompts/01_kite.txt" \
+  --report "${work}/prefill_limit.json" >/dev/null 2>"${work}/prefill_limit.log" || rc=$?
+kill "${lim_pid}" 2>/dev/null || true; wait "${lim_pid}" 2>/dev/null || true
+python3 - "${work}" "${rc}" <<'PY' || { cat "${work}/prefill_limit.log" >&2; fail "a prefix first under --max-put-blocks"; }
+import json, sys
+work, rc = sys.argv[1], int(sys.argv[2])
+p = json.load(open(f"{work}/prefill_limit.json"))["prompts"]
+assert rc == 0 and all("error" not in x for x in p), (rc, p)
+assert p[1]["blocks"] == 27 and p[1]["blocks_written"] <= 20, p[1]
+print(f"--max-put-blocks 20: the {p[0]['blocks']}-block prefix, then the {p[1]['blocks']}-block "
+      f"prompt writing {p[1]['blocks_written']}, in one run")
+PY
 echo "PASS"

@@ -85,6 +85,11 @@ std::optional<uint64_t> NumberBefore(absl::string_view text, absl::string_view l
 }
 }  // namespace
 
+bool OverPerPutLimit(const absl::Status& s) {
+  return absl::IsInvalidArgument(s) &&
+         absl::StrContains(s.message(), "more than the per-put limit");
+}
+
 bool RoomHeldByOthers(const absl::Status& s) {
   if (!absl::IsResourceExhausted(s)) return false;
   // The pool's numbers (protocol v1.7: kvpool/common/room_shortage.h); a pool before v1.7 sends
@@ -625,8 +630,12 @@ std::vector<absl::StatusOr<PrefillReport>> PrefillNode::RunAll(
     // may be what holds it, and it commits only after this prompt is computed. It is committed
     // first, then this prompt asks again, waiting for room other nodes hold (newcomer report 10
     // F3).
+    // Likewise a refusal by the pool's per-put limit: the put in flight may hold this prompt's
+    // prefix, whose blocks count as held only once it commits (newcomer 16 F4: a prefix listed
+    // first, as the refusal advises, did not help within one run).
     absl::StatusOr<Pending> next = ComputeAndWrite(prompts[i], !in_flight.has_value());
-    if (!next.ok() && in_flight.has_value() && RoomHeldByOthers(next.status()) && !stop()) {
+    if (!next.ok() && in_flight.has_value() &&
+        (RoomHeldByOthers(next.status()) || OverPerPutLimit(next.status())) && !stop()) {
       commit(nullptr);
       report_up_to(in_flight_index + 1);
       next = ComputeAndWrite(prompts[i], /*wait_for_room=*/true);

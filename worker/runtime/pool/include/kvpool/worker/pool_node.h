@@ -183,7 +183,10 @@ class PrefillNode {
   // latter says that the pool may have committed it); one stopped between a failed commit (pool
   // lost, or refused for room) and its put open again, "stopped while putting it again ...".
   // A commit refused for room is put again from the recorded K/V (Commit); the next prompt's
-  // put, aborted to make that room, is then put again too.
+  // put, aborted to make that room, is then put again too. A BeginPut refused for room held by
+  // others (RoomHeldByOthers) or by the pool's per-put limit (OverPerPutLimit) while this node's
+  // own put is in flight commits that put first and asks once more (the put in flight may hold
+  // the room, or the prefix whose blocks then count as held).
   // stop() must be cheap and callable from this thread (e.g. reading a flag a signal handler
   // sets).
   //
@@ -301,6 +304,11 @@ class PrefillNode {
 // from the status's RoomShortage payload (kvpool/common/room_shortage.h, protocol v1.7), or
 // from the message text of a pool before v1.7. Pure.
 bool RoomHeldByOthers(const absl::Status& s);
+
+// Whether `s` is a BeginPut refused by the pool's per-put limit (INVALID_ARGUMENT "num_blocks:
+// the put writes N blocks …, more than the per-put limit M (kvpool-server --max-put-blocks)").
+// Pure.
+bool OverPerPutLimit(const absl::Status& s);
 
 struct DecodeReport {
   std::vector<int> tokens;  // greedy continuation
