@@ -1362,7 +1362,9 @@ int main(int argc, char** argv) {
         {"kvpool_worker_blocks_hit_total", "Blocks of the wanted prefixes the pool held (leased).",
          uint64_t(hits)},
         {"kvpool_worker_blocks_missed_total",
-         "Blocks of the wanted prefixes the pool did not hold.", uint64_t(wanted - hits)},
+         "Blocks of the wanted prefixes the pool did not hold, or that no answer came for "
+         "(pool unreachable).",
+         uint64_t(wanted - hits)},
         {"kvpool_worker_fetched_bytes_total",
          "Bytes fetched from the pool over the data plane (loaded or, after a failed fetch, "
          "discarded).",
