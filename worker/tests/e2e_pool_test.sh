@@ -716,11 +716,21 @@ echo "== a room shortage that does not pass costs the run one --call-timeout-ms,
 # nothing frees it within the run. The refusals name that staging (RoomHeldByOthers), so the
 # first prompt waits its --call-timeout-ms; the others then fail at once, saying why (newcomer
 # 11b F8: each of 5 prompts waited its full 3 s, 15.1 s).
-stuck_port="$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')"
-"${server_bin}" --listen "127.0.0.1:${stuck_port}" --metrics-port -1 --ucx-tls tcp --capacity 1MiB \
-  --put-timeout-ms 600000 >"${work}/server_stuck.log" 2>&1 &
-room_pid=$!
-for _ in $(seq 1 100); do grep -q "kvpool-server ready: grpc 127.0.0.1:${stuck_port} " "${work}/server_stuck.log" && break; sleep 0.1; done
+# own_pool NAME FLAGS...: a pool of its own on a free port (log ${work}/server_NAME.log), once it
+# says it is ready; sets own_port and own_pid.
+own_pool() {
+  local name="$1"; shift
+  own_port="$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')"
+  "${server_bin}" --listen "127.0.0.1:${own_port}" --metrics-port -1 --ucx-tls tcp "$@" \
+    >"${work}/server_${name}.log" 2>&1 &
+  own_pid=$!
+  for _ in $(seq 1 100); do
+    grep -q "kvpool-server ready: grpc 127.0.0.1:${own_port} " "${work}/server_${name}.log" && break
+    sleep 0.1
+  done
+}
+own_pool stuck --capacity 1MiB --put-timeout-ms 600000
+stuck_port=${own_port}; room_pid=${own_pid}
 for f in 01_kite 02_garden; do
   "${worker_bin}" --role prefill --pool "127.0.0.1:${stuck_port}" --model-id stuck "${common[@]}" \
     --prompt-file "${demo}/prompts/${f}.txt" --fault prefill-exit-mid-push >/dev/null 2>"${work}/stuck_${f}.log" \
@@ -752,17 +762,14 @@ echo "== --max-put-blocks: a prefix given first in the same run lets the whole p
 # the node opens prompt i+1's put before it commits prompt i, so the prefix's blocks did not
 # count as held yet and the whole prompt was refused within one run. The node now commits its
 # put in flight and asks once more.
-lim_port="$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')"
-"${server_bin}" --listen "127.0.0.1:${lim_port}" --metrics-port -1 --ucx-tls tcp --capacity 64MiB \
-  --max-put-blocks 20 >"${work}/server_limit.log" 2>&1 &
-lim_pid=$!
-for _ in $(seq 1 100); do grep -q "kvpool-server ready: grpc 127.0.0.1:${lim_port} " "${work}/server_limit.log" && break; sleep 0.1; done
+own_pool limit --capacity 64MiB --max-put-blocks 20
+lim_port=${own_port}; room_pid=${own_pid}  # room_pid: stopped by the cleanup trap too
 head -c 300 "${demo}/prompts/01_kite.txt" >"${work}/kite_prefix.txt"  # 8 blocks of the 27
 rc=0
 "${worker_bin}" --role prefill --pool "127.0.0.1:${lim_port}" --model-id limit "${common[@]}" \
   --prompt-file "${work}/kite_prefix.txt" --prompt-file "${demo}/prompts/01_kite.txt" \
   --report "${work}/prefill_limit.json" >/dev/null 2>"${work}/prefill_limit.log" || rc=$?
-kill "${lim_pid}" 2>/dev/null || true; wait "${lim_pid}" 2>/dev/null || true
+kill "${room_pid}" 2>/dev/null || true; wait "${room_pid}" 2>/dev/null || true; room_pid=""
 python3 - "${work}" "${rc}" <<'PY' || { cat "${work}/prefill_limit.log" >&2; fail "a prefix first under --max-put-blocks"; }
 import json, sys
 work, rc = sys.argv[1], int(sys.argv[2])
