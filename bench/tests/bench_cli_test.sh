@@ -26,6 +26,17 @@ printf 'pairs: 0x10\n' >"$cfg/hex.yaml"
 check "quantize_bench --config pairs: 0x10" 1 "key \"pairs\": --pairs: '0x10' is not an integer" -- "$quant" --config "$cfg/hex.yaml"
 check "quantize_bench --pairs 0100" 1 "--pairs: '0100' is not a decimal integer" -- "$quant" --pairs 0100
 rm -rf "$cfg"
+# The other benches, when given (bench/CMakeLists.txt): integer flags that had no range check
+# (cuda_write_bench --tokens went through std::stoi, which took +16 and ' 16').
+for spec in "${UCP_ROTATING_BENCH:-}|--ring-mib" "${CUDA_DECODE_BENCH:-}|--head-dim" \
+            "${CUDA_DECODE_BENCH:-}|--page-sizes" "${CUDA_WRITE_BENCH:-}|--page-size" \
+            "${CUDA_WRITE_BENCH:-}|--tokens"; do
+  b="${spec%%|*}"; flag="${spec##*|}"
+  [[ -n "$b" ]] || continue
+  for v in 0100 0x10 +16 " 16"; do
+    check "$(basename "$b") $flag '$v'" 1 "^$(basename "$b"): $flag: '$v' is not " -- "$b" "$flag" "$v"
+  done
+done
 # The project's range message, not CLI11's "Value 0,1 not in range -1 to 4095" (newcomer 16 F10).
 for v in 0,1 1-2; do
   check "pool_bench --pin-caller-cpu $v" 1 "^pool_bench: --pin-caller-cpu: '$v' is not an integer (want -1..4095)" -- "$pool" --server 127.0.0.1:1 --pin-caller-cpu "$v"
