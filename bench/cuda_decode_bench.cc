@@ -232,16 +232,32 @@ int main(int argc, char** argv) {
   double max_gb = 110.0;
   std::string json_out, sdpa_json;
   bool contiguous = false, skip_bf16 = false;
-  app.add_option("--batches", batches, "batch sizes")->delimiter(',')->capture_default_str();
+  // Every integer flag has a kvpool::cli::Range: CLI11 alone read "0100" as octal 64 (newcomer
+  // 16 F2); the kernels refuse a shape they do not support when the point runs.
+  app.add_option("--batches", batches, "batch sizes")
+      ->delimiter(',')
+      ->check(kvpool::cli::Range(1, 65536))
+      ->capture_default_str();
   app.add_option("--contexts", contexts, "context lengths (tokens)")
       ->delimiter(',')
+      ->check(kvpool::cli::Range(1, 1 << 24))
       ->capture_default_str();
   app.add_option("--gqa", gqa, "q_heads:kv_heads pairs")->delimiter(',')->capture_default_str();
-  app.add_option("--page-sizes", page_sizes, "page sizes")->delimiter(',')->capture_default_str();
-  app.add_option("--head-dim", head_dim, "head_dim")->capture_default_str();
-  app.add_option("--iters", iters, "timed runs per point (median)")->capture_default_str();
-  app.add_option("--warmup", warmup, "untimed runs first")->capture_default_str();
+  app.add_option("--page-sizes", page_sizes, "page sizes")
+      ->delimiter(',')
+      ->check(kvpool::cli::Range(1, 1024))
+      ->capture_default_str();
+  app.add_option("--head-dim", head_dim, "head_dim")
+      ->check(kvpool::cli::Range(1, 1024))
+      ->capture_default_str();
+  app.add_option("--iters", iters, "timed runs per point (median)")
+      ->check(kvpool::cli::Range(1, 1000000))
+      ->capture_default_str();
+  app.add_option("--warmup", warmup, "untimed runs first")
+      ->check(kvpool::cli::Range(0, 1000000))
+      ->capture_default_str();
   app.add_option("--max-gb", max_gb, "skip shapes whose BF16 pool exceeds this (GB)")
+      ->check(kvpool::cli::Range(0.0, 1e6))
       ->capture_default_str();
   app.add_option("--json", json_out, "write all results as JSON here");
   app.add_option("--sdpa-json", sdpa_json,

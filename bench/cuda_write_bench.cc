@@ -43,58 +43,48 @@ namespace kc = kvpool::cuda;
 using json = nlohmann::json;
 using namespace kvpool::bench;  // Check, Buf, UploadVec, Timer, RandomOrthogonal
 
-std::vector<int> ParseInts(const std::string& s, const char* flag) {
-  std::vector<int> out;
-  size_t b = 0;
-  while (b <= s.size()) {
-    const size_t e = s.find(',', b);
-    const std::string item = s.substr(b, e == std::string::npos ? std::string::npos : e - b);
-    size_t used = 0;
-    int v = 0;
-    try {
-      v = std::stoi(item, &used);
-    } catch (const std::exception&) {
-      used = 0;
-    }
-    if (used != item.size() || item.empty() || v <= 0)
-      throw std::invalid_argument(std::string(flag) + ": '" + item + "' is not a positive integer");
-    out.push_back(v);
-    if (e == std::string::npos) break;
-    b = e + 1;
-  }
-  return out;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"cuda_write_bench — INT2 quantize / rotate / demote write kernels on the GPU"};
   kvpool::cli::Setup(app, "cuda_write_bench");
-  std::string tokens_arg = "8192,32768,131072";
+  std::vector<int> token_counts{8192, 32768, 131072};
   int heads = 8, head_dim = 128, page = 16, iters = 30, warmup = 5;
   float clip_k = 0.96f, clip_v = 0.92f;
   uint64_t seed = 0;
   std::string json_out;
-  app.add_option("--tokens", tokens_arg, "comma-separated token counts per launch")
+  // Every integer flag has a kvpool::cli::Range: CLI11 alone read "0100" as octal 64 and
+  // std::stoi took "+16" and " 16" (newcomer 16 F2). The later check names the supported shapes.
+  app.add_option("--tokens", token_counts, "comma-separated token counts per launch")
+      ->delimiter(',')
+      ->check(kvpool::cli::Range(1, 1 << 24))
       ->capture_default_str();
-  app.add_option("--kv-heads", heads, "KV heads (32 q / 8 KV: 8)")->capture_default_str();
-  app.add_option("--head-dim", head_dim, "head dim (64, 128, 256)")->capture_default_str();
-  app.add_option("--page-size", page, "tokens per page (16, 64)")->capture_default_str();
+  app.add_option("--kv-heads", heads, "KV heads (32 q / 8 KV: 8)")
+      ->check(kvpool::cli::Range(1, 1024))
+      ->capture_default_str();
+  app.add_option("--head-dim", head_dim, "head dim (64, 128, 256)")
+      ->check(kvpool::cli::Range(64, 256))
+      ->capture_default_str();
+  app.add_option("--page-size", page, "tokens per page (16, 64)")
+      ->check(kvpool::cli::Range(16, 64))
+      ->capture_default_str();
   app.add_option("--iters", iters, "timed runs per kernel (median reported)")
+      ->check(kvpool::cli::Range(1, 1000000))
       ->capture_default_str();
-  app.add_option("--warmup", warmup, "untimed runs first")->capture_default_str();
-  app.add_option("--clip-k", clip_k, "K clip ratio (FORMAT.md §2.2)")->capture_default_str();
-  app.add_option("--clip-v", clip_v, "V clip ratio")->capture_default_str();
-  app.add_option("--seed", seed, "input seed (0: random)")->capture_default_str();
+  app.add_option("--warmup", warmup, "untimed runs first")
+      ->check(kvpool::cli::Range(0, 1000000))
+      ->capture_default_str();
+  app.add_option("--clip-k", clip_k, "K clip ratio (FORMAT.md §2.2)")
+      ->check(kvpool::cli::Range(0.0f, 1.0f))
+      ->capture_default_str();
+  app.add_option("--clip-v", clip_v, "V clip ratio")
+      ->check(kvpool::cli::Range(0.0f, 1.0f))
+      ->capture_default_str();
+  app.add_option("--seed", seed, "input seed (0: random)")
+      ->check(kvpool::cli::Range(uint64_t{0}, UINT64_MAX))
+      ->capture_default_str();
   app.add_option("--json", json_out, "write all results as JSON here");
   KVPOOL_CLI_PARSE(app, argc, argv);
-  std::vector<int> token_counts;
-  try {
-    token_counts = ParseInts(tokens_arg, "--tokens");
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "cuda_write_bench: %s\n", e.what());
-    return kvpool::cli::kExitUsage;
-  }
   if (heads < 1 || (head_dim != 64 && head_dim != 128 && head_dim != 256) ||
       (page != 16 && page != 64) || iters < 1 || warmup < 0) {
     std::fprintf(stderr,

@@ -193,15 +193,26 @@ class SpinBarrier {
   std::atomic<uint32_t> gen_{0};
 };
 
+// The pool's address (--server), for BenchFail's message.
+std::string g_pool_address;
+
 // Statuses print as kvpool::StatusText (code and message, no payload: a room refusal's binary
-// one printed as escaped bytes with ToString(); newcomer report 13 F7).
-#define BENCH_CHECK(expr)                                        \
-  do {                                                           \
-    absl::Status s_ = (expr);                                    \
-    if (!s_.ok()) {                                              \
-      KVPOOL_LOG_ERROR("{}: {}", #expr, kvpool::StatusText(s_)); \
-      std::exit(kvpool::cli::kExitRuntime);                      \
-    }                                                            \
+// one printed as escaped bytes with ToString(); newcomer report 13 F7), after what failed in
+// words: "E info.status(): UNAVAILABLE: ..." named a source expression (newcomer 16 F10). A
+// pool that cannot be reached is said so, with its address.
+[[noreturn]] void BenchFail(const std::string& what, const absl::Status& s) {
+  if (s.code() == absl::StatusCode::kUnavailable) {
+    KVPOOL_LOG_ERROR("cannot reach the pool at {} ({}): {}", g_pool_address, what,
+                     kvpool::StatusText(s));
+  } else {
+    KVPOOL_LOG_ERROR("{} failed: {}", what, kvpool::StatusText(s));
+  }
+  std::exit(kvpool::cli::kExitRuntime);
+}
+#define BENCH_CHECK(what, expr)          \
+  do {                                   \
+    absl::Status s_ = (expr);            \
+    if (!s_.ok()) BenchFail((what), s_); \
   } while (0)
 
 // The in-flight section's result for one size.
@@ -390,12 +401,14 @@ int main(int argc, char** argv) {
   app.add_option("--copy-threads", cs.copy_threads,
                  "ClientOptions::copy_threads of the measuring client (0 = the client's default: "
                  "half the hardware threads, 1..8)")
-      ->check(CLI::Range(0, 64))
+      ->check(kvpool::cli::Range(0, 64))
       ->capture_default_str();
-  // A ClientOptions size threshold in KiB, 0 .. 2^30.
+  // A ClientOptions size threshold in KiB, 0 .. 2^30. kvpool::cli::Range everywhere: CLI::Range
+  // said "Value 0,1 not in range -1 to 4095" for a value that is not an integer at all
+  // (newcomer 16 F10).
   auto kib_option = [&app](const char* name, uint64_t& kib, const char* help) {
     app.add_option(name, kib, help)
-        ->check(CLI::Range(uint64_t{0}, uint64_t{1} << 30))
+        ->check(kvpool::cli::Range(uint64_t{0}, uint64_t{1} << 30))
         ->capture_default_str();
   };
   kib_option("--parallel-put-min-kib", cs.put_min_kib,
@@ -414,14 +427,14 @@ int main(int argc, char** argv) {
                  "ClientOptions::copy_threads_prewake in microseconds of the measuring client: "
                  "BeginPut/Acquire hold the copy threads awake through the RPC (at most this "
                  "long) when the put layers / fetch that follow will be spread; 0 = off")
-      ->check(CLI::Range(int64_t{0}, int64_t{10'000'000}))
+      ->check(kvpool::cli::Range(int64_t{0}, int64_t{10'000'000}))
       ->capture_default_str();
   int pin_caller_cpu = -1;
   app.add_option("--pin-caller-cpu", pin_caller_cpu,
                  "An experiment: pin the measuring thread (only it: after its client and copy "
                  "threads exist; undone after the one-at-a-time transfers) to this CPU, so that "
                  "it cannot migrate to another core while it waits in an RPC; -1 = not pinned")
-      ->check(CLI::Range(-1, 4095))
+      ->check(kvpool::cli::Range(-1, 4095))
       ->capture_default_str();
   int inflight_clients = 0, inflight_copy_threads = 1, inflight_rounds = 10;
   bool only_inflight = false;
@@ -432,7 +445,7 @@ int main(int argc, char** argv) {
                  "each, each with its own puts and fetches of fresh sequences, all D started "
                  "together; 0 = none (bench/pool_bench.py runs it with --only-inflight in "
                  "processes of their own)")
-      ->check(CLI::Range(0, 256))
+      ->check(kvpool::cli::Range(0, 256))
       ->capture_default_str();
   app.add_option("--only-inflight", only_inflight,
                  "Run only the in-flight section (needs --inflight-clients > 0): no "
@@ -442,16 +455,16 @@ int main(int argc, char** argv) {
   app.add_option("--inflight-copy-threads", inflight_copy_threads,
                  "ClientOptions::copy_threads of each in-flight client (1 = no worker threads: "
                  "each put and fetch on its own calling thread)")
-      ->check(CLI::Range(1, 64))
+      ->check(kvpool::cli::Range(1, 64))
       ->capture_default_str();
   app.add_option("--inflight-rounds", inflight_rounds,
                  "Timed windows per size of the in-flight section (one more untimed first)")
-      ->check(CLI::Range(1, 100000))
+      ->check(kvpool::cli::Range(1, 100000))
       ->capture_default_str();
   app.add_option("--inflight-window-kib", inflight_window_kib,
                  "Bytes each in-flight client puts (then fetches) back to back in one window, "
                  "in KiB: max(1, this / size) blocks of one put each, at most 8")
-      ->check(CLI::Range(uint64_t{1}, uint64_t{1} << 30))
+      ->check(kvpool::cli::Range(uint64_t{1}, uint64_t{1} << 30))
       ->capture_default_str();
   app.add_option("--raw-get-into", raw_get_into,
                  "Where the raw get lands: 'page' = the fetch page itself (so the next "
@@ -469,6 +482,7 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--sizes-kib", sizes_kib, "Transfer sizes in KiB (powers of two, >= 16)")
       ->delimiter(',')
+      ->check(kvpool::cli::Range(uint64_t{0}, uint64_t{1} << 30))  // powers of two: below
       ->capture_default_str();
   // Ranges: a negative count reached std::vector's constructor (std::length_error, abort) and
   // zero timed iterations leave nothing to take percentiles of.
@@ -489,6 +503,7 @@ int main(int argc, char** argv) {
   app.add_option("--json", json_path, "Write results as JSON to this file")
       ->check(kvpool::cli::OutputFile());
   KVPOOL_CLI_PARSE(app, argc, argv);
+  g_pool_address = server;
   if (only_inflight && inflight_clients == 0) {
     // The usage form of the flags' own checks (newcomer 11b F7: it was an E log line).
     std::fprintf(stderr,
@@ -612,7 +627,7 @@ int main(int argc, char** argv) {
       continue;
     }
     auto info = client->RegisterModel(spec);
-    BENCH_CHECK(info.status());
+    BENCH_CHECK(absl::StrCat("registering model ", spec.model_id), info.status());
     const size_t elems = size_t(16) * H * 128;
     std::vector<std::vector<uint16_t>> kv(2 * L, std::vector<uint16_t>(elems));
     for (auto& layer : kv) {
@@ -621,14 +636,14 @@ int main(int argc, char** argv) {
     // Page pool for one block.
     std::vector<uint8_t> page(bytes);
     auto region = client->RegisterBuffer(page.data(), page.size());
-    BENCH_CHECK(region.status());
+    BENCH_CHECK("registering the fetch page", region.status());
     kvpool::client::PagePool pool{*region, bytes};
     // The raw get's destination (--raw-get-into).
     std::vector<uint8_t> raw_page(raw_get_into == "own" ? bytes : 0);
     std::shared_ptr<kvpool::transport::MemoryRegion> raw_region = *region;
     if (raw_get_into == "own") {
       auto r = client->RegisterBuffer(raw_page.data(), raw_page.size());
-      BENCH_CHECK(r.status());
+      BENCH_CHECK("registering the raw-get buffer", r.status());
       raw_region = *r;
     }
 
@@ -645,19 +660,19 @@ int main(int argc, char** argv) {
         for (auto& t : tokens) t = rng();
         const absl::Time b0 = absl::Now();
         auto put = client->BeginPut(tokens);
-        BENCH_CHECK(put.status());
+        BENCH_CHECK("BeginPut", put.status());
         const long pf0 = ThreadMinorFaults();
         const absl::Time t0 = absl::Now();
         for (uint32_t l = 0; l < L; ++l) {
-          BENCH_CHECK(async ? (*put)->WriteLayerAsync(l, kv[2 * l], kv[2 * l + 1])
-                            : (*put)->WriteLayer(l, kv[2 * l], kv[2 * l + 1]));
+          BENCH_CHECK("WriteLayer", async ? (*put)->WriteLayerAsync(l, kv[2 * l], kv[2 * l + 1])
+                                          : (*put)->WriteLayer(l, kv[2 * l], kv[2 * l + 1]));
         }
-        BENCH_CHECK((*put)->Flush());
+        BENCH_CHECK("Flush of the put", (*put)->Flush());
         const absl::Time t1 = absl::Now();
         const long pf1 = ThreadMinorFaults();
         auto committed = (*put)->Commit();
         const absl::Time t1c = absl::Now();
-        BENCH_CHECK(committed.status());
+        BENCH_CHECK("Commit of the put", committed.status());
         if (committed->blocks_written != 1) {
           KVPOOL_LOG_ERROR("put wrote {} blocks (the sequence was already stored?)",
                            committed->blocks_written);
@@ -692,13 +707,13 @@ int main(int argc, char** argv) {
       plan.bf16_pages = {0};
       const absl::Time a0 = absl::Now();
       auto lease = client->Acquire(tokens);
-      BENCH_CHECK(lease.status());
+      BENCH_CHECK("Acquire (lease)", lease.status());
       const long pf2 = ThreadMinorFaults();
       const absl::Time t2 = absl::Now();
       auto f = client->Fetch(*lease, plan);
       const absl::Time t3 = absl::Now();
       const long pf3 = ThreadMinorFaults();
-      BENCH_CHECK(f.status());
+      BENCH_CHECK("Fetch", f.status());
       if (f->num_blocks != 1) {
         KVPOOL_LOG_ERROR("fetch returned {} blocks", f->num_blocks);
         return kvpool::cli::kExitRuntime;
@@ -711,7 +726,7 @@ int main(int argc, char** argv) {
       for (int pass = 0; pass < 2; ++pass) {
         const bool verified = (pass == 0) == (it % 2 == 0);
         const absl::Time s0 = absl::Now();
-        BENCH_CHECK(client->Fetch(*lease, verified ? plan : unverified).status());
+        BENCH_CHECK("Fetch", client->Fetch(*lease, verified ? plan : unverified).status());
         (verified ? warm_us : nv_us) = absl::ToDoubleMicroseconds(absl::Now() - s0);
       }
       // The same bytes with a bare RMA get through the transport (no verification): the
@@ -721,9 +736,10 @@ int main(int argc, char** argv) {
       if (!info->pool_initiates_transfers) {
         const auto& loc = *lease->blocks[0].bf16;
         auto target = client->DataPlaneTarget(lease->pool_epoch, loc.rkey);
-        BENCH_CHECK(target.status());
+        BENCH_CHECK("the data-plane target of the lease", target.status());
         t4 = absl::Now();
-        BENCH_CHECK(client->transport().Execute({kvpool::transport::TransferKind::kGet,
+        BENCH_CHECK("the raw get",
+                    client->transport().Execute({kvpool::transport::TransferKind::kGet,
                                                  target->first,
                                                  target->second,
                                                  raw_region,
@@ -732,7 +748,7 @@ int main(int argc, char** argv) {
         t5 = absl::Now();
       }
       const absl::Time r0 = absl::Now();
-      BENCH_CHECK(client->Release(*lease));
+      BENCH_CHECK("Release of the lease", client->Release(*lease));
       const absl::Duration release = absl::Now() - r0;
       if (it >= warmup) {
         fetch_us.push_back(absl::ToDoubleMicroseconds(t3 - t2));
@@ -746,7 +762,7 @@ int main(int argc, char** argv) {
     }
     {
       auto m = client->model();
-      BENCH_CHECK(m.status());
+      BENCH_CHECK("the client's model", m.status());
       direct = m->mapped_pool_memory;
     }
     const Stats pa = Summarize(put_async_us), pae = Summarize(put_async_e2e_us);
@@ -852,7 +868,7 @@ int main(int argc, char** argv) {
   if (!only_inflight) {
     const uint32_t L = 4, H = 8;
     ModelSpec spec = Spec("bench-commit", L, H, "int2", 0, 0);
-    BENCH_CHECK(client->RegisterModel(spec).status());
+    BENCH_CHECK("registering model bench-commit", client->RegisterModel(spec).status());
     const size_t elems = size_t(commit_blocks) * 16 * H * 128;
     std::vector<std::vector<uint16_t>> kv(2 * L, std::vector<uint16_t>(elems));
     std::normal_distribution<float> n(0.f, 1.f);
@@ -865,11 +881,12 @@ int main(int argc, char** argv) {
       std::vector<uint32_t> tokens(size_t(commit_blocks) * 16);
       for (auto& t : tokens) t = rng();
       auto put = client->BeginPut(tokens);
-      BENCH_CHECK(put.status());
-      for (uint32_t l = 0; l < L; ++l) BENCH_CHECK((*put)->WriteLayer(l, kv[2 * l], kv[2 * l + 1]));
-      BENCH_CHECK((*put)->Flush());
+      BENCH_CHECK("BeginPut (commit test)", put.status());
+      for (uint32_t l = 0; l < L; ++l)
+        BENCH_CHECK("WriteLayer (commit test)", (*put)->WriteLayer(l, kv[2 * l], kv[2 * l + 1]));
+      BENCH_CHECK("Flush (commit test)", (*put)->Flush());
       absl::Time t0 = absl::Now();
-      BENCH_CHECK((*put)->Commit().status());
+      BENCH_CHECK("Commit (commit test)", (*put)->Commit().status());
       if (it > 0) commit_us.push_back(absl::ToDoubleMicroseconds(absl::Now() - t0));
     }
     Stats cs = Summarize(commit_us);
@@ -888,7 +905,7 @@ int main(int argc, char** argv) {
   // ---- lookup p99 with concurrent clients ----
   if (!only_inflight) {
     ModelSpec spec = Spec("bench-lookup", 2, 2, "int2", 16, 32);
-    BENCH_CHECK(client->RegisterModel(spec).status());
+    BENCH_CHECK("registering model bench-lookup", client->RegisterModel(spec).status());
     const uint32_t blocks = 64;
     std::vector<uint32_t> tokens(blocks * 16);
     for (auto& t : tokens) t = rng();
@@ -897,7 +914,7 @@ int main(int argc, char** argv) {
       for (auto& x : layer) x = Bf16(float(int(rng() % 200) - 100) / 50.f);
     }
     std::vector<absl::Span<const uint16_t>> ks = {kv[0], kv[2]}, vs = {kv[1], kv[3]};
-    BENCH_CHECK(client->Put(tokens, ks, vs).status());
+    BENCH_CHECK("Put (lookup test)", client->Put(tokens, ks, vs).status());
     // Every client is created and registered (its UCX worker, copy threads, channel, and over a
     // shared-memory transport the pool's memory mapped and its page tables filled) before any
     // lookup is timed, and each first makes `lookup_warmup` untimed lookups (its channel's

@@ -11,6 +11,7 @@
 // with the subcommand's flags in a section: "generate: {model: m.gguf, max-tokens: 64}" (explicit
 // flags win).
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -22,6 +23,15 @@
 #include "kvpool/engine/engine.h"
 
 namespace {
+
+// Reads `v` as a double the way CLI11 reads a float flag, but without the spaces strtold skips.
+bool ReadNumber(const std::string& v, double* out) {
+  if (v.empty() || std::isspace(static_cast<unsigned char>(v.front())) ||
+      std::isspace(static_cast<unsigned char>(v.back()))) {
+    return false;
+  }
+  return CLI::detail::lexical_cast(v, *out);
+}
 
 int Fail(const std::string& message) {
   std::cerr << "kvpool-engine: " << message << "\n";
@@ -51,12 +61,23 @@ static int Run(int argc, char** argv) {
   gen->add_option("--max-tokens", max_tokens, "tokens to generate at most")
       ->check(kvpool::cli::Range(0, INT32_MAX))
       ->capture_default_str();
+  // Both are read as double and then checked as the float they are stored in: "--top-p 1e-46"
+  // is in (0, 1] but is 0 as a float, and was refused as if it were outside (newcomer 16 F12);
+  // a positive temperature that is 0 as a float would sample greedily without a word.
   gen->add_option("--temperature", temperature, "sampling temperature; 0 = greedy")
       ->check(CLI::Validator(
           [](std::string& v) -> std::string {
-            float t = 0;
-            if (!CLI::detail::lexical_cast(v, t) || !std::isfinite(t) || t < 0) {
+            double t = 0;
+            if (!ReadNumber(v, &t) || !std::isfinite(t) || t < 0) {
               return "must be a finite number >= 0, got '" + v + "'";
+            }
+            if (!std::isfinite(static_cast<float>(t))) {
+              return "'" + v + "' is beyond the largest float (about 3.4e38)";
+            }
+            if (t > 0 && static_cast<float>(t) == 0.0f) {
+              return "'" + v +
+                     "' is positive but underflows to 0 as a float (greedy sampling): give 0 "
+                     "for greedy, or at least 1e-45";
             }
             return {};
           },
@@ -65,9 +86,12 @@ static int Run(int argc, char** argv) {
   gen->add_option("--top-p", top_p, "nucleus sampling mass in (0, 1]; 1 = off")
       ->check(CLI::Validator(
           [](std::string& v) -> std::string {
-            float p = 0;
-            if (!CLI::detail::lexical_cast(v, p) || !(p > 0 && p <= 1)) {
+            double p = 0;
+            if (!ReadNumber(v, &p) || !(p > 0 && p <= 1)) {
               return "must be in (0, 1], got '" + v + "'";
+            }
+            if (static_cast<float>(p) == 0.0f) {
+              return "'" + v + "' is in (0, 1] but underflows to 0 as a float: give at least 1e-45";
             }
             return {};
           },

@@ -464,11 +464,20 @@ int main(int argc, char** argv) {
   app.add_option("--max-new-tokens", max_new, "tokens to generate per prompt")
       ->capture_default_str()
       ->check(kvpool::cli::Range(0, 4096));
-  app.add_option("--page-size", page_size, "tokens per block")->capture_default_str();
+  // Ranges (newcomer 16 F2: without one CLI11 read "--recent-tokens 0100" as octal 64 and took
+  // "0x10" and "+16"): the bounds the cache checks later (a page size up to 1024 tokens, S and W
+  // up to 2^24, the longest context the GGUF reader takes); the cache then names what else is
+  // wrong (a page size that is not a power of two, S not a multiple of it, S or W beyond the
+  // model's context).
+  app.add_option("--page-size", page_size, "tokens per block (a power of two)")
+      ->capture_default_str()
+      ->check(kvpool::cli::Range(1, 1024));
   app.add_option("--sink-tokens", sink, "prefill/decode: S, sink tokens kept in BF16")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(kvpool::cli::Range(0, 1 << 24));
   app.add_option("--recent-tokens", recent, "prefill/decode: W, recent tokens kept in BF16")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(kvpool::cli::Range(0, 1 << 24));
   app.add_option("--history-precision", history, "int2 | bf16")
       ->capture_default_str()
       ->check(CLI::IsMember({"int2", "bf16"}));
@@ -530,7 +539,8 @@ int main(int argc, char** argv) {
   app.add_option("--fault-pool-pid", fault_pool_pid,
                  "pid of the pool for kill-pool-mid-fetch, stop-pool-after-register and "
                  "kill-pool-after-first-commit (must be the pid the pool at --pool reports: "
-                 "a kvpool-server on this host)");
+                 "a kvpool-server on this host)")
+      ->check(kvpool::cli::Range(0, INT32_MAX));
   // An output that is one of the inputs (or the other output) would replace it (newcomer s7 F7).
   kvpool::cli::RefuseSameFiles(&app, {{report_opt}, {metrics_opt}},
                                {{model_opt}, {rotations_opt}, {prompts_opt}});

@@ -14,6 +14,39 @@ done
 check "pool_bench --warmup -1" 1 "--warmup" -- "$pool" --server 127.0.0.1:1 --warmup -1
 # A CPU outside the process's affinity was refused with no reason (newcomer 13b F9).
 check "pool_bench --pin-caller-cpu 4095" 1 "^pool_bench: --pin-caller-cpu: CPU 4095 is not one this process may run on (its CPUs: 0" -- "$pool" --server 127.0.0.1:1 --pin-caller-cpu 4095
+# Integer flags are plain decimal (newcomer 16 F2): --sizes-kib had no range check, so CLI11 read
+# 0100 as octal 64 (a power of two, measured as 64 KiB) and took 0x10 and +16.
+for v in 0100 0x10 +16 " 16"; do
+  check "pool_bench --sizes-kib '$v'" 1 "^pool_bench: --sizes-kib: '$v' is not " -- "$pool" --server 127.0.0.1:1 --sizes-kib "$v"
+done
+cfg="$(mktemp -d)"
+printf 'sizes-kib: 0100\n' >"$cfg/octal.yaml"
+check "pool_bench --config sizes-kib: 0100" 1 "^pool_bench: --config '$cfg/octal.yaml' key \"sizes-kib\": --sizes-kib: '0100' is not a decimal integer" -- "$pool" --server 127.0.0.1:1 --config "$cfg/octal.yaml"
+printf 'pairs: 0x10\n' >"$cfg/hex.yaml"
+check "quantize_bench --config pairs: 0x10" 1 "key \"pairs\": --pairs: '0x10' is not an integer" -- "$quant" --config "$cfg/hex.yaml"
+check "quantize_bench --pairs 0100" 1 "--pairs: '0100' is not a decimal integer" -- "$quant" --pairs 0100
+rm -rf "$cfg"
+# The other benches, when given (bench/CMakeLists.txt): integer flags that had no range check
+# (cuda_write_bench --tokens went through std::stoi, which took +16 and ' 16').
+for spec in "${UCP_ROTATING_BENCH:-}|--ring-mib" "${CUDA_DECODE_BENCH:-}|--head-dim" \
+            "${CUDA_DECODE_BENCH:-}|--page-sizes" "${CUDA_WRITE_BENCH:-}|--page-size" \
+            "${CUDA_WRITE_BENCH:-}|--tokens"; do
+  b="${spec%%|*}"; flag="${spec##*|}"
+  [[ -n "$b" ]] || continue
+  for v in 0100 0x10 +16 " 16"; do
+    check "$(basename "$b") $flag '$v'" 1 "^$(basename "$b"): $flag: '$v' is not " -- "$b" "$flag" "$v"
+  done
+done
+# The project's range message, not CLI11's "Value 0,1 not in range -1 to 4095" (newcomer 16 F10).
+for v in 0,1 1-2; do
+  check "pool_bench --pin-caller-cpu $v" 1 "^pool_bench: --pin-caller-cpu: '$v' is not an integer (want -1..4095)" -- "$pool" --server 127.0.0.1:1 --pin-caller-cpu "$v"
+done
+# An unreachable pool is said in words with its address, not as a source expression ("E
+# info.status(): UNAVAILABLE: ...": newcomer 16 F10).
+check "pool_bench unreachable pool" 2 "cannot reach the pool at 127.0.0.1:1 (registering model bench-16k): UNAVAILABLE" -- "$pool" --server 127.0.0.1:1 --sizes-kib 16
+out="$("$pool" --server 127.0.0.1:1 --sizes-kib 16 2>&1)"
+if grep -q "status()" <<<"$out"; then echo "FAIL pool_bench unreachable pool names an expression: $out"; fail=1
+else echo "ok   pool_bench unreachable pool names no expression"; fi
 # A bad size is refused in the usage form, and no run that ends without a row prints the table's
 # header (newcomer reports 13 F7 and 13b).
 check "pool_bench --sizes-kib 24" 1 "^pool_bench: --sizes-kib: 24 is not a power of two >= 16" -- "$pool" --server 127.0.0.1:1 --sizes-kib 24

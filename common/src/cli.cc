@@ -555,6 +555,58 @@ void CheckBooleanWords(CLI::App& app) {
   }
 }
 
+// CLI11 reads an integer option with its own conversion, which takes "0100" as octal 64, "0x10" as
+// 16, "+16" and " 16", and wraps "-1" into an unsigned type (newcomer 16 F2: --recent-tokens 0100
+// registered W=64): the check admits only plain decimal, as Range does. Range, where an option
+// has it, runs first and names the bounds; this check only catches an option without one. No
+// description, so --help and the type name stay "INT"/"UINT".
+constexpr const char kDecimalIntegerName[] = "kvpool-decimal-integer";
+CLI::Validator DecimalInteger(bool is_unsigned) {
+  CLI::Validator v(
+      [is_unsigned](std::string& value) -> std::string {
+        const bool neg = !value.empty() && value[0] == '-';
+        const std::string_view digits = std::string_view(value).substr(neg ? 1 : 0);
+        if (digits.empty() || digits.find_first_not_of("0123456789") != std::string_view::npos) {
+          return "'" + value + "' is not an integer (want plain decimal digits)";
+        }
+        if (digits.size() > 1 && digits[0] == '0') {
+          return "'" + value + "' is not a decimal integer (leading zero)";
+        }
+        if (neg && is_unsigned && digits.find_first_not_of('0') != std::string_view::npos) {
+          return value + " is negative (want an integer >= 0)";
+        }
+        return {};
+      },
+      "");
+  v.name(kDecimalIntegerName);
+  return v;
+}
+
+// The integer type of `op` ("INT" or "UINT", the type name CLI11 gives every integral type),
+// "" for any other option and for flags (a counting flag takes no value).
+std::string IntegerType(const CLI::Option& op) {
+  if (op.get_expected_min() == 0) return {};
+  std::string type = op.get_type_name();
+  type = type.substr(0, type.find(':'));
+  return type == "INT" || type == "UINT" ? type : std::string();
+}
+
+// Adds DecimalInteger to every integer option of `app` and its subcommands (once).
+void CheckDecimalIntegers(CLI::App& app) {
+  for (CLI::Option* op : app.get_options([](const CLI::Option*) { return true; })) {
+    const std::string type = IntegerType(*op);
+    if (type.empty()) continue;
+    try {
+      (void)op->get_validator(kDecimalIntegerName);
+    } catch (const CLI::OptionNotFound&) {
+      op->check(DecimalInteger(type == "UINT"));
+    }
+  }
+  for (CLI::App* sub : app.get_subcommands([](CLI::App*) { return true; })) {
+    CheckDecimalIntegers(*sub);
+  }
+}
+
 // Whether argv names `op` ("--name", "--name=V", "-n", "-nV"): CLI11 reads a config file's value
 // only for an option the command line left empty, so an error about the value of an option the
 // command line does not name is about the file's value.
@@ -781,6 +833,7 @@ int RefuseParseError(CLI::App& app, int argc, char** argv) {
 
 int Parse(CLI::App& app, int argc, char** argv) {
   CheckBooleanWords(app);
+  CheckDecimalIntegers(app);
   NameProgramFlagsInSubcommandHelp(app, app, "");
   try {
     app.parse(argc, argv);

@@ -722,6 +722,101 @@ TEST(CliRangeTest, IntegersArePlainDecimalAndBeyondTheTypeIsOutside) {
       << err;
 }
 
+// Parse checks every integer option, also one without a Range, as plain decimal: CLI11 alone
+// read "0100" as octal 64 and took "0x10", "+16" and " 16" (newcomer 16 F2: kvpool-worker
+// --recent-tokens 0100 registered W=64), on the command line and from --config.
+struct UncheckedIntegerApp {
+  CLI::App app{"test"};
+  int page = 16;
+  uint32_t count = 3;
+  int64_t big = 5;
+  size_t bytes = 7;
+  std::vector<int> sizes{1};
+  int verbose = 0;
+  UncheckedIntegerApp() {
+    kvpool::cli::Setup(app, "prog");
+    app.add_option("--page-size", page, "no Range");
+    app.add_option("--count", count, "no Range");
+    app.add_option("--big", big, "no Range");
+    app.add_option("--bytes", bytes, "no Range");
+    app.add_option("--sizes", sizes, "no Range")->delimiter(',');
+    app.add_flag("-v,--verbose", verbose, "counting flag");
+    CLI::App* sub = app.add_subcommand("gen", "subcommand");
+    sub->add_option("--seed", count, "no Range");
+  }
+};
+
+TEST(CliDecimalIntegerTest, EveryIntegerOptionIsPlainDecimal) {
+  struct Case {
+    std::vector<std::string> args;
+    std::string want;
+  };
+  const std::vector<Case> cases = {
+      {{"--page-size", "0100"}, "--page-size: '0100' is not a decimal integer (leading zero)"},
+      {{"--page-size", "016"}, "--page-size: '016' is not a decimal integer (leading zero)"},
+      {{"--page-size", "0x10"}, "--page-size: '0x10' is not an integer"},
+      {{"--page-size", "+16"}, "--page-size: '+16' is not an integer"},
+      {{"--page-size", " 16"}, "--page-size: ' 16' is not an integer"},
+      {{"--page-size", "16 "}, "--page-size: '16 ' is not an integer"},
+      {{"--page-size", "1e2"}, "--page-size: '1e2' is not an integer"},
+      {{"--count", "0200"}, "--count: '0200' is not a decimal integer (leading zero)"},
+      {{"--count", "-1"}, "--count: -1 is negative"},
+      {{"--big", "0x10"}, "--big: '0x10' is not an integer"},
+      {{"--bytes", "+4"}, "--bytes: '+4' is not an integer"},
+      {{"--sizes", "16,0100"}, "--sizes: '0100' is not a decimal integer (leading zero)"},
+      {{"gen", "--seed", "064"}, "--seed: '064' is not a decimal integer (leading zero)"},
+      {{"--config", WriteYaml("dec_plain", "page-size: 0100\n")},
+       "key \"page-size\": --page-size: '0100' is not a decimal integer (leading zero)"},
+      {{"--config", WriteYaml("dec_quoted", "page-size: \"0100\"\n")},
+       "key \"page-size\": --page-size: '0100' is not a decimal integer (leading zero)"},
+      {{"--config", WriteYaml("dec_hex", "count: 0x10\n")},
+       "key \"count\": --count: '0x10' is not an integer"},
+      {{"--config", WriteYaml("dec_sub", "gen:\n  seed: +16\n")},
+       "--seed: '+16' is not an integer"},
+  };
+  for (const Case& c : cases) {
+    UncheckedIntegerApp a;
+    auto [rc, err] = RunParse(a.app, c.args);
+    EXPECT_EQ(rc, kExitUsage) << c.args.back();
+    EXPECT_NE(err.find(c.want), std::string::npos) << c.args.back() << ": " << err;
+    EXPECT_EQ(a.page, 16);
+    EXPECT_EQ(a.count, 3u);
+  }
+  {
+    UncheckedIntegerApp a;
+    auto [rc, err] = RunParse(a.app, {"--page-size", "-16", "--count", "0", "--big", "100",
+                                      "--bytes", "0", "--sizes", "16,64", "-vvv"});
+    EXPECT_EQ(rc, -1) << err;
+    EXPECT_EQ(a.page, -16);
+    EXPECT_EQ(a.count, 0u);
+    EXPECT_EQ(a.big, 100);
+    EXPECT_EQ(a.sizes, (std::vector<int>{16, 64}));
+    EXPECT_EQ(a.verbose, 3);
+  }
+  {
+    // --help still wins over the bad value; the help shows the plain type.
+    UncheckedIntegerApp a;
+    ::testing::internal::CaptureStdout();
+    auto [rc, err] = RunParse(a.app, {"--page-size", "0100", "--help"});
+    const std::string help = ::testing::internal::GetCapturedStdout();
+    EXPECT_EQ(rc, kExitOk) << err;
+    EXPECT_NE(help.find("--page-size INT"), std::string::npos) << help;
+    EXPECT_EQ(help.find("INT:"), std::string::npos) << help;
+  }
+  {
+    // With a Range, Range's message (with the bounds) is the one given.
+    CLI::App app{"test"};
+    kvpool::cli::Setup(app, "prog");
+    int page = 16;
+    app.add_option("--page-size", page, "ranged")->check(Range(1, 1024));
+    auto [rc, err] = RunParse(app, {"--page-size", "0100"});
+    EXPECT_EQ(rc, kExitUsage);
+    EXPECT_NE(err.find("--page-size: '0100' is not a decimal integer (leading zero; want 1..1024)"),
+              std::string::npos)
+        << err;
+  }
+}
+
 TEST(CliRangeTest, FloatingPointValuesWithSpacesAreRefused) {
   for (const char* bad : {" 0.5", "0.5 "}) {
     CLI::App app{"test"};

@@ -23,13 +23,18 @@
 
 namespace {
 
-// "1073741824", "512MiB", "1GiB", "64KiB", "2TiB" (binary units) or "1GB" (decimal) → bytes.
-bool ParseBytes(const std::string& s, uint64_t* out) {
+// What ParseBytes found.
+enum class ByteParse { kOk, kBad, kTooLarge };
+
+// "1073741824", "512MiB", "1GiB", "64KiB", "2TiB" (binary units) or "1GB" (decimal) → bytes;
+// kTooLarge for digits (and a unit) beyond 2^64 - 1 bytes ("99999999999TiB" was "cannot parse":
+// newcomer 16 F9).
+ByteParse ParseBytes(const std::string& s, uint64_t* out) {
   if (s.empty() || s.find_first_not_of("0123456789") == 0) {
-    return false;  // SimpleAtoi takes " 4", "+4": digits first, as the integer flags want
+    return ByteParse::kBad;  // SimpleAtoi takes " 4", "+4": digits first, as the integer flags want
   }
   if (s.find_first_of(" \t\n\v\f\r") != std::string::npos) {
-    return false;  // and trims trailing spaces: "4 MiB"
+    return ByteParse::kBad;  // and trims trailing spaces: "4 MiB"
   }
   struct Unit {
     const char* suffix;
@@ -39,21 +44,22 @@ bool ParseBytes(const std::string& s, uint64_t* out) {
       {"TiB", 1ull << 40}, {"GiB", 1ull << 30},      {"MiB", 1ull << 20},
       {"KiB", 1ull << 10}, {"TB", 1000000000000ull}, {"GB", 1000000000ull},
       {"MB", 1000000ull},  {"KB", 1000ull},          {"B", 1}};
+  std::string digits = s;
+  uint64_t mul = 1;
   for (const Unit& u : kUnits) {
     const std::string suf = u.suffix;
     if (s.size() > suf.size() && s.compare(s.size() - suf.size(), suf.size(), suf) == 0) {
-      uint64_t n = 0;
-      if (!absl::SimpleAtoi(s.substr(0, s.size() - suf.size()), &n)) {
-        return false;
-      }
-      if (n > UINT64_MAX / u.mul) {
-        return false;
-      }
-      *out = n * u.mul;
-      return true;
+      digits = s.substr(0, s.size() - suf.size());
+      mul = u.mul;
+      break;
     }
   }
-  return absl::SimpleAtoi(s, out);
+  if (digits.find_first_not_of("0123456789") != std::string::npos) return ByteParse::kBad;
+  uint64_t n = 0;
+  if (!absl::SimpleAtoi(digits, &n)) return ByteParse::kTooLarge;  // all digits: it overflowed
+  if (n > UINT64_MAX / mul) return ByteParse::kTooLarge;
+  *out = n * mul;
+  return ByteParse::kOk;
 }
 
 // Smallest watermark. Eviction, whether the high watermark or a failed allocation triggered it,
@@ -121,12 +127,26 @@ CLI::Validator ByteCount(const char* examples, bool capacity_bounds) {
   return CLI::Validator(
       [examples, capacity_bounds](std::string& v) -> std::string {
         uint64_t bytes = 0;
-        if (!ParseBytes(v, &bytes) || bytes == 0) {
+        const ByteParse parsed = ParseBytes(v, &bytes);
+        const kvpool::kvstore::MemoryLimit& limit = UsableMemory();
+        if (parsed == ByteParse::kTooLarge) {
+          // The largest value it may take: what the checks below allow, else 2^64 - 1 bytes.
+          if (const std::optional<uint64_t> room = PoolRoom(); capacity_bounds && room) {
+            return absl::StrCat(v, " is too large: at most ", *room, " bytes (the memory this ",
+                                "process may use, ", limit.bytes, " bytes (", limit.source,
+                                "), less 64 MiB for the process itself)");
+          }
+          if (!capacity_bounds && limit.bytes > 0) {
+            return absl::StrCat(v, " is too large: at most ", limit.bytes,
+                                " bytes (the memory this process may use: ", limit.source, ")");
+          }
+          return absl::StrCat(v, " is too large: at most ", UINT64_MAX, " bytes");
+        }
+        if (parsed == ByteParse::kBad || bytes == 0) {
           return absl::StrCat(
               "cannot parse \"", v,
               "\" as a positive byte count (bytes, or digits and a unit: ", examples, ")");
         }
-        const kvpool::kvstore::MemoryLimit& limit = UsableMemory();
         if (!capacity_bounds) {
           // --max-registration-bytes: a bound above the memory the process may use bounds
           // nothing (newcomer report 13).
@@ -221,7 +241,8 @@ int main(int argc, char** argv) {
                  "Pool memory for blocks and staging: bytes or with a unit (KiB, MiB, GiB, TiB, "
                  "KB, MB, GB, TB), 1 MiB .. the memory this process may use (physical memory or "
                  "its cgroup's limit) less 64 MiB; allocated and pinned at start")
-      ->check(ByteCount("64GiB, 512MiB, 1000000", /*capacity_bounds=*/true));
+      // An example that is accepted: 1000000 was, but is below 1 MiB (newcomer 16 F9).
+      ->check(ByteCount("64GiB, 512MiB, 1073741824", /*capacity_bounds=*/true));
   std::string max_registration = "1GiB";
   app.add_option("--max-registration-bytes", max_registration,
                  "Most memory model registrations (parsed rotation files) may hold outside "

@@ -1547,6 +1547,69 @@ TEST(ServerBinaryTest, CapacityOutsideOneMiBToPhysicalMemoryIsAUsageError) {
   }
 }
 
+// A byte count beyond 2^64 - 1 is "too large", with the maximum, not "cannot parse"; the parse
+// error's examples are values --capacity takes (it offered 1000000, below 1 MiB: newcomer 16 F9).
+TEST(ServerBinaryTest, CapacityTooLargeSaysSoAndTheExamplesAreAccepted) {
+  for (const char* big : {"99999999999TiB", "99999999999999999999999"}) {
+    auto [rc, text] = RunToExit({"--listen", "127.0.0.1:0", "--metrics-port", "-1", "--data-plane",
+                                 "none", "--capacity", big});
+    EXPECT_EQ(rc, 1) << big << ": " << text;
+    EXPECT_NE(text.find(std::string("--capacity: ") + big + " is too large: at most "),
+              std::string::npos)
+        << big << ": " << text;
+    EXPECT_EQ(text.find("cannot parse"), std::string::npos) << text;
+  }
+  {
+    auto [rc, text] =
+        RunToExit({"--listen", "127.0.0.1:0", "--metrics-port", "-1", "--data-plane", "none",
+                   "--capacity", "4MiB", "--max-registration-bytes", "99999999999TiB"});
+    EXPECT_EQ(rc, 1) << text;
+    EXPECT_NE(text.find("--max-registration-bytes: 99999999999TiB is too large: at most "),
+              std::string::npos)
+        << text;
+  }
+  auto [rc, text] = RunToExit({"--data-plane", "none", "--capacity", "lots"});
+  EXPECT_EQ(rc, 1) << text;
+  EXPECT_NE(text.find("(bytes, or digits and a unit: 64GiB, 512MiB, 1073741824)"),
+            std::string::npos)
+      << text;
+  EXPECT_EQ(text.find("1000000)"), std::string::npos) << text;
+  // The plain byte count of the examples passes --capacity's check: the next flag's error is the
+  // one given (flags are checked in the order they were added).
+  auto [rc2, text2] = RunToExit(
+      {"--data-plane", "none", "--capacity", "1073741824", "--max-registration-bytes", "lots"});
+  EXPECT_EQ(rc2, 1) << text2;
+  EXPECT_NE(text2.find("--max-registration-bytes: cannot parse"), std::string::npos) << text2;
+  EXPECT_EQ(text2.find("--capacity"), std::string::npos) << text2;
+}
+
+// Integer flags are plain decimal, on the command line and from --config (newcomer 16 F2: CLI11
+// alone read 0100 as octal 64).
+TEST(ServerBinaryTest, IntegerFlagsArePlainDecimal) {
+  for (const char* flag : {"--max-put-blocks", "--tick-ms", "--corruption-report-burst"}) {
+    for (const char* bad : {"0100", "0x10", "+16", " 16"}) {
+      auto [rc, text] = RunToExit({"--listen", "127.0.0.1:0", "--metrics-port", "-1",
+                                   "--data-plane", "none", "--capacity", "4MiB", flag, bad});
+      EXPECT_EQ(rc, 1) << flag << " '" << bad << "': " << text;
+      EXPECT_NE(text.find(std::string("kvpool-server: ") + flag + ": '" + bad + "' is not "),
+                std::string::npos)
+          << flag << " '" << bad << "': " << text;
+      EXPECT_EQ(text.find("grpc_port="), std::string::npos) << text;
+    }
+  }
+  const std::string path = ::testing::TempDir() + "/kvpool_server_octal.yaml";
+  for (const char* line : {"tick-ms: 0100", "tick-ms: \"0100\"", "max-put-blocks: 0x10"}) {
+    std::ofstream(path) << "data-plane: none\ncapacity: 4MiB\n" << line << "\n";
+    auto [rc, text] = RunToExit({"--config", path});
+    const std::string key = std::string(line).substr(0, std::string(line).find(':'));
+    EXPECT_EQ(rc, 1) << line << ": " << text;
+    EXPECT_NE(text.find("--config '" + path + "' key \"" + key + "\": --" + key + ": '0"),
+              std::string::npos)
+        << line << ": " << text;
+  }
+  unlink(path.c_str());
+}
+
 // A registration bound above the memory the process may use bounds nothing (newcomer report 13).
 TEST(ServerBinaryTest, MaxRegistrationBytesAboveTheMemoryLimitIsAUsageError) {
   auto [rc, text] =

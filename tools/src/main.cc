@@ -60,11 +60,18 @@ const CLI::Validator kClipRatio(
 constexpr uint64_t kMaxNpyFileBytes = uint64_t{16} << 30;
 
 // CLI11 check for an index: a non-negative integer (CLI::NonNegativeNumber's message printed a
-// range up to 1.797e308).
+// range up to 1.797e308), in plain decimal as kvpool::cli::Range reads it: lexical_cast read
+// "010" as octal 8 and took "0x10" and "+1" (newcomer 16 F2).
 const CLI::Validator kIndex(
     [](std::string& v) -> std::string {
-      int64_t i = 0;
-      if (!CLI::detail::lexical_cast(v, i) || i < 0 || i > INT32_MAX) {
+      std::string copy = v;
+      if (const std::string why = kvpool::cli::Range(int64_t{0}, int64_t{INT32_MAX})(copy);
+          !why.empty()) {
+        if (why.find("is not") != std::string::npos) {
+          return "must be an index >= 0 in plain decimal (no leading zero, sign, hex or "
+                 "spaces), got '" +
+                 v + "'";
+        }
         return "must be an index >= 0, got '" + v + "'";
       }
       return {};

@@ -44,6 +44,14 @@ check quantize-neg-layer 1 "--layer: must be an index >= 0, got '-1'" -- "$bin" 
 out="$("$bin" quantize --in "$tmp/x.npy" --layer -1 2>&1)"
 grep -q "179769\|e+308" <<<"$out" && { echo "FAIL quantize-neg-layer-range: $out"; fail=1; } || echo "ok   quantize-neg-layer-range"
 check quantize-neg-head 1 "--head: must be an index >= 0, got '-5'" -- "$bin" quantize --in "$tmp/x.npy" --head -5
+# Plain decimal (newcomer 16 F2): lexical_cast read --layer 010 as octal 8 and took 0x10 and +1,
+# also from a --config file.
+for v in 0100 0x10 +16 " 16"; do
+  check "quantize-layer-'$v'" 1 "--layer: must be an index >= 0 in plain decimal (no leading zero, sign, hex or spaces), got '$v'" -- "$bin" quantize --in "$tmp/x.npy" --layer "$v"
+  check "quantize-head-'$v'" 1 "--head: must be an index >= 0 in plain decimal" -- "$bin" quantize --in "$tmp/x.npy" --head "$v"
+done
+printf 'quantize:\n  layer: 010\n' > "$tmp/octal-layer.yaml"
+check quantize-layer-octal-config 1 "--config '$tmp/octal-layer.yaml' key \"quantize.layer\": --layer: must be an index >= 0 in plain decimal" -- "$bin" --config "$tmp/octal-layer.yaml" quantize --in "$tmp/x.npy"
 check quantize-head-no-file 1 "--head 7 needs a per-head rotation file" -- "$bin" quantize --in "$tmp/x.npy" --head 7
 check quantize-dequant-out-no-dir 1 "directory '/nonexistent' of '/nonexistent/x.npy' does not exist" -- "$bin" quantize --in "$tmp/x.npy" --dequant-out /nonexistent/x.npy
 check quantize-packed-out-no-dir 1 "directory '/nonexistent' of '/nonexistent/p.bin' does not exist" -- "$bin" quantize --in "$tmp/x.npy" --packed-out /nonexistent/p.bin

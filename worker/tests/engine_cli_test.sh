@@ -63,6 +63,17 @@ expect log-off-missing-file 2 "/nonexistent/model.gguf" -- --log-level off gener
 expect bad-top-p 1 "--top-p" -- generate --model "$MODEL" --top-p 2
 expect bad-top-p-high 1 "--top-p" -- generate --model "$MODEL" --top-p 1.5
 expect bad-top-p-zero 1 "--top-p" -- generate --model "$MODEL" --top-p 0
+# In (0, 1] but 0 as a float: said so, not "must be in (0, 1]" (newcomer 16 F12); a positive
+# temperature that is 0 as a float would have sampled greedily without a word.
+expect top-p-underflow 1 "--top-p: '1e-46' is in (0, 1] but underflows to 0 as a float: give at least 1e-45" -- generate --model "$MODEL" --top-p 1e-46
+expect top-p-tiny-ok 0 "" -- generate --model "$MODEL" --top-p 1e-45 --max-tokens 1
+expect temperature-underflow 1 "--temperature: '1e-46' is positive but underflows to 0 as a float (greedy sampling)" -- generate --model "$MODEL" --temperature 1e-46
+expect temperature-beyond-float 1 "--temperature: '1e39' is beyond the largest float" -- generate --model "$MODEL" --temperature 1e39
+expect top-p-space 1 "--top-p: must be in (0, 1], got ' 0.5'" -- generate --model "$MODEL" --top-p " 0.5"
+# Integers are plain decimal, from a --config file too (newcomer 16 F2).
+printf 'generate:\n  max-tokens: 0100\n' >"$TMP/octal.yaml"
+expect max-tokens-octal-config 1 "key \"generate.max-tokens\": --max-tokens: '0100' is not a decimal integer (leading zero" -- --config "$TMP/octal.yaml" generate --model "$MODEL"
+expect max-tokens-hex 1 "--max-tokens: '0x10' is not an integer" -- generate --model "$MODEL" --max-tokens 0x10
 expect bad-temperature 1 "--temperature" -- generate --model "$MODEL" --temperature -1
 expect nan-temperature 1 "--temperature" -- generate --model "$MODEL" --temperature nan
 expect bad-max-tokens 1 "--max-tokens" -- generate --model "$MODEL" --max-tokens -3

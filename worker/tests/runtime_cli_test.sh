@@ -51,7 +51,23 @@ expect_err "kvpool-worker: --sink-tokens: " "the message names the flag, with th
 expect 1 "page size not a power of two" -- "${worker}" --role eval --page-size 12 "${base[@]}" "${prompt[@]}"
 expect_err "kvpool-worker: --page-size: page_size 12 must be a power of two" "the message names --page-size"
 expect 1 "page size beyond 1024" -- "${worker}" --role eval --page-size 1048576 "${base[@]}" "${prompt[@]}"
-expect_err "kvpool-worker: --page-size: page_size 1048576 must be a power of two in 1..1024" "a huge page size names --page-size, not --sink-tokens"
+expect_err "kvpool-worker: --page-size: 1048576 is outside 1..1024" "a huge page size names --page-size, not --sink-tokens"
+# Integer flags are plain decimal (newcomer 16 F2): CLI11 alone read --recent-tokens 0100 as octal
+# 64 (registered W=64), --page-size 016 as 14, and took 0x10, +16 and ' 16'; on the command line
+# and from a --config file, quoted or not.
+for flag in --page-size --sink-tokens --recent-tokens --fault-pool-pid; do
+  for v in 0100 0x10 +16 " 16"; do
+    expect 1 "${flag} '${v}'" -- "${worker}" --role decode --pool 127.0.0.1:1 "${flag}" "${v}" "${base[@]}" "${prompt[@]}"
+    expect_err "kvpool-worker: ${flag}: '${v}' is not " "${flag} '${v}' is refused naming the flag"
+  done
+done
+printf 'recent-tokens: 0100\n' >"${work}/octal.yaml"
+printf 'sink-tokens: "0200"\n' >"${work}/octal_quoted.yaml"
+printf 'page-size: 0x10\n' >"${work}/hex.yaml"
+for f in octal octal_quoted hex; do
+  expect 1 "${f} integer in a --config file" -- "${worker}" --config "${work}/${f}.yaml" --role decode --pool 127.0.0.1:1 "${base[@]}" "${prompt[@]}"
+  expect_err "kvpool-worker: --config '${work}/${f}.yaml' key \"[a-z-]*\": --[a-z-]*: '0[x0-9]*' is not " "the ${f} value is refused naming the file, the key and the flag"
+done
 expect 1 "negative recent window" -- "${worker}" --role prefill --recent-tokens -1 "${base[@]}" "${prompt[@]}"
 expect_err "kvpool-worker: --recent-tokens: " "the message names --recent-tokens"
 # Each role is checked on the flags it uses (newcomer s9 A10): eval ignores --sink-tokens and

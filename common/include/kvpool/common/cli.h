@@ -202,7 +202,12 @@ CLI::Validator HostPortAddress(int min_port);
 // flags' checks): it prints the help of the subcommand it was given to ("kvpool quantize --clip 5
 // --help"). First adds the boolean-words check (Setup) to every option of type bool and every
 // flag of `app` and its subcommands, except --help, --help-all, --version and counting flags (an
-// integer or vector add_flag, MultiOptionPolicy::TakeAll).
+// integer or vector add_flag, MultiOptionPolicy::TakeAll). Also adds, to every integer option
+// (CLI11 type INT or UINT, any integral type) of `app` and its subcommands, a check that the
+// value is plain decimal as Range reads it: without it CLI11 reads "0100" as octal 64, takes
+// "0x10", "+16" and " 16", and wraps "-1" into an unsigned type ("--x: '0100' is not a decimal
+// integer (leading zero)"). Give every integer option a Range all the same: only Range knows the
+// bounds and names them in its message (it runs first).
 int Parse(CLI::App& app, int argc, char** argv);
 
 }  // namespace kvpool::cli
