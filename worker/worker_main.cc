@@ -1057,6 +1057,13 @@ int main(int argc, char** argv) {
       compute += r.compute_seconds;
       push += r.push_seconds;
     };
+    // The report entry of a prompt not stored: its name, path and length, plus `why` (an
+    // "error", or "interrupted" with its "interrupt_reason").
+    auto not_stored_entry = [](const Prompt& p, const json& why) {
+      json e{{"name", p.name}, {"path", p.path}, {"prompt_tokens", p.tokens.size()}};
+      e.update(why);
+      return e;
+    };
     auto on_done = [&](size_t k, const absl::StatusOr<kw::PrefillReport>& outcome) {
       record_skipped_up_to(run_index[k]);
       const Prompt& p = prompts[recorded++];
@@ -1066,21 +1073,15 @@ int main(int argc, char** argv) {
         if (!kw::PromptNotRun(outcome.status())) {
           KVPOOL_LOG_WARN("prefill --prompt-file {}: {}", p.path, why);
         }
-        out["prompts"].push_back({{"name", p.name},
-                                  {"path", p.path},
-                                  {"prompt_tokens", p.tokens.size()},
-                                  {"interrupted", true},
-                                  {"interrupt_reason", why}});
+        out["prompts"].push_back(
+            not_stored_entry(p, {{"interrupted", true}, {"interrupt_reason", why}}));
         ++not_stored;
         return;
       }
       if (!outcome.ok()) {
         const std::string why = kvpool::StatusText(outcome.status());
         KVPOOL_LOG_ERROR("prefill --prompt-file {}: {}", p.path, why);
-        out["prompts"].push_back({{"name", p.name},
-                                  {"path", p.path},
-                                  {"prompt_tokens", p.tokens.size()},
-                                  {"error", why}});
+        out["prompts"].push_back(not_stored_entry(p, {{"error", why}}));
         if (failed++ == 0) first_failure = why;
         return;
       }
@@ -1124,11 +1125,7 @@ int main(int argc, char** argv) {
       if (lost && absl::IsCancelled(outcome.status())) {
         const std::string why = std::string(outcome.status().message());
         KVPOOL_LOG_WARN("prefill --prompt-file {}: {}", p.path, why);
-        e = {{"name", p.name},
-             {"path", p.path},
-             {"prompt_tokens", p.tokens.size()},
-             {"interrupted", true},
-             {"interrupt_reason", why}};
+        e = not_stored_entry(p, {{"interrupted", true}, {"interrupt_reason", why}});
         ++not_stored;
         --g_prompts_done;
         return;
@@ -1140,8 +1137,7 @@ int main(int argc, char** argv) {
                                 " (putting it again: its first commit went to a pool that "
                                 "restarted)");
         KVPOOL_LOG_ERROR("prefill --prompt-file {}: {}", p.path, why);
-        e = {
-            {"name", p.name}, {"path", p.path}, {"prompt_tokens", p.tokens.size()}, {"error", why}};
+        e = not_stored_entry(p, {{"error", why}});
         if (failed++ == 0) first_failure = why;
         --g_prompts_done;
         return;

@@ -555,24 +555,36 @@ void CheckBooleanWords(CLI::App& app) {
   }
 }
 
+// The name of DecimalInteger's validator (so Parse adds it once).
+constexpr const char kDecimalIntegerName[] = "kvpool-decimal-integer";
+}  // namespace
+
+DecimalSpelling SpellingOf(std::string_view v) {
+  const std::string_view digits = v.substr(!v.empty() && v[0] == '-' ? 1 : 0);
+  if (digits.empty() || digits.find_first_not_of("0123456789") != std::string_view::npos) {
+    return DecimalSpelling::kNotDigits;
+  }
+  return digits.size() > 1 && digits[0] == '0' ? DecimalSpelling::kLeadingZero
+                                               : DecimalSpelling::kPlain;
+}
+
+namespace {
 // CLI11 reads an integer option with its own conversion, which takes "0100" as octal 64, "0x10" as
 // 16, "+16" and " 16", and wraps "-1" into an unsigned type (newcomer 16 F2: --recent-tokens 0100
 // registered W=64): the check admits only plain decimal, as Range does. Range, where an option
 // has it, runs first and names the bounds; this check only catches an option without one. No
 // description, so --help and the type name stay "INT"/"UINT".
-constexpr const char kDecimalIntegerName[] = "kvpool-decimal-integer";
 CLI::Validator DecimalInteger(bool is_unsigned) {
   CLI::Validator v(
       [is_unsigned](std::string& value) -> std::string {
-        const bool neg = !value.empty() && value[0] == '-';
-        const std::string_view digits = std::string_view(value).substr(neg ? 1 : 0);
-        if (digits.empty() || digits.find_first_not_of("0123456789") != std::string_view::npos) {
+        const DecimalSpelling spelling = SpellingOf(value);
+        if (spelling == DecimalSpelling::kNotDigits) {
           return "'" + value + "' is not an integer (want plain decimal digits)";
         }
-        if (digits.size() > 1 && digits[0] == '0') {
+        if (spelling == DecimalSpelling::kLeadingZero) {
           return "'" + value + "' is not a decimal integer (leading zero)";
         }
-        if (neg && is_unsigned && digits.find_first_not_of('0') != std::string_view::npos) {
+        if (is_unsigned && value[0] == '-' && value != "-0") {
           return value + " is negative (want an integer >= 0)";
         }
         return {};

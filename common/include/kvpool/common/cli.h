@@ -149,6 +149,12 @@ absl::Status WriteOutputFile(const std::string& path, std::string_view bytes);
 // clamp "18446744073709551616" to the type's maximum); a value beyond the type is "outside"
 // too. Floating-point values may not carry spaces either; NaN is refused ("nan is outside").
 // Usage: app.add_option("--metrics-port", port)->check(Range(-1, 65535)).
+// How an integer value is spelled: plain decimal (an optional '-' and digits, no leading zero),
+// something other than digits (empty, spaces, '+', hex, a list), or digits with a leading zero.
+// The one rule behind Range and the check Parse adds to every integer option. Pure.
+enum class DecimalSpelling { kPlain, kNotDigits, kLeadingZero };
+DecimalSpelling SpellingOf(std::string_view v);
+
 template <typename T>
 CLI::Validator Range(T min, T max) {
   static_assert(std::is_arithmetic_v<T>);
@@ -161,15 +167,12 @@ CLI::Validator Range(T min, T max) {
         const std::string outside = v + " is outside " + want;
         T x{};
         if constexpr (std::is_integral_v<T>) {
-          const bool neg = !v.empty() && v[0] == '-';
-          const std::string_view digits = std::string_view(v).substr(neg ? 1 : 0);
-          if (digits.empty() || digits.find_first_not_of("0123456789") != std::string_view::npos) {
-            return not_a;
-          }
-          if (digits.size() > 1 && digits[0] == '0') {
+          const DecimalSpelling spelling = SpellingOf(v);
+          if (spelling == DecimalSpelling::kNotDigits) return not_a;
+          if (spelling == DecimalSpelling::kLeadingZero) {
             return "'" + v + "' is not a decimal integer (leading zero; want " + want + ")";
           }
-          if (neg && std::is_unsigned_v<T>) return outside;
+          if (!v.empty() && v[0] == '-' && std::is_unsigned_v<T>) return outside;
           const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), x);
           if (ec == std::errc::result_out_of_range) return outside;
           if (ec != std::errc() || end != v.data() + v.size()) return not_a;
