@@ -64,14 +64,13 @@ constexpr uint64_t kMaxNpyFileBytes = uint64_t{16} << 30;
 // "010" as octal 8 and took "0x10" and "+1" (newcomer 16 F2).
 const CLI::Validator kIndex(
     [](std::string& v) -> std::string {
+      if (kvpool::cli::SpellingOf(v) != kvpool::cli::DecimalSpelling::kPlain) {
+        return "must be an index >= 0 in plain decimal (no leading zero, sign, hex or spaces), "
+               "got '" +
+               v + "'";
+      }
       std::string copy = v;
-      if (const std::string why = kvpool::cli::Range(int64_t{0}, int64_t{INT32_MAX})(copy);
-          !why.empty()) {
-        if (why.find("is not") != std::string::npos) {
-          return "must be an index >= 0 in plain decimal (no leading zero, sign, hex or "
-                 "spaces), got '" +
-                 v + "'";
-        }
+      if (!kvpool::cli::Range(int64_t{0}, int64_t{INT32_MAX})(copy).empty()) {
         return "must be an index >= 0, got '" + v + "'";
       }
       return {};

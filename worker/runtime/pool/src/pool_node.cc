@@ -730,9 +730,18 @@ std::vector<absl::StatusOr<PrefillReport>> PrefillNode::RunAll(
   // end, nothing committed can be confirmed (newcomer 16 F1: a stop during the recompute
   // reported 30 lost prompts as stored, three restarts 20, a pool gone for good 21).
   const bool stopping = stopped || stop();
+  // With no answer, the latest epoch this client registered with still tells a prompt committed
+  // to an earlier one as lost (newcomer 16b F2: a pool restarted, then gone for good, left the
+  // first pool's prompts "unconfirmed" beside the second's).
+  uint64_t known = 0;
+  if (epoch == 0 && client_ != nullptr && any_committed()) {  // no client: registration stopped
+    if (absl::StatusOr<client::ModelInfo> info = client_->model(); info.ok()) {
+      known = info->pool_epoch;
+    }
+  }
   for (size_t k = 0; k < prompts.size(); ++k) {
     if (!committed(k)) continue;
-    if (epoch == 0) {
+    if (epoch == 0 && (known == 0 || out[k]->pool_epoch == known)) {
       out[k]->pool_unconfirmed =
           absl::StrCat("the pool did not answer at the end of the run (", StatusText(unanswered),
                        "): the prompt is stored only if the pool it was committed to (epoch ",
@@ -740,17 +749,21 @@ std::vector<absl::StatusOr<PrefillReport>> PrefillNode::RunAll(
       if (hooks.on_redone) hooks.on_redone(k, out[k]);
       continue;
     }
-    if (out[k]->pool_epoch == epoch) continue;
+    const uint64_t now = epoch != 0 ? epoch : known;
+    if (out[k]->pool_epoch == now) continue;
     const std::string what =
         absl::StrCat("committed to the pool before it restarted (epoch ", out[k]->pool_epoch,
-                     ", now ", epoch, "): its blocks went with that pool, and ");
+                     ", now ", now, "): its blocks went with that pool, and ");
     absl::Status lost = stopping
                             ? absl::CancelledError(absl::StrCat(
                                   what, "the run stopped before putting it again: not in the pool"))
                             : absl::UnavailableError(absl::StrCat(
                                   what,
-                                  "the pool restarted again after the run's two passes of putting "
-                                  "such prompts again: not in the pool"));
+                                  epoch != 0 ? "the pool restarted again after the run's two "
+                                               "passes of putting such prompts again"
+                                             : "the restarted pool did not answer at the end of "
+                                               "the run",
+                                  ": not in the pool"));
     lost.SetPayload(kLostPayload, absl::Cord("1"));
     out[k] = lost;
     if (hooks.on_redone) hooks.on_redone(k, out[k]);
