@@ -855,9 +855,19 @@ int Parse(CLI::App& app, int argc, char** argv) {
   } catch (const CLI::ParseError&) {
     // CLI11 converts and checks values before it looks at --help, so "--help --capacity 1" (or
     // "--metrics-port abc --help", or a bad value in the --config file) answered with the other
-    // flag's error; --version, whose callback runs first, already won (newcomer s14 #1). The
-    // help asked for wins the same way: the subcommand's when it was given to one (CLI::App::help
-    // shows the parsed subcommand's).
+    // flag's error (newcomer s14 #1). The help asked for wins: the subcommand's when it was given
+    // to one (CLI::App::help shows the parsed subcommand's). --version wins too: its callback runs
+    // before the command line's values are checked, but not before the --config file's
+    // (newcomer 16b F5: "--config bad.yaml --version" answered with the file's error).
+    if (const CLI::Option* version = app.get_version_ptr();
+        version != nullptr && version->count() > 0) {
+      try {
+        app.get_version_ptr()->run_callback();  // throws CLI::CallForVersion with the text
+      } catch (const CLI::Success& e) {
+        app.exit(e);
+        return kExitOk;
+      }
+    }
     if (const int help = HelpGiven(app); help > 0) {
       if (help == 2) {
         app.exit(CLI::CallForAllHelp());

@@ -342,6 +342,30 @@ TEST(CliConfigTest, ValueErrorsFromTheFileNameTheFileAndTheKey) {
 // (newcomer s8b F1). Only those words pass now, for an option of type bool and for a flag, on
 // the command line and from the config file, in a subcommand too, with the same message; a
 // counting flag still counts.
+// --version wins over a bad value in the --config file as it does over a bad command-line value
+// (newcomer 16b F5: the file's error was printed, exit 2).
+TEST(CliConfigTest, VersionWinsOverABadValueInTheFile) {
+  const std::string path = WriteYaml("version-bad-value", "metrics-port: abc\n");
+  for (const std::vector<std::string>& args :
+       {std::vector<std::string>{"--config", path, "--version"},
+        std::vector<std::string>{"--version", "--config", path},
+        std::vector<std::string>{"--version", "--metrics-port", "abc"}}) {
+    ValueApp a;
+    std::vector<std::string> argv_s = args;
+    argv_s.insert(argv_s.begin(), "prog");
+    std::vector<char*> argv;
+    for (auto& x : argv_s) argv.push_back(x.data());
+    ::testing::internal::CaptureStdout();
+    ::testing::internal::CaptureStderr();
+    const int rc = Parse(a.app, static_cast<int>(argv.size()), argv.data());
+    const std::string out = ::testing::internal::GetCapturedStdout();
+    const std::string err = ::testing::internal::GetCapturedStderr();
+    EXPECT_EQ(rc, kExitOk) << args[0] << " " << err;
+    EXPECT_EQ(out, "prog " + kvpool::cli::VersionString() + "\n") << args[0];
+    EXPECT_EQ(err, "") << args[0];
+  }
+}
+
 TEST(CliConfigTest, IntegersAndSignsAreNotBooleans) {
   const std::string want_bool = kNotABoolean;
   for (const std::string value : {"2", "-1", "10", "+", "-", "", "01", "truee"}) {
