@@ -5,16 +5,17 @@
 //   2. Bf16DecodeKernel<D, NT>  sink + recent segments (BF16 pages): one CTA = (split of one
 //      segment, KV head [, head chunk], request), 4 warps, cp.async rings, bf16 mma.sync; a
 //      one-split sink is folded into the first recent split (v8, FoldSink).
-//   3. Int2DecodeKernel<D, KT>  history segment (INT2 pages): TMA bulk copies into per-warp
-//      mbarrier rings, q·k on integer tensor cores (u8 codes × s8 hi/lo halves of a 16-bit q̃),
-//      p·v on fp16 tensor cores with the masked codes read as fp16 subnormals, the per-token
-//      (scale, min) applied as s = scale·(q̃·c) + min·Σq̃ and P' = p·scale plus a per-head
-//      Σ p·min term (FORMAT.md §2.8). The head_dim permutation implied by the packed byte order
-//      is absorbed into the q̃ fragments (any permutation of the reduction index leaves a dot
-//      product unchanged) and into the output index map.
-//      The splits of a row (request, KV head) interleave by ring stage; when the grid is one wave,
-//      the last quarter of each row's stages is claimed at run time from a per-row counter in the
-//      workspace (zeroed by QRotateKernel) and the grid is ordered split-major (v18, MakePlan).
+//   3. Int2DecodeKernel<D, KT, N>  history segment (INT2 pages; N resident CTAs per SM: 5 at
+//      d <= 128 with one n-tile, or 4 in the v31 wide form MakePlan picks for large grids at d
+//      128): TMA bulk copies into per-warp mbarrier rings, q·k on integer tensor cores (u8 codes ×
+//      s8 hi/lo halves of a 16-bit q̃), p·v on fp16 tensor cores with the masked codes read as fp16
+//      subnormals, the per-token (scale, min) applied as s = scale·(q̃·c) + min·Σq̃ and P' = p·scale
+//      plus a per-head Σ p·min term (FORMAT.md §2.8). The head_dim permutation implied by the
+//      packed byte order is absorbed into the q̃ fragments (any permutation of the reduction index
+//      leaves a dot product unchanged) and into the output index map. The splits of a row (request,
+//      KV head) interleave by ring stage; when the grid is one wave, the last quarter of each row's
+//      stages is claimed at run time from a per-row counter in the workspace (zeroed by
+//      QRotateKernel) and the grid is ordered split-major (v18, MakePlan).
 //   Each decode CTA writes one partial (output normalized by its own sum, log2-sum-exp) per
 //   (request, q head, split).
 //   4. MergeKernel  LSE-merges the partials of every split and segment (empty ones carry
@@ -682,9 +683,15 @@ struct I2Chunk {
   }
 };
 
+// Resident CTAs per SM the INT2 kernel is compiled for (its register cap: 65,536 / (128 · N)).
+// The wide form (N = 4, d 128, one n-tile, v31) is a second instantiation chosen by the launcher.
 template <int D, int KT>
-__global__ void __launch_bounds__(kThreads, (D <= 128 ? (KT == 1 ? 5 : 4) : 2))
-    Int2DecodeKernel(const AttnArgs a) {
+constexpr int Int2DefaultCtas() {
+  return D <= 128 ? (KT == 1 ? 5 : 4) : 2;
+}
+
+template <int D, int KT, int kCtas = Int2DefaultCtas<D, KT>()>
+__global__ void __launch_bounds__(kThreads, kCtas) Int2DecodeKernel(const AttnArgs a) {
   using C = I2Cfg<D>;
   using CH = I2Chunk<D>;
   constexpr int kNG = C::kNG;
@@ -1642,6 +1649,7 @@ struct Plan {
   int dyn_pct = 0;           // INT2: percent of a row's stages fixed before claiming (0: none)
   bool split_major = false;  // INT2: grid (rows, batch, splits)
   int items_rows = 0;        // INT2: > 0 = two (row, split) items per CTA (AttnArgs::items_rows)
+  bool wide = false;         // INT2: the 4-CTA form Int2DecodeKernel<128, 1, 4> (v31)
   int sink_parts = 0;        // partials of the sink: 0 when folded
   int s_total = 0;
   size_t off_q = 0, off_o = 0, off_lse = 0, off_claims = 0, total = 0;
@@ -1769,6 +1777,17 @@ int SplitMajorOverride() {
 int ItemsOverride() {
   static const int v = [] {
     const char* e = std::getenv("KVPOOL_DECODE_ITEMS");
+    return e == nullptr ? -1 : (std::string(e) == "1" ? 1 : 0);
+  }();
+  return v;
+}
+
+// KVPOOL_DECODE_INT2_WIDE=0/1 forces the INT2 kernel's 4-CTA form (v31) off / on (on: wherever
+// head_dim is 128 and one n-tile holds the group); unset (-1): the launcher's rule (MakePlan).
+// A/B and test switch. Read once.
+int Int2WideOverride() {
+  static const int v = [] {
+    const char* e = std::getenv("KVPOOL_DECODE_INT2_WIDE");
     return e == nullptr ? -1 : (std::string(e) == "1" ? 1 : 0);
   }();
   return v;
@@ -1902,11 +1921,11 @@ int ResidentCtas(Kernel kernel, int smem) {
 
 // Resident CTAs of a decode kernel on the current device: occupancy × multiprocessors, computed
 // once per process (host calls only, no device sync). int2: `tiles` = KT (4-head n-tiles);
-// bf16: `tiles` = NT (8-head n-tiles).
-int DecodeSlots(bool int2, int d, int tiles) {
-  static std::atomic<int> cache[2][3][2] = {};
+// bf16: `tiles` = NT (8-head n-tiles). wide: the INT2 kernel's 4-CTA form (d 128, KT 1 only).
+int DecodeSlots(bool int2, int d, int tiles, bool wide = false) {
+  static std::atomic<int> cache[3][3][2] = {};
   const int di = d == 64 ? 0 : (d == 128 ? 1 : 2);
-  std::atomic<int>& c = cache[int2][di][tiles - 1];
+  std::atomic<int>& c = cache[int2 ? (wide ? 2 : 1) : 0][di][tiles - 1];
   int v = c.load(std::memory_order_relaxed);
   if (v > 0) return v;
   int dev = 0, sms = 132;
@@ -1916,7 +1935,9 @@ int DecodeSlots(bool int2, int d, int tiles) {
     sms = 132;
   }
   int per_sm = 1;
-  if (int2) {
+  if (int2 && wide) {
+    per_sm = ResidentCtas(Int2DecodeKernel<128, 1, 4>, Int2SmemBytes<128, 1>());
+  } else if (int2) {
     per_sm = d == 64 ? (tiles == 2 ? ResidentCtas(Int2DecodeKernel<64, 2>, Int2SmemBytes<64, 2>())
                                    : ResidentCtas(Int2DecodeKernel<64, 1>, Int2SmemBytes<64, 1>()))
              : d == 128
@@ -1968,6 +1989,61 @@ SegPlan PlanSegment(const SegmentTable& t, int page_size, int64_t base_ctas, int
   return sp;
 }
 
+// The history segment's splits and INT2 work distribution for `slots` resident INT2 CTAs (sets
+// plan->history, dyn_pct, split_major, items_rows; plan->kt must be set). Returns the waves of
+// CTAs the plan takes (⌈CTAs / slots⌉, 0 without history splits; the v31 rule reads it).
+int64_t PlanHistory(const PagedDecodeParams& p, int64_t base_i2, int64_t slots_i2, Plan* plan) {
+  plan->history = PlanSegment(p.history, p.page_size, base_i2, slots_i2);
+  if (HistSplitsOverride() > 0 && plan->history.splits > 0) {  // A/B of the split planner only
+    const int64_t want = std::min<int64_t>(HistSplitsOverride(), p.history.max_pages);
+    plan->history.pps = int32_t((p.history.max_pages + want - 1) / want);
+    plan->history.splits =
+        int32_t((p.history.max_pages + plan->history.pps - 1) / plan->history.pps);
+  }
+  plan->dyn_pct = 0;
+  plan->split_major = false;
+  plan->items_rows = 0;
+  int64_t waves = 0;
+  // INT2 work distribution (v18, v20). When the INT2 grid is one wave (every CTA resident at
+  // once), a CTA holds one n-tile and a warp has >= 32 stages, the last quarter of each row is
+  // claimed at run time and the grid is ordered split-major, so the splits of a row sit at
+  // different arrival ranks of their SMs and share the row's end (B = 8 × 128K: 0.1664-0.1670 ms vs
+  // 0.1710-0.1713 static, same call). Grids of several waves keep static stages in row-major order
+  // (B = 32 × 32K, 2 waves: claimed stages were 1.2-2.5 % slower, the split-major order lets a
+  // row's late splits start a wave later); B = 1 has 2 stages per warp, where claims only add the
+  // atomic's latency.
+  if (plan->history.splits > 0) {
+    const int64_t ctas = base_i2 * plan->history.splits;
+    const int64_t units = int64_t(p.history.max_pages) * (p.page_size / 16);
+    const int64_t stages_per_warp = units / (int64_t(plan->history.splits) * kWarps * 4);
+    // v20 (s7, same call): claims only with one n-tile and >= 32 stages per warp. B = 8 × 32K
+    // (12.7 stages) ran 0.0648 ms with claims vs 0.0622 static; 64 q / 8 KV (KT = 2) 0.0765 vs
+    // 0.0705 at B = 8 and 0.2143 vs 0.2088 at B = 32 (63 stages); B = 8 × 128K (51 stages)
+    // 0.1676-0.1681 vs 0.1736-0.1743.
+    const bool claim = plan->kt == 1 && ctas <= slots_i2 && stages_per_warp >= 32;
+    waves = (ctas + slots_i2 - 1) / slots_i2;
+    plan->dyn_pct = DynClaimsOverride() >= 0 ? DynClaimsOverride() : (claim ? 75 : 0);
+    plan->split_major = SplitMajorOverride() >= 0 ? SplitMajorOverride() == 1 : claim;
+    // v19: a grid of two waves or less whose rows are even in number runs as one resident wave of
+    // CTAs that take two (row, split) items each, static first, then claimed and split-major (the
+    // one-wave balance of v18 for the second half of the rows). B = 32 × 32K: 1280 CTAs on 660
+    // slots become 640 CTAs of two items.
+    const int64_t rows = base_i2;
+    bool items = ctas > slots_i2 && rows % 2 == 0 && ctas / 2 <= slots_i2 && stages_per_warp >= 8;
+    if (ItemsOverride() >= 0) items = ItemsOverride() == 1 && rows % 2 == 0;
+    if (plan->kt != 1) {  // the KT = 2 instantiation has neither (Int2DecodeKernel, kDyn)
+      items = false;
+      plan->dyn_pct = 0;
+    }
+    if (items) {
+      plan->items_rows = int(rows / 2);
+      plan->dyn_pct = DynClaimsOverride() >= 0 ? DynClaimsOverride() : 50;
+      plan->split_major = false;
+    }
+  }
+  return waves;
+}
+
 KernelStatus MakePlan(const PagedDecodeParams& p, Plan* plan) {
   KernelStatus st = Validate(p);
   if (!st.ok()) return st;
@@ -1987,54 +2063,28 @@ KernelStatus MakePlan(const PagedDecodeParams& p, Plan* plan) {
   const int64_t base_i2 = int64_t(p.batch) * p.num_kv_heads * plan->i2_chunks;
   // Sink and recent share one launch: plan them as one segment's worth of slots.
   plan->sink = PlanSegment(p.sink, p.page_size, base, slots_bf);
-  plan->history = PlanSegment(p.history, p.page_size, base_i2, slots_i2);
-  if (HistSplitsOverride() > 0 && plan->history.splits > 0) {  // A/B of the split planner only
-    const int64_t want = std::min<int64_t>(HistSplitsOverride(), p.history.max_pages);
-    plan->history.pps = int32_t((p.history.max_pages + want - 1) / want);
-    plan->history.splits =
-        int32_t((p.history.max_pages + plan->history.pps - 1) / plan->history.pps);
-  }
   plan->recent = PlanSegment(p.recent, p.page_size, base, slots_bf);
   if (RecentSplitsOverride() > 0 && plan->recent.splits > 0) {  // A/B only
     const int64_t want = std::min<int64_t>(RecentSplitsOverride(), p.recent.max_pages);
     plan->recent.pps = int32_t((p.recent.max_pages + want - 1) / want);
     plan->recent.splits = int32_t((p.recent.max_pages + plan->recent.pps - 1) / plan->recent.pps);
   }
-  // INT2 work distribution (v18, v20). When the INT2 grid is one wave (every CTA resident at
-  // once), a CTA holds one n-tile and a warp has >= 32 stages, the last quarter of each row is
-  // claimed at run time and the grid is ordered split-major, so the splits of a row sit at
-  // different arrival ranks of their SMs and share the row's end (B = 8 × 128K: 0.1664-0.1670 ms vs
-  // 0.1710-0.1713 static, same call). Grids of several waves keep static stages in row-major order
-  // (B = 32 × 32K, 2 waves: claimed stages were 1.2-2.5 % slower, the split-major order lets a
-  // row's late splits start a wave later); B = 1 has 2 stages per warp, where claims only add the
-  // atomic's latency.
-  if (plan->history.splits > 0) {
-    const int64_t ctas = base_i2 * plan->history.splits;
-    const int64_t units = int64_t(p.history.max_pages) * (p.page_size / 16);
-    const int64_t stages_per_warp = units / (int64_t(plan->history.splits) * kWarps * 4);
-    // v20 (s7, same call): claims only with one n-tile and >= 32 stages per warp. B = 8 × 32K
-    // (12.7 stages) ran 0.0648 ms with claims vs 0.0622 static; 64 q / 8 KV (KT = 2) 0.0765 vs
-    // 0.0705 at B = 8 and 0.2143 vs 0.2088 at B = 32 (63 stages); B = 8 × 128K (51 stages)
-    // 0.1676-0.1681 vs 0.1736-0.1743.
-    const bool claim = plan->kt == 1 && ctas <= slots_i2 && stages_per_warp >= 32;
-    plan->dyn_pct = DynClaimsOverride() >= 0 ? DynClaimsOverride() : (claim ? 75 : 0);
-    plan->split_major = SplitMajorOverride() >= 0 ? SplitMajorOverride() == 1 : claim;
-    // v19: a grid of two waves or less whose rows are even in number runs as one resident wave of
-    // CTAs that take two (row, split) items each, static first, then claimed and split-major (the
-    // one-wave balance of v18 for the second half of the rows). B = 32 × 32K: 1280 CTAs on 660
-    // slots become 640 CTAs of two items.
-    const int64_t rows = base_i2;
-    bool items = ctas > slots_i2 && rows % 2 == 0 && ctas / 2 <= slots_i2 && stages_per_warp >= 8;
-    if (ItemsOverride() >= 0) items = ItemsOverride() == 1 && rows % 2 == 0;
-    if (plan->kt != 1) {  // the KT = 2 instantiation has neither (Int2DecodeKernel, kDyn)
-      items = false;
-      plan->dyn_pct = 0;
-    }
-    if (items) {
-      plan->items_rows = int(rows / 2);
-      plan->dyn_pct = DynClaimsOverride() >= 0 ? DynClaimsOverride() : 50;
-      plan->split_major = false;
-    }
+  // v31: the 4-CTA form of the INT2 kernel (d 128, one n-tile, page 16) where the 5-CTA plan
+  // takes 2 to 5 waves, with the history re-planned for its 528 slots (s17 call 1, alternating
+  // rounds, ratio to v30: B = 32 × 32K 0.9887 (2 waves → one wave of 2 splits with claims),
+  // B = 32 × 4K 0.955 (2 waves), B = 128 × 4K 0.963 (5 waves → two-item CTAs); it lost at 11
+  // waves (B = 128 × 32K 1.007), in one-wave plans (B = 16 × 128K 1.007, B = 8 × 32K 1.014,
+  // B = 1 × 32K 1.064; B = 8 × 128K 0.998, B = 1 × 128K 0.933 won) and at page 64 (1.060).
+  // KVPOOL_DECODE_INT2_WIDE=0/1 forces it off / on (on: wherever d 128 and KT 1).
+  const int64_t waves = PlanHistory(p, base_i2, slots_i2, plan);
+  const bool wide_ok = p.head_dim == 128 && plan->kt == 1 && plan->history.splits > 0;
+  const bool wide =
+      wide_ok && (Int2WideOverride() >= 0 ? Int2WideOverride() == 1
+                                          : p.page_size == 16 && waves >= 2 && waves <= 5);
+  if (wide) {
+    plan->wide = true;
+    PlanHistory(p, base_i2, p.target_ctas > 0 ? p.target_ctas : DecodeSlots(true, 128, 1, true),
+                plan);
   }
   plan->fold_sink = FoldSink() && plan->sink.splits == 1 && plan->recent.splits >= 1;
   plan->sink_parts = plan->fold_sink ? 0 : plan->sink.splits;
@@ -2071,10 +2121,10 @@ KernelStatus LaunchBf16Kernel(const AttnArgs& args, dim3 grid, cudaStream_t stre
     return LaunchError("Bf16DecodeKernel");
   return LaunchError("Bf16DecodeKernel");
 }
-template <int D, int KT>
+template <int D, int KT, int kCtas = Int2DefaultCtas<D, KT>()>
 KernelStatus LaunchInt2Kernel(const AttnArgs& args, dim3 grid, cudaStream_t stream) {
   constexpr int smem = Int2SmemBytes<D, KT>();
-  auto kernel = Int2DecodeKernel<D, KT>;
+  auto kernel = Int2DecodeKernel<D, KT, kCtas>;
   // Full shared-memory carveout for both decode kernels, so that the SM configuration an INT2
   // grid leaves behind has room for BF16 CTAs beside it (the driver may otherwise pick a smaller
   // carveout that just fits 5 INT2 CTAs).
@@ -2098,7 +2148,9 @@ KernelStatus DispatchBf16(int d, int nt, const AttnArgs& args, dim3 grid, cudaSt
                    : LaunchBf16Kernel<128, 1>(args, grid, stream, pdl);
   return LaunchBf16Kernel<256, 1>(args, grid, stream, pdl);
 }
-KernelStatus DispatchInt2(int d, int kt, const AttnArgs& args, dim3 grid, cudaStream_t stream) {
+KernelStatus DispatchInt2(int d, int kt, bool wide, const AttnArgs& args, dim3 grid,
+                          cudaStream_t stream) {
+  if (wide) return LaunchInt2Kernel<128, 1, 4>(args, grid, stream);  // MakePlan: d 128, KT 1
   if (d == 64)
     return kt == 2 ? LaunchInt2Kernel<64, 2>(args, grid, stream)
                    : LaunchInt2Kernel<64, 1>(args, grid, stream);
@@ -2274,7 +2326,7 @@ KernelStatus LaunchPagedDecode(const PagedDecodeParams& p, Stream stream_handle)
                           ? dim3(unsigned(plan.items_rows) * unsigned(plan.history.splits))
                       : ai.split_major ? dim3(rows_per_req, p.batch, plan.history.splits)
                                        : dim3(plan.history.splits, rows_per_req, p.batch);
-    return DispatchInt2(d, plan.kt, ai, grid, stream);
+    return DispatchInt2(d, plan.kt, plan.wide, ai, grid, stream);
   };
   if (int2_first) {
     st = launch_int2();
