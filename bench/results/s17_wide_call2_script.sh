@@ -5,7 +5,7 @@
 # more than one wave (d 128, KT 1, page 16), the history re-planned for its 528 slots;
 # KVPOOL_DECODE_INT2_WIDE=0/1 forces it off / on. Session 16's call 1 measured this form as
 # "SV 3" (B=32 x 32K 0.9872, B=8 x 128K 0.9994 of main; its branch was lost with its machine).
-# Against main (dd6ac4d, second build). GPU tests of the candidate (concurrent), SDPA before and
+# Main with v31 merged (65f246c): its default against the wide form under the switches. GPU tests of the candidate (concurrent), SDPA before and
 # after, alternating rounds (order reversed every round; whole launcher, --skip-bf16, medians of
 # 30, L2 flushed, shuffled pages, 32 q / 8 KV, d 128).
 set -u
@@ -58,7 +58,7 @@ sdpa() {
 # ---- alternating rounds ----
 TSV="$R/rounds.tsv"
 : >"$TSV"
-CF_ALL="main cand@${E}_INT2_WIDE=1 cand@${E}_INT2_WIDE=1,${E}_DYN=50 cand@${E}_INT2_WIDE=1,${E}_DYN=90 cand@${E}_INT2_WIDE=1,${E}_DYN=0 cand@${E}_INT2_WIDE=1,${E}_HIST_SPLITS=4 cand@${E}_INT2_WIDE=1,${E}_SPLIT_MAJOR=0 cand@${E}_INT2_WIDE=1,${E}_HIST_SPLITS=6"
+CF_ALL="main main@${E}_INT2_WIDE=1 main@${E}_INT2_WIDE=1,${E}_DYN=50 main@${E}_INT2_WIDE=1,${E}_DYN=90 main@${E}_INT2_WIDE=1,${E}_DYN=0 main@${E}_INT2_WIDE=1,${E}_HIST_SPLITS=4 main@${E}_INT2_WIDE=1,${E}_SPLIT_MAJOR=0 main@${E}_INT2_WIDE=1,${E}_HIST_SPLITS=6"
 SETS=(
   "B|--batches 8 --contexts 131072 --gqa 32:8 --page-sizes 16"
   "A|--batches 32 --contexts 32768 --gqa 32:8 --page-sizes 16"
