@@ -659,6 +659,93 @@ assert first.get("recomputed_after_restart") or (
 print(f"stop after a restart: {len(stored)} of 40 reported stored, all served; prompt 0 "
       f"{'put again' if first.get('recomputed_after_restart') else 'interrupted: ' + lost}")
 PY
+echo "== pool killed after the run's only commit and restarted at once: the end-of-run check reaches the new pool"
+# Newcomer 16b F3: the epoch check at the end of the run was one fail-fast Stats call; right
+# after a restart the channel is still in its reconnect backoff, the call was refused and the
+# prompt was reported "unconfirmed" though a pool answered a moment later. UNAVAILABLE is now
+# asked again (up to 5 s), so the prompt committed to the killed pool is found lost, computed
+# and put again into the new one, and reported stored (not unconfirmed). Failed on the old code
+# (unconfirmed, recomputed_after_restart absent).
+"${worker_bin}" --role prefill --pool "${pool}" --revision restart-end-test "${common[@]}" \
+  --prompt-file "${demo}/prompts/03_boat.txt" \
+  --fault kill-pool-after-first-commit --fault-pool-pid "${server_pid}" --call-timeout-ms 30000 \
+  --report "${work}/prefill_end.json" >/dev/null 2>"${work}/prefill_end.log" &
+worker_pid=$!
+old_pool=${server_pid}
+for _ in $(seq 1 1200); do
+  kill -0 "${old_pool}" 2>/dev/null && kill -0 "${worker_pid}" 2>/dev/null || break
+  sleep 0.05
+done
+wait "${old_pool}" 2>/dev/null || true
+server_pid=""
+start_pool
+rc=0
+wait "${worker_pid}" || rc=$?
+[[ ${rc} -eq 0 ]] || { cat "${work}/prefill_end.log" >&2; fail "prefill with the pool restarted after its only commit: exit ${rc}, want 0"; }
+"${worker_bin}" --role decode --pool "${pool}" --revision restart-end-test --model "${model}" \
+  --rotations "${work}/rot.safetensors" --prompt-file "${demo}/prompts/03_boat.txt" \
+  --max-new-tokens 1 --teacher-force false \
+  --report "${work}/decode_end.json" >/dev/null 2>"${work}/decode_end.log" \
+  || { cat "${work}/decode_end.log" >&2; fail "decode after the restart at the end"; }
+python3 - "${work}" <<'PY' || { cat "${work}/prefill_end.log" >&2; fail "the end-of-run check after a restart"; }
+import json, sys
+work = sys.argv[1]
+p = json.load(open(f"{work}/prefill_end.json"))["prompts"]
+assert len(p) == 1 and "error" not in p[0], p
+assert not p[0].get("unconfirmed"), p[0]
+assert p[0].get("recomputed_after_restart") and p[0]["blocks_written"] == p[0]["blocks"] > 0, p[0]
+d = json.load(open(f"{work}/decode_end.json"))["prompts"][0]
+assert not d["fallback"] and d["hit_blocks"] == d["wanted_blocks"] > 0, d
+print("pool restarted right after the only commit: the prompt was put again into the new pool "
+      "and served from it")
+PY
+echo "== pool restarted mid-prefill, then gone for good: what went with the first pool is lost, the rest unconfirmed"
+# Newcomer 16b F2: with no answer at the end of the run every committed prompt was reported
+# "unconfirmed", also those committed to the first pool, which the node had seen restart (it
+# registered with the second): they are not stored, whatever the second pool's fate. They are now
+# errors (exit 2) naming the restart; what went to the second pool stays unconfirmed.
+"${worker_bin}" --role prefill --pool "${pool}" --revision gone-test "${common[@]}" "${forty[@]}" \
+  --fault kill-pool-after-first-commit --fault-pool-pid "${server_pid}" --call-timeout-ms 2000 \
+  --report "${work}/prefill_gone.json" >/dev/null 2>"${work}/prefill_gone.log" &
+worker_pid=$!
+old_pool=${server_pid}
+for _ in $(seq 1 1200); do
+  kill -0 "${old_pool}" 2>/dev/null && kill -0 "${worker_pid}" 2>/dev/null || break
+  sleep 0.05
+done
+wait "${old_pool}" 2>/dev/null || true
+server_pid=""
+start_pool
+for _ in $(seq 1 300); do  # until the second pool holds a commit of this run
+  [[ $(pool_metric kvpool_commit_bytes_total 2>/dev/null || echo 0) -gt 0 ]] && break
+  kill -0 "${worker_pid}" 2>/dev/null || break
+  sleep 0.1
+done
+kill -KILL "${server_pid}" 2>/dev/null
+wait "${server_pid}" 2>/dev/null || true
+server_pid=""
+rc=0
+wait "${worker_pid}" || rc=$?
+[[ ${rc} -eq 2 ]] || { cat "${work}/prefill_gone.log" >&2; fail "prefill with the restarted pool gone at the end: exit ${rc}, want 2"; }
+python3 - "${work}" <<'PY' || { cat "${work}/prefill_gone.log" >&2; fail "prompts of a pool that restarted and then went away"; }
+import json, sys
+work = sys.argv[1]
+p = json.load(open(f"{work}/prefill_gone.json"))["prompts"]
+assert len(p) == 40, len(p)
+lost = "the restarted pool did not answer at the end of the run: not in the pool"
+first = p[0]  # committed to the first pool
+assert "error" in first and lost in first["error"], first
+stored = [x for x in p if "error" not in x and not x.get("interrupted")]
+assert stored, "nothing was committed to the second pool"
+assert all(x.get("unconfirmed") for x in stored), [x for x in stored if not x.get("unconfirmed")]
+import re
+epochs = {re.search(r"\(epoch (\d+)", x["unconfirmed_reason"]).group(1) for x in stored}
+was, now = re.search(r"\(epoch (\d+), now (\d+)\)", first["error"]).groups()
+assert epochs == {now} and was != now, (epochs, first["error"])
+print(f"restarted pool gone at the end: prompt 0 (first pool) lost, {len(stored)} unconfirmed "
+      f"(second pool), {sum('error' in x for x in p) - 1} other errors")
+PY
+start_pool
 echo "== three prefill nodes into a pool with room for about one put: they wait for each other's staging"
 # 1 MiB holds one put's staging and forms at a time (a demo prompt: 276480 bytes of staging plus
 # about 290 KB of new forms). The refusal names the other open puts' staging, pressure that

@@ -125,6 +125,8 @@ constexpr char kStageNamedPayload[] = "type.kvpool/worker-stop-stage-named";
 // The payload of an outcome RunAll gave a prompt it had committed to a pool that restarted
 // later and that it did not put again (PromptLostWithPool).
 constexpr char kLostPayload[] = "type.kvpool/worker-prompt-lost-with-pool";
+// How often RunAll asks an UNAVAILABLE pool for its epoch again at the end of a run.
+constexpr absl::Duration kStatsRetryInterval = absl::Milliseconds(100);
 
 // A Reopen that failed: a stop (CANCELLED) found the prompt between a failed commit and its
 // put open again, not during a commit (newcomer s10b F3: a prompt waiting for a killed pool to
@@ -685,18 +687,28 @@ std::vector<absl::StatusOr<PrefillReport>> PrefillNode::RunAll(
   // run's last call is seen too; 0 (no epoch is 0) with `unanswered` set when the pool does not
   // answer.
   // While stopping the call is bounded by 1 s (fail-fast: a pool that is gone refuses at once).
+  // UNAVAILABLE is asked again every 100 ms for up to 1 s (stopping) or 5 s: a pool that has just
+  // restarted is refused for a moment while the channel's reconnect backoff runs (newcomer 16b
+  // F3: Stats refused ~95 ms after the new pool said it was ready, and every prompt was reported
+  // unconfirmed).
   absl::Status unanswered;
   auto epoch_now = [&]() -> uint64_t {
     const bool stopping = stopped || stop();
-    client::CallOptions call;
-    if (stopping) call.deadline = absl::Now() + absl::Seconds(1);
-    absl::StatusOr<client::PoolStats> st = client_->Stats(call);
-    if (!st.ok()) {
+    const absl::Time until = absl::Now() + (stopping ? absl::Seconds(1) : absl::Seconds(5));
+    for (;;) {
+      client::CallOptions call;
+      if (stopping) call.deadline = until;
+      absl::StatusOr<client::PoolStats> st = client_->Stats(call);
+      if (st.ok()) {
+        unanswered = absl::OkStatus();
+        return st->pool_epoch;
+      }
       unanswered = st.status();
-      return 0;
+      if (!absl::IsUnavailable(st.status()) || absl::Now() + kStatsRetryInterval >= until) {
+        return 0;
+      }
+      absl::SleepFor(kStatsRetryInterval);
     }
-    unanswered = absl::OkStatus();
-    return st->pool_epoch;
   };
   auto committed = [&](size_t k) { return out[k].ok() && out[k]->pool_epoch != 0; };
   auto any_committed = [&] {
