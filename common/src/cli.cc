@@ -564,8 +564,8 @@ DecimalSpelling SpellingOf(std::string_view v) {
   if (digits.empty() || digits.find_first_not_of("0123456789") != std::string_view::npos) {
     return DecimalSpelling::kNotDigits;
   }
-  return digits.size() > 1 && digits[0] == '0' ? DecimalSpelling::kLeadingZero
-                                               : DecimalSpelling::kPlain;
+  if (digits.size() > 1 && digits[0] == '0') return DecimalSpelling::kLeadingZero;
+  return digits == "0" && v[0] == '-' ? DecimalSpelling::kNegativeZero : DecimalSpelling::kPlain;
 }
 
 namespace {
@@ -584,7 +584,10 @@ CLI::Validator DecimalInteger(bool is_unsigned) {
         if (spelling == DecimalSpelling::kLeadingZero) {
           return "'" + value + "' is not a decimal integer (leading zero)";
         }
-        if (is_unsigned && value[0] == '-' && value != "-0") {
+        if (spelling == DecimalSpelling::kNegativeZero) {
+          return "'" + value + "' is not a plain decimal integer (write 0)";
+        }
+        if (is_unsigned && value[0] == '-') {
           return value + " is negative (want an integer >= 0)";
         }
         return {};

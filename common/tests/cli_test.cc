@@ -715,6 +715,7 @@ TEST(CliRangeTest, IntegersArePlainDecimalAndBeyondTheTypeIsOutside) {
       {"4 ", "--seed: '4 ' is not an integer"},
       {"+4", "--seed: '+4' is not an integer"},
       {"", "--seed: '' is not an integer"},
+      {"-0", "--seed: '-0' is not a plain decimal integer (write 0; want 0..18446744073709551615)"},
   };
   for (const Case& c : cases) {
     CLI::App app{"test"};
@@ -744,6 +745,20 @@ TEST(CliRangeTest, IntegersArePlainDecimalAndBeyondTheTypeIsOutside) {
   EXPECT_EQ(rc, kExitUsage);
   EXPECT_NE(err.find("--tokens: -99999999999999999999 is outside 0..2147483647"), std::string::npos)
       << err;
+  // "-0" is refused by signed options as by unsigned ones (newcomer 16b F6: accepted as 0 by a
+  // signed flag, "-0 is outside 0..N" for an unsigned one).
+  for (const bool ranged : {true, false}) {
+    CLI::App signed_app{"test"};
+    kvpool::cli::Setup(signed_app, "prog");
+    int port = 5;
+    CLI::Option* op = signed_app.add_option("--port", port, "port");
+    if (ranged) op->check(Range(-1, 65535));
+    auto [zrc, zerr] = RunParse(signed_app, {"--port", "-0"});
+    EXPECT_EQ(zrc, kExitUsage) << ranged;
+    EXPECT_NE(zerr.find("--port: '-0' is not a plain decimal integer (write 0"), std::string::npos)
+        << ranged << ": " << zerr;
+    EXPECT_EQ(port, 5);
+  }
 }
 
 // Parse checks every integer option, also one without a Range, as plain decimal: CLI11 alone

@@ -150,9 +150,11 @@ absl::Status WriteOutputFile(const std::string& path, std::string_view bytes);
 // too. Floating-point values may not carry spaces either; NaN is refused ("nan is outside").
 // Usage: app.add_option("--metrics-port", port)->check(Range(-1, 65535)).
 // How an integer value is spelled: plain decimal (an optional '-' and digits, no leading zero),
-// something other than digits (empty, spaces, '+', hex, a list), or digits with a leading zero.
-// The one rule behind Range and the check Parse adds to every integer option. Pure.
-enum class DecimalSpelling { kPlain, kNotDigits, kLeadingZero };
+// something other than digits (empty, spaces, '+', hex, a list), digits with a leading zero, or
+// "-0" (refused for signed and unsigned options alike: newcomer 16b F6 found it accepted by the
+// one and called "outside 0..N" by the other). The one rule behind Range and the check Parse
+// adds to every integer option. Pure.
+enum class DecimalSpelling { kPlain, kNotDigits, kLeadingZero, kNegativeZero };
 DecimalSpelling SpellingOf(std::string_view v);
 
 template <typename T>
@@ -171,6 +173,9 @@ CLI::Validator Range(T min, T max) {
           if (spelling == DecimalSpelling::kNotDigits) return not_a;
           if (spelling == DecimalSpelling::kLeadingZero) {
             return "'" + v + "' is not a decimal integer (leading zero; want " + want + ")";
+          }
+          if (spelling == DecimalSpelling::kNegativeZero) {
+            return "'" + v + "' is not a plain decimal integer (write 0; want " + want + ")";
           }
           if (!v.empty() && v[0] == '-' && std::is_unsigned_v<T>) return outside;
           const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), x);
