@@ -533,6 +533,25 @@ print(f"hung pool under decode: {first_served} prompts fell back, the pool serve
       f"{len(p) - first_served} after it was asked again")
 PY
 
+# prefill_killing_pool NAME ARGS...: a prefill node (ARGS: its flags) that SIGKILLs the pool right
+# after its first commit (--fault kill-pool-after-first-commit), in the background, stderr in
+# ${work}/prefill_NAME.log; returns once the pool is dead (or the node stopped), with worker_pid
+# set and server_pid cleared.
+prefill_killing_pool() {
+  local name="$1" old_pool="${server_pid}"
+  shift
+  "${worker_bin}" --role prefill --pool "${pool}" "$@" \
+    --fault kill-pool-after-first-commit --fault-pool-pid "${server_pid}" \
+    >/dev/null 2>"${work}/prefill_${name}.log" &
+  worker_pid=$!
+  for _ in $(seq 1 1200); do  # until the worker has killed the pool (or itself stopped)
+    kill -0 "${old_pool}" 2>/dev/null && kill -0 "${worker_pid}" 2>/dev/null || break
+    sleep 0.05
+  done
+  wait "${old_pool}" 2>/dev/null || true
+  server_pid=""
+}
+
 echo "== pool killed mid-prefill and restarted 1 s later: every prompt reaches the new pool"
 # The worker SIGKILLs the pool right after the first prompt committed, while the second
 # prompt's put is open; the test restarts the pool on the same port a second later. The open
@@ -540,18 +559,9 @@ echo "== pool killed mid-prefill and restarted 1 s later: every prompt reaches t
 # later prompt waits for the pool (up to --call-timeout-ms), and the client registers the model
 # again (newcomer s7 F2: the later prompts all failed in the same millisecond, the restarted
 # pool never saw a registration; session 7 still lost the prompt whose put was open).
-"${worker_bin}" --role prefill --pool "${pool}" --revision restart-test "${common[@]}" "${five[@]}" \
-  --fault kill-pool-after-first-commit --fault-pool-pid "${server_pid}" --call-timeout-ms 30000 \
-  --report "${work}/prefill_restart.json" --metrics-file "${work}/prefill_restart.prom" \
-  >/dev/null 2>"${work}/prefill_restart.log" &
-worker_pid=$!
-old_pool=${server_pid}
-for _ in $(seq 1 1200); do  # until the worker has killed the pool (or itself stopped)
-  kill -0 "${old_pool}" 2>/dev/null && kill -0 "${worker_pid}" 2>/dev/null || break
-  sleep 0.05
-done
-wait "${old_pool}" 2>/dev/null || true
-server_pid=""
+prefill_killing_pool restart --revision restart-test "${common[@]}" "${five[@]}" \
+  --call-timeout-ms 30000 --report "${work}/prefill_restart.json" \
+  --metrics-file "${work}/prefill_restart.prom"
 grep -q "fault kill-pool-after-first-commit" "${work}/prefill_restart.log" \
   || { cat "${work}/prefill_restart.log" >&2; fail "the kill-pool-after-first-commit hook did not fire"; }
 sleep 1
@@ -616,17 +626,8 @@ echo "== pool restarted mid-prefill, the node SIGTERMed as the pool answers agai
 # be served by the pool: checked by decoding them all (positions: the 40 prompts repeat the 5).
 forty=()
 for _ in $(seq 1 8); do forty+=("${five[@]}"); done
-"${worker_bin}" --role prefill --pool "${pool}" --revision restart-stop-test "${common[@]}" "${forty[@]}" \
-  --fault kill-pool-after-first-commit --fault-pool-pid "${server_pid}" --call-timeout-ms 30000 \
-  --report "${work}/prefill_rs.json" >/dev/null 2>"${work}/prefill_rs.log" &
-worker_pid=$!
-old_pool=${server_pid}
-for _ in $(seq 1 1200); do
-  kill -0 "${old_pool}" 2>/dev/null && kill -0 "${worker_pid}" 2>/dev/null || break
-  sleep 0.05
-done
-wait "${old_pool}" 2>/dev/null || true
-server_pid=""
+prefill_killing_pool rs --revision restart-stop-test "${common[@]}" "${forty[@]}" \
+  --call-timeout-ms 30000 --report "${work}/prefill_rs.json"
 sleep 1
 start_pool
 for _ in $(seq 1 600); do
@@ -666,18 +667,9 @@ echo "== pool killed after the run's only commit and restarted at once: the end-
 # asked again (up to 5 s), so the prompt committed to the killed pool is found lost, computed
 # and put again into the new one, and reported stored (not unconfirmed). Failed on the old code
 # (unconfirmed, recomputed_after_restart absent).
-"${worker_bin}" --role prefill --pool "${pool}" --revision restart-end-test "${common[@]}" \
-  --prompt-file "${demo}/prompts/03_boat.txt" \
-  --fault kill-pool-after-first-commit --fault-pool-pid "${server_pid}" --call-timeout-ms 30000 \
-  --report "${work}/prefill_end.json" >/dev/null 2>"${work}/prefill_end.log" &
-worker_pid=$!
-old_pool=${server_pid}
-for _ in $(seq 1 1200); do
-  kill -0 "${old_pool}" 2>/dev/null && kill -0 "${worker_pid}" 2>/dev/null || break
-  sleep 0.05
-done
-wait "${old_pool}" 2>/dev/null || true
-server_pid=""
+prefill_killing_pool end --revision restart-end-test "${common[@]}" \
+  --prompt-file "${demo}/prompts/03_boat.txt" --call-timeout-ms 30000 \
+  --report "${work}/prefill_end.json"
 start_pool
 rc=0
 wait "${worker_pid}" || rc=$?
@@ -704,17 +696,8 @@ echo "== pool restarted mid-prefill, then gone for good: what went with the firs
 # "unconfirmed", also those committed to the first pool, which the node had seen restart (it
 # registered with the second): they are not stored, whatever the second pool's fate. They are now
 # errors (exit 2) naming the restart; what went to the second pool stays unconfirmed.
-"${worker_bin}" --role prefill --pool "${pool}" --revision gone-test "${common[@]}" "${forty[@]}" \
-  --fault kill-pool-after-first-commit --fault-pool-pid "${server_pid}" --call-timeout-ms 2000 \
-  --report "${work}/prefill_gone.json" >/dev/null 2>"${work}/prefill_gone.log" &
-worker_pid=$!
-old_pool=${server_pid}
-for _ in $(seq 1 1200); do
-  kill -0 "${old_pool}" 2>/dev/null && kill -0 "${worker_pid}" 2>/dev/null || break
-  sleep 0.05
-done
-wait "${old_pool}" 2>/dev/null || true
-server_pid=""
+prefill_killing_pool gone --revision gone-test "${common[@]}" "${forty[@]}" \
+  --call-timeout-ms 2000 --report "${work}/prefill_gone.json"
 start_pool
 for _ in $(seq 1 300); do  # until the second pool holds a commit of this run
   [[ $(pool_metric kvpool_commit_bytes_total 2>/dev/null || echo 0) -gt 0 ]] && break
