@@ -469,7 +469,9 @@ int main(int argc, char** argv) {
   // up to 2^24, the longest context the GGUF reader takes); the cache then names what else is
   // wrong (a page size that is not a power of two, S not a multiple of it, S or W beyond the
   // model's context).
-  app.add_option("--page-size", page_size, "tokens per block (a power of two)")
+  app.add_option(
+         "--page-size", page_size,
+         "tokens per block (a power of two; prefill and decode: at most the model's context)")
       ->capture_default_str()
       ->check(kvpool::cli::Range(1, 1024));
   app.add_option("--sink-tokens", sink, "prefill/decode: S, sink tokens kept in BF16")
@@ -742,9 +744,12 @@ int main(int argc, char** argv) {
     return kvpool::cli::kExitUsage;
   }
 
-  // S and W beyond the context would never apply (the cache holds context_length tokens).
-  for (const auto& [flag, value] :
-       {std::pair<const char*, int>{"--sink-tokens", sink}, {"--recent-tokens", recent}}) {
+  // S and W beyond the context would never apply (the cache holds context_length tokens); a
+  // block longer than the context is never full, so nothing would reach the pool (newcomer 17
+  // F6: --page-size 1024 on a 512-token model ran with "0/0 blocks from the pool" everywhere).
+  for (const auto& [flag, value] : {std::pair<const char*, int>{"--sink-tokens", sink},
+                                    {"--recent-tokens", recent},
+                                    {"--page-size", page_size}}) {
     if (!eval && value > cfg.context_length) {
       std::fprintf(stderr, "kvpool-worker: %s: %d exceeds the model's context of %d tokens\n", flag,
                    value, cfg.context_length);
@@ -1203,7 +1208,8 @@ int main(int argc, char** argv) {
            "Times the pool answered again after it was found unreachable.",
            uint64_t(node.pool_reconnects())},
           {"kvpool_worker_prefill_reput_prompts_total",
-           "Prompts whose put was lost with the pool and put again from the recorded K/V.",
+           "Prompts whose put failed (the pool went away or closed the connection, or the put "
+           "expired) and was put again from the recorded K/V.",
            uint64_t(reput)},
           {"kvpool_worker_prefill_recomputed_prompts_total",
            "Prompts committed to a pool that restarted later in the run, computed and put "

@@ -569,7 +569,7 @@ start_pool
 rc=0
 wait "${worker_pid}" || rc=$?
 [[ ${rc} -eq 0 ]] || { cat "${work}/prefill_restart.log" >&2; fail "prefill across a restart: exit ${rc}, want 0 (every prompt stored)"; }
-grep -q "prefill: the put of a .*-token prompt was lost with the pool" "${work}/prefill_restart.log" \
+grep -q "prefill: the put of a .*-token prompt failed: the pool went away or closed the connection" "${work}/prefill_restart.log" \
   || { cat "${work}/prefill_restart.log" >&2; fail "the lost put is not logged"; }
 grep -q "W prefill: prompt 0 of the run was committed to the pool before it restarted (epoch .*): its blocks went with that pool; computing it and putting it again" \
   "${work}/prefill_restart.log" \

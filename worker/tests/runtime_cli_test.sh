@@ -52,6 +52,10 @@ expect 1 "page size not a power of two" -- "${worker}" --role eval --page-size 1
 expect_err "kvpool-worker: --page-size: page_size 12 must be a power of two" "the message names --page-size"
 expect 1 "page size beyond 1024" -- "${worker}" --role eval --page-size 1048576 "${base[@]}" "${prompt[@]}"
 expect_err "kvpool-worker: --page-size: 1048576 is outside 1..1024" "a huge page size names --page-size, not --sink-tokens"
+# A block longer than the model's context is never full: nothing would reach the pool (newcomer 17
+# F6: --page-size 1024 on the 512-token model ran with "0/0 blocks from the pool" everywhere).
+expect 1 "page size beyond the model's context" -- "${worker}" --role decode --pool 127.0.0.1:1 --page-size 1024 --sink-tokens 0 "${base[@]}" "${prompt[@]}"
+expect_err "kvpool-worker: --page-size: 1024 exceeds the model's context of 512 tokens" "the message names --page-size and the context"
 # Integer flags are plain decimal (newcomer 16 F2): CLI11 alone read --recent-tokens 0100 as octal
 # 64 (registered W=64), --page-size 016 as 14, and took 0x10, +16 and ' 16'; on the command line
 # and from a --config file, quoted or not.

@@ -291,9 +291,11 @@ absl::StatusOr<PrefillReport> PrefillNode::Commit(Pending pending, Pending* othe
   // Puts the recorded K/V again after `what` happened to the put (once per prompt: the report's
   // reput flag); `r` becomes the new put's Commit result.
   std::optional<std::chrono::steady_clock::time_point> reput_start;
+  absl::Status first_failure;  // what the first put ended with, when it was put again
   auto put_again = [&](const char* what) -> absl::Status {
     KVPOOL_LOG_WARN("prefill: the put of a {}-token prompt {} ({}); putting its recorded K/V again",
                     pending.report.prompt_tokens, what, StatusText(r.status()));
+    first_failure = r.status();
     pending.report.reput = true;
     reput_start = std::chrono::steady_clock::now();
     KVPOOL_RETURN_IF_ERROR(Reopen(pending, /*wait_for_room=*/false, std::nullopt));
@@ -302,10 +304,16 @@ absl::StatusOr<PrefillReport> PrefillNode::Commit(Pending pending, Pending* othe
   };
   if (absl::IsUnavailable(r.status()) && !client::NoSharedUcxTransport(r.status())) {
     // The pool went away while the put was open (killed, restarted: a restarted pool has
-    // forgotten it; the failed Commit aborted what was left). The recorded K/V are still here:
-    // put them again, once, through the same outage wait as a new prompt's BeginPut. Nothing of
-    // the lost put is visible (two-phase), and blocks a lost answer did commit are found present.
-    if (absl::Status s = put_again("was lost with the pool"); !s.ok()) return ReopenStopped(s);
+    // forgotten it; the failed Commit aborted what was left), or it closed this client's
+    // endpoint, which ends every transfer on it (the pool does so when it aborts another put's
+    // pull at its deadline: newcomer 17 F2, the log said "lost with the pool" of a pool that never
+    // went away). The recorded K/V are still here: put them again, once, through the same outage
+    // wait as a new prompt's BeginPut. Nothing of the lost put is visible (two-phase), and blocks
+    // a lost answer did commit are found present.
+    if (absl::Status s = put_again("failed: the pool went away or closed the connection");
+        !s.ok()) {
+      return ReopenStopped(s);
+    }
   }
   // The pool dropped the put at its put timeout: this node was paused or slow past
   // --put-timeout-ms between BeginPut and Commit (a stop signal, a swapping or overloaded host).
@@ -377,6 +385,14 @@ absl::StatusOr<PrefillReport> PrefillNode::Commit(Pending pending, Pending* othe
   }
   if (client::PutExpired(r.status()) && reput_start.has_value()) {
     return ExpiredAgain(r.status(), Since(*reput_start));
+  }
+  if (!r.ok() && reput_start.has_value()) {  // the put again failed too: say both (17 F2)
+    absl::Status out(r.status().code(),
+                     absl::StrCat(r.status().message(), " (the put of this prompt again, after ",
+                                  StatusText(first_failure), ")"));
+    r.status().ForEachPayload(
+        [&out](absl::string_view url, const absl::Cord& payload) { out.SetPayload(url, payload); });
+    return out;
   }
   KVPOOL_RETURN_IF_ERROR(r.status());
   PrefillReport rep = pending.report;
