@@ -25,16 +25,30 @@ std::string WriteYaml(const std::string& name, const std::string& text) {
   return path;
 }
 
-// Runs Parse on `args` (program name prepended); returns its code and what it wrote to stderr.
-std::pair<int, std::string> RunParse(CLI::App& app, std::vector<std::string> args) {
+// What Parse returned and wrote.
+struct ParseRun {
+  int rc;
+  std::string out, err;
+};
+
+// Runs Parse on `args` (program name prepended), capturing stdout and stderr.
+ParseRun RunParseCapturing(CLI::App& app, std::vector<std::string> args) {
   args.insert(args.begin(), "prog");
   std::vector<char*> argv;
   for (auto& a : args) {
     argv.push_back(a.data());
   }
+  ::testing::internal::CaptureStdout();
   ::testing::internal::CaptureStderr();
   const int rc = Parse(app, static_cast<int>(argv.size()), argv.data());
-  return {rc, ::testing::internal::GetCapturedStderr()};
+  std::string out = ::testing::internal::GetCapturedStdout();
+  return {rc, std::move(out), ::testing::internal::GetCapturedStderr()};
+}
+
+// Runs Parse on `args` (program name prepended); returns its code and what it wrote to stderr.
+std::pair<int, std::string> RunParse(CLI::App& app, std::vector<std::string> args) {
+  ParseRun r = RunParseCapturing(app, std::move(args));
+  return {r.rc, std::move(r.err)};
 }
 
 // A server-like app: top-level flags only.
@@ -98,14 +112,8 @@ TEST(CliParseTest, SubcommandHelpNamesTheProgramFlags) {
        {std::vector<std::string>{"generate", "--help"},
         std::vector<std::string>{"rotations", "inspect", "--help"}}) {
     SubcommandApp s;
-    std::vector<std::string> argv_s = args;
-    argv_s.insert(argv_s.begin(), "prog");
-    std::vector<char*> argv;
-    for (auto& a : argv_s) argv.push_back(a.data());
-    ::testing::internal::CaptureStdout();
-    const int rc = Parse(s.app, static_cast<int>(argv.size()), argv.data());
-    const std::string out = ::testing::internal::GetCapturedStdout();
-    EXPECT_EQ(rc, kExitOk);
+    const auto [rc, out, err] = RunParseCapturing(s.app, args);
+    EXPECT_EQ(rc, kExitOk) << err;
     EXPECT_NE(out.find("prog's own flags go before the subcommand: --log-level LEVEL"),
               std::string::npos)
         << out;
@@ -351,15 +359,7 @@ TEST(CliConfigTest, VersionWinsOverABadValueInTheFile) {
         std::vector<std::string>{"--version", "--config", path},
         std::vector<std::string>{"--version", "--metrics-port", "abc"}}) {
     ValueApp a;
-    std::vector<std::string> argv_s = args;
-    argv_s.insert(argv_s.begin(), "prog");
-    std::vector<char*> argv;
-    for (auto& x : argv_s) argv.push_back(x.data());
-    ::testing::internal::CaptureStdout();
-    ::testing::internal::CaptureStderr();
-    const int rc = Parse(a.app, static_cast<int>(argv.size()), argv.data());
-    const std::string out = ::testing::internal::GetCapturedStdout();
-    const std::string err = ::testing::internal::GetCapturedStderr();
+    const auto [rc, out, err] = RunParseCapturing(a.app, args);
     EXPECT_EQ(rc, kExitOk) << args[0] << " " << err;
     EXPECT_EQ(out, "prog " + kvpool::cli::VersionString() + "\n") << args[0];
     EXPECT_EQ(err, "") << args[0];
@@ -835,9 +835,7 @@ TEST(CliDecimalIntegerTest, EveryIntegerOptionIsPlainDecimal) {
   {
     // --help still wins over the bad value; the help shows the plain type.
     UncheckedIntegerApp a;
-    ::testing::internal::CaptureStdout();
-    auto [rc, err] = RunParse(a.app, {"--page-size", "0100", "--help"});
-    const std::string help = ::testing::internal::GetCapturedStdout();
+    const auto [rc, help, err] = RunParseCapturing(a.app, {"--page-size", "0100", "--help"});
     EXPECT_EQ(rc, kExitOk) << err;
     EXPECT_NE(help.find("--page-size INT"), std::string::npos) << help;
     EXPECT_EQ(help.find("INT:"), std::string::npos) << help;
