@@ -846,6 +846,17 @@ int RefuseParseError(CLI::App& app, int argc, char** argv) {
 
 }  // namespace
 
+std::string ConfigSourceOf(const CLI::App& app, const std::string& flag, int argc, char** argv) {
+  const auto* config = dynamic_cast<const YamlConfig*>(app.get_config_formatter().get());
+  if (config == nullptr) return {};
+  for (const auto& origin : config->origins()) {
+    if (origin.option->get_name() != flag || origin.option->results().empty()) continue;
+    if (NamedOnCommandLine(*origin.option, argc, argv)) return {};
+    return ConfigNamed(app) + " key \"" + origin.key + "\"";
+  }
+  return {};
+}
+
 int Parse(CLI::App& app, int argc, char** argv) {
   CheckBooleanWords(app);
   CheckDecimalIntegers(app);

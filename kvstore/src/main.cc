@@ -12,6 +12,7 @@
 #include <string>
 #include <thread>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -381,12 +382,23 @@ int main(int argc, char** argv) {
   }
   // A default lease longer than the longest one a client may request contradicts itself; the
   // pool used to raise the maximum silently.
+  // Values from the --config file are named with it, as single-value errors are (newcomer 17
+  // F5: these two cross-flag errors did not say the values came from the file).
+  auto sources = [&](std::initializer_list<const char*> flags) {
+    std::string out;
+    for (const char* f : flags) {
+      const std::string from = kvpool::cli::ConfigSourceOf(app, f, argc, argv);
+      if (!from.empty()) absl::StrAppend(&out, out.empty() ? " (" : "; ", f, " from ", from);
+    }
+    return out.empty() ? out : out + ")";
+  };
   if (lease_ms > max_lease_ms) {
     std::fprintf(stderr,
-                 "kvpool-server: --lease-ms %lld is longer than --max-lease-ms %lld: the default "
+                 "kvpool-server: --lease-ms %lld is longer than --max-lease-ms %lld%s: the default "
                  "lease must not exceed the maximum (raise --max-lease-ms or lower --lease-ms)\n"
                  "Run with --help for more information.\n",
-                 static_cast<long long>(lease_ms), static_cast<long long>(max_lease_ms));
+                 static_cast<long long>(lease_ms), static_cast<long long>(max_lease_ms),
+                 sources({"--lease-ms", "--max-lease-ms"}).c_str());
     return kvpool::cli::kExitUsage;
   }
   o.store.default_put_timeout = absl::Milliseconds(put_timeout_ms);
@@ -398,7 +410,10 @@ int main(int argc, char** argv) {
   auto server = kvpool::kvstore::PoolServer::Create(o);
   if (!server.ok()) {
     // Straight to stderr, whatever --log-level says: a pool that exits 2 must say why.
-    std::fprintf(stderr, "kvpool-server: cannot start: %s\n", server.status().ToString().c_str());
+    std::fprintf(stderr, "kvpool-server: cannot start: %s%s\n", server.status().ToString().c_str(),
+                 absl::StrContains(server.status().message(), "metrics-port")
+                     ? sources({"--listen", "--metrics-port"}).c_str()
+                     : "");
     return server.status().code() == absl::StatusCode::kInvalidArgument ? kvpool::cli::kExitUsage
                                                                         : kvpool::cli::kExitRuntime;
   }

@@ -1652,6 +1652,31 @@ TEST(ServerBinaryTest, ContradictoryOrMalformedFlagsNameTheFlag) {
               std::string::npos)
         << text;
     EXPECT_EQ(text.find("grpc_port="), std::string::npos) << text;
+    EXPECT_EQ(text.find("--config"), std::string::npos) << text;  // no file: none named
+  }
+  // The same from a --config file names the file and the keys (newcomer 17 F5: not named); a
+  // value given on the command line is not said to come from the file.
+  {
+    const std::string path = ::testing::TempDir() + "/kvpool_server_lease_conflict.yaml";
+    std::ofstream(path) << "lease-ms: 5000\nmax-lease-ms: 1000\n";
+    auto [rc, text] = RunToExit({"--config", path, "--listen", "127.0.0.1:0", "--metrics-port",
+                                 "-1", "--data-plane", "none", "--capacity", "4MiB"});
+    EXPECT_EQ(rc, 1) << text;
+    EXPECT_NE(text.find("--lease-ms 5000 is longer than --max-lease-ms 1000 (--lease-ms from "
+                        "--config '" +
+                        path + "' key \"lease-ms\"; --max-lease-ms from --config '" + path +
+                        "' key \"max-lease-ms\")"),
+              std::string::npos)
+        << text;
+    auto [rc2, text2] =
+        RunToExit({"--config", path, "--lease-ms", "4000", "--listen", "127.0.0.1:0",
+                   "--metrics-port", "-1", "--data-plane", "none", "--capacity", "4MiB"});
+    EXPECT_EQ(rc2, 1) << text2;
+    EXPECT_NE(text2.find("--lease-ms 4000 is longer than --max-lease-ms 1000 (--max-lease-ms from "
+                         "--config '" +
+                         path + "' key \"max-lease-ms\")"),
+              std::string::npos)
+        << text2;
   }
   // An unbracketed IPv6 address reached gRPC's bind and failed as a runtime error.
   {
@@ -1784,6 +1809,19 @@ TEST(ServerBinaryTest, StartUpFailuresSayWhyEvenWithLoggingOff) {
         std::string::npos)
         << text;
     EXPECT_EQ(text.find("grpc_port="), std::string::npos) << text;
+    // From a --config file: the file and its keys are named (newcomer 17 F5).
+    const std::string path = ::testing::TempDir() + "/kvpool_server_same_port.yaml";
+    std::ofstream(path) << "listen: 127.0.0.1:" << same << "\nmetrics-port: " << same << "\n";
+    auto [rc2, text2] = RunToExit({"--config", path, "--data-plane", "none", "--capacity", "4MiB"});
+    EXPECT_EQ(rc2, 1) << text2;
+    EXPECT_NE(text2.find("is the gRPC port of --listen 127.0.0.1:" + same), std::string::npos)
+        << text2;
+    EXPECT_NE(text2.find("(--listen from --config '" + path +
+                         "' key \"listen\"; --metrics-port "
+                         "from --config '" +
+                         path + "' key \"metrics-port\")"),
+              std::string::npos)
+        << text2;
   }
   {
     auto [rc, text] =

@@ -218,6 +218,12 @@ CLI::Validator HostPortAddress(int min_port);
 // bounds and names them in its message (it runs first).
 int Parse(CLI::App& app, int argc, char** argv);
 
+// For an error about a flag's value found after Parse (a check across flags): where the value came
+// from when the --config file set it and the command line did not, as "--config 'FILE' key
+// \"lease-ms\"", else "" (the command line, or the default). `flag`: its long name with the dashes
+// ("--lease-ms"). After Parse with the same argc/argv. Not thread-safe (reads the app's state).
+std::string ConfigSourceOf(const CLI::App& app, const std::string& flag, int argc, char** argv);
+
 }  // namespace kvpool::cli
 
 #define KVPOOL_CLI_PARSE(app, argc, argv)                             \
