@@ -536,7 +536,8 @@ int main(int argc, char** argv) {
   // and its key, and --help lists the choices (kw::ParseFault's names).
   app.add_option("--fault", fault, "test hook (none = no fault)")
       ->check(CLI::IsMember({"none", "prefill-exit-mid-push", "kill-pool-mid-fetch",
-                             "stop-pool-after-register", "kill-pool-after-first-commit"}))
+                             "stop-pool-after-register", "kill-pool-after-first-commit",
+                             "commit-answer-lost"}))
       ->capture_default_str();
   app.add_option("--fault-pool-pid", fault_pool_pid,
                  "pid of the pool for kill-pool-mid-fetch, stop-pool-after-register and "
@@ -1106,6 +1107,9 @@ int main(int argc, char** argv) {
                                 {"push_seconds", r->push_seconds},
                                 {"reput", r->reput},
                                 {"recomputed_after_restart", false}});
+      if (!r->commit_unanswered.empty()) {  // stored: found by a Lookup (newcomer 17 F1)
+        out["prompts"].back()["commit_unanswered"] = r->commit_unanswered;
+      }
       reput += r->reput ? 1 : 0;
       ++g_prompts_done;  // stored
       add_to_overall(*r);

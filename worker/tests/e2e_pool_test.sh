@@ -729,6 +729,32 @@ print(f"restarted pool gone at the end: prompt 0 (first pool) lost, {len(stored)
       f"(second pool), {sum('error' in x for x in p) - 1} other errors")
 PY
 start_pool
+echo "== the answer of a committed put is lost: the node finds the prompt stored by a Lookup"
+# Newcomer 17 F1: with --call-timeout-ms 3 a slow pool's CommitPut answers came too late and the
+# prompts were reported failed (exit 2), although the pool had committed them and served them.
+# After an unanswered commit the node now asks the pool (Lookup): every block held = stored,
+# with the reason in "commit_unanswered". --fault commit-answer-lost drops the first answer.
+"${worker_bin}" --role prefill --pool "${pool}" --revision answer-lost-test "${common[@]}" \
+  "${prompts[@]}" --fault commit-answer-lost --report "${work}/prefill_al.json" \
+  >/dev/null 2>"${work}/prefill_al.log" \
+  || { cat "${work}/prefill_al.log" >&2; fail "prefill with a lost commit answer: want exit 0"; }
+"${worker_bin}" --role decode --pool "${pool}" --revision answer-lost-test --model "${model}" \
+  --rotations "${work}/rot.safetensors" "${prompts[@]}" --max-new-tokens 1 --teacher-force false \
+  --report "${work}/decode_al.json" >/dev/null 2>"${work}/decode_al.log" \
+  || { cat "${work}/decode_al.log" >&2; fail "decode after the lost commit answer"; }
+python3 - "${work}" <<'PY' || { cat "${work}/prefill_al.log" >&2; fail "a committed prompt whose answer was lost"; }
+import json, sys
+work = sys.argv[1]
+pre = json.load(open(f"{work}/prefill_al.json"))
+p = pre["prompts"]
+assert len(p) == 2 and all("error" not in x for x in p), p
+assert "DEADLINE_EXCEEDED" in p[0].get("commit_unanswered", ""), p[0]
+assert p[0]["blocks_written"] == 0 and "commit_unanswered" not in p[1], p
+assert pre["overall"]["failed_prompts"] == 0, pre["overall"]
+for d in json.load(open(f"{work}/decode_al.json"))["prompts"]:
+    assert not d["fallback"] and d["hit_blocks"] == d["wanted_blocks"] > 0, d
+print("a lost commit answer: the prompt was found stored by a Lookup and served")
+PY
 echo "== three prefill nodes into a pool with room for about one put: they wait for each other's staging"
 # 1 MiB holds one put's staging and forms at a time (a demo prompt: 276480 bytes of staging plus
 # about 290 KB of new forms). The refusal names the other open puts' staging, pressure that

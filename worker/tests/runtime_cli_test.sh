@@ -180,7 +180,7 @@ expect_err "kvpool-worker: --fault: " "the message names --fault, with the progr
 # --fault is checked by the flag (newcomer s14 #2): --help lists the choices, and a --config
 # file's bad value is named with the file and the key, as every other flag's.
 expect 0 "--help lists --fault's choices" -- "${worker}" --help
-expect_err "--fault TEXT:{none,prefill-exit-mid-push,kill-pool-mid-fetch,stop-pool-after-register,kill-pool-after-first-commit}" "--help lists --fault's choices"
+expect_err "--fault TEXT:{none,prefill-exit-mid-push,kill-pool-mid-fetch,stop-pool-after-register,kill-pool-after-first-commit,commit-answer-lost}" "--help lists --fault's choices"
 printf 'fault: meteor\n' >"${work}/fault.yaml"
 expect 1 "bad fault in a --config file" -- "${worker}" --config "${work}/fault.yaml" --role decode "${base[@]}" "${prompt[@]}"
 expect_err "kvpool-worker: --config '${work}/fault.yaml' key \"fault\": --fault: meteor not in {none," "the message names the file, the key and the flag"

@@ -171,10 +171,14 @@ absl::StatusOr<Fault> ParseFault(const std::string& name) {
   if (name == "kill-pool-after-first-commit") {
     return Fault::kKillPoolAfterFirstCommit;
   }
+  if (name == "commit-answer-lost") {
+    return Fault::kCommitAnswerLost;
+  }
   return absl::InvalidArgumentError(
       absl::StrCat("fault '", name,
                    "' must be none, prefill-exit-mid-push, kill-pool-mid-fetch, "
-                   "stop-pool-after-register or kill-pool-after-first-commit"));
+                   "stop-pool-after-register, kill-pool-after-first-commit or "
+                   "commit-answer-lost"));
 }
 
 client::ModelSpec MakeModelSpec(const engine::ModelConfig& config, const MixedCacheOptions& cache,
@@ -286,6 +290,13 @@ absl::Status PrefillNode::Reopen(Pending& pending, bool wait_for_room,
 
 absl::StatusOr<PrefillReport> PrefillNode::Commit(Pending pending, Pending* other_open) {
   absl::StatusOr<client::PutResult> r = pending.put->Commit();
+  if (options_.fault == Fault::kCommitAnswerLost && !fault_fired_ && r.ok()) {
+    fault_fired_ = true;
+    KVPOOL_LOG_WARN("fault commit-answer-lost: taking the answer of a committed put as lost");
+    r = absl::DeadlineExceededError(
+        "CommitPut: fault commit-answer-lost: the answer was dropped after the pool committed "
+        "the put; a pool that was only slow may still have committed it (a Lookup tells)");
+  }
   // No shared UCX transport (--ucx-tls): a configuration mismatch, not a pool that went away;
   // putting again fails the same way (it was logged as a lost put: newcomer s10 F8).
   // Puts the recorded K/V again after `what` happened to the put (once per prompt: the report's
@@ -386,7 +397,21 @@ absl::StatusOr<PrefillReport> PrefillNode::Commit(Pending pending, Pending* othe
   if (client::PutExpired(r.status()) && reput_start.has_value()) {
     return ExpiredAgain(r.status(), Since(*reput_start));
   }
-  if (!r.ok() && reput_start.has_value()) {  // the put again failed too: say both (17 F2)
+  // The CommitPut's answer did not come within the call timeout: a pool that was only slow (or
+  // stopped for a moment) may have committed the put, and a Lookup tells (newcomer 17 F1: 10
+  // prompts reported failed, 3 of them committed and served). Every block of the put held: the
+  // prompt is stored, whoever wrote the blocks.
+  std::string unanswered;
+  if (absl::IsDeadlineExceeded(r.status()) && !client::PutExpired(r.status()) && !Stopping() &&
+      HeldByPool(pending)) {
+    unanswered = StatusText(r.status());
+    KVPOOL_LOG_WARN(
+        "prefill: the commit of a {}-token prompt was not answered ({}), and the pool holds all "
+        "{} of its blocks: stored",
+        pending.report.prompt_tokens, unanswered, pending.report.blocks);
+  }
+  // The put again failed too: say both (17 F2).
+  if (!r.ok() && unanswered.empty() && reput_start.has_value()) {
     absl::Status out(r.status().code(),
                      absl::StrCat(r.status().message(), " (the put of this prompt again, after ",
                                   StatusText(first_failure), ")"));
@@ -394,15 +419,32 @@ absl::StatusOr<PrefillReport> PrefillNode::Commit(Pending pending, Pending* othe
         [&out](absl::string_view url, const absl::Cord& payload) { out.SetPayload(url, payload); });
     return out;
   }
-  KVPOOL_RETURN_IF_ERROR(r.status());
+  if (unanswered.empty()) KVPOOL_RETURN_IF_ERROR(r.status());
   PrefillReport rep = pending.report;
   rep.push_seconds = Since(pending.writes_started);
-  rep.blocks_written = r->blocks_written;
-  rep.bytes_written = r->bytes_written;
+  rep.blocks_written = r.ok() ? r->blocks_written : 0;
+  rep.bytes_written = r.ok() ? r->bytes_written : 0;
+  rep.commit_unanswered = unanswered;
   if (absl::StatusOr<client::ModelInfo> info = client_->model(); info.ok()) {
     rep.pool_epoch = info->pool_epoch;
   }
   return rep;
+}
+
+bool PrefillNode::HeldByPool(const Pending& pending) {
+  // Up to 1 s (the commit may still be running in a slow pool), whatever --call-timeout-ms is:
+  // the question is only asked after a commit whose answer did not come.
+  const absl::Time until = absl::Now() + absl::Seconds(1);
+  for (;;) {
+    client::CallOptions call;
+    call.deadline = until;
+    absl::StatusOr<client::LookupResult> lk = client_->Lookup(pending.tokens, call);
+    if (lk.ok() && pending.report.blocks > 0 && lk->num_blocks >= pending.report.blocks) {
+      return true;
+    }
+    if (absl::Now() + absl::Milliseconds(100) >= until || Stopping()) return false;
+    absl::SleepFor(absl::Milliseconds(100));
+  }
 }
 
 bool PrefillNode::SleepUnlessStopping(std::chrono::steady_clock::time_point wake) const {

@@ -67,6 +67,10 @@ enum class Fault {
   // prefill: SIGKILL the pool (pid) right after the first prompt committed (the next prompt's put
   // is open), and wait until it is dead; the test restarts the pool.
   kKillPoolAfterFirstCommit,
+  // prefill: the answer to the first CommitPut is taken as lost (DEADLINE_EXCEEDED, as when a
+  // slow pool answers after the call timeout) although the pool committed the put; the node
+  // must find the prompt stored by a Lookup (newcomer 17 F1). No pool pid needed.
+  kCommitAnswerLost,
 };
 absl::StatusOr<Fault> ParseFault(const std::string& name);
 
@@ -144,6 +148,12 @@ struct PrefillReport {
   // (the pool did not answer then; the message says so and names the epoch it was committed
   // to). Set only by RunAll, given through RunAllHooks::on_redone.
   std::string pool_unconfirmed;
+  // Non-empty: the CommitPut's answer did not come (this status text: DEADLINE_EXCEEDED, the
+  // call timeout), and a Lookup right after found every block of the put in the pool, so the
+  // prompt is stored (blocks_written and bytes_written are then 0: unknown). A slow pool may have
+  // committed it, or another node stored the same blocks (newcomer 17 F1: such prompts were
+  // reported failed and served).
+  std::string commit_unanswered;
 };
 
 class PrefillNode {
@@ -261,6 +271,9 @@ class PrefillNode {
   // Sleeps in 20 ms slices until `wake` or until the node is stopping (a stop ends a backoff
   // within 20 ms); returns Stopping().
   bool SleepUnlessStopping(std::chrono::steady_clock::time_point wake) const;
+  // Whether the pool holds every block of `pending`'s put (Lookup, asked again every 100 ms for
+  // up to 1 s): after a CommitPut whose answer did not come. False on any error.
+  bool HeldByPool(const Pending& pending);
   // An UNAVAILABLE BeginPut `s` starts an outage when none is open (logged once).
   void NoteOutage(const absl::Status& s);
 
