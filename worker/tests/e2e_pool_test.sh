@@ -533,6 +533,17 @@ print(f"hung pool under decode: {first_served} prompts fell back, the pool serve
       f"{len(p) - first_served} after it was asked again")
 PY
 
+# decode_one NAME REVISION PROMPT_FLAGS...: one token of each prompt decoded from the pool (no
+# teacher forcing), report ${work}/decode_NAME.json; fails the test with its log if it fails.
+decode_one() {
+  local name="$1" revision="$2"
+  shift 2
+  "${worker_bin}" --role decode --pool "${pool}" --revision "${revision}" --model "${model}" \
+    --rotations "${work}/rot.safetensors" "$@" --max-new-tokens 1 --teacher-force false \
+    --report "${work}/decode_${name}.json" >/dev/null 2>"${work}/decode_${name}.log" \
+    || { cat "${work}/decode_${name}.log" >&2; fail "decode ${name} (revision ${revision})"; }
+}
+
 # prefill_killing_pool NAME ARGS...: a prefill node (ARGS: its flags) that SIGKILLs the pool right
 # after its first commit (--fault kill-pool-after-first-commit), in the background, stderr in
 # ${work}/prefill_NAME.log; returns once the pool is dead (or the node stopped), with worker_pid
@@ -639,10 +650,7 @@ kill -TERM "${worker_pid}" 2>/dev/null
 rc=0
 wait "${worker_pid}" || rc=$?
 [[ ${rc} -eq 143 || ${rc} -eq 0 ]] || { cat "${work}/prefill_rs.log" >&2; fail "prefill SIGTERMed after a restart: exit ${rc}, want 143 (or 0 if it ended first)"; }
-"${worker_bin}" --role decode --pool "${pool}" --revision restart-stop-test --model "${model}" \
-  --rotations "${work}/rot.safetensors" "${forty[@]}" --max-new-tokens 1 --teacher-force false \
-  --report "${work}/decode_rs.json" >/dev/null 2>"${work}/decode_rs.log" \
-  || { cat "${work}/decode_rs.log" >&2; fail "decode after the stopped prefill"; }
+decode_one rs restart-stop-test "${forty[@]}"
 python3 - "${work}" <<'PY' || { cat "${work}/prefill_rs.log" >&2; fail "a prompt reported stored is not in the pool"; }
 import json, sys
 work = sys.argv[1]
@@ -674,11 +682,7 @@ start_pool
 rc=0
 wait "${worker_pid}" || rc=$?
 [[ ${rc} -eq 0 ]] || { cat "${work}/prefill_end.log" >&2; fail "prefill with the pool restarted after its only commit: exit ${rc}, want 0"; }
-"${worker_bin}" --role decode --pool "${pool}" --revision restart-end-test --model "${model}" \
-  --rotations "${work}/rot.safetensors" --prompt-file "${demo}/prompts/03_boat.txt" \
-  --max-new-tokens 1 --teacher-force false \
-  --report "${work}/decode_end.json" >/dev/null 2>"${work}/decode_end.log" \
-  || { cat "${work}/decode_end.log" >&2; fail "decode after the restart at the end"; }
+decode_one end restart-end-test --prompt-file "${demo}/prompts/03_boat.txt"
 python3 - "${work}" <<'PY' || { cat "${work}/prefill_end.log" >&2; fail "the end-of-run check after a restart"; }
 import json, sys
 work = sys.argv[1]
@@ -738,10 +742,7 @@ echo "== the answer of a committed put is lost: the node finds the prompt stored
   "${prompts[@]}" --fault commit-answer-lost --report "${work}/prefill_al.json" \
   >/dev/null 2>"${work}/prefill_al.log" \
   || { cat "${work}/prefill_al.log" >&2; fail "prefill with a lost commit answer: want exit 0"; }
-"${worker_bin}" --role decode --pool "${pool}" --revision answer-lost-test --model "${model}" \
-  --rotations "${work}/rot.safetensors" "${prompts[@]}" --max-new-tokens 1 --teacher-force false \
-  --report "${work}/decode_al.json" >/dev/null 2>"${work}/decode_al.log" \
-  || { cat "${work}/decode_al.log" >&2; fail "decode after the lost commit answer"; }
+decode_one al answer-lost-test "${prompts[@]}"
 python3 - "${work}" <<'PY' || { cat "${work}/prefill_al.log" >&2; fail "a committed prompt whose answer was lost"; }
 import json, sys
 work = sys.argv[1]
