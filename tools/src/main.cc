@@ -71,7 +71,10 @@ const CLI::Validator kIndex(
       }
       std::string copy = v;
       if (!kvpool::cli::Range(int64_t{0}, int64_t{INT32_MAX})(copy).empty()) {
-        return "must be an index >= 0, got '" + v + "'";
+        // A value beyond the largest index is not "< 0" (newcomer 16b: --head 99999999999 was
+        // told it "must be an index >= 0").
+        return v[0] == '-' ? "must be an index >= 0, got '" + v + "'"
+                           : "must be an index in 0..2147483647, got '" + v + "'";
       }
       return {};
     },

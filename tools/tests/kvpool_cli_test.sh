@@ -44,6 +44,7 @@ check quantize-neg-layer 1 "--layer: must be an index >= 0, got '-1'" -- "$bin" 
 out="$("$bin" quantize --in "$tmp/x.npy" --layer -1 2>&1)"
 grep -q "179769\|e+308" <<<"$out" && { echo "FAIL quantize-neg-layer-range: $out"; fail=1; } || echo "ok   quantize-neg-layer-range"
 check quantize-neg-head 1 "--head: must be an index >= 0, got '-5'" -- "$bin" quantize --in "$tmp/x.npy" --head -5
+check quantize-huge-head 1 "--head: must be an index in 0..2147483647, got '99999999999'" -- "$bin" quantize --in "$tmp/x.npy" --head 99999999999
 # Plain decimal (newcomer 16 F2): lexical_cast read --layer 010 as octal 8 and took 0x10 and +1,
 # also from a --config file.
 for v in 0100 0x10 +16 " 16"; do
