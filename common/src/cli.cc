@@ -668,8 +668,7 @@ const CLI::Option* FindByName(const CLI::App& app, const std::string& name) {
 // what is accepted instead of "Could not convert", and a value that came from the --config file
 // names the file and the key ("--config 'k.yaml' key \"calibrate.per-head\": --per-head: ...").
 // Returns "" for any other message.
-std::string OptionValueError(const CLI::App& app, const YamlConfig* config, const std::string& what,
-                             int argc, char** argv) {
+std::string OptionValueError(const CLI::App& app, const std::string& what, int argc, char** argv) {
   std::string name, why;
   const std::string conv = "Could not convert: ";
   if (what.rfind(conv, 0) == 0) {
@@ -699,12 +698,8 @@ std::string OptionValueError(const CLI::App& app, const YamlConfig* config, cons
       why.find("does not exist: " + op->results().back()) != std::string::npos) {
     why += RelativePathNote(op->results().back());
   }
-  if (config != nullptr) {
-    for (const auto& origin : config->origins()) {
-      if (origin.option->get_name() != name || origin.option->results().empty()) continue;
-      if (NamedOnCommandLine(*origin.option, argc, argv)) break;
-      return ConfigNamed(app) + " key \"" + origin.key + "\": " + name + ": " + why;
-    }
+  if (const std::string from = ConfigSourceOf(app, name, argc, argv); !from.empty()) {
+    return from + ": " + name + ": " + why;
   }
   return name + ": " + why;
 }
@@ -808,13 +803,11 @@ int RefuseParseError(CLI::App& app, int argc, char** argv) {
     }
     return RefuseUsage(app, what);
   } catch (const CLI::ConversionError& e) {
-    const auto* config = dynamic_cast<const YamlConfig*>(app.get_config_formatter().get());
-    std::string what = OptionValueError(app, config, e.what(), argc, argv);
+    std::string what = OptionValueError(app, e.what(), argc, argv);
     if (what.empty()) what = WithConfigNamed(app, e.what());
     return RefuseUsage(app, what);
   } catch (const CLI::ValidationError& e) {
-    const auto* config = dynamic_cast<const YamlConfig*>(app.get_config_formatter().get());
-    std::string what = OptionValueError(app, config, e.what(), argc, argv);
+    std::string what = OptionValueError(app, e.what(), argc, argv);
     if (what.empty()) what = e.what();
     return RefuseUsage(app, what);
   } catch (const CLI::RequiredError& e) {

@@ -345,11 +345,6 @@ TEST(CliConfigTest, ValueErrorsFromTheFileNameTheFileAndTheKey) {
   }
 }
 
-// CLI11 reads booleans with to_flag_value, which takes any integer and "+"/"-": "--teacher-force
-// 2" ran with it on and "-1" with it off although the refusal of "maybe" lists the accepted words
-// (newcomer s8b F1). Only those words pass now, for an option of type bool and for a flag, on
-// the command line and from the config file, in a subcommand too, with the same message; a
-// counting flag still counts.
 // --version wins over a bad value in the --config file as it does over a bad command-line value
 // (newcomer 16b F5: the file's error was printed, exit 2).
 TEST(CliConfigTest, VersionWinsOverABadValueInTheFile) {
@@ -366,6 +361,11 @@ TEST(CliConfigTest, VersionWinsOverABadValueInTheFile) {
   }
 }
 
+// CLI11 reads booleans with to_flag_value, which takes any integer and "+"/"-": "--teacher-force
+// 2" ran with it on and "-1" with it off although the refusal of "maybe" lists the accepted words
+// (newcomer s8b F1). Only those words pass now, for an option of type bool and for a flag, on
+// the command line and from the config file, in a subcommand too, with the same message; a
+// counting flag still counts.
 TEST(CliConfigTest, IntegersAndSignsAreNotBooleans) {
   const std::string want_bool = kNotABoolean;
   for (const std::string value : {"2", "-1", "10", "+", "-", "", "01", "truee"}) {
