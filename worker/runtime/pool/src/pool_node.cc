@@ -8,6 +8,7 @@
 #include <chrono>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <utility>
 
@@ -125,8 +126,19 @@ constexpr char kStageNamedPayload[] = "type.kvpool/worker-stop-stage-named";
 // The payload of an outcome RunAll gave a prompt it had committed to a pool that restarted
 // later and that it did not put again (PromptLostWithPool).
 constexpr char kLostPayload[] = "type.kvpool/worker-prompt-lost-with-pool";
-// How often RunAll asks an UNAVAILABLE pool for its epoch again at the end of a run.
-constexpr absl::Duration kStatsRetryInterval = absl::Milliseconds(100);
+// How often a question the pool did not answer is asked again: RunAll's epoch check at the end
+// of a run (UNAVAILABLE) and HeldByPool after an unanswered commit.
+constexpr absl::Duration kAskAgainInterval = absl::Milliseconds(100);
+
+// `s` with `suffix` appended to its message, its code and payloads kept (the payloads mark
+// outcomes RunAll and the worker tell apart: PromptLostWithPool, PutExpired, ...).
+absl::Status WithSuffix(const absl::Status& s, std::string_view suffix) {
+  absl::Status out(s.code(),
+                   absl::StrCat(s.message(), absl::string_view(suffix.data(), suffix.size())));
+  s.ForEachPayload(
+      [&out](absl::string_view url, const absl::Cord& payload) { out.SetPayload(url, payload); });
+  return out;
+}
 
 // A Reopen that failed: a stop (CANCELLED) found the prompt between a failed commit and its
 // put open again, not during a commit (newcomer s10b F3: a prompt waiting for a killed pool to
@@ -412,12 +424,8 @@ absl::StatusOr<PrefillReport> PrefillNode::Commit(Pending pending, Pending* othe
   }
   // The put again failed too: say both (17 F2).
   if (!r.ok() && unanswered.empty() && reput_start.has_value()) {
-    absl::Status out(r.status().code(),
-                     absl::StrCat(r.status().message(), " (the put of this prompt again, after ",
-                                  StatusText(first_failure), ")"));
-    r.status().ForEachPayload(
-        [&out](absl::string_view url, const absl::Cord& payload) { out.SetPayload(url, payload); });
-    return out;
+    return WithSuffix(r.status(), absl::StrCat(" (the put of this prompt again, after ",
+                                               StatusText(first_failure), ")"));
   }
   if (unanswered.empty()) KVPOOL_RETURN_IF_ERROR(r.status());
   PrefillReport rep = pending.report;
@@ -442,8 +450,8 @@ bool PrefillNode::HeldByPool(const Pending& pending) {
     if (lk.ok() && pending.report.blocks > 0 && lk->num_blocks >= pending.report.blocks) {
       return true;
     }
-    if (absl::Now() + absl::Milliseconds(100) >= until || Stopping()) return false;
-    absl::SleepFor(absl::Milliseconds(100));
+    if (absl::Now() + kAskAgainInterval >= until || Stopping()) return false;
+    absl::SleepFor(kAskAgainInterval);
   }
 }
 
@@ -464,16 +472,10 @@ void PrefillNode::NoteRoomWaitSpent() {
 }
 
 absl::Status PrefillNode::RoomWaitSpent(const absl::Status& s) const {
-  absl::Status out(s.code(),
-                   absl::StrCat(s.message(),
-                                " (not waited for: an earlier prompt waited the "
-                                "whole ",
-                                options_.reconnect_wait.count(),
-                                " ms of --call-timeout-ms for room in vain, and no commit has "
-                                "succeeded since)"));
-  s.ForEachPayload(
-      [&out](absl::string_view url, const absl::Cord& payload) { out.SetPayload(url, payload); });
-  return out;
+  return WithSuffix(s, absl::StrCat(" (not waited for: an earlier prompt waited the whole ",
+                                    options_.reconnect_wait.count(),
+                                    " ms of --call-timeout-ms for room in vain, and no commit has "
+                                    "succeeded since)"));
 }
 
 absl::Status PrefillNode::ExpiredAgain(const absl::Status& s, double reput_seconds) const {
@@ -481,20 +483,16 @@ absl::Status PrefillNode::ExpiredAgain(const absl::Status& s, double reput_secon
   // this node's --put-timeout-ms, or the pool's when it is 0 (newcomer 13b F8: with
   // --put-timeout-ms 1 every prompt failed and nothing said which flag was too short).
   const int64_t asked = options_.put_timeout.count();
-  absl::Status out(
-      s.code(),
-      absl::StrCat(s.message(), " (it expired again when put a second time from the recorded K/V: ",
-                   "that put took ", static_cast<int64_t>(reput_seconds * 1000.0),
-                   " ms from its BeginPut to its Commit, longer than the put timeout ",
-                   asked > 0 ? absl::StrCat("of ", asked,
-                                            " ms that kvpool-worker --put-timeout-ms asks "
-                                            "for; raise it, or give 0 for the pool's own")
-                             : "of the pool (kvpool-server --put-timeout-ms; or ask for more with "
-                               "kvpool-worker --put-timeout-ms)",
-                   ")"));
-  s.ForEachPayload(
-      [&out](absl::string_view url, const absl::Cord& payload) { out.SetPayload(url, payload); });
-  return out;
+  return WithSuffix(
+      s, absl::StrCat(" (it expired again when put a second time from the recorded K/V: ",
+                      "that put took ", static_cast<int64_t>(reput_seconds * 1000.0),
+                      " ms from its BeginPut to its Commit, longer than the put timeout ",
+                      asked > 0 ? absl::StrCat("of ", asked,
+                                               " ms that kvpool-worker --put-timeout-ms asks "
+                                               "for; raise it, or give 0 for the pool's own")
+                                : "of the pool (kvpool-server --put-timeout-ms; or ask for more "
+                                  "with kvpool-worker --put-timeout-ms)",
+                      ")"));
 }
 
 void PrefillNode::NoteOutage(const absl::Status& s) {
@@ -762,10 +760,10 @@ std::vector<absl::StatusOr<PrefillReport>> PrefillNode::RunAll(
         return st->pool_epoch;
       }
       unanswered = st.status();
-      if (!absl::IsUnavailable(st.status()) || absl::Now() + kStatsRetryInterval >= until) {
+      if (!absl::IsUnavailable(st.status()) || absl::Now() + kAskAgainInterval >= until) {
         return 0;
       }
-      absl::SleepFor(kStatsRetryInterval);
+      absl::SleepFor(kAskAgainInterval);
     }
   };
   auto committed = [&](size_t k) { return out[k].ok() && out[k]->pool_epoch != 0; };
