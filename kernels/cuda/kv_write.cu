@@ -55,10 +55,11 @@
 // consumer warps run the quantize-only path (TMA tile loads into their own ring, same-row
 // layout, K/V alternation) on items of 64 tokens (warp w of a warpgroup takes tile w of the 4);
 // between the TMA and the consumer the producer rotates the warpgroup's four tiles in place:
-// ldmatrix as wgmma A fragments (bf16 -> fp16 as in step 1), wgmma m64nNk16 (N = kWsN = 32
-// columns at a time) against Rᵀ (B from shared memory, fp32 accumulators), bf16 rounding,
-// stmatrix back into the stage, an
-// mbarrier arrival per consumer warp. Same operands and accumulation as step 1, so the
+// ldmatrix as wgmma A fragments (bf16 -> fp16 as in step 1), wgmma m64nNk16 against Rᵀ (B from
+// shared memory by descriptor, fp32 accumulators; rotate+quantize: N = 128, all columns in one
+// wgmma per k step, the producer holding 128 registers through setmaxnreg (v16, session 18);
+// rotate-bf16: N = kWsN = 32 columns at a time), bf16 rounding, stmatrix back into the stage,
+// an mbarrier arrival per consumer warp. Same operands and accumulation as step 1, so the
 // rounded rows (and the INT2 bytes) are those of the mma.sync kernels up to the tensor cores'
 // accumulation order (measured by KvWrite.WarpSpecializedRotationMatchesMmaSync).
 #include <cuda.h>  // CUtensorMap (the encoder comes from the runtime's driver entry point)
@@ -92,17 +93,48 @@ constexpr int kStages = 2;
 #define KVPOOL_WRITE_WS_GROUPS 4
 #endif
 constexpr int kWsGroups = KVPOOL_WRITE_WS_GROUPS;
-// Columns per wgmma of the producer (its accumulators: kWsN / 2 per thread).
+// Registers per producer thread (setmaxnreg; 0 = none: every warp keeps the launch's 96) of
+// the rotate+quantize (KVPOOL_WRITE_WS_REGS) and the rotate-bf16 (KVPOOL_WRITE_WS_REGS_BF16)
+// kernel. With 128 the producer multiplies all D columns at once (one wgmma m64n128k16 per k
+// step, 64 accumulators per thread, the 8 descriptors ready before the first) and each
+// consumer thread gives up 8 registers (640 threads share the SM's 64K: 512 x 88 + 128 x 128);
+// without, N = kWsN columns at a time. Measured on the H200 (session 18, same call, 4 rounds,
+// 8 KV heads, d 128): rotate+quantize 308.4 vs 318.2 us without (N = 32, the same one-add
+// descriptors) at 1M token-heads, 87.2 vs 89.4 at 256K, 31.4 vs 33.1 at 64K (v15: 355.7 / 98.2 /
+// 35.2); rotate-bf16 with 128: 307.7 vs 304.6 at 1M and 32.6 vs 29.3 at 64K (its consumers
+// spill at 88 registers), so it keeps 0. docs/KERNELS.md "Session 18".
+#ifndef KVPOOL_WRITE_WS_REGS
+#define KVPOOL_WRITE_WS_REGS 128
+#endif
+#ifndef KVPOOL_WRITE_WS_REGS_BF16
+#define KVPOOL_WRITE_WS_REGS_BF16 0
+#endif
+template <bool kOutBf16>
+__host__ __device__ constexpr int WsProducerRegs() {
+  return kOutBf16 ? KVPOOL_WRITE_WS_REGS_BF16 : KVPOOL_WRITE_WS_REGS;
+}
+static_assert(WsProducerRegs<false>() == 0 || WsProducerRegs<false>() == 128, "0 or 128");
+static_assert(WsProducerRegs<true>() == 0 || WsProducerRegs<true>() == 128, "0 or 128");
+// Columns per wgmma of the producer without setmaxnreg (its accumulators: kWsN / 2 per thread).
 #ifndef KVPOOL_WRITE_WS_N
 #define KVPOOL_WRITE_WS_N 32
 #endif
 constexpr int kWsN = KVPOOL_WRITE_WS_N;
+template <bool kOutBf16>
+__host__ __device__ constexpr int WsColumns() {
+  return WsProducerRegs<kOutBf16>() >= 128 ? 128 : kWsN;
+}
 constexpr int kWsConsumerWarps = 4 * kWsGroups;
 // Producer warpgroups; producer p serves the consumer warpgroups c with c % kWsProducers == p.
 #ifndef KVPOOL_WRITE_WS_PRODUCERS
 #define KVPOOL_WRITE_WS_PRODUCERS 1
 #endif
 constexpr int kWsProducers = KVPOOL_WRITE_WS_PRODUCERS;
+// (setmaxnreg.inc waits for registers the consumers released: only the one-producer CTA of 4
+// consumer warpgroups has them)
+static_assert(WsProducerRegs<false>() + WsProducerRegs<true>() == 0 ||
+                  (kWsProducers == 1 && kWsGroups == 4),
+              "setmaxnreg needs the one-producer, four-consumer-warpgroup CTA");
 // Warps per CTA of the non-rotating kernels at d <= 128 (quantize-only, demotion, BF16 output),
 // which run 24 warps per SM: one CTA of 24 warps per SM (session 11, v15). Measured on the H200
 // (same call, 4 rounds, d 128, 32 q / 8 KV heads): quantize-only 52.6 vs 56.8 µs with 6 CTAs of 4
@@ -845,10 +877,16 @@ __device__ __forceinline__ void FenceProxyAsyncShared() {
 // 128-byte rows (1024 bytes, 1024-aligned) SBO = 1024 bytes apart; LBO unused for this layout
 // (1); swizzle mode 1 = 128B in bits 62-63. A start address inside the swizzle atom (k steps of
 // 32 bytes) is legal: the hardware applies the XOR to the final address bits.
-// (The shared-window address is < 2^18, so it needs no mask to fit the 14-bit field.)
-__device__ __forceinline__ uint64_t WgmmaDescK128(uint32_t smem_addr) {
-  return uint64_t(smem_addr >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) |
-         (uint64_t(1) << 62);
+// WgmmaDescLo(a) is the low word (start address >> 4 in bits 0-13, LBO in 16-29); the high word
+// (SBO, swizzle) is a constant. WgmmaDescLo(a) + (o >> 4) is the low word of the descriptor of
+// a + o for 16-byte multiples o (the shared-window address is < 2^18, so the 14-bit field
+// neither needs a mask nor carries), so a run of descriptors costs one add each (v11 rebuilt
+// each from its address: shift, or, and the constant, 6 instructions per wgmma with the moves).
+__device__ __forceinline__ uint32_t WgmmaDescLo(uint32_t smem_addr) {
+  return (smem_addr >> 4) | (1u << 16);
+}
+__device__ __forceinline__ uint64_t WgmmaDescFromLo(uint32_t lo) {
+  return uint64_t(lo) | (uint64_t((1024 >> 4) | (1u << 30)) << 32);
 }
 __device__ __forceinline__ void WgmmaFence() {
   asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
@@ -874,7 +912,19 @@ __device__ __forceinline__ void RegFence(uint32_t& r) { asm volatile("" : "+r"(r
 template <int N, bool kBf16>
 __device__ __forceinline__ void WgmmaM64K16(float (&d)[N / 2], const uint32_t (&a)[4],
                                             uint64_t desc_b, int accumulate) {
-  static_assert(N == 64 || N == 32, "N = 64 or 32");
+  static_assert(N == 128 || N == 64 || N == 32, "N = 128, 64 or 32");
+#define KVPOOL_WGMMA_N128(T)                                                                   \
+  asm volatile(                                                                                \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"                                             \
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32." T "." T                                   \
+      " "                                                                                      \
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, " \
+      "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, "  \
+      "%36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, "  \
+      "%53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, "         \
+      "%68, p, 1, 1, 0;\n}\n"                                                                  \
+      : KVPOOL_WGMMA_D16(0), KVPOOL_WGMMA_D16(16), KVPOOL_WGMMA_D16(32), KVPOOL_WGMMA_D16(48)  \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate))
 #define KVPOOL_WGMMA_N64(T)                                                                      \
   asm volatile(                                                                                  \
       "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                               \
@@ -894,7 +944,11 @@ __device__ __forceinline__ void WgmmaM64K16(float (&d)[N / 2], const uint32_t (&
       "%19}, %20, p, 1, 1, 0;\n}\n"                                                              \
       : KVPOOL_WGMMA_D16(0)                                                                      \
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate))
-  if constexpr (N == 64 && kBf16) {
+  if constexpr (N == 128 && kBf16) {
+    KVPOOL_WGMMA_N128("bf16");
+  } else if constexpr (N == 128) {
+    KVPOOL_WGMMA_N128("f16");
+  } else if constexpr (N == 64 && kBf16) {
     KVPOOL_WGMMA_N64("bf16");
   } else if constexpr (N == 64) {
     KVPOOL_WGMMA_N64("f16");
@@ -903,6 +957,7 @@ __device__ __forceinline__ void WgmmaM64K16(float (&d)[N / 2], const uint32_t (&
   } else {
     KVPOOL_WGMMA_N32("f16");
   }
+#undef KVPOOL_WGMMA_N128
 #undef KVPOOL_WGMMA_N64
 #undef KVPOOL_WGMMA_N32
 }
@@ -1467,6 +1522,8 @@ __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate, kWs>(), MinBlocks
       // rows by Rᵀ of the item's kind (two N = 64 halves of eight k16 steps, fp32
       // accumulation), and the bf16-rounded products overwrite the tile in place in the same
       // layout (stmatrix), which the consumer then reads like a loaded tile.
+      if constexpr (WsProducerRegs<kOutBf16>() > 0)
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(WsProducerRegs<kOutBf16>()));
       const int pw = (warp - kWsConsumerWarps) & 3;
       const int pg_idx = (warp - kWsConsumerWarps) >> 2;  // this producer warpgroup
       int left_c[kWsGroups], kv0_c[kWsGroups];
@@ -1508,27 +1565,27 @@ __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate, kWs>(), MinBlocks
           }
           const int kvi = (kv0_c[c] + n) & 1;
           const uint32_t b_sa = rt_sa + uint32_t(kvi * 2 * D * D);  // Rᵀ of the item's kind
-          // N in chunks of kWsN columns (kWsN / 2 accumulators per thread).
+          const uint32_t b_lo = WgmmaDescLo(b_sa);
+          constexpr int kN = WsColumns<kOutBf16>();
+          // N in chunks of kN columns (kN / 2 accumulators per thread).
 #pragma unroll
-          for (int nc = 0; nc < D / kWsN; ++nc) {
-            float acc[kWsN / 2];
+          for (int nc = 0; nc < D / kN; ++nc) {
+            float acc[kN / 2];
 #pragma unroll
-            for (int r = 0; r < kWsN / 2; ++r) acc[r] = 0.f;
+            for (int r = 0; r < kN / 2; ++r) acc[r] = 0.f;
             WgmmaFence();
 #pragma unroll
             for (int s8 = 0; s8 < 8; ++s8)
-              // (adding the offsets to one descriptor instead made ptxas keep all 32 live and
-              // spill)
-              WgmmaM64K16<kWsN, KVPOOL_WRITE_ROT_BF16 != 0>(
+              WgmmaM64K16<kN, KVPOOL_WRITE_ROT_BF16 != 0>(
                   acc, af[s8],
-                  WgmmaDescK128(b_sa +
-                                uint32_t((s8 >> 2) * 128 * D + nc * kWsN * 128 + (s8 & 3) * 32)),
+                  WgmmaDescFromLo(
+                      b_lo + uint32_t(((s8 >> 2) * 128 * D + nc * kN * 128 + (s8 & 3) * 32) >> 4)),
                   s8 > 0);
             WgmmaCommit();
             WgmmaWaitAll();
 #pragma unroll
-            for (int r = 0; r < kWsN / 2; ++r) RegFence(acc[r]);
-            if (nc == D / kWsN - 1) {
+            for (int r = 0; r < kN / 2; ++r) RegFence(acc[r]);
+            if (nc == D / kN - 1) {
 #pragma unroll
               for (int s8 = 0; s8 < 8; ++s8)
 #pragma unroll
@@ -1536,9 +1593,9 @@ __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate, kWs>(), MinBlocks
             }
             // stmatrix j: the n8 tiles 2j, 2j + 1 of the chunk, rows 0-7 / 8-15 each
 #pragma unroll
-            for (int j = 0; j < kWsN / 16; ++j) {
+            for (int j = 0; j < kN / 16; ++j) {
               const uint32_t ad =
-                  xs + uint32_t(Swz128(lrow * 256 + (nc * (kWsN / 8) + 2 * j + (mi >> 1)) * 16));
+                  xs + uint32_t(Swz128(lrow * 256 + (nc * (kN / 8) + 2 * j + (mi >> 1)) * 16));
               StMatrixX4(ad, PackBf162(acc[8 * j], acc[8 * j + 1]),
                          PackBf162(acc[8 * j + 2], acc[8 * j + 3]),
                          PackBf162(acc[8 * j + 4], acc[8 * j + 5]),
@@ -1551,6 +1608,10 @@ __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate, kWs>(), MinBlocks
       }
       return;
     }
+    // the consumers give up what the producer took (WsProducerRegs)
+    if constexpr (WsProducerRegs<kOutBf16>() > 0)
+      asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(
+          96 - (WsProducerRegs<kOutBf16>() - 96) * 4 * kWsProducers / kWsConsumerWarps));
   }
 
   for (; left > 0; --left) {

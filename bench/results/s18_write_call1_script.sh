@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# Session-18 write-kernel device call 1 (the lead; carried in .devlibs-w18/w18.tar.xz): the
+# warp-specialized d-128 rotation's producer with one wgmma m64n128k16 per k step and 128
+# registers (setmaxnreg; consumers 88) against main. Builds (kv_write.cu only, relinked into
+# cuda_write_bench, cuda_kernels_test, kvstore_gpu_test; see s18_write_builds.txt): main (main
+# 7b1b2a0), c0 (one-add descriptors, N = 32 as main), cA (c0 + 128-register producer in the
+# rotate+quantize kernel), cB (cA also in rotate-bf16), cC (cA with bf16 operands: a
+# measurement, not a supported mode). Tests of c0/cA/cB (KvWrite.*, EndToEnd.*,
+# kvstore_gpu_test), then alternating bench rounds (order rotated per round, medians of 30, L2
+# flushed) and a table of means with ratios to main.
+set -u
+L=/tmp/w18
+mkdir -p $L && tar xJf .devlibs-w18/w18.tar.xz -C $L
+export LD_LIBRARY_PATH="$L/lib:${LD_LIBRARY_PATH:-}"
+O=$OUT/r
+mkdir -p "$O"
+LOG=$O/s18_write_call1_log.txt
+{
+  echo "== $(date -u)"
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,clocks.max.sm,temperature.gpu,power.draw --format=csv
+} 2>&1 | tee "$LOG"
+t0=$(date +%s)
+el() { echo $(( $(date +%s) - t0 )); }
+summ() {
+  grep -E "^\[( +OK|  FAILED|  PASSED|  SKIPPED)|^\[(quantize|rotate|rotate-ws|e2e|demote)|Failure|Expected|Which|actual|rotation d=|commit of" \
+    "$1" | head -${2:-40} | tee -a "$LOG"
+}
+runtest() {  # name binary filter [env...]
+  local n=$1 b=$2 f=$3; shift 3
+  echo "== test $n: $b --gtest_filter=$f ${*:-} ($(el) s)" | tee -a "$LOG"
+  env "$@" timeout 120 $L/$b --gtest_filter="$f" > "$O/test_$n.txt" 2>&1
+  echo "test $n exit $? ($(el) s)" | tee -a "$LOG"
+  summ "$O/test_$n.txt"
+}
+for v in cA cB c0; do
+  runtest $v cuda_kernels_test_$v 'KvWrite.*:EndToEnd.*'
+  echo "== kvstore_gpu_test_$v ($(el) s)" | tee -a "$LOG"
+  timeout 60 $L/kvstore_gpu_test_$v > "$O/test_kvstore_$v.txt" 2>&1
+  echo "kvstore_gpu_test_$v exit $? ($(el) s)" | tee -a "$LOG"
+  summ "$O/test_kvstore_$v.txt" 30
+done
+runtest cC cuda_kernels_test_cC 'KvWrite.Rotate*:KvWrite.WarpSpecialized*'
+B=(main c0 cA cB cC)
+n=${#B[@]}
+for r in $(seq 1 "${ROUNDS:-4}"); do
+  for i in $(seq 0 $((n - 1))); do
+    name=${B[$(( (i + r - 1) % n ))]}
+    echo "== bench $name round $r ($(el) s)" | tee -a "$LOG"
+    timeout 90 $L/cuda_write_bench_$name --tokens 8192,32768,131072 --iters 30 \
+      --warmup 5 --json "$O/bench_${name}_r$r.json" 2>&1 | tee -a "$LOG"
+  done
+done
+nvidia-smi --query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv 2>&1 | tee -a "$LOG"
+echo "== table: median us per configuration, mean [rounds] (ratio to main) ($(el) s)" | tee -a "$LOG"
+python3 - "$O" <<'PY' 2>&1 | tee -a "$LOG"
+import json, glob, os, sys, collections
+rows = collections.defaultdict(lambda: collections.defaultdict(list))
+for f in sorted(glob.glob(os.path.join(sys.argv[1], 'bench_*.json'))):
+    b = os.path.basename(f)[6:-5].rsplit('_r', 1)[0]
+    try:
+        d = json.load(open(f))
+    except Exception as e:
+        print(b, 'unreadable', e); continue
+    if 'error' in d: print(b, 'ERROR', d['error'])
+    for r in d.get('results', []):
+        rows[(r['kernel'], r['tokens'])][b].append((r['ms'] * 1e3, r.get('pct_of_floor', r.get('pct', 0))))
+order = ['main', 'c0', 'cA', 'cB', 'cC']
+print('kernel tokens | ' + ' | '.join(order))
+for k in sorted(rows):
+    m = rows[k].get('main')
+    mm = sum(x[0] for x in m) / len(m) if m else None
+    cells = []
+    for b in order:
+        v = rows[k].get(b)
+        if not v: cells.append('-'); continue
+        mu = sum(x[0] for x in v) / len(v)
+        cells.append('%.1f [%s]%s' % (mu, '/'.join('%.1f' % x[0] for x in v),
+                     ' (%.3f)' % (mu / mm) if mm and b != 'main' else ''))
+    print(k[0], k[1], '| ' + ' | '.join(cells))
+PY
+(cd "$OUT" && cp r/s18_write_call1_log.txt . && tar czf s18_write_call1_results.tgz r && rm -rf r)
