@@ -1519,7 +1519,7 @@ __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate, kWs>(), MinBlocks
       // in which the consumers take them), its warp pw waits for consumer warp 4c + pw's tile
       // (TMA into that warp's stage), loads it as wgmma A fragments (bf16 -> fp16, exact unless
       // |x| > 65504: inf, and the row is refused downstream), the warpgroup multiplies the 64
-      // rows by Rᵀ of the item's kind (two N = 64 halves of eight k16 steps, fp32
+      // rows by Rᵀ of the item's kind (WsColumns() columns per wgmma, eight k16 steps, fp32
       // accumulation), and the bf16-rounded products overwrite the tile in place in the same
       // layout (stmatrix), which the consumer then reads like a loaded tile.
       if constexpr (WsProducerRegs<kOutBf16>() > 0)
