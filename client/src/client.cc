@@ -9,6 +9,7 @@
 #include <cstring>
 #include <future>
 #include <map>
+#include <random>
 #include <thread>
 #include <tuple>
 #include <unordered_map>
@@ -1262,12 +1263,21 @@ class ClientImpl final : public Client {
       req.set_timeout_ms(static_cast<uint32_t>(std::clamp<int64_t>(
           absl::ToInt64Milliseconds(options_.put_timeout), 1, int64_t{UINT32_MAX})));
     }
+    // Protocol v1.8: the put's tag, so that a call given up on (below) can still abort a put
+    // the pool opens anyway (a pool resumed from SIGSTOP handles the queued call).
+    req.set_put_tag(NewPutTag());
     const absl::Time start = absl::Now();
     pb::BeginPutResponse resp;
     absl::Status s = Rpc(call, deadline, &pb::KvPool::Stub::BeginPut, req, &resp);
     hold.Release();
     KVPOOL_STAMP(kBeginPutRpcDone, stamps::Cpu());
-    if (!s.ok()) return CheckRestart(s, c.epoch, deadline);
+    if (!s.ok()) {
+      if (s.code() == absl::StatusCode::kDeadlineExceeded ||
+          s.code() == absl::StatusCode::kCancelled) {
+        AbortTagInBackground(c, req.put_tag());
+      }
+      return CheckRestart(s, c.epoch, deadline);
+    }
     if (resp.pool_epoch() != c.epoch) {
       MarkStale("epoch changed at BeginPut");
       return absl::UnavailableError("pool restarted; retry");
@@ -1848,6 +1858,45 @@ class ClientImpl final : public Client {
                              });
   }
 
+  // AbortPut by put_tag (protocol v1.8) of a BeginPut this client gave up on (deadline or
+  // cancel): the pool may still open the put, and this client never learns its id. Sent like
+  // AbortRpcInBackground (2 s deadline, not waited for, at most kMaxBackgroundAborts in
+  // flight); the pool aborts the put or, when the BeginPut has not reached it yet, refuses it.
+  // A pool before v1.8 ignores the tag and answers NOT_FOUND (put_id 0); its put waits for the
+  // put timeout as before.
+  void AbortTagInBackground(const ConnSnapshot& c, const std::string& tag) {
+    if (!background_->TryBegin(kMaxBackgroundAborts)) return;
+    struct Call {
+      grpc::ClientContext ctx;
+      pb::AbortPutRequest req;
+      pb::AbortPutResponse resp;
+    };
+    auto call = std::make_shared<Call>();
+    call->req.set_namespace_id(DigestBytes(c.namespace_id));
+    call->req.set_put_tag(tag);
+    call->ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
+    std::shared_ptr<BackgroundCalls> tracker = background_;
+    stub_->async()->AbortPut(&call->ctx, &call->req, &call->resp, [call, tracker](grpc::Status gs) {
+      if (!gs.ok() && gs.error_code() != grpc::StatusCode::NOT_FOUND) {
+        KVPOOL_LOG_DEBUG(
+            "client: background AbortPut by tag of a BeginPut given up on failed ({}); the pool "
+            "drops such a put at its put timeout",
+            gs.error_message());
+      }
+      tracker->End();  // last use of the tracker's client
+    });
+  }
+
+  // A put tag no other put of any client is likely to carry: this client's random 64 bits and a
+  // counter (16 bytes).
+  std::string NewPutTag() {
+    const uint64_t n = put_tag_counter_.fetch_add(1, std::memory_order_relaxed);
+    std::string tag(16, '\0');
+    std::memcpy(tag.data(), &put_tag_salt_, 8);
+    std::memcpy(tag.data() + 8, &n, 8);
+    return tag;
+  }
+
   // Direct-mode fetch: copies each leased form (sources[j], items[j].loc->size bytes) to
   // dests[j] and sets (*sums)[j] to the form checksum of the copied bytes (verify) or to the
   // leased checksum (no verify). Large fetches use the copy pool: one task per form when there
@@ -2083,6 +2132,10 @@ class ClientImpl final : public Client {
   };
   std::shared_ptr<UnsettledAborts> unsettled_aborts_ = std::make_shared<UnsettledAborts>();
   std::shared_ptr<BackgroundCalls> background_ = std::make_shared<BackgroundCalls>();
+  // NewPutTag: random per client, and the count of tags handed out.
+  const uint64_t put_tag_salt_ =
+      (uint64_t{std::random_device{}()} << 32) | uint64_t{std::random_device{}()};
+  std::atomic<uint64_t> put_tag_counter_{0};
 
   static constexpr size_t kMaxCachedBuffers = 8;
   static constexpr absl::Duration kKeepAwayMargin = absl::Seconds(10);

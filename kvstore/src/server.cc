@@ -325,6 +325,7 @@ absl::StatusOr<std::unique_ptr<PoolServer>> PoolServer::Create(const PoolServerO
   ctx.store = impl->store.get();
   ctx.ucx_worker_address = worker_address;
   ctx.rotation_dir = rotation_dir;
+  ctx.tag_tombstone_life = o.store.max_put_timeout;
   impl->worker_address = worker_address;
 #if defined(KVPOOL_HAVE_TRANSPORT)
   ctx.transport = impl->transport.get();

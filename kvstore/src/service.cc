@@ -12,6 +12,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <unordered_map>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -240,7 +241,16 @@ class KvPoolService final : public pb::KvPool::Service {
     if (!ns.ok()) {
       return Finish(ns.status());
     }
-    return Finish(store_.AbortPut(*ns, req->put_id()));
+    if (req->put_tag().empty()) {
+      return Finish(store_.AbortPut(*ns, req->put_id()));
+    }
+    if (req->put_id() != 0) {
+      return Finish(absl::InvalidArgumentError(
+          "put_tag: give put_id or put_tag, not both (put_tag names a put whose id the caller "
+          "never learnt)"));
+    }
+    if (absl::Status t = CheckPutTag(req->put_tag()); !t.ok()) return Finish(t);
+    return Finish(AbortTagged(*ns, TagKey(req->namespace_id(), req->put_tag())));
   }
 
   grpc::Status WritePut(grpc::ServerContext* context, const pb::WritePutRequest* req,
@@ -477,7 +487,8 @@ class KvPoolService final : public pb::KvPool::Service {
     // it counts a deadline from when it read the call; a put it opens then, or whose caller
     // gives up after the answer left, waits for its put timeout. Measured: a BeginPut given up
     // on at a SIGSTOPped pool opened no put in 7 of 10 runs once the pool resumed (before: 0 of
-    // 2). Closing the rest needs the client to name the put it gave up on (not done).
+    // 2). The rest is closed by put tags (v1.8, below): the client aborts a BeginPut it gave up
+    // on by the tag it sent (newcomer 17 F3).
     if (CallerGone(context)) {
       return absl::DeadlineExceededError(
           "BeginPut: the caller had given up on the call (cancelled, or past its deadline) when "
@@ -487,14 +498,30 @@ class KvPoolService final : public pb::KvPool::Service {
     if (!ns.ok()) {
       return ns.status();
     }
+    // Protocol v1.8: a tagged put can be aborted by its tag (AbortPutRequest.put_tag) by a
+    // caller that gave up on this call, which closes what the checks above cannot see.
+    std::string tag_key;
+    if (!req.put_tag().empty()) {
+      KVPOOL_RETURN_IF_ERROR(CheckPutTag(req.put_tag()));
+      tag_key = TagKey(req.namespace_id(), req.put_tag());
+      KVPOOL_RETURN_IF_ERROR(ClaimTag(tag_key));
+    }
     auto plan =
         store_.BeginPut(*ns, absl::MakeConstSpan(req.token_ids().data(), req.token_ids().size()),
                         req.num_blocks(), absl::Milliseconds(req.timeout_ms()));
     if (!plan.ok()) {
+      if (!tag_key.empty()) ReleaseTag(tag_key);
       return plan.status();
+    }
+    if (!tag_key.empty() && !BindTag(tag_key, plan->put_id, plan->timeout)) {
+      (void)store_.AbortPut(*ns, plan->put_id);
+      return absl::AbortedError(
+          "BeginPut: an AbortPut named this put's put_tag while the pool opened it; it was "
+          "aborted");
     }
     if (CallerGone(context)) {
       (void)store_.AbortPut(*ns, plan->put_id);
+      if (!tag_key.empty()) ReleaseTag(tag_key);
       return absl::DeadlineExceededError(
           "BeginPut: the caller gave up on the call (cancelled, or past its deadline) while the "
           "pool opened the put; it was aborted");
@@ -926,11 +953,94 @@ class KvPoolService final : public pb::KvPool::Service {
 #endif
   }
 
+  // ---- put tags (protocol v1.8, BeginPutRequest.put_tag / AbortPutRequest.put_tag) ----
+  // A tag's state: claimed by a BeginPut that is opening its put (put_id 0), bound to the open
+  // put, or aborted (an AbortPut named it: a BeginPut with it is refused). Entries expire (a
+  // bound one at its put's deadline, when the store has committed or reclaimed the put; an
+  // aborted one after ctx_.tag_tombstone_life) and are swept when the table has doubled.
+  struct TagState {
+    uint64_t put_id = 0;
+    bool aborted = false;
+    absl::Time expires;
+  };
+  static constexpr size_t kMaxPutTagBytes = 64;
+
+  static absl::Status CheckPutTag(const std::string& tag) {
+    if (tag.size() > kMaxPutTagBytes) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("put_tag: ", tag.size(), " bytes, at most ", kMaxPutTagBytes));
+    }
+    return absl::OkStatus();
+  }
+  static std::string TagKey(const std::string& namespace_id, const std::string& tag) {
+    return absl::StrCat(namespace_id, tag);  // the namespace digest is always 32 bytes
+  }
+  void SweepTagsLocked(absl::Time now) {
+    if (tags_.size() < tags_sweep_at_) return;
+    for (auto it = tags_.begin(); it != tags_.end();) {
+      it = it->second.expires <= now ? tags_.erase(it) : std::next(it);
+    }
+    tags_sweep_at_ = std::max<size_t>(1024, 2 * tags_.size());
+  }
+  // BeginPut: takes the tag for the put about to be opened.
+  absl::Status ClaimTag(const std::string& key) {
+    const absl::Time now = absl::Now();
+    std::lock_guard<std::mutex> lock(tags_mu_);
+    SweepTagsLocked(now);
+    auto [it, fresh] = tags_.try_emplace(key);
+    if (!fresh && it->second.expires > now) {
+      if (it->second.aborted) {
+        return absl::AbortedError(
+            "BeginPut: an AbortPut named this put_tag before the pool handled the call; no put "
+            "was opened");
+      }
+      return absl::InvalidArgumentError(absl::StrCat("put_tag: already names ",
+                                                     it->second.put_id != 0
+                                                         ? absl::StrCat("put ", it->second.put_id)
+                                                         : std::string("a put being opened"),
+                                                     " of this namespace (a tag names one put)"));
+    }
+    it->second = TagState{0, false, now + ctx_.tag_tombstone_life};
+    return absl::OkStatus();
+  }
+  // BeginPut: the put is open; false when an AbortPut named the tag meanwhile.
+  bool BindTag(const std::string& key, uint64_t put_id, absl::Duration timeout) {
+    std::lock_guard<std::mutex> lock(tags_mu_);
+    auto it = tags_.find(key);
+    if (it == tags_.end() || it->second.aborted) return false;
+    it->second.put_id = put_id;
+    it->second.expires = absl::Now() + timeout + absl::Seconds(1);
+    return true;
+  }
+  // BeginPut: no put was opened (or it was aborted); the tag is free unless aborted.
+  void ReleaseTag(const std::string& key) {
+    std::lock_guard<std::mutex> lock(tags_mu_);
+    auto it = tags_.find(key);
+    if (it != tags_.end() && !it->second.aborted) tags_.erase(it);
+  }
+  // AbortPut by tag: aborts the bound put, or marks the tag so that its BeginPut opens nothing.
+  absl::Status AbortTagged(const Digest& ns, const std::string& key) {
+    uint64_t put_id = 0;
+    {
+      const absl::Time now = absl::Now();
+      std::lock_guard<std::mutex> lock(tags_mu_);
+      SweepTagsLocked(now);
+      TagState& t = tags_[key];
+      if (t.expires > now && !t.aborted) put_id = t.put_id;
+      t = TagState{0, true, now + ctx_.tag_tombstone_life};
+    }
+    if (put_id == 0) return absl::OkStatus();  // not opened yet: its BeginPut will be refused
+    return store_.AbortPut(ns, put_id);
+  }
+
   ServiceContext ctx_;
   BlockStore& store_;
 #if defined(KVPOOL_HAVE_TRANSPORT)
   PeerLinks peers_;
 #endif
+  std::mutex tags_mu_;
+  std::unordered_map<std::string, TagState> tags_;  // TagKey -> state
+  size_t tags_sweep_at_ = 1024;
 };
 
 }  // namespace

@@ -6,6 +6,8 @@
 #include <memory>
 #include <string>
 
+#include "absl/time/time.h"
+
 #include "kvpool/kvstore/store.h"
 
 namespace grpc {
@@ -35,6 +37,9 @@ struct ServiceContext {
   // CanonicalRotationDir in rotation_source.h); "" = the pool reads no rotation file for a
   // client (ResolveRotationPath refuses rotation_path).
   std::string rotation_dir;
+  // How long an AbortPut by put_tag that came before its BeginPut keeps refusing it (protocol
+  // v1.8): the store's longest put timeout (StoreOptions::max_put_timeout).
+  absl::Duration tag_tombstone_life = absl::Minutes(10);
 };
 
 std::unique_ptr<grpc::Service> MakeKvPoolService(const ServiceContext& ctx);

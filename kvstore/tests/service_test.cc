@@ -632,6 +632,91 @@ TEST_F(ServiceTest, LeaseAndPutIdsAreUnguessable) {
 // 16 clients, each with its own channel, mixing put / lookup / acquire+read / release over
 // overlapping sequences; every read is verified byte for byte against its checksum and against
 // an independent encode of the same input.
+// Protocol v1.8 (newcomer 17 F3): a client that gave up on a BeginPut never learns its put_id;
+// the put_tag it sent lets an AbortPut name the put, whether the pool opened it already or has
+// not handled the BeginPut yet (then that BeginPut opens nothing). Bad tags name the field.
+TEST_F(ServiceTest, PutTagsLetAnAbortPutNameAPutWhoseIdTheCallerNeverLearnt) {
+  const ModelSpec spec = testing::TinySpec();
+  pb::RegisterModelResponse reg;
+  ASSERT_TRUE(stub_->RegisterModel(Ctx().get(), RegisterRequest(spec), &reg).ok());
+  auto begin = [&](const std::string& tag, pb::BeginPutResponse* put) {
+    pb::BeginPutRequest bp;
+    bp.set_namespace_id(reg.namespace_id());
+    for (uint32_t t : testing::Tokens(7, 8)) bp.add_token_ids(t);
+    bp.set_num_blocks(2);
+    bp.set_put_tag(tag);
+    return stub_->BeginPut(Ctx().get(), bp, put);
+  };
+  auto abort_tag = [&](const std::string& tag, uint64_t put_id = 0) {
+    pb::AbortPutRequest ab;
+    ab.set_namespace_id(reg.namespace_id());
+    ab.set_put_id(put_id);
+    ab.set_put_tag(tag);
+    pb::AbortPutResponse ignored;
+    return stub_->AbortPut(Ctx().get(), ab, &ignored);
+  };
+  auto open_puts = [&] { return server_->store().Stats().open_puts; };
+
+  // Opened, then aborted by its tag: gone, its id unknown to the pool.
+  pb::BeginPutResponse put;
+  grpc::Status st = begin("tag-one", &put);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  EXPECT_EQ(open_puts(), 1u);
+  // A second put with the same tag while the first is open: refused, naming the field.
+  pb::BeginPutResponse dup;
+  st = begin("tag-one", &dup);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(st.error_message().find("put_tag: already names put "), std::string::npos)
+      << st.error_message();
+  EXPECT_EQ(open_puts(), 1u);
+  st = abort_tag("tag-one");
+  EXPECT_TRUE(st.ok()) << st.error_message();
+  EXPECT_EQ(open_puts(), 0u);
+  pb::AbortPutRequest by_id;
+  by_id.set_namespace_id(reg.namespace_id());
+  by_id.set_put_id(put.put_id());
+  pb::AbortPutResponse ignored;
+  EXPECT_EQ(stub_->AbortPut(Ctx().get(), by_id, &ignored).error_code(),
+            grpc::StatusCode::NOT_FOUND);
+
+  // Aborted before the pool saw its BeginPut: that BeginPut opens nothing.
+  st = abort_tag("tag-two");
+  EXPECT_TRUE(st.ok()) << st.error_message();
+  st = begin("tag-two", &put);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::ABORTED);
+  EXPECT_NE(st.error_message().find("an AbortPut named this put_tag before"), std::string::npos)
+      << st.error_message();
+  EXPECT_EQ(open_puts(), 0u);
+
+  // Untagged puts and other tags are untouched; a committed put's tag no longer aborts it.
+  pb::BeginPutResponse kept;
+  ASSERT_TRUE(begin("", &kept).ok());
+  pb::BeginPutResponse tagged;
+  ASSERT_TRUE(begin("tag-three", &tagged).ok());
+  EXPECT_EQ(open_puts(), 2u);
+  st = abort_tag("tag-four");
+  EXPECT_TRUE(st.ok()) << st.error_message();
+  EXPECT_EQ(open_puts(), 2u);
+
+  // Bad requests name the field and change nothing.
+  st = begin(std::string(65, 'x'), &put);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(st.error_message().find("put_tag: 65 bytes, at most 64"), std::string::npos)
+      << st.error_message();
+  st = abort_tag(std::string(65, 'x'));
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(st.error_message().find("put_tag: 65 bytes, at most 64"), std::string::npos)
+      << st.error_message();
+  st = abort_tag("tag-three", tagged.put_id());
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(st.error_message().find("give put_id or put_tag, not both"), std::string::npos)
+      << st.error_message();
+  EXPECT_EQ(open_puts(), 2u);
+  st = abort_tag("tag-three");
+  EXPECT_TRUE(st.ok()) << st.error_message();
+  EXPECT_EQ(open_puts(), 1u);
+}
+
 TEST_F(ServiceTest, SixteenConcurrentClientsByteExact) {
   const ModelSpec spec = testing::TinySpec();
   pb::RegisterModelResponse reg;
