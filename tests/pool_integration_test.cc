@@ -94,6 +94,19 @@ class PoolIntegrationTest : public ::testing::TestWithParam<std::string> {
   // SIGSTOPs `pid` and waits (at most 2 s) until every thread of it is stopped: a signal stops
   // a process asynchronously, and a call sent right after kill() may still be answered.
   static bool StopProcess(pid_t pid) { return StopProcessAndWait(pid, std::chrono::seconds(2)); }
+  // Asks the pool every 100 ms, for at most `within`, until it holds no open put; then expects
+  // no open put and no staging bytes.
+  static void ExpectNoOpenPutWithin(client::Client& c, absl::Duration within) {
+    absl::StatusOr<client::PoolStats> st;
+    for (const absl::Time end = absl::Now() + within;;) {
+      st = c.Stats();
+      if ((st.ok() && st->open_puts == 0) || absl::Now() >= end) break;
+      absl::SleepFor(absl::Milliseconds(100));
+    }
+    ASSERT_TRUE(st.ok()) << st.status();
+    EXPECT_EQ(st->open_puts, 0u);
+    EXPECT_EQ(st->staging_bytes, 0u);
+  }
 
   // Compares fetched pages with the encoder's forms; returns the number of mismatching blocks.
   static int VerifyFetch(const Sequence& s, const client::ModelSpec& spec,
@@ -831,15 +844,7 @@ TEST_P(PoolIntegrationTest, ABeginPutGivenUpOnAtAStoppedPoolLeavesNoOpenPutOnceI
     ASSERT_EQ(kill(server_->pid(), SIGCONT), 0);
     ASSERT_FALSE(begun.ok());
     EXPECT_EQ(begun.status().code(), absl::StatusCode::kDeadlineExceeded) << begun.status();
-    absl::StatusOr<client::PoolStats> st;
-    for (int i = 0; i < 50; ++i) {
-      st = c->Stats();
-      if (st.ok() && st->open_puts == 0) break;
-      absl::SleepFor(absl::Milliseconds(100));
-    }
-    ASSERT_TRUE(st.ok()) << st.status();
-    EXPECT_EQ(st->open_puts, 0u);
-    EXPECT_EQ(st->staging_bytes, 0u);
+    ASSERT_NO_FATAL_FAILURE(ExpectNoOpenPutWithin(*c, absl::Seconds(5)));
   }
   // The same client puts and fetches as before.
   const Sequence s = MakeSequence(2 * kPage, 301);
@@ -920,15 +925,7 @@ TEST_P(PoolIntegrationTest, AnAbortAgainstAStoppedPoolReturnsWithinItsTwoSeconds
       EXPECT_TRUE(put->Abort().ok());  // finished: a no-op
     }
     // The pool, running again, drops the put (the AbortPut it received, else its timeout).
-    absl::StatusOr<client::PoolStats> st;
-    for (int i = 0; i < 100; ++i) {
-      st = c->Stats();
-      if (st.ok() && st->open_puts == 0) break;
-      absl::SleepFor(absl::Milliseconds(100));
-    }
-    ASSERT_TRUE(st.ok()) << st.status();
-    EXPECT_EQ(st->open_puts, 0u);
-    EXPECT_EQ(st->staging_bytes, 0u);
+    ASSERT_NO_FATAL_FAILURE(ExpectNoOpenPutWithin(*c, absl::Seconds(10)));
     auto again = c->Put(s.tokens, s.ks(), s.vs());
     ASSERT_TRUE(again.ok()) << again.status();
     EXPECT_EQ(again->blocks_written, 8u);

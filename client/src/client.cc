@@ -7,6 +7,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <future>
 #include <map>
 #include <random>
@@ -1832,30 +1833,20 @@ class ClientImpl final : public Client {
       std::lock_guard<std::mutex> lock(unsettled->mu);
       unsettled->puts[put_id] = {c.namespace_id, c.epoch};
     }
-    if (!background_->TryBegin(kMaxBackgroundAborts)) return;
-    struct Call {
-      grpc::ClientContext ctx;
-      pb::AbortPutRequest req;
-      pb::AbortPutResponse resp;
-    };
-    auto call = std::make_shared<Call>();
-    call->req.set_namespace_id(DigestBytes(c.namespace_id));
-    call->req.set_put_id(put_id);
-    call->ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
-    std::shared_ptr<BackgroundCalls> tracker = background_;
-    stub_->async()->AbortPut(&call->ctx, &call->req, &call->resp,
-                             [call, tracker, unsettled, put_id](grpc::Status gs) {
-                               if (gs.ok() || gs.error_code() == grpc::StatusCode::NOT_FOUND) {
-                                 std::lock_guard<std::mutex> lock(unsettled->mu);
-                                 unsettled->puts.erase(put_id);
-                               } else {
-                                 KVPOOL_LOG_DEBUG(
-                                     "client: background AbortPut of put {} failed ({}); the pool "
-                                     "drops it at its put timeout",
-                                     put_id, gs.error_message());
-                               }
-                               tracker->End();  // last use of the tracker's client
-                             });
+    pb::AbortPutRequest req;
+    req.set_namespace_id(DigestBytes(c.namespace_id));
+    req.set_put_id(put_id);
+    SendAbortInBackground(std::move(req), [unsettled, put_id](const grpc::Status& gs) {
+      if (gs.ok() || gs.error_code() == grpc::StatusCode::NOT_FOUND) {
+        std::lock_guard<std::mutex> lock(unsettled->mu);
+        unsettled->puts.erase(put_id);
+      } else {
+        KVPOOL_LOG_DEBUG(
+            "client: background AbortPut of put {} failed ({}); the pool drops it at its put "
+            "timeout",
+            put_id, gs.error_message());
+      }
+    });
   }
 
   // AbortPut by put_tag (protocol v1.8) of a BeginPut this client gave up on (deadline or
@@ -1865,6 +1856,24 @@ class ClientImpl final : public Client {
   // A pool before v1.8 ignores the tag and answers NOT_FOUND (put_id 0); its put waits for the
   // put timeout as before.
   void AbortTagInBackground(const ConnSnapshot& c, const std::string& tag) {
+    pb::AbortPutRequest req;
+    req.set_namespace_id(DigestBytes(c.namespace_id));
+    req.set_put_tag(tag);
+    SendAbortInBackground(std::move(req), [](const grpc::Status& gs) {
+      if (!gs.ok() && gs.error_code() != grpc::StatusCode::NOT_FOUND) {
+        KVPOOL_LOG_DEBUG(
+            "client: background AbortPut by tag of a BeginPut given up on failed ({}); the pool "
+            "drops such a put at its put timeout",
+            gs.error_message());
+      }
+    });
+  }
+
+  // One AbortPut on gRPC's callback API with a 2 s deadline, not waited for; `done` runs with
+  // its status on a gRPC thread. None is sent beyond kMaxBackgroundAborts in flight (the pool
+  // drops the put at its put timeout anyway).
+  void SendAbortInBackground(pb::AbortPutRequest req,
+                             std::function<void(const grpc::Status&)> done) {
     if (!background_->TryBegin(kMaxBackgroundAborts)) return;
     struct Call {
       grpc::ClientContext ctx;
@@ -1872,19 +1881,14 @@ class ClientImpl final : public Client {
       pb::AbortPutResponse resp;
     };
     auto call = std::make_shared<Call>();
-    call->req.set_namespace_id(DigestBytes(c.namespace_id));
-    call->req.set_put_tag(tag);
+    call->req = std::move(req);
     call->ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
     std::shared_ptr<BackgroundCalls> tracker = background_;
-    stub_->async()->AbortPut(&call->ctx, &call->req, &call->resp, [call, tracker](grpc::Status gs) {
-      if (!gs.ok() && gs.error_code() != grpc::StatusCode::NOT_FOUND) {
-        KVPOOL_LOG_DEBUG(
-            "client: background AbortPut by tag of a BeginPut given up on failed ({}); the pool "
-            "drops such a put at its put timeout",
-            gs.error_message());
-      }
-      tracker->End();  // last use of the tracker's client
-    });
+    stub_->async()->AbortPut(&call->ctx, &call->req, &call->resp,
+                             [call, tracker, done = std::move(done)](grpc::Status gs) {
+                               done(gs);
+                               tracker->End();  // last use of the tracker's client
+                             });
   }
 
   // A put tag no other put of any client is likely to carry: this client's random 64 bits and a
