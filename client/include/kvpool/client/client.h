@@ -665,7 +665,9 @@ class Client {
   // a lower bound, so Commit can still fail RESOURCE_EXHAUSTED when leases or puts arrive
   // meanwhile (docs/CLIENT.md "Room for a commit").
   // Errors: INVALID_ARGUMENT ("tokens": fewer than page_size), RESOURCE_EXHAUSTED (no room for
-  // the staging, or for the commit), UNAVAILABLE.
+  // the staging, or for the commit), UNAVAILABLE, DEADLINE_EXCEEDED / CANCELLED (the call given
+  // up on: the pool may still open the put, so the client aborts it by the put tag it sent, in
+  // the background; protocol v1.8, docs/PROTOCOL.md).
   virtual absl::StatusOr<std::unique_ptr<PutSession>> BeginPut(absl::Span<const uint32_t> tokens,
                                                                const CallOptions& call = {}) = 0;
 
