@@ -256,7 +256,12 @@ Inflight RunInflight(const std::vector<std::unique_ptr<Client>>& clients, const 
                            "give the pool more --capacity, or lower --inflight-clients or "
                            "--inflight-window-kib)")
             : std::string());
-    std::exit(kvpool::cli::kExitRuntime);
+    // The other clients' threads are still running (in a call, or spinning at the barrier):
+    // leave without static destructors. std::exit ran UCX's and gRPC's under them: a fresh-clone
+    // CI run on a loaded machine died there (double free, SIGABRT) instead of exiting 2.
+    kvpool::Logger().flush();
+    std::fflush(nullptr);
+    std::_Exit(kvpool::cli::kExitRuntime);
   };
   SpinBarrier barrier(D);
   using Clock = std::chrono::steady_clock;
