@@ -853,6 +853,31 @@ TEST_P(PoolIntegrationTest, ABeginPutGivenUpOnAtAStoppedPoolLeavesNoOpenPutOnceI
   EXPECT_EQ(put->blocks_written, 2u);
 }
 
+// Newcomer 18 F1: with a call timeout of a few ms on a loaded host, an Abort whose AbortPut got no
+// answer in time left the put open until the pool's put timeout (the pool drops a call its
+// caller gave up on). The AbortPut is now sent again in the background (2 s). Here the pool is
+// stopped for the abort: the first AbortPut (100 ms) is given up on, and whichever of the two
+// the resumed pool handles, the put is gone.
+TEST_P(PoolIntegrationTest, AnAbortThatGotNoAnswerIsSentAgainInTheBackground) {
+  StartServer({"--capacity", "16MiB", "--put-timeout-ms", "600000"});
+  auto c = NewClient();
+  ASSERT_NE(c, nullptr);
+  ASSERT_TRUE(c->RegisterModel(Spec("int2")).ok());
+  for (uint64_t seed = 401; seed < 405; ++seed) {
+    SCOPED_TRACE(::testing::Message() << "seed " << seed);
+    auto begun = c->BeginPut(MakeSequence(2 * kPage, seed).tokens);
+    ASSERT_TRUE(begun.ok()) << begun.status();
+    std::unique_ptr<client::PutSession> put = *std::move(begun);
+    put->SetCallTimeout(absl::Milliseconds(100));
+    ASSERT_TRUE(StopProcess(server_->pid()));
+    const absl::Status aborted = put->Abort();
+    ASSERT_EQ(kill(server_->pid(), SIGCONT), 0);
+    EXPECT_EQ(aborted.code(), absl::StatusCode::kDeadlineExceeded) << aborted;
+    EXPECT_THAT(aborted.message(), HasSubstr("it is sent again in the background"));
+    ASSERT_NO_FATAL_FAILURE(ExpectNoOpenPutWithin(*c, absl::Seconds(3)));
+  }
+}
+
 // Newcomer s10b F2: a second SIGTERM to a prefill node whose pool was stopped (SIGSTOP) printed
 // "0 open put(s) aborted", which read as "none was open" while two were. The count of open puts
 // comes back with the count aborted; neither is aborted by a pool that does not answer.
