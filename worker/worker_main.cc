@@ -716,6 +716,20 @@ int main(int argc, char** argv) {
   }
   auto rotations = std::make_shared<const kvpool::RotationSet>(std::move(rot_or).value());
 
+  // Checked before the recipe (newcomer 18 F5: --page-size 1024 with the default sink was told
+  // "--sink-tokens: sink_tokens 64 must be a non-negative multiple of page_size 1024").
+  // S and W beyond the context would never apply (the cache holds context_length tokens); a
+  // block longer than the context is never full, so nothing would reach the pool (newcomer 17
+  // F6: --page-size 1024 on a 512-token model ran with "0/0 blocks from the pool" everywhere).
+  for (const auto& [flag, value] : {std::pair<const char*, int>{"--sink-tokens", sink},
+                                    {"--recent-tokens", recent},
+                                    {"--page-size", page_size}}) {
+    if (!eval && value > cfg.context_length) {
+      std::fprintf(stderr, "kvpool-worker: %s: %d exceeds the model's context of %d tokens\n", flag,
+                   value, cfg.context_length);
+      return kvpool::cli::kExitUsage;
+    }
+  }
   kw::MixedCacheOptions copts;
   copts.page_size = page_size;
   // eval sets S and W per --eval-windows pair (checked below); 0:0 checks the rest of the recipe.
@@ -745,18 +759,6 @@ int main(int argc, char** argv) {
     return kvpool::cli::kExitUsage;
   }
 
-  // S and W beyond the context would never apply (the cache holds context_length tokens); a
-  // block longer than the context is never full, so nothing would reach the pool (newcomer 17
-  // F6: --page-size 1024 on a 512-token model ran with "0/0 blocks from the pool" everywhere).
-  for (const auto& [flag, value] : {std::pair<const char*, int>{"--sink-tokens", sink},
-                                    {"--recent-tokens", recent},
-                                    {"--page-size", page_size}}) {
-    if (!eval && value > cfg.context_length) {
-      std::fprintf(stderr, "kvpool-worker: %s: %d exceeds the model's context of %d tokens\n", flag,
-                   value, cfg.context_length);
-      return kvpool::cli::kExitUsage;
-    }
-  }
   if (role == "eval") {
     for (auto [s, w] : wins) {
       kw::MixedCacheOptions o = copts;

@@ -2196,7 +2196,8 @@ absl::Status PutSessionImpl::Expired(absl::Status s) const {
   if (!absl::IsNotFound(s) || absl::Now() < expires_) return s;
   absl::Status expired = absl::DeadlineExceededError(absl::StrCat(
       "put ", put_id_, ": not committed within the pool's put timeout (it ran out ",
-      absl::FormatDuration(absl::Trunc(absl::Now() - expires_, absl::Milliseconds(1))),
+      // (FormatDuration writes a zero as "0", without a unit: newcomer 18 F4)
+      absl::ToInt64Milliseconds(absl::Now() - expires_), "ms",
       " ago; ClientOptions::put_timeout, kvpool-server --put-timeout-ms); the pool dropped it (",
       s.message(), ")"));
   expired.SetPayload(kPutExpiredPayload, absl::Cord());

@@ -139,9 +139,14 @@ class YamlConfig : public CLI::Config {
         is_flag     ? flag + " is a flag: write \"" + key + ": true\" or \"" + key + ": false\""
         : one_value ? flag + " takes one value: write \"" + key + ": VALUE\""
                     : flag + " takes a value or a list of values";
+    // A required option has no default to fall back to (newcomer 18 F6: "prompt-file: []" was
+    // told to remove the key, which then gave "--prompt-file is required").
+    const std::string or_remove = op->get_required()
+                                      ? std::string(" (it is required: there is no default)")
+                                      : std::string(", or remove the key to keep the default");
     if (v.IsNull()) {
       throw CLI::ConversionError("config file key \"" + key + "\" has no value; " + want +
-                                 ", or remove the key to keep the default");
+                                 or_remove);
     }
     if (v.IsMap()) {
       throw CLI::ConversionError("config file key \"" + key + "\" is a map; " + want);
@@ -159,7 +164,7 @@ class YamlConfig : public CLI::Config {
       }
       if (v.size() == 0) {
         throw CLI::ConversionError("config file key \"" + key + "\" is an empty list; " + want +
-                                   ", or remove the key to keep the default");
+                                   or_remove);
       }
       size_t i = 0;
       for (const auto& e : v) {

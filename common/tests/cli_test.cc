@@ -506,6 +506,23 @@ TEST(CliConfigTest, AListOrNoValueWhereOneValueIsExpectedNamesTheKeyAndTheFile) 
     EXPECT_NE(err.find("prog: --config '" + path + "' " + c.want), std::string::npos)
         << c.yaml << err;
   }
+  // A required option has no default to keep (newcomer 18 F6: "prompt-file: []").
+  for (const Case& c : std::vector<Case>{
+           {"need: []\n",
+            "key \"need\" is an empty list; --need takes a value or a list of values (it is "
+            "required: there is no default)"},
+           {"need:\n",
+            "key \"need\" has no value; --need takes a value or a list of values (it "
+            "is required: there is no default)"}}) {
+    FlatApp f;
+    std::vector<std::string> need;
+    f.app.add_option("--need", need, "required")->required();
+    const std::string path = WriteYaml("required_empty", c.yaml);
+    auto [rc, err] = RunParse(f.app, {"--config", path});
+    EXPECT_EQ(rc, kExitUsage) << c.yaml << err;
+    EXPECT_NE(err.find("prog: --config '" + path + "' " + c.want), std::string::npos)
+        << c.yaml << err;
+  }
   // Inside a subcommand's section the key carries the section.
   for (const Case& c : std::vector<Case>{
            {"generate: {model: [a, b]}\n",

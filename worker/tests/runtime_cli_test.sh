@@ -56,6 +56,9 @@ expect_err "kvpool-worker: --page-size: 1048576 is outside 1..1024" "a huge page
 # F6: --page-size 1024 on the 512-token model ran with "0/0 blocks from the pool" everywhere).
 expect 1 "page size beyond the model's context" -- "${worker}" --role decode --pool 127.0.0.1:1 --page-size 1024 --sink-tokens 0 "${base[@]}" "${prompt[@]}"
 expect_err "kvpool-worker: --page-size: 1024 exceeds the model's context of 512 tokens" "the message names --page-size and the context"
+# Newcomer 18 F5: with the default sink (64) the same page size was blamed on --sink-tokens.
+expect 1 "page size beyond the context, default sink" -- "${worker}" --role decode --pool 127.0.0.1:1 --page-size 1024 "${base[@]}" "${prompt[@]}"
+expect_err "kvpool-worker: --page-size: 1024 exceeds the model's context of 512 tokens" "the default sink does not take the blame"
 # Integer flags are plain decimal (newcomer 16 F2): CLI11 alone read --recent-tokens 0100 as octal
 # 64 (registered W=64), --page-size 016 as 14, and took 0x10, +16 and ' 16'; on the command line
 # and from a --config file, quoted or not.
