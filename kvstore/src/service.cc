@@ -242,7 +242,9 @@ class KvPoolService final : public pb::KvPool::Service {
       return Finish(ns.status());
     }
     if (req->put_tag().empty()) {
-      return Finish(store_.AbortPut(*ns, req->put_id()));
+      absl::Status s = store_.AbortPut(*ns, req->put_id());
+      if (s.ok()) ForgetPutTag(req->put_id());
+      return Finish(s);
     }
     if (req->put_id() != 0) {
       return Finish(absl::InvalidArgumentError(
@@ -570,6 +572,7 @@ class KvPoolService final : public pb::KvPool::Service {
     if (!r.ok()) {
       return r.status();
     }
+    ForgetPutTag(req.put_id());
     for (const CommittedBlock& b : r->blocks) {
       pb::CommittedBlock* cb = resp->add_blocks();
       cb->set_index(b.index);
@@ -978,7 +981,12 @@ class KvPoolService final : public pb::KvPool::Service {
   void SweepTagsLocked(absl::Time now) {
     if (tags_.size() < tags_sweep_at_) return;
     for (auto it = tags_.begin(); it != tags_.end();) {
-      it = it->second.expires <= now ? tags_.erase(it) : std::next(it);
+      if (it->second.expires > now) {
+        ++it;
+        continue;
+      }
+      if (it->second.put_id != 0) tag_of_put_.erase(it->second.put_id);
+      it = tags_.erase(it);
     }
     tags_sweep_at_ = std::max<size_t>(1024, 2 * tags_.size());
   }
@@ -1010,13 +1018,26 @@ class KvPoolService final : public pb::KvPool::Service {
     if (it == tags_.end() || it->second.aborted) return false;
     it->second.put_id = put_id;
     it->second.expires = absl::Now() + timeout + absl::Seconds(1);
+    tag_of_put_[put_id] = key;
     return true;
+  }
+  // A put committed or aborted by its id: its tag is dropped at once (else it waits for the
+  // sweep after its put deadline), so the table holds about the open puts.
+  void ForgetPutTag(uint64_t put_id) {
+    std::lock_guard<std::mutex> lock(tags_mu_);
+    auto p = tag_of_put_.find(put_id);
+    if (p == tag_of_put_.end()) return;
+    auto it = tags_.find(p->second);
+    if (it != tags_.end() && !it->second.aborted && it->second.put_id == put_id) tags_.erase(it);
+    tag_of_put_.erase(p);
   }
   // BeginPut: no put was opened (or it was aborted); the tag is free unless aborted.
   void ReleaseTag(const std::string& key) {
     std::lock_guard<std::mutex> lock(tags_mu_);
     auto it = tags_.find(key);
-    if (it != tags_.end() && !it->second.aborted) tags_.erase(it);
+    if (it == tags_.end() || it->second.aborted) return;
+    if (it->second.put_id != 0) tag_of_put_.erase(it->second.put_id);
+    tags_.erase(it);
   }
   // AbortPut by tag: aborts the bound put, or marks the tag so that its BeginPut opens nothing.
   absl::Status AbortTagged(const Digest& ns, const std::string& key) {
@@ -1027,6 +1048,7 @@ class KvPoolService final : public pb::KvPool::Service {
       SweepTagsLocked(now);
       TagState& t = tags_[key];
       if (t.expires > now && !t.aborted) put_id = t.put_id;
+      if (t.put_id != 0) tag_of_put_.erase(t.put_id);
       t = TagState{0, true, now + ctx_.tag_tombstone_life};
     }
     if (put_id == 0) return absl::OkStatus();  // not opened yet: its BeginPut will be refused
@@ -1039,7 +1061,8 @@ class KvPoolService final : public pb::KvPool::Service {
   PeerLinks peers_;
 #endif
   std::mutex tags_mu_;
-  std::unordered_map<std::string, TagState> tags_;  // TagKey -> state
+  std::unordered_map<std::string, TagState> tags_;        // TagKey -> state
+  std::unordered_map<uint64_t, std::string> tag_of_put_;  // bound put_id -> its TagKey
   size_t tags_sweep_at_ = 1024;
 };
 

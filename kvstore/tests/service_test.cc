@@ -688,7 +688,41 @@ TEST_F(ServiceTest, PutTagsLetAnAbortPutNameAPutWhoseIdTheCallerNeverLearnt) {
       << st.error_message();
   EXPECT_EQ(open_puts(), 0u);
 
-  // Untagged puts and other tags are untouched; a committed put's tag no longer aborts it.
+  // A committed put's tag is forgotten at once: it names nothing more (a later BeginPut may use
+  // it) and an AbortPut by it leaves the stored blocks alone.
+  {
+    pb::BeginPutResponse done;
+    ASSERT_TRUE(begin("tag-five", &done).ok());
+    pb::CommitPutRequest cp;
+    cp.set_namespace_id(reg.namespace_id());
+    cp.set_put_id(done.put_id());
+    PoolMemory& mem = server_->store().memory();
+    for (const pb::PutBlock& b : done.blocks()) {
+      ASSERT_EQ(b.action(), pb::PUT_BLOCK_ACTION_WRITE);
+      auto bytes = testing::BlockBytes(spec.geometry, 7, b.index());
+      std::memcpy(mem.data() + (b.staging_addr() - mem.remote_address()), bytes.data(),
+                  bytes.size());
+      auto* c = cp.add_checksums();
+      c->set_index(b.index());
+      c->set_xxh3(FormChecksum(bytes.data(), bytes.size()));
+    }
+    pb::CommitPutResponse committed;
+    st = stub_->CommitPut(Ctx().get(), cp, &committed);
+    ASSERT_TRUE(st.ok()) << st.error_message();
+    EXPECT_EQ(open_puts(), 0u);
+    pb::BeginPutResponse again;
+    st = begin("tag-five", &again);
+    EXPECT_TRUE(st.ok()) << st.error_message();  // the tag is free again
+    EXPECT_EQ(open_puts(), 1u);
+    pb::AbortPutRequest by_id2;
+    by_id2.set_namespace_id(reg.namespace_id());
+    by_id2.set_put_id(again.put_id());
+    ASSERT_TRUE(stub_->AbortPut(Ctx().get(), by_id2, &ignored).ok());
+    EXPECT_EQ(open_puts(), 0u);
+    EXPECT_EQ(server_->store().Stats().blocks, 2u);  // the committed blocks stay
+  }
+
+  // Untagged puts and other tags are untouched.
   pb::BeginPutResponse kept;
   ASSERT_TRUE(begin("", &kept).ok());
   pb::BeginPutResponse tagged;
