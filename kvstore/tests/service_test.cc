@@ -147,6 +147,25 @@ std::unique_ptr<grpc::ClientContext> Ctx() {
   return c;
 }
 
+// Writes testing::BlockBytes(seq) of every WRITE block of `put` into its staging in the pool's
+// memory (what a direct-mode client does) and returns the CommitPutRequest with their checksums.
+pb::CommitPutRequest StageBlockBytes(PoolMemory& mem, const BlockGeometry& g,
+                                     const std::string& namespace_id,
+                                     const pb::BeginPutResponse& put, uint32_t seq) {
+  pb::CommitPutRequest cp;
+  cp.set_namespace_id(namespace_id);
+  cp.set_put_id(put.put_id());
+  for (const pb::PutBlock& b : put.blocks()) {
+    if (b.action() != pb::PUT_BLOCK_ACTION_WRITE) continue;
+    auto bytes = testing::BlockBytes(g, seq, b.index());
+    std::memcpy(mem.data() + (b.staging_addr() - mem.remote_address()), bytes.data(), bytes.size());
+    auto* c = cp.add_checksums();
+    c->set_index(b.index());
+    c->set_xxh3(FormChecksum(bytes.data(), bytes.size()));
+  }
+  return cp;
+}
+
 class ServiceTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -200,18 +219,11 @@ TEST_F(ServiceTest, RegisterPutLookupAcquireRelease) {
   ASSERT_EQ(put.blocks_size(), 6);
   EXPECT_EQ(put.pool_epoch(), reg.pool_epoch());
   PoolMemory& mem = server_->store().memory();
-  pb::CommitPutRequest cp;
-  cp.set_namespace_id(reg.namespace_id());
-  cp.set_put_id(put.put_id());
   for (const pb::PutBlock& b : put.blocks()) {
     ASSERT_EQ(b.action(), pb::PUT_BLOCK_ACTION_WRITE);
     ASSERT_EQ(b.size(), 512u);
-    auto bytes = testing::BlockBytes(spec.geometry, 1, b.index());
-    std::memcpy(mem.data() + (b.staging_addr() - mem.remote_address()), bytes.data(), bytes.size());
-    auto* c = cp.add_checksums();
-    c->set_index(b.index());
-    c->set_xxh3(FormChecksum(bytes.data(), bytes.size()));
   }
+  pb::CommitPutRequest cp = StageBlockBytes(mem, spec.geometry, reg.namespace_id(), put, /*seq=*/1);
   pb::CommitPutResponse committed;
   st = stub_->CommitPut(Ctx().get(), cp, &committed);
   ASSERT_TRUE(st.ok()) << st.error_message();
@@ -561,18 +573,8 @@ TEST_F(ServiceTest, LeaseAndPutIdsAreUnguessable) {
   bp.set_num_blocks(2);
   pb::BeginPutResponse put;
   ASSERT_TRUE(stub_->BeginPut(Ctx().get(), bp, &put).ok());
-  pb::CommitPutRequest cp;
-  cp.set_namespace_id(reg.namespace_id());
-  cp.set_put_id(put.put_id());
-  for (const pb::PutBlock& b : put.blocks()) {
-    auto bytes = testing::BlockBytes(spec.geometry, 4, b.index());
-    std::memcpy(server_->store().memory().data() +
-                    (b.staging_addr() - server_->store().memory().remote_address()),
-                bytes.data(), bytes.size());
-    auto* c = cp.add_checksums();
-    c->set_index(b.index());
-    c->set_xxh3(FormChecksum(bytes.data(), bytes.size()));
-  }
+  const pb::CommitPutRequest cp =
+      StageBlockBytes(server_->store().memory(), spec.geometry, reg.namespace_id(), put, /*seq=*/4);
   pb::CommitPutResponse committed;
   ASSERT_TRUE(stub_->CommitPut(Ctx().get(), cp, &committed).ok());
 
@@ -693,19 +695,9 @@ TEST_F(ServiceTest, PutTagsLetAnAbortPutNameAPutWhoseIdTheCallerNeverLearnt) {
   {
     pb::BeginPutResponse done;
     ASSERT_TRUE(begin("tag-five", &done).ok());
-    pb::CommitPutRequest cp;
-    cp.set_namespace_id(reg.namespace_id());
-    cp.set_put_id(done.put_id());
-    PoolMemory& mem = server_->store().memory();
-    for (const pb::PutBlock& b : done.blocks()) {
-      ASSERT_EQ(b.action(), pb::PUT_BLOCK_ACTION_WRITE);
-      auto bytes = testing::BlockBytes(spec.geometry, 7, b.index());
-      std::memcpy(mem.data() + (b.staging_addr() - mem.remote_address()), bytes.data(),
-                  bytes.size());
-      auto* c = cp.add_checksums();
-      c->set_index(b.index());
-      c->set_xxh3(FormChecksum(bytes.data(), bytes.size()));
-    }
+    for (const pb::PutBlock& b : done.blocks()) ASSERT_EQ(b.action(), pb::PUT_BLOCK_ACTION_WRITE);
+    const pb::CommitPutRequest cp = StageBlockBytes(server_->store().memory(), spec.geometry,
+                                                    reg.namespace_id(), done, /*seq=*/7);
     pb::CommitPutResponse committed;
     st = stub_->CommitPut(Ctx().get(), cp, &committed);
     ASSERT_TRUE(st.ok()) << st.error_message();
@@ -785,20 +777,8 @@ TEST_F(ServiceTest, SixteenConcurrentClientsByteExact) {
         if (!st.ok()) {
           return fail("BeginPut: " + st.error_message());
         }
-        pb::CommitPutRequest cp;
-        cp.set_namespace_id(reg.namespace_id());
-        cp.set_put_id(put.put_id());
-        for (const pb::PutBlock& b : put.blocks()) {
-          if (b.action() != pb::PUT_BLOCK_ACTION_WRITE) {
-            continue;
-          }
-          auto bytes = testing::BlockBytes(spec.geometry, seq, b.index());
-          std::memcpy(mem.data() + (b.staging_addr() - mem.remote_address()), bytes.data(),
-                      bytes.size());
-          auto* sum = cp.add_checksums();
-          sum->set_index(b.index());
-          sum->set_xxh3(FormChecksum(bytes.data(), bytes.size()));
-        }
+        const pb::CommitPutRequest cp =
+            StageBlockBytes(mem, spec.geometry, reg.namespace_id(), put, seq);
         pb::CommitPutResponse committed;
         st = stub->CommitPut(Ctx().get(), cp, &committed);
         if (!st.ok()) {
