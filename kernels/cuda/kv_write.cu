@@ -93,6 +93,21 @@ constexpr int kStages = 2;
 #define KVPOOL_WRITE_WS_GROUPS 4
 #endif
 constexpr int kWsGroups = KVPOOL_WRITE_WS_GROUPS;
+// Self-rotating consumers (KVPOOL_WRITE_WS_SELF=1): no producer warpgroup; each consumer
+// warpgroup rotates its own item (the same wgmma code, kWsSelfN columns per wgmma) between its
+// TMA wait and its reads, at the 128 registers 512 threads may hold. Measured on the H200
+// (session 19, same call, 4 rounds, 8 KV heads, d 128): rotate+quantize 321.7 (N = 32) / 336.1
+// (64) / 393.8 (128) vs 307.2 us with the producer at 1M token-heads; rotate-bf16 1.02-1.25x;
+// so it is off. docs/KERNELS.md "Session 19".
+#ifndef KVPOOL_WRITE_WS_SELF
+#define KVPOOL_WRITE_WS_SELF 0
+#endif
+constexpr bool kWsSelf = KVPOOL_WRITE_WS_SELF != 0;
+#ifndef KVPOOL_WRITE_WS_SELF_N
+#define KVPOOL_WRITE_WS_SELF_N 64
+#endif
+constexpr int kWsSelfN = KVPOOL_WRITE_WS_SELF_N;
+static_assert(kWsSelfN == 32 || kWsSelfN == 64 || kWsSelfN == 128, "32, 64 or 128 columns");
 // Registers per producer thread (setmaxnreg; 0 = none: every warp keeps the launch's 96) of
 // the rotate+quantize (KVPOOL_WRITE_WS_REGS) and the rotate-bf16 (KVPOOL_WRITE_WS_REGS_BF16)
 // kernel. With 128 the producer multiplies all D columns at once (one wgmma m64n128k16 per k
@@ -111,7 +126,7 @@ constexpr int kWsGroups = KVPOOL_WRITE_WS_GROUPS;
 #endif
 template <bool kOutBf16>
 __host__ __device__ constexpr int WsProducerRegs() {
-  return kOutBf16 ? KVPOOL_WRITE_WS_REGS_BF16 : KVPOOL_WRITE_WS_REGS;
+  return kWsSelf ? 0 : kOutBf16 ? KVPOOL_WRITE_WS_REGS_BF16 : KVPOOL_WRITE_WS_REGS;
 }
 static_assert(WsProducerRegs<false>() == 0 || WsProducerRegs<false>() == 128, "0 or 128");
 static_assert(WsProducerRegs<true>() == 0 || WsProducerRegs<true>() == 128, "0 or 128");
@@ -129,7 +144,7 @@ constexpr int kWsConsumerWarps = 4 * kWsGroups;
 #ifndef KVPOOL_WRITE_WS_PRODUCERS
 #define KVPOOL_WRITE_WS_PRODUCERS 1
 #endif
-constexpr int kWsProducers = KVPOOL_WRITE_WS_PRODUCERS;
+constexpr int kWsProducers = kWsSelf ? 0 : KVPOOL_WRITE_WS_PRODUCERS;
 // (setmaxnreg.inc waits for registers the consumers released: only the one-producer CTA of 4
 // consumer warpgroups has them)
 static_assert(WsProducerRegs<false>() + WsProducerRegs<true>() == 0 ||
@@ -1109,6 +1124,68 @@ constexpr int MinBlocks() {
 // kDemote (quantize-only kernels only): the source is BF16 pages (WriteArgs::src_pages) instead
 // of token rows; a template parameter since session 9, so that the token writes carry none of
 // demotion's source-page fetches and branches (and demotion none of the token path's).
+// Rotates a warpgroup's 64 tile rows in place (kWs, d 128): every warp of the warpgroup calls it
+// with its own 16-row tile at shared address xs (TMA layout: rows of 256 bytes, 128-byte swizzle)
+// and b_lo = WgmmaDescLo of the item kind's Rᵀ (fp16, K-major, 128-byte swizzle). Each warp loads
+// its rows as wgmma A fragments (ldmatrix; bf16 -> fp16, exact unless |x| > 65504: inf, and the
+// row is refused downstream), the warpgroup multiplies the 64 rows by Rᵀ kN columns per wgmma
+// (eight k16 steps, fp32 accumulation), and the bf16-rounded products overwrite the tile in the
+// same layout (stmatrix). Warpgroup-collective (wgmma .sync.aligned): all four warps call it
+// for the same item; the caller orders its later reads of the tile (__syncwarp).
+template <int kN>
+__device__ __forceinline__ void WsRotateTile(uint32_t xs, uint32_t b_lo, int lane) {
+  constexpr int D = 128;
+  const int mi = lane >> 3;                    // ldmatrix / stmatrix: matrix of this lane's
+  const int lrow = (lane & 7) + 8 * (mi & 1);  // row address, and that row of the tile
+  uint32_t af[8][4];
+#pragma unroll
+  for (int s8 = 0; s8 < 8; ++s8) {
+    const uint32_t ad = xs + uint32_t(Swz128(lrow * 256 + (2 * s8 + (mi >> 1)) * 16));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(af[s8][0]), "=r"(af[s8][1]), "=r"(af[s8][2]), "=r"(af[s8][3])
+                 : "r"(ad));
+#if !KVPOOL_WRITE_ROT_BF16
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      af[s8][i] = PackHalf2(Bf16LoToFloat(af[s8][i]), Bf16HiToFloat(af[s8][i]));
+#endif
+  }
+  // N in chunks of kN columns (kN / 2 accumulators per thread).
+#pragma unroll
+  for (int nc = 0; nc < D / kN; ++nc) {
+    float acc[kN / 2];
+#pragma unroll
+    for (int r = 0; r < kN / 2; ++r) acc[r] = 0.f;
+    WgmmaFence();
+#pragma unroll
+    for (int s8 = 0; s8 < 8; ++s8)
+      WgmmaM64K16<kN, KVPOOL_WRITE_ROT_BF16 != 0>(
+          acc, af[s8],
+          WgmmaDescFromLo(b_lo +
+                          uint32_t(((s8 >> 2) * 128 * D + nc * kN * 128 + (s8 & 3) * 32) >> 4)),
+          s8 > 0);
+    WgmmaCommit();
+    WgmmaWaitAll();
+#pragma unroll
+    for (int r = 0; r < kN / 2; ++r) RegFence(acc[r]);
+    if (nc == D / kN - 1) {
+#pragma unroll
+      for (int s8 = 0; s8 < 8; ++s8)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) RegFence(af[s8][i]);
+    }
+    // stmatrix j: the n8 tiles 2j, 2j + 1 of the chunk, rows 0-7 / 8-15 each
+#pragma unroll
+    for (int j = 0; j < kN / 16; ++j) {
+      const uint32_t ad =
+          xs + uint32_t(Swz128(lrow * 256 + (nc * (kN / 8) + 2 * j + (mi >> 1)) * 16));
+      StMatrixX4(
+          ad, PackBf162(acc[8 * j], acc[8 * j + 1]), PackBf162(acc[8 * j + 2], acc[8 * j + 3]),
+          PackBf162(acc[8 * j + 4], acc[8 * j + 5]), PackBf162(acc[8 * j + 6], acc[8 * j + 7]));
+    }
+  }
+}
+
 template <int D, bool kRotate, bool kOutBf16, bool kWs = false, bool kDemote = false>
 __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate, kWs>(), MinBlocks<D, kRotate, kWs>())
     KvWriteKernel(const WriteArgs a, const __grid_constant__ TmaMaps maps) {
@@ -1514,7 +1591,7 @@ __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate, kWs>(), MinBlocks
       FenceProxyAsyncShared();  // generic stores -> wgmma (async proxy) reads
       __syncthreads();          // also: every consumer warp's mbarriers are initialized
     }
-    if (warp >= kWsConsumerWarps) {
+    if (!kWsSelf && warp >= kWsConsumerWarps) {
       // ---- producer warpgroup: per consumer warpgroup c and its item n in turn (the order
       // in which the consumers take them), its warp pw waits for consumer warp 4c + pw's tile
       // (TMA into that warp's stage), loads it as wgmma A fragments (bf16 -> fp16, exact unless
@@ -1539,69 +1616,20 @@ __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate, kWs>(), MinBlocks
       }
       const uint32_t rt_sa = SmemAddr(rt);
       const uint32_t ring0_sa = SmemAddr(smem + kRotBytes);
-      const int mi = lane >> 3;                    // ldmatrix / stmatrix: matrix of this lane's
-      const int lrow = (lane & 7) + 8 * (mi & 1);  // row address, and that row of the tile
       for (int n = 0; n < max_left; ++n) {
         const int st = n & 1;
         const uint32_t par = uint32_t(n >> 1) & 1u;
 #pragma unroll
         for (int c = 0; c < kWsGroups; ++c) {
-          if (c % kWsProducers != pg_idx || n >= left_c[c]) continue;  // warpgroup-uniform
+          if (c % (kWsSelf ? 1 : kWsProducers) != pg_idx || n >= left_c[c])
+            continue;  // warpgroup-uniform
           const int cw = 4 * c + pw;
           const uint32_t xs = ring0_sa + uint32_t((cw * kStages + st) * kStageBytes);
           MbarWaitParity(bars0 + uint32_t(cw * 8 * kStages + 8 * st), par);
-          uint32_t af[8][4];
-#pragma unroll
-          for (int s8 = 0; s8 < 8; ++s8) {
-            const uint32_t ad = xs + uint32_t(Swz128(lrow * 256 + (2 * s8 + (mi >> 1)) * 16));
-            asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                         : "=r"(af[s8][0]), "=r"(af[s8][1]), "=r"(af[s8][2]), "=r"(af[s8][3])
-                         : "r"(ad));
-#if !KVPOOL_WRITE_ROT_BF16
-#pragma unroll
-            for (int i = 0; i < 4; ++i)
-              af[s8][i] = PackHalf2(Bf16LoToFloat(af[s8][i]), Bf16HiToFloat(af[s8][i]));
-#endif
-          }
           const int kvi = (kv0_c[c] + n) & 1;
-          const uint32_t b_sa = rt_sa + uint32_t(kvi * 2 * D * D);  // Rᵀ of the item's kind
-          const uint32_t b_lo = WgmmaDescLo(b_sa);
-          constexpr int kN = WsColumns<kOutBf16>();
-          // N in chunks of kN columns (kN / 2 accumulators per thread).
-#pragma unroll
-          for (int nc = 0; nc < D / kN; ++nc) {
-            float acc[kN / 2];
-#pragma unroll
-            for (int r = 0; r < kN / 2; ++r) acc[r] = 0.f;
-            WgmmaFence();
-#pragma unroll
-            for (int s8 = 0; s8 < 8; ++s8)
-              WgmmaM64K16<kN, KVPOOL_WRITE_ROT_BF16 != 0>(
-                  acc, af[s8],
-                  WgmmaDescFromLo(
-                      b_lo + uint32_t(((s8 >> 2) * 128 * D + nc * kN * 128 + (s8 & 3) * 32) >> 4)),
-                  s8 > 0);
-            WgmmaCommit();
-            WgmmaWaitAll();
-#pragma unroll
-            for (int r = 0; r < kN / 2; ++r) RegFence(acc[r]);
-            if (nc == D / kN - 1) {
-#pragma unroll
-              for (int s8 = 0; s8 < 8; ++s8)
-#pragma unroll
-                for (int i = 0; i < 4; ++i) RegFence(af[s8][i]);
-            }
-            // stmatrix j: the n8 tiles 2j, 2j + 1 of the chunk, rows 0-7 / 8-15 each
-#pragma unroll
-            for (int j = 0; j < kN / 16; ++j) {
-              const uint32_t ad =
-                  xs + uint32_t(Swz128(lrow * 256 + (nc * (kN / 8) + 2 * j + (mi >> 1)) * 16));
-              StMatrixX4(ad, PackBf162(acc[8 * j], acc[8 * j + 1]),
-                         PackBf162(acc[8 * j + 2], acc[8 * j + 3]),
-                         PackBf162(acc[8 * j + 4], acc[8 * j + 5]),
-                         PackBf162(acc[8 * j + 6], acc[8 * j + 7]));
-            }
-          }
+          // Rᵀ of the item's kind
+          WsRotateTile<WsColumns<kOutBf16>()>(xs, WgmmaDescLo(rt_sa + uint32_t(kvi * 2 * D * D)),
+                                              lane);
           __syncwarp();
           if (lane == 0) MbarArrive(bars0 + uint32_t((kRingWarps + cw) * 8 * kStages + 8 * st));
         }
@@ -1611,7 +1639,8 @@ __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate, kWs>(), MinBlocks
     // the consumers give up what the producer took (WsProducerRegs)
     if constexpr (WsProducerRegs<kOutBf16>() > 0)
       asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(
-          96 - (WsProducerRegs<kOutBf16>() - 96) * 4 * kWsProducers / kWsConsumerWarps));
+          96 -
+          (WsProducerRegs<kOutBf16>() - 96) * 4 * (kWsSelf ? 1 : kWsProducers) / kWsConsumerWarps));
   }
 
   for (; left > 0; --left) {
@@ -1644,8 +1673,14 @@ __global__ void __launch_bounds__(32 * WarpsPerCta<D, kRotate, kWs>(), MinBlocks
       dest_of(nxt, has_nxt, npg, nsl);
     }
     if (tma) {
-      MbarWaitParity((kWs ? full_sa : bar_sa) + 8 * stage, (phases >> stage) & 1u);
+      MbarWaitParity((kWs && !kWsSelf ? full_sa : bar_sa) + 8 * stage, (phases >> stage) & 1u);
       phases ^= 1u << stage;
+      if constexpr (kWs && kWsSelf) {
+        // the warpgroup rotates its item's four tiles (each warp its own) in place
+        WsRotateTile<kWsSelfN>(ring_sa + uint32_t(stage * kStageBytes),
+                               WgmmaDescLo(SmemAddr(rt) + uint32_t(kv * 2 * D * D)), lane);
+        __syncwarp();
+      }
     } else {
       CpAsyncWait<1>();
       __syncwarp();
