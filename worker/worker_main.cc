@@ -1013,12 +1013,14 @@ int main(int argc, char** argv) {
   out["bf16_bytes_per_token"] = bf16_per_token;
 
   if (role == "prefill") {
-    if (client == nullptr && StopSignal() == 0) {
-      return Fail(client_error, absl::StrCat("pool ", pool));
-    }
+    // A failed registration ends the run with exit 2, after the report and metrics say so:
+    // every prompt that had blocks to push is failed with the registration's status (exit 2
+    // with no --report left a caller nothing to read: newcomer 18 F2).
+    const bool registration_failed = client == nullptr && StopSignal() == 0;
+    if (registration_failed) out["registration_error"] = kvpool::StatusText(client_error);
     // Stopped before or during the registration: no prompt runs (RunAll's stop hook answers true
     // at once, so the node never uses the missing client), and the report lists them all.
-    if (client == nullptr) {
+    if (client == nullptr && !registration_failed) {
       KVPOOL_LOG_WARN("prefill: stopped during the registration with the pool at {} ({})", pool,
                       kvpool::StatusText(client_error));
     }
@@ -1167,10 +1169,17 @@ int main(int argc, char** argv) {
       e["recomputed_after_restart"] = true;
       add_to_overall(*r);
     };
-    // prompt i+1 computes while i is in flight; one outcome per prompt.
-    node.RunAll(
-        all_tokens,
-        {.on_done = on_done, .stop = [] { return StopSignal() != 0; }, .on_redone = on_redone});
+    if (registration_failed) {
+      const absl::Status why(client_error.code(),
+                             absl::StrCat("not put: the registration with the pool at ", pool,
+                                          " failed: ", client_error.message()));
+      for (size_t k = 0; k < all_tokens.size(); ++k) on_done(k, why);
+    } else {
+      // prompt i+1 computes while i is in flight; one outcome per prompt.
+      node.RunAll(
+          all_tokens,
+          {.on_done = on_done, .stop = [] { return StopSignal() != 0; }, .on_redone = on_redone});
+    }
     record_skipped_up_to(prompts.size());
     // Prompts, not recompute passes: a prompt put again twice (the pool restarted again during
     // the recompute) counts once, and one whose recompute failed is counted as failed only
@@ -1228,6 +1237,7 @@ int main(int argc, char** argv) {
       });
     }
     if (int rc = WriteOutputs(metrics_file, metrics_text, report, out); rc != 0) return rc;
+    if (registration_failed) return Fail(client_error, absl::StrCat("pool ", pool));
     if (stop_signal != 0) {
       // Every prompt in exactly one count (newcomer 11b F2: the failed ones were in none).
       std::string what =

@@ -409,6 +409,21 @@ expect_err "pool 127.0.0.1:1: UNAVAILABLE: " "the pool's own status code is kept
 # puts (newcomer s7 F13): the message says no pool answers at the address.
 expect_err "UNAVAILABLE: RegisterModel: could not reach the pool at 127.0.0.1:1 (" "a pool that never started is not reachable"
 expect_err "no pool has answered at that address yet; check that kvpool-server runs and listens there" "the message says what to check"
+# A prefill whose registration failed exited 2 without its --report (newcomer 18 F2): the report
+# and metrics now say what became of each prompt.
+expect 2 "prefill without a pool, with --report" -- "${worker}" --role prefill --pool 127.0.0.1:1 "${base[@]}" "${prompt[@]}" --report "${work}/noreg.json" --metrics-file "${work}/noreg.prom"
+expect_err "kvpool-worker: pool 127.0.0.1:1: UNAVAILABLE: " "the pool failure is still the last word"
+python3 - "${work}/noreg.json" "${work}/noreg.prom" <<'PY' || failures=$((failures + 1))
+import json, sys
+d = json.load(open(sys.argv[1]))
+assert d["registration_error"].startswith("UNAVAILABLE: RegisterModel: could not reach the pool at 127.0.0.1:1"), d["registration_error"]
+ps = d["prompts"]
+assert len(ps) == 1 and ps[0]["error"].startswith("UNAVAILABLE: not put: the registration with the pool at 127.0.0.1:1 failed: RegisterModel: could not reach"), ps
+assert d["overall"]["failed_prompts"] == 1 and d["overall"]["tokens_stored"] == 0, d["overall"]
+m = open(sys.argv[2]).read()
+assert "kvpool_worker_prefill_failed_prompts_total 1" in m, m
+print("ok: a failed registration still writes the report and metrics")
+PY
 if grep -q "stopped or restarted\|forgotten" "${work}/err"; then echo "FAIL: a pool that never started is said to have stopped" >&2; cat "${work}/err" >&2; failures=$((failures + 1)); fi
 # A bad local transport list is this worker's misconfiguration, not a pool failure: both roles
 # stop with exit 2 and name the local data plane (no silent fallback).
