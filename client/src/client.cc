@@ -171,7 +171,8 @@ bool IsConnectionLoss(absl::string_view message) {
 // runs there, not that it stopped). Every other status (the pool's own messages, which name the
 // field) is returned unchanged.
 absl::Status ExplainRpcFailure(absl::Status s, absl::string_view method, absl::Duration timeout,
-                               bool cancelled_here, const std::string& server, bool ever_answered) {
+                               bool cancelled_here, const std::string& server, bool ever_answered,
+                               absl::string_view held) {
   if (s.ok()) return s;
   const absl::string_view msg = s.message();
   const std::string ms =
@@ -206,11 +207,16 @@ absl::Status ExplainRpcFailure(absl::Status s, absl::string_view method, absl::D
             "): no pool has answered at that address yet; check that kvpool-server runs and "
             "listens there (its --listen); the client tries again on its next call"));
       }
+      // What a restart took from this client is named only when it had some (a decode
+      // worker's fallback line spoke of open puts it never had: newcomer 18 F7).
       return absl::UnavailableError(absl::StrCat(
           method, ": lost the connection to the pool at ", server, " (", msg,
-          "): the pool stopped or restarted. A restarted pool has forgotten this client's open "
-          "puts and leases, and the pool memory this client had mapped is gone; the client "
-          "reconnects (and registers its model again) on its next call"));
+          "): the pool stopped or restarted. ",
+          held.empty() ? std::string()
+                       : absl::StrCat("A restarted pool has forgotten this client's ", held,
+                                      ", and the pool memory this client had mapped is gone; "),
+          held.empty() ? "The client" : "the client",
+          " reconnects (and registers its model again) on its next call"));
     default:
       break;
   }
@@ -767,9 +773,15 @@ class ClientImpl final : public Client {
                           const CancelToken* cancel) {
     absl::Status out = WithUcxTlsHint(FromGrpc(gs), options_.ucx_tls);
     if (!out.ok()) {
+      const bool puts = began_put_.load(std::memory_order_relaxed);
+      const bool leases = acquired_lease_.load(std::memory_order_relaxed);
       out = ExplainRpcFailure(std::move(out), method, timeout,
                               cancel != nullptr && cancel->cancelled(), options_.server,
-                              pool_answered_.load(std::memory_order_relaxed));
+                              pool_answered_.load(std::memory_order_relaxed),
+                              puts && leases ? "open puts and leases"
+                              : puts         ? "open puts"
+                              : leases       ? "leases"
+                                             : "");
     }
     // An answer of the pool's own (OK, or a code a transport failure does not produce).
     if (gs.ok() || (gs.error_code() != grpc::StatusCode::UNAVAILABLE &&
@@ -1247,6 +1259,7 @@ class ClientImpl final : public Client {
       return absl::InvalidArgumentError(
           absl::StrCat("tokens: ", tokens.size(), " tokens hold no full block of ", P));
     }
+    began_put_.store(true, std::memory_order_relaxed);
     const uint32_t num_blocks = static_cast<uint32_t>(tokens.size() / P);
     // The put's layers usually follow this call at once; when they will be spread over the
     // copy threads (a synchronous layer reaching parallel_put_min_bytes, or an asynchronous put
@@ -1385,6 +1398,7 @@ class ClientImpl final : public Client {
       none.expires = absl::Now();
       return none;
     }
+    acquired_lease_.store(true, std::memory_order_relaxed);
     pb::AcquireRequest req;
     req.set_namespace_id(DigestBytes(c.namespace_id));
     req.mutable_token_ids()->Add(tokens.begin(), tokens.end());
@@ -2057,6 +2071,10 @@ class ClientImpl final : public Client {
   // Set by the first RPC the pool answered (RpcOutcome): until then a refused connection is
   // worded "could not reach the pool", after it "lost the connection".
   std::atomic<bool> pool_answered_{false};
+  // Set once this client has begun a put / acquired a lease: the connection-loss message names
+  // what a restarted pool forgot only when the client ever had it.
+  std::atomic<bool> began_put_{false};
+  std::atomic<bool> acquired_lease_{false};
   std::thread channel_watch_;
 
   // Fail-fast state (NoteNoAnswer, FailFast).

@@ -1787,6 +1787,12 @@ TEST_P(ClientTest, PoolRestartGivesUnavailableThenWorksAgain) {
   auto lease = c->Acquire(s.tokens);
   ASSERT_TRUE(lease.ok());
   const uint64_t old_epoch = lease->pool_epoch;
+  // A client that only looks up (a decode worker before its first lease) has no puts or leases
+  // for a restarted pool to forget, and is not told of them (newcomer 18 F7).
+  auto looker = NewClient();
+  ASSERT_NE(looker, nullptr);
+  ASSERT_TRUE(looker->RegisterModel(Spec("int2")).ok());
+  ASSERT_TRUE(looker->Lookup(s.tokens).ok());
 
   const int port = port_;
   server_->Shutdown(absl::ZeroDuration());
@@ -1798,6 +1804,14 @@ TEST_P(ClientTest, PoolRestartGivesUnavailableThenWorksAgain) {
   EXPECT_THAT(down.status().message(), HasSubstr("Lookup: lost the connection to the pool"))
       << down.status();
   EXPECT_THAT(down.status().message(), HasSubstr("reconnects")) << down.status();
+  EXPECT_THAT(down.status().message(), HasSubstr("forgotten this client's open puts and leases"))
+      << down.status();
+  auto looker_down = looker->Lookup(s.tokens);
+  EXPECT_EQ(looker_down.status().code(), absl::StatusCode::kUnavailable) << looker_down.status();
+  EXPECT_THAT(looker_down.status().message(),
+              HasSubstr("the pool stopped or restarted. The client reconnects"))
+      << looker_down.status();
+  EXPECT_THAT(looker_down.status().message(), Not(HasSubstr("puts"))) << looker_down.status();
   StartServer(port);
 
   // The first call after the restart may still report UNAVAILABLE (it discovers the restart);
