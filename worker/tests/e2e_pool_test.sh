@@ -854,6 +854,29 @@ assert all(e.startswith("RESOURCE_EXHAUSTED") for e in errors), errors
 assert sum("(not waited for: an earlier prompt waited the whole 1500 ms" in e for e in errors) == 4, errors
 print(f"a shortage that does not pass: 5 prompts failed after {ms} ms, 1 room wait of 1500 ms, 4 not waited for")
 PY
+echo "== a put timeout too short for any put: every prompt's error says it expired again and which flag"
+# Newcomer 18 F4: a prompt whose put expired was put again, and when the second put's own
+# timeout ran out while it was written (the pool's pull failed, or its connection), the error
+# lacked the "(it expired again when put a second time ...)" explanation that names the flag.
+own_pool short
+room_pid=${own_pid}
+rc=0
+"${worker_bin}" --role prefill --pool "127.0.0.1:${own_port}" --model-id short "${common[@]}" \
+  --prompt-file "${demo}/prompts/01_kite.txt" --prompt-file "${demo}/prompts/02_garden.txt" \
+  --prompt-file "${demo}/prompts/03_boat.txt" --put-timeout-ms 1 \
+  --report "${work}/prefill_short.json" >/dev/null 2>"${work}/prefill_short.log" || rc=$?
+kill "${room_pid}" 2>/dev/null || true; wait "${room_pid}" 2>/dev/null || true; room_pid=""
+python3 - "${work}" "${rc}" <<'PY' || { cat "${work}/prefill_short.log" >&2; fail "a put timeout too short for any put"; }
+import json, sys
+work, rc = sys.argv[1], int(sys.argv[2])
+d = json.load(open(f"{work}/prefill_short.json"))
+assert rc == 2 and d["overall"]["failed_prompts"] == 3, (rc, d["overall"])
+errors = [p["error"] for p in d["prompts"]]
+assert all("(it expired again when put a second time from the recorded K/V: " in e and
+           "longer than the put timeout of 1 ms that kvpool-worker --put-timeout-ms asks for" in e
+           for e in errors), errors
+print("a 1 ms put timeout: 3 prompts failed, each saying it expired again and naming --put-timeout-ms")
+PY
 echo "== --max-put-blocks: a prefix given first in the same run lets the whole prompt through"
 # Newcomer 16 F4: the refusal says "put a prefix with at most that many new blocks first", but
 # the node opens prompt i+1's put before it commits prompt i, so the prefix's blocks did not

@@ -321,7 +321,9 @@ absl::StatusOr<PrefillReport> PrefillNode::Commit(Pending pending, Pending* othe
     first_failure = r.status();
     pending.report.reput = true;
     reput_start = std::chrono::steady_clock::now();
-    KVPOOL_RETURN_IF_ERROR(Reopen(pending, /*wait_for_room=*/false, std::nullopt));
+    if (absl::Status s = Reopen(pending, /*wait_for_room=*/false, std::nullopt); !s.ok()) {
+      return ReputTimedOut(pending) ? ExpiredAgain(s, Since(*reput_start)) : s;
+    }
     r = pending.put->Commit();
     return absl::OkStatus();
   };
@@ -406,7 +408,11 @@ absl::StatusOr<PrefillReport> PrefillNode::Commit(Pending pending, Pending* othe
         "for room",
         pending.report.prompt_tokens, Since(*room_since));
   }
-  if (client::PutExpired(r.status()) && reput_start.has_value()) {
+  // The put again expired too: at its Commit (PutExpired), or while it was written (the pool's
+  // pull of a put whose timeout ran out fails, and so does its connection: newcomer 18 F4, the
+  // prompt's error then lacked why).
+  if (reput_start.has_value() && !r.ok() &&
+      (client::PutExpired(r.status()) || ReputTimedOut(pending))) {
     return ExpiredAgain(r.status(), Since(*reput_start));
   }
   // The CommitPut's answer did not come within the call timeout: a pool that was only slow (or
@@ -478,6 +484,10 @@ absl::Status PrefillNode::RoomWaitSpent(const absl::Status& s) const {
                                     "succeeded since)"));
 }
 
+bool PrefillNode::ReputTimedOut(const Pending& pending) {
+  return pending.put != nullptr && absl::Now() >= pending.put->expires();
+}
+
 absl::Status PrefillNode::ExpiredAgain(const absl::Status& s, double reput_seconds) const {
   // The pool's message names the pool's flag and ClientOptions; what a node's operator sets is
   // this node's --put-timeout-ms, or the pool's when it is 0 (newcomer 13b F8: with
@@ -485,8 +495,8 @@ absl::Status PrefillNode::ExpiredAgain(const absl::Status& s, double reput_secon
   const int64_t asked = options_.put_timeout.count();
   return WithSuffix(
       s, absl::StrCat(" (it expired again when put a second time from the recorded K/V: ",
-                      "that put took ", static_cast<int64_t>(reput_seconds * 1000.0),
-                      " ms from its BeginPut to its Commit, longer than the put timeout ",
+                      "that put was not committed ", static_cast<int64_t>(reput_seconds * 1000.0),
+                      " ms after its BeginPut, longer than the put timeout ",
                       asked > 0 ? absl::StrCat("of ", asked,
                                                " ms that kvpool-worker --put-timeout-ms asks "
                                                "for; raise it, or give 0 for the pool's own")

@@ -303,6 +303,9 @@ class PrefillNode {
   // was too short for it (this node's --put-timeout-ms, or the pool's when that is 0) and by
   // how much; the payloads are kept.
   absl::Status ExpiredAgain(const absl::Status& s, double reput_seconds) const;
+  // Whether pending's put (the put again) is past its granted timeout (PutSession::expires()):
+  // what failed it then is its expiry, whatever status the write or commit returned.
+  static bool ReputTimedOut(const Pending& pending);
   // Marks the shortage as one that does not pass (logged once per episode).
   void NoteRoomWaitSpent();
 };
