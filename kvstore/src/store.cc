@@ -904,7 +904,30 @@ absl::StatusOr<PutPlan> BlockStore::BeginPut(const Digest& namespace_id,
     return absl::NotFoundError(absl::StrCat("namespace_id: ", ToHex(namespace_id),
                                             " is not registered (register the model first)"));
   }
-  KVPOOL_RETURN_IF_ERROR(CheckCommitFitsLocked(*m, keys));
+  const absl::Time now = clock_->Now();
+  PruneRoomWaitersLocked(now);
+  const Digest& line_key = keys.back();
+  uint64_t need = 0, room = 0;
+  if (absl::Status fits = CheckCommitFitsLocked(*m, keys, &need, &room); !fits.ok()) {
+    NoteRoomRefusalLocked(line_key, need, fits, now);
+    return fits;
+  }
+  // Room kept for the puts in line before this one (StoreOptions::room_waiter_life).
+  if (auto [kept, ahead] = RoomKeptAheadLocked(line_key); kept > 0 && need + kept > room) {
+    absl::Status refused = absl::ResourceExhaustedError(absl::StrCat(
+        "num_blocks: the pool keeps ", kept, " bytes for ", ahead,
+        " earlier put(s) refused for room that are asking again: this put's commit needs ", need,
+        " bytes at once, and eviction can make at most ", room, " of the pool's ",
+        arena_.capacity(), " bytes free (", staging_bytes_,
+        " bytes are staging of other open puts, ", pinned_bytes_,
+        " bytes are forms of leased or pinned blocks); ask again: a put refused for room that "
+        "asks again within ",
+        absl::FormatDuration(options_.room_waiter_life), " is in line too"));
+    SetRoomShortage(refused,
+                    {need, room - std::min(room, kept), staging_bytes_ + kept, pinned_bytes_});
+    NoteRoomRefusalLocked(line_key, need, refused, now);
+    return refused;
+  }
   Put put;
   put.id = NewIdLocked();
   put.model = m;
@@ -979,8 +1002,11 @@ absl::StatusOr<PutPlan> BlockStore::BeginPut(const Digest& namespace_id,
       AllocateAllLocked(staging_sizes, "staging ranges", form_sizes);
   if (!offsets.ok()) {
     ReleasePutLocked(put, true);  // unpins; no block is kWrite yet
+    NoteRoomRefusalLocked(line_key, need, offsets.status(), now);
     return offsets.status();
   }
+  // Opened: out of the line.
+  std::erase_if(room_waiters_, [&](const RoomWaiter& w) { return w.key == line_key; });
   size_t next = 0;
   for (PutBlockState& st : put.blocks) {
     if (!st.plan.forms_added.empty()) {
@@ -1006,7 +1032,45 @@ uint64_t BlockStore::EvictableRoomLocked(uint64_t also_pinned) const {
   return capacity > fixed ? capacity - fixed : 0;
 }
 
-absl::Status BlockStore::CheckCommitFitsLocked(const Model& m, absl::Span<const Digest> keys) {
+void BlockStore::PruneRoomWaitersLocked(absl::Time now) {
+  std::erase_if(room_waiters_,
+                [&](const RoomWaiter& w) { return now - w.last > options_.room_waiter_life; });
+}
+
+void BlockStore::NoteRoomRefusalLocked(const Digest& key, uint64_t need, const absl::Status& s,
+                                       absl::Time now) {
+  if (options_.room_waiter_life <= absl::ZeroDuration()) return;
+  // Only room that other puts or leases hold passes; a put too large for the pool waits for
+  // nothing (the rule of kvpool::worker::RoomHeldByOthers).
+  const std::optional<RoomShortage> r = GetRoomShortage(s);
+  if (!r.has_value()) return;
+  const uint64_t held = r->staging_bytes + r->pinned_bytes;
+  if (held == 0 || r->need_bytes > r->room_bytes + held) return;
+  auto it = std::find_if(room_waiters_.begin(), room_waiters_.end(),
+                         [&](const RoomWaiter& w) { return w.key == key; });
+  if (it == room_waiters_.end()) {
+    room_waiters_.push_back({key, need, now, 1});
+    return;
+  }
+  it->need = need;
+  it->last = now;
+  ++it->refusals;
+}
+
+std::pair<uint64_t, int> BlockStore::RoomKeptAheadLocked(const Digest& key) const {
+  uint64_t kept = 0;
+  int ahead = 0;
+  for (const RoomWaiter& w : room_waiters_) {
+    if (w.key == key) break;
+    if (w.refusals < 2) continue;  // asked once: not (yet) known to ask again
+    kept += w.need;
+    ++ahead;
+  }
+  return {kept, ahead};
+}
+
+absl::Status BlockStore::CheckCommitFitsLocked(const Model& m, absl::Span<const Digest> keys,
+                                               uint64_t* need_out, uint64_t* room_out) {
   const uint32_t num_blocks = static_cast<uint32_t>(keys.size());
   const uint64_t sizes[kNumForms] = {arena_.RoundUp(m.info.bf16_form_bytes),
                                      arena_.RoundUp(m.info.int2_form_bytes)};
@@ -1035,6 +1099,8 @@ absl::Status BlockStore::CheckCommitFitsLocked(const Model& m, absl::Span<const 
   // so a put refused here could never commit, while one accepted may still fail at its commit.
   const uint64_t capacity = arena_.capacity();
   const uint64_t room = EvictableRoomLocked(newly_pinned);
+  if (need_out != nullptr) *need_out = staging + forms;
+  if (room_out != nullptr) *room_out = room;
   if (staging + forms <= room) return absl::OkStatus();
   // A prefill node (kvpool::worker::RoomHeldByOthers) reads these numbers (the RoomShortage
   // payload, or this message's and AllocateLocked's text from a pool before v1.7) to tell

@@ -1024,6 +1024,88 @@ TEST_F(EvictionTest, PoolFullOfLeasedBlocksRefusesPuts) {
   EXPECT_EQ(Forms(50, 8).size(), 8u);
 }
 
+// Newcomer 18 F3: three prefill nodes sharing a pool with room for one put at a time; two of
+// them held the room in turn (each opens its next put as it commits the last) and the third,
+// asking again every second, never found it free and failed its prompts. A put refused for room
+// that other puts or leases hold, and refused again within StoreOptions::room_waiter_life, is
+// in line: the room it needs is kept for it, in the order of the first refusals, until it opens
+// or stops asking.
+TEST_F(EvictionTest, PutsWaitingForRoomAreServedInTheOrderTheyFirstAsked) {
+  // 10240 bytes; an 8-block put needs 4096 bytes of staging + 3328 of new forms = 7424 at once.
+  auto a = store_->BeginPut(ns_, Tokens(1, 32), 8, {});
+  ASSERT_TRUE(a.ok()) << a.status();
+  // B: 10240 - 4096 of A's staging = 6144 < 7424. Refused, and again 100 ms later: in line.
+  for (int i = 0; i < 2; ++i) {
+    auto b = store_->BeginPut(ns_, Tokens(2, 32), 8, {});
+    ASSERT_EQ(b.status().code(), absl::StatusCode::kResourceExhausted) << b.status();
+    EXPECT_THAT(b.status().message(), HasSubstr("the pool cannot hold this put's commit"));
+    clock_.Advance(absl::Milliseconds(100));
+  }
+  ASSERT_TRUE(store_->CommitPut(ns_, a->put_id, Write(*a, 1)).ok());
+  // The room is free now, but kept for B: C (another sequence, never refused) is refused with
+  // numbers under which a prefill node waits (RoomHeldByOthers: the kept bytes count as staging).
+  auto c = store_->BeginPut(ns_, Tokens(3, 32), 8, {});
+  ASSERT_EQ(c.status().code(), absl::StatusCode::kResourceExhausted) << c.status();
+  EXPECT_THAT(c.status().message(),
+              HasSubstr("num_blocks: the pool keeps 7424 bytes for 1 earlier put(s) refused for "
+                        "room that are asking again: this put's commit needs 7424 bytes at once, "
+                        "and eviction can make at most 10240 of the pool's 10240 bytes free"));
+  std::optional<RoomShortage> r = GetRoomShortage(c.status());
+  ASSERT_TRUE(r.has_value());
+  EXPECT_EQ(r->need_bytes, 7424u);
+  EXPECT_EQ(r->room_bytes, 10240u - 7424u);
+  EXPECT_EQ(r->staging_bytes, 7424u);
+  EXPECT_EQ(r->pinned_bytes, 0u);
+  EXPECT_EQ(store_->Stats().open_puts, 0u);  // C opened nothing
+  // B asks again and opens (it leaves the line); C, refused again under B's staging, is in line.
+  auto b = store_->BeginPut(ns_, Tokens(2, 32), 8, {});
+  ASSERT_TRUE(b.ok()) << b.status();
+  c = store_->BeginPut(ns_, Tokens(3, 32), 8, {});
+  ASSERT_EQ(c.status().code(), absl::StatusCode::kResourceExhausted) << c.status();
+  EXPECT_THAT(c.status().message(), HasSubstr("the pool cannot hold this put's commit"));
+  ASSERT_TRUE(store_->AbortPut(ns_, b->put_id).ok());
+  // D (new) finds the room kept for C; once C has not asked for longer than the waiter life
+  // (1 s by default), it is out of the line and D opens.
+  auto d = store_->BeginPut(ns_, Tokens(4, 32), 8, {});
+  ASSERT_EQ(d.status().code(), absl::StatusCode::kResourceExhausted) << d.status();
+  EXPECT_THAT(d.status().message(), HasSubstr("the pool keeps 7424 bytes for 1 earlier put(s)"));
+  clock_.Advance(absl::Milliseconds(1100));
+  d = store_->BeginPut(ns_, Tokens(4, 32), 8, {});
+  ASSERT_TRUE(d.ok()) << d.status();
+  ASSERT_TRUE(store_->CommitPut(ns_, d->put_id, Write(*d, 4)).ok());
+  EXPECT_EQ(Forms(4, 8).size(), 8u);  // (its commit evicted A's blocks: both do not fit)
+  EXPECT_EQ(store_->Stats().open_puts, 0u);
+  EXPECT_EQ(store_->Stats().staging_bytes, 0u);
+}
+
+// What keeps no room: a put refused only once (not known to ask again), a put too large for
+// the pool (it waits for nothing), and any put when StoreOptions::room_waiter_life is 0.
+TEST_F(EvictionTest, APutRefusedOnceOrTooLargeOrWithNoLineKeepsNoRoom) {
+  for (const bool line : {true, false}) {
+    SCOPED_TRACE(line ? "line on, B refused once" : "room_waiter_life 0, B refused twice");
+    StoreOptions o;
+    o.high_watermark = 0.6;
+    o.low_watermark = 0.4;
+    if (!line) o.room_waiter_life = absl::ZeroDuration();
+    Init(20 * 512, HistoryPrecision::kInt2, o);
+    auto a = store_->BeginPut(ns_, Tokens(1, 32), 8, {});
+    ASSERT_TRUE(a.ok()) << a.status();
+    for (int i = 0; i < (line ? 1 : 2); ++i) {
+      auto b = store_->BeginPut(ns_, Tokens(2, 32), 8, {});
+      ASSERT_EQ(b.status().code(), absl::StatusCode::kResourceExhausted) << b.status();
+    }
+    // Too large even for the empty pool (40 blocks: 20480 bytes of staging alone), twice.
+    for (int i = 0; i < 2; ++i) {
+      auto big = store_->BeginPut(ns_, Tokens(9, 160), 40, {});
+      ASSERT_EQ(big.status().code(), absl::StatusCode::kResourceExhausted) << big.status();
+    }
+    ASSERT_TRUE(store_->CommitPut(ns_, a->put_id, Write(*a, 1)).ok());
+    auto c = store_->BeginPut(ns_, Tokens(3, 32), 8, {});
+    ASSERT_TRUE(c.ok()) << c.status();
+    ASSERT_TRUE(store_->AbortPut(ns_, c->put_id).ok());
+  }
+}
+
 // Newcomer report s7 F11: a put whose staging fit passed BeginPut, moved every layer and only
 // then failed RESOURCE_EXHAUSTED at its commit, which allocates the new forms while the staging
 // is still held. BeginPut now refuses a put that could never commit — staging plus new forms

@@ -185,6 +185,16 @@ struct StoreOptions {
   // second, burst 256 (one full call, kMaxCorruptionReports). rate >= 0; burst >= 1.
   double corruption_reports_per_second = 16;
   uint32_t corruption_report_burst = 256;
+  // The line of puts waiting for room (BeginPut): a put refused for room that other puts'
+  // staging or leased blocks hold (the RoomShortage kind a prefill node waits out) and refused
+  // again within this time is in line, in the order of its first refusal, for as long as it
+  // asks again within this time; a BeginPut of another sequence then opens only when the room
+  // it needs leaves enough for every put in line before it (an earlier first refusal), and is
+  // refused otherwise with the same kind of RESOURCE_EXHAUSTED. Without it the nodes that hold
+  // the room and open their next put as they commit kept it, and a third one waiting for it
+  // never saw it free (newcomer 18 F3). Zero = no line. Default 1 s (a prefill node asks again
+  // every 250 ms at most while it waits for room).
+  absl::Duration room_waiter_life = absl::Seconds(1);
 };
 
 enum class PutAction : uint8_t { kSkip, kWrite };
@@ -346,7 +356,9 @@ class BlockStore {
   // what eviction can free — capacity minus other puts' staging and the forms of leased or
   // pinned blocks — the message gives each number; or, when the free bytes are in pieces, a
   // staging that would not fit with the commit's new forms even once eviction freed all it may:
-  // "pool full: ...; nothing was evicted", AllocateAllLocked).
+  // "pool full: ...; nothing was evicted", AllocateAllLocked; or room kept for puts in line
+  // before this one, StoreOptions::room_waiter_life: "the pool keeps ... for N put(s) ...",
+  // whose RoomShortage counts the kept bytes as staging).
   absl::StatusOr<PutPlan> BeginPut(const Digest& namespace_id, absl::Span<const uint32_t> tokens,
                                    uint32_t num_blocks, absl::Duration timeout);
 
@@ -594,8 +606,30 @@ class BlockStore {
   // could never commit: its staging plus the new forms its commit allocates while that staging
   // is held exceed what eviction can free (capacity minus other puts' staging and the forms of
   // pinned blocks, counting those the put itself pins). Requires mu_ exclusive.
-  absl::Status CheckCommitFitsLocked(const Model& m, absl::Span<const Digest> keys);
+  // `need` and `room` (when not null) get the bytes the commit needs at once and what eviction
+  // can free, whatever the outcome.
+  absl::Status CheckCommitFitsLocked(const Model& m, absl::Span<const Digest> keys,
+                                     uint64_t* need = nullptr, uint64_t* room = nullptr);
   uint64_t NextGeneration() { return ++generation_; }
+
+  // The line of puts waiting for room (StoreOptions::room_waiter_life), in the order of their
+  // first refusal; a put is named by the key of its last block (the chain names the namespace
+  // and every token). Guarded by mu_.
+  struct RoomWaiter {
+    Digest key{};
+    uint64_t need = 0;  // bytes its commit needs at once, at its last refusal
+    absl::Time last;    // its last refusal
+    int refusals = 0;   // in line from the second
+  };
+  std::vector<RoomWaiter> room_waiters_;
+  // Drops the waiters not refused within room_waiter_life before `now`. Requires mu_ exclusive.
+  void PruneRoomWaitersLocked(absl::Time now);
+  // A refusal `s` of the put named `key` (needing `need` bytes) at `now`: recorded when it is
+  // for room held by other puts or leases (its RoomShortage). Requires mu_ exclusive.
+  void NoteRoomRefusalLocked(const Digest& key, uint64_t need, const absl::Status& s,
+                             absl::Time now);
+  // Bytes and count of the puts in line before `key` (all in line when `key` is not). Requires mu_.
+  std::pair<uint64_t, int> RoomKeptAheadLocked(const Digest& key) const;
 
   const StoreOptions options_;
   PoolMemory* const memory_;

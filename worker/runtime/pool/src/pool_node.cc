@@ -86,6 +86,12 @@ std::optional<uint64_t> NumberBefore(absl::string_view text, absl::string_view l
 }
 }  // namespace
 
+namespace {
+// Longest backoff between the tries of a put waiting for room (an outage's is 1 s): below the
+// pool's default StoreOptions::room_waiter_life, so that the put keeps its place in line.
+constexpr std::chrono::milliseconds kRoomBackoffCap{250};
+}  // namespace
+
 bool OverPerPutLimit(const absl::Status& s) {
   return absl::IsInvalidArgument(s) &&
          absl::StrContains(s.message(), "more than the per-put limit");
@@ -387,7 +393,7 @@ absl::StatusOr<PrefillReport> PrefillNode::Commit(Pending pending, Pending* othe
       if (SleepUnlessStopping(std::min(now + backoff, *room_since + options_.reconnect_wait))) {
         break;
       }
-      backoff = std::min(backoff * 2, std::chrono::milliseconds(1000));
+      backoff = std::min(backoff * 2, kRoomBackoffCap);
     }
     if (absl::Status s = Reopen(pending, /*wait_for_room=*/true, room_since); !s.ok()) {
       return ReopenStopped(s);
@@ -568,7 +574,10 @@ absl::StatusOr<std::unique_ptr<client::PutSession>> PrefillNode::BeginPut(
                        outage ? "the unreachable pool to come back" : "room in the pool",
                        " (last: ", StatusText(put.status()), ")"));
     }
-    backoff = std::min(backoff * 2, std::chrono::milliseconds(1000));
+    // A put waiting for room asks again at least every 250 ms: the pool keeps its place in the
+    // line of puts waiting for room only while it asks again within 1 s (kvstore
+    // StoreOptions::room_waiter_life).
+    backoff = std::min(backoff * 2, outage ? std::chrono::milliseconds(1000) : kRoomBackoffCap);
     put = client_->BeginPut(tokens, call);  // the client re-registers the model first (stale)
   }
   if (put.ok() && waited_for_room) {

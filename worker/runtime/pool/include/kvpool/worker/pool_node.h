@@ -244,11 +244,11 @@ class PrefillNode {
   // Commits; a Commit that fails UNAVAILABLE puts the recorded K/V again once (BeginPut with the
   // outage wait, WriteLayers, Commit). A Commit refused RESOURCE_EXHAUSTED (no room for the new
   // forms now) puts them again, the BeginPut waiting for room (RoomHeldByOthers), until one
-  // commits or reconnect_wait from the first refusal has passed (50 ms backoff doubling to 1 s
-  // between refused commits; not at all while room_wait_spent_); `other_open`, this node's other
-  // put still open (or null), is aborted at the first such refusal, as it may hold the room, and
-  // left with a null `put`: the caller puts it again (Reopen). A stop (NodeOptions::cancel) during
-  // such a re-put returns CANCELLED "stopped while putting it again ..." (StopStageNamed).
+  // commits or reconnect_wait from the first refusal has passed (50 ms backoff doubling to
+  // 250 ms between refused commits; not at all while room_wait_spent_); `other_open`, this node's
+  // other put still open (or null), is aborted at the first such refusal, as it may hold the room,
+  // and left with a null `put`: the caller puts it again (Reopen). A stop (NodeOptions::cancel)
+  // during such a re-put returns CANCELLED "stopped while putting it again ..." (StopStageNamed).
   absl::StatusOr<PrefillReport> Commit(Pending pending, Pending* other_open = nullptr);
   // Opens pending.put again (BeginPut with `wait_for_room` and `room_since`) and writes its
   // recorded layers; UNAVAILABLE and CANCELLED of the writes are left to the Commit.
@@ -257,7 +257,9 @@ class PrefillNode {
   // client_->BeginPut, retried on UNAVAILABLE within the outage's reconnect_wait (50 ms backoff
   // doubling to 1 s); the last status when the wait is over. With `wait_for_room`, a
   // RESOURCE_EXHAUSTED that other open puts' staging or leased blocks cause (RoomHeldByOthers)
-  // is retried the same way for up to reconnect_wait from this prompt's first refusal
+  // is retried (the backoff doubling to 250 ms only, so that the pool keeps the put's place in
+  // its line of puts waiting for room, kvstore StoreOptions::room_waiter_life) for up to
+  // reconnect_wait from this prompt's first refusal
   // (`room_since` when given: a refusal at an earlier commit of the same prompt), or not at all
   // once an earlier prompt's room wait ran out with no commit since (room_wait_spent_). CANCELLED,
   // without asking the pool, once the node is stopping (Stopping()).
