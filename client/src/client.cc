@@ -101,6 +101,10 @@ bool NoSharedUcxTransport(const absl::Status& status) {
   return status.GetPayload(kNoSharedUcxTransportPayload).has_value();
 }
 
+bool NoAnswer(const absl::Status& status) {
+  return absl::IsDeadlineExceeded(status) && status.GetPayload(kNoAnswerPayload).has_value();
+}
+
 bool PutExpired(const absl::Status& status) {
   return absl::IsDeadlineExceeded(status) && status.GetPayload(kPutExpiredPayload).has_value();
 }
@@ -172,7 +176,7 @@ bool IsConnectionLoss(absl::string_view message) {
 // field) is returned unchanged.
 absl::Status ExplainRpcFailure(absl::Status s, absl::string_view method, absl::Duration timeout,
                                bool cancelled_here, const std::string& server, bool ever_answered,
-                               absl::string_view held) {
+                               absl::string_view held, bool mapped) {
   if (s.ok()) return s;
   const absl::string_view msg = s.message();
   const std::string ms =
@@ -181,13 +185,16 @@ absl::Status ExplainRpcFailure(absl::Status s, absl::string_view method, absl::D
                          " ms")
           : std::string("it had passed when the call began");
   switch (s.code()) {
-    case absl::StatusCode::kDeadlineExceeded:
+    case absl::StatusCode::kDeadlineExceeded: {
       if (msg != "Deadline Exceeded") break;
-      return absl::DeadlineExceededError(absl::StrCat(
+      absl::Status none = absl::DeadlineExceededError(absl::StrCat(
           method, ": no answer from the pool at ", server, " within the call's deadline (", ms,
           "; set per call with CallOptions::deadline, else ClientOptions::default_timeout, which "
           "kvpool-worker sets with --call-timeout-ms): raise it if the pool is busy, or check that "
           "the pool is running"));
+      none.SetPayload(kNoAnswerPayload, absl::Cord());
+      return none;
+    }
     case absl::StatusCode::kCancelled:
       if (cancelled_here) {
         return absl::CancelledError(
@@ -208,14 +215,19 @@ absl::Status ExplainRpcFailure(absl::Status s, absl::string_view method, absl::D
             "listens there (its --listen); the client tries again on its next call"));
       }
       // What a restart took from this client is named only when it had some (a decode
-      // worker's fallback line spoke of open puts it never had: newcomer 18 F7).
+      // worker's fallback line spoke of open puts it never had: newcomer 18 F7; of leases and
+      // mapped memory it did not hold: newcomer 19 F2).
       return absl::UnavailableError(absl::StrCat(
           method, ": lost the connection to the pool at ", server, " (", msg,
           "): the pool stopped or restarted. ",
-          held.empty() ? std::string()
-                       : absl::StrCat("A restarted pool has forgotten this client's ", held,
-                                      ", and the pool memory this client had mapped is gone; "),
-          held.empty() ? "The client" : "the client",
+          held.empty() && !mapped
+              ? std::string()
+              : absl::StrCat(
+                    "A restarted pool has forgotten ",
+                    held.empty() ? std::string()
+                                 : absl::StrCat("this client's ", held, mapped ? ", and " : ""),
+                    mapped ? "the pool memory this client had mapped (it is gone)" : "", "; "),
+          held.empty() && !mapped ? "The client" : "the client",
           " reconnects (and registers its model again) on its next call"));
     default:
       break;
@@ -773,15 +785,11 @@ class ClientImpl final : public Client {
                           const CancelToken* cancel) {
     absl::Status out = WithUcxTlsHint(FromGrpc(gs), options_.ucx_tls);
     if (!out.ok()) {
-      const bool puts = began_put_.load(std::memory_order_relaxed);
-      const bool leases = acquired_lease_.load(std::memory_order_relaxed);
       out = ExplainRpcFailure(std::move(out), method, timeout,
                               cancel != nullptr && cancel->cancelled(), options_.server,
                               pool_answered_.load(std::memory_order_relaxed),
-                              puts && leases ? "open puts and leases"
-                              : puts         ? "open puts"
-                              : leases       ? "leases"
-                                             : "");
+                              absl::IsUnavailable(out) ? HeldText() : std::string(),
+                              pool_memory_mapped_.load(std::memory_order_relaxed));
     }
     // An answer of the pool's own (OK, or a code a transport failure does not produce).
     if (gs.ok() || (gs.error_code() != grpc::StatusCode::UNAVAILABLE &&
@@ -1207,6 +1215,7 @@ class ClientImpl final : public Client {
         return;  // already mapped for this incarnation
       }
       old = std::move(arena_);
+      pool_memory_mapped_.store(false, std::memory_order_relaxed);
       ep = endpoint_;
     }
     old.reset();
@@ -1230,6 +1239,7 @@ class ClientImpl final : public Client {
     rkeys_.emplace(packed, *key);
     arena_ = *std::move(mapping);
     arena_epoch_ = info.pool_epoch;
+    pool_memory_mapped_.store(true, std::memory_order_relaxed);
   }
 
   // ---- Client ----
@@ -1259,7 +1269,6 @@ class ClientImpl final : public Client {
       return absl::InvalidArgumentError(
           absl::StrCat("tokens: ", tokens.size(), " tokens hold no full block of ", P));
     }
-    began_put_.store(true, std::memory_order_relaxed);
     const uint32_t num_blocks = static_cast<uint32_t>(tokens.size() / P);
     // The put's layers usually follow this call at once; when they will be spread over the
     // copy threads (a synchronous layer reaching parallel_put_min_bytes, or an asynchronous put
@@ -1398,7 +1407,6 @@ class ClientImpl final : public Client {
       none.expires = absl::Now();
       return none;
     }
-    acquired_lease_.store(true, std::memory_order_relaxed);
     pb::AcquireRequest req;
     req.set_namespace_id(DigestBytes(c.namespace_id));
     req.mutable_token_ids()->Add(tokens.begin(), tokens.end());
@@ -2071,10 +2079,28 @@ class ClientImpl final : public Client {
   // Set by the first RPC the pool answered (RpcOutcome): until then a refused connection is
   // worded "could not reach the pool", after it "lost the connection".
   std::atomic<bool> pool_answered_{false};
-  // Set once this client has begun a put / acquired a lease: the connection-loss message names
-  // what a restarted pool forgot only when the client ever had it.
-  std::atomic<bool> began_put_{false};
-  std::atomic<bool> acquired_lease_{false};
+  // Whether the pool's memory is mapped into this process now (MapArena): the connection-loss
+  // message names it only then.
+  std::atomic<bool> pool_memory_mapped_{false};
+  // What this client holds open on the pool now, for the connection-loss message: "2 open
+  // put(s) and 1 lease(s)", "" when nothing (put sessions alive, leases not released or
+  // expired). Takes sessions_mu_ and leases_mu_ (each held briefly, never across a call).
+  std::string HeldText() {
+    size_t puts = 0, leases = 0;
+    {
+      std::lock_guard<std::mutex> lock(sessions_mu_);
+      puts = sessions_.size();
+    }
+    {
+      const absl::Time now = absl::Now();
+      std::lock_guard<std::mutex> lock(leases_mu_);
+      for (const auto& [id, l] : leases_) leases += l.expires > now ? 1 : 0;
+    }
+    std::vector<std::string> parts;
+    if (puts > 0) parts.push_back(absl::StrCat(puts, " open put(s)"));
+    if (leases > 0) parts.push_back(absl::StrCat(leases, " lease(s)"));
+    return absl::StrJoin(parts, " and ");
+  }
   std::thread channel_watch_;
 
   // Fail-fast state (NoteNoAnswer, FailFast).
@@ -2845,11 +2871,14 @@ absl::StatusOr<PutResult> PutSessionImpl::Commit() {
     // abort may go out without waiting (the pool also drops the put at its put timeout).
     finished_ = true;
     client_->AbortRpcInBackground(conn_, put_id_);
-    return absl::DeadlineExceededError(absl::StrCat(
+    absl::Status out = absl::DeadlineExceededError(absl::StrCat(
         s.message(),
         "; the put is aborted in the background (AbortPut, not waited for; the pool drops an "
         "uncommitted put at its put timeout anyway); a pool that was only slow may still have "
         "committed it (a Lookup tells)"));
+    // The payloads stay (kNoAnswerPayload: a prefill node puts such a prompt again).
+    s.ForEachPayload([&](absl::string_view url, const absl::Cord& p) { out.SetPayload(url, p); });
+    return out;
   }
   s = Expired(s);
   if (!s.ok()) {

@@ -854,6 +854,39 @@ assert all(e.startswith("RESOURCE_EXHAUSTED") for e in errors), errors
 assert sum("(not waited for: an earlier prompt waited the whole 1500 ms" in e for e in errors) == 4, errors
 print(f"a shortage that does not pass: 5 prompts failed after {ms} ms, 1 room wait of 1500 ms, 4 not waited for")
 PY
+echo "== a pool stopped for 3 s mid-run (--call-timeout-ms 2000): the puts its stop cut off are put again"
+# Newcomer 19 F1: the prompt whose CommitPut met the stop failed at its deadline, and so did the
+# next one, whose WritePut (sent during the stop) timed out a second after the pool answered
+# again; both had their K/V recorded. A call the pool did not answer is now put again once
+# (unless the pool holds every block).
+own_pool paused
+paused_pid=${own_pid}; room_pid=${own_pid}
+thirty=()
+for r in 1 2 3 4 5 6; do
+  for f in "${demo}"/prompts/*.txt; do
+    printf 'Story %s of %s. ' "${r}" "$(basename "${f}" .txt)" >"${work}/paused_${r}_$(basename "${f}")"
+    cat "${f}" >>"${work}/paused_${r}_$(basename "${f}")"
+    thirty+=(--prompt-file "${work}/paused_${r}_$(basename "${f}")")
+  done
+done
+"${worker_bin}" --role prefill --pool "127.0.0.1:${own_port}" --model-id paused "${common[@]}" \
+  "${thirty[@]}" --call-timeout-ms 2000 --report "${work}/prefill_paused.json" >/dev/null \
+  2>"${work}/prefill_paused.log" &
+worker_pid=$!
+wait_for_line " tokens, " "${work}/prefill_paused.log"  # the first prompt is stored
+kill -STOP "${paused_pid}"; sleep 3; kill -CONT "${paused_pid}"
+rc=0
+wait "${worker_pid}" || rc=$?
+kill "${room_pid}" 2>/dev/null || true; wait "${room_pid}" 2>/dev/null || true; room_pid=""
+python3 - "${work}" "${rc}" <<'PY' || { cat "${work}/prefill_paused.log" >&2; fail "a pool stopped for 3 s mid-run"; }
+import json, sys
+work, rc = sys.argv[1], int(sys.argv[2])
+o = json.load(open(f"{work}/prefill_paused.json"))["overall"]
+log = open(f"{work}/prefill_paused.log").read()
+assert rc == 0 and o["failed_prompts"] == 0, (rc, o)
+assert o["reput_prompts"] >= 1 and "got no answer from the pool within --call-timeout-ms" in log, o
+print(f"a pool stopped for 3 s: 30 of 30 prompts stored, {o['reput_prompts']} put again")
+PY
 echo "== a put timeout too short for any put: every prompt's error says it expired again and which flag"
 # Newcomer 18 F4: a prompt whose put expired was put again, and when the second put's own
 # timeout ran out while it was written (the pool's pull failed, or its connection), the error

@@ -610,6 +610,13 @@ bool NoSharedUcxTransport(const absl::Status& status);
 inline constexpr char kPutExpiredPayload[] = "type.kvpool/put-expired";
 bool PutExpired(const absl::Status& status);
 
+// The payload of the DEADLINE_EXCEEDED a call returns when its deadline passed with no answer
+// from the pool at all ("<Method>: no answer from the pool at HOST:PORT within the call's
+// deadline"): a pool stopped for a moment, swamped or gone; it may still handle the call (a
+// CommitPut may still commit), unlike a DEADLINE_EXCEEDED the pool answered with.
+inline constexpr char kNoAnswerPayload[] = "type.kvpool/no-answer";
+bool NoAnswer(const absl::Status& status);
+
 // Concatenates the page tables of several requests into one batch (request order).
 PageTables MergePageTables(absl::Span<const PageTables* const> per_request);
 

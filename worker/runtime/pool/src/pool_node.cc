@@ -261,8 +261,11 @@ absl::StatusOr<PrefillNode::Pending> PrefillNode::ComputeAndWrite(absl::Span<con
   // UNAVAILABLE: the put is lost with the pool, or expired (client::PutExpired: this node was
   // paused past the pool's put timeout); Commit fails and puts it again. CANCELLED
   // (NodeOptions::cancel: the node is stopping): RunAll aborts the open put.
-  if (absl::Status s = WriteLayers(pending);
-      !s.ok() && !absl::IsUnavailable(s) && !absl::IsCancelled(s) && !client::PutExpired(s)) {
+  // A write the pool did not answer within the call timeout (client::NoAnswer: a pool stopped
+  // for a moment) fails the put too; Commit puts it again.
+  if (absl::Status s = WriteLayers(pending); !s.ok() && !absl::IsUnavailable(s) &&
+                                             !absl::IsCancelled(s) && !client::PutExpired(s) &&
+                                             !client::NoAnswer(s)) {
     return s;
   }
   return pending;
@@ -352,6 +355,20 @@ absl::StatusOr<PrefillReport> PrefillNode::Commit(Pending pending, Pending* othe
   // report 13 F10: the prompt was lost). A second expiry fails the prompt.
   if (client::PutExpired(r.status()) && !pending.report.reput && !Stopping()) {
     if (absl::Status s = put_again("expired in the pool"); !s.ok()) return ReopenStopped(s);
+  }
+  // A call of the put the pool did not answer within the call timeout (client::NoAnswer): a pool
+  // stopped or swamped for a moment. A WritePut's put is then gone (the pool aborts a pull cut
+  // off by its deadline) and a CommitPut's may or may not have committed: unless the pool holds
+  // every block (HeldByPool), the recorded K/V are put again, once, as after a lost pool
+  // (newcomer 19 F1: a pool stopped for 3 s with --call-timeout-ms 2000 cost the prompt whose
+  // commit met the stop and also the next one, whose WritePut, sent during the stop, timed out
+  // a second after the pool answered again).
+  if (client::NoAnswer(r.status()) && !pending.report.reput && !Stopping() &&
+      !HeldByPool(pending)) {
+    if (absl::Status s = put_again("got no answer from the pool within --call-timeout-ms");
+        !s.ok()) {
+      return ReopenStopped(s);
+    }
   }
   // A commit refused for room (RESOURCE_EXHAUSTED "can no longer hold this put's commit", or the
   // allocation of a new form): leases, commits or other nodes' puts taken since the BeginPut
