@@ -908,6 +908,9 @@ errors = [p["error"] for p in d["prompts"]]
 assert all("(it expired again when put a second time from the recorded K/V: " in e and
            "longer than the put timeout of 1 ms that kvpool-worker --put-timeout-ms asks for" in e
            for e in errors), errors
+# The first expiry's warning names this node's flag, not only the pool's (newcomer 19 F4).
+log = open(f"{work}/prefill_short.log").read()
+assert "expired in the pool after the 1 ms this node asks for (kvpool-worker --put-timeout-ms)" in log, log
 print("a 1 ms put timeout: 3 prompts failed, each saying it expired again and naming --put-timeout-ms")
 PY
 echo "== --max-put-blocks: a prefix given first in the same run lets the whole prompt through"

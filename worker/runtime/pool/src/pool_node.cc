@@ -324,7 +324,7 @@ absl::StatusOr<PrefillReport> PrefillNode::Commit(Pending pending, Pending* othe
   // reput flag); `r` becomes the new put's Commit result.
   std::optional<std::chrono::steady_clock::time_point> reput_start;
   absl::Status first_failure;  // what the first put ended with, when it was put again
-  auto put_again = [&](const char* what) -> absl::Status {
+  auto put_again = [&](const std::string& what) -> absl::Status {
     KVPOOL_LOG_WARN("prefill: the put of a {}-token prompt {} ({}); putting its recorded K/V again",
                     pending.report.prompt_tokens, what, StatusText(r.status()));
     first_failure = r.status();
@@ -354,7 +354,18 @@ absl::StatusOr<PrefillReport> PrefillNode::Commit(Pending pending, Pending* othe
   // The recorded K/V are still here: put them again, once, as after a lost pool (newcomer
   // report 13 F10: the prompt was lost). A second expiry fails the prompt.
   if (client::PutExpired(r.status()) && !pending.report.reput && !Stopping()) {
-    if (absl::Status s = put_again("expired in the pool"); !s.ok()) return ReopenStopped(s);
+    // Which timeout it outran, in this node's words: the pool's message names the pool's flag
+    // and the client API even when the timeout is this node's --put-timeout-ms (newcomer 19 F4).
+    const int64_t asked = options_.put_timeout.count();
+    const std::string what = absl::StrCat(
+        "expired in the pool after ",
+        asked > 0
+            ? absl::StrCat("the ", asked, " ms this node asks for (kvpool-worker --put-timeout-ms)")
+            : std::string("the pool's put timeout (kvpool-server --put-timeout-ms; "
+                          "kvpool-worker --put-timeout-ms asks for another)"),
+        ", which counts from its BeginPut, before the prompt is computed, to its commit, after the "
+        "next prompt is computed");
+    if (absl::Status s = put_again(what); !s.ok()) return ReopenStopped(s);
   }
   // A call of the put the pool did not answer within the call timeout (client::NoAnswer): a pool
   // stopped or swamped for a moment. A WritePut's put is then gone (the pool aborts a pull cut
