@@ -959,8 +959,36 @@ int main(int argc, char** argv) {
     // A stop cancels it (stop_token): a pool that accepts the connection and never answers held
     // a stopped worker until the deadline, and a prefill then exited 2 with no report (newcomer
     // s9b #3).
-    auto info = client->RegisterModel(kw::MakeModelSpec(cfg, copts, model_id, revision, *rot_bytes),
-                                      {.cancel = stop_token});
+    const auto spec = kw::MakeModelSpec(cfg, copts, model_id, revision, *rot_bytes);
+    auto info = client->RegisterModel(spec, {.cancel = stop_token});
+    // A prefill node started before its pool (pods started together) waits for it as for an
+    // outage mid-run: it asks again every 250 ms for up to --call-timeout-ms (it failed at once,
+    // while a pool gone mid-run was waited for: newcomer 19 F3). A decode worker serves its
+    // prompts locally instead (docs/WORKER.md).
+    if (role == "prefill" && absl::IsUnavailable(info.status()) &&
+        !kvpool::client::NoSharedUcxTransport(info.status()) && StopSignal() == 0) {
+      const auto t0 = std::chrono::steady_clock::now();
+      const auto until = t0 + std::chrono::milliseconds(call_timeout_ms);
+      KVPOOL_LOG_WARN(
+          "prefill: the pool at {} does not answer yet ({}); waiting up to {} ms for it "
+          "(--call-timeout-ms)",
+          pool, kvpool::StatusText(info.status()), call_timeout_ms);
+      while (absl::IsUnavailable(info.status()) && StopSignal() == 0 &&
+             std::chrono::steady_clock::now() < until) {
+        const auto wake =
+            std::min(until, std::chrono::steady_clock::now() + std::chrono::milliseconds(250));
+        while (StopSignal() == 0 && std::chrono::steady_clock::now() < wake) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        }
+        if (StopSignal() != 0) break;
+        info = client->RegisterModel(spec, {.cancel = stop_token});
+      }
+      if (info.ok()) {
+        KVPOOL_LOG_INFO(
+            "prefill: the pool at {} answered after {:.2f} s", pool,
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+      }
+    }
     if (!info.ok()) {
       client_error = info.status();
       client.reset();

@@ -310,7 +310,7 @@ expect_err "; a prompt may hold at most 511 (the model's context of 512" "the me
 # A fatal error reaches stderr whatever --log-level says.
 expect 2 "missing model with --log-level off" -- "${worker}" --log-level off --role eval --model /nope.gguf --rotations "${work}/rot.safetensors" "${prompt[@]}"
 expect_err "kvpool-worker: model: " "the fatal error is printed with --log-level off"
-expect 2 "prefill without a pool, --log-level off" -- "${worker}" --log-level off --role prefill --pool 127.0.0.1:1 "${base[@]}" "${prompt[@]}"
+expect 2 "prefill without a pool, --log-level off" -- "${worker}" --log-level off --role prefill --pool 127.0.0.1:1 --call-timeout-ms 300 "${base[@]}" "${prompt[@]}"
 expect_err "kvpool-worker: pool 127.0.0.1:1: UNAVAILABLE: " "the pool failure is printed with --log-level off"
 expect 1 "empty --revision" -- "${worker}" --role decode --revision "" "${base[@]}" "${prompt[@]}"
 expect_err "kvpool-worker: --revision: must not be empty" "the message names --revision"
@@ -403,7 +403,7 @@ expect 2 "missing model file" -- "${worker}" --role eval --model /nonexistent.gg
 printf 'not a safetensors file' >"${work}/bad.safetensors"
 expect 2 "corrupted rotation file" -- "${worker}" --role eval --model "${model}" --rotations "${work}/bad.safetensors" "${prompt[@]}"
 expect 2 "missing prompt file" -- "${worker}" --role eval "${base[@]}" --prompt-file /nonexistent.txt
-expect 2 "prefill without a pool" -- "${worker}" --role prefill --pool 127.0.0.1:1 "${base[@]}" "${prompt[@]}"
+expect 2 "prefill without a pool" -- "${worker}" --role prefill --pool 127.0.0.1:1 --call-timeout-ms 300 "${base[@]}" "${prompt[@]}"
 expect_err "pool 127.0.0.1:1: UNAVAILABLE: " "the pool's own status code is kept"
 # A pool that never answered was said to have "stopped or restarted" and forgotten this client's
 # puts (newcomer s7 F13): the message says no pool answers at the address.
@@ -411,8 +411,12 @@ expect_err "UNAVAILABLE: RegisterModel: could not reach the pool at 127.0.0.1:1 
 expect_err "no pool has answered at that address yet; check that kvpool-server runs and listens there" "the message says what to check"
 # A prefill whose registration failed exited 2 without its --report (newcomer 18 F2): the report
 # and metrics now say what became of each prompt.
-expect 2 "prefill without a pool, with --report" -- "${worker}" --role prefill --pool 127.0.0.1:1 "${base[@]}" "${prompt[@]}" --report "${work}/noreg.json" --metrics-file "${work}/noreg.prom"
+expect 2 "prefill without a pool, with --report" -- "${worker}" --role prefill --pool 127.0.0.1:1 --call-timeout-ms 300 "${base[@]}" "${prompt[@]}" --report "${work}/noreg.json" --metrics-file "${work}/noreg.prom"
 expect_err "kvpool-worker: pool 127.0.0.1:1: UNAVAILABLE: " "the pool failure is still the last word"
+# ... after waiting for the pool as for an outage (newcomer 19 F3: a node started before its pool
+# failed at once).
+expect_err "prefill: the pool at 127.0.0.1:1 does not answer yet (UNAVAILABLE: " "the wait is logged"
+expect_err "waiting up to 300 ms for it (--call-timeout-ms)" "the wait names its bound"
 python3 - "${work}/noreg.json" "${work}/noreg.prom" <<'PY' || failures=$((failures + 1))
 import json, sys
 d = json.load(open(sys.argv[1]))

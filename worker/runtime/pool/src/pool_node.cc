@@ -84,9 +84,7 @@ std::optional<uint64_t> NumberBefore(absl::string_view text, absl::string_view l
   if (b == at || !absl::SimpleAtoi(text.substr(b, at - b), &v)) return std::nullopt;
   return v;
 }
-}  // namespace
 
-namespace {
 // Longest backoff between the tries of a put waiting for room (an outage's is 1 s): below the
 // pool's default StoreOptions::room_waiter_life, so that the put keeps its place in line.
 constexpr std::chrono::milliseconds kRoomBackoffCap{250};
