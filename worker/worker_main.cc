@@ -1124,11 +1124,15 @@ int main(int argc, char** argv) {
         return;
       }
       const kw::PrefillReport* r = &*outcome;
-      KVPOOL_LOG_INFO(
-          "prefill {}: {} tokens, {} blocks ({} written, {} bytes), {:.3f}s compute, "
-          "{:.3f}s push",
-          p.name, r->prompt_tokens, r->blocks, r->blocks_written, r->bytes_written,
-          r->compute_seconds, r->push_seconds);
+      // A commit whose answer was lost but whose blocks the pool holds: what this node wrote
+      // is unknown, not 0 (newcomer 19 F6).
+      const std::string written =
+          r->commit_unanswered.empty()
+              ? absl::StrCat(r->blocks_written, " written, ", r->bytes_written, " bytes")
+              : std::string("written unknown: the commit was not answered");
+      KVPOOL_LOG_INFO("prefill {}: {} tokens, {} blocks ({}), {:.3f}s compute, {:.3f}s push",
+                      p.name, r->prompt_tokens, r->blocks, written, r->compute_seconds,
+                      r->push_seconds);
       out["prompts"].push_back({{"name", p.name},
                                 {"path", p.path},
                                 {"prompt_tokens", r->prompt_tokens},

@@ -752,6 +752,8 @@ assert len(p) == 2 and all("error" not in x for x in p), p
 assert "DEADLINE_EXCEEDED" in p[0].get("commit_unanswered", ""), p[0]
 assert p[0]["blocks_written"] == 0 and "commit_unanswered" not in p[1], p
 assert pre["overall"]["failed_prompts"] == 0, pre["overall"]
+# Its log line says the written bytes are unknown, not "0 written, 0 bytes" (newcomer 19 F6).
+assert "blocks (written unknown: the commit was not answered)" in open(f"{work}/prefill_al.log").read()
 for d in json.load(open(f"{work}/decode_al.json"))["prompts"]:
     assert not d["fallback"] and d["hit_blocks"] == d["wanted_blocks"] > 0, d
 print("a lost commit answer: the prompt was found stored by a Lookup and served")
