@@ -59,6 +59,31 @@ using nlohmann::json;
 
 namespace {
 
+// A registration that failed because no pool answered (UNAVAILABLE, except a client that shares no
+// UCX transport with the pool; DEADLINE_EXCEEDED), not because the pool or this client refused.
+bool PoolNotAnswering(const absl::Status& s) {
+  return (absl::IsUnavailable(s) && !kvpool::client::NoSharedUcxTransport(s)) ||
+         absl::IsDeadlineExceeded(s);
+}
+
+// A decode worker's fallback_reason when its registration failed with `s` (docs/WORKER.md).
+std::string NoPoolReason(const absl::Status& s, bool stopped) {
+  // Each failure is named for what happened (newcomer 20 F2: a missing shared UCX transport and
+  // a call timeout both read "pool unreachable"). The client, not the pool, refuses a pool it
+  // cannot use (e.g. one started with --data-plane none): say who refused.
+  const char* what = stopped && absl::IsCancelled(s) ? "stopped during the registration: "
+                     : kvpool::client::NoSharedUcxTransport(s)
+                         ? "this worker's data plane cannot reach the pool's: "
+                     : absl::IsDeadlineExceeded(s)
+                         ? "no answer from the pool within --call-timeout-ms at start-up: "
+                     : absl::IsUnavailable(s) || absl::IsCancelled(s)
+                         ? "pool unreachable at start-up: "
+                     : kvpool::client::RefusedByClient(s)
+                         ? "this worker refused the pool (the pool accepted the registration): "
+                         : "pool refused the registration: ";
+  return absl::StrCat(what, kvpool::StatusText(s));
+}
+
 struct Prompt {
   std::string path;  // the --prompt-file it came from
   std::string name;
@@ -939,6 +964,42 @@ int main(int argc, char** argv) {
   std::unique_ptr<kvpool::client::Client> client;
   std::optional<AtOnceClient> at_once;  // after `client`: cleared before it is destroyed
   absl::Status client_error;            // the pool's own status, code kept (docs/WORKER.md)
+  // A decode worker whose pool did not answer at start-up asks again before later requests
+  // (newcomer 19 F3: it never did, while its message said the client tries again): the client
+  // and the spec it registers are kept here until a registration succeeds or is refused.
+  std::unique_ptr<kvpool::client::Client> retry_client;
+  std::optional<kvpool::client::ModelSpec> retry_spec;
+  // What a successful registration logs and reports (the pool's other revisions of this model).
+  const auto OnRegistered = [&](const kvpool::client::ModelInfo& registered) {
+    KVPOOL_LOG_INFO("registered {} rev {} with the pool at {} (epoch {})", model_id, revision, pool,
+                    registered.pool_epoch);
+    // Blocks of this model id under another revision are not found under this one: a
+    // recalibrated rotation file (or a changed recipe) makes a new revision and every lookup
+    // then misses, silently (newcomer s10b: 0 hits after a recalibration, no warning).
+    const std::string own_rotation = rotations->rotation_id_hex();
+    out["pool_other_revisions"] = json::array();
+    for (const kvpool::client::OtherRevision& o : registered.other_revisions) {
+      const std::string other_rotation = kvpool::ToHex(o.rotation_id);
+      const bool same_rotation = other_rotation == own_rotation;
+      out["pool_other_revisions"].push_back(
+          {{"revision", o.revision}, {"rotation_id", other_rotation}, {"blocks", o.blocks}});
+      KVPOOL_LOG_WARN(
+          "the pool holds {} block(s) of model {} under revision {} (rotation {}), not under "
+          "this worker's revision {} (rotation {}): {}; {}",
+          o.blocks, model_id, o.revision, other_rotation.substr(0, 16), revision,
+          own_rotation.substr(0, 16),
+          same_rotation ? "the same rotation file, another recipe, weights or --revision"
+                        : "another rotation file (recalibrated?): --rotations with the old file "
+                          "(and its recipe) would find them",
+          // A prefill node makes no lookups (newcomer 11b F5): what the other revision means
+          // for it is a second copy.
+          role == "prefill"
+              ? "this node stores its prompts under its own revision, a second copy that "
+                "decode workers of the other revision do not find; both copies take pool "
+                "capacity"
+              : "lookups of this run do not find them");
+    }
+  };
   if (auto c = kvpool::client::Client::Create(clo); !c.ok()) {
     // Create makes no RPC: its failure is this worker's own configuration (the UCX transport
     // list, the address), not the pool, so both roles stop instead of falling back.
@@ -991,36 +1052,13 @@ int main(int argc, char** argv) {
     }
     if (!info.ok()) {
       client_error = info.status();
+      if (role == "decode" && PoolNotAnswering(info.status()) && StopSignal() == 0) {
+        retry_client = std::move(client);
+        retry_spec = spec;
+      }
       client.reset();
     } else {
-      KVPOOL_LOG_INFO("registered {} rev {} with the pool at {} (epoch {})", model_id, revision,
-                      pool, info->pool_epoch);
-      // Blocks of this model id under another revision are not found under this one: a
-      // recalibrated rotation file (or a changed recipe) makes a new revision and every lookup
-      // then misses, silently (newcomer s10b: 0 hits after a recalibration, no warning).
-      const std::string own_rotation = rotations->rotation_id_hex();
-      out["pool_other_revisions"] = json::array();
-      for (const kvpool::client::OtherRevision& o : info->other_revisions) {
-        const std::string other_rotation = kvpool::ToHex(o.rotation_id);
-        const bool same_rotation = other_rotation == own_rotation;
-        out["pool_other_revisions"].push_back(
-            {{"revision", o.revision}, {"rotation_id", other_rotation}, {"blocks", o.blocks}});
-        KVPOOL_LOG_WARN(
-            "the pool holds {} block(s) of model {} under revision {} (rotation {}), not under "
-            "this worker's revision {} (rotation {}): {}; {}",
-            o.blocks, model_id, o.revision, other_rotation.substr(0, 16), revision,
-            own_rotation.substr(0, 16),
-            same_rotation ? "the same rotation file, another recipe, weights or --revision"
-                          : "another rotation file (recalibrated?): --rotations with the old file "
-                            "(and its recipe) would find them",
-            // A prefill node makes no lookups (newcomer 11b F5): what the other revision means
-            // for it is a second copy.
-            role == "prefill"
-                ? "this node stores its prompts under its own revision, a second copy that "
-                  "decode workers of the other revision do not find; both copies take pool "
-                  "capacity"
-                : "lookups of this run do not find them");
-      }
+      OnRegistered(*info);
       if (role == "prefill") at_once.emplace(client.get());  // its puts, on a second signal
       if (*fault_or == kw::Fault::kStopPoolAfterRegister) {
         KVPOOL_LOG_WARN("fault stop-pool-after-register: stopping pool pid {}", fault_pool_pid);
@@ -1300,26 +1338,61 @@ int main(int argc, char** argv) {
   }
 
   // decode
+  // The wait before the next try: a second after a refused connection (UNAVAILABLE fails at
+  // once), 3 x --call-timeout-ms after a registration that timed out (each try of a hung pool
+  // costs a whole --call-timeout-ms, as a Lookup's does mid-run: hung_pool_retry).
+  const auto RetryWait = [&](const absl::Status& s) {
+    return absl::IsDeadlineExceeded(s) ? std::chrono::milliseconds(3 * int64_t{call_timeout_ms})
+                                       : std::chrono::milliseconds(1000);
+  };
+  std::chrono::milliseconds retry_wait = RetryWait(client_error);
   if (client == nullptr) {
     // Only an unreachable pool is "unreachable"; a refused registration (e.g. a recipe that
     // conflicts with the pool's, FAILED_PRECONDITION) is reported with the pool's own status.
-    const bool unreachable = absl::IsUnavailable(client_error) ||
-                             absl::IsDeadlineExceeded(client_error) ||
-                             absl::IsCancelled(client_error);
-    // The client, not the pool, refuses a pool it cannot use (e.g. one started with
-    // --data-plane none): say who refused.
-    nopts.no_pool_reason = absl::StrCat(
-        StopSignal() != 0 && absl::IsCancelled(client_error) ? "stopped during the registration: "
-        : unreachable                                        ? "pool unreachable at start-up: "
-        : kvpool::client::RefusedByClient(client_error)
-            ? "this worker refused the pool (the pool accepted the registration): "
-            : "pool refused the registration: ",
-        kvpool::StatusText(client_error));
+    nopts.no_pool_reason = NoPoolReason(client_error, StopSignal() != 0);
     // Logged once here; each request's report carries it as fallback_reason.
-    KVPOOL_LOG_WARN("pool at {} not usable ({}); every request computes its prefix locally", pool,
-                    nopts.no_pool_reason);
+    KVPOOL_LOG_WARN("pool at {} not usable ({}); {}", pool, nopts.no_pool_reason,
+                    retry_client != nullptr
+                        ? absl::StrCat("each request computes its prefix locally until the "
+                                       "pool answers (the worker registers again before a "
+                                       "later request, ",
+                                       retry_wait.count(), " ms after this try)")
+                        : "every request computes its prefix locally");
   }
-  kw::DecodeNode node(&engine, client.get(), rotations, nopts);
+  std::optional<kw::DecodeNode> node;
+  node.emplace(&engine, client.get(), rotations, nopts);
+  auto last_try = std::chrono::steady_clock::now();
+  // A pool that did not answer at start-up is asked again before a request, after retry_wait:
+  // a worker started before its pool serves from it once it is up (newcomer 19 F3). A refusal
+  // ends the retries (its reason becomes the requests' fallback_reason).
+  const auto TryRegisterAgain = [&] {
+    if (retry_client == nullptr || std::chrono::steady_clock::now() - last_try < retry_wait) {
+      return;
+    }
+    auto again = retry_client->RegisterModel(*retry_spec, {.cancel = stop_token});
+    last_try = std::chrono::steady_clock::now();
+    if (again.ok()) {
+      client = std::move(retry_client);
+      OnRegistered(*again);
+      KVPOOL_LOG_INFO(
+          "decode: the pool at {} answered after {:.2f} s; the next requests look it up ({} "
+          "computed their prefix locally before)",
+          pool, std::chrono::duration<double>(last_try - t_start).count(), g_prompts_done.load());
+      nopts.no_pool_reason.clear();
+      node.emplace(&engine, client.get(), rotations, nopts);
+    } else if (!PoolNotAnswering(again.status()) || StopSignal() != 0) {
+      retry_client.reset();
+      if (StopSignal() != 0) return;
+      nopts.no_pool_reason = NoPoolReason(again.status(), false);
+      KVPOOL_LOG_WARN("pool at {} not usable ({}); every later request computes its prefix locally",
+                      pool, nopts.no_pool_reason);
+      node.emplace(&engine, client.get(), rotations, nopts);
+    } else {
+      retry_wait = RetryWait(again.status());
+      KVPOOL_LOG_DEBUG("decode: the pool at {} still does not answer ({}); asking again in {} ms",
+                       pool, kvpool::StatusText(again.status()), retry_wait.count());
+    }
+  };
   kw::TeacherForcedResult tf_all;
   uint64_t moved = 0, discarded = 0, bf16_equiv = 0, stored = 0, loaded_tokens = 0, hit_tokens = 0;
   int hits = 0, wanted = 0, fallbacks = 0;
@@ -1336,7 +1409,8 @@ int main(int argc, char** argv) {
       }
       ref = std::make_unique<kw::ReferenceRun>(std::move(r).value());
     }
-    auto r = node.Run(p.tokens, max_new, ref.get());
+    TryRegisterAgain();
+    auto r = node->Run(p.tokens, max_new, ref.get());
     if (!r.ok()) {
       return Fail(r.status(), absl::StrCat("decode ", p.name));
     }

@@ -937,4 +937,35 @@ assert p[1]["blocks"] == 27 and p[1]["blocks_written"] <= 20, p[1]
 print(f"--max-put-blocks 20: the {p[0]['blocks']}-block prefix, then the {p[1]['blocks']}-block "
       f"prompt writing {p[1]['blocks_written']}, in one run")
 PY
+echo "== a decode worker started before its pool: it registers when the pool comes, and is served"
+# Newcomer 19 F3 (decode side): a decode worker that found no pool at start-up computed every
+# prompt locally for the rest of its run.
+late_port="$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')"
+many=()
+for _ in $(seq 1 10); do for f in 01_kite 02_garden 03_boat 04_cat; do many+=(--prompt-file "${demo}/prompts/${f}.txt"); done; done
+"${worker_bin}" --role decode --pool "127.0.0.1:${late_port}" --model-id late --model "${model}" \
+  --rotations "${work}/rot.safetensors" --max-new-tokens 8 "${many[@]}" --teacher-force false --report "${work}/decode_late.json" >/dev/null 2>"${work}/decode_late.log" &
+worker_pid=$!
+wait_for_line "not usable" "${work}/decode_late.log"
+"${server_bin}" --listen "127.0.0.1:${late_port}" --metrics-port -1 --ucx-tls tcp --capacity 64MiB \
+  >"${work}/server_late.log" 2>&1 &
+room_pid=$!
+rc=0
+wait "${worker_pid}" || rc=$?
+kill "${room_pid}" 2>/dev/null || true; wait "${room_pid}" 2>/dev/null || true; room_pid=""
+python3 - "${work}" "${rc}" <<'PY' || { cat "${work}/decode_late.log" >&2; fail "a decode worker started before its pool"; }
+import json, sys
+work, rc = sys.argv[1], int(sys.argv[2])
+p = json.load(open(f"{work}/decode_late.json"))["prompts"]
+log = open(f"{work}/decode_late.log").read()
+assert rc == 0 and len(p) == 40, (rc, len(p))
+assert p[0]["fallback"] and "pool unreachable at start-up" in p[0]["fallback_reason"], p[0]
+assert not p[-1]["fallback"], p[-1]
+assert "answered after" in log, log
+by = {}
+for x in p: by.setdefault(x["name"], set()).add(tuple(x["tokens"]))
+assert all(len(v) == 1 for v in by.values()), {k: len(v) for k, v in by.items()}
+fell = sum(x["fallback"] for x in p)
+print(f"a decode worker started before its pool: {fell} of 40 prompts computed locally, then looked up; same tokens either way")
+PY
 echo "PASS"

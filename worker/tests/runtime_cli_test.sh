@@ -506,6 +506,10 @@ for _ in $(seq 50); do [[ -s "${work}/silent.port" ]] && break; sleep 0.1; done
 silent="127.0.0.1:$(cat "${work}/silent.port")"
 expect 2 "prefill against a pool that never answers" -- "${worker}" --role prefill --pool "${silent}" "${base[@]}" "${prompt[@]}" --call-timeout-ms 700
 expect_err "DEADLINE_EXCEEDED: RegisterModel: no answer from the pool at ${silent} within the call's deadline (\([4-6][0-9][0-9]\|700\) ms;" "the registration's deadline is --call-timeout-ms (printed as the time left at the call's start: 400-700 ms, not the old fixed 5000)"
+# A decode worker says its pool did not answer in time, not that it is unreachable (newcomer 20 F2).
+expect 0 "decode against a pool that never answers" -- "${worker}" --role decode --pool "${silent}" "${base[@]}" "${prompt[@]}" --teacher-force false --call-timeout-ms 700
+expect_err "not usable (no answer from the pool within --call-timeout-ms at start-up: DEADLINE_EXCEEDED: " "the decode worker names the timeout"
+if grep -q "pool unreachable" "${work}/err"; then echo "FAIL: decode: a pool that accepts and never answers is called unreachable" >&2; failures=$((failures + 1)); fi
 kill "${silent_pid}" 2>/dev/null; wait "${silent_pid}" 2>/dev/null
 python3 - "${work}" <<'PY' || failures=$((failures + 1))
 import json, sys
