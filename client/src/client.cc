@@ -29,6 +29,7 @@
 #include "kvpool/common/log.h"
 #include "kvpool/common/room_shortage.h"
 #include "kvpool/common/status.h"
+#include "kvpool/common/status_text.h"
 #include "kvpool/transport/ucx_transport.h"
 #include "kvpool/v1/pool.grpc.pb.h"
 #include "kvpool/v1/pool.pb.h"
@@ -3218,8 +3219,10 @@ absl::StatusOr<FetchResult> ClientImpl::Fetch(const Lease& lease, const FetchPla
       for (size_t j = 0; j < items.size(); ++j) {
         const pb::ItemStatus& r = resp.results(static_cast<int>(j));
         if (r.code() != 0) {
-          out.block_status[items[j].block] =
-              absl::Status(static_cast<absl::StatusCode>(r.code()), r.message());
+          // The pool's connection back to this client's worker address (the pool holds no
+          // transport of this client's --ucx-tls) fails here, not at the registration.
+          out.block_status[items[j].block] = WithUcxTlsHint(
+              absl::Status(static_cast<absl::StatusCode>(r.code()), r.message()), options_.ucx_tls);
         }
       }
     }
@@ -3320,6 +3323,22 @@ absl::StatusOr<FetchResult> ClientImpl::Fetch(const Lease& lease, const FetchPla
   }
   if (plan.moved_bytes != nullptr) *plan.moved_bytes = out.bytes;
   if (absl::Now() >= expires) {
+    if (out.bytes == 0) {
+      // No block was read and verified (e.g. the pool failed each read of a lease that ended
+      // while it wrote): "the 0 bytes it copied … discard them" read as nonsense (newcomer 20
+      // F1); the first block's own status says what happened to its bytes.
+      std::string first;
+      for (const absl::Status& b : out.block_status) {
+        if (!b.ok()) {
+          first = absl::StrCat("; the first failed read: ", StatusText(b));
+          break;
+        }
+      }
+      return absl::FailedPreconditionError(absl::StrCat(
+          "lease: expired during the fetch, before any block was read and verified; none of "
+          "its bytes are used (renew or re-acquire)",
+          first));
+    }
     return absl::FailedPreconditionError(
         absl::StrCat("lease: expired during the fetch; the ", out.bytes,
                      " bytes it copied may have been reused by the pool: discard them"));

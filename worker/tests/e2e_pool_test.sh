@@ -937,6 +937,34 @@ assert p[1]["blocks"] == 27 and p[1]["blocks_written"] <= 20, p[1]
 print(f"--max-put-blocks 20: the {p[0]['blocks']}-block prefix, then the {p[1]['blocks']}-block "
       f"prompt writing {p[1]['blocks_written']}, in one run")
 PY
+echo "== a lease shorter than any fetch (--lease-ms 1): the fallback says no byte was used"
+# Newcomer 20 F1: the reason read "lease expired ... the 0 bytes read are discarded", and each
+# expired lease's release logged a warning.
+own_pool lease --capacity 64MiB --lease-ms 1 --max-lease-ms 1 --tick-ms 1
+room_pid=${own_pid}
+"${worker_bin}" --role prefill --pool "127.0.0.1:${own_port}" --model-id lease "${common[@]}" "${prompts[@]}" \
+  >/dev/null 2>"${work}/prefill_lease.log" || { cat "${work}/prefill_lease.log" >&2; fail "prefill into the 1 ms-lease pool"; }
+rc=0
+"${worker_bin}" --role decode --pool "127.0.0.1:${own_port}" --model-id lease "${common[@]}" "${prompts[@]}" \
+  --teacher-force false --report "${work}/decode_lease.json" >/dev/null 2>"${work}/decode_lease.log" || rc=$?
+kill "${room_pid}" 2>/dev/null || true; wait "${room_pid}" 2>/dev/null || true; room_pid=""
+python3 - "${work}" "${rc}" <<'PY' || { cat "${work}/decode_lease.log" >&2; fail "a lease shorter than any fetch"; }
+import json, sys
+work, rc = sys.argv[1], int(sys.argv[2])
+d = json.load(open(f"{work}/decode_lease.json"))
+ev = json.load(open(f"{work}/eval.json"))
+log = open(f"{work}/decode_lease.log").read()
+assert rc == 0, rc
+fell = 0
+for i, p in enumerate(d["prompts"]):
+    assert p["tokens"] == ev["prompts"][i]["configs"]["int2_S64_W256"]["greedy_tokens"], p["name"]
+    if p["fallback"]:
+        fell += 1
+        assert "lease: expired during the fetch" in p["fallback_reason"], p["fallback_reason"]
+        assert "the 0 bytes" not in p["fallback_reason"], p["fallback_reason"]
+assert " W release of lease" not in log, log
+print(f"1 ms leases: {fell} of {len(d['prompts'])} prompts computed locally, tokens as the single-process run, no release warning")
+PY
 echo "== a decode worker started before its pool: it registers when the pool comes, and is served"
 # Newcomer 19 F3 (decode side): a decode worker that found no pool at start-up computed every
 # prompt locally for the rest of its run.

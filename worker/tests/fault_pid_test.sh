@@ -104,6 +104,18 @@ grep -q "share no UCX transport" "${work}/tls.log" && echo "ok: the error names 
 grep -q "was lost with the pool\|went away or closed the connection\|the pool is unreachable" "${work}/tls.log" \
   && { cat "${work}/tls.log" >&2; fail "the mismatch was treated as a pool outage"; } || echo "ok: not treated as an outage"
 
+echo "== a decode worker whose --ucx-tls shares no transport with the pool: named so, not 'unreachable'"
+# The pool (tcp) accepts the registration, then cannot connect back to this worker (posix,cma)
+# for its reads: each fetch failed with UCX's bare "Destination is unreachable" (newcomer 20 F2).
+"${worker_bin}" --role decode --pool "${b_addr}" "${common[@]}" --ucx-tls posix,cma \
+  --teacher-force false --call-timeout-ms 2000 >/dev/null 2>"${work}/tls_decode.log"
+rc=$?
+[[ ${rc} -eq 0 ]] && echo "ok: exit 0 (the prefix is computed locally)" || { cat "${work}/tls_decode.log" >&2; fail "exit ${rc}, want 0"; }
+grep -q "share no UCX transport; check --ucx-tls / UCX_TLS on both: this client uses 'posix,cma'" "${work}/tls_decode.log" \
+  && echo "ok: the fallback names the transports" || { cat "${work}/tls_decode.log" >&2; fail "the fallback does not name the transports"; }
+grep -q "pool unreachable" "${work}/tls_decode.log" \
+  && { cat "${work}/tls_decode.log" >&2; fail "the mismatch was called an unreachable pool"; } || echo "ok: not called unreachable"
+
 echo "== a put timeout shorter than a put takes (--put-timeout-ms 1): the error names the timeout"
 # It read as a client that stopped answering UCX, or named only the pool's flag (newcomer 13b F8).
 "${worker_bin}" --role prefill --pool "${b_addr}" "${common[@]}" --put-timeout-ms 1 \
