@@ -702,7 +702,7 @@ int main(int argc, char** argv) {
   auto t_start = std::chrono::steady_clock::now();
   auto engine_or = kvpool::engine::Engine::Create(model);
   if (!engine_or.ok()) {
-    return Fail(engine_or.status(), "model");
+    return Fail(engine_or.status(), "--model");
   }
   auto& engine = **engine_or;
   const auto& cfg = engine.config();
@@ -721,18 +721,18 @@ int main(int argc, char** argv) {
   };
   auto rot_bytes = kvpool::cli::ReadInputFile(rotations_path, kvpool::cli::kMaxRotationFileBytes);
   if (!rot_bytes.ok()) {
-    return Fail(rot_bytes.status(), "rotations");
+    return Fail(rot_bytes.status(), "--rotations");
   }
   auto rot_or = kvpool::ParseRotations(*rot_bytes);
   if (!rot_or.ok()) {
-    return Fail(rot_or.status(), "rotations");
+    return Fail(rot_or.status(), "--rotations '" + rotations_path + "'");
   }
   kvpool::ExpectedRotationModel expected;
   expected.head_dim = static_cast<uint32_t>(cfg.head_dim);
   expected.num_layers = static_cast<uint32_t>(cfg.n_layers);
   expected.num_kv_heads = static_cast<uint32_t>(cfg.n_kv_heads);
   if (auto s = kvpool::CheckRotationsMatch(*rot_or, expected); !s.ok()) {
-    return Fail(s, "rotations");
+    return Fail(s, "--rotations '" + rotations_path + "'");
   }
   if (const std::string note =
           kvpool::RotationModelNameMismatch(*rot_or, std::filesystem::path(model).stem().string());

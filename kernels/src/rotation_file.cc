@@ -170,6 +170,13 @@ absl::Status CheckEigenvalues(const std::string& name, const std::vector<float>&
 }
 
 absl::StatusOr<RotationSet> ParseRotations(const std::string& bytes) {
+  // A GGUF model passed where the rotations belong would otherwise read as a safetensors
+  // header length of ~5e9 (the magic "GGUF" as a little-endian u64): say what it is instead.
+  if (bytes.compare(0, 4, "GGUF") == 0) {
+    return absl::InvalidArgumentError(
+        "rotation file: this is a GGUF file (a model, for --model), not an OSCAR rotation "
+        ".safetensors file (make one with 'kvpool calibrate')");
+  }
   auto parsed = SafetensorsFile::Parse(bytes);
   if (!parsed.ok()) return parsed.status();
   const SafetensorsFile& f = **parsed;

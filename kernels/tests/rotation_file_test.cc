@@ -134,8 +134,8 @@ TEST(RotationFileEigenvalueTest, NegativeEigenvaluesAreRefusedNamingTheTensor) {
 TEST(RotationFileFiniteTest, ANonFiniteRotationEntryNamesTheTensorAndItsIndex) {
   const uint32_t d = 8;
   // 2 layers x 2 heads, a matrix per head (format v2): tensors [2, d, d].
-  auto rot = RotationSet::FromMatrices(HadamardMeta(2, d, 2, 2), HadamardStack(d, 4),
-                                       HadamardStack(d, 4));
+  auto rot =
+      RotationSet::FromMatrices(HadamardMeta(2, d, 2, 2), HadamardStack(d, 4), HadamardStack(d, 4));
   ASSERT_TRUE(rot.ok()) << rot.status();
   std::string bytes = SerializeRotations(*rot);
   uint64_t header = 0;
@@ -275,6 +275,18 @@ TEST(RotationFileReadTest, MissingFileNamesItAndItsDirectory) {
   const absl::Status abs = ReadRotationFile("/no_such_dir_s9/rot.safetensors").status();
   EXPECT_EQ(abs.code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(abs.message().find("relative to"), std::string::npos) << abs;
+}
+
+TEST(RotationFileReadTest, AGgufModelIsNamedAsOneNotAsAnOversizedHeader) {
+  // The first bytes of any GGUF file: magic, version 3, counts. Read as safetensors they
+  // would be a header length of ~5e9 bytes.
+  std::string gguf("GGUF\x03\x00\x00\x00", 8);
+  gguf.append(64, '\0');
+  const absl::Status s = ParseRotations(gguf).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("is a GGUF file (a model, for --model)"), std::string::npos) << s;
+  EXPECT_NE(s.message().find("kvpool calibrate"), std::string::npos) << s;
+  EXPECT_EQ(s.message().find("header length"), std::string::npos) << s;
 }
 
 }  // namespace

@@ -244,7 +244,7 @@ expect_err "kvpool-worker: --metrics-file: '${work}/./same.out' is the same file
 mkdir -p "${work}/cfgdir"
 printf 'role: eval\nmodel: ../kvpool-no-such-model.gguf\nrotations: %s\nprompt-file: %s\n' "${work}/rot.safetensors" "${demo}/prompts/01_kite.txt" >"${work}/cfgdir/rel.yaml"
 expect 2 "a relative --model in a --config file that is not there" -- bash -c "cd '${work}' && '${worker}' --config cfgdir/rel.yaml"
-expect_err "kvpool-worker: model: NOT_FOUND: ../kvpool-no-such-model.gguf: cannot open: No such file or directory (relative to the current directory ${work})" "the message names the directory the path was taken from"
+expect_err "kvpool-worker: --model: NOT_FOUND: ../kvpool-no-such-model.gguf: cannot open: No such file or directory (relative to the current directory ${work})" "the message names the directory the path was taken from"
 printf 'max-new-tokens: 1\n' >"${work}/w.yaml"
 expect 1 "--report is the --config file" -- "${worker}" --config "${work}/w.yaml" --role eval "${model_flags[@]}" "${prompt[@]}" --report "${work}/w.yaml"
 expect_err "kvpool-worker: --report: '${work}/w.yaml' is the same file as --config '${work}/w.yaml'" "the config file is refused as an output"
@@ -309,7 +309,7 @@ expect_err "kvpool-worker: --prompt-file: '${work}/huge.txt' is $(stat -c %s "${
 expect_err "; a prompt may hold at most 511 (the model's context of 512" "the message gives the limit"
 # A fatal error reaches stderr whatever --log-level says.
 expect 2 "missing model with --log-level off" -- "${worker}" --log-level off --role eval --model /nope.gguf --rotations "${work}/rot.safetensors" "${prompt[@]}"
-expect_err "kvpool-worker: model: " "the fatal error is printed with --log-level off"
+expect_err "kvpool-worker: --model: " "the fatal error is printed with --log-level off"
 expect 2 "prefill without a pool, --log-level off" -- "${worker}" --log-level off --role prefill --pool 127.0.0.1:1 --call-timeout-ms 300 "${base[@]}" "${prompt[@]}"
 expect_err "kvpool-worker: pool 127.0.0.1:1: UNAVAILABLE: " "the pool failure is printed with --log-level off"
 expect 1 "empty --revision" -- "${worker}" --role decode --revision "" "${base[@]}" "${prompt[@]}"
@@ -402,6 +402,13 @@ PY
 expect 2 "missing model file" -- "${worker}" --role eval --model /nonexistent.gguf --rotations "${work}/rot.safetensors" "${prompt[@]}"
 printf 'not a safetensors file' >"${work}/bad.safetensors"
 expect 2 "corrupted rotation file" -- "${worker}" --role eval --model "${model}" --rotations "${work}/bad.safetensors" "${prompt[@]}"
+# The errors of --rotations named neither the flag nor the file, and a model given there read as
+# a safetensors header of 5 GB (newcomer 20 F3).
+expect_err "kvpool-worker: --rotations '${work}/bad.safetensors': " "a corrupted file is named with its flag"
+expect 2 "the model given as --rotations" -- "${worker}" --role eval --model "${model}" --rotations "${model}" "${prompt[@]}"
+expect_err "kvpool-worker: --rotations '${model}': INVALID_ARGUMENT: rotation file: this is a GGUF file (a model, for --model)" "a model is named as one"
+expect 2 "a missing rotation file" -- "${worker}" --role eval --model "${model}" --rotations "${work}/no-such-rot.safetensors" "${prompt[@]}"
+expect_err "kvpool-worker: --rotations: NOT_FOUND: " "a missing file is named with its flag"
 expect 2 "missing prompt file" -- "${worker}" --role eval "${base[@]}" --prompt-file /nonexistent.txt
 expect 2 "prefill without a pool" -- "${worker}" --role prefill --pool 127.0.0.1:1 --call-timeout-ms 300 "${base[@]}" "${prompt[@]}"
 expect_err "pool 127.0.0.1:1: UNAVAILABLE: " "the pool's own status code is kept"
